@@ -1,0 +1,219 @@
+"""Independent float64 references for the tileops RoPE operators.
+
+Written straight from `rope-semantics.md` (the project's statement of the maths), in plain PyTorch
+and float64 throughout, so that a test comparing a kernel against these numbers compares against the
+mathematics and not against a second copy of the kernel's own arithmetic. For that reason nothing
+here imports `tileops` or `kernels`.
+
+API:
+    inv_freq_and_amplitude(op_name, params, rot_dim) -> (float64 inv_freq of shape (rot_dim//2,), amplitude)
+    reference(op_name, params, inputs) -> float64 tensor shaped like inputs["x"]
+    REFERENCES[op_name](params, inputs) -> same as reference(op_name, params, inputs)
+
+`params` are the op's constructor arguments; missing keys take the documented defaults and keys this
+module does not know (dtype, shapes, ...) are ignored, so callers may pass an op's full kwargs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+F64 = torch.float64
+
+# Defaults of every parameter the maths depends on, per op (rope-semantics.md and the op docs).
+_COMMON = {"input_layout": "1d", "base": 10000.0}
+DEFAULTS: dict[str, dict] = {
+    "RoPEFwdOp": {**_COMMON, "rope_layout": "neox"},
+    "RoPENeoxPositionIdsFwdOp": {"base": 10000.0, "rotary_dim": None},  # max_position is required
+    "RoPELlama31FwdOp": {
+        **_COMMON,
+        "scale_factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position": 8192,
+    },
+    "YaRNFwdOp": {
+        **_COMMON,
+        "scale": 16.0,
+        "original_max_position": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "attn_factor": 1.0,
+    },
+    "LongRoPEFwdOp": {
+        **_COMMON,
+        "rescale_factors": None,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+    },
+}
+
+
+def _params(op_name: str, params: dict | None) -> dict:
+    """Defaults overlaid with the caller's params; None values in params mean 'use the default'
+    only where the default itself is None-able (rotary_dim, rescale_factors)."""
+    if op_name not in DEFAULTS:
+        raise KeyError(f"no reference for op {op_name!r}; known: {sorted(DEFAULTS)}")
+    merged = dict(DEFAULTS[op_name])
+    merged.update(params or {})
+    return merged
+
+
+def base_inv_freq(base: float, rot_dim: int) -> torch.Tensor:
+    """inv_freq[i] = base ** (-2 i / D), i = 0 .. D/2-1, evaluated in float64."""
+    if rot_dim <= 0 or rot_dim % 2:
+        raise ValueError(f"rotated width must be positive and even, got {rot_dim}")
+    i = torch.arange(rot_dim // 2, dtype=F64)
+    return torch.tensor(float(base), dtype=F64) ** (-2.0 * i / rot_dim)
+
+
+# --------------------------------------------------------------------------- scaled frequency tables
+
+
+def llama31_inv_freq(p: dict, rot_dim: int) -> torch.Tensor:
+    """Llama 3.1 three-band rescaling (HF _compute_llama3_parameters, Meta apply_scaling)."""
+    lo_f, hi_f = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    if lo_f == hi_f:
+        # The medium-band smoothing divides by (high - low); the semantics say reject it.
+        raise ValueError("low_freq_factor == high_freq_factor divides by zero")
+    inv = base_inv_freq(p["base"], rot_dim)
+    omp, factor = float(p["original_max_position"]), float(p["scale_factor"])
+    wavelen = 2.0 * math.pi / inv
+    low_wl, high_wl = omp / lo_f, omp / hi_f
+    s = (omp / wavelen - lo_f) / (hi_f - lo_f)
+    medium = (1.0 - s) * inv / factor + s * inv
+    out = torch.where(wavelen > low_wl, inv / factor, medium)
+    # High band last so that it wins on any overlap: short wavelengths are never touched.
+    return torch.where(wavelen < high_wl, inv, out)
+
+
+def yarn_correction_range(rot_dim: int, base: float, omp: float, beta_fast: float, beta_slow: float):
+    """(low, high) pair indices of the YaRN ramp, floor/ceil truncated and clamped to [0, D-1]."""
+
+    def correction_dim(r: float) -> float:
+        return rot_dim * math.log(omp / (r * 2.0 * math.pi)) / (2.0 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rot_dim - 1)
+    return low, high
+
+
+def yarn_inv_freq_and_mscale(p: dict, rot_dim: int):
+    """YaRN (vLLM YaRNScalingRotaryEmbedding / HF _compute_yarn_parameters with truncate=True)."""
+    inv = base_inv_freq(p["base"], rot_dim)
+    scale = float(p["scale"])
+    low, high = yarn_correction_range(
+        rot_dim, float(p["base"]), float(p["original_max_position"]), float(p["beta_fast"]), float(p["beta_slow"])
+    )
+    if low == high:
+        high += 0.001  # avoid 0/0 in the ramp, as both anchors do
+    i = torch.arange(rot_dim // 2, dtype=F64)
+    ramp = ((i - low) / (high - low)).clamp(0.0, 1.0)
+    extrap = 1.0 - ramp  # 1 -> keep the original frequency, 0 -> fully interpolated (divided by scale)
+    inv = (inv / scale) * (1.0 - extrap) + inv * extrap
+    # mscale multiplies attn_factor (vLLM's convention); see test_references.py for HF's.
+    mscale = (0.1 * math.log(scale) + 1.0 if scale > 1.0 else 1.0) * float(p["attn_factor"])
+    return inv, mscale
+
+
+def longrope_inv_freq_and_amplitude(p: dict, rot_dim: int):
+    """LongRoPE: per-pair rescale factors multiply the divisor; amplitude from the context ratio."""
+    inv = base_inv_freq(p["base"], rot_dim)
+    factors = p["rescale_factors"]
+    if factors is not None:
+        factors = torch.as_tensor(factors).to(F64).reshape(-1)
+        if factors.numel() != rot_dim // 2:
+            raise ValueError(f"rescale_factors must have {rot_dim // 2} entries, got {factors.numel()}")
+        if bool((factors == 0).any()) or bool(torch.isnan(factors).any()):
+            raise ValueError("rescale_factors must be non-zero and not NaN")
+        i = torch.arange(rot_dim // 2, dtype=F64)
+        divisor = torch.tensor(float(p["base"]), dtype=F64) ** (2.0 * i / rot_dim)
+        inv = 1.0 / (factors * divisor)  # the factors multiply the divisor, not the frequency
+    omp = float(p["original_max_position_embeddings"])
+    scale = float(p["max_position_embeddings"]) / omp
+    amp = math.sqrt(1.0 + math.log(scale) / math.log(omp)) if scale > 1.0 else 1.0
+    return inv, amp
+
+
+def inv_freq_and_amplitude(op_name: str, params: dict, rot_dim: int) -> tuple[torch.Tensor, float]:
+    """float64 inverse frequencies, shape (rot_dim//2,), and the amplitude (1.0 when none)."""
+    p = _params(op_name, params)
+    if op_name in ("RoPEFwdOp", "RoPENeoxPositionIdsFwdOp"):
+        return base_inv_freq(p["base"], rot_dim), 1.0
+    if op_name == "RoPELlama31FwdOp":
+        return llama31_inv_freq(p, rot_dim), 1.0  # Llama 3.1 has no amplitude factor
+    if op_name == "YaRNFwdOp":
+        return yarn_inv_freq_and_mscale(p, rot_dim)
+    if op_name == "LongRoPEFwdOp":
+        return longrope_inv_freq_and_amplitude(p, rot_dim)
+    raise KeyError(op_name)  # unreachable: _params already checked
+
+
+# --------------------------------------------------------------------------- applying the rotation
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, amplitude: float, pairing: str) -> torch.Tensor:
+    """Rotate the first D = 2*len(inv_freq) columns of x (float64); copy the rest bit for bit.
+
+    pos must broadcast against x.shape[:-1] (it holds the position of every row of x).
+    """
+    D = 2 * inv_freq.numel()
+    if D > x.shape[-1]:
+        raise ValueError(f"rotated width {D} exceeds head_dim {x.shape[-1]}")
+    angle = pos.to(F64).unsqueeze(-1) * inv_freq  # float64 angle: no precision loss at long positions
+    cos, sin = torch.cos(angle) * amplitude, torch.sin(angle) * amplitude
+    out = x.clone()  # the tail (columns >= D) stays exactly x
+    if pairing == "neox":  # pairs (i, i + D/2)
+        x1, x2 = x[..., : D // 2], x[..., D // 2 : D]
+        out[..., : D // 2] = x1 * cos - x2 * sin
+        out[..., D // 2 : D] = x2 * cos + x1 * sin
+    elif pairing == "interleaved":  # pairs (2i, 2i+1)
+        x1, x2 = x[..., 0:D:2], x[..., 1:D:2]
+        out[..., 0:D:2] = x1 * cos - x2 * sin
+        out[..., 1:D:2] = x2 * cos + x1 * sin
+    else:
+        raise ValueError(f"unknown pairing {pairing!r}")
+    return out
+
+
+def _sequence_positions(x: torch.Tensor, input_layout: str) -> torch.Tensor:
+    """Positions for the sequence layouts: the seq index, broadcast over batch and heads."""
+    if input_layout == "1d":
+        if x.dim() != 2:
+            raise ValueError(f"1d layout wants x [seq_len, head_dim], got {tuple(x.shape)}")
+        return torch.arange(x.shape[0], dtype=F64)
+    if input_layout == "2d":
+        if x.dim() != 4:
+            raise ValueError(f"2d layout wants x [batch, seq_len, heads, head_dim], got {tuple(x.shape)}")
+        return torch.arange(x.shape[1], dtype=F64).view(1, -1, 1)
+    raise ValueError(f"unknown input_layout {input_layout!r}")
+
+
+def reference(op_name: str, params: dict, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """float64 output of the op for those constructor params and call inputs."""
+    p = _params(op_name, params)
+    x = inputs["x"].double()
+    head_dim = x.shape[-1]
+    if op_name == "RoPENeoxPositionIdsFwdOp":
+        if "max_position" not in p:
+            raise ValueError("RoPENeoxPositionIdsFwdOp needs max_position")
+        if x.dim() != 3:
+            raise ValueError(f"x must be [tokens, heads, head_dim], got {tuple(x.shape)}")
+        pos = inputs["position_ids"]
+        if pos.dtype not in (torch.int32, torch.int64) or pos.shape != x.shape[:1]:
+            raise ValueError("position_ids must be int32/int64 of shape [tokens]")
+        # The anchors never bounds-check (vLLM #14404); the reference refuses to define such output.
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= int(p["max_position"])):
+            raise ValueError("position_ids outside [0, max_position)")
+        rot_dim = head_dim if p["rotary_dim"] is None else int(p["rotary_dim"])
+        inv, amp = inv_freq_and_amplitude(op_name, p, rot_dim)
+        return rotate(x, pos.view(-1, 1), inv, amp, "neox")  # one position per token, all heads
+    pairing = p["rope_layout"] if op_name == "RoPEFwdOp" else "neox"
+    inv, amp = inv_freq_and_amplitude(op_name, p, head_dim)
+    return rotate(x, _sequence_positions(x, p["input_layout"]), inv, amp, pairing)
+
+
+REFERENCES: dict[str, callable] = {name: functools.partial(reference, name) for name in DEFAULTS}

@@ -1,0 +1,369 @@
+"""Load manifests: safe YAML -> nodes with line numbers -> checked, frozen :mod:`schema` objects.
+
+Every error is a :class:`ManifestError` whose text starts ``FILE:LINE:`` and names the key.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from .expr import ExprError, parse_expr
+from .schema import (
+    DTYPES, PARAM_TYPES, SCHEMA, Case, CpuShrink, KernelSpec, OpManifest, ParamSpec, Rule,
+    TensorSpec,
+)
+
+__all__ = ["ManifestError", "load_file", "load_files", "packaged_files"]
+
+
+class ManifestError(ValueError):
+    """A manifest that breaks the schema; ``str()`` reads ``FILE:LINE: message``."""
+
+    def __init__(self, file: str, line: int, message: str):
+        super().__init__(f"{file}:{line}: {message}")
+        self.file, self.line, self.message = file, line, message
+
+
+class _Ctx:
+    def __init__(self, file: str):
+        self.file = file
+
+    def err(self, node: yaml.Node | int, message: str) -> ManifestError:
+        line = node if isinstance(node, int) else node.start_mark.line + 1
+        return ManifestError(self.file, line, message)
+
+    def mapping(self, node: yaml.Node, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        """A mapping node as {key: (key_node, value_node)}, rejecting duplicate and non-str keys."""
+        if not isinstance(node, yaml.MappingNode):
+            raise self.err(node, f"{what}: expected a mapping, found {_kind(node)}")
+        out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+        for k, v in node.value:
+            if not isinstance(k, yaml.ScalarNode) or not isinstance(self.scalar(k), str):
+                raise self.err(k, f"{what}: keys must be strings")
+            key = str(k.value)
+            if key in out:
+                raise self.err(k, f"{what}: duplicate key {key!r}")
+            out[key] = (k, v)
+        return out
+
+    def section(self, node: yaml.Node, kind: str, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        """A mapping checked against SCHEMA[kind]: unknown keys and missing required ones fail."""
+        m = self.mapping(node, what)
+        allowed = SCHEMA[kind]
+        for key, (knode, _) in m.items():
+            if key not in allowed:
+                raise self.err(knode, f"{what}: unknown key {key!r}; allowed: {', '.join(allowed)}")
+        for key, (required, _, _) in allowed.items():
+            if required and key not in m:
+                raise self.err(node, f"{what}: missing required key {key!r}")
+        return m
+
+    def scalar(self, node: yaml.Node) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.err(node, f"expected a scalar, found {_kind(node)}")
+        return yaml.SafeLoader("").construct_object(node, deep=True)  # type: ignore[arg-type]
+
+    def plain(self, node: yaml.Node) -> Any:
+        """Any node as plain Python (scalars, lists, dicts) via the safe constructor."""
+        return yaml.SafeLoader("").construct_object(node, deep=True)  # type: ignore[arg-type]
+
+    def typed(self, node: yaml.Node, types: tuple[type, ...], what: str, tname: str) -> Any:
+        value = self.scalar(node)
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            raise self.err(node, f"{what}: expected {tname}, found {_show(value)}")
+        return value
+
+    def string(self, node: yaml.Node, what: str) -> str:
+        return self.typed(node, (str,), what, "a string")
+
+    def strings(self, node: yaml.Node, what: str) -> tuple[str, ...]:
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.err(node, f"{what}: expected a list of strings, found {_kind(node)}")
+        return tuple(self.string(n, what) for n in node.value)
+
+
+def _kind(node: yaml.Node) -> str:
+    return {"MappingNode": "a mapping", "SequenceNode": "a list"}.get(type(node).__name__, "a scalar")
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _param(ctx: _Ctx, name: str, node: yaml.Node) -> ParamSpec:
+    what = f"params.{name}"
+    m = ctx.section(node, "param", what)
+    ptype = ctx.string(m["type"][1], f"{what}.type")
+    if ptype not in PARAM_TYPES:
+        raise ctx.err(m["type"][1], f"{what}.type: expected one of {', '.join(PARAM_TYPES)}, found {ptype!r}")
+    optional = ctx.typed(m["optional"][1], (bool,), f"{what}.optional", "true or false") if "optional" in m else False
+    kw = ctx.typed(m["keyword_only"][1], (bool,), f"{what}.keyword_only", "true or false") if "keyword_only" in m else False
+    choices = None
+    if "choices" in m:
+        cnode = m["choices"][1]
+        if not isinstance(cnode, yaml.SequenceNode) or not cnode.value:
+            raise ctx.err(cnode, f"{what}.choices: expected a non-empty list")
+        choices = tuple(_value_of_type(ctx, n, ptype, False, f"{what}.choices") for n in cnode.value)
+    has_default = "default" in m
+    default = None
+    if has_default:
+        default = _value_of_type(ctx, m["default"][1], ptype, optional, f"{what}.default")
+        if choices is not None and default not in choices:
+            raise ctx.err(m["default"][1], f"{what}.default: {default!r} is not among choices {list(choices)}")
+    return ParamSpec(name=name, type=ptype, doc=ctx.string(m["doc"][1], f"{what}.doc"), default=default,
+                     has_default=has_default, optional=optional, choices=choices, keyword_only=kw,
+                     line=node.start_mark.line + 1)
+
+
+def _value_of_type(ctx: _Ctx, node: yaml.Node, ptype: str, optional: bool, what: str) -> Any:
+    value = ctx.scalar(node)
+    if value is None:
+        if optional or ptype == "tensor":
+            return None
+        raise ctx.err(node, f"{what}: null given but the param is not optional")
+    if ptype == "tensor":
+        raise ctx.err(node, f"{what}: a tensor param can only default to null")
+    types = PARAM_TYPES[ptype]
+    if not isinstance(value, types) or (ptype != "bool" and isinstance(value, bool)):
+        raise ctx.err(node, f"{what}: expected {ptype}, found {_show(value)}")
+    if ptype == "float":
+        value = float(value)
+    return value
+
+
+def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping[str, ParamSpec],
+            inputs: Mapping[str, TensorSpec]) -> TensorSpec:
+    what = f"{section}.{name}"
+    m = ctx.section(node, "tensor", what)
+    doc = ctx.string(m["doc"][1], f"{what}.doc")
+    line = node.start_mark.line + 1
+    if "like" in m:
+        like = ctx.string(m["like"][1], f"{what}.like")
+        if like not in inputs:
+            raise ctx.err(m["like"][1], f"{what}.like: {like!r} is not an input; inputs: {', '.join(inputs)}")
+        for key in ("shape", "shape_by", "dtypes"):
+            if key in m:
+                raise ctx.err(m[key][0], f"{what}: {key!r} cannot be given with 'like'")
+        src = inputs[like]
+        return TensorSpec(name=name, doc=doc, dtypes=src.dtypes, shapes=src.shapes, shape_by=src.shape_by,
+                          like=like, line=line)
+    if "shape" not in m or "dtypes" not in m:
+        raise ctx.err(node, f"{what}: needs 'shape' and 'dtypes' (or 'like')")
+    dtypes = ctx.strings(m["dtypes"][1], f"{what}.dtypes")
+    for d in dtypes:
+        if d not in DTYPES:
+            raise ctx.err(m["dtypes"][1], f"{what}.dtypes: unknown dtype {d!r}; known: {', '.join(DTYPES)}")
+    shape_by = ctx.string(m["shape_by"][1], f"{what}.shape_by") if "shape_by" in m else None
+    snode = m["shape"][1]
+    if shape_by is None:
+        shapes = {"": _dims(ctx, snode, f"{what}.shape")}
+    else:
+        if shape_by not in params:
+            raise ctx.err(m["shape_by"][1], f"{what}.shape_by: unknown param {shape_by!r}")
+        sm = ctx.mapping(snode, f"{what}.shape")
+        shapes = {k: _dims(ctx, v, f"{what}.shape.{k}") for k, (_, v) in sm.items()}
+        choices = params[shape_by].choices
+        if choices is not None and set(map(str, choices)) != set(shapes):
+            raise ctx.err(snode, f"{what}.shape: keys {sorted(shapes)} must be the choices of {shape_by!r}: "
+                                 f"{sorted(map(str, choices))}")
+    return TensorSpec(name=name, doc=doc, dtypes=dtypes, shapes=shapes, shape_by=shape_by, line=line)
+
+
+def _dims(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[str, ...]:
+    dims = ctx.strings(node, what)
+    for d in dims:
+        if not d.isidentifier():
+            raise ctx.err(node, f"{what}: dim names must be identifiers, found {d!r}")
+    return dims
+
+
+def _rule(ctx: _Ctx, node: yaml.Node, params: Mapping[str, ParamSpec], dims: frozenset[str],
+          args: set[str]) -> Rule:
+    m = ctx.section(node, "rule", "rules[]")
+    cnode = m["check"][1]
+    text = ctx.string(cnode, "rules[].check")
+    try:
+        expr = parse_expr(text)
+    except ExprError as e:
+        raise ctx.err(cnode, f"rules[].check: {text!r} does not parse: {e}") from None
+    unknown = sorted(expr.names - set(params) - dims)
+    if unknown:
+        raise ctx.err(cnode, f"rules[].check: {text!r} names unknown {', '.join(map(repr, unknown))}; "
+                             f"params: {', '.join(params)}; dims: {', '.join(sorted(dims))}")
+    arg = ctx.string(m["arg"][1], "rules[].arg")
+    if arg not in args:
+        raise ctx.err(m["arg"][1], f"rules[].arg: {arg!r} is neither a param nor an input")
+    return Rule(check=expr, arg=arg, message=ctx.string(m["message"][1], "rules[].message"),
+                line=node.start_mark.line + 1, needs_dims=bool(expr.names & dims))
+
+
+def _case(ctx: _Ctx, node: yaml.Node, op: dict[str, Any]) -> Case:
+    m = ctx.section(node, "case", "cases[]")
+    label = ctx.string(m["label"][1], "cases[].label")
+    what = f"cases[{label}]"
+    params: dict[str, Any] = {}
+    if "params" in m:
+        for key, (knode, vnode) in ctx.mapping(m["params"][1], f"{what}.params").items():
+            if key not in op["params"]:
+                raise ctx.err(knode, f"{what}.params: unknown param {key!r}")
+            spec = op["params"][key]
+            params[key] = _value_of_type(ctx, vnode, spec.type, spec.optional, f"{what}.params.{key}")
+            if spec.choices is not None and params[key] not in spec.choices:
+                raise ctx.err(vnode, f"{what}.params.{key}: {params[key]!r} is not among {list(spec.choices)}")
+    full = {p.name: p.default for p in op["params"].values() if p.has_default} | params
+    missing = [p.name for p in op["params"].values() if not p.has_default and p.name not in params]
+    if missing:
+        raise ctx.err(node, f"{what}: required params not given: {', '.join(missing)}")
+    needed: set[str] = set()
+    for t in op["inputs"].values():
+        needed |= set(t.shape_for(full))
+    dims: dict[str, int] = {}
+    for key, (knode, vnode) in ctx.mapping(m["dims"][1], f"{what}.dims").items():
+        if key not in op["dims"]:
+            raise ctx.err(knode, f"{what}.dims: unknown dim {key!r}; dims: {', '.join(sorted(op['dims']))}")
+        val = ctx.typed(vnode, (int,), f"{what}.dims.{key}", "an integer")
+        if val < 1:
+            raise ctx.err(vnode, f"{what}.dims.{key}: expected a positive size, found {val}")
+        dims[key] = val
+    if needed - set(dims):
+        raise ctx.err(m["dims"][1], f"{what}.dims: missing {', '.join(sorted(needed - set(dims)))}")
+    allowed = op["inputs"][next(iter(op["inputs"]))].dtypes if op["inputs"] else ()
+    dtypes = ctx.strings(m["dtypes"][1], f"{what}.dtypes") if "dtypes" in m else tuple(allowed)
+    for d in dtypes:
+        if d not in allowed:
+            raise ctx.err(m["dtypes"][1], f"{what}.dtypes: {d!r} is not allowed; allowed: {', '.join(allowed)}")
+    bench = ctx.typed(m["bench"][1], (bool,), f"{what}.bench", "true or false") if "bench" in m else True
+    env = full | dims
+    for rule in op["rules"]:
+        try:
+            ok = rule.check.evaluate(env)
+        except ExprError as e:
+            raise ctx.err(node, f"{what}: rule {rule.check.text!r} cannot be evaluated: {e}") from None
+        if not ok:
+            raise ctx.err(node, f"{what}: breaks rule {rule.check.text!r} ({rule.message}) "
+                                f"(rule at line {rule.line})")
+    return Case(label=label, dims=dims, params=params, dtypes=dtypes, bench=bench, line=node.start_mark.line + 1)
+
+
+def _op(ctx: _Ctx, name: str, node: yaml.Node, builders: Iterable[str]) -> OpManifest:
+    if not name.isidentifier():
+        raise ctx.err(node, f"op name {name!r} must be a class name")
+    m = ctx.section(node, "op", name)
+    params: dict[str, ParamSpec] = {}
+    for pname, (knode, vnode) in ctx.mapping(m["params"][1], "params").items():
+        if not pname.isidentifier():
+            raise ctx.err(knode, f"params: {pname!r} is not an identifier")
+        params[pname] = _param(ctx, pname, vnode)
+    inputs: dict[str, TensorSpec] = {}
+    for tname, (_, vnode) in ctx.mapping(m["inputs"][1], "inputs").items():
+        inputs[tname] = _tensor(ctx, tname, vnode, "inputs", params, {})
+        if inputs[tname].like is not None:
+            raise ctx.err(vnode, f"inputs.{tname}: 'like' is for outputs")
+    outputs = {t: _tensor(ctx, t, v, "outputs", params, inputs)
+               for t, (_, v) in ctx.mapping(m["outputs"][1], "outputs").items()}
+    clash = set(params) & set(inputs)
+    if clash:
+        raise ctx.err(m["inputs"][1], f"inputs: {', '.join(sorted(clash))} is also a param")
+    dims: frozenset[str] = frozenset().union(*(t.all_dims for t in inputs.values())) if inputs else frozenset()
+    rules: list[Rule] = []
+    if "rules" in m:
+        rnode = m["rules"][1]
+        if not isinstance(rnode, yaml.SequenceNode):
+            raise ctx.err(rnode, f"rules: expected a list, found {_kind(rnode)}")
+        rules = [_rule(ctx, r, params, dims, set(params) | set(inputs)) for r in rnode.value]
+    km = ctx.section(m["kernel"][1], "kernel", "kernel")
+    builder = ctx.string(km["builder"][1], "kernel.builder")
+    builders = tuple(builders)
+    if builder not in builders:
+        raise ctx.err(km["builder"][1], f"kernel.builder: unknown builder {builder!r}; known: {', '.join(builders)}")
+    static = ctx.plain(km["static"][1]) if "static" in km else {}
+    if not isinstance(static, dict):
+        raise ctx.err(km["static"][1], "kernel.static: expected a mapping")
+    kernel = KernelSpec(builder=builder, static=static, line=m["kernel"][1].start_mark.line + 1)
+    shrink = None
+    if "cpu_shrink" in m:
+        sm = ctx.section(m["cpu_shrink"][1], "cpu_shrink", "cpu_shrink")
+        sdims = ctx.strings(sm["dims"][1], "cpu_shrink.dims")
+        for d in sdims:
+            if d not in dims:
+                raise ctx.err(sm["dims"][1], f"cpu_shrink.dims: unknown dim {d!r}")
+        shrink = CpuShrink(dims=sdims, max_elements=ctx.typed(sm["max_elements"][1], (int,),
+                                                                "cpu_shrink.max_elements", "an integer"))
+    cnode = m["cases"][1]
+    if not isinstance(cnode, yaml.SequenceNode) or not cnode.value:
+        raise ctx.err(cnode, "cases: expected a non-empty list")
+    partial = {"params": params, "inputs": inputs, "rules": rules, "dims": dims}
+    cases = []
+    seen: set[str] = set()
+    for c in cnode.value:
+        case = _case(ctx, c, partial)
+        if case.label in seen:
+            raise ctx.err(c, f"cases: duplicate label {case.label!r}")
+        seen.add(case.label)
+        cases.append(case)
+    return OpManifest(
+        name=name, family=ctx.string(m["family"][1], "family"), summary=ctx.string(m["summary"][1], "summary"),
+        description=ctx.string(m["description"][1], "description") if "description" in m else "",
+        references=ctx.strings(m["references"][1], "references") if "references" in m else (),
+        params=tuple(params.values()), inputs=tuple(inputs.values()), outputs=tuple(outputs.values()),
+        rules=tuple(rules), kernel=kernel, cases=tuple(cases), cpu_shrink=shrink, file=ctx.file,
+        line=node.start_mark.line + 1,
+    )
+
+
+def _builders() -> tuple[str, ...]:
+    from tileops.kernels import BUILDERS  # light: names only, no TileLang import
+
+    return tuple(BUILDERS)
+
+
+def load_file(path: str | Path, builders: Iterable[str] | None = None) -> list[OpManifest]:
+    """Parse one manifest file (one or more ops keyed by class name)."""
+    path = Path(path)
+    ctx = _Ctx(str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ManifestError(str(path), 0, f"cannot read: {e.strerror}") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else 0
+        raise ManifestError(str(path), line, f"not valid YAML: {getattr(e, 'problem', e)}") from None
+    if root is None:
+        raise ManifestError(str(path), 1, "empty manifest")
+    names = tuple(builders) if builders is not None else _builders()
+    return [_op(ctx, name, vnode, names) for name, (_, vnode) in ctx.mapping(root, "manifest").items()]
+
+
+def load_files(paths: Iterable[str | Path]) -> dict[str, OpManifest]:
+    """Parse many files into {op name: manifest}; a name declared twice is an error."""
+    out: dict[str, OpManifest] = {}
+    for path in paths:
+        for op in load_file(path):
+            if op.name in out:
+                raise ManifestError(op.file, op.line, f"duplicate op {op.name!r}: first declared at "
+                                                      f"{out[op.name].where()}")
+            out[op.name] = op
+    return out
+
+
+def packaged_files() -> list[Path]:
+    """The manifests shipped in the package (``manifests/`` in the source tree)."""
+    root = importlib.resources.files("tileops.manifests")
+    return sorted(Path(str(p)) for p in _walk(root) if str(p).endswith((".yaml", ".yml")))
+
+
+def _walk(root: Any) -> Iterable[Any]:
+    for child in root.iterdir():
+        if child.is_dir():
+            yield from _walk(child)
+        else:
+            yield child
+
+

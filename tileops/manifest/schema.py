@@ -1,0 +1,198 @@
+"""The manifest model: frozen dataclasses for one op's YAML declaration.
+
+Every key a manifest may hold is declared here, with its type and meaning, in ``SCHEMA``; the
+loader (:mod:`tileops.manifest.loader`) rejects anything else, and the docs page on the manifest
+format is generated from ``SCHEMA`` so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .expr import Expr
+
+__all__ = [
+    "SCHEMA", "PARAM_TYPES", "DTYPES", "ParamSpec", "TensorSpec", "Rule", "KernelSpec", "Case",
+    "CpuShrink", "OpManifest",
+]
+
+#: Types a param may declare, and the Python types a value of it may have.
+PARAM_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (float, int),
+    "bool": (bool,),
+    "tensor": (),  # a torch.Tensor, checked by the op; only None may be written in YAML
+}
+
+#: Dtype names a tensor may allow (torch's names).
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+
+# key -> (required, type description, meaning). Nested sections are keyed "section.key".
+SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
+    "op": {
+        "family": (True, "str", "The op family; ops of one family share a module (`tileops.<family>`)."),
+        "summary": (True, "str", "One line: what the op computes."),
+        "description": (False, "str", "A paragraph or more for the docs."),
+        "references": (False, "list[str]", "Public sources the op agrees with."),
+        "params": (True, "map[name -> param]", "Constructor parameters, in signature order."),
+        "inputs": (True, "map[name -> tensor]", "Tensors `forward` takes, in call order."),
+        "outputs": (True, "map[name -> tensor]", "Tensors `forward` returns."),
+        "rules": (False, "list[rule]", "Constraints between params and dims, in the rule language."),
+        "kernel": (True, "kernel", "The kernel builder in `kernels/` that serves the op."),
+        "cpu_shrink": (False, "cpu_shrink", "How cases are scaled down when tests run on the CPU."),
+        "cases": (True, "list[case]", "Labelled workloads used by tests, benchmarks and `tileops demo`."),
+    },
+    "param": {
+        "type": (True, "str", f"One of {', '.join(PARAM_TYPES)}."),
+        "default": (False, "value", "The default; a param without one is required."),
+        "optional": (False, "bool", "Whether None is accepted (default false)."),
+        "choices": (False, "list", "The only values accepted."),
+        "doc": (True, "str", "What the param means, for the API reference."),
+        "keyword_only": (False, "bool", "Whether the param comes after `*` in the signature."),
+    },
+    "tensor": {
+        "doc": (True, "str", "What the tensor holds."),
+        "dtypes": (False, "list[str]", f"Allowed dtypes, among {', '.join(DTYPES)}."),
+        "shape": (False, "list[dim] | map[layout -> list[dim]]",
+                  "Shape over named dims; a map keyed by the value of the `shape_by` param."),
+        "shape_by": (False, "str", "The param whose value picks the shape from `shape`."),
+        "like": (False, "str", "For outputs: same shape and dtype as this input."),
+    },
+    "rule": {
+        "check": (True, "expr", "An expression over params and dims that must be true."),
+        "arg": (True, "str", "The argument an error names when the rule fails."),
+        "message": (True, "str", "What is expected, in words."),
+    },
+    "kernel": {
+        "builder": (True, "str", "The builder's name in `kernels.BUILDERS`."),
+        "static": (False, "map", "Fixed choices passed to the builder (schedule, pairing...)."),
+    },
+    "cpu_shrink": {
+        "dims": (True, "list[str]", "Dims halved, in turn, until a case fits."),
+        "max_elements": (True, "int", "The largest input (elements) a CPU test runs."),
+    },
+    "case": {
+        "label": (True, "str", "A unique readable name, e.g. `neox-2d-2k-bf16`."),
+        "params": (False, "map", "Param values; the rest take their defaults."),
+        "dims": (True, "map[dim -> int]", "The size of every dim the inputs use."),
+        "dtypes": (False, "list[str]", "Dtypes the case runs in (default: all allowed)."),
+        "bench": (False, "bool", "Whether the benchmark runner times it (default true)."),
+    },
+}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    type: str
+    doc: str
+    default: Any = None
+    has_default: bool = False
+    optional: bool = False
+    choices: tuple | None = None
+    keyword_only: bool = False
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    doc: str
+    dtypes: tuple[str, ...] = ()
+    shapes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # "" when not by a param
+    shape_by: str | None = None
+    like: str | None = None
+    line: int = 0
+
+    def shape_for(self, params: Mapping[str, Any]) -> tuple[str, ...]:
+        """The dims of this tensor for the given param values."""
+        key = "" if self.shape_by is None else str(params[self.shape_by])
+        return self.shapes[key]
+
+    @property
+    def all_dims(self) -> frozenset[str]:
+        return frozenset(d for dims in self.shapes.values() for d in dims)
+
+
+@dataclass(frozen=True)
+class Rule:
+    check: Expr
+    arg: str
+    message: str
+    line: int = 0
+    needs_dims: bool = False  # false: checked at construction; true: at the first call of a shape
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    builder: str
+    static: Mapping[str, Any] = field(default_factory=dict)
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    dims: Mapping[str, int]
+    params: Mapping[str, Any] = field(default_factory=dict)
+    dtypes: tuple[str, ...] = ()
+    bench: bool = True
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class CpuShrink:
+    dims: tuple[str, ...]
+    max_elements: int
+
+
+@dataclass(frozen=True)
+class OpManifest:
+    name: str
+    family: str
+    summary: str
+    params: tuple[ParamSpec, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    rules: tuple[Rule, ...]
+    kernel: KernelSpec
+    cases: tuple[Case, ...]
+    description: str = ""
+    references: tuple[str, ...] = ()
+    cpu_shrink: CpuShrink | None = None
+    file: str = ""
+    line: int = 0
+
+    def param(self, name: str) -> ParamSpec:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def input(self, name: str) -> TensorSpec:
+        for t in self.inputs:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def case(self, label: str) -> Case:
+        for c in self.cases:
+            if c.label == label:
+                return c
+        known = ", ".join(c.label for c in self.cases)
+        raise KeyError(f"{self.name} has no case {label!r}; its cases: {known}")
+
+    def defaults(self) -> dict[str, Any]:
+        return {p.name: p.default for p in self.params if p.has_default}
+
+    @property
+    def dims(self) -> frozenset[str]:
+        out: set[str] = set()
+        for t in self.inputs:
+            out |= t.all_dims
+        return frozenset(out)
+
+    def where(self, line: int | None = None) -> str:
+        return f"{self.file}:{self.line if line is None else line}"

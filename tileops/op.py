@@ -1,0 +1,204 @@
+"""The op base class: construction checked against the manifest, calls checked against its signature.
+
+Subclasses (one per manifest) define ``__init__`` and ``forward`` with their real signatures and
+hand the values to :meth:`Op._setup` and :meth:`Op._call`. Everything a user can get wrong is
+checked here, before any kernel runs, and the error names the argument, what was expected and
+what came.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import manifest as _manifest
+from .manifest import ExprError, OpManifest
+from .targets import Target, check_target_arg, resolve_target
+
+__all__ = ["Op", "CallSpec"]
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """What a call specializes on: the device, each input's dtype, and the call's dims."""
+
+    device: torch.device
+    dtypes: tuple[tuple[str, str], ...]  # (input name, dtype name)
+    dims: tuple[tuple[str, int], ...]
+
+    def dtype(self, name: str) -> str:
+        return dict(self.dtypes)[name]
+
+    def dim(self, name: str) -> int:
+        return dict(self.dims)[name]
+
+
+class Op:
+    """Base of every tileops op: construct once, then call.
+
+    The constructor takes what the kernel is compiled with; the call takes the tensors. Shapes
+    and dtypes are taken from the first call (and from each later call with a new dtype, head
+    size or device, which compiles once more; new lengths reuse the compiled kernel).
+    """
+
+    #: the manifest's op name; defaults to the class name
+    op_name: str = ""
+
+    def _setup(self, params: Mapping[str, Any], target: Any) -> None:
+        self.manifest: OpManifest = _manifest.get(self.op_name or type(self).__name__)
+        self.name = self.manifest.name
+        self.params: dict[str, Any] = self._check_params(dict(params))
+        self._target_arg = target
+        self._fixed_target: Target | None = check_target_arg(target)
+        if self._fixed_target is not None:
+            self._fixed_target_name = self._fixed_target.name
+        self._served_by: str | None = self._fixed_target.name if self._fixed_target else None
+        self._impls: dict[Any, Callable[..., Any]] = {}
+        self._checked: dict[Any, CallSpec] = {}
+
+    # ----------------------------------------------------------------------------- params
+    def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        m = self.manifest
+        for p in m.params:
+            if p.name not in params:
+                if not p.has_default:
+                    raise TypeError(f"{m.name}: missing required argument {p.name!r}")
+                params[p.name] = p.default
+            value = params[p.name]
+            if value is None:
+                if p.optional or p.type == "tensor":
+                    continue
+                raise TypeError(f"{m.name}: {p.name}: expected {p.type}, got None")
+            if p.type == "tensor":
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"{m.name}: {p.name}: expected a torch.Tensor or None, "
+                                    f"got {type(value).__name__}")
+                continue
+            ok = {
+                "str": isinstance(value, str),
+                "bool": isinstance(value, bool),
+                "int": isinstance(value, int) and not isinstance(value, bool),
+                "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+            }[p.type]
+            if not ok:
+                raise TypeError(f"{m.name}: {p.name}: expected {p.type}, got {type(value).__name__} {value!r}")
+            if p.type == "float":
+                value = float(value)
+                if not math.isfinite(value):
+                    raise ValueError(f"{m.name}: {p.name}: expected a finite number, got {value!r}")
+                params[p.name] = value
+            if p.choices is not None and value not in p.choices:
+                raise ValueError(f"{m.name}: {p.name}: expected one of "
+                                 f"{', '.join(repr(c) for c in p.choices)}, got {value!r}")
+        for rule in m.rules:
+            if not rule.needs_dims:
+                self._check_rule(rule, params)
+        return params
+
+    def _check_rule(self, rule: Any, env: Mapping[str, Any]) -> None:
+        try:
+            ok = rule.check.evaluate(env)
+        except ExprError as e:
+            raise ValueError(f"{self.manifest.name}: {rule.arg}: {rule.message} (rule `{rule.check}` "
+                             f"cannot be checked: {e})") from None
+        if not ok:
+            got = ", ".join(f"{n}={env[n]!r}" for n in sorted(rule.check.names))
+            raise ValueError(f"{self.manifest.name}: {rule.arg}: {rule.message}; got {got}")
+
+    # ----------------------------------------------------------------------------- targets
+    @property
+    def serving_target(self) -> str | None:
+        """The name of the target serving this op: fixed at construction when ``target`` was given,
+        else decided by the first call's device (None until then)."""
+        return self._served_by
+
+    def _target_for(self, device: torch.device) -> Target:
+        if self._fixed_target is not None:
+            t = self._fixed_target
+            if not t.supports(self.name, self.manifest.family, device):
+                raise ValueError(f"{self.name}: target {t.name!r} cannot serve {device.type} tensors")
+            return t
+        t, _ = resolve_target(self.name, self.manifest.family, device)
+        self._served_by = t.name
+        return t
+
+    # ----------------------------------------------------------------------------- calls
+    def _call(self, tensors: Mapping[str, Any]) -> Any:
+        """Check ``tensors`` against the signature, then run the serving implementation."""
+        key = tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in tensors.values())
+        spec = self._checked.get(key)
+        if spec is None:
+            spec = self._check_call(tensors)
+            if len(self._checked) > 4096:  # many distinct shapes: keep the cache bounded
+                self._checked.clear()
+            self._checked[key] = spec
+        impl = self._impls.get(spec)
+        if impl is None:
+            impl = self._target_for(spec.device).implement(self, spec)
+            self._impls[spec] = impl
+        return impl(**tensors)
+
+    def _check_call(self, tensors: Mapping[str, Any]) -> CallSpec:
+        m = self.manifest
+        dims: dict[str, int] = {}
+        dtypes: list[tuple[str, str]] = []
+        device: torch.device | None = None
+        first = None
+        for spec in m.inputs:
+            t = tensors.get(spec.name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{m.name}: {spec.name}: expected a torch.Tensor, got {type(t).__name__}")
+            dname = _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
+            if dname not in spec.dtypes:
+                raise TypeError(f"{m.name}: {spec.name}: expected dtype {', '.join(spec.dtypes)}, got {dname}")
+            dtypes.append((spec.name, dname))
+            shape = spec.shape_for(self.params)
+            if t.dim() != len(shape):
+                by = f" for {spec.shape_by}={self.params[spec.shape_by]!r}" if spec.shape_by else ""
+                raise ValueError(f"{m.name}: {spec.name}: expected {len(shape)} dims [{', '.join(shape)}]{by}, "
+                                 f"got {t.dim()} dims {list(t.shape)}")
+            if device is None:
+                device, first = t.device, spec.name
+            elif t.device != device:
+                raise ValueError(f"{m.name}: {spec.name}: expected a tensor on {device} (the device of "
+                                 f"{first}), got one on {t.device}")
+            for dim, size in zip(shape, t.shape):
+                if dim in dims and dims[dim] != size:
+                    raise ValueError(f"{m.name}: {spec.name}: expected {dim}={dims[dim]} (as in {first}), "
+                                     f"got {dim}={size} in shape {list(t.shape)}")
+                dims[dim] = int(size)
+        env = {**self.params, **dims}
+        for rule in m.rules:
+            if rule.needs_dims:
+                self._check_rule(rule, env)
+        assert device is not None
+        self._check_more(tensors, dims)
+        return CallSpec(device=device, dtypes=tuple(dtypes), dims=tuple(sorted(dims.items())))
+
+    def _check_more(self, tensors: Mapping[str, Any], dims: Mapping[str, int]) -> None:
+        """Op-specific checks that the rule language does not express (default: none)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - subclasses define it
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in self.params.items())
+        return f"{self.name}({shown}, target={self._target_arg!r})"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"tensor(shape={list(v.shape)}, dtype={v.dtype})"
+    return repr(v)
+
+
