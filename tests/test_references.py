@@ -177,9 +177,7 @@ def test_partial_rotary_tail_and_agreement(rotary_dim):
     # position (RoPEFwdOp's row s sits at position s, so evaluate a sequence up to max(pos)).
     head = x[..., :rotary_dim]
     for t in range(0, 23, 7):
-        seq = torch.zeros(int(pos[t]) + 1, rotary_dim)
-        seq[-1] = head[t, 0]
-        seq[:-1] = 1.0  # filler rows, never compared
+        seq = head[t, 0].expand(int(pos[t]) + 1, rotary_dim)  # the last row sits at position pos[t]
         want = reference("RoPEFwdOp", {}, {"x": seq})[-1]
         torch.testing.assert_close(out[t, 0, :rotary_dim], want, rtol=1e-13, atol=1e-13)
 
@@ -244,37 +242,21 @@ def _hf_cases():
         # (hf rope_type, hf rope_parameters, hf max_position_embeddings, our op, our params, head_dim)
         ("default", {"rope_type": "default", "rope_theta": 10000.0}, 4096, "RoPEFwdOp", {}, 128),
         ("default", {"rope_type": "default", "rope_theta": 500000.0}, 4096, "RoPEFwdOp", {"base": 500000.0}, 64),
-        (
-            "llama3",
-            {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            131072, "RoPELlama31FwdOp", {"base": 500000.0}, 128,
-        ),
-        (
-            "llama3",
-            {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 2.0,
-             "high_freq_factor": 8.0, "original_max_position_embeddings": 2048},
-            8192, "RoPELlama31FwdOp",
-            {"scale_factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "original_max_position": 2048}, 64,
-        ),
-        (
-            "yarn",
-            {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 2048},
-            8192, "YaRNFwdOp", {"scale": 4.0, "original_max_position": 2048}, 128,
-        ),
-        (
-            "yarn",
-            {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "beta_fast": 16.0, "beta_slow": 2.0,
-             "original_max_position_embeddings": 4096},
-            65536, "YaRNFwdOp", {"base": 1e6, "beta_fast": 16.0, "beta_slow": 2.0}, 64,
-        ),
-        (
-            "longrope",
-            {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": f, "long_factor": f,
-             "original_max_position_embeddings": 4096},
-            131072, "LongRoPEFwdOp",
-            {"rescale_factors": torch.tensor(f), "max_position_embeddings": 131072}, 64,
-        ),
+        ("llama3", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+         131072, "RoPELlama31FwdOp", {"base": 500000.0}, 128),
+        ("llama3", {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 2.0,
+                    "high_freq_factor": 8.0, "original_max_position_embeddings": 2048},
+         8192, "RoPELlama31FwdOp",
+         {"scale_factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "original_max_position": 2048}, 64),
+        ("yarn", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 2048},
+         8192, "YaRNFwdOp", {"scale": 4.0, "original_max_position": 2048}, 128),
+        ("yarn", {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "beta_fast": 16.0,
+                  "beta_slow": 2.0, "original_max_position_embeddings": 4096},
+         65536, "YaRNFwdOp", {"base": 1e6, "beta_fast": 16.0, "beta_slow": 2.0}, 64),
+        ("longrope", {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": f, "long_factor": f,
+                      "original_max_position_embeddings": 4096},
+         131072, "LongRoPEFwdOp", {"rescale_factors": torch.tensor(f), "max_position_embeddings": 131072}, 64),
     ]
 
 
@@ -289,8 +271,7 @@ def test_inv_freq_and_amplitude_match_transformers(case):
         # transformers 5 no longer lists "default" in ROPE_INIT_FUNCTIONS; models carry it.
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        init = getattr(ROPE_INIT_FUNCTIONS, "get", lambda _k: None)("default")
-        init = init or LlamaRotaryEmbedding.compute_default_rope_parameters
+        init = ROPE_INIT_FUNCTIONS.get("default") or LlamaRotaryEmbedding.compute_default_rope_parameters
     else:
         init = ROPE_INIT_FUNCTIONS[rope_type]
     hf_inv, hf_amp = init(config)

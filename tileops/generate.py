@@ -7,6 +7,7 @@ for the same kernel at once wait on one lock per key: one compile, one result fo
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -73,12 +74,19 @@ def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
         if kernel is None:
             import tilelang
 
+            _quiet(tilelang)
             t0 = time.perf_counter()
             kernel = tilelang.compile(_prim_func(builder, spec), target=_tvm_target(backend, arch))
             stats.seconds += time.perf_counter() - t0
             stats.compiles += 1
             _cache[key] = kernel
     return kernel
+
+
+def _quiet(tilelang: Any) -> None:
+    # TileLang logs two INFO lines per compile; keep them unless the user asked for detail.
+    if not os.environ.get("TILEOPS_VERBOSE"):
+        logging.getLogger("tilelang").setLevel(logging.WARNING)
 
 
 def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
@@ -88,6 +96,7 @@ def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
     """
     import tilelang
 
+    _quiet(tilelang)
     func = _prim_func(builder, spec)
     if backend == "c":
         return tilelang.compile(func, target="c").get_kernel_source()

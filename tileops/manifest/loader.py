@@ -158,6 +158,19 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
         if d not in DTYPES:
             raise ctx.err(m["dtypes"][1], f"{what}.dtypes: unknown dtype {d!r}; known: {', '.join(DTYPES)}")
     shape_by = ctx.string(m["shape_by"][1], f"{what}.shape_by") if "shape_by" in m else None
+    vrange = None
+    if "range" in m:
+        rnode = m["range"][1]
+        if not isinstance(rnode, yaml.SequenceNode) or len(rnode.value) != 2:
+            raise ctx.err(rnode, f"{what}.range: expected [low, high], two expressions")
+        bounds = []
+        for n in rnode.value:
+            text = ctx.scalar(n)
+            try:
+                bounds.append(parse_expr(str(text)))
+            except ExprError as e:
+                raise ctx.err(n, f"{what}.range: {text!r} does not parse: {e}") from None
+        vrange = tuple(bounds)
     snode = m["shape"][1]
     if shape_by is None:
         shapes = {"": _dims(ctx, snode, f"{what}.shape")}
@@ -170,7 +183,14 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
         if choices is not None and set(map(str, choices)) != set(shapes):
             raise ctx.err(snode, f"{what}.shape: keys {sorted(shapes)} must be the choices of {shape_by!r}: "
                                  f"{sorted(map(str, choices))}")
-    return TensorSpec(name=name, doc=doc, dtypes=dtypes, shapes=shapes, shape_by=shape_by, line=line)
+    if vrange is not None:
+        dims = {d for dd in shapes.values() for d in dd}
+        for b in vrange:
+            unknown = sorted(b.names - set(params) - dims)
+            if unknown:
+                raise ctx.err(m["range"][1], f"{what}.range: {b.text!r} names unknown {', '.join(map(repr, unknown))}")
+    return TensorSpec(name=name, doc=doc, dtypes=dtypes, shapes=shapes, shape_by=shape_by, range=vrange,
+                      line=line)
 
 
 def _dims(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[str, ...]:

@@ -59,6 +59,8 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
                   "Shape over named dims; a map keyed by the value of the `shape_by` param."),
         "shape_by": (False, "str", "The param whose value picks the shape from `shape`."),
         "like": (False, "str", "For outputs: same shape and dtype as this input."),
+        "range": (False, "list[expr, expr]",
+                  "For integer inputs: valid values lie in [low, high), two expressions over params and dims."),
     },
     "rule": {
         "check": (True, "expr", "An expression over params and dims that must be true."),
@@ -104,6 +106,7 @@ class TensorSpec:
     shapes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # "" when not by a param
     shape_by: str | None = None
     like: str | None = None
+    range: tuple | None = None  # (low Expr, high Expr) for integer inputs
     line: int = 0
 
     def shape_for(self, params: Mapping[str, Any]) -> tuple[str, ...]:

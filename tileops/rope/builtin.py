@@ -11,7 +11,7 @@ from ..generate import compile_kernel, device_backend
 __all__ = ["implement", "kernel_spec"]
 
 
-def kernel_spec(op: Any, dtype: str, head_dim: int, positions: str | None, backend: str) -> Any:
+def kernel_spec(op: Any, call: Any, backend: str) -> Any:
     """The :class:`kernels.rope.RopeKernelSpec` serving ``op`` for one call specialization."""
     from tileops.kernels.rope import RopeKernelSpec
 
@@ -19,8 +19,11 @@ def kernel_spec(op: Any, dtype: str, head_dim: int, positions: str | None, backe
     lanes = static.pop("head_lanes", 4)
     if isinstance(lanes, dict):
         lanes = lanes[op.layout]
-    return RopeKernelSpec(dtype=dtype, head_dim=head_dim, rot=op.rotated_width(head_dim), pairing=op.pairing,
-                          positions=positions, backend=backend, head_lanes=int(lanes), **static)
+    head_dim = call.dim("head_dim")
+    positions = call.dtype("position_ids") if op.layout == "ids" else None
+    return RopeKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=op.rotated_width(head_dim),
+                          pairing=op.pairing, positions=positions, backend=backend, head_lanes=int(lanes),
+                          **static)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -36,9 +39,8 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
     device = spec.device
     backend, arch = device_backend(device)
     dtype = spec.dtype("x")
-    head_dim = spec.dim("head_dim")
     by_ids = op.layout == "ids"
-    kspec = kernel_spec(op, dtype, head_dim, spec.dtype("position_ids") if by_ids else None, backend)
+    kspec = kernel_spec(op, spec, backend)
     kernel = compile_kernel(op.manifest.kernel.builder, kspec, backend, arch)
     from tileops.kernels.rope import LO
 

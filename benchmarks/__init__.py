@@ -1,0 +1,1 @@
+"""Benchmarks of tileops' ops against the alternatives; run ``python -m benchmarks``."""

@@ -1,0 +1,84 @@
+"""The alternatives tileops is timed against, written as users write them.
+
+``hf_style``: HF transformers' ``apply_rotary_pos_emb`` with cos/sin tables given (fp32, computed
+outside the timed region, as a model caches them), arithmetic in fp32, one cast back. Timed eager and
+under ``torch.compile``. Liger-Kernel's Triton RoPE is timed where its layout fits (q and k as
+[batch, heads, seq, head_dim]).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["make_baseline", "liger_baseline"]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+def _rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+def _rope_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    return torch.cat((_rope_neox(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+
+
+def make_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., torch.Tensor], tuple]:
+    """(function, args) computing ``op`` on ``inputs`` the HF way, with its cos/sin precomputed."""
+    x = inputs["x"]
+    rot = op.rotated_width(x.shape[-1])
+    inv, amp = op.frequencies(rot)
+    inv = inv.to(x.device)
+    if op.layout == "ids":
+        pos = inputs["position_ids"]
+        table = torch.arange(op.params["max_position"], device=x.device, dtype=torch.float64)[:, None] * inv
+        cos_t, sin_t = (table.cos() * amp).float(), (table.sin() * amp).float()
+
+        def ids(x: torch.Tensor, pos: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor) -> torch.Tensor:
+            c, s = cos_t[pos][:, None, :], sin_t[pos][:, None, :]
+            c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
+            return _rope_partial(x, c, s, rot)
+
+        return ids, (x, pos, cos_t, sin_t)
+    seq = x.shape[0] if op.layout == "1d" else x.shape[1]
+    angle = torch.arange(seq, device=x.device, dtype=torch.float64)[:, None] * inv
+    c, s = (angle.cos() * amp).float(), (angle.sin() * amp).float()
+    if op.layout == "2d":
+        c, s = c[:, None, :], s[:, None, :]
+    if op.pairing == "neox":
+        c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
+        return _rope_neox, (x, c, s)
+    return _rope_interleaved, (x, c, s)
+
+
+def liger_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., Any], tuple] | None:
+    """Liger's ``liger_rotary_pos_emb`` on the same data, where it fits (neox, 2d); else None.
+
+    Liger rotates q and k together in [batch, heads, seq, head_dim]; we hand it x as q and as k
+    (transposed views made contiguous outside the timed region), so it moves twice the bytes of one
+    op call: its time is halved when compared.
+    """
+    if op.layout != "2d" or op.pairing != "neox":
+        return None
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+    except Exception:
+        return None
+    fn, (x, c, s) = make_baseline(op, inputs)
+    q = x.transpose(1, 2).contiguous()
+    k = q.clone()
+    cos = c[:, 0, :][None].to(x.dtype).contiguous()
+    sin = s[:, 0, :][None].to(x.dtype).contiguous()
+    return (lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)), (q, k, cos, sin)

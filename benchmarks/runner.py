@@ -1,0 +1,235 @@
+"""Time tileops' ops against torch eager, torch.compile and Liger, with the copy rate as the ceiling.
+
+    python -m benchmarks [--ops RoPEFwdOp,...] [--cases LABEL,...] [--out benchmarks/results]
+
+Workloads are the manifests' cases marked ``bench`` (each in its first dtype). Every timing is a
+median over ``triton.testing.do_bench`` (L2 flushed before each run), p20/p80 beside it; a large
+device-to-device copy in the same run gives the ceiling. Results go to ``results/latest.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tileops.manifest import registry
+from tileops.workloads import bytes_moved, op_class, workload
+
+from .baselines import liger_baseline, make_baseline
+
+HERE = Path(__file__).resolve().parent
+
+
+def _bench(fn: Callable[[], Any]) -> tuple[float, float, float]:
+    from triton.testing import do_bench
+
+    med, p20, p80 = do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8], return_mode="median")
+    return med * 1e3, p20 * 1e3, p80 * 1e3  # ms -> us
+
+
+def copy_rate(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    med, _, _ = _bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / (med * 1e-6) / 1e9
+
+
+def host_time_us(fn: Callable[[], Any], calls: int = 2000) -> float:
+    """Host time of one call with the GPU idle: launches queue without waiting for the GPU."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        n = calls // 10
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+        torch.cuda.synchronize()
+    return best * 1e6
+
+
+def end_to_end_us(fn: Callable[[], Any], calls: int = 200) -> float:
+    """Median wall time of one call including its completion (host + launch + kernel)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _compile(fn: Callable, args: tuple) -> Callable[[], Any]:
+    cfn = torch.compile(fn, dynamic=False)
+    for _ in range(3):
+        cfn(*args)
+    return lambda: cfn(*args)
+
+
+def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -> dict[str, Any]:
+    ceiling = copy_rate()
+    rows = []
+    todo = [(m, c) for m in registry().values() if not ops or m.name in ops
+            for c in m.cases if c.bench and (not cases or c.label in cases)]
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(todo), desc="benchmarks", file=sys.stderr)
+        except ImportError:
+            pass
+    for m, case in todo:
+        dtype = case.dtypes[0]
+        w = workload(m, case, dtype, "cuda")
+        op = op_class(m.name)(**w.params)
+        t0 = time.perf_counter()
+        op(**w.inputs)
+        torch.cuda.synchronize()
+        first_call = time.perf_counter() - t0
+        nbytes = bytes_moved(w)
+        ours = _bench(lambda: op(**w.inputs))
+        base_fn, base_args = make_baseline(op, w.inputs)
+        eager = _bench(lambda: base_fn(*base_args))
+        try:
+            compiled = _bench(_compile(base_fn, base_args))
+        except Exception as e:  # torch.compile may be unavailable (no compiler on the host)
+            print(f"torch.compile failed on {case.label}: {e}", file=sys.stderr)
+            compiled = (float("nan"),) * 3
+        liger = None
+        lg = liger_baseline(op, w.inputs)
+        if lg is not None:
+            lfn, largs = lg
+            t = _bench(lambda: lfn(*largs))
+            liger = tuple(v / 2 for v in t)  # it rotates q and k: two op calls' worth of bytes
+        row = {
+            "op": m.name, "case": case.label, "dtype": dtype,
+            "shape": [list(t.shape) for t in w.inputs.values()], "bytes": nbytes,
+            "floor_us": nbytes / (ceiling * 1e9) * 1e6,
+            "ours_us": ours, "eager_us": eager, "compile_us": compiled, "liger_us": liger,
+            "gbps": nbytes / (ours[0] * 1e-6) / 1e9,
+            "first_call_s": first_call,
+        }
+        row["pct_copy"] = 100 * row["gbps"] / ceiling
+        if nbytes < (1 << 20):
+            row["host_us"] = host_time_us(lambda: op(**w.inputs))
+            row["end_to_end_us"] = end_to_end_us(lambda: op(**w.inputs))
+        rows.append(row)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return {"meta": _meta(ceiling), "rows": rows}
+
+
+def _meta(ceiling: float) -> dict[str, Any]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=HERE, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        driver = ""
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for mod in ("tilelang", "triton", "liger_kernel"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "versions": versions, "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "copy_gbps": ceiling}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    meta = result["meta"]
+    lines = [f"GPU {meta['gpu']} (driver {meta['driver']}), "
+             + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+             + f", commit {meta['commit']}, {meta['date']}. Copy rate {meta['copy_gbps']:.0f} GB/s.", "",
+             "| op | case | dtype | MB | floor us | ours us (p20-p80) | GB/s | % copy | eager us | compile us "
+             "| liger us | x eager | x compile | x liger |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        o, e, c, lg = r["ours_us"], r["eager_us"], r["compile_us"], r["liger_us"]
+        lig = f"{lg[0]:.1f}" if lg else "-"
+        xl = f"{lg[0] / o[0]:.2f}" if lg else "-"
+        lines.append(f"| {r['op']} | {r['case']} | {r['dtype']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} "
+                     f"| {o[0]:.1f} ({o[1]:.1f}-{o[2]:.1f}) | {r['gbps']:.0f} | {r['pct_copy']:.0f} | {e[0]:.1f} "
+                     f"| {c[0]:.1f} | {lig} | {e[0] / o[0]:.1f} | {c[0] / o[0]:.2f} | {xl} |")
+    small = [r for r in result["rows"] if "host_us" in r]
+    if small:
+        lines += ["", "| op | case | host us / call (GPU idle) | end to end us / call |", "|---|---|---|---|"]
+        lines += [f"| {r['op']} | {r['case']} | {r['host_us']:.1f} | {r['end_to_end_us']:.1f} |" for r in small]
+    lines += ["", "| op | case | first call s (compile included) |", "|---|---|---|"]
+    lines += [f"| {r['op']} | {r['case']} | {r['first_call_s']:.2f} |" for r in result["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = result["rows"]
+    labels = [f"{r['case']}\n{r['dtype']}" for r in rows]
+    ceiling = result["meta"]["copy_gbps"]
+    series = {"tileops": [r["bytes"] / r["ours_us"][0] / 1e3 for r in rows],
+              "torch.compile": [r["bytes"] / r["compile_us"][0] / 1e3 for r in rows],
+              "torch eager": [r["bytes"] / r["eager_us"][0] / 1e3 for r in rows]}
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4.5))
+    width = 0.27
+    for i, (name, vals) in enumerate(series.items()):
+        ax.bar([j + (i - 1) * width for j in range(len(rows))], vals, width, label=name)
+    ax.axhline(ceiling, color="k", linestyle="--", linewidth=1, label=f"copy rate {ceiling:.0f} GB/s")
+    ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("GB/s of bytes that must move")
+    ax.set_title(f"RoPE on {result['meta']['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks")
+    p.add_argument("--ops", help="comma-separated op names (default: all)")
+    p.add_argument("--cases", help="comma-separated case labels (default: all marked bench)")
+    p.add_argument("--out", default=str(HERE / "results"), help="folder for latest.json/.md/.png")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA GPU", file=sys.stderr)
+        return 2
+    result = run(args.ops.split(",") if args.ops else None, args.cases.split(",") if args.cases else None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latest.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out / "latest.md").write_text(md)
+    plot(result, out / "latest.png")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The ``tileops`` command: list, show, check, emit, demo (and coverage, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+#: |out - ref| <= atol + rtol * |ref|, per output dtype (one rounding of an fp32 result, plus slack)
+TOLERANCES = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
+
+
+def _manifests(files: Sequence[str] | None = None):
+    from .manifest import load_files, packaged_files, registry
+
+    return registry() if not files else load_files(files)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    reg = _manifests()
+    width = max(len(n) for n in reg)
+    for name, m in reg.items():
+        print(f"{name:<{width}}  {m.family:<6}  {m.summary}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from .manifest import get
+
+    try:
+        m = get(args.op)
+    except KeyError as e:
+        print(f"tileops show: {e.args[0]}", file=sys.stderr)
+        return 2
+    print(f"{m.name}  ({m.family})  {m.file}:{m.line}")
+    print(f"  {m.summary}")
+    if m.references:
+        print("  references: " + "; ".join(m.references))
+    print("params:")
+    for p in m.params:
+        default = f" = {p.default!r}" if p.has_default else " (required)"
+        choices = f"  one of {list(p.choices)}" if p.choices else ""
+        print(f"  {p.name}: {p.type}{'?' if p.optional else ''}{default}{choices}\n      {p.doc}")
+    for title, tensors in (("inputs", m.inputs), ("outputs", m.outputs)):
+        print(f"{title}:")
+        for t in tensors:
+            if t.like:
+                print(f"  {t.name}: like {t.like}\n      {t.doc}")
+                continue
+            shapes = "; ".join(f"{k or 'shape'}: [{', '.join(v)}]" for k, v in t.shapes.items())
+            extra = f"  values in [{t.range[0]}, {t.range[1]})" if t.range else ""
+            print(f"  {t.name}: {', '.join(t.dtypes)}  {shapes}{extra}\n      {t.doc}")
+    print("rules:")
+    for r in m.rules:
+        print(f"  {r.check}    ({r.arg}: {r.message})")
+    print(f"kernel: {m.kernel.builder}  {dict(m.kernel.static)}")
+    print("cases:")
+    for c in m.cases:
+        dims = ", ".join(f"{k}={v}" for k, v in c.dims.items())
+        params = ", ".join(f"{k}={v!r}" for k, v in c.params.items())
+        print(f"  {c.label:<22} {dims}{'  ' + params if params else ''}  [{', '.join(c.dtypes)}]")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .manifest import ManifestError, load_file, packaged_files
+
+    files = [Path(f) for f in args.files] if args.files else packaged_files()
+    seen: dict[str, str] = {}
+    bad = 0
+    for f in files:
+        try:
+            for op in load_file(f):
+                if op.name in seen:
+                    raise ManifestError(op.file, op.line, f"duplicate op {op.name!r}: first declared at {seen[op.name]}")
+                seen[op.name] = op.where()
+        except ManifestError as e:
+            print(str(e))
+            bad += 1
+    if not bad:
+        print(f"ok: {len(seen)} ops in {len(files)} files")
+    return 1 if bad else 0
+
+
+def _op_and_call(name: str, label: str | None, device: str = "cpu"):
+    import torch
+
+    from .manifest import get
+    from .op import CallSpec
+    from .workloads import case_dims, case_params, op_class
+
+    m = get(name)
+    case = m.case(label) if label else m.cases[0]
+    params = case_params(m, case)
+    op = op_class(name)(**params)
+    dims = case_dims(m, case)
+    dtypes = []
+    for t in m.inputs:
+        if t.range is not None:
+            dtypes.append((t.name, "int64" if "int64" in t.dtypes else t.dtypes[0]))
+        else:
+            dtypes.append((t.name, case.dtypes[0]))
+    return m, case, op, CallSpec(torch.device(device), tuple(dtypes), tuple(sorted(dims.items())))
+
+
+def cmd_emit(args: argparse.Namespace) -> int:
+    from .generate import emit_source
+
+    try:
+        m, case, op, call = _op_and_call(args.op, args.case)
+    except KeyError as e:
+        print(f"tileops emit: {e.args[0]}", file=sys.stderr)
+        return 2
+    backend = "c" if args.arch == "c" else "cuda"
+    family = importlib.import_module(f"tileops.{m.family}.builtin")
+    spec = family.kernel_spec(op, call, backend)
+    print(f"// {m.name} case {case.label}, {args.arch}: {spec}")
+    print(emit_source(m.kernel.builder, spec, backend, args.arch))
+    return 0
+
+
+def _time(fn: Any, sync: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from .workloads import op_class, workload
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    rows = []
+    failed = 0
+    for name, m in _manifests().items():
+        case = m.cases[0]
+        dtype = case.dtypes[0]
+        w = workload(m, case, dtype, device, shrink=device.type == "cpu")
+        op = op_class(name)(**w.params)
+        t0 = time.perf_counter()
+        out = op(**w.inputs)
+        sync()
+        first = time.perf_counter() - t0
+        med = _time(lambda: op(**w.inputs), sync, 20 if device.type == "cuda" else 3)
+        family = importlib.import_module(f"tileops.{m.family}.reference")
+        ref = family.reference(op, w.inputs)
+        got = out.detach().cpu().double()
+        atol, rtol = TOLERANCES[dtype]
+        err = (got - ref).abs()
+        ok = bool(torch.isfinite(got).all()) and bool((err <= atol + rtol * ref.abs()).all())
+        failed += not ok
+        shape = "x".join(str(s) for s in w.inputs[m.inputs[0].name].shape)
+        rows.append((name, f"{case.label}-{dtype}", shape, str(device), op.serving_target or "-",
+                     f"{err.max().item():.2e}", f"{first:.2f} s", f"{med * 1e6:.1f} us", "ok" if ok else "MISMATCH"))
+    head = ("op", "case", "shape", "device", "target", "max err", "first call", "median", "")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+    print(f"{len(rows) - failed} ok, {failed} mismatched")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tileops", description="LLM operators as TileLang tile programs.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="ops, family and summary").set_defaults(fn=cmd_list)
+    p = sub.add_parser("show", help="one op's manifest, readable")
+    p.add_argument("op")
+    p.set_defaults(fn=cmd_show)
+    p = sub.add_parser("check", help="validate manifests: the packaged ones, or the files given")
+    p.add_argument("files", nargs="*")
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("emit", help="print the kernel source generated for a case")
+    p.add_argument("op")
+    p.add_argument("--case", help="case label (default: the first case)")
+    p.add_argument("--arch", default="sm_90", choices=["sm_90", "sm_80", "c"],
+                   help="CUDA C for an sm arch, or C for the CPU (default sm_90)")
+    p.set_defaults(fn=cmd_emit)
+    p = sub.add_parser("demo", help="run every op's first case against a float64 reference")
+    p.add_argument("--device", help="default: cuda if there is a GPU, else cpu")
+    p.set_defaults(fn=cmd_demo)
+    for extra in ("coverage", "bench"):
+        mod = f"tileops.cli_{extra}"
+        try:
+            importlib.import_module(mod).register(sub)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+    args = parser.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""A float64 evaluation of a RoPE op, for ``tileops demo``.
+
+It follows ``rope-semantics`` directly: angles and cos/sin in float64, no tables, no kernels. (The
+test suite has its own references in ``tests/``, written without any of tileops' code.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+__all__ = ["reference"]
+
+
+def reference(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    x = inputs["x"].detach().cpu().to(torch.float64)
+    head_dim = x.shape[-1]
+    rot = op.rotated_width(head_dim)
+    inv_freq, amplitude = op.frequencies(rot)
+    if op.layout == "ids":
+        pos = inputs["position_ids"].detach().cpu().to(torch.float64)
+    else:
+        pos = torch.arange(x.shape[0] if op.layout == "1d" else x.shape[1], dtype=torch.float64)
+    angle = pos[:, None] * inv_freq
+    c, s = angle.cos() * amplitude, angle.sin() * amplitude
+    if op.layout == "2d":
+        c, s = c[None, :, None, :], s[None, :, None, :]
+    elif op.layout == "ids":
+        c, s = c[:, None, :], s[:, None, :]
+    out = x.clone()
+    if op.pairing == "neox":
+        a, b = x[..., : rot // 2], x[..., rot // 2 : rot]
+        out[..., : rot // 2], out[..., rot // 2 : rot] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[..., 0:rot:2], x[..., 1:rot:2]
+        out[..., 0:rot:2], out[..., 1:rot:2] = a * c - b * s, b * c + a * s
+    return out
