@@ -78,14 +78,14 @@ def _load_f32(buf, idx, storage: str, dtype: str):
     """An element of ``buf`` as fp32. bf16 on the C backend is stored as int16 bits."""
     if dtype == "bfloat16" and storage == "int16":
         bits = T.shift_left(T.cast(T.cast(buf[idx], "uint16"), "uint32"), T.uint32(16))
-        return T.reinterpret("float32", bits)
+        return T.reinterpret(bits, "float32")
     return T.cast(buf[idx], "float32")
 
 
 def _to_storage(value, storage: str, dtype: str):
     """fp32 -> the stored type, rounding to nearest even (bf16 bits by hand on the C backend)."""
     if dtype == "bfloat16" and storage == "int16":
-        u = T.reinterpret("uint32", value)
+        u = T.reinterpret(value, "uint32")
         rounded = T.shift_right(u + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(u, T.uint32(16)), T.uint32(1)),
                                 T.uint32(16))
         return T.cast(T.cast(rounded, "uint16"), "int16")
@@ -197,8 +197,10 @@ def _build_cuda(spec: RopeKernelSpec):
         sl = T.alloc_local((V,), "float32")
         xa = T.alloc_local((V,), dt)
         xb = T.alloc_local((V,), dt)
-        ya = T.alloc_local((V,), dt)
-        yb = T.alloc_local((V,), dt)
+        # results stay fp32 until the store: a vectorized cast + store gives one 16-byte st.global
+        # (computing into a half array let nvcc split the first store into four 4-byte ones)
+        ya = T.alloc_local((V,), "float32")
+        yb = T.alloc_local((V,), "float32")
         p = T.alloc_var("int64")
         if s < S:
             if by_ids:
@@ -239,28 +241,28 @@ def _build_cuda(spec: RopeKernelSpec):
                         for v in T.serial(V):
                             a = T.cast(xa[v], "float32")
                             c = T.cast(xb[v], "float32")
-                            ya[v] = T.cast(a * cs[v] - c * sn[v], dt)
-                            yb[v] = T.cast(c * cs[v] + a * sn[v], dt)
+                            ya[v] = a * cs[v] - c * sn[v]
+                            yb[v] = c * cs[v] + a * sn[v]
                     else:
                         for v in T.serial(V // 2 if V > 1 else 1):
                             if V > 1:
                                 a = T.cast(xa[2 * v], "float32")
                                 c = T.cast(xa[2 * v + 1], "float32")
-                                ya[2 * v] = T.cast(a * cs[v] - c * sn[v], dt)
-                                ya[2 * v + 1] = T.cast(c * cs[v] + a * sn[v], dt)
+                                ya[2 * v] = a * cs[v] - c * sn[v]
+                                ya[2 * v + 1] = c * cs[v] + a * sn[v]
                                 a2 = T.cast(xb[2 * v], "float32")
                                 c2 = T.cast(xb[2 * v + 1], "float32")
-                                yb[2 * v] = T.cast(a2 * cs[V // 2 + v] - c2 * sn[V // 2 + v], dt)
-                                yb[2 * v + 1] = T.cast(c2 * cs[V // 2 + v] + a2 * sn[V // 2 + v], dt)
+                                yb[2 * v] = a2 * cs[V // 2 + v] - c2 * sn[V // 2 + v]
+                                yb[2 * v + 1] = c2 * cs[V // 2 + v] + a2 * sn[V // 2 + v]
                             else:
                                 a = T.cast(xa[0], "float32")
                                 c = T.cast(xb[0], "float32")
-                                ya[0] = T.cast(a * cs[0] - c * sn[0], dt)
-                                yb[0] = T.cast(c * cs[0] + a * sn[0], dt)
+                                ya[0] = a * cs[0] - c * sn[0]
+                                yb[0] = c * cs[0] + a * sn[0]
                     for v in T.vectorized(V):
-                        Y[bb, s, h, o1 + v] = ya[v]
+                        Y[bb, s, h, o1 + v] = T.cast(ya[v], dt)
                     for v in T.vectorized(V):
-                        Y[bb, s, h, o2 + v] = yb[v]
+                        Y[bb, s, h, o2 + v] = T.cast(yb[v], dt)
             else:
                 o = R + (lane - C) * V
                 for k in T.serial(T.ceildiv(H - hl, HL)):

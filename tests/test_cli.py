@@ -1,0 +1,60 @@
+"""The command line: list, show, check, demo."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from contextlib import redirect_stdout
+
+from tileops.cli import main
+
+
+def run(*args: str) -> tuple[int, str]:
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        code = main(list(args))
+    return code, buf.getvalue()
+
+
+def test_list_shows_five_ops():
+    code, out = run("list")
+    assert code == 0
+    for name in ("RoPEFwdOp", "RoPENeoxPositionIdsFwdOp", "RoPELlama31FwdOp", "YaRNFwdOp", "LongRoPEFwdOp"):
+        assert name in out
+    assert len(out.strip().splitlines()) == 5
+
+
+def test_show_prints_params_and_cases():
+    code, out = run("show", "RoPENeoxPositionIdsFwdOp")
+    assert code == 0
+    assert "max_position: int (required)" in out and "rotary_dim" in out and "ids-2k" in out
+
+
+def test_show_unknown_op():
+    code, _ = run("show", "NoSuchOp")
+    assert code == 2
+
+
+def test_check_packaged():
+    code, out = run("check")
+    assert code == 0 and "ok: 5 ops" in out
+
+
+def test_check_reports_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("MyOp:\n  family: rope\n  sumary: typo\n")
+    code, out = run("check", str(bad))
+    assert code == 1
+    assert f"{bad}:3:" in out and "sumary" in out
+
+
+def test_module_entry_point():
+    done = subprocess.run([sys.executable, "-m", "tileops", "list"], capture_output=True, text=True, check=True)
+    assert "RoPEFwdOp" in done.stdout
+
+
+def test_demo_passes_on_cpu():
+    code, out = run("demo", "--device", "cpu")
+    assert code == 0, out
+    assert "5 ok, 0 mismatched" in out

@@ -1,0 +1,108 @@
+"""BUILTIN kernels (TileLang C on the CPU) against the float64 references, on odd shapes.
+
+Every output is compared element by element with ``tests/references.py`` (float64, no shared code
+with the kernels). Inputs are fresh random draws; outputs are new tensors, so an unwritten element
+would hold whatever ``torch.empty`` left there: we also check the kernel writes every element by
+running it into memory pre-filled with NaN (see ``test_every_element_written``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.references import reference
+from tileops import BUILTIN
+from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
+
+# |out - ref| <= atol + rtol * |ref|: one rounding of an fp32 result to the output dtype, plus slack
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    atol, rtol = TOL[out.dtype]
+    got = out.double()
+    assert torch.isfinite(got).all(), "non-finite output"
+    err = (got - ref).abs()
+    bad = err > atol + rtol * ref.abs()
+    assert not bad.any(), f"{int(bad.sum())} elements off; max error {err.max().item():.3e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("rope_layout", ["neox", "interleaved"])
+@pytest.mark.parametrize("seq_len", [1, 37, 300])
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_rope_1d_2d(dtype, rope_layout, seq_len, head_dim, gen):
+    for layout, shape in (("1d", (seq_len, head_dim)), ("2d", (2, seq_len, 5, head_dim))):
+        op = RoPEFwdOp(rope_layout=rope_layout, input_layout=layout, target=BUILTIN)
+        x = torch.randn(shape, generator=gen).to(dtype)
+        before = x.clone()
+        out = op(x)
+        assert out.shape == x.shape and out.dtype == dtype and out.data_ptr() != x.data_ptr()
+        assert torch.equal(x, before), "the input was modified"
+        assert_close(out, reference("RoPEFwdOp", {"rope_layout": rope_layout, "input_layout": layout}, {"x": x}))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_position_ids_partial(dtype, pos_dtype, gen):
+    op = RoPENeoxPositionIdsFwdOp(50_000, rotary_dim=96, target=BUILTIN)
+    x = torch.randn(23, 7, 256, generator=gen).to(dtype)
+    pos = torch.randint(0, 50_000, (23,), generator=gen, dtype=pos_dtype)
+    out = op(x, pos)
+    ref = reference("RoPENeoxPositionIdsFwdOp", {"max_position": 50_000, "rotary_dim": 96},
+                    {"x": x, "position_ids": pos})
+    assert_close(out, ref)
+    assert torch.equal(out[..., 96:], x[..., 96:]), "columns past rotary_dim must be copied exactly"
+
+
+def test_every_element_written(gen):
+    """Run the compiled kernel directly into a NaN-filled output: no element may stay NaN."""
+    from tileops.generate import compile_kernel
+    from tileops.kernels.rope import RopeKernelSpec
+    from tileops.rope.tables import RopeTables
+    from tileops.kernels.rope import LO
+
+    spec = RopeKernelSpec(dtype="float32", head_dim=96, rot=96, pairing="interleaved", backend="c")
+    kernel = compile_kernel("rope", spec, "c", "c")
+    x = torch.randn(3, 37, 5, 96, generator=gen)
+    out = torch.full_like(x, float("nan"))
+    inv = 10000.0 ** (-torch.arange(0, 96, 2, dtype=torch.float64) / 96)
+    tables = RopeTables(inv, 1.0, LO)
+    kernel(x, out, tables.high(torch.device("cpu"), 37), tables.low(torch.device("cpu")))
+    assert not out.isnan().any()
+    assert_close(out, reference("RoPEFwdOp", {"rope_layout": "interleaved", "input_layout": "2d"}, {"x": x}))
+
+
+def test_accuracy_does_not_degrade_with_position(gen):
+    """fp32 output within a few fp32 ulps of float64 at every position up to 2^20."""
+    seq = 1 << 20
+    op = RoPEFwdOp(input_layout="1d", target=BUILTIN)
+    x = torch.randn(seq, 8, generator=gen)
+    out = op(x).double()
+    ref = reference("RoPEFwdOp", {"input_layout": "1d"}, {"x": x})
+    # pair magnitude bounds |out|; an fp32 ulp of it is 2^-23 * magnitude
+    mag = torch.sqrt(x[:, :4].double() ** 2 + x[:, 4:].double() ** 2).repeat(1, 2)
+    ulps = (out - ref).abs() / (mag * 2.0**-23)
+    tail = ulps[-4096:].max().item()
+    assert ulps.max().item() < 8, f"max error {ulps.max().item():.1f} ulps"
+    assert tail < 8, f"error at positions near 2^20: {tail:.1f} ulps"
+
+
+def test_non_contiguous_and_unaligned_inputs(gen):
+    op = RoPEFwdOp(input_layout="2d", target=BUILTIN)
+    base = torch.randn(2, 5, 37, 64, generator=gen)
+    x = base.transpose(1, 2)  # [B, S, H, D] view of a [B, H, S, D] tensor
+    assert not x.is_contiguous()
+    assert_close(op(x), reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": x}))
+    flat = torch.randn(1 + 2 * 37 * 5 * 64, generator=gen)
+    y = flat[1:].view(2, 37, 5, 64)  # contiguous but 4 bytes past a 16-byte boundary
+    assert y.data_ptr() % 16
+    assert_close(op(y), reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": y}))
+
+
+def test_empty_sequence():
+    op = RoPEFwdOp(input_layout="2d", target=BUILTIN)
+    out = op(torch.randn(2, 0, 4, 64))
+    assert out.shape == (2, 0, 4, 64)
