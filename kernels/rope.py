@@ -52,6 +52,7 @@ class RopeKernelSpec:
     backend: str = "cuda"  # cuda | c
     head_lanes: int = 4  # cuda: threads that split one token's heads
     threads: int = 128  # cuda: target threads per block
+    tokens_per_thread: int = 1  # cuda: tokens each thread walks
 
     def __post_init__(self) -> None:
         if self.dtype not in _ELEM_BYTES:
@@ -167,15 +168,27 @@ def _build_c(spec: RopeKernelSpec):
     return rope_c
 
 
+# 16-byte stores through st.global.cg: written as plain uint4 stores, nvcc split the first of the
+# two output vectors of each head into four 4-byte stores (seen in the PTX for sm_90 and sm_80).
+# .cg also keeps the streamed output out of L1, which holds the cos/sin tables.
+_CUDA_HELPERS = """
+template <typename T> __device__ __forceinline__ void tileops_st16(T* dst, const T* src) {
+  __stcg(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(src));
+}
+"""
+
+
 def _build_cuda(spec: RopeKernelSpec):
     D, R, half = spec.head_dim, spec.rot, spec.rot // 2
     dt = spec.dtype
     V = spec.vec
+    wide = V * _ELEM_BYTES[dt] == 16  # a vector is a full 16 bytes: store it with tileops_st16
     C = half // V  # lanes that rotate: each owns V pairs (2 * V elements of x)
     CP = (D - R) // V  # lanes that copy the unrotated tail, one V-vector each
     CL = C + CP
     HL = max(1, spec.head_lanes)
-    TOK = max(1, spec.threads // (CL * HL))  # tokens per block
+    TOK = max(1, spec.threads // (CL * HL))  # token slots per block
+    TPT = max(1, spec.tokens_per_thread)  # tokens each thread walks, TOK apart
     threads = CL * HL * TOK
     B, S, H, NH = T.dynamic("B, S, H, NH")
     by_ids = spec.positions is not None
@@ -183,12 +196,20 @@ def _build_cuda(spec: RopeKernelSpec):
     neox = spec.pairing == "neox"
 
     @T.macro
+    def store(Y, bb, s, h, o, vals):
+        if wide:
+            T.call_extern("handle", "tileops_st16", T.address_of(Y[bb, s, h, o]), T.address_of(vals[0]))
+        else:
+            for v in T.vectorized(V):
+                Y[bb, s, h, o + v] = vals[v]
+
+    @T.macro
     def body(X, Y, TH, TL, P, ERR, max_position, bx, bb):
+        T.import_source(_CUDA_HELPERS)
         tx = T.get_thread_binding()
         lane = tx % CL
         tok = (tx // CL) % TOK
         hl = tx // (CL * TOK)
-        s = bx * TOK + tok
         cs = T.alloc_local((V,), "float32")
         sn = T.alloc_local((V,), "float32")
         ch = T.alloc_local((V,), "float32")
@@ -197,95 +218,91 @@ def _build_cuda(spec: RopeKernelSpec):
         sl = T.alloc_local((V,), "float32")
         xa = T.alloc_local((V,), dt)
         xb = T.alloc_local((V,), dt)
-        # results stay fp32 until the store: a vectorized cast + store gives one 16-byte st.global
-        # (computing into a half array let nvcc split the first store into four 4-byte ones)
-        ya = T.alloc_local((V,), "float32")
-        yb = T.alloc_local((V,), "float32")
+        ya = T.alloc_local((V,), dt)
+        yb = T.alloc_local((V,), dt)
         p = T.alloc_var("int64")
-        if s < S:
-            if by_ids:
-                raw = T.cast(P[s], "int64")
-                if raw < 0 or raw >= T.cast(max_position, "int64"):
-                    ERR[0] = 1
-                    p = 0
-                else:
-                    p = raw
-            else:
-                p = T.cast(s, "int64")
-            if lane < C:
-                hi = p // LO
-                lo = p % LO
-                j0 = lane * V
-                for v in T.vectorized(V):
-                    ch[v] = TH[hi, 0, j0 + v]
-                for v in T.vectorized(V):
-                    sh[v] = TH[hi, 1, j0 + v]
-                for v in T.vectorized(V):
-                    cl[v] = TL[lo, 0, j0 + v]
-                for v in T.vectorized(V):
-                    sl[v] = TL[lo, 1, j0 + v]
-                for v in T.serial(V):
-                    cs[v] = ch[v] * cl[v] - sh[v] * sl[v]
-                    sn[v] = sh[v] * cl[v] + ch[v] * sl[v]
-                # neox: the V pairs are x[j0 : j0+V] with x[half+j0 : ...];
-                # interleaved: they are the 2V contiguous elements x[2*j0 : 2*j0 + 2V].
-                o1 = j0 if neox else 2 * j0
-                o2 = half + j0 if neox else 2 * j0 + V
-                for k in T.serial(T.ceildiv(H - hl, HL)):
-                    h = hl + k * HL
-                    for v in T.vectorized(V):
-                        xa[v] = X[bb, s, h, o1 + v]
-                    for v in T.vectorized(V):
-                        xb[v] = X[bb, s, h, o2 + v]
-                    if neox:
-                        for v in T.serial(V):
-                            a = T.cast(xa[v], "float32")
-                            c = T.cast(xb[v], "float32")
-                            ya[v] = a * cs[v] - c * sn[v]
-                            yb[v] = c * cs[v] + a * sn[v]
+        for kt in T.unroll(TPT):
+            s = (bx * TPT + kt) * TOK + tok
+            if s < S:
+                if by_ids:
+                    raw = T.cast(P[s], "int64")
+                    if raw < 0 or raw >= T.cast(max_position, "int64"):
+                        ERR[0] = 1
+                        p = 0
                     else:
-                        for v in T.serial(V // 2 if V > 1 else 1):
-                            if V > 1:
+                        p = raw
+                else:
+                    p = T.cast(s, "int64")
+                if lane < C:
+                    hi = p // LO
+                    lo = p % LO
+                    j0 = lane * V
+                    for v in T.vectorized(V):
+                        ch[v] = TH[hi, 0, j0 + v]
+                    for v in T.vectorized(V):
+                        sh[v] = TH[hi, 1, j0 + v]
+                    for v in T.vectorized(V):
+                        cl[v] = TL[lo, 0, j0 + v]
+                    for v in T.vectorized(V):
+                        sl[v] = TL[lo, 1, j0 + v]
+                    for v in T.serial(V):
+                        cs[v] = ch[v] * cl[v] - sh[v] * sl[v]
+                        sn[v] = sh[v] * cl[v] + ch[v] * sl[v]
+                    # neox: the V pairs are x[j0 : j0+V] with x[half+j0 : ...];
+                    # interleaved: they are the 2V contiguous elements x[2*j0 : 2*j0 + 2V], split in
+                    # two vectors; element e of the pair run is (vector e // V, slot e % V).
+                    o1 = j0 if neox else 2 * j0
+                    o2 = half + j0 if neox else 2 * j0 + V
+                    for k in T.serial(T.ceildiv(H - hl, HL)):
+                        h = hl + k * HL
+                        for v in T.vectorized(V):
+                            xa[v] = X[bb, s, h, o1 + v]
+                        for v in T.vectorized(V):
+                            xb[v] = X[bb, s, h, o2 + v]
+                        if neox:
+                            for v in T.serial(V):
+                                a = T.cast(xa[v], "float32")
+                                c = T.cast(xb[v], "float32")
+                                ya[v] = T.cast(a * cs[v] - c * sn[v], dt)
+                                yb[v] = T.cast(c * cs[v] + a * sn[v], dt)
+                        elif V == 1:
+                            a = T.cast(xa[0], "float32")
+                            c = T.cast(xb[0], "float32")
+                            ya[0] = T.cast(a * cs[0] - c * sn[0], dt)
+                            yb[0] = T.cast(c * cs[0] + a * sn[0], dt)
+                        else:
+                            for v in T.serial(V // 2):
                                 a = T.cast(xa[2 * v], "float32")
                                 c = T.cast(xa[2 * v + 1], "float32")
-                                ya[2 * v] = a * cs[v] - c * sn[v]
-                                ya[2 * v + 1] = c * cs[v] + a * sn[v]
+                                ya[2 * v] = T.cast(a * cs[v] - c * sn[v], dt)
+                                ya[2 * v + 1] = T.cast(c * cs[v] + a * sn[v], dt)
                                 a2 = T.cast(xb[2 * v], "float32")
                                 c2 = T.cast(xb[2 * v + 1], "float32")
-                                yb[2 * v] = a2 * cs[V // 2 + v] - c2 * sn[V // 2 + v]
-                                yb[2 * v + 1] = c2 * cs[V // 2 + v] + a2 * sn[V // 2 + v]
-                            else:
-                                a = T.cast(xa[0], "float32")
-                                c = T.cast(xb[0], "float32")
-                                ya[0] = a * cs[0] - c * sn[0]
-                                yb[0] = c * cs[0] + a * sn[0]
-                    for v in T.vectorized(V):
-                        Y[bb, s, h, o1 + v] = T.cast(ya[v], dt)
-                    for v in T.vectorized(V):
-                        Y[bb, s, h, o2 + v] = T.cast(yb[v], dt)
-            else:
-                o = R + (lane - C) * V
-                for k in T.serial(T.ceildiv(H - hl, HL)):
-                    h = hl + k * HL
-                    for v in T.vectorized(V):
-                        xa[v] = X[bb, s, h, o + v]
-                    for v in T.vectorized(V):
-                        Y[bb, s, h, o + v] = xa[v]
+                                yb[2 * v] = T.cast(a2 * cs[V // 2 + v] - c2 * sn[V // 2 + v], dt)
+                                yb[2 * v + 1] = T.cast(c2 * cs[V // 2 + v] + a2 * sn[V // 2 + v], dt)
+                        store(Y, bb, s, h, o1, ya)
+                        store(Y, bb, s, h, o2, yb)
+                else:
+                    o = R + (lane - C) * V
+                    for k in T.serial(T.ceildiv(H - hl, HL)):
+                        h = hl + k * HL
+                        for v in T.vectorized(V):
+                            xa[v] = X[bb, s, h, o + v]
+                        store(Y, bb, s, h, o, xa)
 
+    grid = TOK * TPT
     if by_ids:
         @T.prim_func
         def rope_ids_cuda(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
                           TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32"),
                           P: T.Tensor((S,), pdt), ERR: T.Tensor((1,), "int32"), max_position: T.int32):
-            with T.Kernel(T.ceildiv(S, TOK), B, threads=threads) as (bx, bb):
+            with T.Kernel(T.ceildiv(S, grid), B, threads=threads) as (bx, bb):
                 body(X, Y, TH, TL, P, ERR, max_position, bx, bb)
         return rope_ids_cuda
 
     @T.prim_func
     def rope_cuda(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
                   TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32")):
-        with T.Kernel(T.ceildiv(S, TOK), B, threads=threads) as (bx, bb):
+        with T.Kernel(T.ceildiv(S, grid), B, threads=threads) as (bx, bb):
             body(X, Y, TH, TL, None, None, 0, bx, bb)
     return rope_cuda
-
-

@@ -57,7 +57,7 @@ def test_cuda_source_compiles_with_16_byte_accesses(op, case, arch, tmp_path):
                     str(cu)], check=True, capture_output=True)
     ptx = _ptx(src, arch, tmp_path)
     loads = re.findall(r"ld\.global(?:\.nc)?\.v4\.(?:u32|f32|b32)", ptx)
-    stores = re.findall(r"st\.global\.v4\.(?:u32|f32|b32)", ptx)
+    stores = re.findall(r"st\.global(?:\.cg)?\.v4\.(?:u32|f32|b32)", ptx)
     assert loads, "no 16-byte global loads"
     assert stores, "no 16-byte global stores"
     narrow_loads = re.findall(r"ld\.global(?:\.nc)?\.(?:u8|u16|s16|b16|v2\.u16)\b", ptx)

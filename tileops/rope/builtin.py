@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 
 from ..generate import compile_kernel, device_backend
+from ..launch import launcher
 
 __all__ = ["implement", "kernel_spec"]
 
@@ -41,7 +42,7 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
     dtype = spec.dtype("x")
     by_ids = op.layout == "ids"
     kspec = kernel_spec(op, spec, backend)
-    kernel = compile_kernel(op.manifest.kernel.builder, kspec, backend, arch)
+    kernel = launcher(compile_kernel(op.manifest.kernel.builder, kspec, backend, arch), device)
     from tileops.kernels.rope import LO
 
     tables = op._tables(kspec.rot, LO)
