@@ -41,19 +41,19 @@ def launcher(kernel: Any, device: torch.device) -> Callable[..., None]:
         raw_stream = torch._C._cuda_getCurrentRawStream
         current = torch.cuda.current_device
 
-        def stream() -> int:
-            if current() != index:  # the C entry point launches on the current device
-                torch.cuda.set_device(index)
-            return raw_stream(index)
+        def run(cargs: list) -> int:
+            if current() == index:
+                return call(*cargs, void_p(raw_stream(index)))
+            with torch.cuda.device(index):  # the C entry point launches on the current device
+                return call(*cargs, void_p(raw_stream(index)))
     else:
-        def stream() -> int:
-            return 0
+        def run(cargs: list) -> int:
+            return call(*cargs, void_p(0))
 
     def launch(*args: Any) -> None:
         cargs = [void_p(a.data_ptr()) if s is None else s(a) for a, s in zip(args, scalar)]
         cargs.extend(c_int64(args[b].shape[d]) for b, d in extents)
-        cargs.append(void_p(stream()))
-        if call(*cargs) != 0:
+        if run(cargs) != 0:
             raise RuntimeError(f"TileLang kernel failed: {lib.get_last_error().decode('utf-8', 'replace')}")
 
     return launch
