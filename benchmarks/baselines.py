@@ -36,7 +36,11 @@ def _rope_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: in
 
 
 def make_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., torch.Tensor], tuple]:
-    """(function, args) computing ``op`` on ``inputs`` the HF way, with its cos/sin precomputed."""
+    """(function, args) computing ``op`` on ``inputs`` the HF way, with its cos/sin precomputed.
+
+    The tensors of ``inputs`` come first in ``args``, in the op's input order, so a caller can swap
+    in another input set of the same shapes: ``(*new_inputs.values(), *args[len(inputs):])``.
+    """
     x = inputs["x"]
     rot = op.rotated_width(x.shape[-1])
     inv, amp = op.frequencies(rot)

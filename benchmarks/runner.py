@@ -2,9 +2,10 @@
 
     python -m benchmarks [--ops RoPEFwdOp,...] [--cases LABEL,...] [--out benchmarks/results]
 
-Workloads are the manifests' cases marked ``bench`` (each in its first dtype). Every timing is a
-median over ``triton.testing.do_bench`` (L2 flushed before each run), p20/p80 beside it; a large
-device-to-device copy in the same run gives the ceiling. Results go to ``results/latest.{json,md,png}``.
+Workloads are the manifests' cases marked ``bench`` (each in its first dtype). Every timing is the
+median of 200 calls timed with CUDA events, p20/p80 beside it, rotating through enough input sets
+to exceed L2 three times (``benchmarks/timing.py``); a large device-to-device copy in the same run
+gives the ceiling. Results go to ``results/latest.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -27,23 +28,11 @@ from tileops.manifest import registry
 from tileops.workloads import bytes_moved, op_class, workload
 
 from .baselines import liger_baseline, make_baseline
+from .timing import copy_rate, gpu_time, rotation
 
 HERE = Path(__file__).resolve().parent
 
 
-def _bench(fn: Callable[[], Any]) -> tuple[float, float, float]:
-    from triton.testing import do_bench
-
-    med, p20, p80 = do_bench(fn, warmup=25, rep=200, quantiles=[0.5, 0.2, 0.8], return_mode="median")
-    return med * 1e3, p20 * 1e3, p80 * 1e3  # ms -> us
-
-
-def copy_rate(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    med, _, _ = _bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / (med * 1e-6) / 1e9
 
 
 def host_time_us(fn: Callable[[], Any], calls: int = 2000) -> float:
@@ -75,11 +64,8 @@ def end_to_end_us(fn: Callable[[], Any], calls: int = 200) -> float:
     return statistics.median(times) * 1e6
 
 
-def _compile(fn: Callable, args: tuple) -> Callable[[], Any]:
-    cfn = torch.compile(fn, dynamic=False)
-    for _ in range(3):
-        cfn(*args)
-    return lambda: cfn(*args)
+def _bind(args: tuple, inputs: dict[str, torch.Tensor]) -> tuple:
+    return (*inputs.values(), *args[len(inputs):])
 
 
 def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -> dict[str, Any]:
@@ -104,11 +90,16 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
         torch.cuda.synchronize()
         first_call = time.perf_counter() - t0
         nbytes = bytes_moved(w)
-        ours = _bench(lambda: op(**w.inputs))
+        n = rotation(nbytes)
+        sets = [w.inputs] + [workload(m, case, dtype, "cuda").inputs for _ in range(n - 1)]
+        queue = op.layout != "ids"  # the position check reads a device flag: the call waits for it
+        ours = gpu_time(lambda i: op(**sets[i]), n, queue_ahead=queue)
         base_fn, base_args = make_baseline(op, w.inputs)
-        eager = _bench(lambda: base_fn(*base_args))
+        bargs = [_bind(base_args, x) for x in sets]
+        eager = gpu_time(lambda i: base_fn(*bargs[i]), n)
         try:
-            compiled = _bench(_compile(base_fn, base_args))
+            cfn = torch.compile(base_fn, dynamic=False)
+            compiled = gpu_time(lambda i: cfn(*bargs[i]), n)
         except Exception as e:  # torch.compile may be unavailable (no compiler on the host)
             print(f"torch.compile failed on {case.label}: {e}", file=sys.stderr)
             compiled = (float("nan"),) * 3
@@ -116,7 +107,8 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
         lg = liger_baseline(op, w.inputs)
         if lg is not None:
             lfn, largs = lg
-            t = _bench(lambda: lfn(*largs))
+            lsets = [liger_baseline(op, x)[1] for x in sets[: max(2, n // 2)]]  # q and k: twice the bytes
+            t = gpu_time(lambda i: lfn(*lsets[i]), len(lsets))
             liger = tuple(v / 2 for v in t)  # it rotates q and k: two op calls' worth of bytes
         row = {
             "op": m.name, "case": case.label, "dtype": dtype,
@@ -127,7 +119,7 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
             "first_call_s": first_call,
         }
         row["pct_copy"] = 100 * row["gbps"] / ceiling
-        if nbytes < (1 << 20):
+        if nbytes < (1 << 20) or case.label.endswith("small"):
             row["host_us"] = host_time_us(lambda: op(**w.inputs))
             row["end_to_end_us"] = end_to_end_us(lambda: op(**w.inputs))
         rows.append(row)

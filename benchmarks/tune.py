@@ -66,18 +66,18 @@ def main() -> int:
     print(f"compiling {len(specs)} kernels", flush=True)
     with ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 4)) as pool:
         list(pool.map(_compile, specs))
-    from triton.testing import do_bench
+    from .timing import copy_rate, gpu_time, rotation
 
     dev = torch.device("cuda")
-    copy_src = torch.randn(1 << 28, device=dev, dtype=torch.float16)
-    copy_dst = torch.empty_like(copy_src)
-    cp = do_bench(lambda: copy_dst.copy_(copy_src), return_mode="median") * 1e-3
-    rate = 2 * copy_src.numel() * 2 / cp
+    rate = copy_rate() * 1e9
     print(f"copy rate {rate / 1e9:.0f} GB/s")
     for w in wl:
         name, dtype, layout, B, S, H, D, rot, pairing, positions = w
-        x = torch.randn(B, S, H, D, device=dev).to(getattr(torch, dtype))
-        y = torch.empty_like(x)
+        one = B * S * H * D * torch.tensor([], dtype=getattr(torch, dtype)).element_size() * 2
+        n = rotation(one)
+        xs = [torch.randn(B, S, H, D, device=dev).to(getattr(torch, dtype)) for _ in range(n)]
+        ys = [torch.empty_like(x) for x in xs]
+        x = xs[0]
         inv = 10000.0 ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
         tabs = RopeTables(inv, 1.0, LO)
         nbytes = 2 * x.numel() * x.element_size()
@@ -91,7 +91,7 @@ def main() -> int:
         results = []
         for cfg in configs(layout, args.quick):
             k = launcher(generate.compile_kernel("rope", spec_of(w, cfg), "cuda", "sm_90"), dev)
-            t = do_bench(lambda: k(x, y, th, tl, *extra), warmup=25, rep=100, return_mode="median") * 1e-3
+            t = gpu_time(lambda i: k(xs[i], ys[i], th, tl, *extra), n)[0] * 1e-6
             results.append((t, cfg))
         results.sort(key=lambda r: r[0])
         floor = nbytes / rate
