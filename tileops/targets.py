@@ -46,8 +46,9 @@ class TargetError(ValueError):
 class Target:
     """Base class of a set of kernels.
 
-    Subclasses set :attr:`name` and implement :meth:`implement`; :meth:`claims` says whether the
-    target wants to serve a device when ops are built with ``target=None`` (default: never).
+    Subclasses set `name` and implement `implement(op, spec)`, which returns a callable taking the
+    op's input tensors as keywords; `claims(device)` says whether the target wants to serve a device
+    when ops are built with `target=None` (default: never).
     """
 
     name: str = ""

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..op import Op
+from ..targets import Target
 from . import freqs
 from .tables import RopeTables
 
@@ -51,13 +52,13 @@ class RoPEFwdOp(_RoPEBase):
     References: GPT-NeoX and HF transformers (``rotate_half``); RoFormer (Su et al., 2021,
     arXiv:2104.09864).
 
-    Example:
+    Examples:
         >>> op = RoPEFwdOp(rope_layout="neox", input_layout="2d")
         >>> out = op(torch.randn(2, 2048, 32, 128, dtype=torch.bfloat16, device="cuda"))
     """
 
     def __init__(self, rope_layout: str = "neox", input_layout: str = "1d", base: float = 10000.0, *,
-                 target: Any = None) -> None:
+                 target: str | Target | None = None) -> None:
         """Build the op; kernels are compiled at the first call.
 
         Args:
@@ -114,7 +115,7 @@ class RoPENeoxPositionIdsFwdOp(_RoPEBase):
     """
 
     def __init__(self, max_position: int, base: float = 10000.0, rotary_dim: int | None = None, *,
-                 target: Any = None) -> None:
+                 target: str | Target | None = None) -> None:
         """Build the op; kernels are compiled at the first call.
 
         Args:
@@ -184,7 +185,7 @@ class RoPELlama31FwdOp(_RoPEBase):
 
     def __init__(self, input_layout: str = "1d", base: float = 10000.0, scale_factor: float = 8.0,
                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, original_max_position: int = 8192,
-                 *, target: Any = None) -> None:
+                 *, target: str | Target | None = None) -> None:
         """Build the op; kernels are compiled at the first call.
 
         Args:
@@ -246,7 +247,7 @@ class YaRNFwdOp(_RoPEBase):
 
     def __init__(self, input_layout: str = "1d", base: float = 10000.0, scale: float = 16.0,
                  original_max_position: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0,
-                 attn_factor: float = 1.0, *, target: Any = None) -> None:
+                 attn_factor: float = 1.0, *, target: str | Target | None = None) -> None:
         """Build the op; kernels are compiled at the first call.
 
         Args:
@@ -307,7 +308,7 @@ class LongRoPEFwdOp(_RoPEBase):
 
     def __init__(self, input_layout: str = "1d", base: float = 10000.0,
                  rescale_factors: torch.Tensor | None = None, max_position_embeddings: int = 4096,
-                 original_max_position_embeddings: int = 4096, *, target: Any = None) -> None:
+                 original_max_position_embeddings: int = 4096, *, target: str | Target | None = None) -> None:
         """Build the op; kernels are compiled at the first call.
 
         Args:

@@ -1,0 +1,145 @@
+"""MkDocs hook: fills the pages from the project's own data at build time.
+
+A page asks for generated text with an HTML comment on a line of its own:
+
+    <!-- manifest: RoPEFwdOp -->        the op's manifest: params, tensors, rules (tileops.docgen)
+    <!-- ops-table[: zh] -->            every op and its summary, linked to the API reference
+    <!-- manifest-schema -->            every manifest key, from tileops.manifest.schema.SCHEMA
+    <!-- rule-language -->              the rule grammar, from tileops.manifest.expr
+    <!-- targets -->                    the registered targets and their descriptions
+    <!-- readme-commands -->            the setup commands of README.md
+    <!-- include: PATH -->              a file of the repository, as a code block
+    <!-- coverage -->                   the output of `tileops coverage --markdown`
+    <!-- benchmarks -->                 benchmarks/results/latest.md and latest.png
+
+Files are read from the repository (the folder of mkdocs.yml); ``latest.png`` is added to the site
+as a generated file, never copied into docs/. On a page of the Chinese site that has no Chinese
+version, the English text is shown under a notice saying so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File
+
+from tileops import docgen
+
+log = logging.getLogger("mkdocs.hooks.tileops")
+
+MARKER = re.compile(r"^<!--\s*([a-z-]+)(?::\s*(.+?))?\s*-->\s*$", re.MULTILINE)
+FALLBACK_NOTICE = '!!! info "本页暂无中文版。以下为英文原文。"\n\n'
+BENCH_PNG = "assets/benchmarks/latest.png"
+API_PAGE = "api/rope.md"
+OPS_TABLE_HEADERS = {"en": ("Op", "Family", "What it computes"), "zh": ("算子", "族", "计算内容（英文）")}
+_LANG = {".py": "python", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".md": "markdown", ".sh": "bash"}
+
+
+def _root(config) -> Path:
+    return Path(config.config_file_path).resolve().parent
+
+
+def on_files(files, config):
+    png = _root(config) / "benchmarks" / "results" / "latest.png"
+    if png.is_file() and files.get_file_from_path(BENCH_PNG) is None:
+        files.append(File.generated(config, BENCH_PNG, abs_src_path=str(png)))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    root = _root(config)
+
+    def expand(match: re.Match) -> str:
+        kind, arg = match.group(1), (match.group(2) or "").strip()
+        try:
+            return _expand(kind, arg, root, page)
+        except PluginError:
+            raise
+        except Exception as e:  # a broken generator must fail the build, naming the page
+            raise PluginError(f"{page.file.src_uri}: <!-- {kind}{': ' + arg if arg else ''} -->: {e}") from e
+
+    markdown = MARKER.sub(expand, markdown)
+    f = page.file
+    if getattr(f, "locale_alternate_of", None) not in (None, getattr(f, "locale", None)):
+        # This language's build fell back to the default language's page.
+        markdown = _after_title(markdown, FALLBACK_NOTICE)
+    return markdown
+
+
+def _after_title(markdown: str, text: str) -> str:
+    m = re.match(r"\s*# .*\n", markdown)
+    return markdown[: m.end()] + "\n" + text + markdown[m.end():] if m else text + markdown
+
+
+def _expand(kind: str, arg: str, root: Path, page) -> str:
+    if kind == "manifest":
+        return f'#### Manifest {{ #{arg}-manifest }}\n\n' + docgen.op_markdown(arg, root)
+    if kind == "ops-table":
+        return docgen.ops_table_markdown(_rel(API_PAGE, page.file.src_uri), OPS_TABLE_HEADERS[arg or "en"])
+    if kind == "manifest-schema":
+        return docgen.schema_markdown(int(arg) if arg else 2)
+    if kind == "rule-language":
+        return docgen.rule_language_markdown()
+    if kind == "targets":
+        return docgen.targets_markdown()
+    if kind == "readme-commands":
+        return docgen.readme_commands_markdown(_readme(root))
+    if kind == "include":
+        path = (root / arg).resolve()
+        if root not in path.parents or not path.is_file():
+            raise PluginError(f"{page.file.src_uri}: include: no file {arg!r} in the repository")
+        text = path.read_text(encoding="utf-8").rstrip("\n")
+        return f'```{_LANG.get(path.suffix, "text")} title="{arg}"\n{text}\n```'
+    if kind == "coverage":
+        return _coverage()
+    if kind == "benchmarks":
+        return _benchmarks(root, page)
+    raise PluginError(f"{page.file.src_uri}: unknown marker <!-- {kind} -->; see docs/hooks.py")
+
+
+def _rel(target: str, src_uri: str) -> str:
+    depth = src_uri.count("/")
+    return "../" * depth + target
+
+
+def _readme(root: Path) -> str:
+    readme = root / "README.md"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else ""
+    if not docgen.readme_commands(text):
+        raise PluginError(f"{readme}: no setup command (a line starting `python3 -m venv`) to show")
+    return text
+
+
+@functools.lru_cache(maxsize=1)
+def _coverage() -> str:
+    unavailable = "*Coverage table not available:* {why}\n"
+    if importlib.util.find_spec("tileops.cli_coverage") is None:
+        return unavailable.format(why="this tileops has no `tileops coverage` command.")
+    try:
+        run = subprocess.run([sys.executable, "-m", "tileops", "coverage", "--markdown"], capture_output=True,
+                             text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return unavailable.format(why="`tileops coverage --markdown` took over 10 minutes.")
+    if run.returncode != 0 or not run.stdout.strip():
+        log.warning("tileops coverage --markdown failed (exit %s): %s", run.returncode, run.stderr[-2000:])
+        return unavailable.format(why=f"`tileops coverage --markdown` exited {run.returncode}.")
+    return run.stdout
+
+
+def _benchmarks(root: Path, page) -> str:
+    results = root / "benchmarks" / "results"
+    out = []
+    if (results / "latest.png").is_file():
+        out.append(f"![Benchmark results: the bandwidth each case reaches, tileops against the baselines and "
+                   f"the device's copy rate]({_rel(BENCH_PNG, page.file.src_uri)})")
+    md = results / "latest.md"
+    if md.is_file():
+        out.append(md.read_text(encoding="utf-8").strip())
+    return "\n\n".join(out) + "\n" if out else "*No benchmark results have been committed yet.*\n"

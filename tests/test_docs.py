@@ -1,0 +1,211 @@
+"""The docs site: it builds with ``mkdocs build --strict``, its generated parts hold what the code and
+the manifests hold, the API reference shows every op, parameter and tensor in a real browser, and
+the examples it shows run (the example target package is installed and used through its entry point).
+"""
+
+from __future__ import annotations
+
+import doctest
+import html
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[docs]')")
+
+from tileops import docgen  # noqa: E402
+from tileops.manifest import registry  # noqa: E402
+from tileops.manifest.schema import SCHEMA  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOT = ROOT / "build" / "docs-screenshot.png"
+EXAMPLE = ROOT / "docs" / "examples" / "tileops_target_example"
+ROPE_OPS = sorted(name for name, m in registry().items() if m.family == "rope")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert run.returncode == 0, f"mkdocs build --strict failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    return out
+
+
+def _page(site: Path, path: str) -> str:
+    return (site / path / "index.html").read_text(encoding="utf-8")
+
+
+def _text(markup: str) -> str:
+    markup = re.sub(r"<(script|style)\b.*?</\1>", " ", markup, flags=re.S)
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", markup)).split())
+
+
+def _squash(text: str) -> str:
+    """Text without whitespace: highlighted code and inline tags split words where the source did not."""
+    return "".join(text.split())
+
+
+def _default_forms(value: object) -> list[str]:
+    """How a default may be written on the page: ``"neox"`` or ``'neox'``, ``10000.0``, ``None``."""
+    return [f'"{value}"', f"'{value}'"] if isinstance(value, str) else [repr(value)]
+
+
+# ------------------------------------------------------------------------------------ the build
+def test_every_page_is_built_in_both_languages(site: Path) -> None:
+    for page in ("", "getting-started", "concepts", "api/rope", "manifest-format", "writing-a-target",
+                 "coverage", "benchmarks"):
+        assert (site / page / "index.html").is_file(), page
+        assert (site / "zh" / page / "index.html").is_file(), f"zh/{page}"
+    home_zh = _text(_page(site, "zh"))
+    assert "算子" in home_zh and "本页暂无中文版" not in home_zh  # the home page is translated
+    api_zh = _text(_page(site, "zh/api/rope"))
+    assert "本页暂无中文版。以下为英文原文。" in api_zh and "RoPE Operators" in api_zh
+    assert "本页暂无中文版" not in _text(_page(site, "api/rope"))
+
+
+def test_manifest_format_lists_every_schema_key(site: Path) -> None:
+    page = _page(site, "manifest-format")
+    for section, keys in SCHEMA.items():
+        part = page.split(f'id="schema-{section}"', 1)[1].split('id="schema-', 1)[0]
+        for key, (_, _, meaning) in keys.items():
+            assert f"<code>{key}</code>" in part, f"{section}.{key}"
+            assert _squash(meaning.replace("`", "")) in _squash(_text(part)), f"{section}.{key}: {meaning}"
+
+
+def test_getting_started_shows_the_readme_commands(site: Path) -> None:
+    commands = docgen.readme_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert len(commands) == 2, commands
+    text = _squash(_text(_page(site, "getting-started")))
+    for cmd in commands:
+        assert _squash(cmd) in text, cmd
+
+
+def test_benchmarks_and_coverage_pages(site: Path) -> None:
+    results = ROOT / "benchmarks" / "results"
+    page = _page(site, "benchmarks")
+    if (results / "latest.png").is_file():
+        assert 'src="../assets/benchmarks/latest.png"' in page
+        assert (site / "assets" / "benchmarks" / "latest.png").read_bytes() == (results / "latest.png").read_bytes()
+    if (results / "latest.md").is_file():
+        first = (results / "latest.md").read_text(encoding="utf-8").splitlines()[0]
+        assert _text(html.escape(first)) in _text(page)
+    coverage = _page(site, "coverage")
+    assert "<table>" in coverage or "Coverage table not available" in coverage
+
+
+# ---------------------------------------------------------------------------- the API reference
+def test_api_reference_in_a_browser(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is not installed (apt-get install -y chromium)")
+    url = (site / "api" / "rope" / "index.html").as_uri()
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    profile = site.parent / "chromium-profile"
+    flags = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--window-size=1280,4000"]
+    dom = subprocess.run(flags + ["--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0 and "</html>" in dom.stdout, dom.stderr[-2000:]
+    shot = subprocess.run(flags + [f"--screenshot={SCREENSHOT}", url], capture_output=True, text=True, timeout=120)
+    assert shot.returncode == 0 and SCREENSHOT.stat().st_size > 10_000, shot.stderr[-2000:]
+    with capsys.disabled():
+        print(f"\ndocs screenshot of {url}: {SCREENSHOT}")
+
+    page = dom.stdout
+    assert "<h1" in page and "RoPE Operators" in _text(page.split("<h1", 1)[1])
+    assert len(ROPE_OPS) == 5, ROPE_OPS
+    for name in ROPE_OPS:
+        m = registry()[name]
+        ids = [f"tileops.rope.{name}", f"tileops.rope.{name}.__init__", f"tileops.rope.{name}.forward",
+               f"{name}-manifest"]
+        at = [page.rindex("<", 0, page.index(f'id="{i}"')) for i in ids]  # the tags that carry the ids
+        assert at == sorted(at), f"{name}: class, __init__, forward and manifest out of order"
+        nxt = page.find('id="tileops.rope.', at[-1])
+        at.append(page.rindex("<", 0, nxt) if nxt > 0 else len(page))
+        # what mkdocstrings rendered from the docstrings, then the tables generated from the manifest
+        cls, init, forward, manifest = (page[a:b] for a, b in itertools.pairwise(at))
+        assert _text(cls).startswith(name), _text(cls)[:80]
+
+        def row(markup: str, arg: str) -> bool:  # a table row that names ``arg`` in its first cell
+            return re.search(rf"<tr[^>]*>\s*<td[^>]*>\s*<code>{arg}</code>", markup) is not None
+
+        for p in m.params:
+            for part, where in ((init, "__init__"), (manifest, "manifest")):
+                assert row(part, p.name), f"{name}: no row for {p.name} in {where}"
+                if p.has_default:
+                    assert any(f in _text(part) for f in _default_forms(p.default)), \
+                        f"{name}: default {p.default!r} of {p.name} not in {where}"
+        assert row(init, "target") and "Which set of kernels serves this op" in _text(init), name
+        for t in m.inputs:
+            assert row(forward, t.name), f"{name}: forward has no row for {t.name}"
+            assert row(manifest, t.name) and all(d in _text(manifest) for d in t.dtypes), f"{name}: {t.name}"
+            for dims in t.shapes.values():
+                assert "[" + ", ".join(dims) + "]" in _text(manifest), f"{name}: {t.name} shape {dims}"
+        forward = _text(forward)
+        for section in ("Parameters", "Returns", "Raises"):
+            assert section in forward, f"{name}.forward has no {section}"
+
+
+# ------------------------------------------------------------------------------------- examples
+def test_first_call_example_runs() -> None:
+    run = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "first_call.py")], capture_output=True,
+                         text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == ["builtin", "(2,", "128,", "8,", "64)", "torch.float32"], run.stdout
+
+
+def test_getting_started_sessions_are_right() -> None:
+    """The ``pycon`` sessions of the getting-started page, run as doctests."""
+    source = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```pycon\n(.*?)```", source, flags=re.S)
+    assert blocks
+    parser, runner = doctest.DocTestParser(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for i, block in enumerate(blocks):
+        runner.run(parser.get_doctest(block, {}, f"getting-started.md pycon block {i}", None, 0))
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, result
+
+
+def test_example_target_through_its_entry_point(tmp_path: Path) -> None:
+    """Installed, the example package's target is listed and serves ops named ``target="example"``."""
+    src = tmp_path / "tileops_target_example"
+    shutil.copytree(EXAMPLE, src)  # build in a copy: setuptools writes build/ and egg-info beside the source
+    pip = [sys.executable, "-m", "pip"]
+    install = subprocess.run(pip + ["install", "--no-deps", "--no-build-isolation", str(src)], capture_output=True,
+                             text=True, timeout=600)
+    assert install.returncode == 0, (f"pip install of the example failed (it builds with setuptools, without "
+                                     f"build isolation):\n{install.stdout[-2000:]}{install.stderr[-4000:]}")
+    try:
+        check = textwrap.dedent("""
+            import torch
+            import tileops
+            from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
+
+            assert "example" in tileops.target_names(), tileops.target_names()
+            for make, args in [
+                (lambda t: RoPEFwdOp(rope_layout="interleaved", input_layout="2d", target=t),
+                 (torch.randn(2, 33, 3, 64),)),
+                (lambda t: YaRNFwdOp(scale=4.0, original_max_position=64, target=t), (torch.randn(300, 96),)),
+                (lambda t: RoPENeoxPositionIdsFwdOp(500, rotary_dim=32, target=t),
+                 (torch.randn(23, 5, 80), torch.randint(0, 500, (23,)))),
+            ]:
+                op, ref = make("example"), make("torch")
+                out = op(*args)
+                assert op.serving_target == "example", op.serving_target
+                torch.testing.assert_close(out, ref(*args), rtol=0, atol=0)
+            print("ok", tileops.target_names())
+        """)
+        run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        assert run.stdout.startswith("ok") and "'example'" in run.stdout, run.stdout
+    finally:
+        subprocess.run(pip + ["uninstall", "-y", "tileops-target-example"], capture_output=True, timeout=600)
