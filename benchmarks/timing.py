@@ -1,11 +1,13 @@
-"""GPU timing without an L2 flush: rotate through input sets and keep the GPU queue full.
+"""GPU timing without an L2 flush: rotate through input sets, time batches of back-to-back calls.
 
 ``triton.testing.do_bench`` zeroes a 256 MB buffer before every run to flush L2. That leaves L2
 full of dirty lines which the timed kernel then has to write back: on an H200 a 4 MB RoPE measured
 6 us that way. Here instead every call reads a different input set (together several times the
 50 MB L2, so nothing is served from L2 by accident), and a spin kernel holds the GPU while the host
-queues all timed calls, so launch gaps do not count. Calls that synchronise the host themselves
-(a device flag read) cannot be queued ahead; for those the spin is skipped.
+queues all timed calls, so host time does not count; each sample is a batch of 10 calls between two
+events, so a kernel's launch overlaps the previous one's tail as it does in a model. Calls that
+synchronise the host themselves (a device flag read) cannot be queued ahead: for those the spin is
+skipped and their time includes the host's.
 """
 
 from __future__ import annotations
@@ -26,21 +28,29 @@ def rotation(nbytes: int, budget: int = 2 * 2**30) -> int:
     return int(max(2, min(want, budget // max(nbytes, 1), 512)))
 
 
-def gpu_time(fn: Callable[[int], Any], sets: int, reps: int = 200, queue_ahead: bool = True) -> tuple[float, float, float]:
-    """(median, p20, p80) microseconds of ``fn(i)``, ``i`` cycling over ``sets`` input sets."""
+def gpu_time(fn: Callable[[int], Any], sets: int, batches: int = 30, per_batch: int = 10,
+             queue_ahead: bool = True) -> tuple[float, float, float]:
+    """(median, p20, p80) microseconds per call of ``fn(i)``, ``i`` cycling over ``sets`` input sets.
+
+    Each sample is a batch of ``per_batch`` back-to-back calls between two events, divided by
+    ``per_batch``: what a model running the op in a stream sees, without an event between calls.
+    """
     for i in range(max(sets, 10)):  # warm up: compile, allocate, touch every set
         fn(i % sets)
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(batches)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(batches)]
     if queue_ahead:
-        torch.cuda._sleep(40_000_000)  # ~20 ms at 2 GHz: the host queues every call meanwhile
-    for r in range(reps):
+        torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: the host queues every call meanwhile
+    i = 0
+    for r in range(batches):
         starts[r].record()
-        fn(r % sets)
+        for _ in range(per_batch):
+            fn(i % sets)
+            i += 1
         ends[r].record()
     torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    times = sorted(s.elapsed_time(e) * 1e3 / per_batch for s, e in zip(starts, ends))
     q = statistics.quantiles(times, n=10)
     return statistics.median(times), q[1], q[7]
 
@@ -49,7 +59,7 @@ def copy_rate(nbytes: int = 2**30) -> float:
     """Device-to-device copy rate, GB/s counting bytes read plus written (median of 200)."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
-    med, _, _ = gpu_time(lambda i: dst.copy_(src), 1, reps=100)
+    med, _, _ = gpu_time(lambda i: dst.copy_(src), 1, batches=10)
     return 2 * src.numel() * 2 / (med * 1e-6) / 1e9
 
 

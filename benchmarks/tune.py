@@ -20,7 +20,7 @@ import torch
 
 from tileops import generate
 from tileops.kernels.rope import LO, RopeKernelSpec
-from tileops.launch import launcher
+from tileops.launch import raw_kernel
 from tileops.rope.tables import RopeTables
 
 # (name, dtype, layout, B, S, H, D, rot, pairing, positions)
@@ -85,13 +85,14 @@ def main() -> int:
         if positions:
             pos = torch.randint(0, 8192, (S,), device=dev)
             err = torch.zeros(1, dtype=torch.int32, device=dev)
-            extra = (pos, err, 8192)
+            extra = (pos.data_ptr(), err.data_ptr(), 8192)
             nbytes += pos.numel() * 8
         th, tl = tabs.high(dev, 8192 if positions else S), tabs.low(dev)
         results = []
         for cfg in configs(layout, args.quick):
-            k = launcher(generate.compile_kernel("rope", spec_of(w, cfg), "cuda", "sm_90"), dev)
-            t = gpu_time(lambda i: k(xs[i], ys[i], th, tl, *extra), n)[0] * 1e-6
+            k = raw_kernel(generate.compile_kernel("rope", spec_of(w, cfg), "cuda", "sm_90"), dev)
+            tp, lp, nh = th.data_ptr(), tl.data_ptr(), th.shape[0]
+            t = gpu_time(lambda i: k(xs[i].data_ptr(), ys[i].data_ptr(), tp, lp, *extra, B, S, H, nh), n)[0] * 1e-6
             results.append((t, cfg))
         results.sort(key=lambda r: r[0])
         floor = nbytes / rate

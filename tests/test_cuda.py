@@ -54,19 +54,20 @@ def test_strided_and_offset_views_cuda():
 def test_every_element_written_cuda():
     from tileops.generate import compile_kernel, device_backend
     from tileops.kernels.rope import LO, RopeKernelSpec
-    from tileops.launch import launcher
+    from tileops.launch import raw_kernel
     from tileops.rope.tables import RopeTables
 
     dev = torch.device("cuda")
     backend, arch = device_backend(dev)
     for pairing, d, dtype in (("neox", 80, "float16"), ("interleaved", 96, "bfloat16"), ("neox", 92, "float32")):
         spec = RopeKernelSpec(dtype=dtype, head_dim=d, rot=d, pairing=pairing, backend=backend, head_lanes=8)
-        k = launcher(compile_kernel("rope", spec, backend, arch), dev)
+        k = raw_kernel(compile_kernel("rope", spec, backend, arch), dev)
         x = torch.randn(3, 37, 5, d, device=dev).to(getattr(torch, dtype))
         out = torch.full_like(x, float("nan"))
         inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
         t = RopeTables(inv, 1.0, LO)
-        k(x, out, t.high(dev, 37), t.low(dev))
+        th = t.high(dev, 37)
+        k(x.data_ptr(), out.data_ptr(), th.data_ptr(), t.low(dev).data_ptr(), 3, 37, 5, th.shape[0])
         assert not out.isnan().any(), (pairing, d, dtype)
         ref = reference("RoPEFwdOp", {"rope_layout": pairing, "input_layout": "2d"}, {"x": x.cpu()})
         assert (out.double().cpu() - ref).abs().max().item() < 3e-2

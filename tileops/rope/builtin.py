@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from ..generate import compile_kernel, device_backend
-from ..launch import launcher
+from ..launch import raw_kernel
 
 __all__ = ["implement", "kernel_spec"]
 
@@ -39,35 +39,35 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
     device = spec.device
     backend, arch = device_backend(device)
-    dtype = spec.dtype("x")
     by_ids = op.layout == "ids"
     kspec = kernel_spec(op, spec, backend)
-    kernel = launcher(compile_kernel(op.manifest.kernel.builder, kspec, backend, arch), device)
+    kernel = raw_kernel(compile_kernel(op.manifest.kernel.builder, kspec, backend, arch), device)
+    # kernels/rope.py declares X[B, S, H, D] first and the high table's NH after: the extents
+    # come in that order. (The C kernel takes bf16 as int16 bits: pointers do not care.)
+    if kernel.extent_names != ("B", "S", "H", "NH"):
+        raise RuntimeError(f"unexpected dynamic dims {kernel.extent_names} in the RoPE kernel")
     from tileops.kernels.rope import LO
 
     tables = op._tables(kspec.rot, LO)
     low = tables.low(device)
-    # TileLang's C backend has no bfloat16 type: the C kernel takes the bits as int16.
-    bits = backend == "c" and dtype == "bfloat16"
-
-    def as4d(t: torch.Tensor) -> torch.Tensor:
-        if op.layout == "1d":
-            t = t.view(1, t.shape[0], 1, t.shape[1])
-        elif by_ids:
-            t = t.view(1, *t.shape)
-        return t.view(torch.int16) if bits else t
+    low_ptr = low.data_ptr()
 
     if by_ids:
         max_position = op.params["max_position"]
         high = tables.high(device, max_position)
+        high_ptr, nh = high.data_ptr(), high.shape[0]
         err = torch.zeros(1, dtype=torch.int32, device=device)
+        err_ptr = err.data_ptr()
 
         def run_ids(x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
             x = _aligned(x)
             out = torch.empty_like(x)
-            if x.numel() == 0:
+            tokens, heads = x.shape[0], x.shape[1]
+            if tokens == 0 or heads == 0:
                 return out
-            kernel(as4d(x), as4d(out), high, low, position_ids.contiguous(), err, max_position)
+            pos = position_ids if position_ids.is_contiguous() else position_ids.contiguous()
+            kernel(x.data_ptr(), out.data_ptr(), high_ptr, low_ptr, pos.data_ptr(), err_ptr, max_position,
+                   1, tokens, heads, nh)
             # One 4-byte read: the kernel sets the flag when any position is out of range (and
             # clamps it, so nothing is read out of bounds). It is zero unless an error was raised.
             if err.item():
@@ -77,14 +77,19 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
 
         return run_ids
 
-    seq_axis = 0 if op.layout == "1d" else 1
+    two_d = op.layout == "2d"
 
     def run(x: torch.Tensor) -> torch.Tensor:
         x = _aligned(x)
         out = torch.empty_like(x)
         if x.numel() == 0:
             return out
-        kernel(as4d(x), as4d(out), tables.high(device, x.shape[seq_axis]), low)
+        if two_d:
+            b, s, h = x.shape[0], x.shape[1], x.shape[2]
+        else:
+            b, s, h = 1, x.shape[0], 1
+        high = tables.high(device, s)
+        kernel(x.data_ptr(), out.data_ptr(), high.data_ptr(), low_ptr, b, s, h, high.shape[0])
         return out
 
     return run
