@@ -16,15 +16,12 @@ def kernel_spec(op: Any, call: Any, backend: str) -> Any:
     """The :class:`kernels.rope.RopeKernelSpec` serving ``op`` for one call specialization."""
     from tileops.kernels.rope import RopeKernelSpec
 
-    static = dict(op.manifest.kernel.static)
-    lanes = static.pop("head_lanes", 4)
-    if isinstance(lanes, dict):
-        lanes = lanes[op.layout]
+    # a static choice is one value, or a map from input layout to value (schedules differ by layout)
+    static = {k: (v[op.layout] if isinstance(v, dict) else v) for k, v in op.manifest.kernel.static.items()}
     head_dim = call.dim("head_dim")
     positions = call.dtype("position_ids") if op.layout == "ids" else None
     return RopeKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=op.rotated_width(head_dim),
-                          pairing=op.pairing, positions=positions, backend=backend, head_lanes=int(lanes),
-                          **static)
+                          pairing=op.pairing, positions=positions, backend=backend, **static)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
