@@ -39,10 +39,13 @@ WORKLOADS = [
 
 def configs(layout: str, quick: bool):
     if layout == "1d":
-        return [dict(threads=t, head_lanes=1, tokens_per_thread=k) for t, k in
-                itertools.product((128, 256, 512), (1, 2, 4))]
-    return [dict(threads=t, head_lanes=h, tokens_per_thread=k) for t, h, k in
-            itertools.product((128, 256), (2, 4, 8), (1, 2))]
+        return [dict(threads=t, head_lanes=1, tokens_per_thread=k, blocks_per_sm=g) for t, k, g in
+                itertools.product((128, 256), (4, 8), (0, 8))]
+    if layout == "ids":
+        return [dict(threads=128, head_lanes=8, tokens_per_thread=k, blocks_per_sm=g) for k, g in
+                itertools.product((1, 2), (0, 8))]
+    return [dict(threads=128, head_lanes=8, tokens_per_thread=k, blocks_per_sm=g) for k, g in
+            itertools.product((1, 2), (0, 8, 16))]
 
 
 def spec_of(w, cfg) -> RopeKernelSpec:
@@ -92,7 +95,12 @@ def main() -> int:
         for cfg in configs(layout, args.quick):
             k = raw_kernel(generate.compile_kernel("rope", spec_of(w, cfg), "cuda", "sm_90"), dev)
             tp, lp, nh = th.data_ptr(), tl.data_ptr(), th.shape[0]
-            t = gpu_time(lambda i: k(xs[i].data_ptr(), ys[i].data_ptr(), tp, lp, *extra, B, S, H, nh), n)[0] * 1e-6
+            spec = spec_of(w, cfg)
+            g = ()
+            if spec.blocks_per_sm:
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                g = (max(1, min(-(-S // spec.group), sms * spec.blocks_per_sm // B)),)
+            t = gpu_time(lambda i: k(xs[i].data_ptr(), ys[i].data_ptr(), tp, lp, *extra, *g, B, S, H, nh), n)[0] * 1e-6
             results.append((t, cfg))
         results.sort(key=lambda r: r[0])
         floor = nbytes / rate

@@ -53,6 +53,7 @@ class RopeKernelSpec:
     head_lanes: int = 4  # cuda: threads that split one token's heads
     threads: int = 128  # cuda: target threads per block
     tokens_per_thread: int = 1  # cuda: tokens each thread walks
+    blocks_per_sm: int = 0  # cuda: >0 sizes the grid from the SM count (extra scalar argument G)
 
     def __post_init__(self) -> None:
         if self.dtype not in _ELEM_BYTES:
@@ -65,6 +66,12 @@ class RopeKernelSpec:
             raise ValueError(f"positions: expected None, 'int32' or 'int64', got {self.positions!r}")
         if self.backend not in ("cuda", "c"):
             raise ValueError(f"backend: expected 'cuda' or 'c', got {self.backend!r}")
+
+    @property
+    def group(self) -> int:
+        """Tokens one CUDA block handles per step (token slots x tokens per thread)."""
+        lanes = (self.rot // 2) // self.vec + (self.head_dim - self.rot) // self.vec
+        return max(1, self.threads // (lanes * max(1, self.head_lanes))) * max(1, self.tokens_per_thread)
 
     @property
     def vec(self) -> int:
@@ -203,8 +210,82 @@ def _build_cuda(spec: RopeKernelSpec):
             for v in T.vectorized(V):
                 Y[bb, s, h, o + v] = vals[v]
 
+    GROUP = TOK * TPT  # tokens one block handles per step
+    # Positions are sequence indices and a group never straddles a high-table row: its high row is
+    # loaded once per group instead of once per token.
+    hoist = not by_ids and LO % GROUP == 0
+    persistent = spec.blocks_per_sm > 0
+
     @T.macro
-    def body(X, Y, TH, TL, P, ERR, max_position, bx, bb):
+    def token(X, Y, TH, TL, P, ERR, max_position, bb, s, lane, hl, ch, sh, cl, sl, cs, sn, xa, xb, ya, yb):
+        p = T.alloc_var("int64")
+        if by_ids:
+            raw = T.cast(P[s], "int64")
+            if raw < 0 or raw >= T.cast(max_position, "int64"):
+                ERR[0] = 1
+                p = 0
+            else:
+                p = raw
+        else:
+            p = T.cast(s, "int64")
+        if lane < C:
+            j0 = lane * V
+            if not hoist:
+                for v in T.vectorized(V):
+                    ch[v] = TH[p // LO, 0, j0 + v]
+                for v in T.vectorized(V):
+                    sh[v] = TH[p // LO, 1, j0 + v]
+            for v in T.vectorized(V):
+                cl[v] = TL[p % LO, 0, j0 + v]
+            for v in T.vectorized(V):
+                sl[v] = TL[p % LO, 1, j0 + v]
+            for v in T.serial(V):
+                cs[v] = ch[v] * cl[v] - sh[v] * sl[v]
+                sn[v] = sh[v] * cl[v] + ch[v] * sl[v]
+            # neox: the V pairs are x[j0 : j0+V] with x[half+j0 : ...];
+            # interleaved: they are the 2V contiguous elements x[2*j0 : 2*j0 + 2V], split in
+            # two vectors; element e of the pair run is (vector e // V, slot e % V).
+            o1 = j0 if neox else 2 * j0
+            o2 = half + j0 if neox else 2 * j0 + V
+            for k in T.serial(T.ceildiv(H - hl, HL)):
+                h = hl + k * HL
+                for v in T.vectorized(V):
+                    xa[v] = X[bb, s, h, o1 + v]
+                for v in T.vectorized(V):
+                    xb[v] = X[bb, s, h, o2 + v]
+                if neox:
+                    for v in T.serial(V):
+                        a = T.cast(xa[v], "float32")
+                        c = T.cast(xb[v], "float32")
+                        ya[v] = T.cast(a * cs[v] - c * sn[v], dt)
+                        yb[v] = T.cast(c * cs[v] + a * sn[v], dt)
+                elif V == 1:
+                    a = T.cast(xa[0], "float32")
+                    c = T.cast(xb[0], "float32")
+                    ya[0] = T.cast(a * cs[0] - c * sn[0], dt)
+                    yb[0] = T.cast(c * cs[0] + a * sn[0], dt)
+                else:
+                    for v in T.serial(V // 2):
+                        a = T.cast(xa[2 * v], "float32")
+                        c = T.cast(xa[2 * v + 1], "float32")
+                        ya[2 * v] = T.cast(a * cs[v] - c * sn[v], dt)
+                        ya[2 * v + 1] = T.cast(c * cs[v] + a * sn[v], dt)
+                        a2 = T.cast(xb[2 * v], "float32")
+                        c2 = T.cast(xb[2 * v + 1], "float32")
+                        yb[2 * v] = T.cast(a2 * cs[V // 2 + v] - c2 * sn[V // 2 + v], dt)
+                        yb[2 * v + 1] = T.cast(c2 * cs[V // 2 + v] + a2 * sn[V // 2 + v], dt)
+                store(Y, bb, s, h, o1, ya)
+                store(Y, bb, s, h, o2, yb)
+        else:
+            o = R + (lane - C) * V
+            for k in T.serial(T.ceildiv(H - hl, HL)):
+                h = hl + k * HL
+                for v in T.vectorized(V):
+                    xa[v] = X[bb, s, h, o + v]
+                store(Y, bb, s, h, o, xa)
+
+    @T.macro
+    def body(X, Y, TH, TL, P, ERR, max_position, G, bx, bb):
         T.import_source(_CUDA_HELPERS)
         tx = T.get_thread_binding()
         lane = tx % CL
@@ -220,89 +301,50 @@ def _build_cuda(spec: RopeKernelSpec):
         xb = T.alloc_local((V,), dt)
         ya = T.alloc_local((V,), dt)
         yb = T.alloc_local((V,), dt)
-        p = T.alloc_var("int64")
-        for kt in T.unroll(TPT):
-            s = (bx * TPT + kt) * TOK + tok
-            if s < S:
-                if by_ids:
-                    raw = T.cast(P[s], "int64")
-                    if raw < 0 or raw >= T.cast(max_position, "int64"):
-                        ERR[0] = 1
-                        p = 0
-                    else:
-                        p = raw
-                else:
-                    p = T.cast(s, "int64")
-                if lane < C:
-                    hi = p // LO
-                    lo = p % LO
-                    j0 = lane * V
+        steps = T.ceildiv(T.ceildiv(S, GROUP) - bx, G) if persistent else 1
+        for it in T.serial(steps):
+            group = bx + it * G if persistent else bx
+            if hoist:
+                if lane < C and group * GROUP < S:
                     for v in T.vectorized(V):
-                        ch[v] = TH[hi, 0, j0 + v]
+                        ch[v] = TH[(group * GROUP) // LO, 0, lane * V + v]
                     for v in T.vectorized(V):
-                        sh[v] = TH[hi, 1, j0 + v]
-                    for v in T.vectorized(V):
-                        cl[v] = TL[lo, 0, j0 + v]
-                    for v in T.vectorized(V):
-                        sl[v] = TL[lo, 1, j0 + v]
-                    for v in T.serial(V):
-                        cs[v] = ch[v] * cl[v] - sh[v] * sl[v]
-                        sn[v] = sh[v] * cl[v] + ch[v] * sl[v]
-                    # neox: the V pairs are x[j0 : j0+V] with x[half+j0 : ...];
-                    # interleaved: they are the 2V contiguous elements x[2*j0 : 2*j0 + 2V], split in
-                    # two vectors; element e of the pair run is (vector e // V, slot e % V).
-                    o1 = j0 if neox else 2 * j0
-                    o2 = half + j0 if neox else 2 * j0 + V
-                    for k in T.serial(T.ceildiv(H - hl, HL)):
-                        h = hl + k * HL
-                        for v in T.vectorized(V):
-                            xa[v] = X[bb, s, h, o1 + v]
-                        for v in T.vectorized(V):
-                            xb[v] = X[bb, s, h, o2 + v]
-                        if neox:
-                            for v in T.serial(V):
-                                a = T.cast(xa[v], "float32")
-                                c = T.cast(xb[v], "float32")
-                                ya[v] = T.cast(a * cs[v] - c * sn[v], dt)
-                                yb[v] = T.cast(c * cs[v] + a * sn[v], dt)
-                        elif V == 1:
-                            a = T.cast(xa[0], "float32")
-                            c = T.cast(xb[0], "float32")
-                            ya[0] = T.cast(a * cs[0] - c * sn[0], dt)
-                            yb[0] = T.cast(c * cs[0] + a * sn[0], dt)
-                        else:
-                            for v in T.serial(V // 2):
-                                a = T.cast(xa[2 * v], "float32")
-                                c = T.cast(xa[2 * v + 1], "float32")
-                                ya[2 * v] = T.cast(a * cs[v] - c * sn[v], dt)
-                                ya[2 * v + 1] = T.cast(c * cs[v] + a * sn[v], dt)
-                                a2 = T.cast(xb[2 * v], "float32")
-                                c2 = T.cast(xb[2 * v + 1], "float32")
-                                yb[2 * v] = T.cast(a2 * cs[V // 2 + v] - c2 * sn[V // 2 + v], dt)
-                                yb[2 * v + 1] = T.cast(c2 * cs[V // 2 + v] + a2 * sn[V // 2 + v], dt)
-                        store(Y, bb, s, h, o1, ya)
-                        store(Y, bb, s, h, o2, yb)
-                else:
-                    o = R + (lane - C) * V
-                    for k in T.serial(T.ceildiv(H - hl, HL)):
-                        h = hl + k * HL
-                        for v in T.vectorized(V):
-                            xa[v] = X[bb, s, h, o + v]
-                        store(Y, bb, s, h, o, xa)
+                        sh[v] = TH[(group * GROUP) // LO, 1, lane * V + v]
+            for kt in T.unroll(TPT):
+                s = group * GROUP + kt * TOK + tok
+                if s < S:
+                    token(X, Y, TH, TL, P, ERR, max_position, bb, s, lane, hl, ch, sh, cl, sl, cs, sn, xa, xb,
+                          ya, yb)
 
-    grid = TOK * TPT
+    if by_ids and persistent:
+        @T.prim_func
+        def rope_ids_cuda_p(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
+                            TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32"),
+                            P: T.Tensor((S,), pdt), ERR: T.Tensor((1,), "int32"), max_position: T.int32,
+                            G: T.int32):
+            with T.Kernel(G, B, threads=threads) as (bx, bb):
+                body(X, Y, TH, TL, P, ERR, max_position, G, bx, bb)
+        return rope_ids_cuda_p
     if by_ids:
         @T.prim_func
         def rope_ids_cuda(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
                           TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32"),
                           P: T.Tensor((S,), pdt), ERR: T.Tensor((1,), "int32"), max_position: T.int32):
-            with T.Kernel(T.ceildiv(S, grid), B, threads=threads) as (bx, bb):
-                body(X, Y, TH, TL, P, ERR, max_position, bx, bb)
+            with T.Kernel(T.ceildiv(S, GROUP), B, threads=threads) as (bx, bb):
+                body(X, Y, TH, TL, P, ERR, max_position, 1, bx, bb)
         return rope_ids_cuda
+    if persistent:
+        @T.prim_func
+        def rope_cuda_p(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
+                        TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32"),
+                        G: T.int32):
+            with T.Kernel(G, B, threads=threads) as (bx, bb):
+                body(X, Y, TH, TL, None, None, 0, G, bx, bb)
+        return rope_cuda_p
 
     @T.prim_func
     def rope_cuda(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
                   TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32")):
-        with T.Kernel(T.ceildiv(S, grid), B, threads=threads) as (bx, bb):
-            body(X, Y, TH, TL, None, None, 0, bx, bb)
+        with T.Kernel(T.ceildiv(S, GROUP), B, threads=threads) as (bx, bb):
+            body(X, Y, TH, TL, None, None, 0, 1, bx, bb)
     return rope_cuda

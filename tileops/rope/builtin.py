@@ -46,6 +46,16 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
     from tileops.kernels.rope import LO
 
     tables = op._tables(kspec.rot, LO)
+    # blocks_per_sm > 0: the grid is sized from the SM count and blocks loop over token groups
+    grid_cap = 0
+    if kspec.blocks_per_sm and device.type == "cuda":
+        grid_cap = torch.cuda.get_device_properties(device).multi_processor_count * kspec.blocks_per_sm
+    group = kspec.group
+
+    def grid(b: int, s: int) -> tuple:
+        if not grid_cap:
+            return ()
+        return (max(1, min(-(-s // group), grid_cap // max(b, 1))),)
     low = tables.low(device)
     low_ptr = low.data_ptr()
 
@@ -64,7 +74,7 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
                 return out
             pos = position_ids if position_ids.is_contiguous() else position_ids.contiguous()
             kernel(x.data_ptr(), out.data_ptr(), high_ptr, low_ptr, pos.data_ptr(), err_ptr, max_position,
-                   1, tokens, heads, nh)
+                   *grid(1, tokens), 1, tokens, heads, nh)
             # One 4-byte read: the kernel sets the flag when any position is out of range (and
             # clamps it, so nothing is read out of bounds). It is zero unless an error was raised.
             if err.item():
@@ -86,7 +96,7 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
         else:
             b, s, h = 1, x.shape[0], 1
         high = tables.high(device, s)
-        kernel(x.data_ptr(), out.data_ptr(), high.data_ptr(), low_ptr, b, s, h, high.shape[0])
+        kernel(x.data_ptr(), out.data_ptr(), high.data_ptr(), low_ptr, *grid(b, s), b, s, h, high.shape[0])
         return out
 
     return run
