@@ -59,15 +59,19 @@ def test_every_element_written_cuda():
 
     dev = torch.device("cuda")
     backend, arch = device_backend(dev)
-    for pairing, d, dtype in (("neox", 80, "float16"), ("interleaved", 96, "bfloat16"), ("neox", 92, "float32")):
-        spec = RopeKernelSpec(dtype=dtype, head_dim=d, rot=d, pairing=pairing, backend=backend, head_lanes=8)
+    cases = (("neox", 80, "float16", {}), ("interleaved", 96, "bfloat16", {}), ("neox", 92, "float32", {}),
+             ("neox", 128, "bfloat16", {"blocks_per_sm": 1}), ("interleaved", 64, "float16", {"tokens_per_thread": 4}))
+    for pairing, d, dtype, extra in cases:
+        spec = RopeKernelSpec(dtype=dtype, head_dim=d, rot=d, pairing=pairing, backend=backend, head_lanes=8,
+                              **extra)
         k = raw_kernel(compile_kernel("rope", spec, backend, arch), dev)
+        g = (2,) if spec.blocks_per_sm else ()  # two blocks loop over all 37 tokens
         x = torch.randn(3, 37, 5, d, device=dev).to(getattr(torch, dtype))
         out = torch.full_like(x, float("nan"))
         inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
         t = RopeTables(inv, 1.0, LO)
         th = t.high(dev, 37)
-        k(x.data_ptr(), out.data_ptr(), th.data_ptr(), t.low(dev).data_ptr(), 3, 37, 5, th.shape[0])
+        k(x.data_ptr(), out.data_ptr(), th.data_ptr(), t.low(dev).data_ptr(), *g, 3, 37, 5, th.shape[0])
         assert not out.isnan().any(), (pairing, d, dtype)
         ref = reference("RoPEFwdOp", {"rope_layout": pairing, "input_layout": "2d"}, {"x": x.cpu()})
         assert (out.double().cpu() - ref).abs().max().item() < 3e-2
