@@ -57,11 +57,9 @@ class Op:
         self.params: dict[str, Any] = self._check_params(dict(params))
         self._target_arg = target
         self._fixed_target: Target | None = check_target_arg(target)
-        if self._fixed_target is not None:
-            self._fixed_target_name = self._fixed_target.name
         self._served_by: str | None = self._fixed_target.name if self._fixed_target else None
-        self._impls: dict[Any, Callable[..., Any]] = {}
-        self._checked: dict[Any, CallSpec] = {}
+        self._impls: dict[CallSpec, Callable[..., Any]] = {}
+        self._fast: dict[tuple, Callable[..., Any]] = {}
 
     # ----------------------------------------------------------------------------- params
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -131,18 +129,25 @@ class Op:
 
     # ----------------------------------------------------------------------------- calls
     def _call(self, tensors: Mapping[str, Any]) -> Any:
-        """Check ``tensors`` against the signature, then run the serving implementation."""
-        key = tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t for t in tensors.values())
-        spec = self._checked.get(key)
-        if spec is None:
-            spec = self._check_call(tensors)
-            if len(self._checked) > 4096:  # many distinct shapes: keep the cache bounded
-                self._checked.clear()
-            self._checked[key] = spec
-        impl = self._impls.get(spec)
+        """Check ``tensors`` against the signature, then run the serving implementation.
+
+        A (shape, dtype, device) seen before skips the checks: they depend on nothing else.
+        """
+        try:
+            key = tuple((t.shape, t.dtype, t.device) for t in tensors.values())
+            impl = self._fast.get(key)
+        except (AttributeError, TypeError):  # not a tensor: the full check names the argument
+            key, impl = None, None
         if impl is None:
-            impl = self._target_for(spec.device).implement(self, spec)
-            self._impls[spec] = impl
+            spec = self._check_call(tensors)
+            impl = self._impls.get(spec)
+            if impl is None:
+                impl = self._target_for(spec.device).implement(self, spec)
+                self._impls[spec] = impl
+            if key is not None:
+                if len(self._fast) > 4096:  # many distinct shapes: keep the cache bounded
+                    self._fast.clear()
+                self._fast[key] = impl
         return impl(**tensors)
 
     def _check_call(self, tensors: Mapping[str, Any]) -> CallSpec:
