@@ -124,6 +124,10 @@ class Op:
                 raise ValueError(f"{self.name}: target {t.name!r} cannot serve {device.type} tensors")
             return t
         t, _ = resolve_target(self.name, self.manifest.family, device)
+        if not t.supports(self.name, self.manifest.family, device):
+            first = self.manifest.inputs[0].name
+            raise ValueError(f"{self.name}: {first}: no registered target serves {device.type} tensors "
+                             f"(BUILTIN runs on cuda and cpu; pass target='torch' for plain PyTorch)")
         self._served_by = t.name
         return t
 

@@ -79,9 +79,30 @@ def _mod(a: Any, b: Any) -> Any:
     return a % b
 
 
+def _pow(a: Any, b: Any) -> Any:
+    # Rules are small arithmetic: an exponent past 64 only serves to make `9 ** 9 ** 9` compute a
+    # 370-million-digit integer, so it is refused.
+    if abs(b) > 64 and a not in (0, 1, -1):
+        raise ExprError(f"exponent {b!r} is too large (at most 64)")
+    return a**b
+
+
+#: integers past this many bits are refused: every operand stays cheap (nested `** 64` would
+#: otherwise build a 2**30-bit integer)
+MAX_INT_BITS = 4096
+
+
+def _number(x: Any, what: str) -> Any:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ExprError(f"{what}: arithmetic needs numbers, got {x!r}")
+    if isinstance(x, int) and x.bit_length() > MAX_INT_BITS:
+        raise ExprError(f"{what}: integer too large (over {MAX_INT_BITS} bits)")
+    return x
+
+
 _ARITH: dict[str, Callable[[Any, Any], Any]] = {
     "+": operator.add, "-": operator.sub, "*": operator.mul,
-    "/": _div, "//": _floordiv, "%": _mod, "**": operator.pow,
+    "/": _div, "//": _floordiv, "%": _mod, "**": _pow,
 }
 
 
@@ -259,13 +280,14 @@ def _eval(node: tuple, env: Mapping[str, Any]) -> Any:
     if tag == "not":
         return not _eval(node[1], env)
     if tag == "neg":
-        return -_eval(node[1], env)
+        return -_number(_eval(node[1], env), "-")
     if tag == "bin":
-        a, b = _eval(node[2], env), _eval(node[3], env)
+        op = node[1]
+        a, b = _number(_eval(node[2], env), op), _number(_eval(node[3], env), op)
         try:
-            return _ARITH[node[1]](a, b)
-        except TypeError as e:
-            raise ExprError(f"cannot compute {a!r} {node[1]} {b!r}") from e
+            return _number(_ARITH[op](a, b), op)
+        except (TypeError, OverflowError, ValueError) as e:
+            raise ExprError(f"cannot compute {a!r} {op} {b!r}: {e}") from e
     if tag == "cmp":
         left = _eval(node[1], env)
         for op, rhs in zip(node[2], node[3]):
@@ -280,5 +302,9 @@ def _eval(node: tuple, env: Mapping[str, Any]) -> Any:
             left = right
         return True
     if tag == "call":
-        return FUNCTIONS[node[1]](*(_eval(a, env) for a in node[2]))
+        args = [_eval(a, env) for a in node[2]]
+        try:
+            return FUNCTIONS[node[1]](*args)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ExprError(f"{node[1]}({', '.join(map(repr, args))}) failed: {e}") from e
     raise ExprError(f"bad node {tag!r}")  # pragma: no cover - the parser makes no other nodes

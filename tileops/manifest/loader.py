@@ -50,8 +50,13 @@ class _Ctx:
             out[key] = (k, v)
         return out
 
-    def section(self, node: yaml.Node, kind: str, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-        """A mapping checked against SCHEMA[kind]: unknown keys and missing required ones fail."""
+    def section(self, node: yaml.Node, kind: str, what: str,
+                owner: yaml.Node | None = None) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        """A mapping checked against SCHEMA[kind]: unknown keys and missing required ones fail.
+
+        A missing key is reported at ``owner`` (the key naming this section) when given: the
+        mapping itself starts at its first key, which is not where the reader looks.
+        """
         m = self.mapping(node, what)
         allowed = SCHEMA[kind]
         for key, (knode, _) in m.items():
@@ -59,7 +64,7 @@ class _Ctx:
                 raise self.err(knode, f"{what}: unknown key {key!r}; allowed: {', '.join(allowed)}")
         for key, (required, _, _) in allowed.items():
             if required and key not in m:
-                raise self.err(node, f"{what}: missing required key {key!r}")
+                raise self.err(owner if owner is not None else node, f"{what}: missing required key {key!r}")
         return m
 
     def scalar(self, node: yaml.Node) -> Any:
@@ -269,10 +274,10 @@ def _case(ctx: _Ctx, node: yaml.Node, op: dict[str, Any]) -> Case:
     return Case(label=label, dims=dims, params=params, dtypes=dtypes, bench=bench, line=node.start_mark.line + 1)
 
 
-def _op(ctx: _Ctx, name: str, node: yaml.Node, builders: Iterable[str]) -> OpManifest:
+def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterable[str]) -> OpManifest:
     if not name.isidentifier():
-        raise ctx.err(node, f"op name {name!r} must be a class name")
-    m = ctx.section(node, "op", name)
+        raise ctx.err(key, f"op name {name!r} must be a class name")
+    m = ctx.section(node, "op", name, owner=key)
     params: dict[str, ParamSpec] = {}
     for pname, (knode, vnode) in ctx.mapping(m["params"][1], "params").items():
         if not pname.isidentifier():
@@ -331,7 +336,7 @@ def _op(ctx: _Ctx, name: str, node: yaml.Node, builders: Iterable[str]) -> OpMan
         references=ctx.strings(m["references"][1], "references") if "references" in m else (),
         params=tuple(params.values()), inputs=tuple(inputs.values()), outputs=tuple(outputs.values()),
         rules=tuple(rules), kernel=kernel, cases=tuple(cases), cpu_shrink=shrink, file=ctx.file,
-        line=node.start_mark.line + 1,
+        line=key.start_mark.line + 1,
     )
 
 
@@ -358,7 +363,7 @@ def load_file(path: str | Path, builders: Iterable[str] | None = None) -> list[O
     if root is None:
         raise ManifestError(str(path), 1, "empty manifest")
     names = tuple(builders) if builders is not None else _builders()
-    return [_op(ctx, name, vnode, names) for name, (_, vnode) in ctx.mapping(root, "manifest").items()]
+    return [_op(ctx, name, knode, vnode, names) for name, (knode, vnode) in ctx.mapping(root, "manifest").items()]
 
 
 def load_files(paths: Iterable[str | Path]) -> dict[str, OpManifest]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -33,10 +32,14 @@ class _RoPEBase(Op):
         """float64 inverse frequencies ``(rot // 2,)`` and the amplitude applied to cos and sin."""
         return freqs.base_inv_freq(self.params["base"], rot), 1.0
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019 - one entry per (op, width); ops live as long as a model
     def _tables(self, rot: int, lo: int) -> RopeTables:
-        inv_freq, amplitude = self.frequencies(rot)
-        return RopeTables(inv_freq, amplitude, lo)
+        # kept on the op (not in a class-level cache), so tables go when the op goes
+        cache = self.__dict__.setdefault("_table_cache", {})
+        t = cache.get((rot, lo))
+        if t is None:
+            inv_freq, amplitude = self.frequencies(rot)
+            t = cache[(rot, lo)] = RopeTables(inv_freq, amplitude, lo)
+        return t
 
 
 class RoPEFwdOp(_RoPEBase):

@@ -1,0 +1,372 @@
+"""Bad arguments, generated from each manifest's signature and rules: every one must raise
+TypeError or ValueError whose message names the argument, before any kernel runs.
+
+Calls are made with target ``NO_KERNEL``, a target whose ``implement`` fails the test: an error
+that comes from a kernel (or no error at all) cannot pass. Rule violations are found generically:
+for each rule, values derived from its literals and from the case's values (``x > 0`` tries 0 and
+-1, ``head_dim <= 1024`` tries 1025 and 2048, ``a != b`` tries b's value) are kept when they break
+that rule and no other, so the error must name that rule's ``arg``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tileops import target_names
+from tileops.manifest import registry
+from tileops.targets import Target
+from tileops.workloads import DTYPES, case_params, make_inputs, op_class
+
+try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
+    from references import reference
+except ImportError:  # pragma: no cover
+    from tests.references import reference
+
+REGISTRY = registry()
+ERRORS = (TypeError, ValueError)
+EXTRA_DTYPES = {"bool": torch.bool, "uint8": torch.uint8, "int16": torch.int16, "complex64": torch.complex64}
+
+
+class _NoKernel(Target):
+    name = "no-kernel"
+
+    def implement(self, op, spec):
+        raise AssertionError(f"{op.name}: a kernel was reached; the bad argument was not caught first")
+
+
+NO_KERNEL = _NoKernel()
+
+
+def names(arg: str, message: str) -> bool:
+    """Whether ``message`` names ``arg`` as a word (``x`` must not match inside ``max_position``)."""
+    return re.search(rf"(?<![\w.]){re.escape(arg)}(?!\w)", message) is not None
+
+
+def raises_naming(arg: str, fn, *args, kinds=ERRORS, **kwargs) -> str:
+    with pytest.raises(kinds) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    assert names(arg, msg), f"the error does not name {arg!r}: {msg}"
+    return msg
+
+
+def base(m) -> tuple[dict[str, Any], dict[str, int]]:
+    """The first case's params, and small dims: 2 for dims no rule reads, the case's size otherwise."""
+    in_rules = set().union(*(r.check.names for r in m.rules))
+    dims: dict[str, int] = {}
+    for case in m.cases:
+        for d, v in case.dims.items():
+            dims.setdefault(d, v if d in in_rules else 2)
+    return case_params(m, m.cases[0]), dims
+
+
+def call(m, params, dims, replace, target=NO_KERNEL):
+    """Build the op and call it on fresh valid inputs, with ``replace`` swapped in."""
+    op = op_class(m.name)(**params, target=target)
+    return op(**(make_inputs(m, params, dims, "float32") | replace))
+
+
+def _ids(items):
+    return [pytest.param(*it[1:], id=it[0]) for it in items]
+
+
+def _layouts(m) -> Iterator[tuple[str, dict[str, Any]]]:
+    params, _ = base(m)
+    by = {t.shape_by for t in m.inputs} - {None}
+    if not by:
+        yield "", params
+    for p in sorted(by):
+        for choice in m.param(p).choices or (params[p],):
+            yield f"-{choice}", params | {p: choice}
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _tensor_items():
+    rank, dtype, notensor, device = [], [], [], []
+    for m in REGISTRY.values():
+        for suffix, params in _layouts(m):
+            for t in m.inputs:
+                for delta in (1, -1):
+                    rank.append((f"{m.name}{suffix}-{t.name}-rank{delta:+d}", m, params, t.name, delta))
+        for t in m.inputs:
+            for d in [*DTYPES, *EXTRA_DTYPES]:
+                if d not in t.dtypes:
+                    dtype.append((f"{m.name}-{t.name}-{d}", m, t.name, d))
+            for kind in ("list", "ndarray", "None", "float"):
+                notensor.append((f"{m.name}-{t.name}-{kind}", m, t.name, kind))
+        if len(m.inputs) >= 2:
+            for t in m.inputs:
+                device.append((f"{m.name}-{t.name}", m, t.name))
+    return rank, dtype, notensor, device
+
+
+RANK, DTYPE, NOTENSOR, DEVICE = _tensor_items()
+
+
+@pytest.mark.parametrize("m, params, arg, delta", _ids(RANK))
+def test_wrong_rank(m, params, arg, delta):
+    _, dims = base(m)
+    good = make_inputs(m, params, dims, "float32")[arg]
+    bad = good.unsqueeze(0) if delta > 0 else good[0]
+    raises_naming(arg, call, m, params, dims, {arg: bad}, kinds=ValueError)
+
+
+@pytest.mark.parametrize("m, arg, dtype", _ids(DTYPE))
+def test_dtype_outside_the_allowed_set(m, arg, dtype):
+    params, dims = base(m)
+    good = make_inputs(m, params, dims, "float32")[arg]
+    bad = good.to({**DTYPES, **EXTRA_DTYPES}[dtype])
+    msg = raises_naming(arg, call, m, params, dims, {arg: bad}, kinds=TypeError)
+    assert dtype in msg
+
+
+# A list or an ndarray is unhashable: Op._call once put it in its cache key and failed with
+# "unhashable type: 'list'", naming no argument (fixed in 5c66ea1).
+@pytest.mark.parametrize("m, arg, kind", _ids(NOTENSOR))
+def test_not_a_tensor(m, arg, kind):
+    params, dims = base(m)
+    good = make_inputs(m, params, dims, "float32")[arg]
+    bad = {"list": good.tolist(), "ndarray": good.numpy(), "None": None, "float": 1.0}[kind]
+    raises_naming(arg, call, m, params, dims, {arg: bad}, kinds=TypeError)
+
+
+@pytest.mark.parametrize("m, arg", _ids(DEVICE))
+def test_tensors_on_different_devices(m, arg):
+    # The first input fixes the device; moving any input away must name the one that disagrees and
+    # both devices. Without a GPU, "meta" tensors (shape and dtype, no data) make the mismatch.
+    params, dims = base(m)
+    other = "cuda" if torch.cuda.is_available() else "meta"
+    inputs = make_inputs(m, params, dims, "float32")
+    moved = inputs[arg].to(other)
+    first, second = m.inputs[0].name, m.inputs[1].name
+    msg = raises_naming(second, call, m, params, dims, {arg: moved}, kinds=ValueError)
+    assert names(first, msg) and other in msg and "cpu" in msg
+
+
+# --------------------------------------------------------------------------- rules, found generically
+
+
+_TAGS = {"lit", "name", "and", "or", "not", "neg", "bin", "cmp", "call"}
+
+
+def _literals(node: tuple) -> list:
+    """Every literal in a parsed rule (the tree of ``tileops.manifest.expr``)."""
+    if node[0] == "lit":
+        return [node[1]]
+    out = []
+    for sub in node[1:]:
+        if isinstance(sub, tuple) and sub and sub[0] in _TAGS:
+            out += _literals(sub)
+        elif isinstance(sub, tuple):  # the operand lists of "cmp" and "call"
+            out += [v for s in sub if isinstance(s, tuple) for v in _literals(s)]
+    return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _candidates(rule, name: str, env: dict) -> list:
+    nums = [v for v in _literals(rule.check.tree) if _number(v)]
+    out = []
+    for v in nums:
+        out += [v, v - 1, v + 1, 2 * v, -v]
+    out += [0, -1]
+    near = sorted((env[k] for k in env if k != name and _number(env[k])), key=abs)
+    for v in [env[name]] * _number(env.get(name)) + near:  # its own value, then the others' (a != b)
+        out += [v, v + 1, v - 1, v + 2, v - 2, 2 * v, -v]
+    seen, uniq = set(), []
+    for v in out:
+        if v not in seen and v != env.get(name):
+            seen.add(v)
+            uniq.append(v)
+    return uniq
+
+
+def _typed(m, name: str, v):
+    """``v`` as a value of the param's (or dim's) type, or None when it cannot be one."""
+    ptype = next((p.type for p in m.params if p.name == name), "dim")
+    if ptype == "float":
+        return float(v)
+    if ptype in ("int", "dim") and float(v).is_integer():
+        v = int(v)
+        return v if ptype == "int" or v >= 1 else None
+    return None
+
+
+def _holds(rule, env) -> bool:
+    try:
+        return bool(rule.check.evaluate(env))
+    except (ArithmeticError, TypeError, ValueError):  # a rule that cannot be evaluated fails
+        return False
+
+
+def _rule_items(needs_dims: bool, per_name: int = 4):
+    items = []
+    for m in REGISTRY.values():
+        params, dims = base(m)
+        for rule in m.rules:
+            if rule.needs_dims != needs_dims:
+                continue
+            others = [r for r in m.rules if r is not rule and (needs_dims or not r.needs_dims)]
+            for name in sorted(rule.check.names):
+                if name not in params and name not in dims:
+                    continue
+                found = 0
+                for v in _candidates(rule, name, params | dims):
+                    v = _typed(m, name, v)
+                    env = params | dims | {name: v}
+                    if v is None or _holds(rule, env) or not all(_holds(r, env) for r in others):
+                        continue
+                    text = rule.check.text.replace(" ", "")
+                    items.append((f"{m.name}-{text}-{name}={v}", m, rule, name, v))
+                    found += 1
+                    if found == per_name:
+                        break
+    return items
+
+
+PARAM_RULES, DIM_RULES = _rule_items(False), _rule_items(True)
+
+
+def test_every_rule_gets_a_violation():
+    covered = {(it[1].name, it[2].check.text) for it in PARAM_RULES + DIM_RULES}
+    assert covered == {(m.name, r.check.text) for m in REGISTRY.values() for r in m.rules}
+    # The ones the semantics call out by name are among them.
+    ids = {it[0] for it in PARAM_RULES + DIM_RULES}
+    for want in ("RoPEFwdOp-head_dim<=1024-head_dim=2048", "RoPEFwdOp-base>0-base=0.0",
+                 "RoPELlama31FwdOp-low_freq_factor!=high_freq_factor-high_freq_factor=1.0",
+                 "RoPENeoxPositionIdsFwdOp-max_position>0-max_position=0"):
+        assert want in ids, sorted(ids)
+    assert any(i.startswith("RoPEFwdOp-head_dim%2==0-head_dim=") for i in ids)
+    assert any(i.startswith("RoPENeoxPositionIdsFwdOp-rotary_dim==noneorrotary_dim<=head_dim-rotary_dim=")
+               for i in ids)
+
+
+@pytest.mark.parametrize("m, rule, name, value", _ids(PARAM_RULES))
+def test_param_rule_broken_at_construction(m, rule, name, value):
+    params, _ = base(m)
+    raises_naming(rule.arg, op_class(m.name), **(params | {name: value}), target=NO_KERNEL, kinds=ValueError)
+
+
+@pytest.mark.parametrize("m, rule, name, value", _ids(DIM_RULES))
+def test_dim_rule_broken_at_the_call(m, rule, name, value):
+    params, dims = base(m)
+    if name in params:
+        params = params | {name: value}
+    else:
+        dims = dims | {name: value}
+    op = op_class(m.name)(**params, target=NO_KERNEL)  # the params alone are fine
+    raises_naming(rule.arg, op, **make_inputs(m, params, dims, "float32"), kinds=ValueError)
+
+
+# --------------------------------------------------------------------------- params: types and values
+
+_WRONG = {"str": [1, b"neox"], "int": [1.5, "8", True], "float": ["1.0", True, 1j], "bool": [1, "true"],
+          "tensor": [[1.0, 2.0], 3.0]}
+
+
+def _param_items():
+    choice, wrong, nonfinite, missing = [], [], [], []
+    for m in REGISTRY.values():
+        for p in m.params:
+            if p.choices is not None:
+                bad = "bogus" if p.type == "str" else max(c for c in p.choices) + 1
+                choice.append((f"{m.name}-{p.name}={bad}", m, p.name, bad))
+            for v in _WRONG[p.type] + ([] if p.optional or p.type == "tensor" else [None]):
+                wrong.append((f"{m.name}-{p.name}={v!r}", m, p.name, v))
+            if p.type == "float":
+                for v in (math.nan, math.inf, -math.inf):
+                    nonfinite.append((f"{m.name}-{p.name}={v}", m, p.name, v))
+            if not p.has_default:
+                missing.append((f"{m.name}-{p.name}", m, p.name))
+    return choice, wrong, nonfinite, missing
+
+
+CHOICE, WRONG, NONFINITE, MISSING = _param_items()
+
+
+@pytest.mark.parametrize("m, arg, value", _ids(CHOICE))
+def test_value_outside_choices(m, arg, value):
+    raises_naming(arg, op_class(m.name), **(base(m)[0] | {arg: value}), kinds=ValueError)
+
+
+@pytest.mark.parametrize("m, arg, value", _ids(WRONG))
+def test_wrong_param_type(m, arg, value):
+    raises_naming(arg, op_class(m.name), **(base(m)[0] | {arg: value}), kinds=TypeError)
+
+
+@pytest.mark.parametrize("m, arg, value", _ids(NONFINITE))
+def test_non_finite_float(m, arg, value):
+    raises_naming(arg, op_class(m.name), **(base(m)[0] | {arg: value}), kinds=ValueError)
+
+
+@pytest.mark.parametrize("m, arg", _ids(MISSING))
+def test_missing_required_param(m, arg):
+    params = {k: v for k, v in base(m)[0].items() if k != arg}
+    raises_naming(arg, op_class(m.name), **params, kinds=TypeError)
+
+
+def test_unknown_target_lists_the_known_ones():
+    for m in REGISTRY.values():
+        msg = raises_naming("target", op_class(m.name), **base(m)[0], target="no-such-target", kinds=ValueError)
+        assert "no-such-target" in msg
+        for known in target_names():
+            assert known in msg
+        raises_naming("target", op_class(m.name), **base(m)[0], target=3, kinds=TypeError)
+
+
+# --------------------------------------------------------------------------- values checked at the call
+
+_RANGED = [(m, t) for m in REGISTRY.values() for t in m.inputs if t.range is not None]
+
+
+@pytest.mark.parametrize("target", ["builtin", "torch"])
+@pytest.mark.parametrize("m, spec", [pytest.param(m, t, id=f"{m.name}-{t.name}") for m, t in _RANGED])
+def test_values_out_of_range_name_the_index(m, spec, target):
+    # Real kernels here: the BUILTIN kernel flags bad positions on the device (and clamps them).
+    params, dims = base(m)
+    dims = dims | {d: 6 for d in spec.shape_for(params)}
+    env = params | dims
+    low, high = (int(b.evaluate(env)) for b in spec.range)
+    op = op_class(m.name)(**params, target=target)
+    for dtype in spec.dtypes:
+        info = torch.iinfo(DTYPES[dtype])
+        for bad in {low - 1, high, info.min, info.max} - set(range(low, high)):
+            if not info.min <= bad <= info.max:
+                continue
+            inputs = make_inputs(m, params, dims, "float32")
+            vals = inputs[spec.name].to(DTYPES[dtype])
+            vals[3] = bad
+            vals[5] = high + 7 if high + 7 <= info.max else low - 7
+            msg = raises_naming(spec.name, op, **(inputs | {spec.name: vals}), kinds=ValueError)
+            assert f"{spec.name}[3]" in msg and str(bad) in msg, msg
+        # After the error the op still works (the device flag was reset).
+        good = make_inputs(m, params, dims, "float32")
+        good[spec.name] = good[spec.name].to(DTYPES[dtype])
+        out = op(**good)
+        ref = reference(m.name, params, good)
+        assert torch.allclose(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_longrope_bad_rescale_factors():
+    m = REGISTRY["LongRoPEFwdOp"]
+    cls = op_class(m.name)
+    for bad in (0.0, math.nan, math.inf):
+        rf = torch.ones(64)
+        rf[5] = bad
+        msg = raises_naming("rescale_factors", cls, rescale_factors=rf, kinds=ValueError)
+        assert "rescale_factors[5]" in msg
+    raises_naming("rescale_factors", cls, rescale_factors=torch.ones(4, 16), kinds=ValueError)
+    raises_naming("rescale_factors", cls, rescale_factors=torch.ones(32, dtype=torch.complex64), kinds=ValueError)
+    op = cls(rescale_factors=torch.full((32,), 2.0), target=NO_KERNEL)  # fine until head_dim is known
+    msg = raises_naming("rescale_factors", op, torch.randn(3, 128), kinds=ValueError)
+    assert re.search(r"\b64\b", msg) and re.search(r"\b32\b", msg), msg

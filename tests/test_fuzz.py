@@ -1,0 +1,371 @@
+"""Hypothesis fuzzing of every op: random valid specs against the float64 reference, and random
+invalid specs that must fail with a clear error.
+
+A valid spec is an op, params within its rules, dims (lengths from 1, 1..80 heads, batch 1..4, an
+even head_dim), a dtype, and inputs laid out contiguously or not (a slice of a wider last dim, one
+element off a 16-byte boundary, every other row); the largest input holds at most ``MAX_ELEMENTS``
+(20k) elements, so an example takes milliseconds once its kernel exists. Positions of the
+position-ids op lie anywhere in ``[0, max_position)``, the ends drawn on purpose. Specs run through
+the BUILTIN kernels on the CPU (TileLang's C backend), one call per op, and also several calls of
+one op (new lengths, now and then a new dtype). Invalid specs are drawn per kind of mistake (wrong
+param type, non-finite float, value outside choices, broken rule, wrong input dtype/rank/type,
+position out of range, bad rescale factors, unknown target), each a separate pytest item.
+
+Cost and knobs:
+
+* Every new (dtype, head_dim, rotary width, pairing, layout, position dtype) compiles a kernel,
+  about 1.5 s on the CPU (then cached in memory and on disk by TileLang). With the default
+  ``max_examples`` (40 for the valid test, 20 for the many-calls one, 10 per kind of mistake)
+  head_dim is drawn from a small set, ``SMALL_HEAD_DIMS``, so the default run takes under a minute.
+* ``TILEOPS_FUZZ_EXAMPLES=N`` sets ``max_examples`` to N (N/2, N/4) and draws head_dim from every
+  even value in 2..512, so most examples compile a kernel: about 2.5 minutes for N=300 here.
+* ``max_position`` is drawn up to the manifest's cap, 2**24 (``2**28 // rotary_dim`` by default):
+  the BUILTIN position-ids op builds its high cos/sin table (max_position / 256 rows) at the first
+  call, so host memory for that build grows as ``max_position * rotary_dim / 256``.
+
+Run with ``--hypothesis-show-statistics`` to see how examples spread over ops, dtypes and layouts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, event, given, note, settings
+from hypothesis import strategies as st
+
+from tileops import target_names
+from tileops.manifest import registry
+from tileops.workloads import DTYPES, op_class
+
+try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
+    from references import reference
+except ImportError:  # pragma: no cover
+    from tests.references import reference
+
+REGISTRY = registry()
+FULL = "TILEOPS_FUZZ_EXAMPLES" in os.environ
+EXAMPLES = int(os.environ.get("TILEOPS_FUZZ_EXAMPLES", "40"))
+MAX_ELEMENTS = 20_000
+SMALL_HEAD_DIMS = (2, 6, 64, 96, 128)
+HEAD_DIMS = st.integers(1, 256).map(lambda n: 2 * n) if FULL else st.sampled_from(SMALL_HEAD_DIMS)
+TOLERANCES = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
+
+# Param values where the maths stays well conditioned; anything else falls back on its type.
+_FLOATS = {"scale_factor": (0.1, 64.0), "low_freq_factor": (0.1, 16.0), "high_freq_factor": (0.1, 16.0),
+           "scale": (0.1, 64.0), "beta_fast": (0.1, 128.0), "beta_slow": (0.1, 64.0), "attn_factor": (-4.0, 4.0)}
+_INTS = {"original_max_position": (1, 2**20), "max_position_embeddings": (1, 2**20),
+         "original_max_position_embeddings": (2, 2**20)}
+_BASE = st.one_of(st.sampled_from([10000.0, 500000.0, 1e6, 2.0]), st.floats(0.05, 1e7))
+
+
+@dataclass
+class Spec:
+    op: str
+    params: dict[str, Any]
+    dims: dict[str, int]
+    dtype: str
+    seed: int
+    edges: list[int] = field(default_factory=list)  # positions put first, so the ends get drawn
+    view: str = "contiguous"  # how inputs are laid out in memory: see _as_view
+
+    def inputs(self) -> dict[str, Any]:
+        m, g = REGISTRY[self.op], torch.Generator().manual_seed(self.seed)
+        env = self.params | self.dims
+        out = {}
+        for t in m.inputs:
+            shape = [self.dims[d] for d in t.shape_for(self.params)]
+            if t.range is not None:
+                low, high = (int(b.evaluate(env)) for b in t.range)
+                v = torch.randint(low, high, shape, generator=g, dtype=torch.int64)
+                v.view(-1)[: len(self.edges)] = torch.tensor(self.edges[: v.numel()], dtype=torch.int64)
+                out[t.name] = _as_view(v.to(DTYPES[self.dtype_of(t)]), self.view)
+            else:
+                out[t.name] = _as_view(torch.randn(shape, generator=g).to(DTYPES[self.dtype]), self.view)
+        return out
+
+    def dtype_of(self, t) -> str:
+        return self.params.get(f"__{t.name}_dtype", t.dtypes[-1])
+
+    def op_params(self) -> dict[str, Any]:
+        return {k: v for k, v in self.params.items() if not k.startswith("__")}
+
+
+VIEWS = ("contiguous", "padded", "offset", "every-other-row")
+
+
+def _as_view(t: torch.Tensor, view: str) -> torch.Tensor:
+    """The same values as ``t``, laid out as callers lay them out: a slice of a wider last dim (q
+    and k split from one qkv tensor), one element past a 16-byte boundary, or every other row."""
+    if view == "padded" and t.dim() > 1:
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 3, dtype=t.dtype)
+        wide[..., : t.shape[-1]] = t
+        return wide[..., : t.shape[-1]]
+    if view == "offset":
+        buf = torch.zeros(t.numel() + 1, dtype=t.dtype)
+        buf[1:] = t.reshape(-1)
+        return buf[1:].view(t.shape)
+    if view == "every-other-row" and t.dim() > 0:
+        tall = torch.zeros(2 * t.shape[0], *t.shape[1:], dtype=t.dtype)
+        tall[::2] = t
+        return tall[::2]
+    return t
+
+
+def _rules_hold(m, env, needs_dims: bool | None = None) -> bool:
+    for r in m.rules:
+        if needs_dims is None or r.needs_dims == needs_dims:
+            try:
+                if not r.check.evaluate(env):
+                    return False
+            except (ArithmeticError, TypeError, ValueError):  # a rule that cannot be evaluated fails
+                return False
+    return True
+
+
+def _param(draw, m, p, head_dim: int) -> Any:
+    if p.choices is not None:
+        return draw(st.sampled_from(p.choices))
+    if p.name == "base":
+        return draw(_BASE)
+    if p.name == "rotary_dim":
+        return draw(st.one_of(st.none(), st.integers(1, head_dim // 2).map(lambda n: 2 * n)))
+    if p.name == "rescale_factors":
+        factors = st.one_of(st.floats(0.25, 64.0), st.floats(-4.0, -0.25))
+        values = st.lists(factors, min_size=head_dim // 2, max_size=head_dim // 2)
+        return draw(st.one_of(st.none(), values.map(lambda v: torch.tensor(v, dtype=torch.float64))))
+    if p.type == "float":
+        return draw(st.floats(*_FLOATS.get(p.name, (0.1, 100.0))))
+    if p.type == "int":
+        return draw(st.integers(*_INTS.get(p.name, (1, 2**16))))
+    if p.type == "bool":
+        return draw(st.booleans())
+    return p.default
+
+
+def _dims(draw, m, params, head_dim: int, max_elements: int) -> dict[str, int]:
+    # head_dim first, then the small dims (heads, batch), then the length takes what the budget leaves
+    dims = {"head_dim": head_dim}
+    shape = max((t.shape_for(params) for t in m.inputs), key=len)
+    limits = {"heads": 80, "num_heads": 80, "batch": 4}
+    for d in sorted(shape, key=lambda d: d not in limits):
+        if d not in dims:
+            room = max(1, max_elements // math.prod(dims.values()))
+            dims[d] = draw(st.integers(1, min(limits.get(d, room), room)))
+    for d in {d for t in m.inputs for d in t.shape_for(params)} - set(dims):
+        dims[d] = 1
+    return dims
+
+
+@st.composite
+def valid_specs(draw, max_elements: int = MAX_ELEMENTS, ops: tuple[str, ...] = tuple(sorted(REGISTRY))) -> Spec:
+    name = draw(st.sampled_from(ops))
+    m = REGISTRY[name]
+    head_dim = draw(HEAD_DIMS)
+    params = {p.name: _param(draw, m, p, head_dim) for p in m.params if p.name != "max_position"}
+    rot = params.get("rotary_dim") or head_dim
+    if any(p.name == "max_position" for p in m.params):
+        cap = 2**24 if FULL else min(2**24, 2**28 // rot)
+        params["max_position"] = draw(st.one_of(st.integers(1, cap), st.sampled_from([1, 2, 8192, cap])))
+    dims = _dims(draw, m, params, head_dim, max_elements)
+    assume(_rules_hold(m, params | dims))  # e.g. low_freq_factor == high_freq_factor: rare
+    edges: list[int] = []
+    for t in m.inputs:  # integer inputs: a dtype, and a few values at or near the ends of the range
+        if t.range is not None:
+            params[f"__{t.name}_dtype"] = draw(st.sampled_from(t.dtypes))
+            low, high = (int(b.evaluate(params | dims)) for b in t.range)
+            edge = st.one_of(st.sampled_from([low, high - 1]), st.integers(low, high - 1))
+            edges = draw(st.lists(edge, max_size=4))
+    dtype = draw(st.sampled_from(m.inputs[0].dtypes))
+    return Spec(name, params, dims, dtype, draw(st.integers(0, 2**32 - 1)), edges, draw(st.sampled_from(VIEWS)))
+
+
+@SETTINGS
+@given(spec=valid_specs())
+def test_valid_specs_match_the_reference(spec):
+    event(f"op: {spec.op}")
+    event(f"dtype: {spec.dtype}")
+    event(f"view: {spec.view}")
+    check_call(op_class(spec.op)(**spec.op_params(), target="builtin"), spec)
+
+
+@st.composite
+def call_sequences(draw) -> list[Spec]:
+    """A spec, then 1..3 more calls of the same op: new lengths and heads, now and then a new dtype."""
+    spec = draw(valid_specs())
+    m = REGISTRY[spec.op]
+    later = []
+    for _ in range(draw(st.integers(1, 3))):
+        dims = _dims(draw, m, spec.params, spec.dims["head_dim"], MAX_ELEMENTS)
+        dtype = draw(st.sampled_from([spec.dtype] * 3 + list(m.inputs[0].dtypes)))
+        later.append(replace(spec, dims=dims, dtype=dtype, seed=draw(st.integers(0, 2**32 - 1)), edges=[]))
+    return [spec, *later]
+
+
+@settings(SETTINGS, max_examples=max(10, EXAMPLES // 2))
+@given(specs=call_sequences())
+def test_one_op_serves_many_calls(specs):
+    # One op object, called with longer and shorter inputs (its cos/sin tables grow) and other dtypes
+    # (a second kernel): every call must still match the reference.
+    op = op_class(specs[0].op)(**specs[0].op_params(), target="builtin")
+    for spec in specs:
+        check_call(op, spec)
+
+
+def check_call(op, spec: Spec) -> None:
+    inputs = spec.inputs()
+    before = {k: v.clone() for k, v in inputs.items()}
+    out = op(**inputs)
+    x = inputs[REGISTRY[spec.op].inputs[0].name]
+    assert (out.shape, out.dtype) == (x.shape, x.dtype)
+    assert all(torch.equal(inputs[k], before[k]) for k in inputs)
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # a new tensor
+    assert bool(torch.isfinite(out).all())
+    ref = reference(spec.op, spec.op_params(), inputs)
+    err = (out.double() - ref).abs()
+    atol, rtol = TOLERANCES[spec.dtype]
+    bad = err > atol + rtol * ref.abs()
+    note(f"max err {err.max().item() if err.numel() else 0:.3g}")
+    assert not bool(bad.any()), f"{int(bad.sum())} of {bad.numel()} elements off, first at {bad.nonzero()[0].tolist()}"
+
+
+# --------------------------------------------------------------------------- invalid specs
+
+_OTHER_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
+                 torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
+_WRONG_TYPES = {"int": st.one_of(st.floats(), st.text(max_size=4), st.booleans()),  # 8.0 is no int either
+                "float": st.one_of(st.text(max_size=4), st.booleans(), st.complex_numbers(allow_nan=False)),
+                "str": st.one_of(st.integers(), st.floats(allow_nan=False), st.booleans()),
+                "bool": st.one_of(st.integers(), st.text(max_size=4)),
+                "tensor": st.one_of(st.floats(allow_nan=False), st.text(max_size=4), st.integers())}
+
+
+def _violated(m, env) -> list:
+    out = []
+    for r in sorted(m.rules, key=lambda r: r.needs_dims):  # construction-time rules are checked first
+        try:
+            ok = r.check.evaluate(env)
+        except (ArithmeticError, TypeError, ValueError):  # a rule that cannot be evaluated fails
+            ok = False
+        if not ok:
+            out.append(r)
+    return out
+
+
+# kind of mistake -> which manifests it applies to
+_KINDS = {
+    "param-type": lambda m: bool(m.params), "input-dtype": lambda m: True, "input-rank": lambda m: True,
+    "input-type": lambda m: True, "dim-rule": lambda m: any(r.needs_dims for r in m.rules), "target": lambda m: True,
+    "param-nonfinite": lambda m: any(p.type == "float" for p in m.params),
+    "param-choice": lambda m: any(p.choices for p in m.params),
+    "param-rule": lambda m: any(not r.needs_dims for r in m.rules),
+    "input-range": lambda m: any(t.range is not None for t in m.inputs),
+    "tensor-param": lambda m: any(p.type == "tensor" for p in m.params),
+}
+
+
+@st.composite
+def invalid_specs(draw, kind: str):
+    """(spec, what to change, expected exception type, name the message must contain)."""
+    ops = tuple(n for n in sorted(REGISTRY) if _KINDS[kind](REGISTRY[n]))
+    spec = draw(valid_specs(max_elements=2000, ops=ops))
+    m = REGISTRY[spec.op]
+    params = spec.op_params()
+    event(f"invalid: {kind}")
+    if kind.startswith("param") or kind == "tensor-param":
+        pool = {"param-type": m.params, "param-nonfinite": [p for p in m.params if p.type == "float"],
+                "param-choice": [p for p in m.params if p.choices], "tensor-param": [p for p in m.params if p.type == "tensor"],
+                "param-rule": [p for p in m.params if any(p.name in r.check.names and not r.needs_dims for r in m.rules)]}[kind]
+        p = draw(st.sampled_from(pool))
+        if kind == "param-type":
+            return spec, {"param": (p.name, draw(_WRONG_TYPES[p.type]))}, TypeError, p.name
+        if kind == "param-nonfinite":
+            return spec, {"param": (p.name, draw(st.sampled_from([math.nan, math.inf, -math.inf])))}, ValueError, p.name
+        if kind == "param-choice":
+            bad = draw(st.text(max_size=8).filter(lambda s: s not in p.choices))
+            return spec, {"param": (p.name, bad)}, ValueError, p.name
+        if kind == "tensor-param":
+            n = spec.dims["head_dim"] // 2
+            length = draw(st.integers(0, 2 * n + 2).filter(lambda k: k != n))
+            vals = torch.ones(length, dtype=torch.float64)
+            if draw(st.booleans()):  # a bad value instead of a bad length
+                vals = torch.ones(n, dtype=torch.float64)
+                vals[draw(st.integers(0, n - 1))] = draw(st.sampled_from([0.0, math.nan, math.inf, -math.inf]))
+            return spec, {"param": (p.name, vals)}, ValueError, p.name
+        number = st.one_of(st.integers(-2**40, 2**40), st.sampled_from([0, -1, 1, 2**31, 2**31 - 1]),
+                           st.sampled_from([v for v in params.values() if isinstance(v, (int, float))] or [0]))
+        value = draw(number.map(float if p.type == "float" else int))
+        rules = _violated(m, params | spec.dims | {p.name: value})
+        assume(rules)
+        return spec, {"param": (p.name, value)}, ValueError, rules[0].arg
+    if kind == "target":
+        name = draw(st.text(min_size=1, max_size=8).filter(lambda s: s not in target_names()))
+        return spec, {"target": name}, ValueError, "target"
+    t = draw(st.sampled_from(m.inputs))
+    if kind == "input-dtype":
+        allowed = {DTYPES[d] for d in t.dtypes}
+        return spec, {"dtype": (t.name, draw(st.sampled_from([d for d in _OTHER_DTYPES if d not in allowed])))}, TypeError, t.name
+    if kind == "input-rank":
+        return spec, {"rank": (t.name, draw(st.sampled_from([-1, 1, 2])))}, ValueError, t.name
+    if kind == "input-type":
+        bad = draw(st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=3), st.tuples(st.integers()),
+                             st.lists(st.floats(), max_size=3), st.just(spec.inputs()[t.name].tolist()),
+                             st.just(spec.inputs()[t.name].float().numpy())))  # numpy has no bf16
+        return spec, {"value": (t.name, bad)}, TypeError, t.name
+    if kind == "input-range":
+        t = next(t for t in m.inputs if t.range is not None)
+        low, high = (int(b.evaluate(params | spec.dims)) for b in t.range)
+        info = torch.iinfo(DTYPES[spec.dtype_of(t)])
+        bad = draw(st.one_of(st.integers(info.min, low - 1), st.integers(high, max(high, info.max))))
+        n = math.prod(spec.dims[d] for d in t.shape_for(params))
+        i = draw(st.integers(0, n - 1))
+        return spec, {"position": (t.name, i, bad)}, ValueError, f"{t.name}[{i}]"
+    # dim-rule: a head_dim that breaks a rule about dims (odd, or above the limit)
+    hd = draw(st.one_of(st.integers(1, 1100), st.integers(1025, 4096)))
+    rules = _violated(m, params | spec.dims | {"head_dim": hd})
+    assume(rules)
+    dims = {d: 1 for d in spec.dims} | {"head_dim": hd}
+    return Spec(spec.op, spec.params, dims, spec.dtype, spec.seed, view=spec.view), {}, ValueError, rules[0].arg
+
+
+@pytest.mark.parametrize("mistake", sorted(_KINDS))
+def test_invalid_specs_fail_clearly(mistake):
+    # One hypothesis run per kind of mistake: drawing the kind inside would leave some kinds untried
+    # in a short run (hypothesis favours the first choices of sampled_from).
+    settings(SETTINGS, max_examples=max(5, EXAMPLES // 4))(given(case=invalid_specs(mistake))(check_invalid))()
+
+
+def check_invalid(case):
+    spec, change, kind, name = case
+    m = REGISTRY[spec.op]
+    params = spec.op_params()
+    if "param" in change:
+        params[change["param"][0]] = change["param"][1]
+    inputs = spec.inputs()
+    if "dtype" in change:
+        arg, dt = change["dtype"]
+        inputs[arg] = inputs[arg].to(dt)
+    if "rank" in change:
+        arg, delta = change["rank"]
+        inputs[arg] = inputs[arg].reshape(*([1] * delta), *inputs[arg].shape) if delta > 0 else inputs[arg][0]
+    if "value" in change:
+        inputs[change["value"][0]] = change["value"][1]
+    if "position" in change:
+        arg, i, bad = change["position"]
+        inputs[arg].view(-1)[i] = bad  # the only value out of range: the error must name index i
+    with pytest.raises((TypeError, ValueError)) as info:
+        op = op_class(spec.op)(**params, target=change.get("target", "builtin"))
+        op(**inputs)
+    msg = str(info.value)
+    note(msg)
+    assert isinstance(info.value, kind), msg
+    assert re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", msg), f"the error does not name {name!r}: {msg}"
+    assert m.name in msg or name == "target", msg

@@ -1,0 +1,162 @@
+"""Tests generated from the manifests: every case x dtype x target is one pytest item.
+
+The matrix comes from :func:`tileops.testing.generated_cases` (the same list ``tileops coverage``
+counts). Each op gets a test function ``test_<Op>`` created below from the registry, so items read
+``test_RoPEFwdOp[neox-2d-2k-bf16-cpu]`` (``-torch`` for the PyTorch target, ``-cuda`` for the
+BUILTIN kernels on a GPU, which carry the ``cuda`` marker and skip without one). Adding a manifest
+adds tests with no new code here.
+
+Each item builds the case's inputs (scaled down on the CPU by the manifest's ``cpu_shrink`` rule,
+never skipped), runs the op, and checks against the independent float64 reference in
+``tests/references.py``: never against package code.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tileops.cli import main as cli_main
+from tileops.manifest import load_files, packaged_files, registry
+from tileops.testing import COLUMNS, GeneratedCase, generated_cases
+from tileops.workloads import op_class, workload
+
+try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
+    from references import reference
+except ImportError:  # pragma: no cover
+    from tests.references import reference
+
+#: |out - ref| <= atol + rtol * |ref|: one rounding of an fp32 result to the dtype, plus slack.
+TOLERANCES = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
+
+REGISTRY = registry()
+CASES = generated_cases(REGISTRY)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Runs at collection: each test_<Op> below is parametrized with that op's generated cases.
+    op = getattr(metafunc.function, "op_name", None)
+    if op is None or "gcase" not in metafunc.fixturenames:
+        return
+    params = [pytest.param(c, id=c.param_id, marks=[getattr(pytest.mark, m) for m in c.marks])
+              for c in CASES if c.op == op]
+    metafunc.parametrize("gcase", params)
+
+
+def check_case(gcase: GeneratedCase, gen: torch.Generator) -> None:
+    m = REGISTRY[gcase.op]
+    w = workload(m, m.case(gcase.case), gcase.dtype, gcase.device, shrink=gcase.shrink, generator=gen)
+    before = {k: v.clone() for k, v in w.inputs.items()}
+    op = op_class(gcase.op)(**w.params, target=gcase.target)
+    out = op(**w.inputs)
+    seed = f"(dims {w.dims}, generator seed {gen.initial_seed()})"
+
+    assert op.serving_target == gcase.target
+    x = w.inputs[m.inputs[0].name]
+    assert isinstance(out, torch.Tensor)
+    assert (out.shape, out.dtype, out.device) == (x.shape, x.dtype, x.device), seed
+    for name, t in w.inputs.items():
+        assert torch.equal(t, before[name]), f"input {name} was modified {seed}"
+        assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), f"out aliases {name}"
+    # The output is a fresh tensor from the op, so instead of pre-filling it with NaN we check that
+    # every element was written with a finite value.
+    assert bool(torch.isfinite(out).all()), f"non-finite output {seed}"
+
+    ref = reference(gcase.op, w.params, {k: v.cpu() for k, v in w.inputs.items()})
+    got = out.cpu().double()
+    atol, rtol = TOLERANCES[gcase.dtype]
+    err = (got - ref).abs()
+    bad = err > atol + rtol * ref.abs()
+    if bool(bad.any()):
+        i = tuple(int(j) for j in bad.nonzero()[0])
+        pytest.fail(f"{int(bad.sum())} of {bad.numel()} elements off; first at {list(i)}: got {got[i].item()}, "
+                    f"want {ref[i].item()}; max err {err.max().item():.3g} {seed}")
+
+
+def _test_for(op_name: str):
+    def test(gcase: GeneratedCase, gen: torch.Generator) -> None:
+        check_case(gcase, gen)
+
+    test.__name__ = test.__qualname__ = f"test_{op_name}"
+    test.op_name = op_name  # read by pytest_generate_tests
+    return test
+
+
+for _name in REGISTRY:
+    globals()[f"test_{_name}"] = _test_for(_name)
+
+
+# --------------------------------------------------------------------------- the generation itself
+
+
+def test_matrix_covers_every_case_dtype_and_column():
+    want = {(n, c.label, d) for n, m in REGISTRY.items() for c in m.cases for d in c.dtypes}
+    got = {(c.op, c.case, c.dtype) for c in CASES}
+    assert got == want
+    assert len(CASES) == len(want) * len(COLUMNS)
+    assert len({c.id for c in CASES}) == len(CASES)
+    assert "RoPEFwdOp[neox-2d-2k-bf16-cpu]" in {c.id for c in CASES}
+    assert {c.id for c in CASES if c.marks} == {c.id for c in CASES if c.column == "builtin-cuda"}
+
+
+def _copy_manifest(tmp_path, name="RoPEFwdOpCopy"):
+    src = next(p for p in packaged_files() if p.name == "RoPEFwdOp.yaml")
+    text = src.read_text()
+    assert text.startswith("RoPEFwdOp:")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(name + text[len("RoPEFwdOp"):])
+    return path
+
+
+def test_a_new_manifest_adds_tests(tmp_path):
+    path = _copy_manifest(tmp_path)
+    extra = load_files([path])
+    assert list(extra) == ["RoPEFwdOpCopy"]
+    before = {c.id for c in generated_cases(REGISTRY)}
+    after = {c.id for c in generated_cases({**REGISTRY, **extra})}
+    new = after - before
+    assert before <= after
+    assert "RoPEFwdOpCopy[neox-2d-2k-bf16-cpu]" in new
+    assert "RoPEFwdOpCopy[interleaved-1d-odd-fp32-torch]" in new
+    assert {i.replace("RoPEFwdOpCopy[", "RoPEFwdOp[") for i in new} == {
+        c.id for c in CASES if c.op == "RoPEFwdOp"}
+
+
+# --------------------------------------------------------------------------- tileops coverage
+
+
+def test_coverage_counts_the_generated_tests(capsys):
+    assert cli_main(["coverage"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(CASES)} generated tests" in out
+    for name in REGISTRY:
+        assert name in out
+    # RoPEFwdOp in bf16: one item per case listing bf16, in each of the three columns.
+    n = sum(1 for c in REGISTRY["RoPEFwdOp"].cases if "bfloat16" in c.dtypes)
+    row = next(line for line in out.splitlines() if line.split()[:2] == ["RoPEFwdOp", "bf16"])
+    assert row.split()[2:5] == [str(n)] * 3
+
+
+def test_coverage_markdown_and_extra_files(tmp_path, capsys):
+    path = _copy_manifest(tmp_path)
+    assert cli_main(["coverage", "--markdown", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| op | dtype | builtin-cpu | torch | builtin-cuda |")
+    assert set(lines[1]) <= set("|-: ")
+    assert any(line.startswith("| RoPEFwdOpCopy | fp32 |") for line in lines)
+    assert not any(line.startswith("| YaRNFwdOp |") for line in lines)  # only the files given
+
+
+def test_coverage_runs_as_a_command():
+    # The console script installed next to this interpreter, else `python -m tileops`.
+    exe = shutil.which("tileops", path=str(Path(sys.executable).parent))
+    cmd = [exe] if exe else [sys.executable, "-m", "tileops"]
+    proc = subprocess.run([*cmd, "coverage"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "builtin-cuda" in proc.stdout
