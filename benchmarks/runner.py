@@ -136,6 +136,7 @@ def _meta(ceiling: float) -> dict[str, Any]:
                                 cwd=HERE, check=False).stdout.strip()
     except OSError:
         commit = ""
+    commit = commit or os.environ.get("TILEOPS_COMMIT", "")  # a copy of the tree without .git
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, check=False).stdout.strip()

@@ -111,10 +111,11 @@ class RoPENeoxPositionIdsFwdOp(_RoPEBase):
     Positions are checked on the device: the kernel clamps any position outside
     ``[0, max_position)`` (so nothing is read out of bounds) and raises a flag, which the op reads
     once per call and turns into a ValueError naming the first offending index. That read is one
-    host synchronisation per call on a GPU: measured on an H200, the 4-byte read costs 12.9 µs of
-    host time and a call of this op 31 µs with the GPU idle, against 20 µs for ``RoPEFwdOp``; the
-    GPU waits for the host between calls. The kernel itself runs as fast as the 2d one (4096 tokens
-    x 32 heads x 128, bf16: 19.8 µs, 80% of the copy rate).
+    host synchronisation per call on a GPU: measured on an H200 in two runs
+    (``python -m benchmarks.hostprof``), the 4-byte read costs 9.7-12.9 µs of host time and a call
+    of this op 22-31 µs with the GPU idle, against 12-20 µs for ``RoPEFwdOp``; the GPU waits for
+    the host between calls. The kernel itself runs as fast as the 2d one (4096 tokens x 32 heads x
+    128, bf16: 19.8 µs, 80% of the copy rate).
 
     References: GPT-NeoX and HF transformers (``rotate_half``); vLLM ``rotary_embedding``;
     flashinfer ``apply_rope_pos_ids``.
