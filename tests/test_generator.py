@@ -23,6 +23,7 @@ def test_fifty_lengths_one_compile(gen):
         ref = reference("RoPEFwdOp", {"rope_layout": "interleaved", "input_layout": "2d", "base": 500.0}, {"x": x})
         assert (out.double() - ref).abs().max().item() < 1e-5
     assert generate.stats.compiles == before, "a new length compiled a new kernel"
+    assert len(op._impls) == 1, "a new length built a new implementation"
 
 
 def test_new_dtype_and_head_dim_compile_once_each(gen):

@@ -27,7 +27,8 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 @dataclass(frozen=True)
 class CallSpec:
-    """What a call specializes on: the device, each input's dtype, and the call's dims."""
+    """What a call specializes on: the device, each input's dtype, and the dims the manifest's
+    ``kernel.specialize`` lists (head_dim for RoPE); every other dim is dynamic."""
 
     device: torch.device
     dtypes: tuple[tuple[str, str], ...]  # (input name, dtype name)
@@ -189,7 +190,9 @@ class Op:
                 self._check_rule(rule, env)
         assert device is not None
         self._check_more(tensors, dims)
-        return CallSpec(device=device, dtypes=tuple(dtypes), dims=tuple(sorted(dims.items())))
+        # only the dims kernels are compiled for: other sizes share one implementation
+        static = sorted((d, dims[d]) for d in m.kernel.specialize)
+        return CallSpec(device=device, dtypes=tuple(dtypes), dims=tuple(static))
 
     def _check_more(self, tensors: Mapping[str, Any], dims: Mapping[str, int]) -> None:
         """Op-specific checks that the rule language does not express (default: none)."""

@@ -308,7 +308,12 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
     static = ctx.plain(km["static"][1]) if "static" in km else {}
     if not isinstance(static, dict):
         raise ctx.err(km["static"][1], "kernel.static: expected a mapping")
-    kernel = KernelSpec(builder=builder, static=static, line=m["kernel"][1].start_mark.line + 1)
+    specialize = ctx.strings(km["specialize"][1], "kernel.specialize") if "specialize" in km else ()
+    for d in specialize:
+        if d not in dims:
+            raise ctx.err(km["specialize"][1], f"kernel.specialize: unknown dim {d!r}; dims: {', '.join(sorted(dims))}")
+    kernel = KernelSpec(builder=builder, static=static, specialize=specialize,
+                        line=m["kernel"][1].start_mark.line + 1)
     shrink = None
     if "cpu_shrink" in m:
         sm = ctx.section(m["cpu_shrink"][1], "cpu_shrink", "cpu_shrink")

@@ -69,7 +69,10 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
     },
     "kernel": {
         "builder": (True, "str", "The builder's name in `kernels.BUILDERS`."),
-        "static": (False, "map", "Fixed choices passed to the builder (schedule, pairing...)."),
+        "static": (False, "map", "Fixed choices passed to the builder (schedule, pairing...); a value may be "
+                                 "a map keyed by input layout."),
+        "specialize": (False, "list[dim]", "Dims a kernel is compiled for (e.g. head_dim); every other dim is "
+                                           "dynamic, so new sizes of it reuse the compiled kernel."),
     },
     "cpu_shrink": {
         "dims": (True, "list[str]", "Dims halved, in turn, until a case fits."),
@@ -132,6 +135,7 @@ class Rule:
 class KernelSpec:
     builder: str
     static: Mapping[str, Any] = field(default_factory=dict)
+    specialize: tuple[str, ...] = ()
     line: int = 0
 
 
