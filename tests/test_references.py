@@ -310,3 +310,25 @@ def test_neox_output_matches_transformers_rotate_half():
     emb = torch.cat((freqs, freqs), dim=-1)[None].expand(2, -1, -1)  # [batch, seq, dim]
     q, _ = apply_rotary_pos_emb(x.double(), x.double(), emb.cos() * amp, emb.sin() * amp, unsqueeze_dim=2)
     torch.testing.assert_close(reference("YaRNFwdOp", params, {"x": x}), q, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("case", _hf_cases(), ids=lambda c: c[0])
+def test_op_frequencies_match_transformers(case):
+    """The ops' own float64 tables (what the kernels' cos/sin come from) against HF's init functions."""
+    pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from tileops.workloads import op_class
+
+    rope_type, hf_params, hf_max_pos, op_name, params, head_dim = case
+    config = _hf_config(head_dim, dict(hf_params), hf_max_pos)
+    if rope_type == "default":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        init = ROPE_INIT_FUNCTIONS.get("default") or LlamaRotaryEmbedding.compute_default_rope_parameters
+    else:
+        init = ROPE_INIT_FUNCTIONS[rope_type]
+    hf_inv, hf_amp = init(config)
+    inv, amp = op_class(op_name)(**params).frequencies(head_dim)
+    torch.testing.assert_close(inv, hf_inv.double(), rtol=4e-7, atol=0)
+    assert amp == pytest.approx(float(hf_amp), rel=1e-12)
