@@ -115,6 +115,24 @@ def build_rope(spec: RopeKernelSpec):
     return _build_c(spec)
 
 
+@T.macro
+def _position(by_ids, P, ERR, max_position, s):
+    """The position of sequence row ``s``: ``s`` itself, or ``P[s]`` checked against
+    ``[0, max_position)``. A position outside sets ``ERR[0]`` and reads as 0, so no table is ever
+    indexed out of bounds; the op turns the flag into a ValueError."""
+    p = T.alloc_var("int64")
+    if by_ids:
+        raw = T.cast(P[s], "int64")
+        if raw < 0 or raw >= T.cast(max_position, "int64"):
+            ERR[0] = 1
+            p = 0
+        else:
+            p = raw
+    else:
+        p = T.cast(s, "int64")
+    return p
+
+
 def _pair_index(spec: RopeKernelSpec, j):
     """Element indices (first, second) of pair ``j`` within a head."""
     if spec.pairing == "neox":
@@ -133,16 +151,7 @@ def _build_c(spec: RopeKernelSpec):
     @T.macro
     def body(X, Y, TH, TL, P, ERR, max_position, b, s):
         cst = T.alloc_local((2, half), "float32")
-        p = T.alloc_var("int64")
-        if by_ids:
-            raw = T.cast(P[s], "int64")
-            if raw < 0 or raw >= T.cast(max_position, "int64"):
-                ERR[0] = 1
-                p = 0
-            else:
-                p = raw
-        else:
-            p = T.cast(s, "int64")
+        p = _position(by_ids, P, ERR, max_position, s)
         hi = p // LO
         lo = p % LO
         for j in T.serial(half):
@@ -217,16 +226,7 @@ def _build_cuda(spec: RopeKernelSpec):
 
     @T.macro
     def token(X, Y, TH, TL, P, ERR, max_position, bb, s, lane, hl, ch, sh, cl, sl, cs, sn, xa, xb, ya, yb):
-        p = T.alloc_var("int64")
-        if by_ids:
-            raw = T.cast(P[s], "int64")
-            if raw < 0 or raw >= T.cast(max_position, "int64"):
-                ERR[0] = 1
-                p = 0
-            else:
-                p = raw
-        else:
-            p = T.cast(s, "int64")
+        p = _position(by_ids, P, ERR, max_position, s)
         if lane < C:
             j0 = lane * V
             # Loading the high row once per token group instead (it is shared by 256 positions) was

@@ -260,12 +260,11 @@ def _hf_cases():
     ]
 
 
-@pytest.mark.parametrize("case", _hf_cases(), ids=lambda c: c[0])
-def test_inv_freq_and_amplitude_match_transformers(case):
-    pytest.importorskip("transformers")
+def _hf_tables(case):
+    """HF's (inv_freq, attention scaling) for one of ``_hf_cases()``."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope_type, hf_params, hf_max_pos, op, params, head_dim = case
+    rope_type, hf_params, hf_max_pos, _, _, head_dim = case
     config = _hf_config(head_dim, dict(hf_params), hf_max_pos)
     if rope_type == "default":
         # transformers 5 no longer lists "default" in ROPE_INIT_FUNCTIONS; models carry it.
@@ -274,7 +273,14 @@ def test_inv_freq_and_amplitude_match_transformers(case):
         init = ROPE_INIT_FUNCTIONS.get("default") or LlamaRotaryEmbedding.compute_default_rope_parameters
     else:
         init = ROPE_INIT_FUNCTIONS[rope_type]
-    hf_inv, hf_amp = init(config)
+    return init(config)
+
+
+@pytest.mark.parametrize("case", _hf_cases(), ids=lambda c: c[0])
+def test_inv_freq_and_amplitude_match_transformers(case):
+    pytest.importorskip("transformers")
+    _, _, _, op, params, head_dim = case
+    hf_inv, hf_amp = _hf_tables(case)
     inv, amp = inv_freq_and_amplitude(op, params, head_dim)
     # HF builds its table in float32: agreement to a few float32 ulps is all that can be asked.
     torch.testing.assert_close(inv, hf_inv.double(), rtol=4e-7, atol=0)
@@ -316,19 +322,10 @@ def test_neox_output_matches_transformers_rotate_half():
 def test_op_frequencies_match_transformers(case):
     """The ops' own float64 tables (what the kernels' cos/sin come from) against HF's init functions."""
     pytest.importorskip("transformers")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     from tileops.workloads import op_class
 
-    rope_type, hf_params, hf_max_pos, op_name, params, head_dim = case
-    config = _hf_config(head_dim, dict(hf_params), hf_max_pos)
-    if rope_type == "default":
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        init = ROPE_INIT_FUNCTIONS.get("default") or LlamaRotaryEmbedding.compute_default_rope_parameters
-    else:
-        init = ROPE_INIT_FUNCTIONS[rope_type]
-    hf_inv, hf_amp = init(config)
+    _, _, _, op_name, params, head_dim = case
+    hf_inv, hf_amp = _hf_tables(case)
     inv, amp = op_class(op_name)(**params).frequencies(head_dim)
     torch.testing.assert_close(inv, hf_inv.double(), rtol=4e-7, atol=0)
     assert amp == pytest.approx(float(hf_amp), rel=1e-12)
