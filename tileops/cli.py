@@ -17,7 +17,7 @@ TOLERANCES = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6
 
 
 def _manifests(files: Sequence[str] | None = None):
-    from .manifest import load_files, packaged_files, registry
+    from .manifest import load_files, registry
 
     return registry() if not files else load_files(files)
 
@@ -70,16 +70,15 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from .manifest import ManifestError, load_file, packaged_files
+    from .manifest.loader import add_op
 
     files = [Path(f) for f in args.files] if args.files else packaged_files()
-    seen: dict[str, str] = {}
+    seen: dict = {}
     bad = 0
-    for f in files:
+    for f in files:  # every file is checked: one bad file does not hide the next one's errors
         try:
             for op in load_file(f):
-                if op.name in seen:
-                    raise ManifestError(op.file, op.line, f"duplicate op {op.name!r}: first declared at {seen[op.name]}")
-                seen[op.name] = op.where()
+                add_op(seen, op)
         except ManifestError as e:
             print(str(e))
             bad += 1
@@ -93,19 +92,14 @@ def _op_and_call(name: str, label: str | None, device: str = "cpu"):
 
     from .manifest import get
     from .op import CallSpec
-    from .workloads import case_dims, case_params, op_class
+    from .workloads import case_dims, case_params, index_dtype, op_class
 
     m = get(name)
     case = m.case(label) if label else m.cases[0]
     params = case_params(m, case)
     op = op_class(name)(**params)
     dims = case_dims(m, case)
-    dtypes = []
-    for t in m.inputs:
-        if t.range is not None:
-            dtypes.append((t.name, "int64" if "int64" in t.dtypes else t.dtypes[0]))
-        else:
-            dtypes.append((t.name, case.dtypes[0]))
+    dtypes = [(t.name, index_dtype(t) if t.range is not None else case.dtypes[0]) for t in m.inputs]
     return m, case, op, CallSpec(torch.device(device), tuple(dtypes), tuple(sorted(dims.items())))
 
 

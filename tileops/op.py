@@ -18,11 +18,12 @@ from . import manifest as _manifest
 from .manifest import ExprError, OpManifest
 from .targets import Target, check_target_arg, resolve_target
 
-__all__ = ["Op", "CallSpec"]
+__all__ = ["Op", "CallSpec", "DTYPES"]
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+#: dtype names as manifests write them
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,11 @@ from typing import Any, Mapping
 
 import torch
 
-from .manifest import Case, OpManifest
+from .manifest import Case, OpManifest, TensorSpec
+from .op import DTYPES
 
-__all__ = ["Workload", "case_params", "case_dims", "make_inputs", "workload", "op_class", "bytes_moved"]
+__all__ = ["Workload", "index_dtype", "case_params", "case_dims", "make_inputs", "workload", "op_class", "bytes_moved"]
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
@@ -40,6 +39,11 @@ def op_class(name: str) -> type:
     from . import ops
 
     return ops()[name]
+
+
+def index_dtype(t: TensorSpec) -> str:
+    """The dtype workloads give an integer input: int64 where allowed, else its first dtype."""
+    return "int64" if "int64" in t.dtypes else t.dtypes[0]
 
 
 def case_params(m: OpManifest, case: Case) -> dict[str, Any]:
@@ -72,7 +76,7 @@ def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, int
         shape = [dims[d] for d in t.shape_for(params)]
         if t.range is not None:
             low, high = (int(b.evaluate(env)) for b in t.range)
-            idt = DTYPES["int64" if "int64" in t.dtypes else t.dtypes[0]]
+            idt = DTYPES[index_dtype(t)]
             out[t.name] = torch.randint(low, high, shape, generator=generator, dtype=idt).to(device)
         else:
             x = torch.randn(shape, generator=generator, dtype=torch.float32)

@@ -17,7 +17,7 @@ from .schema import (
     TensorSpec,
 )
 
-__all__ = ["ManifestError", "load_file", "load_files", "packaged_files"]
+__all__ = ["ManifestError", "add_op", "load_file", "load_files", "packaged_files"]
 
 
 class ManifestError(ValueError):
@@ -371,15 +371,19 @@ def load_file(path: str | Path, builders: Iterable[str] | None = None) -> list[O
     return [_op(ctx, name, knode, vnode, names) for name, (knode, vnode) in ctx.mapping(root, "manifest").items()]
 
 
+def add_op(ops: dict[str, OpManifest], op: OpManifest) -> None:
+    """Add ``op`` to ``ops``; a name declared twice is an error at the second declaration."""
+    if op.name in ops:
+        raise ManifestError(op.file, op.line, f"duplicate op {op.name!r}: first declared at {ops[op.name].where()}")
+    ops[op.name] = op
+
+
 def load_files(paths: Iterable[str | Path]) -> dict[str, OpManifest]:
     """Parse many files into {op name: manifest}; a name declared twice is an error."""
     out: dict[str, OpManifest] = {}
     for path in paths:
         for op in load_file(path):
-            if op.name in out:
-                raise ManifestError(op.file, op.line, f"duplicate op {op.name!r}: first declared at "
-                                                      f"{out[op.name].where()}")
-            out[op.name] = op
+            add_op(out, op)
     return out
 
 
