@@ -58,3 +58,12 @@ def test_demo_passes_on_cpu():
     code, out = run("demo", "--device", "cpu")
     assert code == 0, out
     assert "5 ok, 0 mismatched" in out
+
+
+def test_demo_device_is_checked(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--device", "bogus"])
+    err = capsys.readouterr().err
+    assert "--device" in err and "expected cpu, cuda or cuda:N" in err and "'bogus'" in err

@@ -130,12 +130,27 @@ def _time(fn: Any, sync: Any, reps: int) -> float:
     return statistics.median(times)
 
 
+def _device(text: str):
+    """``--device``: a torch device string on which BUILTIN kernels run (cpu, cuda, cuda:N)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} was asked for, but torch sees no CUDA GPU")
+    return device
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from .workloads import op_class, workload
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rows = []
     failed = 0
@@ -184,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="CUDA C for an sm arch, or C for the CPU (default sm_90)")
     p.set_defaults(fn=cmd_emit)
     p = sub.add_parser("demo", help="run every op's first case against a float64 reference")
-    p.add_argument("--device", help="default: cuda if there is a GPU, else cpu")
+    p.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
     p.set_defaults(fn=cmd_demo)
     for extra in ("coverage", "bench"):
         mod = f"tileops.cli_{extra}"
@@ -194,7 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if e.name != mod:
                 raise
     args = parser.parse_args(argv)
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except BrokenPipeError:  # `tileops emit ... | head`: the reader left, nothing more to say
+        sys.stdout = None  # type: ignore[assignment]  # no flush of the closed pipe at exit
+        return 0
 
 
 if __name__ == "__main__":
