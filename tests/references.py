@@ -49,6 +49,18 @@ DEFAULTS: dict[str, dict] = {
         "max_position_embeddings": 4096,
         "original_max_position_embeddings": 4096,
     },
+    "RoPELinearFwdOp": {**_COMMON, "factor": 1.0, "rotary_dim": None},
+    "Phi3LongRoPEFwdOp": {
+        **_COMMON,
+        "short_factor": None,
+        "long_factor": None,
+        "original_max_position_embeddings": 4096,
+        "max_position_embeddings": 4096,
+        "attention_factor": None,
+        "rotary_dim": None,
+        # not an op parameter: the largest position of the call, which picks short or long factors
+        "max_position_id": None,
+    },
 }
 
 
@@ -138,6 +150,23 @@ def longrope_inv_freq_and_amplitude(p: dict, rot_dim: int):
     return inv, amp
 
 
+def phi3_longrope_inv_freq_and_amplitude(p: dict, rot_dim: int):
+    """HF longrope: long factors when max(position_ids) + 1 > original_max_position_embeddings (one
+    choice for the whole call), else short; amplitude attention_factor or HF's default."""
+    omp = int(p["original_max_position_embeddings"])
+    short, long = p["short_factor"], p["long_factor"]
+    same = (short is None and long is None) or (
+        short is not None and long is not None and torch.equal(torch.as_tensor(short, dtype=F64), torch.as_tensor(long, dtype=F64)))
+    if p["max_position_id"] is None and not same:
+        raise ValueError("Phi3LongRoPEFwdOp: the factors depend on the positions: pass params['max_position_id']")
+    use_long = p["max_position_id"] is not None and int(p["max_position_id"]) + 1 > omp
+    factors = long if use_long else short
+    inv, amp = longrope_inv_freq_and_amplitude(
+        {"base": p["base"], "rescale_factors": factors, "original_max_position_embeddings": omp,
+         "max_position_embeddings": p["max_position_embeddings"]}, rot_dim)
+    return inv, (amp if p["attention_factor"] is None else float(p["attention_factor"]))
+
+
 def inv_freq_and_amplitude(op_name: str, params: dict, rot_dim: int) -> tuple[torch.Tensor, float]:
     """float64 inverse frequencies, shape (rot_dim//2,), and the amplitude (1.0 when none)."""
     p = _params(op_name, params)
@@ -149,6 +178,11 @@ def inv_freq_and_amplitude(op_name: str, params: dict, rot_dim: int) -> tuple[to
         return yarn_inv_freq_and_mscale(p, rot_dim)
     if op_name == "LongRoPEFwdOp":
         return longrope_inv_freq_and_amplitude(p, rot_dim)
+    # The two HF ops rotate rotary_dim columns when it is set, whatever rot_dim the caller passes.
+    if op_name == "RoPELinearFwdOp":  # HF linear: positions divided by factor
+        return base_inv_freq(p["base"], p["rotary_dim"] or rot_dim) / float(p["factor"]), 1.0
+    if op_name == "Phi3LongRoPEFwdOp":
+        return phi3_longrope_inv_freq_and_amplitude(p, p["rotary_dim"] or rot_dim)
     raise KeyError(op_name)  # unreachable: _params already checked
 
 

@@ -1,0 +1,1 @@
+"""Integrations of the tileops ops into other libraries (``tileops.integrations.transformers``)."""

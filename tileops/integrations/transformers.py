@@ -1,0 +1,280 @@
+"""Run a Hugging Face transformers model's RoPE through tileops: ``patch(model)``, ``unpatch(model)``.
+
+How it plugs in (the least a model's code is touched, in the manner of Liger's
+``apply_liger_kernel_to_llama``):
+
+* the model's rotary embedding modules (``model.model.rotary_emb``) get an instance-level
+  ``forward`` that calls theirs and tags the ``cos`` it returns with the op and the
+  ``position_ids`` (HF computes cos/sin once per forward from the positions and hands them to
+  every layer unchanged);
+* the attention modules get an instance-level ``forward`` that marks "inside a patched attention"
+  for the call (a context variable);
+* the modeling module's global ``apply_rotary_pos_emb`` (what the attention's forward looks up at
+  call time) is replaced by one that, for tagged ``cos``, runs the op on q and k as
+  ``[batch, seq, heads, head_dim]`` views with ``position_ids=``. Untagged ``cos`` outside a patched
+  attention (another, unpatched model of the same architecture) goes to the original function, so
+  patching is per model although the function is per module. Inside a patched attention, untagged
+  ``cos`` raises: nothing is silently computed another way.
+
+``unpatch`` deletes the instance attributes and, when the last patched model of a modeling module
+is unpatched, puts back the original function object.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import sys
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from ..rope.hf import from_hf_config
+
+__all__ = ["patch", "unpatch", "is_patched", "SERVED_MODEL_TYPES"]
+
+#: model types whose modeling code was checked: attention applies the module-global
+#: ``apply_rotary_pos_emb(q, k, cos, sin)`` to q, k ``[batch, heads, seq, head_dim]`` with cos/sin
+#: from a ``*RotaryEmbedding`` module called as ``rotary_emb(x, position_ids)`` (Phi-3 rotates the
+#: first ``cos.shape[-1]`` columns: partial rotary)
+SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+_STATE = "_tileops_patch"
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("tileops_patched_attention", default=None)
+_LOCK = threading.Lock()
+_MODULES: dict[str, "_ModuleSwap"] = {}
+
+
+class _Tag:
+    __slots__ = ("op", "position_ids", "model_type")
+
+    def __init__(self, op: Any, position_ids: torch.Tensor, model_type: str) -> None:
+        self.op, self.position_ids, self.model_type = op, position_ids, model_type
+
+
+class _ModuleSwap:
+    """The replaced ``apply_rotary_pos_emb`` of one modeling module, shared by its patched models."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.original = module.apply_rotary_pos_emb
+        self.users: weakref.WeakSet = weakref.WeakSet()
+        original = self.original
+
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            tag = getattr(cos, "_tileops", None)
+            if tag is None:
+                active = _ACTIVE.get()
+                if active is None:  # a model that is not patched: HF's own function
+                    return original(q, k, cos, sin, unsqueeze_dim)
+                raise RuntimeError(
+                    f"tileops.integrations.transformers: {active.model_type} model patched by tileops: the cos "
+                    f"passed to apply_rotary_pos_emb carries no position_ids (it did not come from the model's "
+                    f"patched rotary embedding); refusing to rotate without positions")
+            if unsqueeze_dim != 1:
+                raise NotImplementedError(f"tileops.integrations.transformers: apply_rotary_pos_emb: expected "
+                                          f"unsqueeze_dim=1 (q, k [batch, heads, seq, head_dim]), got {unsqueeze_dim}")
+            return _rotate(tag, q, "q"), _rotate(tag, k, "k")
+
+        apply_rotary_pos_emb.__wrapped__ = original
+        apply_rotary_pos_emb.__doc__ = "tileops: " + (original.__doc__ or "apply_rotary_pos_emb")
+        self.replacement = apply_rotary_pos_emb
+
+
+class _PatchState:
+    """What ``patch`` changed on one model, for ``unpatch``."""
+
+    def __init__(self, op: Any, model_type: str, swap: _ModuleSwap) -> None:
+        self.op, self.model_type, self.swap = op, model_type, swap
+        self.wrapped: list[tuple[torch.nn.Module, Any]] = []  # (module, its previous instance forward or _NONE)
+
+
+_NONE = object()
+
+
+def _rotate(tag: _Tag, t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` ``[batch, heads, seq, head_dim]`` -> rotated, same layout, through a transposed view."""
+    if t.dim() != 4:
+        raise ValueError(f"tileops.integrations.transformers: {name}: expected [batch, heads, seq, head_dim], "
+                         f"got shape {list(t.shape)}")
+    pos = tag.position_ids
+    batch, seq = t.shape[0], t.shape[2]
+    if pos.dim() == 2 and pos.shape[0] == 1 and batch != 1:
+        pos = pos[0]  # [1, seq] shared by the batch
+    if pos.shape[-1] != seq or (pos.dim() == 2 and pos.shape[0] != batch):
+        raise ValueError(f"tileops.integrations.transformers: position_ids: expected [{seq}] or [{batch}, {seq}] "
+                         f"(or [1, {seq}]) for {name} of shape {list(t.shape)}, got {list(pos.shape)}")
+    if pos.device != t.device:
+        pos = pos.to(t.device)
+    return tag.op(t.transpose(1, 2), position_ids=pos).transpose(1, 2)
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """Whether ``patch(model)`` is in effect."""
+    return getattr(model, _STATE, None) is not None
+
+
+def _check_tables(op: Any, rotary: torch.nn.Module, config: Any, head_dim: int, model_type: str) -> None:
+    """The op's frequencies and amplitude must be the model's own (HF computes them in fp32)."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    inv = getattr(rotary, "original_inv_freq", None)
+    if inv is None:
+        inv = rotary.inv_freq
+    hf = [(inv.detach().double().cpu(), float(getattr(rotary, "attention_scaling", 1.0)))]
+    rot = 2 * hf[0][0].numel()
+    if rope_type == "longrope":  # the long set, as HF's dynamic update computes it
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        omp = op.params["original_max_position_embeddings"]
+        long_inv, long_amp = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"), seq_len=omp + 1)
+        hf.append((long_inv.double(), float(long_amp)))
+    mine = op.table_choices(rot) if hasattr(op, "table_choices") else [op.frequencies(rot)]
+    problem = None
+    if op.rotated_width(head_dim) != rot:
+        problem = f"it rotates {rot} of {head_dim} columns, the op {op.rotated_width(head_dim)}"
+    elif len(mine) < len(hf):
+        problem = f"it switches between {len(hf)} frequency sets, the op has {len(mine)}"
+    else:
+        for (a, amp_a), (b, amp_b) in zip(hf, mine):
+            if a.shape != b.shape or not torch.allclose(a, b.double(), rtol=1e-5, atol=0) or not math.isclose(
+                    amp_a, amp_b, rel_tol=1e-6):
+                problem = (f"its inv_freq/attention_scaling differ from the op's "
+                           f"(largest relative difference {float(((a - b) / b).abs().max()):.3g}, "
+                           f"amplitudes {amp_a} vs {amp_b})")
+                break
+    if problem:
+        raise NotImplementedError(f"tileops.integrations.transformers: {model_type} with rope type {rope_type!r}: "
+                                  f"the model's {type(rotary).__name__} does not match {op.name} built from its "
+                                  f"config: {problem}")
+
+
+def patch(model: torch.nn.Module) -> torch.nn.Module:
+    """Make a transformers model run its RoPE through tileops; returns ``model``.
+
+    The op is :func:`tileops.rope.from_hf_config` of ``model.config``; it gets q and k as
+    ``[batch, seq, heads, head_dim]`` views of HF's ``[batch, heads, seq, head_dim]`` and the
+    ``position_ids`` the model's rotary embedding received (``[1, seq]`` is shared by the batch), so
+    prefill, decode with a KV cache, left padding, ``generate()`` and training (gradients reach
+    ``q_proj``/``k_proj``) all see HF's positions. Other models, patched or not, are unaffected.
+
+    Args:
+        model (torch.nn.Module): A transformers model (e.g. ``LlamaForCausalLM``) whose
+            ``config.model_type`` is one of :data:`SERVED_MODEL_TYPES`.
+
+    Returns:
+        torch.nn.Module: ``model``, patched.
+
+    Raises:
+        NotImplementedError: The model type, its rope type or its rotary settings are not served
+            (the message names them), or the model's own frequency tables differ from the op's.
+        ValueError: ``model`` is already patched (call :func:`unpatch` first).
+        TypeError: ``model`` is not a torch module with a ``config``.
+    """
+    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+        raise TypeError(f"tileops.integrations.transformers.patch: model: expected a transformers model "
+                        f"(a torch.nn.Module with a config), got {type(model).__name__}")
+    if is_patched(model):
+        raise ValueError("tileops.integrations.transformers.patch: model: expected a model not patched yet, "
+                         "got one already patched (unpatch it first)")
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SERVED_MODEL_TYPES:
+        raise NotImplementedError(f"tileops.integrations.transformers.patch: model type {model_type!r} "
+                                  f"({type(model).__name__}) is not served; served: {', '.join(SERVED_MODEL_TYPES)}")
+    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    if not rotaries:
+        raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type} model "
+                                  f"{type(model).__name__} has no *RotaryEmbedding module")
+    modules = {type(m).__module__ for m in rotaries}
+    mod = sys.modules.get(modules.pop()) if len(modules) == 1 else None
+    if mod is None or not callable(getattr(mod, "apply_rotary_pos_emb", None)):
+        raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: its rotary embedding "
+                                  f"is not defined next to a module-level apply_rotary_pos_emb")
+    attentions = [m for m in model.modules()
+                  if type(m).__module__ == mod.__name__ and type(m).__name__.endswith("Attention")]
+    if not attentions:
+        raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: no attention module "
+                                  f"of {mod.__name__} found")
+    for m in rotaries + attentions:
+        if getattr(m.__dict__.get("forward"), "_tileops_wrapper", False):
+            raise ValueError(f"tileops.integrations.transformers.patch: model: expected a model not patched yet, "
+                             f"got one whose {type(m).__name__} is already patched (through another module)")
+    try:
+        op = from_hf_config(config)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: {e}") from None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for r in rotaries:
+        _check_tables(op, r, config, head_dim, model_type)
+
+    with _LOCK:
+        swap = _MODULES.get(mod.__name__)
+        if swap is None or mod.apply_rotary_pos_emb is not swap.replacement:
+            if swap is not None and len(swap.users):
+                raise RuntimeError(f"tileops.integrations.transformers.patch: {mod.__name__}.apply_rotary_pos_emb "
+                                   f"was replaced by someone else while tileops had it patched")
+            swap = _MODULES[mod.__name__] = _ModuleSwap(mod)
+            mod.apply_rotary_pos_emb = swap.replacement
+        state = _PatchState(op, model_type, swap)
+        swap.users.add(state)
+    for r in rotaries:
+        _wrap(state, r, _rotary_forward(r.forward, op, model_type))
+    for a in attentions:
+        _wrap(state, a, _attention_forward(a.forward, state))
+    object.__setattr__(model, _STATE, state)
+    return model
+
+
+def _wrap(state: _PatchState, module: torch.nn.Module, forward: Any) -> None:
+    forward._tileops_wrapper = True
+    state.wrapped.append((module, module.__dict__.get("forward", _NONE)))
+    module.forward = forward
+
+
+def _rotary_forward(forward: Any, op: Any, model_type: str) -> Any:
+    def tagged_forward(x, position_ids, *args, **kwargs):
+        cos, sin = forward(x, position_ids, *args, **kwargs)
+        cos._tileops = _Tag(op, position_ids, model_type)
+        return cos, sin
+
+    return tagged_forward
+
+
+def _attention_forward(forward: Any, state: _PatchState) -> Any:
+    def marked_forward(*args, **kwargs):
+        token = _ACTIVE.set(state)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    return marked_forward
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch`: the modules' ``forward`` and, once no patched model of its architecture
+    remains, the modeling module's ``apply_rotary_pos_emb`` are the original objects again.
+
+    Raises:
+        ValueError: ``model`` is not patched.
+    """
+    state = getattr(model, _STATE, None)
+    if state is None:
+        raise ValueError(f"tileops.integrations.transformers.unpatch: model: expected a model patched by "
+                         f"tileops, got one that is not ({type(model).__name__})")
+    for module, previous in reversed(state.wrapped):
+        if previous is _NONE:
+            del module.forward
+        else:
+            module.forward = previous
+    state.wrapped.clear()
+    with _LOCK:
+        swap = state.swap
+        swap.users.discard(state)
+        if not len(swap.users) and swap.module.apply_rotary_pos_emb is swap.replacement:
+            swap.module.apply_rotary_pos_emb = swap.original
+            _MODULES.pop(swap.module.__name__, None)
+    object.__delattr__(model, _STATE)
+    return model

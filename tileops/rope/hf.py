@@ -1,0 +1,256 @@
+"""The op that reproduces a Hugging Face transformers config's rotary embedding.
+
+The rules are transformers' own (``modeling_rope_utils.py``: ``standardize_rope_params`` and the
+``ROPE_INIT_FUNCTIONS``), read without importing transformers and without modifying the config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..targets import Target
+from .hf_ops import Phi3LongRoPEFwdOp, RoPELinearFwdOp
+from .ops import RoPEFwdOp, RoPELlama31FwdOp, YaRNFwdOp, _RoPEBase
+
+__all__ = ["from_hf_config", "SUPPORTED_ROPE_TYPES"]
+
+#: rope types :func:`from_hf_config` serves, and the op each maps to
+SUPPORTED_ROPE_TYPES = {
+    "default": "RoPEFwdOp (RoPELinearFwdOp with partial rotary)",
+    "linear": "RoPELinearFwdOp",
+    "llama3": "RoPELlama31FwdOp",
+    "yarn": "YaRNFwdOp",
+    "longrope": "Phi3LongRoPEFwdOp",
+}
+
+_NAME = "from_hf_config"
+
+
+class _Config:
+    """Reads a config object or a config.json mapping; errors name the field as the config spells it."""
+
+    def __init__(self, config: Any) -> None:
+        if isinstance(config, Mapping):
+            self._get = config.get
+        elif hasattr(config, "__dict__") or hasattr(config, "__getattr__"):
+            self._get = lambda name, default=None: getattr(config, name, default)
+        else:
+            raise TypeError(f"{_NAME}: config: expected a transformers PretrainedConfig or a config.json "
+                            f"dict, got {type(config).__name__}")
+        rp, self.block = self.get("rope_parameters"), "rope_parameters"
+        if not rp:
+            rp, self.block = self.get("rope_scaling"), "rope_scaling"
+        if rp is None:
+            rp = {}
+        if not isinstance(rp, Mapping):
+            raise TypeError(f"{_NAME}: config.{self.block}: expected a dict or None, got {type(rp).__name__}")
+        labels = self.get("_rope_type_labels") or self.get("layer_types") or ()
+        nested = [k for k in rp if k in labels]
+        if nested:
+            raise NotImplementedError(f"{_NAME}: config.{self.block}: per-layer-type rope parameters "
+                                      f"(keys {nested}) are not supported")
+        self.rp = dict(rp)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self._get(name, default)
+        return default if value is None else value
+
+    def field(self, key: str) -> str:
+        return f"config.{self.block}[{key!r}]"
+
+    def number(self, key: str, value: Any, *, positive: bool = True) -> float:
+        """A finite real number (> 0 when ``positive``), the error naming ``key``."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{_NAME}: {key}: expected a number, got {type(value).__name__} {value!r}")
+        v = float(value)
+        if not math.isfinite(v) or (positive and v <= 0):
+            raise ValueError(f"{_NAME}: {key}: expected a finite number{' > 0' if positive else ''}, got {value!r}")
+        return v
+
+    def whole(self, key: str, value: Any) -> int:
+        """A whole number > 0 (an integral float is accepted: configs are JSON)."""
+        v = self.number(key, value)
+        if v != int(v):
+            raise ValueError(f"{_NAME}: {key}: expected a whole number, got {value!r}")
+        return int(v)
+
+    def required(self, key: str) -> Any:
+        if self.rp.get(key) is None:
+            raise ValueError(f"{_NAME}: {self.field(key)}: expected a value for rope_type "
+                             f"{self.rp.get('rope_type', self.rp.get('type'))!r}, got none")
+        return self.rp[key]
+
+    def factors(self, key: str, n: int) -> list[float]:
+        value = self.required(key)
+        if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__"):
+            raise TypeError(f"{_NAME}: {self.field(key)}: expected a list of {n} numbers, got {type(value).__name__}")
+        out = [self.number(f"{self.field(key)}[{i}]", v) for i, v in enumerate(value)]
+        if len(out) != n:
+            raise ValueError(f"{_NAME}: {self.field(key)}: expected {n} numbers (rotary dim // 2), got {len(out)}")
+        return out
+
+
+def from_hf_config(config: Any, *, target: str | Target | None = None) -> _RoPEBase:
+    """The tileops op (``input_layout="2d"``) reproducing a transformers config's rotary embedding.
+
+    Reads ``config.rope_parameters`` (transformers 5, ``rope_theta`` inside) or
+    ``config.rope_scaling`` with ``config.rope_theta`` (transformers 4), ``partial_rotary_factor``
+    and ``head_dim`` (else ``hidden_size // num_attention_heads``), with transformers' rules for
+    defaults (``original_max_position_embeddings`` from the config's own attribute first, as for
+    Phi-3, then the rope block, then ``max_position_embeddings``). The config is not modified.
+
+    | rope type | op |
+    |---|---|
+    | ``default`` | ``RoPEFwdOp``; ``RoPELinearFwdOp(factor=1, rotary_dim=...)`` with partial rotary |
+    | ``linear`` | ``RoPELinearFwdOp`` |
+    | ``llama3`` | ``RoPELlama31FwdOp`` |
+    | ``yarn`` | ``YaRNFwdOp``, ``attn_factor`` set so the amplitude equals HF's ``attention_factor`` |
+    | ``longrope`` | ``Phi3LongRoPEFwdOp`` (short/long switch per call, on the device) |
+
+    Args:
+        config: A ``transformers.PretrainedConfig`` (or any object with those attributes), or a
+            ``config.json`` dict.
+        target (str | None): Passed to the op. Default None (decided by the first call's device).
+
+    Returns:
+        The op; call it as ``op(x, position_ids=...)`` with x ``[batch, seq, heads, head_dim]``.
+
+    Raises:
+        NotImplementedError: A rope type other than those above (``dynamic``, ``proportional``,
+            ...), per-layer-type rope parameters, ``partial_rotary_factor < 1`` with ``llama3`` or
+            ``yarn``, an odd rotary width, or YaRN with ``truncate=False``.
+        TypeError, ValueError: A config field of the wrong type or value; the message names it.
+    """
+    c = _Config(config)
+    rp = c.rp
+    rope_type = rp.get("rope_type", rp.get("type")) or "default"
+    if not isinstance(rope_type, str):
+        raise TypeError(f"{_NAME}: {c.field('rope_type')}: expected a str, got {type(rope_type).__name__}")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(f"{_NAME}: {c.field('rope_type')}: rope type {rope_type!r} is not supported; "
+                                  f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    theta_key = c.field("rope_theta") if rp.get("rope_theta") is not None else "config.rope_theta"
+    theta = rp.get("rope_theta")
+    if theta is None:
+        theta = c.get("rope_theta", c.get("default_theta", 10000.0))
+    base = c.number(theta_key, theta)
+
+    head_dim = c.get("head_dim")
+    if head_dim is None:
+        hidden, heads = c.get("hidden_size"), c.get("num_attention_heads")
+        if hidden is None or heads is None:
+            raise ValueError(f"{_NAME}: config.head_dim: expected head_dim, or hidden_size and "
+                             f"num_attention_heads, got none of them")
+        head_dim = c.whole("config.hidden_size", hidden) // c.whole("config.num_attention_heads", heads)
+        head_key = "hidden_size // num_attention_heads"
+    else:
+        head_dim = c.whole("config.head_dim", head_dim)
+        head_key = "head_dim"
+
+    prf = rp.get("partial_rotary_factor")
+    prf_key = c.field("partial_rotary_factor")
+    if prf is None:
+        prf, prf_key = c.get("partial_rotary_factor", 1.0), "config.partial_rotary_factor"
+    prf = c.number(prf_key, prf)
+    if prf > 1:
+        raise ValueError(f"{_NAME}: {prf_key}: expected a value in (0, 1], got {prf!r}")
+    dim = int(head_dim * prf)
+    if dim <= 0 or dim % 2:
+        raise NotImplementedError(f"{_NAME}: {prf_key}: rotary width int({head_key} {head_dim} * "
+                                  f"partial_rotary_factor {prf}) = {dim} is not a positive even number "
+                                  f"(HF rotates {dim + dim % 2} columns with exponents over {dim}; no op does)")
+    rotary_dim = None if dim == head_dim else dim
+    if rotary_dim is not None and rope_type in ("llama3", "yarn"):
+        raise NotImplementedError(f"{_NAME}: {prf_key}: partial_rotary_factor {prf} with rope type "
+                                  f"{rope_type!r} is not supported (only default, linear and longrope)")
+
+    def original_max() -> int:
+        # transformers' standardize_rope_params: the config's own attribute wins (Phi-3), then the
+        # rope block, then max_position_embeddings.
+        for key, value in (("config.original_max_position_embeddings", c.get("original_max_position_embeddings")),
+                           (c.field("original_max_position_embeddings"), rp.get("original_max_position_embeddings")),
+                           ("config.max_position_embeddings", c.get("max_position_embeddings"))):
+            if value is not None:
+                return c.whole(key, value)
+        raise ValueError(f"{_NAME}: {c.field('original_max_position_embeddings')}: expected a value "
+                         f"(or config.max_position_embeddings), got none")
+
+    def max_positions() -> int:
+        value = c.get("max_position_embeddings")
+        if value is None:
+            raise ValueError(f"{_NAME}: config.max_position_embeddings: expected a value for rope type "
+                             f"{rope_type!r}, got none")
+        return c.whole("config.max_position_embeddings", value)
+
+    if rope_type == "default":
+        if rotary_dim is None:
+            return RoPEFwdOp("neox", "2d", base, target=target)
+        return RoPELinearFwdOp("2d", base, 1.0, rotary_dim, target=target)
+
+    if rope_type == "linear":
+        factor = c.number(c.field("factor"), c.required("factor"))
+        return RoPELinearFwdOp("2d", base, factor, rotary_dim, target=target)
+
+    if rope_type == "llama3":
+        factor = c.number(c.field("factor"), c.required("factor"))
+        low = c.number(c.field("low_freq_factor"), c.required("low_freq_factor"))
+        high = c.number(c.field("high_freq_factor"), c.required("high_freq_factor"))
+        if low == high:
+            raise ValueError(f"{_NAME}: {c.field('high_freq_factor')}: expected a value != low_freq_factor "
+                             f"(the band's blend divides by their difference), got both {low}")
+        return RoPELlama31FwdOp("2d", base, factor, low, high, original_max(), target=target)
+
+    if rope_type == "yarn":
+        return _yarn(c, base, original_max, max_positions, target)
+
+    # longrope
+    omp = original_max()
+    mpe = max_positions()
+    factor = rp.get("factor")
+    factor = mpe / omp if factor is None else c.number(c.field("factor"), factor)
+    attention = rp.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(omp))
+    else:
+        attention = c.number(c.field("attention_factor"), attention)
+    import torch
+
+    short = torch.tensor(c.factors("short_factor", dim // 2), dtype=torch.float64)
+    long = torch.tensor(c.factors("long_factor", dim // 2), dtype=torch.float64)
+    return Phi3LongRoPEFwdOp("2d", base, short, long, omp, mpe, attention, rotary_dim, target=target)
+
+
+def _yarn(c: _Config, base: float, original_max: Any, max_positions: Any, target: Any) -> YaRNFwdOp:
+    """HF's yarn on YaRNFwdOp: same ramp (truncated), amplitude mapped through ``attn_factor``."""
+    rp = c.rp
+    if base == 1:
+        raise ValueError(f"{_NAME}: rope_theta: expected a base != 1 for yarn (it divides by ln base), got 1")
+    if not rp.get("truncate", True):
+        raise NotImplementedError(f"{_NAME}: {c.field('truncate')}: yarn with truncate=False (an unrounded "
+                                  f"correction range) is not supported; YaRNFwdOp floors and ceils it")
+    omp = original_max()
+    factor = rp.get("factor")
+    factor = max_positions() / omp if factor is None else c.number(c.field("factor"), factor)
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention = rp.get("attention_factor")
+    if attention is not None:
+        attention = c.number(c.field("attention_factor"), attention)
+    else:
+        mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
+        if mscale and mscale_all:  # HF's test: both given and non-zero
+            mscale = c.number(c.field("mscale"), mscale, positive=False)
+            mscale_all = c.number(c.field("mscale_all_dim"), mscale_all, positive=False)
+            attention = get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+        else:
+            attention = get_mscale(factor)
+    # YaRNFwdOp's amplitude is get_mscale(scale) * attn_factor (vLLM); HF's attention_factor replaces it
+    attn_factor = attention / get_mscale(factor)
+    beta_fast = c.number(c.field("beta_fast"), rp.get("beta_fast") or 32)  # HF: `or 32`, so 0 means 32
+    beta_slow = c.number(c.field("beta_slow"), rp.get("beta_slow") or 1)
+    return YaRNFwdOp("2d", base, factor, omp, beta_fast, beta_slow, attn_factor, target=target)
