@@ -1,0 +1,440 @@
+"""Hugging Face transformers: from_hf_config against transformers' own tables, and patch/unpatch on
+tiny randomly initialised models (no downloads).
+
+The model tests compare a patched model against the same model unpatched (HF's own RoPE is the
+reference there); the op tests compare against the float64 references in tests/references.py.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+
+from tileops.integrations import transformers as tt  # noqa: E402
+from tileops.rope import (  # noqa: E402
+    Phi3LongRoPEFwdOp,
+    RoPEFwdOp,
+    RoPELinearFwdOp,
+    RoPELlama31FwdOp,
+    YaRNFwdOp,
+    from_hf_config,
+)
+
+try:
+    from references import inv_freq_and_amplitude, reference
+except ImportError:  # run from the repo root
+    from tests.references import inv_freq_and_amplitude, reference
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+HEAD_DIM = 16
+SHORT = [1.0 + 0.15 * i for i in range(HEAD_DIM // 4)]  # Phi-3 below: partial_rotary_factor 0.5 -> 4 factors
+LONG = [1.5 + 0.9 * i for i in range(HEAD_DIM // 4)]
+ROPE = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.5},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0},
+}
+
+
+def _config(kind: str):
+    """A tiny transformers config of each kind the model tests use."""
+    if kind.startswith("llama-"):
+        rs = ROPE[kind.split("-", 1)[1]]
+        extra = {"rope_theta": 5000.0} if rs is None else {"rope_scaling": {**rs, "rope_theta": 5000.0}}
+        return transformers.LlamaConfig(**TINY, **extra)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**TINY, rope_theta=20000.0)
+    if kind == "mistral":
+        return transformers.MistralConfig(**TINY)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**TINY, head_dim=HEAD_DIM)
+    if kind == "phi3":  # longrope, partial rotary, original length 24: prompts cross it while generating
+        return transformers.Phi3Config(**TINY, partial_rotary_factor=0.5, original_max_position_embeddings=24,
+                                       rope_scaling={"rope_type": "longrope", "short_factor": SHORT,
+                                                     "long_factor": LONG})
+    raise KeyError(kind)
+
+
+_MODELS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+           "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+def _model(kind: str, dtype=torch.float32, device="cpu", seed=0):
+    cfg = _config(kind)
+    torch.manual_seed(seed)
+    model = getattr(transformers, _MODELS[kind.split("-")[0]])(cfg)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+# ----------------------------------------------------------------------------------- from_hf_config
+def _hf_tables(cfg) -> tuple[torch.Tensor, float]:
+    rt = cfg.rope_parameters["rope_type"]
+    if rt == "default":
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dim = int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+        return 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim), 1.0
+    inv, amp = ROPE_INIT_FUNCTIONS[rt](cfg, torch.device("cpu"))
+    return inv.double(), float(amp)
+
+
+def _op_tables(op, head_dim):
+    rot = op.rotated_width(head_dim)
+    return op.frequencies(rot)
+
+
+HF_CASES = {
+    "default": ("LlamaConfig", {}, RoPEFwdOp),
+    "default-partial": ("Phi3Config", {"partial_rotary_factor": 0.75}, RoPELinearFwdOp),
+    "linear": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "factor": 3.0, "rope_theta": 1e5}},
+               RoPELinearFwdOp),
+    "linear-partial": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "factor": 2.0,
+                                                           "partial_rotary_factor": 0.5}}, RoPELinearFwdOp),
+    "llama3": ("LlamaConfig", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "rope_theta": 5e5,
+                                                   "original_max_position_embeddings": 128}}, RoPELlama31FwdOp),
+    "yarn": ("LlamaConfig", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                 "original_max_position_embeddings": 64}}, YaRNFwdOp),
+    "yarn-attention-factor": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 8.0, "attention_factor": 0.7, "beta_fast": 24.0, "beta_slow": 2.0,
+        "original_max_position_embeddings": 32}}, YaRNFwdOp),
+    "yarn-mscale": ("LlamaConfig", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 64}}, YaRNFwdOp),
+    "yarn-no-factor": ("LlamaConfig", {"max_position_embeddings": 512, "rope_parameters": {
+        "rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64}}, YaRNFwdOp),
+    "longrope": ("Phi3Config", {"original_max_position_embeddings": 32, "rope_parameters": {
+        "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.5 * i for i in range(8)]}}, Phi3LongRoPEFwdOp),
+    "longrope-partial-factor": ("Phi3Config", {"partial_rotary_factor": 0.5, "original_max_position_embeddings": 32,
+                                               "rope_parameters": {"rope_type": "longrope", "factor": 16.0,
+                                                                   "short_factor": SHORT, "long_factor": LONG}},
+                                Phi3LongRoPEFwdOp),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_from_hf_config_matches_transformers(case):
+    cls_name, kwargs, op_cls = HF_CASES[case]
+    base = {k: v for k, v in TINY.items() if k not in kwargs}
+    cfg = getattr(transformers, cls_name)(**base, **kwargs)
+    op = from_hf_config(cfg, target="torch")
+    assert type(op) is op_cls and op.params["input_layout"] == "2d"
+    inv_hf, amp_hf = _hf_tables(cfg)
+    inv, amp = _op_tables(op, HEAD_DIM)
+    assert inv.dtype == torch.float64 and inv.shape == inv_hf.shape
+    # HF computes its tables in fp32: agreement to fp32 precision, not closer
+    assert _rel(inv, inv_hf) < 2e-6 and float(((inv - inv_hf) / inv_hf).abs().max()) < 2e-6, case
+    assert math.isclose(amp, amp_hf, rel_tol=1e-12), (case, amp, amp_hf)
+    # and to float64 precision against the independent references
+    ref_inv, ref_amp = inv_freq_and_amplitude(type(op).__name__, {**op.params, "max_position_id": 0}, HEAD_DIM)
+    torch.testing.assert_close(inv, ref_inv, rtol=1e-13, atol=0)
+    assert math.isclose(amp, ref_amp, rel_tol=1e-13)
+    if op_cls is Phi3LongRoPEFwdOp:  # the long set against HF's dynamic update's
+        omp = cfg.rope_parameters["original_max_position_embeddings"]
+        long_hf, long_amp = ROPE_INIT_FUNCTIONS["longrope"](cfg, torch.device("cpu"), seq_len=omp + 1)
+        (s_inv, _), (l_inv, l_amp) = op.table_choices(op.rotated_width(HEAD_DIM))
+        torch.testing.assert_close(s_inv, inv)
+        assert float(((l_inv - long_hf.double()) / l_inv).abs().max()) < 2e-6
+        assert math.isclose(l_amp, long_amp, rel_tol=1e-12)
+        assert not torch.allclose(l_inv, s_inv)
+
+
+def test_yarn_attention_factor_replaces_the_amplitude():
+    cfg = transformers.LlamaConfig(**TINY, rope_parameters={"rope_type": "yarn", "factor": 8.0, "attention_factor": 0.7,
+                                                            "original_max_position_embeddings": 32})
+    op = from_hf_config(cfg)
+    assert op.frequencies(HEAD_DIM)[1] == pytest.approx(0.7, rel=1e-15)
+    assert op.params["attn_factor"] == pytest.approx(0.7 / (0.1 * math.log(8.0) + 1), rel=1e-15)
+    # no attention_factor: HF's default amplitude, attn_factor exactly 1
+    cfg = transformers.LlamaConfig(**TINY, rope_parameters={"rope_type": "yarn", "factor": 8.0,
+                                                            "original_max_position_embeddings": 32})
+    assert from_hf_config(cfg).params["attn_factor"] == 1.0
+
+
+def test_both_spellings_give_the_same_op():
+    v4 = {**TINY, "head_dim": 32, "rope_theta": 5e5, "partial_rotary_factor": 0.5,
+          "rope_scaling": {"type": "linear", "factor": 4.0}}
+    v5 = {**TINY, "head_dim": 32, "rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5,
+                                                      "partial_rotary_factor": 0.5}}
+    ops = [from_hf_config(v4), from_hf_config(v5), from_hf_config(types.SimpleNamespace(**v4)),
+           from_hf_config(transformers.LlamaConfig(**v4))]
+    for op in ops:
+        assert type(op) is RoPELinearFwdOp
+        assert op.params == {"input_layout": "2d", "base": 5e5, "factor": 4.0, "rotary_dim": 16}
+    # llama3 in v4 spelling: original_max_position_embeddings inside rope_scaling
+    v4 = {**TINY, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 96}}
+    op = from_hf_config(v4)
+    assert type(op) is RoPELlama31FwdOp and op.params["original_max_position"] == 96 and op.params["base"] == 5e5
+
+
+def test_phi3_original_length_comes_from_the_config_attribute():
+    # transformers gives config.original_max_position_embeddings priority over the rope block's
+    cfg = {**TINY, "original_max_position_embeddings": 48,
+           "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                            "original_max_position_embeddings": 4096}}
+    op = from_hf_config(cfg)
+    assert op.params["original_max_position_embeddings"] == 48
+    assert op.params["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(256 / 48) / math.log(48)))
+
+
+def test_phi3_chooses_its_table_on_the_device():
+    op = from_hf_config(_config("phi3"))
+    omp = 24
+    for pos, want in ((torch.arange(omp), 0), (torch.arange(omp + 1), 1), (torch.tensor([[3, 9], [0, omp]]), 1),
+                      (torch.tensor([[3, 9], [0, omp - 1]]), 0)):
+        got = op.choose_table(pos, pos.shape[-1])
+        assert isinstance(got, torch.Tensor) and got.dim() == 0 and got.dtype == torch.int64
+        assert int(got) == want, pos
+    assert op.choose_table(None, omp) == 0 and op.choose_table(None, omp + 1) == 1
+
+
+@pytest.mark.parametrize("rope, match", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic'"),
+    ({"rope_type": "proportional", "factor": 1.0}, "'proportional'"),
+    ({"rope_type": "mrope", "mrope_section": [2, 3, 3]}, "'mrope'"),
+    ({"rope_type": "yarn", "factor": 4.0, "truncate": False}, "truncate"),
+])
+def test_refused_rope_types(rope, match):
+    with pytest.raises(NotImplementedError, match=match):
+        from_hf_config({**TINY, "rope_parameters": {**rope, "rope_theta": 1e4}})
+
+
+@pytest.mark.parametrize("rope", ["llama3", "yarn"])
+def test_partial_rotary_refused_where_no_op_has_it(rope):
+    with pytest.raises(NotImplementedError, match=f"partial_rotary_factor.*{rope}"):
+        from_hf_config({**TINY, "partial_rotary_factor": 0.5, "rope_scaling": ROPE[rope]})
+
+
+@pytest.mark.parametrize("config, exc, match", [
+    ({**TINY, "rope_parameters": {"rope_type": "linear"}}, ValueError, r"rope_parameters\['factor'\]"),
+    ({**TINY, "rope_scaling": {"rope_type": "linear", "factor": "2"}}, TypeError, r"rope_scaling\['factor'\]"),
+    ({**TINY, "rope_scaling": {"rope_type": "linear", "factor": -2.0}}, ValueError, r"rope_scaling\['factor'\]"),
+    ({**TINY, "rope_theta": 0.0}, ValueError, "rope_theta"),
+    ({**TINY, "partial_rotary_factor": 1.5}, ValueError, "partial_rotary_factor"),
+    ({**TINY, "partial_rotary_factor": 0.2}, NotImplementedError, "partial_rotary_factor"),  # int(16 * 0.2) = 3
+    ({"vocab_size": 8}, ValueError, "head_dim"),
+    ({**TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                               "high_freq_factor": 2.0}}, ValueError, "high_freq_factor"),
+    ({**TINY, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 7, "long_factor": [1.0] * 8}},
+     ValueError, r"short_factor.*expected 8 numbers"),
+    ({**TINY, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}}, ValueError, "long_factor"),
+    ({**TINY, "rope_scaling": {"rope_type": 3}}, TypeError, "rope_type"),
+    ({**TINY, "rope_scaling": [1, 2]}, TypeError, "rope_scaling"),
+    ({**TINY, "layer_types": ["full_attention"], "rope_parameters": {"full_attention": {"rope_type": "default"}}},
+     NotImplementedError, "per-layer"),
+    (42, TypeError, "config"),
+])
+def test_bad_configs_name_the_field(config, exc, match):
+    with pytest.raises(exc, match=match):
+        from_hf_config(config)
+
+
+# ----------------------------------------------------------------------------------- the new ops
+def test_phi3_op_switches_tables_by_position_against_the_reference():
+    gen = torch.Generator().manual_seed(7)
+    short, long = torch.rand(12, generator=gen) + 1, torch.rand(12, generator=gen) * 4 + 1
+    params = dict(input_layout="2d", base=500.0, short_factor=short, long_factor=long,
+                  original_max_position_embeddings=40, max_position_embeddings=160, rotary_dim=24)
+    op = Phi3LongRoPEFwdOp(**params)
+    x = torch.randn(2, 7, 3, 40, generator=gen)
+    for top in (39, 40, 1000):  # max + 1 == 40 stays short; 41 and beyond go long
+        pos = torch.randint(0, top, (2, 7), generator=gen)
+        pos[1, 3] = top - 1
+        out = op(x, position_ids=pos)
+        ref = reference("Phi3LongRoPEFwdOp", {**params, "max_position_id": top - 1}, {"x": x, "position_ids": pos})
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[..., 24:], x[..., 24:])  # beyond rotary_dim: copied
+
+
+def test_linear_op_with_positions_and_gradient():
+    gen = torch.Generator().manual_seed(8)
+    params = dict(input_layout="2d", factor=2.5, rotary_dim=24)
+    op = RoPELinearFwdOp(**params)
+    x = torch.randn(3, 5, 2, 40, generator=gen, requires_grad=True)
+    pos = torch.randint(0, 5000, (5,), generator=gen)
+    out = op(x, position_ids=pos)
+    ref = reference("RoPELinearFwdOp", params, {"x": x.detach(), "position_ids": pos})
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn(out.shape, generator=gen)
+    (out * w).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    (reference("RoPELinearFwdOp", params, {"x": x64, "position_ids": pos}) * w.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------- patch / unpatch
+KINDS = ["llama-default", "llama-linear", "llama-llama3", "llama-yarn", "qwen2", "phi3-short", "phi3-long"]
+
+
+def _ids(kind: str, batch: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
+    length = {"phi3-short": 12, "phi3-long": 40}.get(kind, 23)  # phi3: original length 24
+    return torch.randint(3, 128, (batch, length), generator=gen).to(device)
+
+
+def _proj_grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        if any(k in name for k in ("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+            assert p.grad is not None, name
+            out[name] = p.grad.detach().clone()
+    assert out
+    return out
+
+
+def _run(model, ids, mask):
+    """logits, projection gradients of a loss on them, and greedy generations (plain and left padded)."""
+    model.zero_grad(set_to_none=True)
+    out = model(ids, attention_mask=torch.ones_like(ids), labels=ids)
+    out.loss.backward()
+    grads = _proj_grads(model)
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             pad_token_id=0)
+        padded = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    return out.logits.detach(), grads, gen, padded
+
+
+def _check_generation(model, got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+    if exact or torch.equal(got, want):
+        assert torch.equal(got, want)
+        return
+    # low precision: a differing greedy token must be a near-tie of the reference's logits
+    row, col = (got != want).nonzero()[0].tolist()
+    with torch.no_grad():
+        logits = model(want[row:row + 1, :col]).logits[0, -1].float()
+    top = logits.topk(2).values
+    assert float(top[0] - top[1]) < 0.05 * float(logits.abs().max()), (row, col)
+
+
+def _compare(kind: str, dtype, device, tol_logits, tol_grads):
+    model = _model(kind.split("-")[0] if kind.startswith("phi3") else kind, dtype, device)
+    gen = torch.Generator().manual_seed(1)
+    ids = _ids(kind, 2, gen, device)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding in the second row
+    ids[1, :5] = 0
+    before = _run(model, ids, mask)
+    mod = __import__(type(model).__module__, fromlist=["apply_rotary_pos_emb"])
+    original_fn = mod.apply_rotary_pos_emb
+    assert tt.patch(model) is model and tt.is_patched(model)
+    assert mod.apply_rotary_pos_emb is not original_fn
+    after = _run(model, ids, mask)
+    d_logits = _rel(after[0], before[0])
+    assert d_logits < tol_logits, (kind, d_logits)
+    d_grads = max(_rel(after[1][n], before[1][n]) for n in before[1])
+    assert d_grads < tol_grads, (kind, d_grads)
+    exact = dtype == torch.float32
+    _check_generation(model, after[2], before[2], exact)
+    _check_generation(model, after[3], before[3], exact)
+    assert tt.unpatch(model) is model and not tt.is_patched(model)
+    assert mod.apply_rotary_pos_emb is original_fn
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    again = _run(model, ids, mask)
+    assert torch.equal(again[0], before[0]) and torch.equal(again[2], before[2]) and torch.equal(again[3], before[3])
+    print(f"\n{kind} {dtype}: logits rel diff {d_logits:.2e}, grad rel diff {d_grads:.2e}")
+    return d_logits, d_grads
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_patched_model_matches_transformers(kind):
+    _compare(kind, torch.float32, "cpu", 1e-5, 1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_patched_model_matches_transformers_bf16_cuda(kind):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _compare(kind, torch.bfloat16, "cuda", 3e-2, 5e-2)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen3"])
+def test_more_architectures_forward(kind):
+    model = _model(kind)
+    ids = _ids(kind, 3, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(ids).logits
+        tt.patch(model)
+        got = model(ids).logits
+        tt.unpatch(model)
+    assert _rel(got, want) < 1e-5
+
+
+def test_the_patch_is_per_model():
+    a, b = _model("llama-linear", seed=0), _model("llama-linear", seed=1)
+    mod = __import__(type(b).__module__, fromlist=["apply_rotary_pos_emb"])
+    original_fn = mod.apply_rotary_pos_emb
+    ids = _ids("llama-linear", 2, torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want_b = b(ids).logits
+        tt.patch(a)
+        calls = []
+        op = a._tileops_patch.op
+        real = op.forward
+        op.forward = lambda *args, **kw: (calls.append(1), real(*args, **kw))[1]
+        try:
+            got_b = b(ids).logits  # unpatched: HF's function, the op is not called
+            assert not calls and torch.equal(got_b, want_b)
+            a(ids)
+            assert len(calls) == 2 * 2  # q and k in both layers
+            tt.patch(b)
+            tt.unpatch(a)  # b still patched: the module keeps the replacement
+            assert mod.apply_rotary_pos_emb is not original_fn
+            assert _rel(b(ids).logits, want_b) < 1e-5
+        finally:
+            del op.forward
+            for m in (a, b):
+                if tt.is_patched(m):
+                    tt.unpatch(m)
+    assert mod.apply_rotary_pos_emb is original_fn
+
+
+def test_patch_twice_unpatch_unpatched_and_missing_positions():
+    model = _model("llama-default")
+    with pytest.raises(ValueError, match="expected a model patched by tileops"):
+        tt.unpatch(model)
+    tt.patch(model)
+    try:
+        with pytest.raises(ValueError, match="already patched"):
+            tt.patch(model)
+        with pytest.raises(ValueError, match="already patched"):
+            tt.patch(model.model)  # the same modules through another object
+        # an attention called with cos/sin that did not come from the patched rotary embedding
+        attn = model.model.layers[0].self_attn
+        h = torch.randn(1, 5, 64)
+        cos, sin = torch.ones(1, 5, HEAD_DIM), torch.zeros(1, 5, HEAD_DIM)
+        with pytest.raises(RuntimeError, match="no position_ids"):
+            attn(h, position_embeddings=(cos, sin), attention_mask=None)
+    finally:
+        tt.unpatch(model)
+
+
+def test_unserved_models_and_rope_types_are_refused():
+    with pytest.raises(NotImplementedError, match="'dynamic'"):
+        tt.patch(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **TINY, rope_scaling={"rope_type": "dynamic", "factor": 2.0})))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(NotImplementedError, match="'gpt2'"):
+        tt.patch(gpt2)
+    with pytest.raises(TypeError, match="model"):
+        tt.patch(torch.nn.Linear(2, 2))
+    # Llama ignores partial_rotary_factor in its default rope: the op would rotate less, so patch refuses
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, partial_rotary_factor=0.5))
+    with pytest.raises(NotImplementedError, match="does not match"):
+        tt.patch(model)
+    assert not tt.is_patched(model)
