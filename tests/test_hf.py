@@ -438,3 +438,15 @@ def test_unserved_models_and_rope_types_are_refused():
     with pytest.raises(NotImplementedError, match="does not match"):
         tt.patch(model)
     assert not tt.is_patched(model)
+
+
+def test_docs_example_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "docs" / "examples" / "hf_patch.py")], capture_output=True,
+                         text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "same tokens as transformers: True" in run.stdout and "q_proj grad: True" in run.stdout, run.stdout
