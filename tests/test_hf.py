@@ -341,12 +341,14 @@ def _compare(kind: str, dtype, device, tol_logits, tol_grads):
     exact = dtype == torch.float32
     _check_generation(model, after[2], before[2], exact)
     _check_generation(model, after[3], before[3], exact)
+    served = model._tileops_patch.op.serving_target
+    assert served == "builtin", served  # the default target: TileLang kernels on the CPU and on CUDA
     assert tt.unpatch(model) is model and not tt.is_patched(model)
     assert mod.apply_rotary_pos_emb is original_fn
     assert all("forward" not in m.__dict__ for m in model.modules())
     again = _run(model, ids, mask)
     assert torch.equal(again[0], before[0]) and torch.equal(again[2], before[2]) and torch.equal(again[3], before[3])
-    print(f"\n{kind} {dtype}: logits rel diff {d_logits:.2e}, grad rel diff {d_grads:.2e}")
+    print(f"\n{kind} {dtype} {device} ({served}): logits rel diff {d_logits:.2e}, grad rel diff {d_grads:.2e}")
     return d_logits, d_grads
 
 

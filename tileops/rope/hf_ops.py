@@ -44,8 +44,6 @@ class _PartialRotary(_RoPEBase):
             ValueError: Wrong number of dims for ``input_layout``, an odd ``head_dim``,
                 ``rotary_dim`` above ``head_dim``, or a position out of range.
         """
-        if position_ids is None:
-            return self._call({"x": x})
         return self._call({"x": x, "position_ids": position_ids})
 
 
