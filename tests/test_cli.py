@@ -17,12 +17,13 @@ def run(*args: str) -> tuple[int, str]:
     return code, buf.getvalue()
 
 
-def test_list_shows_five_ops():
+def test_list_shows_seven_ops():
     code, out = run("list")
     assert code == 0
-    for name in ("RoPEFwdOp", "RoPENeoxPositionIdsFwdOp", "RoPELlama31FwdOp", "YaRNFwdOp", "LongRoPEFwdOp"):
+    for name in ("RoPEFwdOp", "RoPENeoxPositionIdsFwdOp", "RoPELlama31FwdOp", "YaRNFwdOp", "LongRoPEFwdOp",
+                 "RoPELinearFwdOp", "Phi3LongRoPEFwdOp"):
         assert name in out
-    assert len(out.strip().splitlines()) == 5
+    assert len(out.strip().splitlines()) == 7
 
 
 def test_show_prints_params_and_cases():
@@ -38,7 +39,7 @@ def test_show_unknown_op():
 
 def test_check_packaged():
     code, out = run("check")
-    assert code == 0 and "ok: 5 ops" in out
+    assert code == 0 and "ok: 7 ops" in out
 
 
 def test_check_reports_file_and_line(tmp_path):
@@ -57,7 +58,7 @@ def test_module_entry_point():
 def test_demo_passes_on_cpu():
     code, out = run("demo", "--device", "cpu")
     assert code == 0, out
-    assert "5 ok, 0 mismatched" in out
+    assert "7 ok, 0 mismatched" in out
 
 
 def test_demo_device_is_checked(capsys):
