@@ -1,29 +1,39 @@
-"""RoPE as TileLang tile programs: one builder for every op of the family.
+"""RoPE as TileLang tile programs: one builder for every op of the family, forward and backward.
 
-What varies between the five RoPE ops is only the frequency table and an amplitude, which the host
-folds into two small float64-derived tables; the kernel itself knows three things:
+What varies between the RoPE ops is only the frequency table and an amplitude, which the host
+folds into three small float64-derived tables; the kernel itself knows four things:
 
 * the pairing: ``neox`` pairs ``(i, i + R/2)``, ``interleaved`` pairs ``(2i, 2i + 1)``;
-* where positions come from: the sequence index (``positions=None``) or an int32/int64 tensor,
-  bounds-checked on the device;
-* the rotated width ``R`` (``rot``), at most ``D``; columns ``R..D`` are copied unchanged.
+* where positions come from: the sequence index (``positions=None``) or an int32/int64 tensor
+  ``P`` read through two strides (``[S]`` shared by the batch, or ``[B, S]``), bounds-checked on
+  the device;
+* the rotated width ``R`` (``rot``), at most ``D``; columns ``R..D`` are copied unchanged;
+* the direction: ``inverse=True`` rotates by the negated angle. The backward of
+  ``y = A R(θ) x`` is ``A R(-θ) g``, so the gradient is this same kernel with sin negated.
 
 Accuracy. cos/sin of ``p * f`` are never evaluated in fp32 from an fp32 angle (error ``p * 2^-24``
-rad, 0.06 rad at p = 1e6). Instead ``p = hi * LO + lo`` and the host builds two tables in float64,
-rounded once to fp32: ``TH[hi] = (cos, sin)(hi * LO * f)`` and ``TL[lo] = A * (cos, sin)(lo * f)``.
-The kernel composes them by angle addition, ``cos = ch*cl - sh*sl``, ``sin = sh*cl + ch*sl``: about
-three fp32 roundings whatever the position. With LO = 256 the tables hold (P/256 + 256) rows of
-R/2 pairs: 0.3 MB for R = 128 at P = 2^16, instead of 32 MB for a full table.
+rad, 0.06 rad at p = 1e6). A position ``p < 2^24`` is split into three 8-bit digits,
+``p = d2 * 2^16 + d1 * 2^8 + d0``, and the host builds one 256-row table per digit in float64,
+rounded once to fp32: ``TD[k, d] = (cos, sin)(d * 256^k * f)``, with the amplitude ``A`` folded
+into ``TD[0]``. The kernel composes them by angle addition, ``cos(a+b) = ca*cb - sa*sb``,
+``sin(a+b) = sa*cb + ca*sb``: a handful of fp32 roundings whatever the position. The tables are
+``3 x 256`` rows of ``R/2`` pairs (0.4 MB for R = 128) whatever the positions are, so nothing is
+grown, allocated or copied at call time.
 
-Layout. Every input is seen as ``X[B, S, H, D]`` (1d: B = H = 1; position ids: B = 1, S = tokens),
-with B, S, H dynamic: one compiled kernel serves every length and head count. ``Y`` is a separate
-buffer, so in-place rotation is ``Y = X`` and a second tensor (the key) is a second pair of buffers.
+Layout. Every input is seen as ``X[B, S, H, D]`` through a base pointer and three element strides
+(batch, sequence, head; the last dim is contiguous): 1d is ``B = H = 1``, position ids ``B = 1``,
+``S`` = tokens. ``Y`` has strides of its own, so the output may be a new tensor, a given ``out=``
+or ``X`` itself (in place: each element is read before it is written, by the same thread). A second
+tensor ``K[B, S, HK, D]`` (the key, ``HK = 0`` when there is none) is rotated in the same launch
+with the cos/sin composed once. B, S, H, HK and every stride are runtime scalars: one compiled kernel
+serves every length, head count and view.
 
 Two schedules from one description:
 
 * ``cuda``: SIMT. A thread owns one chunk of ``VEC`` pairs (16 bytes of x) of one token, composes
-  its cos/sin once and reuses them across the heads it walks (``H / HL`` of them) and across both
-  halves of each pair. Loads and stores of x are 16 bytes wide.
+  its cos/sin once and reuses them across the heads it walks (``H / HL`` of them, then the key's)
+  and across both halves of each pair. Loads and stores of x are 16 bytes wide: the host checks
+  that every pointer and stride is a multiple of ``VEC`` elements.
 * ``c``: TileLang's C backend has no threads, so the same math runs as plain loops per token.
 """
 
@@ -33,11 +43,20 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-__all__ = ["RopeKernelSpec", "build_rope", "LO"]
+__all__ = ["RopeKernelSpec", "build_rope", "LO", "DIGITS", "MAX_POSITION", "ARGS"]
 
-#: rows of the low table: positions are split as hi * LO + lo
+#: rows of each digit table: positions are split into 8-bit digits
 LO = 256
+#: digit tables: positions below LO ** DIGITS = 2^24 are supported
+DIGITS = 3
+MAX_POSITION = LO**DIGITS
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+#: the generated function's parameters, in order (``P``, ``ERR``, the position strides and ``limit``
+#: only with positions). The launcher binds arguments by these names.
+ARGS = ("X", "Y", "K", "KY", "TD", "P", "ERR", "B", "S", "H", "HK",
+        "xsb", "xss", "xsh", "ysb", "yss", "ysh", "ksb", "kss", "ksh", "kysb", "kyss", "kysh",
+        "psb", "pss", "limit")
 
 
 @dataclass(frozen=True)
@@ -49,13 +68,11 @@ class RopeKernelSpec:
     rot: int  # rotated width R, even, <= D
     pairing: str = "neox"  # neox | interleaved
     positions: "str | None" = None  # None (position = sequence index) | "int32" | "int64"
+    inverse: bool = False  # rotate by -angle (the backward)
     backend: str = "cuda"  # cuda | c
     head_lanes: int = 4  # cuda: threads that split one token's heads
     threads: int = 128  # cuda: target threads per block
     tokens_per_thread: int = 1  # cuda: tokens each thread walks
-    # cuda: >0 sizes the grid from the SM count (an extra scalar argument G) and blocks loop over
-    # token groups; measured on the H200 it cost 2d 5-9% and helped no workload enough to keep on.
-    blocks_per_sm: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in _ELEM_BYTES:
@@ -71,9 +88,21 @@ class RopeKernelSpec:
 
     @property
     def group(self) -> int:
-        """Tokens one CUDA block handles per step (token slots x tokens per thread)."""
-        lanes = (self.rot // 2) // self.vec + (self.head_dim - self.rot) // self.vec
-        return max(1, self.threads // (lanes * max(1, self.head_lanes))) * max(1, self.tokens_per_thread)
+        """Tokens one CUDA block handles (token slots x tokens per thread)."""
+        return self._slots * max(1, self.tokens_per_thread)
+
+    @property
+    def _lanes(self) -> int:
+        return (self.rot // 2) // self.vec + (self.head_dim - self.rot) // self.vec
+
+    @property
+    def _slots(self) -> int:
+        return max(1, self.threads // (self._lanes * max(1, self.head_lanes)))
+
+    @property
+    def block_threads(self) -> int:
+        """Threads of one CUDA block."""
+        return self._lanes * max(1, self.head_lanes) * self._slots
 
     @property
     def vec(self) -> int:
@@ -82,6 +111,20 @@ class RopeKernelSpec:
         while v > 1 and (self.head_dim % v or (self.rot // 2) % v):
             v //= 2
         return v
+
+    @property
+    def stride_unit(self) -> int:
+        """The unit of the x/y/key strides the kernel takes: ``vec`` elements on CUDA, so that the
+        compiler can prove every row starts on a vector boundary and keep 16-byte accesses (the
+        host checks that each stride divides); one element on the C backend."""
+        return self.vec if self.backend == "cuda" else 1
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The generated function's parameter names, in order."""
+        if self.positions is None:
+            return tuple(a for a in ARGS if a not in ("P", "ERR", "psb", "pss", "limit"))
+        return ARGS
 
 
 def _load_f32(buf, idx, storage: str, dtype: str):
@@ -103,12 +146,13 @@ def _to_storage(value, storage: str, dtype: str):
 
 
 def build_rope(spec: RopeKernelSpec):
-    """The ``T.prim_func`` for ``spec``.
+    """The ``T.prim_func`` for ``spec``; its parameters are ``spec.args``.
 
-    Arguments of the generated function, in order: ``X[B, S, H, D]``, ``Y[B, S, H, D]``,
-    ``TH[NH, 2, R/2]``, ``TL[LO, 2, R/2]`` (fp32 cos/sin tables), then for position ids
-    ``P[S]`` (int32/int64), ``ERR[1]`` (int32, set to 1 when a position is out of range) and the
-    scalar ``max_position``.
+    ``X``, ``Y``, ``K``, ``KY`` are flat buffers of the element type addressed through the strides
+    that follow, in units of ``spec.stride_unit`` elements; ``TD[3, 256, 2, R/2]`` the fp32 digit tables; with positions ``P`` (flat,
+    int32/int64, element ``(b, s)`` at ``b * psb + s * pss``), ``ERR[1]`` (int32, set to 1 when a
+    position lies outside ``[0, limit)``; that position reads as 0, so no table is ever indexed out
+    of bounds) and ``limit``.
     """
     if spec.backend == "cuda":
         return _build_cuda(spec)
@@ -116,14 +160,13 @@ def build_rope(spec: RopeKernelSpec):
 
 
 @T.macro
-def _position(by_ids, P, ERR, max_position, s):
-    """The position of sequence row ``s``: ``s`` itself, or ``P[s]`` checked against
-    ``[0, max_position)``. A position outside sets ``ERR[0]`` and reads as 0, so no table is ever
-    indexed out of bounds; the op turns the flag into a ValueError."""
+def _position(by_ids, P, ERR, psb, pss, limit, b, s):
+    """The position of row ``(b, s)``: ``s`` itself, or ``P[b * psb + s * pss]`` checked against
+    ``[0, limit)``."""
     p = T.alloc_var("int64")
     if by_ids:
-        raw = T.cast(P[s], "int64")
-        if raw < 0 or raw >= T.cast(max_position, "int64"):
+        raw = T.cast(P[T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
+        if raw < 0 or raw >= limit:
             ERR[0] = 1
             p = 0
         else:
@@ -140,49 +183,85 @@ def _pair_index(spec: RopeKernelSpec, j):
     return 2 * j, 2 * j + 1
 
 
+def _offset(b, s, h, sb, ss, sh, unit: int = 1):
+    """Element offset of row ``(b, s, h)`` from strides given in units of ``unit`` elements."""
+    return (T.cast(b, "int64") * sb + T.cast(s, "int64") * ss + T.cast(h, "int64") * sh) * unit
+
+
+def _signature(spec: RopeKernelSpec, storage: str):
+    """Buffer declarations shared by both backends (flat extents are dynamic)."""
+    half = spec.rot // 2
+    NX, NY, NK, NKY, NP = T.dynamic("NX, NY, NK, NKY, NP")
+    return dict(
+        X=T.Tensor((NX,), storage), Y=T.Tensor((NY,), storage), K=T.Tensor((NK,), storage),
+        KY=T.Tensor((NKY,), storage), TD=T.Tensor((DIGITS, LO, 2, half), "float32"),
+        P=T.Tensor((NP,), spec.positions or "int32"), ERR=T.Tensor((1,), "int32"),
+    )
+
+
 def _build_c(spec: RopeKernelSpec):
     D, R, half = spec.head_dim, spec.rot, spec.rot // 2
     storage = "int16" if spec.dtype == "bfloat16" else spec.dtype
     dt = spec.dtype
-    B, S, H, NH = T.dynamic("B, S, H, NH")
     by_ids = spec.positions is not None
-    pdt = spec.positions or "int32"
+    sgn = -1.0 if spec.inverse else 1.0
+    sig = _signature(spec, storage)
 
     @T.macro
-    def body(X, Y, TH, TL, P, ERR, max_position, b, s):
-        cst = T.alloc_local((2, half), "float32")
-        p = _position(by_ids, P, ERR, max_position, s)
-        hi = p // LO
-        lo = p % LO
+    def one_head(X, Y, xh, yh, cst):
         for j in T.serial(half):
-            ch, sh = TH[hi, 0, j], TH[hi, 1, j]
-            cl, sl = TL[lo, 0, j], TL[lo, 1, j]
-            cst[0, j] = ch * cl - sh * sl
-            cst[1, j] = sh * cl + ch * sl
-        for h in T.serial(H):
-            for j in T.serial(half):
-                i1, i2 = _pair_index(spec, j)
-                a = _load_f32(X, (b, s, h, i1), storage, dt)
-                c = _load_f32(X, (b, s, h, i2), storage, dt)
-                Y[b, s, h, i1] = _to_storage(a * cst[0, j] - c * cst[1, j], storage, dt)
-                Y[b, s, h, i2] = _to_storage(c * cst[0, j] + a * cst[1, j], storage, dt)
-            for i in T.serial(D - R):
-                Y[b, s, h, R + i] = X[b, s, h, R + i]
+            i1, i2 = _pair_index(spec, j)
+            a = _load_f32(X, xh + i1, storage, dt)
+            c = _load_f32(X, xh + i2, storage, dt)
+            Y[yh + i1] = _to_storage(a * cst[0, j] - c * cst[1, j], storage, dt)
+            Y[yh + i2] = _to_storage(c * cst[0, j] + a * cst[1, j], storage, dt)
+        for i in T.serial(D - R):
+            Y[yh + R + i] = X[xh + R + i]
+
+    # Macro parameters that receive a kernel parameter carry its exact name: TVMScript renames a
+    # variable bound to a new name, and two kernel parameters of one name do not compile.
+    @T.macro
+    def body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
+             psb, pss, limit, b, s):
+        cst = T.alloc_local((2, half), "float32")
+        p = _position(by_ids, P, ERR, psb, pss, limit, b, s)
+        d0 = p % LO
+        d1 = (p // LO) % LO
+        d2 = p // (LO * LO)
+        for j in T.serial(half):
+            c2, s2 = TD[2, d2, 0, j], TD[2, d2, 1, j]
+            c1, s1 = TD[1, d1, 0, j], TD[1, d1, 1, j]
+            c0, s0 = TD[0, d0, 0, j], TD[0, d0, 1, j]
+            c12 = c2 * c1 - s2 * s1
+            s12 = s2 * c1 + c2 * s1
+            cst[0, j] = c12 * c0 - s12 * s0
+            cst[1, j] = (s12 * c0 + c12 * s0) * sgn
+        for h in T.serial(H + HK):
+            if h < H:
+                one_head(X, Y, _offset(b, s, h, xsb, xss, xsh), _offset(b, s, h, ysb, yss, ysh), cst)
+            else:
+                one_head(K, KY, _offset(b, s, h - H, ksb, kss, ksh), _offset(b, s, h - H, kysb, kyss, kysh), cst)
 
     if by_ids:
         @T.prim_func
-        def rope_ids_c(X: T.Tensor((B, S, H, D), storage), Y: T.Tensor((B, S, H, D), storage),
-                       TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32"),
-                       P: T.Tensor((S,), pdt), ERR: T.Tensor((1,), "int32"), max_position: T.int32):
+        def rope_ids_c(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"],
+                       ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
+                       xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
+                       ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
+                       psb: T.int64, pss: T.int64, limit: T.int64):
             with T.Kernel(S, B, threads=1) as (bs, bb):
-                body(X, Y, TH, TL, P, ERR, max_position, bb, bs)
+                body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
+                     kysh, psb, pss, limit, bb, bs)
         return rope_ids_c
 
     @T.prim_func
-    def rope_c(X: T.Tensor((B, S, H, D), storage), Y: T.Tensor((B, S, H, D), storage),
-               TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32")):
+    def rope_c(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"],
+               B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
+               xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
+               ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64):
         with T.Kernel(S, B, threads=1) as (bs, bb):
-            body(X, Y, TH, TL, None, None, 0, bb, bs)
+            body(X, Y, K, KY, TD, None, None, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
+                 kysh, 0, 0, 0, bb, bs)
     return rope_c
 
 
@@ -202,90 +281,115 @@ def _build_cuda(spec: RopeKernelSpec):
     V = spec.vec
     wide = V * _ELEM_BYTES[dt] == 16  # a vector is a full 16 bytes: store it with tileops_st16
     C = half // V  # lanes that rotate: each owns V pairs (2 * V elements of x)
-    CP = (D - R) // V  # lanes that copy the unrotated tail, one V-vector each
-    CL = C + CP
     HL = max(1, spec.head_lanes)
-    TOK = max(1, spec.threads // (CL * HL))  # token slots per block
+    CL = spec._lanes
+    TOK = spec._slots  # token slots per block
     TPT = max(1, spec.tokens_per_thread)  # tokens each thread walks, TOK apart
-    threads = CL * HL * TOK
-    B, S, H, NH = T.dynamic("B, S, H, NH")
+    threads = spec.block_threads
+    GROUP = spec.group
     by_ids = spec.positions is not None
-    pdt = spec.positions or "int32"
     neox = spec.pairing == "neox"
+    sgn = -1.0 if spec.inverse else 1.0
+    sig = _signature(spec, dt)
 
     @T.macro
-    def store(Y, bb, s, h, o, vals):
+    def store(Y, o, vals):
         if wide:
-            T.call_extern("handle", "tileops_st16", T.address_of(Y[bb, s, h, o]), T.address_of(vals[0]))
+            T.call_extern("handle", "tileops_st16", T.address_of(Y[o]), T.address_of(vals[0]))
         else:
             for v in T.vectorized(V):
-                Y[bb, s, h, o + v] = vals[v]
-
-    GROUP = TOK * TPT  # tokens one block handles per step
-    persistent = spec.blocks_per_sm > 0
+                Y[o + v] = vals[v]
 
     @T.macro
-    def token(X, Y, TH, TL, P, ERR, max_position, bb, s, lane, hl, ch, sh, cl, sl, cs, sn, xa, xb, ya, yb):
-        p = _position(by_ids, P, ERR, max_position, s)
+    def rotate_one(X, Y, xh, yh, o1, o2, cs, sn, xa, xb, ya, yb):
+        for v in T.vectorized(V):
+            xa[v] = X[xh + o1 + v]
+        for v in T.vectorized(V):
+            xb[v] = X[xh + o2 + v]
+        if neox:
+            for v in T.serial(V):
+                a = T.cast(xa[v], "float32")
+                c = T.cast(xb[v], "float32")
+                ya[v] = T.cast(a * cs[v] - c * sn[v], dt)
+                yb[v] = T.cast(c * cs[v] + a * sn[v], dt)
+        elif V == 1:
+            a = T.cast(xa[0], "float32")
+            c = T.cast(xb[0], "float32")
+            ya[0] = T.cast(a * cs[0] - c * sn[0], dt)
+            yb[0] = T.cast(c * cs[0] + a * sn[0], dt)
+        else:
+            for v in T.serial(V // 2):
+                a = T.cast(xa[2 * v], "float32")
+                c = T.cast(xa[2 * v + 1], "float32")
+                ya[2 * v] = T.cast(a * cs[v] - c * sn[v], dt)
+                ya[2 * v + 1] = T.cast(c * cs[v] + a * sn[v], dt)
+                a2 = T.cast(xb[2 * v], "float32")
+                c2 = T.cast(xb[2 * v + 1], "float32")
+                yb[2 * v] = T.cast(a2 * cs[V // 2 + v] - c2 * sn[V // 2 + v], dt)
+                yb[2 * v + 1] = T.cast(c2 * cs[V // 2 + v] + a2 * sn[V // 2 + v], dt)
+        store(Y, yh + o1, ya)
+        store(Y, yh + o2, yb)
+
+    @T.macro
+    def copy_one(X, Y, xh, yh, o, xa):
+        for v in T.vectorized(V):
+            xa[v] = X[xh + o + v]
+        store(Y, yh + o, xa)
+
+    @T.macro
+    def token(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
+              psb, pss, limit, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb):
+        p = _position(by_ids, P, ERR, psb, pss, limit, bb, s)
+        xo = _offset(bb, s, 0, xsb, xss, xsh, V)
+        yo = _offset(bb, s, 0, ysb, yss, ysh, V)
+        ko = _offset(bb, s, 0, ksb, kss, ksh, V)
+        kyo = _offset(bb, s, 0, kysb, kyss, kysh, V)
         if lane < C:
             j0 = lane * V
-            # Loading the high row once per token group instead (it is shared by 256 positions) was
-            # measured slower on the H200: 1d 256k fp16 went from 82% to 75% of the copy rate.
+            d0 = p % LO
+            d1 = (p // LO) % LO
+            d2 = p // (LO * LO)
             for v in T.vectorized(V):
-                ch[v] = TH[p // LO, 0, j0 + v]
+                c2[v] = TD[2, d2, 0, j0 + v]
             for v in T.vectorized(V):
-                sh[v] = TH[p // LO, 1, j0 + v]
+                s2[v] = TD[2, d2, 1, j0 + v]
             for v in T.vectorized(V):
-                cl[v] = TL[p % LO, 0, j0 + v]
+                c1[v] = TD[1, d1, 0, j0 + v]
             for v in T.vectorized(V):
-                sl[v] = TL[p % LO, 1, j0 + v]
+                s1[v] = TD[1, d1, 1, j0 + v]
+            for v in T.vectorized(V):
+                c0[v] = TD[0, d0, 0, j0 + v]
+            for v in T.vectorized(V):
+                s0[v] = TD[0, d0, 1, j0 + v]
             for v in T.serial(V):
-                cs[v] = ch[v] * cl[v] - sh[v] * sl[v]
-                sn[v] = sh[v] * cl[v] + ch[v] * sl[v]
+                c12 = c2[v] * c1[v] - s2[v] * s1[v]
+                s12 = s2[v] * c1[v] + c2[v] * s1[v]
+                cs[v] = c12 * c0[v] - s12 * s0[v]
+                sn[v] = (s12 * c0[v] + c12 * s0[v]) * sgn
             # neox: the V pairs are x[j0 : j0+V] with x[half+j0 : ...];
             # interleaved: they are the 2V contiguous elements x[2*j0 : 2*j0 + 2V], split in
             # two vectors; element e of the pair run is (vector e // V, slot e % V).
             o1 = j0 if neox else 2 * j0
             o2 = half + j0 if neox else 2 * j0 + V
-            for k in T.serial(T.ceildiv(H - hl, HL)):
-                h = hl + k * HL
-                for v in T.vectorized(V):
-                    xa[v] = X[bb, s, h, o1 + v]
-                for v in T.vectorized(V):
-                    xb[v] = X[bb, s, h, o2 + v]
-                if neox:
-                    for v in T.serial(V):
-                        a = T.cast(xa[v], "float32")
-                        c = T.cast(xb[v], "float32")
-                        ya[v] = T.cast(a * cs[v] - c * sn[v], dt)
-                        yb[v] = T.cast(c * cs[v] + a * sn[v], dt)
-                elif V == 1:
-                    a = T.cast(xa[0], "float32")
-                    c = T.cast(xb[0], "float32")
-                    ya[0] = T.cast(a * cs[0] - c * sn[0], dt)
-                    yb[0] = T.cast(c * cs[0] + a * sn[0], dt)
+            for k in T.serial(T.ceildiv(H + HK - hl, HL)):
+                h = T.cast(hl + k * HL, "int64")
+                if h < H:
+                    rotate_one(X, Y, xo + h * xsh * V, yo + h * ysh * V, o1, o2, cs, sn, xa, xb, ya, yb)
                 else:
-                    for v in T.serial(V // 2):
-                        a = T.cast(xa[2 * v], "float32")
-                        c = T.cast(xa[2 * v + 1], "float32")
-                        ya[2 * v] = T.cast(a * cs[v] - c * sn[v], dt)
-                        ya[2 * v + 1] = T.cast(c * cs[v] + a * sn[v], dt)
-                        a2 = T.cast(xb[2 * v], "float32")
-                        c2 = T.cast(xb[2 * v + 1], "float32")
-                        yb[2 * v] = T.cast(a2 * cs[V // 2 + v] - c2 * sn[V // 2 + v], dt)
-                        yb[2 * v + 1] = T.cast(c2 * cs[V // 2 + v] + a2 * sn[V // 2 + v], dt)
-                store(Y, bb, s, h, o1, ya)
-                store(Y, bb, s, h, o2, yb)
+                    rotate_one(K, KY, ko + (h - H) * ksh * V, kyo + (h - H) * kysh * V, o1, o2, cs, sn, xa, xb,
+                               ya, yb)
         else:
             o = R + (lane - C) * V
-            for k in T.serial(T.ceildiv(H - hl, HL)):
-                h = hl + k * HL
-                for v in T.vectorized(V):
-                    xa[v] = X[bb, s, h, o + v]
-                store(Y, bb, s, h, o, xa)
+            for k in T.serial(T.ceildiv(H + HK - hl, HL)):
+                h = T.cast(hl + k * HL, "int64")
+                if h < H:
+                    copy_one(X, Y, xo + h * xsh * V, yo + h * ysh * V, o, xa)
+                else:
+                    copy_one(K, KY, ko + (h - H) * ksh * V, kyo + (h - H) * kysh * V, o, xa)
 
     @T.macro
-    def body(X, Y, TH, TL, P, ERR, max_position, G, bx, bb):
+    def body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
+             psb, pss, limit, bx, bb):
         T.import_source(_CUDA_HELPERS)
         tx = T.get_thread_binding()
         lane = tx % CL
@@ -293,52 +397,40 @@ def _build_cuda(spec: RopeKernelSpec):
         hl = tx // (CL * TOK)
         cs = T.alloc_local((V,), "float32")
         sn = T.alloc_local((V,), "float32")
-        ch = T.alloc_local((V,), "float32")
-        sh = T.alloc_local((V,), "float32")
-        cl = T.alloc_local((V,), "float32")
-        sl = T.alloc_local((V,), "float32")
+        c2 = T.alloc_local((V,), "float32")
+        s2 = T.alloc_local((V,), "float32")
+        c1 = T.alloc_local((V,), "float32")
+        s1 = T.alloc_local((V,), "float32")
+        c0 = T.alloc_local((V,), "float32")
+        s0 = T.alloc_local((V,), "float32")
         xa = T.alloc_local((V,), dt)
         xb = T.alloc_local((V,), dt)
         ya = T.alloc_local((V,), dt)
         yb = T.alloc_local((V,), dt)
-        steps = T.ceildiv(T.ceildiv(S, GROUP) - bx, G) if persistent else 1
-        for it in T.serial(steps):
-            group = bx + it * G if persistent else bx
-            for kt in T.unroll(TPT):
-                s = group * GROUP + kt * TOK + tok
-                if s < S:
-                    token(X, Y, TH, TL, P, ERR, max_position, bb, s, lane, hl, ch, sh, cl, sl, cs, sn, xa, xb,
-                          ya, yb)
+        for kt in T.unroll(TPT):
+            s = bx * GROUP + kt * TOK + tok
+            if s < S:
+                token(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
+                      kysh, psb, pss, limit, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb)
 
-    if by_ids and persistent:
-        @T.prim_func
-        def rope_ids_cuda_p(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
-                            TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32"),
-                            P: T.Tensor((S,), pdt), ERR: T.Tensor((1,), "int32"), max_position: T.int32,
-                            G: T.int32):
-            with T.Kernel(G, B, threads=threads) as (bx, bb):
-                body(X, Y, TH, TL, P, ERR, max_position, G, bx, bb)
-        return rope_ids_cuda_p
     if by_ids:
         @T.prim_func
-        def rope_ids_cuda(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
-                          TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32"),
-                          P: T.Tensor((S,), pdt), ERR: T.Tensor((1,), "int32"), max_position: T.int32):
+        def rope_ids_cuda(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"],
+                          ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
+                          xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
+                          ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
+                          psb: T.int64, pss: T.int64, limit: T.int64):
             with T.Kernel(T.ceildiv(S, GROUP), B, threads=threads) as (bx, bb):
-                body(X, Y, TH, TL, P, ERR, max_position, 1, bx, bb)
+                body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
+                     kysh, psb, pss, limit, bx, bb)
         return rope_ids_cuda
-    if persistent:
-        @T.prim_func
-        def rope_cuda_p(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
-                        TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32"),
-                        G: T.int32):
-            with T.Kernel(G, B, threads=threads) as (bx, bb):
-                body(X, Y, TH, TL, None, None, 0, G, bx, bb)
-        return rope_cuda_p
 
     @T.prim_func
-    def rope_cuda(X: T.Tensor((B, S, H, D), dt), Y: T.Tensor((B, S, H, D), dt),
-                  TH: T.Tensor((NH, 2, half), "float32"), TL: T.Tensor((LO, 2, half), "float32")):
+    def rope_cuda(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"],
+                  B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
+                  xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
+                  ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64):
         with T.Kernel(T.ceildiv(S, GROUP), B, threads=threads) as (bx, bb):
-            body(X, Y, TH, TL, None, None, 0, 1, bx, bb)
+            body(X, Y, K, KY, TD, None, None, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
+                 kysh, 0, 0, 0, bx, bb)
     return rope_cuda

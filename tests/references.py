@@ -246,8 +246,33 @@ def reference(op_name: str, params: dict, inputs: dict[str, torch.Tensor]) -> to
         inv, amp = inv_freq_and_amplitude(op_name, p, rot_dim)
         return rotate(x, pos.view(-1, 1), inv, amp, "neox")  # one position per token, all heads
     pairing = p["rope_layout"] if op_name == "RoPEFwdOp" else "neox"
+    given = inputs.get("position_ids")
+    if given is None:
+        pos = _sequence_positions(x, p["input_layout"])
+    else:
+        if given.dtype not in (torch.int32, torch.int64):
+            raise ValueError("position_ids must be int32 or int64")
+        if given.numel() and (int(given.min()) < 0 or int(given.max()) >= 2**24):
+            raise ValueError("position_ids outside [0, 2^24)")
+        seq = x.shape[0] if p["input_layout"] == "1d" else x.shape[1]
+        if given.shape[-1] != seq or given.dim() > (1 if p["input_layout"] == "1d" else 2):
+            raise ValueError(f"position_ids of shape {tuple(given.shape)} do not fit x {tuple(x.shape)}")
+        if p["input_layout"] == "1d":
+            pos = given.view(-1)
+        else:  # [seq] shared by the batch, or [batch, seq]; broadcast over heads
+            pos = given.view(*given.shape, 1) if given.dim() == 2 else given.view(1, -1, 1)
+    if op_name == "Phi3LongRoPEFwdOp" and p.get("max_position_id") is None:
+        p = {**p, "max_position_id": int(pos.max()) if pos.numel() else 0}
     inv, amp = inv_freq_and_amplitude(op_name, p, head_dim)
-    return rotate(x, _sequence_positions(x, p["input_layout"]), inv, amp, pairing)
+    return rotate(x, pos, inv, amp, pairing)
+
+
+def reference_grad(op_name: str, params: dict, inputs: dict[str, torch.Tensor], grad_out: torch.Tensor) -> torch.Tensor:
+    """float64 gradient of sum(reference * grad_out) with respect to x, by autograd of the reference."""
+    x = inputs["x"].detach().double().requires_grad_(True)
+    out = reference(op_name, params, {**inputs, "x": x})
+    (g,) = torch.autograd.grad(out, x, grad_out.double())
+    return g
 
 
 REFERENCES: dict[str, callable] = {name: functools.partial(reference, name) for name in DEFAULTS}

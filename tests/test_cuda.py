@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.references import reference
+from tests.references import reference, reference_grad
 from tileops import BUILTIN
-from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
+from tileops.rope import LongRoPEFwdOp, RoPEFwdOp, RoPELlama31FwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
 
 pytestmark = pytest.mark.cuda
 
@@ -52,29 +52,79 @@ def test_strided_and_offset_views_cuda():
 
 
 def test_every_element_written_cuda():
+    """Each schedule, run straight into NaN-filled outputs for x and a key (GQA head counts)."""
     from tileops.generate import compile_kernel, device_backend
-    from tileops.kernels.rope import LO, RopeKernelSpec
+    from tileops.kernels.rope import RopeKernelSpec
     from tileops.launch import raw_kernel
     from tileops.rope.tables import RopeTables
 
     dev = torch.device("cuda")
     backend, arch = device_backend(dev)
     cases = (("neox", 80, "float16", {}), ("interleaved", 96, "bfloat16", {}), ("neox", 92, "float32", {}),
-             ("neox", 128, "bfloat16", {"blocks_per_sm": 1}), ("interleaved", 64, "float16", {"tokens_per_thread": 4}))
+             ("interleaved", 64, "float16", {"tokens_per_thread": 4}))
     for pairing, d, dtype, extra in cases:
         spec = RopeKernelSpec(dtype=dtype, head_dim=d, rot=d, pairing=pairing, backend=backend, head_lanes=8,
                               **extra)
-        k = raw_kernel(compile_kernel("rope", spec, backend, arch), dev)
-        g = (2,) if spec.blocks_per_sm else ()  # two blocks loop over all 37 tokens
+        k = raw_kernel(compile_kernel("rope", spec, backend, arch), dev, spec.args)
         x = torch.randn(3, 37, 5, d, device=dev).to(getattr(torch, dtype))
-        out = torch.full_like(x, float("nan"))
+        key = torch.randn(3, 37, 2, d, device=dev).to(getattr(torch, dtype))
+        out, kout = torch.full_like(x, float("nan")), torch.full_like(key, float("nan"))
         inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        t = RopeTables(inv, 1.0, LO)
-        th = t.high(dev, 37)
-        k(x.data_ptr(), out.data_ptr(), th.data_ptr(), t.low(dev).data_ptr(), *g, 3, 37, 5, th.shape[0])
-        assert not out.isnan().any(), (pairing, d, dtype)
-        ref = reference("RoPEFwdOp", {"rope_layout": pairing, "input_layout": "2d"}, {"x": x.cpu()})
-        assert (out.double().cpu() - ref).abs().max().item() < 3e-2
+        td = RopeTables(inv, 1.0).on(dev)
+        u = spec.stride_unit
+        st = [[v // u for v in t.stride()[:3]] for t in (x, out, key, kout)]
+        k(*k.bind(X=x.data_ptr(), Y=out.data_ptr(), K=key.data_ptr(), KY=kout.data_ptr(), TD=td.data_ptr(),
+                  B=3, S=37, H=5, HK=2, xsb=st[0][0], xss=st[0][1], xsh=st[0][2], ysb=st[1][0], yss=st[1][1],
+                  ysh=st[1][2], ksb=st[2][0], kss=st[2][1], ksh=st[2][2], kysb=st[3][0], kyss=st[3][1],
+                  kysh=st[3][2], NX=0, NY=0, NK=0, NKY=0))
+        assert not out.isnan().any() and not kout.isnan().any(), (pairing, d, dtype)
+        for got, src in ((out, x), (kout, key)):
+            ref = reference("RoPEFwdOp", {"rope_layout": pairing, "input_layout": "2d"}, {"x": src.cpu()})
+            assert (got.double().cpu() - ref).abs().max().item() < 3e-2
+
+
+def test_positions_up_to_2_24_fp32_cuda():
+    n = 1 << 16
+    x = torch.randn(n, 16, device="cuda")
+    pos = torch.randint(0, 2**24, (n,), device="cuda")
+    pos[:3] = torch.tensor([0, 2**24 - 1, 2**16], device="cuda")
+    out = RoPEFwdOp(input_layout="1d")(x, position_ids=pos).double().cpu()
+    ref = reference("RoPEFwdOp", {"input_layout": "1d"}, {"x": x.cpu(), "position_ids": pos.cpu()})
+    mag = torch.sqrt(x[:, :8].double().cpu() ** 2 + x[:, 8:].double().cpu() ** 2).repeat(1, 2)
+    ulps = (out - ref).abs() / (mag * 2.0**-23)
+    assert ulps.max().item() < 8, f"{ulps.max().item():.1f} ulps"
+
+
+@pytest.mark.parametrize("cls, params", [(RoPELlama31FwdOp, {}), (YaRNFwdOp, {"scale": 4.0}),
+                                         (LongRoPEFwdOp, {"max_position_embeddings": 131072}),
+                                         (RoPEFwdOp, {"rope_layout": "interleaved"})])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_positions_and_gradients_cuda(cls, params, dtype):
+    params = {"input_layout": "2d", **params}
+    op = cls(**params)
+    q = torch.randn(2, 6, 33, 128, device="cuda", dtype=dtype, requires_grad=True)  # HF [B, H, S, D]
+    pos = torch.randint(0, 2**24, (2, 33), device="cuda")
+    out = op(q.transpose(1, 2), position_ids=pos)
+    assert out.grad_fn is not None
+    x = q.detach().transpose(1, 2).cpu()
+    ref = reference(cls.__name__, params, {"x": x, "position_ids": pos.cpu()})
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+    assert ((out.detach().double().cpu() - ref).abs() <= tol + tol * ref.abs()).all()
+    g = torch.randn(out.shape, device="cuda", dtype=dtype)
+    out.backward(g)
+    want = reference_grad(cls.__name__, params, {"x": x, "position_ids": pos.cpu()}, g.cpu())
+    got = q.grad.transpose(1, 2).double().cpu()
+    assert ((got - want).abs() <= tol + tol * want.abs()).all(), (got - want).abs().max().item()
+
+
+@pytest.mark.parametrize("bad", [-1, 2**24])
+def test_sequence_op_position_out_of_range_cuda(bad):
+    op = RoPEFwdOp(input_layout="2d")
+    x = torch.randn(2, 9, 3, 64, device="cuda", dtype=torch.float16)
+    pos = torch.randint(0, 100, (2, 9), device="cuda")
+    pos[1, 7] = bad
+    with pytest.raises(ValueError, match=rf"position_ids\[1, 7\] = {bad}"):
+        op(x, position_ids=pos)
 
 
 def test_decode_many_calls_no_recompile():

@@ -27,9 +27,9 @@ from tileops.testing import COLUMNS, GeneratedCase, generated_cases
 from tileops.workloads import op_class, workload
 
 try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
-    from references import reference
+    from references import reference, reference_grad
 except ImportError:  # pragma: no cover
-    from tests.references import reference
+    from tests.references import reference, reference_grad
 
 #: |out - ref| <= atol + rtol * |ref|: one rounding of an fp32 result to the dtype, plus slack.
 TOLERANCES = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
@@ -53,8 +53,10 @@ def check_case(gcase: GeneratedCase, gen: torch.Generator) -> None:
     w = workload(m, m.case(gcase.case), gcase.dtype, gcase.device, shrink=gcase.shrink, generator=gen)
     before = {k: v.clone() for k, v in w.inputs.items()}
     op = op_class(gcase.op)(**w.params, target=gcase.target)
-    out = op(**w.inputs)
     seed = f"(dims {w.dims}, generator seed {gen.initial_seed()})"
+    if gcase.backward:
+        return check_backward(gcase, m, w, op, before, seed, gen)
+    out = op(**w.inputs)
 
     assert op.serving_target == gcase.target
     x = w.inputs[m.inputs[0].name]
@@ -66,10 +68,31 @@ def check_case(gcase: GeneratedCase, gen: torch.Generator) -> None:
     # The output is a fresh tensor from the op, so instead of pre-filling it with NaN we check that
     # every element was written with a finite value.
     assert bool(torch.isfinite(out).all()), f"non-finite output {seed}"
-
     ref = reference(gcase.op, w.params, {k: v.cpu() for k, v in w.inputs.items()})
-    got = out.cpu().double()
-    atol, rtol = TOLERANCES[gcase.dtype]
+    assert_close(out, ref, gcase.dtype, seed)
+
+
+def check_backward(gcase: GeneratedCase, m, w, op, before, seed, gen) -> None:
+    """The gradient of sum(out * g) for a random g against float64 autograd of the reference."""
+    wrt = m.backward.wrt
+    x = w.inputs[wrt].detach().clone().requires_grad_(True)
+    inputs = {**w.inputs, wrt: x}
+    out = op(**inputs)
+    assert out.grad_fn is not None, f"no grad_fn although {wrt} requires grad {seed}"
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(out.dtype).to(out.device)
+    (got,) = torch.autograd.grad(out, x, g)
+    assert (got.shape, got.dtype) == (x.shape, x.dtype), seed
+    assert bool(torch.isfinite(got).all()), f"non-finite gradient {seed}"
+    for name, t in w.inputs.items():
+        assert torch.equal(t, before[name]), f"input {name} was modified {seed}"
+    cpu = {k: v.detach().cpu() for k, v in inputs.items()}
+    ref = reference_grad(gcase.op, w.params, cpu, g.cpu())
+    assert_close(got, ref, gcase.dtype, seed)
+
+
+def assert_close(got_t: torch.Tensor, ref: torch.Tensor, dtype: str, seed: str) -> None:
+    got = got_t.detach().cpu().double()
+    atol, rtol = TOLERANCES[dtype]
     err = (got - ref).abs()
     bad = err > atol + rtol * ref.abs()
     if bool(bad.any()):
@@ -98,7 +121,9 @@ def test_matrix_covers_every_case_dtype_and_column():
     want = {(n, c.label, d) for n, m in REGISTRY.items() for c in m.cases for d in c.dtypes}
     got = {(c.op, c.case, c.dtype) for c in CASES}
     assert got == want
-    assert len(CASES) == len(want) * len(COLUMNS)
+    directions = {n: 2 if m.backward else 1 for n, m in REGISTRY.items()}
+    assert len(CASES) == sum(directions[n] for n, _, _ in want) * len(COLUMNS)
+    assert {c.op for c in CASES if c.backward} == {n for n, m in REGISTRY.items() if m.backward}
     assert len({c.id for c in CASES}) == len(CASES)
     assert "RoPEFwdOp[neox-2d-2k-bf16-cpu]" in {c.id for c in CASES}
     assert {c.id for c in CASES if c.marks} == {c.id for c in CASES if c.column == "builtin-cuda"}
@@ -136,8 +161,9 @@ def test_coverage_counts_the_generated_tests(capsys):
     assert f"{len(CASES)} generated tests" in out
     for name in REGISTRY:
         assert name in out
-    # RoPEFwdOp in bf16: one item per case listing bf16, in each of the three columns.
-    n = sum(1 for c in REGISTRY["RoPEFwdOp"].cases if "bfloat16" in c.dtypes)
+    # RoPEFwdOp in bf16: one item per case listing bf16 and direction (forward, backward), in each
+    # of the three columns.
+    n = 2 * sum(1 for c in REGISTRY["RoPEFwdOp"].cases if "bfloat16" in c.dtypes)
     row = next(line for line in out.splitlines() if line.split()[:2] == ["RoPEFwdOp", "bf16"])
     assert row.split()[2:5] == [str(n)] * 3
 

@@ -58,21 +58,29 @@ def test_position_ids_partial(dtype, pos_dtype, gen):
 
 
 def test_every_element_written(gen):
-    """Run the compiled kernel directly into a NaN-filled output: no element may stay NaN."""
+    """Run the compiled kernel directly into NaN-filled outputs (x and a key): no element may stay NaN."""
     from tileops.generate import compile_kernel
     from tileops.kernels.rope import RopeKernelSpec
+    from tileops.launch import raw_kernel
     from tileops.rope.tables import RopeTables
-    from tileops.kernels.rope import LO
 
     spec = RopeKernelSpec(dtype="float32", head_dim=96, rot=96, pairing="interleaved", backend="c")
-    kernel = compile_kernel("rope", spec, "c", "c")
+    kernel = raw_kernel(compile_kernel("rope", spec, "c", "c"), torch.device("cpu"), spec.args)
     x = torch.randn(3, 37, 5, 96, generator=gen)
-    out = torch.full_like(x, float("nan"))
+    k = torch.randn(3, 37, 2, 96, generator=gen)
+    out, kout = torch.full_like(x, float("nan")), torch.full_like(k, float("nan"))
     inv = 10000.0 ** (-torch.arange(0, 96, 2, dtype=torch.float64) / 96)
-    tables = RopeTables(inv, 1.0, LO)
-    kernel(x, out, tables.high(torch.device("cpu"), 37), tables.low(torch.device("cpu")))
-    assert not out.isnan().any()
-    assert_close(out, reference("RoPEFwdOp", {"rope_layout": "interleaved", "input_layout": "2d"}, {"x": x}))
+    td = RopeTables(inv, 1.0).on(torch.device("cpu"))
+    st = lambda t: dict(zip("bsh", t.stride()[:3]))  # noqa: E731
+    a, b, c, d = st(x), st(out), st(k), st(kout)
+    kernel(*kernel.bind(X=x.data_ptr(), Y=out.data_ptr(), K=k.data_ptr(), KY=kout.data_ptr(), TD=td.data_ptr(),
+                        B=3, S=37, H=5, HK=2, xsb=a["b"], xss=a["s"], xsh=a["h"], ysb=b["b"], yss=b["s"],
+                        ysh=b["h"], ksb=c["b"], kss=c["s"], ksh=c["h"], kysb=d["b"], kyss=d["s"], kysh=d["h"],
+                        NX=x.numel(), NY=out.numel(), NK=k.numel(), NKY=kout.numel()))
+    assert not out.isnan().any() and not kout.isnan().any()
+    params = {"rope_layout": "interleaved", "input_layout": "2d"}
+    assert_close(out, reference("RoPEFwdOp", params, {"x": x}))
+    assert_close(kout, reference("RoPEFwdOp", params, {"x": k}))
 
 
 def test_accuracy_does_not_degrade_with_position(gen):

@@ -36,6 +36,22 @@ class RawKernel:
     extent_names: tuple[str, ...]
     device_index: int | None
     lib: Any
+    param_names: tuple[str, ...] = ()
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        """Every argument of :meth:`__call__`, in order: the parameters, then the extents."""
+        return self.param_names + self.extent_names
+
+    def bind(self, **values: Any) -> list[Any]:
+        """The positional arguments for ``values`` keyed by name; a missing or unknown name raises."""
+        unknown = set(values) - set(self.arg_names)
+        if unknown:
+            raise TypeError(f"kernel arguments {sorted(unknown)} are not among {list(self.arg_names)}")
+        try:
+            return [values[n] for n in self.arg_names]
+        except KeyError as e:
+            raise TypeError(f"kernel argument {e.args[0]!r} missing; the kernel takes {list(self.arg_names)}") from None
 
     def stream(self) -> int:
         if self.device_index is None:
@@ -53,8 +69,12 @@ class RawKernel:
             raise RuntimeError(f"TileLang kernel failed: {self.lib.get_last_error().decode('utf-8', 'replace')}")
 
 
-def raw_kernel(kernel: Any, device: torch.device) -> RawKernel:
-    """The C entry point of ``kernel`` (compiled by TileLang with the Cython execution backend)."""
+def raw_kernel(kernel: Any, device: torch.device, param_names: tuple[str, ...] = ()) -> RawKernel:
+    """The C entry point of ``kernel`` (compiled by TileLang with the Cython execution backend).
+
+    ``param_names`` names the kernel's parameters in order (the builder's spec knows them), so
+    arguments can be bound by name with :meth:`RawKernel.bind`.
+    """
     adapter = kernel.adapter
     lib = getattr(adapter, "lib", None)
     dyn = getattr(adapter, "dynamic_symbolic_map", None)
@@ -62,6 +82,8 @@ def raw_kernel(kernel: Any, device: torch.device) -> RawKernel:
         raise RuntimeError("tileops needs TileLang's Cython execution backend (the kernel has no C entry point)")
     if any(ref_kind != 0 for ref_kind, *_ in dyn.values()):
         raise RuntimeError("a dynamic stride in a tileops kernel: not supported by the launcher")
+    if param_names and len(param_names) != len(adapter.params):
+        raise RuntimeError(f"the kernel has {len(adapter.params)} parameters, its spec names {len(param_names)}")
     argtypes = [(_CTYPES[p.torch_dtype()] if p.is_scalar() else ctypes.c_void_p) for p in adapter.params]
     argtypes += [ctypes.c_int64] * len(dyn) + [ctypes.c_void_p]
     call = lib.call
@@ -70,4 +92,5 @@ def raw_kernel(kernel: Any, device: torch.device) -> RawKernel:
     index = None
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-    return RawKernel(call=call, extent_names=tuple(str(v) for v in dyn), device_index=index, lib=lib)
+    return RawKernel(call=call, extent_names=tuple(str(v) for v in dyn), device_index=index, lib=lib,
+                     param_names=tuple(param_names))

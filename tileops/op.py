@@ -16,6 +16,7 @@ import torch
 
 from . import manifest as _manifest
 from .manifest import ExprError, OpManifest
+from .autograd import run_differentiable
 from .targets import Target, check_target_arg, resolve_target
 
 __all__ = ["Op", "CallSpec", "DTYPES"]
@@ -40,6 +41,11 @@ class CallSpec:
 
     def dim(self, name: str) -> int:
         return dict(self.dims)[name]
+
+    @property
+    def position_dtype(self) -> str | None:
+        """The dtype name of ``position_ids`` when the call passes them, else None."""
+        return dict(self.dtypes).get("position_ids")
 
 
 class Op:
@@ -137,10 +143,11 @@ class Op:
     def _call(self, tensors: Mapping[str, Any]) -> Any:
         """Check ``tensors`` against the signature, then run the serving implementation.
 
-        A (shape, dtype, device) seen before skips the checks: they depend on nothing else.
+        ``tensors`` maps every input name to its tensor, or to None for an optional input not
+        given. A (shape, dtype, device) seen before skips the checks: they depend on nothing else.
         """
         try:
-            key = tuple((t.shape, t.dtype, t.device) for t in tensors.values())
+            key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors.values())
             impl = self._fast.get(key)
         except (AttributeError, TypeError):  # not a tensor: the full check names the argument
             key, impl = None, None
@@ -154,7 +161,7 @@ class Op:
                 if len(self._fast) > 4096:  # many distinct shapes: keep the cache bounded
                     self._fast.clear()
                 self._fast[key] = impl
-        return impl(**tensors)
+        return run_differentiable(self, impl, tensors)
 
     def _check_call(self, tensors: Mapping[str, Any]) -> CallSpec:
         m = self.manifest
@@ -164,16 +171,21 @@ class Op:
         first = None
         for spec in m.inputs:
             t = tensors.get(spec.name)
+            if t is None and spec.optional:
+                continue
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{m.name}: {spec.name}: expected a torch.Tensor, got {type(t).__name__}")
+                none = " or None" if spec.optional else ""
+                raise TypeError(f"{m.name}: {spec.name}: expected a torch.Tensor{none}, got {type(t).__name__}")
             dname = _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
             if dname not in spec.dtypes:
                 raise TypeError(f"{m.name}: {spec.name}: expected dtype {', '.join(spec.dtypes)}, got {dname}")
             dtypes.append((spec.name, dname))
-            shape = spec.shape_for(self.params)
-            if t.dim() != len(shape):
+            shapes = spec.shapes_for(self.params)
+            shape = next((s for s in shapes if len(s) == t.dim()), None)
+            if shape is None:
                 by = f" for {spec.shape_by}={self.params[spec.shape_by]!r}" if spec.shape_by else ""
-                raise ValueError(f"{m.name}: {spec.name}: expected {len(shape)} dims [{', '.join(shape)}]{by}, "
+                want = " or ".join(f"{len(s)} dims [{', '.join(s)}]" for s in shapes)
+                raise ValueError(f"{m.name}: {spec.name}: expected {want}{by}, "
                                  f"got {t.dim()} dims {list(t.shape)}")
             if device is None:
                 device, first = t.device, spec.name
@@ -187,7 +199,7 @@ class Op:
                 dims[dim] = int(size)
         env = {**self.params, **dims}
         for rule in m.rules:
-            if rule.needs_dims:
+            if rule.needs_dims and rule.check.names <= env.keys():
                 self._check_rule(rule, env)
         assert device is not None
         self._check_more(tensors, dims)

@@ -36,6 +36,7 @@ class GeneratedCase:
     case: str
     dtype: str
     column: str
+    backward: bool = False  # the gradient of the manifest's ``backward.wrt`` instead of the output
 
     @property
     def target(self) -> str:
@@ -47,8 +48,9 @@ class GeneratedCase:
 
     @property
     def param_id(self) -> str:
-        """The id within the op: ``neox-2d-2k-bf16-cpu``."""
-        return f"{self.case}-{SHORT.get(self.dtype, self.dtype)}-{COLUMNS[self.column][2]}"
+        """The id within the op: ``neox-2d-2k-bf16-cpu`` (``...-cpu-bwd`` for the backward)."""
+        bwd = "-bwd" if self.backward else ""
+        return f"{self.case}-{SHORT.get(self.dtype, self.dtype)}-{COLUMNS[self.column][2]}{bwd}"
 
     @property
     def id(self) -> str:
@@ -68,13 +70,15 @@ class GeneratedCase:
 
 def generated_cases(registry: Mapping[str, OpManifest],
                     columns: Iterable[str] = tuple(COLUMNS)) -> list[GeneratedCase]:
-    """Every (op, case, dtype, column) of ``registry``, in manifest order; ids are unique."""
+    """Every (op, case, dtype, column) of ``registry``, in manifest order, and the same again for
+    the backward of ops whose manifest declares one; ids are unique."""
     columns = tuple(columns)
     unknown = [c for c in columns if c not in COLUMNS]
     if unknown:
         raise ValueError(f"columns: unknown {', '.join(map(repr, unknown))}; known: {', '.join(COLUMNS)}")
-    out = [GeneratedCase(name, case.label, dtype, col)
-           for name, m in registry.items() for case in m.cases for dtype in case.dtypes for col in columns]
+    out = [GeneratedCase(name, case.label, dtype, col, bwd)
+           for name, m in registry.items() for bwd in ((False, True) if m.backward else (False,))
+           for case in m.cases for dtype in case.dtypes for col in columns]
     seen: set[str] = set()
     for c in out:  # labels are unique per op (the loader checks), so this guards the id format itself
         if c.id in seen:

@@ -58,7 +58,7 @@ def case_dims(m: OpManifest, case: Case, shrink: bool = False) -> dict[str, int]
     params = case_params(m, case)
 
     def elements() -> int:
-        return max(math.prod(dims[d] for d in t.shape_for(params)) for t in m.inputs)
+        return max(math.prod(dims[d] for d in t.shape_for(params)) for t in m.inputs if _passed(t, case))
 
     order = list(m.cpu_shrink.dims)
     while elements() > m.cpu_shrink.max_elements and any(dims.get(d, 1) > 1 for d in order):
@@ -67,12 +67,22 @@ def case_dims(m: OpManifest, case: Case, shrink: bool = False) -> dict[str, int]
     return dims
 
 
+def _passed(t: TensorSpec, case: Case | None, every: bool = False) -> bool:
+    """Whether a workload of ``case`` passes input ``t``: every required one, and the optional ones
+    the case lists under ``with`` (all of them with ``every``)."""
+    return every or not t.optional or (case is not None and t.name in case.with_inputs)
+
+
 def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, int], dtype: str,
-                device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Fresh random inputs: normal floats in ``dtype``, integers uniform over the tensor's ``range``."""
+                device: torch.device | str = "cpu", generator: torch.Generator | None = None,
+                case: Case | None = None, every: bool = False) -> dict[str, torch.Tensor]:
+    """Fresh random inputs: normal floats in ``dtype``, integers uniform over the tensor's ``range``.
+    Optional inputs are made only when ``case`` lists them under ``with``, or all with ``every``."""
     env = dict(params) | dict(dims)
     out: dict[str, torch.Tensor] = {}
     for t in m.inputs:
+        if not _passed(t, case, every):
+            continue
         shape = [dims[d] for d in t.shape_for(params)]
         if t.range is not None:
             low, high = (int(b.evaluate(env)) for b in t.range)
@@ -88,7 +98,7 @@ def workload(m: OpManifest, case: Case, dtype: str, device: torch.device | str =
              generator: torch.Generator | None = None) -> Workload:
     params = case_params(m, case)
     dims = case_dims(m, case, shrink)
-    return Workload(m, case, dtype, params, dims, make_inputs(m, params, dims, dtype, device, generator))
+    return Workload(m, case, dtype, params, dims, make_inputs(m, params, dims, dtype, device, generator, case))
 
 
 def bytes_moved(w: Workload) -> int:

@@ -13,7 +13,7 @@ import yaml
 
 from .expr import ExprError, parse_expr
 from .schema import (
-    DTYPES, PARAM_TYPES, SCHEMA, Case, CpuShrink, KernelSpec, OpManifest, ParamSpec, Rule,
+    DTYPES, PARAM_TYPES, SCHEMA, Backward, Case, CpuShrink, KernelSpec, OpManifest, ParamSpec, Rule,
     TensorSpec,
 )
 
@@ -176,26 +176,41 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
             except ExprError as e:
                 raise ctx.err(n, f"{what}.range: {text!r} does not parse: {e}") from None
         vrange = tuple(bounds)
+    optional = ctx.typed(m["optional"][1], (bool,), f"{what}.optional", "true or false") if "optional" in m else False
+    if optional and section != "inputs":
+        raise ctx.err(m["optional"][0], f"{what}: 'optional' is for inputs")
     snode = m["shape"][1]
     if shape_by is None:
-        shapes = {"": _dims(ctx, snode, f"{what}.shape")}
+        alternatives = {"": _shape_alternatives(ctx, snode, f"{what}.shape")}
     else:
         if shape_by not in params:
             raise ctx.err(m["shape_by"][1], f"{what}.shape_by: unknown param {shape_by!r}")
         sm = ctx.mapping(snode, f"{what}.shape")
-        shapes = {k: _dims(ctx, v, f"{what}.shape.{k}") for k, (_, v) in sm.items()}
+        alternatives = {k: _shape_alternatives(ctx, v, f"{what}.shape.{k}") for k, (_, v) in sm.items()}
         choices = params[shape_by].choices
-        if choices is not None and set(map(str, choices)) != set(shapes):
-            raise ctx.err(snode, f"{what}.shape: keys {sorted(shapes)} must be the choices of {shape_by!r}: "
+        if choices is not None and set(map(str, choices)) != set(alternatives):
+            raise ctx.err(snode, f"{what}.shape: keys {sorted(alternatives)} must be the choices of {shape_by!r}: "
                                  f"{sorted(map(str, choices))}")
+    shapes = {k: v[0] for k, v in alternatives.items()}
     if vrange is not None:
-        dims = {d for dd in shapes.values() for d in dd}
+        dims = {d for alts in alternatives.values() for dd in alts for d in dd}
         for b in vrange:
             unknown = sorted(b.names - set(params) - dims)
             if unknown:
                 raise ctx.err(m["range"][1], f"{what}.range: {b.text!r} names unknown {', '.join(map(repr, unknown))}")
     return TensorSpec(name=name, doc=doc, dtypes=dtypes, shapes=shapes, shape_by=shape_by, range=vrange,
-                      line=line)
+                      line=line, optional=optional, alternatives=alternatives)
+
+
+def _shape_alternatives(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[tuple[str, ...], ...]:
+    """``[d, ...]`` is one shape; ``[[d, ...], [d, ...]]`` alternatives told apart by their rank."""
+    if isinstance(node, yaml.SequenceNode) and node.value and all(isinstance(v, yaml.SequenceNode) for v in node.value):
+        alts = tuple(_dims(ctx, v, what) for v in node.value)
+        ranks = [len(a) for a in alts]
+        if len(set(ranks)) != len(ranks):
+            raise ctx.err(node, f"{what}: alternative shapes must differ in their number of dims, got {ranks}")
+        return alts
+    return (_dims(ctx, node, what),)
 
 
 def _dims(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[str, ...]:
@@ -243,9 +258,16 @@ def _case(ctx: _Ctx, node: yaml.Node, op: dict[str, Any]) -> Case:
     missing = [p.name for p in op["params"].values() if not p.has_default and p.name not in params]
     if missing:
         raise ctx.err(node, f"{what}: required params not given: {', '.join(missing)}")
+    with_inputs = ctx.strings(m["with"][1], f"{what}.with") if "with" in m else ()
+    for w in with_inputs:
+        if w not in op["inputs"] or not op["inputs"][w].optional:
+            optional = [t.name for t in op["inputs"].values() if t.optional]
+            raise ctx.err(m["with"][1], f"{what}.with: {w!r} is not an optional input; optional inputs: "
+                                        f"{', '.join(optional) or 'none'}")
     needed: set[str] = set()
     for t in op["inputs"].values():
-        needed |= set(t.shape_for(full))
+        if not t.optional or t.name in with_inputs:
+            needed |= set(t.shape_for(full))
     dims: dict[str, int] = {}
     for key, (knode, vnode) in ctx.mapping(m["dims"][1], f"{what}.dims").items():
         if key not in op["dims"]:
@@ -271,7 +293,8 @@ def _case(ctx: _Ctx, node: yaml.Node, op: dict[str, Any]) -> Case:
         if not ok:
             raise ctx.err(node, f"{what}: breaks rule {rule.check.text!r} ({rule.message}) "
                                 f"(rule at line {rule.line})")
-    return Case(label=label, dims=dims, params=params, dtypes=dtypes, bench=bench, line=node.start_mark.line + 1)
+    return Case(label=label, dims=dims, params=params, dtypes=dtypes, bench=bench, line=node.start_mark.line + 1,
+                with_inputs=with_inputs)
 
 
 def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterable[str]) -> OpManifest:
@@ -300,6 +323,16 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
         if not isinstance(rnode, yaml.SequenceNode):
             raise ctx.err(rnode, f"rules: expected a list, found {_kind(rnode)}")
         rules = [_rule(ctx, r, params, dims, set(params) | set(inputs)) for r in rnode.value]
+    backward = None
+    if "backward" in m:
+        bm = ctx.section(m["backward"][1], "backward", "backward")
+        wrt = ctx.string(bm["wrt"][1], "backward.wrt")
+        if wrt not in inputs:
+            raise ctx.err(bm["wrt"][1], f"backward.wrt: {wrt!r} is not an input; inputs: {', '.join(inputs)}")
+        if not set(inputs[wrt].dtypes) <= {"float16", "bfloat16", "float32", "float64"}:
+            raise ctx.err(bm["wrt"][1], f"backward.wrt: {wrt!r} is not a floating-point input")
+        backward = Backward(wrt=wrt, doc=ctx.string(bm["doc"][1], "backward.doc"),
+                            line=m["backward"][1].start_mark.line + 1)
     km = ctx.section(m["kernel"][1], "kernel", "kernel")
     builder = ctx.string(km["builder"][1], "kernel.builder")
     builders = tuple(builders)
@@ -341,7 +374,7 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
         references=ctx.strings(m["references"][1], "references") if "references" in m else (),
         params=tuple(params.values()), inputs=tuple(inputs.values()), outputs=tuple(outputs.values()),
         rules=tuple(rules), kernel=kernel, cases=tuple(cases), cpu_shrink=shrink, file=ctx.file,
-        line=key.start_mark.line + 1,
+        line=key.start_mark.line + 1, backward=backward,
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from .expr import Expr
 
 __all__ = [
-    "SCHEMA", "PARAM_TYPES", "DTYPES", "ParamSpec", "TensorSpec", "Rule", "KernelSpec", "Case",
+    "SCHEMA", "PARAM_TYPES", "DTYPES", "ParamSpec", "TensorSpec", "Rule", "KernelSpec", "Case", "Backward",
     "CpuShrink", "OpManifest",
 ]
 
@@ -40,6 +40,8 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "inputs": (True, "map[name -> tensor]", "Tensors `forward` takes, in call order."),
         "outputs": (True, "map[name -> tensor]", "Tensors `forward` returns."),
         "rules": (False, "list[rule]", "Constraints between params and dims, in the rule language."),
+        "backward": (False, "backward", "The op's gradient: which input it is differentiable in, computed by "
+                                        "a kernel of the same builder."),
         "kernel": (True, "kernel", "The kernel builder in `kernels/` that serves the op."),
         "cpu_shrink": (False, "cpu_shrink", "How cases are scaled down when tests run on the CPU."),
         "cases": (True, "list[case]", "Labelled workloads used by tests, benchmarks and `tileops demo`."),
@@ -52,11 +54,17 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "doc": (True, "str", "What the param means, for the API reference."),
         "keyword_only": (False, "bool", "Whether the param comes after `*` in the signature."),
     },
+    "backward": {
+        "wrt": (True, "str", "The input the op is differentiable in; its gradient is the backward's output."),
+        "doc": (True, "str", "What the backward computes, for the API reference."),
+    },
     "tensor": {
         "doc": (True, "str", "What the tensor holds."),
+        "optional": (False, "bool", "For inputs: may be omitted (None), a keyword-only argument of `forward`."),
         "dtypes": (False, "list[str]", f"Allowed dtypes, among {', '.join(DTYPES)}."),
         "shape": (False, "list[dim] | map[layout -> list[dim]]",
-                  "Shape over named dims; a map keyed by the value of the `shape_by` param."),
+                  "Shape over named dims; a map keyed by the value of the `shape_by` param. A list of lists "
+                  "gives alternatives told apart by their number of dims; workloads use the first."),
         "shape_by": (False, "str", "The param whose value picks the shape from `shape`."),
         "like": (False, "str", "For outputs: same shape and dtype as this input."),
         "range": (False, "list[expr, expr]",
@@ -84,6 +92,7 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "dims": (True, "map[dim -> int]", "The size of every dim the inputs use."),
         "dtypes": (False, "list[str]", "Dtypes the case runs in (default: all allowed)."),
         "bench": (False, "bool", "Whether the benchmark runner times it (default true)."),
+        "with": (False, "list[str]", "Optional inputs the case passes (default none)."),
     },
 }
 
@@ -111,15 +120,24 @@ class TensorSpec:
     like: str | None = None
     range: tuple | None = None  # (low Expr, high Expr) for integer inputs
     line: int = 0
+    optional: bool = False
+    #: every accepted shape per key of ``shapes`` (whose value is the first of them)
+    alternatives: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
 
     def shape_for(self, params: Mapping[str, Any]) -> tuple[str, ...]:
-        """The dims of this tensor for the given param values."""
+        """The dims of this tensor for the given param values (the first alternative)."""
         key = "" if self.shape_by is None else str(params[self.shape_by])
         return self.shapes[key]
 
+    def shapes_for(self, params: Mapping[str, Any]) -> tuple[tuple[str, ...], ...]:
+        """Every accepted shape for the given param values; they differ in their number of dims."""
+        key = "" if self.shape_by is None else str(params[self.shape_by])
+        return self.alternatives.get(key) or (self.shapes[key],)
+
     @property
     def all_dims(self) -> frozenset[str]:
-        return frozenset(d for dims in self.shapes.values() for d in dims)
+        alts = self.alternatives.values() or [(v,) for v in self.shapes.values()]
+        return frozenset(d for shapes in alts for dims in shapes for d in dims)
 
 
 @dataclass(frozen=True)
@@ -129,6 +147,13 @@ class Rule:
     message: str
     line: int = 0
     needs_dims: bool = False  # false: checked at construction; true: at the first call of a shape
+
+
+@dataclass(frozen=True)
+class Backward:
+    wrt: str
+    doc: str
+    line: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +172,7 @@ class Case:
     dtypes: tuple[str, ...] = ()
     bench: bool = True
     line: int = 0
+    with_inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,6 +197,7 @@ class OpManifest:
     cpu_shrink: CpuShrink | None = None
     file: str = ""
     line: int = 0
+    backward: Backward | None = None
 
     def param(self, name: str) -> ParamSpec:
         for p in self.params:

@@ -9,7 +9,10 @@ import torch
 from ..op import Op
 from ..targets import Target
 from . import freqs
-from .tables import RopeTables
+from .tables import DIGITS, LO, RopeTables
+
+#: positions the digit tables cover: [0, 2^24)
+MAX_POSITION = LO**DIGITS
 
 __all__ = ["RoPEFwdOp", "RoPENeoxPositionIdsFwdOp", "RoPELlama31FwdOp", "YaRNFwdOp", "LongRoPEFwdOp"]
 
@@ -32,14 +35,37 @@ class _RoPEBase(Op):
         """float64 inverse frequencies ``(rot // 2,)`` and the amplitude applied to cos and sin."""
         return freqs.base_inv_freq(self.params["base"], rot), 1.0
 
-    def _tables(self, rot: int, lo: int) -> RopeTables:
+    def table_choices(self, rot: int) -> list[tuple[torch.Tensor, float]]:
+        """The frequency sets a call may pick from (:meth:`choose_table`); most ops have one."""
+        return [self.frequencies(rot)]
+
+    def choose_table(self, position_ids: torch.Tensor | None, seq_len: int) -> "int | torch.Tensor":
+        """Which of :meth:`table_choices` a call uses: an int, or a 0-dim int64 tensor on the
+        device when the choice depends on position values (never read on the host)."""
+        return 0
+
+    def position_limit(self) -> int:
+        """Positions must lie in ``[0, position_limit())``: 2^24, what the digit tables cover."""
+        return MAX_POSITION
+
+    def _tables(self, rot: int) -> list[RopeTables]:
         # kept on the op (not in a class-level cache), so tables go when the op goes
         cache = self.__dict__.setdefault("_table_cache", {})
-        t = cache.get((rot, lo))
+        t = cache.get(rot)
         if t is None:
-            inv_freq, amplitude = self.frequencies(rot)
-            t = cache[(rot, lo)] = RopeTables(inv_freq, amplitude, lo)
+            t = cache[rot] = [RopeTables(inv, amp) for inv, amp in self.table_choices(rot)]
         return t
+
+    def _raise_bad_position(self, position_ids: torch.Tensor) -> None:
+        """Raise the ValueError naming the first position outside ``[0, position_limit())``."""
+        limit = self.position_limit()
+        bad = ((position_ids < 0) | (position_ids >= limit)).nonzero()
+        if bad.shape[0] == 0:  # pragma: no cover - called only when the kernel flagged one
+            raise RuntimeError(f"{self.name}: position_ids: a position was flagged out of range but none is")
+        idx = tuple(int(i) for i in bad[0])
+        bound = "max_position" if "max_position" in self.params else "2^24"
+        raise ValueError(f"{self.name}: position_ids: expected every value in [0, {bound}={limit}), "
+                         f"got position_ids[{', '.join(map(str, idx))}] = {int(position_ids[idx])}")
 
 
 class RoPEFwdOp(_RoPEBase):
@@ -82,13 +108,21 @@ class RoPEFwdOp(_RoPEBase):
         self._setup({"rope_layout": rope_layout, "input_layout": input_layout, "base": base}, target)
         self.pairing = self.params["rope_layout"]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate ``x``; runs on ``op(x)``. Shapes and dtype are taken from the first call.
+
+        Gradients: the output is differentiable in ``x`` (it carries a ``grad_fn`` when ``x``
+        requires grad); the backward is the inverse rotation times the amplitude, one kernel launch
+        from the same builder. A gradient of that gradient (double backward) raises.
 
         Args:
             x (torch.Tensor): ``[seq_len, head_dim]`` (``input_layout="1d"``) or
                 ``[batch, seq_len, num_heads, head_dim]`` (``"2d"``); float16, bfloat16 or
                 float32; ``head_dim`` even. Not modified.
+            position_ids (torch.Tensor | None): Keyword-only. The position of each row: ``[seq_len]``
+                (1d, or 2d shared by the batch) or ``[batch, seq_len]`` (2d); int32 or int64 on the
+                device of ``x``, each in ``[0, 2^24)``. None (default) means ``0 .. seq_len - 1``.
+                With a KV cache, chunked prefill or left padding, pass the real positions.
 
         Returns:
             torch.Tensor: A new tensor shaped and typed like ``x``.
@@ -96,8 +130,9 @@ class RoPEFwdOp(_RoPEBase):
         Raises:
             TypeError: ``x`` is not a tensor, or its dtype is not float16, bfloat16 or float32.
             ValueError: ``x`` has the wrong number of dims for ``input_layout``, or an odd ``head_dim``.
+                A position outside ``[0, 2^24)`` raises ValueError naming its index and value.
         """
-        return self._call({"x": x})
+        return self._call({"x": x, "position_ids": position_ids})
 
 
 class RoPENeoxPositionIdsFwdOp(_RoPEBase):
@@ -169,12 +204,8 @@ class RoPENeoxPositionIdsFwdOp(_RoPEBase):
         """
         return self._call({"x": x, "position_ids": position_ids})
 
-    def _raise_bad_position(self, position_ids: torch.Tensor) -> None:
-        mp = self.params["max_position"]
-        bad = ((position_ids < 0) | (position_ids >= mp)).nonzero()
-        i = int(bad[0, 0])
-        raise ValueError(f"{self.name}: position_ids: expected every value in [0, max_position={mp}), "
-                         f"got position_ids[{i}] = {int(position_ids[i])}")
+    def position_limit(self) -> int:
+        return self.params["max_position"]
 
 
 class RoPELlama31FwdOp(_RoPEBase):
@@ -221,13 +252,21 @@ class RoPELlama31FwdOp(_RoPEBase):
         return freqs.llama31_inv_freq(p["base"], rot, p["scale_factor"], p["low_freq_factor"],
                                       p["high_freq_factor"], p["original_max_position"]), 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate ``x``; runs on ``op(x)``. Shapes and dtype are taken from the first call.
+
+        Gradients: the output is differentiable in ``x`` (it carries a ``grad_fn`` when ``x``
+        requires grad); the backward is the inverse rotation times the amplitude, one kernel launch
+        from the same builder. A gradient of that gradient (double backward) raises.
 
         Args:
             x (torch.Tensor): ``[seq_len, head_dim]`` (``"1d"``) or
                 ``[batch, seq_len, num_heads, head_dim]`` (``"2d"``); float16, bfloat16 or float32;
                 ``head_dim`` even. Not modified.
+            position_ids (torch.Tensor | None): Keyword-only. The position of each row: ``[seq_len]``
+                (1d, or 2d shared by the batch) or ``[batch, seq_len]`` (2d); int32 or int64 on the
+                device of ``x``, each in ``[0, 2^24)``. None (default) means ``0 .. seq_len - 1``.
+                With a KV cache, chunked prefill or left padding, pass the real positions.
 
         Returns:
             torch.Tensor: A new tensor shaped and typed like ``x``.
@@ -235,8 +274,9 @@ class RoPELlama31FwdOp(_RoPEBase):
         Raises:
             TypeError: ``x`` is not a tensor, or has a dtype outside those listed.
             ValueError: Wrong number of dims for ``input_layout``, or an odd ``head_dim``.
+                A position outside ``[0, 2^24)`` raises ValueError naming its index and value.
         """
-        return self._call({"x": x})
+        return self._call({"x": x, "position_ids": position_ids})
 
 
 class YaRNFwdOp(_RoPEBase):
@@ -284,13 +324,21 @@ class YaRNFwdOp(_RoPEBase):
                                   p["beta_slow"])
         return inv, freqs.yarn_amplitude(p["scale"], p["attn_factor"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate and scale ``x``; runs on ``op(x)``. Shapes and dtype are taken from the first call.
+
+        Gradients: the output is differentiable in ``x`` (it carries a ``grad_fn`` when ``x``
+        requires grad); the backward is the inverse rotation times the amplitude, one kernel launch
+        from the same builder. A gradient of that gradient (double backward) raises.
 
         Args:
             x (torch.Tensor): ``[seq_len, head_dim]`` (``"1d"``) or
                 ``[batch, seq_len, num_heads, head_dim]`` (``"2d"``); float16, bfloat16 or float32;
                 ``head_dim`` even. Not modified.
+            position_ids (torch.Tensor | None): Keyword-only. The position of each row: ``[seq_len]``
+                (1d, or 2d shared by the batch) or ``[batch, seq_len]`` (2d); int32 or int64 on the
+                device of ``x``, each in ``[0, 2^24)``. None (default) means ``0 .. seq_len - 1``.
+                With a KV cache, chunked prefill or left padding, pass the real positions.
 
         Returns:
             torch.Tensor: A new tensor shaped and typed like ``x``.
@@ -298,8 +346,9 @@ class YaRNFwdOp(_RoPEBase):
         Raises:
             TypeError: ``x`` is not a tensor, or has a dtype outside those listed.
             ValueError: Wrong number of dims for ``input_layout``, or an odd ``head_dim``.
+                A position outside ``[0, 2^24)`` raises ValueError naming its index and value.
         """
-        return self._call({"x": x})
+        return self._call({"x": x, "position_ids": position_ids})
 
 
 class LongRoPEFwdOp(_RoPEBase):
@@ -363,13 +412,21 @@ class LongRoPEFwdOp(_RoPEBase):
         return (freqs.longrope_inv_freq(p["base"], rot, p["rescale_factors"]),
                 freqs.longrope_amplitude(p["max_position_embeddings"], p["original_max_position_embeddings"]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate and scale ``x``; runs on ``op(x)``. Shapes and dtype are taken from the first call.
+
+        Gradients: the output is differentiable in ``x`` (it carries a ``grad_fn`` when ``x``
+        requires grad); the backward is the inverse rotation times the amplitude, one kernel launch
+        from the same builder. A gradient of that gradient (double backward) raises.
 
         Args:
             x (torch.Tensor): ``[seq_len, head_dim]`` (``"1d"``) or
                 ``[batch, seq_len, num_heads, head_dim]`` (``"2d"``); float16, bfloat16 or float32;
                 ``head_dim`` even and equal to ``2 * len(rescale_factors)`` when given. Not modified.
+            position_ids (torch.Tensor | None): Keyword-only. The position of each row: ``[seq_len]``
+                (1d, or 2d shared by the batch) or ``[batch, seq_len]`` (2d); int32 or int64 on the
+                device of ``x``, each in ``[0, 2^24)``. None (default) means ``0 .. seq_len - 1``.
+                With a KV cache, chunked prefill or left padding, pass the real positions.
 
         Returns:
             torch.Tensor: A new tensor shaped and typed like ``x``.
@@ -378,7 +435,8 @@ class LongRoPEFwdOp(_RoPEBase):
             TypeError: ``x`` is not a tensor, or has a dtype outside those listed.
             ValueError: Wrong number of dims for ``input_layout``, an odd ``head_dim``, or a
                 ``rescale_factors`` length other than ``head_dim // 2``.
+                A position outside ``[0, 2^24)`` raises ValueError naming its index and value.
         """
-        return self._call({"x": x})
+        return self._call({"x": x, "position_ids": position_ids})
 
 

@@ -1,9 +1,13 @@
-"""The two small cos/sin tables a RoPE kernel composes by angle addition.
+"""The fixed-size cos/sin digit tables a RoPE kernel composes by angle addition.
 
-Position ``p = hi * LO + lo``. ``TH[hi] = (cos, sin)(hi * LO * f)`` and
-``TL[lo] = A * (cos, sin)(lo * f)`` are evaluated in float64 and rounded once to fp32, so that
-``cos(p f) = ch cl - sh sl`` in fp32 stays within a few ulps at any position: an fp32 angle would
-be off by ``p * 2^-24`` rad (0.06 rad at p = 1e6). The amplitude ``A`` rides in the low table.
+A position ``p < 2^24`` is ``d2 * 2^16 + d1 * 2^8 + d0``. For each digit ``k`` there is one table of
+256 rows, ``TD[k, d] = (cos, sin)(d * 256^k * f)``, evaluated in float64 and rounded once to fp32,
+with the amplitude ``A`` folded into ``TD[0]``. The kernel composes the three by angle addition, so
+fp32 results stay within a few ulps at any position: an fp32 angle would be off by ``p * 2^-24``
+rad (0.06 rad at p = 1e6).
+
+The tables do not depend on the positions a call passes: built once per device (0.4 MB for a
+rotated width of 128), they are never grown, reallocated or copied at call time.
 """
 
 from __future__ import annotations
@@ -12,44 +16,41 @@ import threading
 
 import torch
 
-__all__ = ["RopeTables"]
+__all__ = ["RopeTables", "digit_tables"]
+
+#: rows per digit table and the number of digits: positions below 256^3 = 2^24
+LO = 256
+DIGITS = 3
 
 
-def _cos_sin(angle: torch.Tensor, amplitude: float = 1.0) -> torch.Tensor:
-    return (torch.stack([angle.cos(), angle.sin()], dim=1) * amplitude).to(torch.float32).contiguous()
+def digit_tables(inv_freq: torch.Tensor, amplitude: float) -> torch.Tensor:
+    """``[DIGITS, LO, 2, R/2]`` fp32 on the CPU: ``(cos, sin)(d * LO^k * f)``, amplitude in digit 0."""
+    inv = inv_freq.to(device="cpu", dtype=torch.float64)
+    d = torch.arange(LO, dtype=torch.float64)
+    out = []
+    for k in range(DIGITS):
+        angle = (d * float(LO**k))[:, None] * inv
+        a = float(amplitude) if k == 0 else 1.0
+        out.append(torch.stack([angle.cos() * a, angle.sin() * a], dim=1))
+    return torch.stack(out).to(torch.float32).contiguous()
 
 
 class RopeTables:
-    """Tables for one frequency vector, per device, grown (doubling) as longer positions come."""
+    """The digit tables of one frequency vector, one copy per device, built at first use."""
 
-    def __init__(self, inv_freq: torch.Tensor, amplitude: float, lo: int):
-        self.lo = lo  # the kernel's split, ``kernels.rope.LO``
+    def __init__(self, inv_freq: torch.Tensor, amplitude: float):
         self.inv_freq = inv_freq.to(torch.float64).cpu()
         self.amplitude = float(amplitude)
-        self._low: dict[torch.device, torch.Tensor] = {}
-        self._high: dict[torch.device, torch.Tensor] = {}
+        self._host = digit_tables(self.inv_freq, self.amplitude)
+        self._on: dict[torch.device, torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def low(self, device: torch.device) -> torch.Tensor:
-        """``[lo, 2, R/2]`` fp32: amplitude * (cos, sin) of ``lo * f``."""
-        t = self._low.get(device)
+    def on(self, device: torch.device) -> torch.Tensor:
+        """``[DIGITS, LO, 2, R/2]`` fp32 on ``device``."""
+        t = self._on.get(device)
         if t is None:
             with self._lock:
-                t = self._low.get(device)
+                t = self._on.get(device)
                 if t is None:
-                    angle = torch.arange(self.lo, dtype=torch.float64)[:, None] * self.inv_freq
-                    t = self._low[device] = _cos_sin(angle, self.amplitude).to(device)
-        return t
-
-    def high(self, device: torch.device, positions: int) -> torch.Tensor:
-        """``[NH, 2, R/2]`` fp32 covering positions ``0 .. positions - 1`` (NH >= ceil(positions / LO))."""
-        rows = max(1, -(-positions // self.lo))
-        t = self._high.get(device)
-        if t is None or t.shape[0] < rows:
-            with self._lock:
-                t = self._high.get(device)
-                if t is None or t.shape[0] < rows:
-                    cap = 1 << (rows - 1).bit_length()  # grow by doubling: few rebuilds over a run
-                    angle = (torch.arange(cap, dtype=torch.float64) * self.lo)[:, None] * self.inv_freq
-                    t = self._high[device] = _cos_sin(angle).to(device)
+                    t = self._on[device] = self._host.to(device)
         return t

@@ -1,7 +1,8 @@
 """The ``"torch"`` target's RoPE: plain PyTorch on any device.
 
 fp32 arithmetic on cos/sin evaluated from float64 angles and rounded once, like the BUILTIN
-kernels; no TileLang. Useful as a portable fallback and to compare targets.
+kernels; no TileLang. Useful as a portable fallback and to compare targets. Ordinary PyTorch ops,
+so autograd differentiates it as it is.
 """
 
 from __future__ import annotations
@@ -15,46 +16,44 @@ __all__ = ["implement"]
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int, pairing: str) -> torch.Tensor:
     xf = x.float()
-    out = xf.clone()
     if pairing == "neox":
         a, b = xf[..., : rot // 2], xf[..., rot // 2 : rot]
-        out[..., : rot // 2] = a * cos - b * sin
-        out[..., rot // 2 : rot] = b * cos + a * sin
+        parts = [a * cos - b * sin, b * cos + a * sin]
     else:
         a, b = xf[..., 0:rot:2], xf[..., 1:rot:2]
-        out[..., 0:rot:2] = a * cos - b * sin
-        out[..., 1:rot:2] = b * cos + a * sin
-    return out.to(x.dtype)
+        parts = [torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)]
+    return torch.cat([*parts, xf[..., rot:]], dim=-1).to(x.dtype)
 
 
 def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
     rot = op.rotated_width(spec.dim("head_dim"))
-    inv_freq, amplitude = op.frequencies(rot)
-    inv_freq = inv_freq.to(spec.device) if spec.device.type != "mps" else inv_freq
+    choices = [(inv.to(torch.float64), float(amp)) for inv, amp in op.table_choices(rot)]
+    limit = op.position_limit()
+    host = spec.device.type == "mps"  # no float64 there: evaluate the angles on the host
 
-    def cos_sin(pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angle = pos.to(device=inv_freq.device, dtype=torch.float64)[:, None] * inv_freq
-        c = (angle.cos() * amplitude).float().to(spec.device)
-        s = (angle.sin() * amplitude).float().to(spec.device)
-        return c, s
+    def cos_sin(pos: torch.Tensor, choice: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        dev = torch.device("cpu") if host else spec.device
+        out = []
+        for inv, amp in choices:
+            angle = pos.to(device=dev, dtype=torch.float64)[..., None] * inv.to(dev)
+            out.append(torch.stack([angle.cos() * amp, angle.sin() * amp]))
+        cs = out[0] if len(out) == 1 else torch.stack(out)[torch.as_tensor(choice, device=dev)]
+        cs = cs.float().to(spec.device)
+        return cs[0], cs[1]
 
-    if op.layout == "ids":
-        max_position = op.params["max_position"]
-
-        def run_ids(x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-            bad = (position_ids < 0) | (position_ids >= max_position)
+    def run(x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if op.layout == "ids" or position_ids is not None:
+            bad = (position_ids < 0) | (position_ids >= limit)
             if bool(bad.any()):
                 op._raise_bad_position(position_ids)
-            c, s = cos_sin(position_ids)
-            return _rotate(x, c[:, None, :], s[:, None, :], rot, op.pairing)
-
-        return run_ids
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        seq = x.shape[0] if op.layout == "1d" else x.shape[1]
-        c, s = cos_sin(torch.arange(seq))
-        if op.layout == "2d":
-            c, s = c[None, :, None, :], s[None, :, None, :]
+            pos = position_ids
+        else:
+            pos = torch.arange(x.shape[1] if op.layout == "2d" else x.shape[0], device=x.device)
+        c, s = cos_sin(pos, op.choose_table(position_ids, pos.shape[-1]))
+        if op.layout == "ids":
+            c, s = c[:, None, :], s[:, None, :]  # [tokens, 1, R/2] against [tokens, heads, D]
+        elif op.layout == "2d":
+            c, s = c[..., None, :], s[..., None, :]  # [(batch,) seq, 1, R/2]
         return _rotate(x, c, s, rot, op.pairing)
 
     return run
