@@ -314,9 +314,12 @@ def invalid_specs(draw, kind: str):
         allowed = {DTYPES[d] for d in t.dtypes}
         return spec, {"dtype": (t.name, draw(st.sampled_from([d for d in _OTHER_DTYPES if d not in allowed])))}, TypeError, t.name
     if kind == "input-rank":
-        return spec, {"rank": (t.name, draw(st.sampled_from([-1, 1, 2])))}, ValueError, t.name
+        rank = len(t.shape_for(params))
+        ok = {len(a) for a in t.shapes_for(params)}  # alternative shapes are not mistakes
+        delta = draw(st.sampled_from([d for d in (-1, 1, 2) if rank + d not in ok]))
+        return spec, {"rank": (t.name, delta)}, ValueError, t.name
     if kind == "input-type":
-        bad = draw(st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=3), st.tuples(st.integers()),
+        bad = draw(st.one_of(st.none().filter(lambda _: not t.optional), st.integers(), st.floats(), st.text(max_size=3), st.tuples(st.integers()),
                              st.lists(st.floats(), max_size=3), st.just(spec.inputs()[t.name].tolist()),
                              st.just(spec.inputs()[t.name].float().numpy())))  # numpy has no bf16
         return spec, {"value": (t.name, bad)}, TypeError, t.name
@@ -325,9 +328,10 @@ def invalid_specs(draw, kind: str):
         low, high = (int(b.evaluate(params | spec.dims)) for b in t.range)
         info = torch.iinfo(DTYPES[spec.dtype_of(t)])
         bad = draw(st.one_of(st.integers(info.min, low - 1), st.integers(high, max(high, info.max))))
-        n = math.prod(spec.dims[d] for d in t.shape_for(params))
-        i = draw(st.integers(0, n - 1))
-        return spec, {"position": (t.name, i, bad)}, ValueError, f"{t.name}[{i}]"
+        shape = [spec.dims[d] for d in t.shape_for(params)]
+        i = draw(st.integers(0, math.prod(shape) - 1))
+        index = ", ".join(str(int(j)) for j in torch.unravel_index(torch.tensor(i), shape))
+        return spec, {"position": (t.name, i, bad)}, ValueError, f"{t.name}[{index}]"
     # dim-rule: a head_dim that breaks a rule about dims (odd, or above the limit)
     hd = draw(st.one_of(st.integers(1, 1100), st.integers(1025, 4096)))
     rules = _violated(m, params | spec.dims | {"head_dim": hd})
@@ -360,7 +364,8 @@ def check_invalid(case):
         inputs[change["value"][0]] = change["value"][1]
     if "position" in change:
         arg, i, bad = change["position"]
-        inputs[arg].view(-1)[i] = bad  # the only value out of range: the error must name index i
+        t = inputs[arg]  # the only value out of range: the error must name its index
+        t[tuple(int(j) for j in torch.unravel_index(torch.tensor(i), t.shape))] = bad
     with pytest.raises((TypeError, ValueError)) as info:
         op = op_class(spec.op)(**params, target=change.get("target", "builtin"))
         op(**inputs)

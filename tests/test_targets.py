@@ -94,4 +94,4 @@ def test_register_twice_needs_replace():
 def test_public_api():
     assert tileops.BUILTIN == "builtin"
     assert set(tileops.ops()) == {"RoPEFwdOp", "RoPENeoxPositionIdsFwdOp", "RoPELlama31FwdOp", "YaRNFwdOp",
-                                  "LongRoPEFwdOp"}
+                                  "LongRoPEFwdOp", "RoPELinearFwdOp", "Phi3LongRoPEFwdOp"}

@@ -99,7 +99,8 @@ def _op_and_call(name: str, label: str | None, device: str = "cpu"):
     params = case_params(m, case)
     op = op_class(name)(**params)
     dims = case_dims(m, case)
-    dtypes = [(t.name, index_dtype(t) if t.range is not None else case.dtypes[0]) for t in m.inputs]
+    dtypes = [(t.name, index_dtype(t) if t.range is not None else case.dtypes[0]) for t in m.inputs
+              if not t.optional or t.name in case.with_inputs]
     return m, case, op, CallSpec(torch.device(device), tuple(dtypes), tuple(sorted(dims.items())))
 
 
@@ -117,6 +118,34 @@ def cmd_emit(args: argparse.Namespace) -> int:
     print(f"// {m.name} case {case.label}, {args.arch}: {spec}")
     print(emit_source(m.kernel.builder, spec, backend, args.arch))
     return 0
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    import torch
+
+    from .warmup import warmup
+
+    arch = args.arch
+    if arch is None:
+        arch = "c"
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            arch = f"sm_{major}{minor}"
+    if arch != "c" and not (arch.startswith("sm_") and arch[3:].isdigit()):
+        print(f"tileops warmup: --arch: expected sm_XX or c, got {arch!r}", file=sys.stderr)
+        return 2
+    if args.jobs is not None and args.jobs < 1:
+        print(f"tileops warmup: --jobs: expected a positive number, got {args.jobs}", file=sys.stderr)
+        return 2
+    try:
+        n, seconds, failures = warmup(args.ops or None, arch, args.jobs)
+    except KeyError as e:
+        print(f"tileops warmup: {e.args[0]}", file=sys.stderr)
+        return 2
+    for spec, err in failures:
+        print(f"tileops warmup: {spec}: {err}", file=sys.stderr)
+    print(f"{n - len(failures)} of {n} kernels for {arch} in the cache ({seconds:.1f} s)")
+    return 1 if failures else 0
 
 
 def _time(fn: Any, sync: Any, reps: int) -> float:
@@ -198,6 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--arch", default="sm_90", choices=["sm_90", "sm_80", "c"],
                    help="CUDA C for an sm arch, or C for the CPU (default sm_90)")
     p.set_defaults(fn=cmd_emit)
+    p = sub.add_parser("warmup", help="compile the kernels of every case (or of the ops named) ahead of time")
+    p.add_argument("ops", nargs="*", help="op names (default: all)")
+    p.add_argument("--arch", default=None, help="sm_XX, or c for the CPU (default: this machine's GPU, else c)")
+    p.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")
+    p.set_defaults(fn=cmd_warmup)
     p = sub.add_parser("demo", help="run every op's first case against a float64 reference")
     p.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
     p.set_defaults(fn=cmd_demo)

@@ -29,19 +29,23 @@ class ExampleTarget(Target):
     def implement(self, op: Any, spec: Any) -> Callable[..., torch.Tensor]:
         """The function serving one specialization of ``op``: its device, dtypes and dims.
 
-        The op caches what this returns and calls it with the op's inputs as keywords: ``x`` (and
-        ``position_ids`` for the position-ids op), already checked against the op's manifest.
+        The op caches what this returns and calls it with the op's inputs as keywords: ``x`` and
+        ``position_ids`` (None when the caller gave none, except for the position-ids op), already
+        checked against the op's manifest. The output must be differentiable in ``x`` when it
+        requires grad: plain PyTorch ops are, and the op refuses an output without a ``grad_fn``.
         """
         rot = op.rotated_width(spec.dim("head_dim"))  # the columns that rotate
-        inv_freq, amplitude = op.frequencies(rot)  # float64 [rot // 2]; the factor on cos and sin
-        inv_freq = inv_freq.to(spec.device)
+        # float64 [rot // 2] inverse frequencies and the factor on cos and sin; most ops have one
+        # such set, Phi3LongRoPEFwdOp two, of which choose_table picks one per call
+        choices = op.table_choices(rot)
         half = rot // 2
 
         def rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            angle = positions.to(torch.float64)[:, None] * inv_freq  # [rows, rot // 2]
+            inv_freq, amplitude = choices[int(op.choose_table(positions, positions.shape[-1]))]
+            angle = positions.to(torch.float64)[..., None] * inv_freq.to(x.device)  # [(batch,) rows, rot // 2]
             cos, sin = (angle.cos() * amplitude).float(), (angle.sin() * amplitude).float()
-            if op.layout == "2d":  # x: [batch, seq_len, num_heads, head_dim]
-                cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+            if op.layout == "2d":  # x: [batch, seq_len, num_heads, head_dim]; positions [seq] or [batch, seq]
+                cos, sin = cos[..., None, :], sin[..., None, :]
             elif op.layout == "ids":  # x: [tokens, heads, head_dim]
                 cos, sin = cos[:, None, :], sin[:, None, :]
             xf = x.float()
@@ -65,8 +69,13 @@ class ExampleTarget(Target):
             return run_ids
 
         seq_axis = 0 if op.layout == "1d" else 1
+        limit = op.position_limit()
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return rotate(x, torch.arange(x.shape[seq_axis], device=x.device))
+        def run(x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+            if position_ids is None:
+                return rotate(x, torch.arange(x.shape[seq_axis], device=x.device))
+            if bool(((position_ids < 0) | (position_ids >= limit)).any()):
+                op._raise_bad_position(position_ids)
+            return rotate(x, position_ids)
 
         return run

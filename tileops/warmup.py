@@ -1,0 +1,87 @@
+"""Ahead-of-time compilation: build the kernels a server (or a test run) will need, before any data.
+
+``tileops warmup`` compiles, for every manifest case and dtype it lists (or only the ops named),
+the forward kernel and, where the manifest declares a backward, the backward kernel, for one device
+arch; several compiles run at once in separate processes (nvcc is single-threaded), and each lands
+in the on-disk kernel cache, from which a later process's first call loads it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import os
+import time
+from typing import Any, Iterable
+
+__all__ = ["kernel_jobs", "warmup"]
+
+
+def kernel_jobs(names: Iterable[str] | None, arch: str) -> list[tuple[str, Any, str, str]]:
+    """``(builder, spec, backend, arch)`` for every case x dtype (x direction) of the ops ``names``
+    (all when None), without duplicates, in manifest order."""
+    import torch
+
+    from .manifest import registry
+    from .op import CallSpec
+    from .workloads import case_dims, case_params, index_dtype, op_class
+
+    backend = "c" if arch == "c" else "cuda"
+    device = torch.device("cpu" if backend == "c" else "cuda")
+    reg = registry()
+    unknown = sorted(set(names or ()) - set(reg))
+    if unknown:
+        raise KeyError(f"unknown op {unknown[0]!r}; known: {', '.join(reg)}")
+    jobs: dict[Any, tuple[str, Any, str, str]] = {}
+    for name, m in reg.items():
+        if names and name not in names:
+            continue
+        family = importlib.import_module(f"tileops.{m.family}.builtin")
+        for case in m.cases:
+            params = case_params(m, case)
+            op = op_class(name)(**params)
+            dims = case_dims(m, case)
+            static = tuple(sorted((d, dims[d]) for d in m.kernel.specialize))
+            for dtype in case.dtypes:
+                dtypes = tuple((t.name, index_dtype(t) if t.range is not None else dtype) for t in m.inputs
+                               if not t.optional or t.name in case.with_inputs)
+                call = CallSpec(device, dtypes, static)
+                for inverse in (False, True) if m.backward else (False,):
+                    spec = family.kernel_spec(op, call, backend, inverse=inverse)
+                    jobs.setdefault((m.kernel.builder, spec), (m.kernel.builder, spec, backend, arch))
+    return list(jobs.values())
+
+
+def _compile(job: tuple[str, Any, str, str]) -> str | None:
+    """Compile one kernel; None, or the first line of what went wrong."""
+    import logging
+
+    from .generate import compile_kernel
+
+    logging.getLogger("tilelang").setLevel(logging.ERROR)  # a worker's chatter helps nobody
+    try:
+        compile_kernel(*job)
+    except Exception as e:  # noqa: BLE001 - reported per kernel by warmup()
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return None
+
+
+def warmup(names: Iterable[str] | None = None, arch: str = "sm_90",
+           jobs: int | None = None) -> tuple[int, float, list[tuple[Any, str]]]:
+    """Compile every kernel of :func:`kernel_jobs` into the disk cache.
+
+    Returns ``(kernels, seconds, failures)``, ``failures`` a list of ``(spec, error line)``.
+    """
+    import multiprocessing
+
+    todo = kernel_jobs(names, arch)
+    t0 = time.perf_counter()
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+    if workers == 1:
+        errors = [_compile(job) for job in todo]
+    else:
+        # fresh interpreters: no CUDA context or TileLang state is inherited
+        with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            errors = list(pool.map(_compile, todo))
+    failures = [(job[1], err) for job, err in zip(todo, errors) if err]
+    return len(todo), time.perf_counter() - t0, failures
