@@ -123,11 +123,45 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
             row["host_us"] = host_time_us(lambda: op(**w.inputs))
             row["end_to_end_us"] = end_to_end_us(lambda: op(**w.inputs))
         rows.append(row)
+        if m.backward is not None:
+            rows.append(_backward_row(m, case, dtype, op, sets, base_fn, bargs, nbytes, ceiling, n))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
     return {"meta": _meta(ceiling), "rows": rows}
+
+
+def _grad_timer(fn: Callable[..., torch.Tensor], arg_sets: list[tuple], n: int) -> tuple[float, float, float]:
+    """GPU time of the backward alone: one graph per input set is built once, then
+    ``autograd.grad(..., retain_graph=True)`` replays only the backward (argument 0 is x)."""
+    graphs = []
+    for args in arg_sets:
+        x = args[0].detach().requires_grad_(True)
+        out = fn(x, *args[1:])
+        graphs.append((out, x, torch.randn_like(out)))
+    return gpu_time(lambda i: torch.autograd.grad(graphs[i][0], graphs[i][1], graphs[i][2], retain_graph=True), n)
+
+
+def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base_fn: Callable[..., Any],
+                  bargs: list[tuple], nbytes: int, ceiling: float, n: int) -> dict[str, Any]:
+    """The backward of ``case``: the gradient of x (the output's gradient in, x's gradient out:
+    the same bytes as the forward)."""
+    names = list(sets[0])
+    assert names[0] == m.backward.wrt, "the timers pass the differentiated input first"
+    ours = _grad_timer(lambda *args: op(**dict(zip(names, args))), [tuple(s_.values()) for s_ in sets], n)
+    eager = _grad_timer(base_fn, bargs, n)
+    try:
+        compiled = _grad_timer(torch.compile(base_fn, dynamic=False), bargs, n)
+    except Exception as e:  # torch.compile may be unavailable (no compiler on the host)
+        print(f"torch.compile failed on {case.label} (backward): {e}", file=sys.stderr)
+        compiled = (float("nan"),) * 3
+    row = {"op": m.name, "case": f"{case.label} (backward)", "dtype": dtype,
+           "shape": [list(t.shape) for t in sets[0].values()], "bytes": nbytes,
+           "floor_us": nbytes / (ceiling * 1e9) * 1e6, "ours_us": ours, "eager_us": eager, "compile_us": compiled,
+           "liger_us": None, "gbps": nbytes / (ours[0] * 1e-6) / 1e9, "first_call_s": float("nan")}
+    row["pct_copy"] = 100 * row["gbps"] / ceiling
+    return row
 
 
 def _meta(ceiling: float) -> dict[str, Any]:
@@ -173,7 +207,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "| op | case | host us / call (GPU idle) | end to end us / call |", "|---|---|---|---|"]
         lines += [f"| {r['op']} | {r['case']} | {r['host_us']:.1f} | {r['end_to_end_us']:.1f} |" for r in small]
     lines += ["", "| op | case | first call s (compile included) |", "|---|---|---|"]
-    lines += [f"| {r['op']} | {r['case']} | {r['first_call_s']:.2f} |" for r in result["rows"]]
+    lines += [f"| {r['op']} | {r['case']} | {r['first_call_s']:.2f} |" for r in result["rows"]
+              if r["first_call_s"] == r["first_call_s"]]  # backward rows have none (NaN)
     return "\n".join(lines) + "\n"
 
 

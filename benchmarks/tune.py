@@ -3,7 +3,7 @@
     python -m benchmarks.tune [--quick]
 
 Kernels are compiled in a process pool first (each lands in TileLang's disk cache), then loaded
-and timed here with ``triton.testing.do_bench`` (median, L2 flushed). Prints, per workload, every
+and timed here with CUDA events over rotated input sets (``benchmarks/timing.py``). Prints, per workload, every
 configuration's time and the best; the chosen static values go into the manifests.
 """
 
@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from tileops import generate
-from tileops.kernels.rope import LO, RopeKernelSpec
+from tileops.kernels.rope import RopeKernelSpec
 from tileops.launch import raw_kernel
 from tileops.rope.tables import RopeTables
 
@@ -39,13 +39,10 @@ WORKLOADS = [
 
 def configs(layout: str, quick: bool):
     if layout == "1d":
-        return [dict(threads=t, head_lanes=1, tokens_per_thread=k, blocks_per_sm=g) for t, k, g in
-                itertools.product((128, 256), (4, 8), (0, 8))]
-    if layout == "ids":
-        return [dict(threads=128, head_lanes=8, tokens_per_thread=k, blocks_per_sm=g) for k, g in
-                itertools.product((1, 2), (0, 8))]
-    return [dict(threads=128, head_lanes=8, tokens_per_thread=k, blocks_per_sm=g) for k, g in
-            itertools.product((1, 2), (0, 8, 16))]
+        return [dict(threads=t, head_lanes=1, tokens_per_thread=k) for t, k in
+                itertools.product((128, 256), (2, 4) if quick else (2, 4, 8))]
+    return [dict(threads=t, head_lanes=h, tokens_per_thread=k) for t, h, k in
+            itertools.product((128,) if quick else (128, 256), (4, 8), (1, 2))]
 
 
 def spec_of(w, cfg) -> RopeKernelSpec:
@@ -82,25 +79,28 @@ def main() -> int:
         ys = [torch.empty_like(x) for x in xs]
         x = xs[0]
         inv = 10000.0 ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
-        tabs = RopeTables(inv, 1.0, LO)
+        td = RopeTables(inv, 1.0).on(dev)
         nbytes = 2 * x.numel() * x.element_size()
-        extra = ()
+        extra = {}
         if positions:
             pos = torch.randint(0, 8192, (S,), device=dev)
             err = torch.zeros(1, dtype=torch.int32, device=dev)
-            extra = (pos.data_ptr(), err.data_ptr(), 8192)
+            extra = dict(P=pos.data_ptr(), ERR=err.data_ptr(), psb=0, pss=1, limit=8192, NP=S)
             nbytes += pos.numel() * 8
-        th, tl = tabs.high(dev, 8192 if positions else S), tabs.low(dev)
         results = []
         for cfg in configs(layout, args.quick):
-            k = raw_kernel(generate.compile_kernel("rope", spec_of(w, cfg), "cuda", "sm_90"), dev)
-            tp, lp, nh = th.data_ptr(), tl.data_ptr(), th.shape[0]
             spec = spec_of(w, cfg)
-            g = ()
-            if spec.blocks_per_sm:
-                sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                g = (max(1, min(-(-S // spec.group), sms * spec.blocks_per_sm // B)),)
-            t = gpu_time(lambda i: k(xs[i].data_ptr(), ys[i].data_ptr(), tp, lp, *extra, *g, B, S, H, nh), n)[0] * 1e-6
+            k = raw_kernel(generate.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
+            u = spec.stride_unit
+            st = [v // u for v in (S * H * D, H * D, D)]  # contiguous [B, S, H, D], in units of u
+
+            def launch(i, k=k, st=st):
+                k(*k.bind(X=xs[i].data_ptr(), Y=ys[i].data_ptr(), K=xs[i].data_ptr(), KY=ys[i].data_ptr(),
+                          TD=td.data_ptr(), B=B, S=S, H=H, HK=0, xsb=st[0], xss=st[1], xsh=st[2], ysb=st[0],
+                          yss=st[1], ysh=st[2], ksb=0, kss=0, ksh=0, kysb=0, kyss=0, kysh=0,
+                          NX=0, NY=0, NK=0, NKY=0, **extra))
+
+            t = gpu_time(launch, n)[0] * 1e-6
             results.append((t, cfg))
         results.sort(key=lambda r: r[0])
         floor = nbytes / rate

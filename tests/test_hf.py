@@ -72,8 +72,10 @@ _MODELS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": 
 def _model(kind: str, dtype=torch.float32, device="cpu", seed=0):
     cfg = _config(kind)
     torch.manual_seed(seed)
-    model = getattr(transformers, _MODELS[kind.split("-")[0]])(cfg)
-    return model.to(device=device, dtype=dtype).eval()
+    # built in ``dtype`` as from_pretrained(dtype=...) builds it: the rotary inv_freq stays fp32
+    # (model.to(dtype) would round it too, and HF's own RoPE with it)
+    model = getattr(transformers, _MODELS[kind.split("-")[0]])._from_config(cfg, dtype=dtype)
+    return model.to(device=device).eval()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -452,3 +454,19 @@ def test_docs_example_runs():
                          text=True, timeout=600, cwd=root)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "same tokens as transformers: True" in run.stdout and "q_proj grad: True" in run.stdout, run.stdout
+
+
+def test_model_cast_with_to_warns_and_uses_exact_frequencies():
+    """model.to(bf16) rounds HF's inv_freq buffer to bf16: patch() accepts it within that rounding,
+    warns, and rotates with the config's exact frequencies (the model's own RoPE is the worse one)."""
+    model = _model("llama-default").to(torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    with pytest.warns(UserWarning, match="inv_freq is torch.bfloat16"):
+        tt.patch(model)
+    try:
+        ids = torch.randint(3, 128, (1, 9))
+        with torch.no_grad():
+            out = model(ids).logits
+        assert torch.isfinite(out.float()).all()
+    finally:
+        tt.unpatch(model)

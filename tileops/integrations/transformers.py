@@ -26,6 +26,7 @@ import contextvars
 import math
 import sys
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -122,6 +123,14 @@ def _check_tables(op: Any, rotary: torch.nn.Module, config: Any, head_dim: int, 
     inv = getattr(rotary, "original_inv_freq", None)
     if inv is None:
         inv = rotary.inv_freq
+    # model.to(torch.bfloat16) also rounds the inv_freq buffer (from_pretrained(dtype=...) keeps it
+    # fp32): compare within that rounding, and say that tileops keeps the exact frequencies
+    rtol = max(1e-5, torch.finfo(inv.dtype).eps) if inv.is_floating_point() else 1e-5
+    if rtol > 1e-5:
+        warnings.warn(f"tileops.integrations.transformers: the {model_type} model's {type(rotary).__name__}."
+                      f"inv_freq is {inv.dtype} (model.to(dtype) rounds it; from_pretrained(dtype=...) keeps "
+                      f"it float32); tileops uses the frequencies of the config, exact, so its RoPE differs "
+                      f"from this model's own by that rounding", stacklevel=3)
     hf = [(inv.detach().double().cpu(), float(getattr(rotary, "attention_scaling", 1.0)))]
     rot = 2 * hf[0][0].numel()
     if rope_type == "longrope":  # the long set, as HF's dynamic update computes it
@@ -138,7 +147,7 @@ def _check_tables(op: Any, rotary: torch.nn.Module, config: Any, head_dim: int, 
         problem = f"it switches between {len(hf)} frequency sets, the op has {len(mine)}"
     else:
         for (a, amp_a), (b, amp_b) in zip(hf, mine):
-            if a.shape != b.shape or not torch.allclose(a, b.double(), rtol=1e-5, atol=0) or not math.isclose(
+            if a.shape != b.shape or not torch.allclose(a, b.double(), rtol=rtol, atol=0) or not math.isclose(
                     amp_a, amp_b, rel_tol=1e-6):
                 problem = (f"its inv_freq/attention_scaling differ from the op's "
                            f"(largest relative difference {float(((a - b) / b).abs().max()):.3g}, "
