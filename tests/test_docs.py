@@ -209,3 +209,18 @@ def test_example_target_through_its_entry_point(tmp_path: Path) -> None:
         assert run.stdout.startswith("ok") and "'example'" in run.stdout, run.stdout
     finally:
         subprocess.run(pip + ["uninstall", "-y", "tileops-target-example"], capture_output=True, timeout=600)
+
+
+def test_readme_python_example_runs(tmp_path):
+    """The README's Python example, as written, on whatever device this machine has."""
+    import re
+    import subprocess
+    import sys
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    script = tmp_path / "readme_example.py"
+    script.write_text(code + "\nassert out.grad_fn is not None and q.grad is not None and step.shape[1] == 1\n"
+                      "print('readme example ok')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0 and "readme example ok" in proc.stdout, proc.stderr[-2000:]

@@ -77,17 +77,21 @@ def op_markdown(name: str, root: str | Path | None = None) -> str:
             if t.like:
                 shape = dtypes = f"as {_code(t.like)}"
             else:
+                alts = t.alternatives or {k: (v,) for k, v in t.shapes.items()}
                 if t.shape_by is None:
-                    shape = _shape(t.shapes[""])
+                    shape = " or ".join(_shape(v) for v in alts[""])
                 else:
-                    shape = "<br>".join(f"{_code(f'{t.shape_by}={_value(k)}')}: {_shape(v)}"
-                                        for k, v in t.shapes.items())
+                    shape = "<br>".join(f"{_code(f'{t.shape_by}={_value(k)}')}: "
+                                        + " or ".join(_shape(v) for v in vs) for k, vs in alts.items())
                 dtypes = ", ".join(t.dtypes)
             doc = _text(t.doc)
+            shown = "input, optional (keyword only)" if t.optional else role
             if t.range is not None:
                 doc += f" Values in {_code(f'[{t.range[0]}, {t.range[1]})')}."
-            rows.append([_code(t.name), role, shape, dtypes, doc])
+            rows.append([_code(t.name), shown, shape, dtypes, doc])
     out.append("**Tensors**\n\n" + _table(["Name", "Role", "Shape", "Dtypes", "Meaning"], rows))
+    if m.backward is not None:
+        out.append(f"**Backward**: differentiable in {_code(m.backward.wrt)}. {_text(m.backward.doc)}")
 
     if m.rules:
         rows = [[_code(r.check), _code(r.arg), "first call" if r.needs_dims else "construction",

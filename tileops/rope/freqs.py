@@ -10,7 +10,7 @@ import math
 
 import torch
 
-__all__ = ["base_inv_freq", "llama31_inv_freq", "yarn_inv_freq", "yarn_amplitude", "longrope_inv_freq",
+__all__ = ["base_inv_freq", "llama31_inv_freq", "yarn_inv_freq", "yarn_amplitude", "longrope_inv_freq", "factor_table",
            "longrope_amplitude"]
 
 
@@ -68,3 +68,19 @@ def longrope_amplitude(max_position_embeddings: int, original_max_position_embed
     if scale <= 1:
         return 1.0
     return math.sqrt(1 + math.log(scale) / math.log(original_max_position_embeddings))
+
+
+def factor_table(op_name: str, arg: str, value: torch.Tensor | None, length: str) -> torch.Tensor | None:
+    """``value`` checked as a 1-D real tensor of finite non-zero factors and copied to float64 on
+    the CPU (None stays None); ``length`` says in words what its length must be."""
+    if value is None:
+        return None
+    if value.dim() != 1 or value.is_complex() or not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
+        raise ValueError(f"{op_name}: {arg}: expected a 1-D real tensor of shape ({length},), "
+                         f"got shape {list(value.shape)} dtype {value.dtype}")
+    t = value.detach().to(device="cpu", dtype=torch.float64).clone()
+    bad = (~torch.isfinite(t)) | (t == 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{op_name}: {arg}: expected finite non-zero factors, got {arg}[{i}] = {float(t[i])}")
+    return t

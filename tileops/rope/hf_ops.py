@@ -47,21 +47,6 @@ class _PartialRotary(_RoPEBase):
         return self._call({"x": x, "position_ids": position_ids})
 
 
-def _factor_table(op_name: str, arg: str, value: torch.Tensor | None) -> torch.Tensor | None:
-    """A 1-D real tensor of finite non-zero factors, copied to float64 on the CPU (None stays None)."""
-    if value is None:
-        return None
-    if value.dim() != 1 or value.is_complex() or not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
-        raise ValueError(f"{op_name}: {arg}: expected a 1-D real tensor of shape (rotary_dim // 2,), "
-                         f"got shape {list(value.shape)} dtype {value.dtype}")
-    t = value.detach().to(device="cpu", dtype=torch.float64).clone()
-    bad = (~torch.isfinite(t)) | (t == 0)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{op_name}: {arg}: expected finite non-zero factors, got {arg}[{i}] = {float(t[i])}")
-    return t
-
-
 class RoPELinearFwdOp(_PartialRotary):
     """RoPE with linear position interpolation and partial rotary (neox pairing).
 
@@ -163,7 +148,7 @@ class Phi3LongRoPEFwdOp(_PartialRotary):
                      "max_position_embeddings": max_position_embeddings, "attention_factor": attention_factor,
                      "rotary_dim": rotary_dim}, target)
         for arg in ("short_factor", "long_factor"):
-            self.params[arg] = _factor_table(self.name, arg, self.params[arg])
+            self.params[arg] = freqs.factor_table(self.name, arg, self.params[arg], "rotary_dim // 2")
 
     def _check_more(self, tensors: Any, dims: Any) -> None:
         rot = self.rotated_width(dims["head_dim"])

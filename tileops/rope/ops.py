@@ -388,18 +388,8 @@ class LongRoPEFwdOp(_RoPEBase):
         self._setup({"input_layout": input_layout, "base": base, "rescale_factors": rescale_factors,
                      "max_position_embeddings": max_position_embeddings,
                      "original_max_position_embeddings": original_max_position_embeddings}, target)
-        rf = self.params["rescale_factors"]
-        if rf is not None:
-            if rf.dim() != 1 or rf.is_complex() or not (rf.is_floating_point() or rf.dtype in (torch.int32, torch.int64)):
-                raise ValueError(f"{self.name}: rescale_factors: expected a 1-D real tensor of shape "
-                                 f"(head_dim // 2,), got shape {list(rf.shape)} dtype {rf.dtype}")
-            rf = rf.detach().to(device="cpu", dtype=torch.float64).clone()
-            bad = (~torch.isfinite(rf)) | (rf == 0)
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0, 0])
-                raise ValueError(f"{self.name}: rescale_factors: expected finite non-zero factors, "
-                                 f"got rescale_factors[{i}] = {float(rf[i])}")
-            self.params["rescale_factors"] = rf
+        self.params["rescale_factors"] = freqs.factor_table(self.name, "rescale_factors",
+                                                            self.params["rescale_factors"], "head_dim // 2")
 
     def _check_more(self, tensors: Any, dims: Any) -> None:
         rf = self.params["rescale_factors"]
