@@ -37,11 +37,26 @@ class RawKernel:
     device_index: int | None
     lib: Any
     param_names: tuple[str, ...] = ()
+    _slots: tuple[dict[str, int], tuple[int, ...]] = ({}, ())
+
+    def __post_init__(self) -> None:
+        names = self.arg_names
+        object.__setattr__(self, "_slots", ({n: i for i, n in enumerate(names)}, (0,) * len(names)))
 
     @property
     def arg_names(self) -> tuple[str, ...]:
         """Every argument of :meth:`__call__`, in order: the parameters, then the extents."""
         return self.param_names + self.extent_names
+
+    @property
+    def slot(self) -> dict[str, int]:
+        """Argument name -> its index in the positional list :meth:`slots` makes."""
+        return self._slots[0]
+
+    def slots(self) -> list[Any]:
+        """A fresh positional argument list to fill by :attr:`slot` (the fast path of :meth:`bind`):
+        every argument 0 to begin with, which is what the unused flat extents of tileops' kernels take."""
+        return list(self._slots[1])
 
     def bind(self, **values: Any) -> list[Any]:
         """The positional arguments for ``values`` keyed by name; a missing or unknown name raises."""

@@ -20,10 +20,6 @@ from .tables import DIGITS, LO
 
 __all__ = ["implement", "kernel_spec", "RopeKernels"]
 
-#: flat extents are declared to the kernel (it does not read them); the C entry point takes int32
-_INT32_MAX = 2**31 - 1
-
-
 def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False) -> Any:
     """The :class:`kernels.rope.RopeKernelSpec` serving ``op`` for one call specialization."""
     from tileops.kernels.rope import RopeKernelSpec
@@ -34,10 +30,6 @@ def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False) -> Any:
     return RopeKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=op.rotated_width(head_dim),
                           pairing=op.pairing, positions=call.position_dtype, inverse=inverse, backend=backend,
                           **static)
-
-
-def _span(t: torch.Tensor) -> int:
-    return min(_INT32_MAX, 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
 
 
 class RopeKernels:
@@ -95,61 +87,62 @@ class RopeKernels:
     def _seq_len(self, x: torch.Tensor) -> int:
         return x.shape[1] if self.layout == "2d" else x.shape[0]
 
-    def _view4(self, t: torch.Tensor) -> tuple[int, int, int, tuple[int, int, int]]:
-        """(B, S, H, strides of b, s, h in elements) of ``t`` seen as ``[B, S, H, D]``."""
+    def _view4(self, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+        """``(B, S, H, stride_b, stride_s, stride_h)`` of ``t`` seen as ``[B, S, H, D]``, strides in
+        elements; the stride of a dim of size 1 is never used, so it is 0 (it cannot spoil alignment)."""
+        n, st = t.shape, t.stride()
         if self.layout == "2d":
-            b, s, h = t.shape[0], t.shape[1], t.shape[2]
-            st = (t.stride(0), t.stride(1), t.stride(2))
-        elif self.layout == "1d":
-            b, s, h = 1, t.shape[0], 1
-            st = (0, t.stride(0), 0)
-        else:  # ids: [tokens, heads, D]
-            b, s, h = 1, t.shape[0], t.shape[1]
-            st = (0, t.stride(0), t.stride(1))
-        # the stride of a dim of size 1 is never used: zero it so it cannot spoil alignment
-        st = tuple(0 if n == 1 else v for n, v in zip((b, s, h), st))
-        return b, s, h, st
+            b, s, h = n[0], n[1], n[2]
+            return b, s, h, (st[0] if b > 1 else 0), (st[1] if s > 1 else 0), (st[2] if h > 1 else 0)
+        if self.layout == "1d":
+            return 1, n[0], 1, 0, (st[0] if n[0] > 1 else 0), 0
+        return 1, n[0], n[1], 0, (st[0] if n[0] > 1 else 0), (st[1] if n[1] > 1 else 0)  # ids
 
-    def _usable(self, t: torch.Tensor) -> bool:
-        """Whether the kernel can read or write ``t`` where it lies."""
-        if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+    def _fits(self, t: torch.Tensor, v: tuple[int, ...]) -> bool:
+        """Whether the kernel can read or write ``t`` (seen as ``v``) where it lies: a contiguous last
+        dim and, on CUDA, a pointer and strides on ``stride_unit`` elements (16 bytes)."""
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
             return False
-        if self.backend != "cuda":
+        u = self.unit
+        if u == 1:
             return True
-        _, _, _, st = self._view4(t)
-        esize = t.element_size()
-        return t.data_ptr() % (self.unit * esize) == 0 and all(v % self.unit == 0 for v in st)
+        return t.data_ptr() % (u * t.element_size()) == 0 and not (v[3] % u or v[4] % u or v[5] % u)
 
     def run(self, x: torch.Tensor, position_ids: torch.Tensor | None, tables: torch.Tensor,
             inverse: bool = False) -> torch.Tensor:
         """Rotate ``x`` (by the negated angle with ``inverse``) into a new tensor."""
-        if not self._usable(x):
-            x = x.contiguous() if x.data_ptr() % 16 == 0 or not x.is_contiguous() else x.clone()
-            if not self._usable(x):  # a contiguous tensor off a 16-byte boundary
-                x = x.clone()
+        vx = self._view4(x)
+        if not self._fits(x, vx):  # the one fallback: a dense copy on a 16-byte boundary
+            x = x.contiguous() if not x.is_contiguous() else x.clone()
+            vx = self._view4(x)
         out = torch.empty_like(x)
-        if not self._usable(out):
+        vy = self._view4(out)
+        if not self._fits(out, vy):
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            vy = self._view4(out)
         if x.numel() == 0:
             return out
-        b, s, h, (xsb, xss, xsh) = self._view4(x)
-        _, _, _, (ysb, yss, ysh) = self._view4(out)
         u = self.unit
         kernel = self._kernel(inverse)
-        args = dict(X=x.data_ptr(), Y=out.data_ptr(), K=x.data_ptr(), KY=out.data_ptr(), TD=tables.data_ptr(),
-                    B=b, S=s, H=h, HK=0, xsb=xsb // u, xss=xss // u, xsh=xsh // u, ysb=ysb // u, yss=yss // u,
-                    ysh=ysh // u, ksb=0, kss=0, ksh=0, kysb=0, kyss=0, kysh=0,
-                    NX=_span(x), NY=_span(out), NK=_span(x), NKY=_span(out))
+        a = kernel.slots()
+        put = kernel.slot
+        a[put["X"]] = a[put["K"]] = x.data_ptr()
+        a[put["Y"]] = a[put["KY"]] = out.data_ptr()
+        a[put["TD"]] = tables.data_ptr()
+        a[put["B"]], a[put["S"]], a[put["H"]], a[put["HK"]] = vx[0], vx[1], vx[2], 0
+        a[put["xsb"]], a[put["xss"]], a[put["xsh"]] = vx[3] // u, vx[4] // u, vx[5] // u
+        a[put["ysb"]], a[put["yss"]], a[put["ysh"]] = vy[3] // u, vy[4] // u, vy[5] // u
         err = None
         if position_ids is not None:
             if position_ids.dim() == 2:
-                psb, pss = (position_ids.stride(0) if position_ids.shape[0] > 1 else 0), position_ids.stride(1)
+                psb = position_ids.stride(0) if position_ids.shape[0] > 1 else 0
+                pss = position_ids.stride(1)
             else:
                 psb, pss = 0, position_ids.stride(0)
             err = torch.zeros(1, dtype=torch.int32, device=self.device)
-            args.update(P=position_ids.data_ptr(), ERR=err.data_ptr(), psb=psb, pss=pss, limit=self.limit,
-                        NP=_span(position_ids))
-        kernel(*kernel.bind(**args))
+            a[put["P"]], a[put["ERR"]] = position_ids.data_ptr(), err.data_ptr()
+            a[put["psb"]], a[put["pss"]], a[put["limit"]] = psb, pss, self.limit
+        kernel(*a)
         # One 4-byte read when positions are given: the kernel sets the flag for a position out of
         # range (which it reads as 0, so no table is indexed out of bounds).
         if err is not None and err.item():
