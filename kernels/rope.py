@@ -56,7 +56,7 @@ _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 #: only with positions). The launcher binds arguments by these names.
 ARGS = ("X", "Y", "K", "KY", "TD", "P", "ERR", "B", "S", "H", "HK",
         "xsb", "xss", "xsh", "ysb", "yss", "ysh", "ksb", "kss", "ksh", "kysb", "kyss", "kysh",
-        "psb", "pss", "limit")
+        "psb", "pss", "limit", "tag")
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class RopeKernelSpec:
     def args(self) -> tuple[str, ...]:
         """The generated function's parameter names, in order."""
         if self.positions is None:
-            return tuple(a for a in ARGS if a not in ("P", "ERR", "psb", "pss", "limit"))
+            return tuple(a for a in ARGS if a not in ("P", "ERR", "psb", "pss", "limit", "tag"))
         return ARGS
 
 
@@ -150,9 +150,9 @@ def build_rope(spec: RopeKernelSpec):
 
     ``X``, ``Y``, ``K``, ``KY`` are flat buffers of the element type addressed through the strides
     that follow, in units of ``spec.stride_unit`` elements; ``TD[3, 256, 2, R/2]`` the fp32 digit tables; with positions ``P`` (flat,
-    int32/int64, element ``(b, s)`` at ``b * psb + s * pss``), ``ERR[1]`` (int32, set to 1 when a
+    int32/int64, element ``(b, s)`` at ``b * psb + s * pss``), ``ERR[1]`` (int32, set to ``tag`` when a
     position lies outside ``[0, limit)``; that position reads as 0, so no table is ever indexed out
-    of bounds) and ``limit``.
+    of bounds), ``limit`` and ``tag``.
     """
     if spec.backend == "cuda":
         return _build_cuda(spec)
@@ -160,14 +160,14 @@ def build_rope(spec: RopeKernelSpec):
 
 
 @T.macro
-def _position(by_ids, P, ERR, psb, pss, limit, b, s):
+def _position(by_ids, P, ERR, psb, pss, limit, tag, b, s):
     """The position of row ``(b, s)``: ``s`` itself, or ``P[b * psb + s * pss]`` checked against
-    ``[0, limit)``."""
+    ``[0, limit)``; one outside reads as 0 and writes the call's ``tag`` into ``ERR[0]``."""
     p = T.alloc_var("int64")
     if by_ids:
         raw = T.cast(P[T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
         if raw < 0 or raw >= limit:
-            ERR[0] = 1
+            ERR[0] = tag
             p = 0
         else:
             p = raw
@@ -222,9 +222,9 @@ def _build_c(spec: RopeKernelSpec):
     # variable bound to a new name, and two kernel parameters of one name do not compile.
     @T.macro
     def body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
-             psb, pss, limit, b, s):
+             psb, pss, limit, tag, b, s):
         cst = T.alloc_local((2, half), "float32")
-        p = _position(by_ids, P, ERR, psb, pss, limit, b, s)
+        p = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s)
         d0 = p % LO
         d1 = (p // LO) % LO
         d2 = p // (LO * LO)
@@ -248,10 +248,10 @@ def _build_c(spec: RopeKernelSpec):
                        ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
                        xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
                        ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
-                       psb: T.int64, pss: T.int64, limit: T.int64):
+                       psb: T.int64, pss: T.int64, limit: T.int64, tag: T.int32):
             with T.Kernel(S, B, threads=1) as (bs, bb):
                 body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                     kysh, psb, pss, limit, bb, bs)
+                     kysh, psb, pss, limit, tag, bb, bs)
         return rope_ids_c
 
     @T.prim_func
@@ -261,7 +261,7 @@ def _build_c(spec: RopeKernelSpec):
                ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64):
         with T.Kernel(S, B, threads=1) as (bs, bb):
             body(X, Y, K, KY, TD, None, None, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                 kysh, 0, 0, 0, bb, bs)
+                 kysh, 0, 0, 0, 0, bb, bs)
     return rope_c
 
 
@@ -338,8 +338,8 @@ def _build_cuda(spec: RopeKernelSpec):
 
     @T.macro
     def token(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
-              psb, pss, limit, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb):
-        p = _position(by_ids, P, ERR, psb, pss, limit, bb, s)
+              psb, pss, limit, tag, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb):
+        p = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s)
         xo = _offset(bb, s, 0, xsb, xss, xsh, V)
         yo = _offset(bb, s, 0, ysb, yss, ysh, V)
         ko = _offset(bb, s, 0, ksb, kss, ksh, V)
@@ -389,7 +389,7 @@ def _build_cuda(spec: RopeKernelSpec):
 
     @T.macro
     def body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
-             psb, pss, limit, bx, bb):
+             psb, pss, limit, tag, bx, bb):
         T.import_source(_CUDA_HELPERS)
         tx = T.get_thread_binding()
         lane = tx % CL
@@ -411,7 +411,7 @@ def _build_cuda(spec: RopeKernelSpec):
             s = bx * GROUP + kt * TOK + tok
             if s < S:
                 token(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                      kysh, psb, pss, limit, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb)
+                      kysh, psb, pss, limit, tag, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb)
 
     if by_ids:
         @T.prim_func
@@ -419,10 +419,10 @@ def _build_cuda(spec: RopeKernelSpec):
                           ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
                           xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
                           ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
-                          psb: T.int64, pss: T.int64, limit: T.int64):
+                          psb: T.int64, pss: T.int64, limit: T.int64, tag: T.int32):
             with T.Kernel(T.ceildiv(S, GROUP), B, threads=threads) as (bx, bb):
                 body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                     kysh, psb, pss, limit, bx, bb)
+                     kysh, psb, pss, limit, tag, bx, bb)
         return rope_ids_cuda
 
     @T.prim_func
@@ -432,5 +432,5 @@ def _build_cuda(spec: RopeKernelSpec):
                   ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64):
         with T.Kernel(T.ceildiv(S, GROUP), B, threads=threads) as (bx, bb):
             body(X, Y, K, KY, TD, None, None, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                 kysh, 0, 0, 0, bx, bb)
+                 kysh, 0, 0, 0, 0, bx, bb)
     return rope_cuda

@@ -221,20 +221,27 @@ def test_one_op_serves_many_calls(specs):
 
 
 def check_call(op, spec: Spec) -> None:
+    """Every input is passed (position_ids and key too): out and key_out against the reference."""
     inputs = spec.inputs()
     before = {k: v.clone() for k, v in inputs.items()}
-    out = op(**inputs)
-    x = inputs[REGISTRY[spec.op].inputs[0].name]
-    assert (out.shape, out.dtype) == (x.shape, x.dtype)
+    result = op(**inputs)
+    m = REGISTRY[spec.op]
+    specs = [o for o in m.outputs if o.like in inputs]
+    outs = result if isinstance(result, tuple) else (result,)
+    assert len(outs) == len(specs)
     assert all(torch.equal(inputs[k], before[k]) for k in inputs)
-    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # a new tensor
-    assert bool(torch.isfinite(out).all())
-    ref = reference(spec.op, spec.op_params(), inputs)
-    err = (out.double() - ref).abs()
-    atol, rtol = TOLERANCES[spec.dtype]
-    bad = err > atol + rtol * ref.abs()
-    note(f"max err {err.max().item() if err.numel() else 0:.3g}")
-    assert not bool(bad.any()), f"{int(bad.sum())} of {bad.numel()} elements off, first at {bad.nonzero()[0].tolist()}"
+    for o, out in zip(specs, outs):
+        src = inputs[o.like]
+        assert (out.shape, out.dtype) == (src.shape, src.dtype)
+        assert out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()  # a new tensor
+        assert bool(torch.isfinite(out).all())
+        ref = reference(spec.op, spec.op_params(), {**inputs, "x": src})
+        err = (out.double() - ref).abs()
+        atol, rtol = TOLERANCES[spec.dtype]
+        bad = err > atol + rtol * ref.abs()
+        note(f"{o.name}: max err {err.max().item() if err.numel() else 0:.3g}")
+        assert not bool(bad.any()), (f"{o.name}: {int(bad.sum())} of {bad.numel()} elements off, first at "
+                                     f"{bad.nonzero()[0].tolist()}")
 
 
 # --------------------------------------------------------------------------- invalid specs

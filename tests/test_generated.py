@@ -56,38 +56,48 @@ def check_case(gcase: GeneratedCase, gen: torch.Generator) -> None:
     seed = f"(dims {w.dims}, generator seed {gen.initial_seed()})"
     if gcase.backward:
         return check_backward(gcase, m, w, op, before, seed, gen)
-    out = op(**w.inputs)
+    result = op(**w.inputs)
 
     assert op.serving_target == gcase.target
-    x = w.inputs[m.inputs[0].name]
-    assert isinstance(out, torch.Tensor)
-    assert (out.shape, out.dtype, out.device) == (x.shape, x.dtype, x.device), seed
+    # one output per output whose `like` input was passed (out, and key_out with key)
+    specs = [o for o in m.outputs if o.like in w.inputs]
+    outs = result if isinstance(result, tuple) else (result,)
+    assert len(outs) == len(specs), seed
+    cpu = {k: v.cpu() for k, v in w.inputs.items()}
+    for spec, out in zip(specs, outs):
+        src = w.inputs[spec.like]
+        assert isinstance(out, torch.Tensor)
+        assert (out.shape, out.dtype, out.device) == (src.shape, src.dtype, src.device), seed
+        for name, t in w.inputs.items():
+            assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), f"{spec.name} aliases {name}"
+        # The output is a fresh tensor from the op, so instead of pre-filling it with NaN we check
+        # that every element was written with a finite value.
+        assert bool(torch.isfinite(out).all()), f"non-finite {spec.name} {seed}"
+        ref = reference(gcase.op, w.params, {**cpu, "x": cpu[spec.like]})
+        assert_close(out, ref, gcase.dtype, f"{spec.name} {seed}")
     for name, t in w.inputs.items():
         assert torch.equal(t, before[name]), f"input {name} was modified {seed}"
-        assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), f"out aliases {name}"
-    # The output is a fresh tensor from the op, so instead of pre-filling it with NaN we check that
-    # every element was written with a finite value.
-    assert bool(torch.isfinite(out).all()), f"non-finite output {seed}"
-    ref = reference(gcase.op, w.params, {k: v.cpu() for k, v in w.inputs.items()})
-    assert_close(out, ref, gcase.dtype, seed)
 
 
 def check_backward(gcase: GeneratedCase, m, w, op, before, seed, gen) -> None:
-    """The gradient of sum(out * g) for a random g against float64 autograd of the reference."""
-    wrt = m.backward.wrt
-    x = w.inputs[wrt].detach().clone().requires_grad_(True)
-    inputs = {**w.inputs, wrt: x}
-    out = op(**inputs)
-    assert out.grad_fn is not None, f"no grad_fn although {wrt} requires grad {seed}"
-    g = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(out.dtype).to(out.device)
-    (got,) = torch.autograd.grad(out, x, g)
-    assert (got.shape, got.dtype) == (x.shape, x.dtype), seed
-    assert bool(torch.isfinite(got).all()), f"non-finite gradient {seed}"
+    """The gradients of sum(out * g) for random g against float64 autograd of the reference."""
+    wrt = [n for n in m.backward.wrt if n in w.inputs]
+    leaves = {n: w.inputs[n].detach().clone().requires_grad_(True) for n in wrt}
+    inputs = {**w.inputs, **leaves}
+    result = op(**inputs)
+    outs = result if isinstance(result, tuple) else (result,)
+    assert all(o.grad_fn is not None for o in outs), f"no grad_fn although {wrt} require grad {seed}"
+    gs = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.dtype).to(o.device) for o in outs]
+    got = torch.autograd.grad(outs, [leaves[n] for n in wrt], gs)
     for name, t in w.inputs.items():
         assert torch.equal(t, before[name]), f"input {name} was modified {seed}"
     cpu = {k: v.detach().cpu() for k, v in inputs.items()}
-    ref = reference_grad(gcase.op, w.params, cpu, g.cpu())
-    assert_close(got, ref, gcase.dtype, seed)
+    like = {o.like: i for i, o in enumerate(o for o in m.outputs if o.like in w.inputs)}
+    for name, g in zip(wrt, got):
+        assert (g.shape, g.dtype) == (leaves[name].shape, leaves[name].dtype), seed
+        assert bool(torch.isfinite(g).all()), f"non-finite gradient of {name} {seed}"
+        ref = reference_grad(gcase.op, w.params, {**cpu, "x": cpu[name]}, gs[like[name]].cpu())
+        assert_close(g, ref, gcase.dtype, f"grad of {name} {seed}")
 
 
 def assert_close(got_t: torch.Tensor, ref: torch.Tensor, dtype: str, seed: str) -> None:

@@ -395,7 +395,7 @@ def test_the_patch_is_per_model():
             got_b = b(ids).logits  # unpatched: HF's function, the op is not called
             assert not calls and torch.equal(got_b, want_b)
             a(ids)
-            assert len(calls) == 2 * 2  # q and k in both layers
+            assert len(calls) == 2  # one call (q and k together) in each of the two layers
             tt.patch(b)
             tt.unpatch(a)  # b still patched: the module keeps the replacement
             assert mod.apply_rotary_pos_emb is not original_fn

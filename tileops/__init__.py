@@ -5,11 +5,12 @@
     >>> out = op(x)       # x: [batch, seq_len, num_heads, head_dim], on a GPU or the CPU
 """
 
-from . import rope
+from . import errors, rope
+from .errors import strict
 from .targets import BUILTIN, Target, register_target, target_names
 
 __version__ = "0.1.0"
-__all__ = ["BUILTIN", "Target", "register_target", "target_names", "rope", "ops", "__version__"]
+__all__ = ["BUILTIN", "Target", "register_target", "target_names", "rope", "ops", "strict", "__version__"]
 
 
 def ops() -> dict[str, type]:

@@ -16,6 +16,9 @@ import torch
 
 from . import manifest as _manifest
 from .manifest import ExprError, OpManifest
+import threading
+
+from . import errors, library
 from .autograd import run_differentiable
 from .targets import Target, check_target_arg, resolve_target
 
@@ -68,6 +71,8 @@ class Op:
         self._served_by: str | None = self._fixed_target.name if self._fixed_target else None
         self._impls: dict[CallSpec, Callable[..., Any]] = {}
         self._fast: dict[tuple, Callable[..., Any]] = {}
+        #: this op's name in the torch.library custom ops (a traced call passes it)
+        self._handle: int = library.register(self)
 
     # ----------------------------------------------------------------------------- params
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -140,11 +145,116 @@ class Op:
         return t
 
     # ----------------------------------------------------------------------------- calls
-    def _call(self, tensors: Mapping[str, Any]) -> Any:
+    def _call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
+        """Run the op: eagerly, or as a ``torch.library`` custom op while ``torch.compile`` traces."""
+        if torch.compiler.is_compiling():
+            return self._traced_call(tensors, outs or {})
+        return self._eager_call(tensors, outs)
+
+    def _traced_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> Any:
+        x, pos, key = tensors.get("x"), tensors.get("position_ids"), tensors.get("key")
+        if outs.get("out") is not None or outs.get("key_out") is not None:
+            out = outs.get("out")
+            if out is None:
+                raise ValueError(f"{self.name}: key_out: under torch.compile, give out= with it")
+            torch.ops.tileops.apply_out(self._handle, x, pos, key, out, outs.get("key_out"))
+            return out if key is None else (out, outs.get("key_out"))
+        got = torch.ops.tileops.apply(self._handle, x, pos, key)
+        return got[0] if key is None else (got[0], got[1])
+
+    def _eager_backward(self, grads: tuple, tensors: Mapping[str, Any]) -> tuple:
+        """The gradients of the inputs ``backward.wrt`` names (those given), from the outputs'."""
+        spec = self._check_call(tensors)
+        impl = self._impls.get(spec) or self._target_for(spec.device).implement(self, spec)
+        self._impls[spec] = impl
+        from .autograd import backward_of
+
+        return backward_of(self, impl, grads, tensors)
+
+    # ----------------------------------------------------------------------------- errors
+    def _pending(self) -> dict:
+        """This thread's calls whose error words are not checked yet, by stream."""
+        local = self.__dict__.get("_local")
+        if local is None:
+            local = self.__dict__.setdefault("_local", threading.local())
+        p = getattr(local, "pending", None)
+        if p is None:
+            p = local.pending = {}
+        return p
+
+    def _error_word(self, device: torch.device, position_ids: torch.Tensor) -> errors.Pending:
+        """An error word for one call that reads ``position_ids`` (see :mod:`tileops.errors`)."""
+        pool = errors.words_for(device)
+        i = pool.take()
+        return errors.Pending(pool, i, pool.dev[i : i + 1], pool.host[i : i + 1], errors.next_tag(), position_ids)
+
+    def _launched(self, word: errors.Pending) -> None:
+        """After the kernel that writes ``word``: report now (CPU, strict mode) or later."""
+        if word.pool.device.type != "cuda":  # the kernel has run: judge the call now
+            word.pool.give_back(word.slot)
+            if int(word.dev.item()) == word.tag:
+                self._raise_bad_position(word.position_ids)
+            return
+        word.host.copy_(word.dev, non_blocking=True)
+        if torch.cuda.is_current_stream_capturing():
+            word.graph = True  # replays write it: op.check() reads and clears it
+            self.__dict__.setdefault("_graph_words", []).append(word)
+            return
+        stream = torch.cuda.current_stream(word.pool.device)
+        word.event = word.pool.event(word.slot)
+        word.event.record(stream)
+        if errors.is_strict():
+            word.event.synchronize()
+            word.pool.give_back(word.slot)
+            if word.failed():
+                self._raise_bad_position(word.position_ids)
+            return
+        self._pending().setdefault(stream.cuda_stream, []).append(word)
+
+    def _reap(self, wait: bool = False) -> None:
+        """Judge this thread's finished calls (all of them with ``wait``); raise for the first bad one."""
+        pending = self._pending()
+        failed = None
+        for key in list(pending):
+            keep = []
+            for word in pending[key]:
+                if wait and word.event is not None:
+                    word.event.synchronize()
+                if not word.done():
+                    keep.append(word)
+                    continue
+                word.pool.give_back(word.slot)
+                if failed is None and word.failed():
+                    failed = word
+            if keep:
+                pending[key] = keep
+            else:
+                del pending[key]
+        if failed is not None:
+            self._raise_bad_position(failed.position_ids, "reported for an earlier call of this op, whose "
+                                                          "kernel read the position as 0")
+
+    def check(self) -> None:
+        """Wait for this thread's calls of this op and raise the ValueError of a bad position among
+        them; also judges the calls captured in CUDA graphs (synchronise after a replay first), and
+        clears their error words for the next replay. Returns None when every position was valid."""
+        self._reap(wait=True)
+        bad = None
+        for word in self.__dict__.get("_graph_words", []):
+            if bad is None and word.failed():
+                bad = word
+            word.host.zero_()
+            word.dev.zero_()
+        if bad is not None:
+            self._raise_bad_position(bad.position_ids, "in a CUDA graph replay")
+
+    def _eager_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
         """Check ``tensors`` against the signature, then run the serving implementation.
 
         ``tensors`` maps every input name to its tensor, or to None for an optional input not
-        given. A (shape, dtype, device) seen before skips the checks: they depend on nothing else.
+        given; ``outs`` maps output names to tensors to write into (``out=``), or None. A (shape,
+        dtype, device) seen before skips the input checks: they depend on nothing else. Returns the
+        output, or a tuple of the outputs whose ``like`` input was given.
         """
         try:
             key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors.values())
@@ -161,7 +271,38 @@ class Op:
                 if len(self._fast) > 4096:  # many distinct shapes: keep the cache bounded
                     self._fast.clear()
                 self._fast[key] = impl
-        return run_differentiable(self, impl, tensors)
+        if self.__dict__.get("_local") is not None and self._pending() and not torch.cuda.is_current_stream_capturing():
+            self._reap()  # an earlier call's bad position, found without waiting (raised before this call runs)
+        given = {k: v for k, v in (outs or {}).items() if v is not None}
+        if given:
+            self._check_outs(tensors, given)
+        return run_differentiable(self, impl, tensors, given)
+
+    def _check_outs(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> None:
+        """``out=``-style tensors: each like its input (shape, dtype, device), and overlapping no
+        input or other output, except that an output may be its own input exactly (in place)."""
+        m = self.manifest
+        for spec in m.outputs:
+            o = outs.get(spec.name)
+            if o is None:
+                continue
+            src = tensors.get(spec.like)
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(f"{m.name}: {spec.name}: expected a torch.Tensor or None, got {type(o).__name__}")
+            if src is None:
+                raise ValueError(f"{m.name}: {spec.name}: given without {spec.like}, whose result it would hold")
+            for what, want, got in (("shape", list(src.shape), list(o.shape)), ("dtype", src.dtype, o.dtype),
+                                    ("device", src.device, o.device)):
+                if want != got:
+                    raise ValueError(f"{m.name}: {spec.name}: expected {what} {want} (that of {spec.like}), got {got}")
+            others = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
+            others += [(n, t) for n, t in outs.items() if n != spec.name and isinstance(t, torch.Tensor)]
+            for name, t in others:
+                if name == spec.like and _same_view(o, t):
+                    continue  # in place
+                if not _disjoint(o, t):
+                    raise ValueError(f"{m.name}: {spec.name}: overlaps {name} in memory; an output may be its "
+                                     f"own input exactly (in place) or memory no other argument uses")
 
     def _check_call(self, tensors: Mapping[str, Any]) -> CallSpec:
         m = self.manifest
@@ -219,6 +360,37 @@ class Op:
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={_short(v)}" for k, v in self.params.items())
         return f"{self.name}({shown}, target={self._target_arg!r})"
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether no element of ``a`` shares memory with ``b`` (conservative: False when unsure).
+
+    Besides tensors whose byte ranges do not meet, this accepts views that interleave with the same
+    strides, such as the q, k and v column blocks of one fused ``[tokens, (Hq + 2 Hkv) * D]`` buffer:
+    within one period of the outermost stride each occupies its own band of columns.
+    """
+    if a.numel() == 0 or b.numel() == 0:
+        return True
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+
+    def span(t: torch.Tensor, skip: int = 0) -> int:  # bytes from the first to past the last element
+        return (1 + sum((n - 1) * st for n, st in list(zip(t.shape, t.stride()))[skip:])) * t.element_size()
+
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    if a0 + span(a) <= b0 or b0 + span(b) <= a0:
+        return True
+    if a.dim() < 2 or a.stride() != b.stride() or a.element_size() != b.element_size() or a.shape[0] != b.shape[0]:
+        return False
+    period = a.stride(0) * a.element_size()  # bytes between rows of the outermost dim
+    sa, sb = span(a, 1), span(b, 1)
+    r = (b0 - a0) % period if period else 0
+    return period > 0 and sa <= period and r >= sa and r + sb <= period
 
 
 def _short(v: Any) -> str:

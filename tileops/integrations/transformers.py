@@ -77,7 +77,7 @@ class _ModuleSwap:
             if unsqueeze_dim != 1:
                 raise NotImplementedError(f"tileops.integrations.transformers: apply_rotary_pos_emb: expected "
                                           f"unsqueeze_dim=1 (q, k [batch, heads, seq, head_dim]), got {unsqueeze_dim}")
-            return _rotate(tag, q, "q"), _rotate(tag, k, "k")
+            return _rotate(tag, q, k)
 
         apply_rotary_pos_emb.__wrapped__ = original
         apply_rotary_pos_emb.__doc__ = "tileops: " + (original.__doc__ or "apply_rotary_pos_emb")
@@ -95,21 +95,24 @@ class _PatchState:
 _NONE = object()
 
 
-def _rotate(tag: _Tag, t: torch.Tensor, name: str) -> torch.Tensor:
-    """``t`` ``[batch, heads, seq, head_dim]`` -> rotated, same layout, through a transposed view."""
-    if t.dim() != 4:
-        raise ValueError(f"tileops.integrations.transformers: {name}: expected [batch, heads, seq, head_dim], "
-                         f"got shape {list(t.shape)}")
+def _rotate(tag: _Tag, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k ``[batch, heads, seq, head_dim]`` -> rotated, same layout, in one launch on their
+    transposed views (no copies)."""
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(f"tileops.integrations.transformers: {name}: expected [batch, heads, seq, head_dim], "
+                             f"got shape {list(t.shape)}")
     pos = tag.position_ids
-    batch, seq = t.shape[0], t.shape[2]
+    batch, seq = q.shape[0], q.shape[2]
     if pos.dim() == 2 and pos.shape[0] == 1 and batch != 1:
         pos = pos[0]  # [1, seq] shared by the batch
     if pos.shape[-1] != seq or (pos.dim() == 2 and pos.shape[0] != batch):
         raise ValueError(f"tileops.integrations.transformers: position_ids: expected [{seq}] or [{batch}, {seq}] "
-                         f"(or [1, {seq}]) for {name} of shape {list(t.shape)}, got {list(pos.shape)}")
-    if pos.device != t.device:
-        pos = pos.to(t.device)
-    return tag.op(t.transpose(1, 2), position_ids=pos).transpose(1, 2)
+                         f"(or [1, {seq}]) for q of shape {list(q.shape)}, got {list(pos.shape)}")
+    if pos.device != q.device:
+        pos = pos.to(q.device)
+    qo, ko = tag.op(q.transpose(1, 2), position_ids=pos, key=k.transpose(1, 2))
+    return qo.transpose(1, 2), ko.transpose(1, 2)
 
 
 def is_patched(model: torch.nn.Module) -> bool:

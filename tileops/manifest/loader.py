@@ -155,7 +155,7 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
                 raise ctx.err(m[key][0], f"{what}: {key!r} cannot be given with 'like'")
         src = inputs[like]
         return TensorSpec(name=name, doc=doc, dtypes=src.dtypes, shapes=src.shapes, shape_by=src.shape_by,
-                          like=like, line=line)
+                          like=like, line=line, optional=src.optional, alternatives=src.alternatives)
     if "shape" not in m or "dtypes" not in m:
         raise ctx.err(node, f"{what}: needs 'shape' and 'dtypes' (or 'like')")
     dtypes = ctx.strings(m["dtypes"][1], f"{what}.dtypes")
@@ -326,11 +326,18 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
     backward = None
     if "backward" in m:
         bm = ctx.section(m["backward"][1], "backward", "backward")
-        wrt = ctx.string(bm["wrt"][1], "backward.wrt")
-        if wrt not in inputs:
-            raise ctx.err(bm["wrt"][1], f"backward.wrt: {wrt!r} is not an input; inputs: {', '.join(inputs)}")
-        if not set(inputs[wrt].dtypes) <= {"float16", "bfloat16", "float32", "float64"}:
-            raise ctx.err(bm["wrt"][1], f"backward.wrt: {wrt!r} is not a floating-point input")
+        wnode = bm["wrt"][1]
+        wrt = ctx.strings(wnode, "backward.wrt") if isinstance(wnode, yaml.SequenceNode) else (
+            ctx.string(wnode, "backward.wrt"),)
+        for w in wrt:
+            if w not in inputs:
+                raise ctx.err(wnode, f"backward.wrt: {w!r} is not an input; inputs: {', '.join(inputs)}")
+            if not set(inputs[w].dtypes) <= {"float16", "bfloat16", "float32", "float64"}:
+                raise ctx.err(wnode, f"backward.wrt: {w!r} is not a floating-point input")
+            if not any(o.like == w for o in outputs.values()):
+                raise ctx.err(wnode, f"backward.wrt: no output is like {w!r}, so it has no gradient to take")
+        if inputs[wrt[0]].optional:
+            raise ctx.err(wnode, f"backward.wrt: the first, {wrt[0]!r}, must be a required input")
         backward = Backward(wrt=wrt, doc=ctx.string(bm["doc"][1], "backward.doc"),
                             line=m["backward"][1].start_mark.line + 1)
     km = ctx.section(m["kernel"][1], "kernel", "kernel")

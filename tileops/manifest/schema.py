@@ -55,7 +55,8 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "keyword_only": (False, "bool", "Whether the param comes after `*` in the signature."),
     },
     "backward": {
-        "wrt": (True, "str", "The input the op is differentiable in; its gradient is the backward's output."),
+        "wrt": (True, "str | list[str]", "The inputs the op is differentiable in (each output is like one of "
+                                         "them); their gradients are the backward's outputs."),
         "doc": (True, "str", "What the backward computes, for the API reference."),
     },
     "tensor": {
@@ -151,7 +152,7 @@ class Rule:
 
 @dataclass(frozen=True)
 class Backward:
-    wrt: str
+    wrt: tuple[str, ...]
     doc: str
     line: int = 0
 

@@ -67,12 +67,19 @@ class RopeKernels:
         """The digit tables this call uses (``[DIGITS, LO, 2, R/2]`` on the device); no host sync."""
         return self.tables_for(tensors["x"], tensors.get("position_ids"))
 
-    def forward(self, tables: torch.Tensor, tensors: dict) -> torch.Tensor:
-        return self.run(tensors["x"], tensors.get("position_ids"), tables)
+    def forward(self, tables: torch.Tensor, tensors: dict, outs: dict) -> Any:
+        """x rotated (and the key, in the same launch): ``out`` or ``(out, key_out)``."""
+        key = tensors.get("key")
+        out, key_out = self.run(tensors["x"], tensors.get("position_ids"), tables, key=key,
+                                out=outs.get("out"), key_out=outs.get("key_out"))
+        return out if key is None else (out, key_out)
 
-    def backward(self, tables: torch.Tensor, grad: torch.Tensor, tensors: dict) -> torch.Tensor:
-        """The gradient of x: ``grad`` rotated by the negated angle, times the amplitude."""
-        return self.run(grad, tensors.get("position_ids"), tables, inverse=True)
+    def backward(self, tables: torch.Tensor, grads: tuple, tensors: dict) -> tuple:
+        """The gradients of x (and key): each output's gradient rotated by the negated angle, times
+        the amplitude, in one launch."""
+        gx, gk = grads[0], (grads[1] if len(grads) > 1 else None)
+        dx, dk = self.run(gx, tensors.get("position_ids"), tables, key=gk, inverse=True)
+        return (dx,) if gk is None else (dx, dk)
 
     def tables_for(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         choice = self.op.choose_table(position_ids, self._seq_len(x))
@@ -108,46 +115,84 @@ class RopeKernels:
             return True
         return t.data_ptr() % (u * t.element_size()) == 0 and not (v[3] % u or v[4] % u or v[5] % u)
 
+    def _source(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``t`` where the kernel can read it, and its view; the one fallback is a dense copy."""
+        v = self._view4(t)
+        if not self._fits(t, v):
+            t = t.contiguous() if not t.is_contiguous() else t.clone()  # a clone lands 16-byte aligned
+            v = self._view4(t)
+        return t, v
+
+    def _dest(self, like: torch.Tensor, given: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """(what the kernel writes, what the caller gets, its view): ``given`` itself when the
+        kernel can write it where it lies, else a dense buffer copied into ``given`` afterwards."""
+        if given is not None:
+            v = self._view4(given)
+            if self._fits(given, v):
+                return given, given, v
+            buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            return buf, given, self._view4(buf)
+        out = torch.empty_like(like)
+        v = self._view4(out)
+        if not self._fits(out, v):
+            out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+            v = self._view4(out)
+        return out, out, v
+
     def run(self, x: torch.Tensor, position_ids: torch.Tensor | None, tables: torch.Tensor,
-            inverse: bool = False) -> torch.Tensor:
-        """Rotate ``x`` (by the negated angle with ``inverse``) into a new tensor."""
-        vx = self._view4(x)
-        if not self._fits(x, vx):  # the one fallback: a dense copy on a 16-byte boundary
-            x = x.contiguous() if not x.is_contiguous() else x.clone()
-            vx = self._view4(x)
-        out = torch.empty_like(x)
-        vy = self._view4(out)
-        if not self._fits(out, vy):
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            vy = self._view4(out)
-        if x.numel() == 0:
-            return out
+            inverse: bool = False, key: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            key_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rotate ``x`` and ``key`` (by the negated angle with ``inverse``) in one launch; returns
+        ``(out, key_out)``, new tensors unless given. ``out is x`` rotates in place."""
+        src_x, vx = self._source(x)
+        y, out, vy = self._dest(x, out)
+        if src_x is not x and y is x:  # in place through the fallback: the kernel writes the buffer
+            y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            vy = self._view4(y)
+        ky = None
+        if key is not None:
+            src_k, vk = self._source(key)
+            ky, key_out, vky = self._dest(key, key_out)
+            if src_k is not key and ky is key:
+                ky = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+                vky = self._view4(ky)
+        if x.numel() == 0 and (key is None or key.numel() == 0):
+            return out, key_out
         u = self.unit
         kernel = self._kernel(inverse)
         a = kernel.slots()
         put = kernel.slot
-        a[put["X"]] = a[put["K"]] = x.data_ptr()
-        a[put["Y"]] = a[put["KY"]] = out.data_ptr()
-        a[put["TD"]] = tables.data_ptr()
-        a[put["B"]], a[put["S"]], a[put["H"]], a[put["HK"]] = vx[0], vx[1], vx[2], 0
+        a[put["X"]], a[put["Y"]], a[put["TD"]] = src_x.data_ptr(), y.data_ptr(), tables.data_ptr()
+        a[put["B"]], a[put["S"]] = vx[0], vx[1]
+        a[put["H"]] = vx[2] if x.numel() else 0
         a[put["xsb"]], a[put["xss"]], a[put["xsh"]] = vx[3] // u, vx[4] // u, vx[5] // u
         a[put["ysb"]], a[put["yss"]], a[put["ysh"]] = vy[3] // u, vy[4] // u, vy[5] // u
-        err = None
+        if key is not None and key.numel():
+            a[put["K"]], a[put["KY"]], a[put["HK"]] = src_k.data_ptr(), ky.data_ptr(), vk[2]
+            a[put["ksb"]], a[put["kss"]], a[put["ksh"]] = vk[3] // u, vk[4] // u, vk[5] // u
+            a[put["kysb"]], a[put["kyss"]], a[put["kysh"]] = vky[3] // u, vky[4] // u, vky[5] // u
+        else:
+            a[put["K"]] = a[put["KY"]] = 0  # HK = 0: the key loop never runs
+        word = None
         if position_ids is not None:
             if position_ids.dim() == 2:
                 psb = position_ids.stride(0) if position_ids.shape[0] > 1 else 0
                 pss = position_ids.stride(1)
             else:
                 psb, pss = 0, position_ids.stride(0)
-            err = torch.zeros(1, dtype=torch.int32, device=self.device)
-            a[put["P"]], a[put["ERR"]] = position_ids.data_ptr(), err.data_ptr()
+            # a position out of range reads as 0 (nothing is indexed out of bounds) and the kernel
+            # writes this call's tag into its error word: reported without a host sync (tileops.errors)
+            word = self.op._error_word(self.device, position_ids)
+            a[put["P"]], a[put["ERR"]], a[put["tag"]] = position_ids.data_ptr(), word.dev.data_ptr(), word.tag
             a[put["psb"]], a[put["pss"]], a[put["limit"]] = psb, pss, self.limit
         kernel(*a)
-        # One 4-byte read when positions are given: the kernel sets the flag for a position out of
-        # range (which it reads as 0, so no table is indexed out of bounds).
-        if err is not None and err.item():
-            self.op._raise_bad_position(position_ids)
-        return out
+        if word is not None:
+            self.op._launched(word)
+        if y is not out:
+            out.copy_(y)
+        if key is not None and ky is not key_out:
+            key_out.copy_(ky)
+        return out, key_out
 
 
 def implement(op: Any, spec: Any) -> RopeKernels:

@@ -25,7 +25,8 @@ class _PartialRotary(_RoPEBase):
         rd = self.params["rotary_dim"]
         return head_dim if rd is None else rd
 
-    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, key_out: torch.Tensor | None = None) -> Any:
         """Rotate ``x``; runs on ``op(x)``. Shapes and dtype are taken from the first call.
 
         Args:
@@ -35,16 +36,25 @@ class _PartialRotary(_RoPEBase):
             position_ids (torch.Tensor | None): int32 or int64 on the device of ``x``, ``[seq_len]``
                 (shared by the batch) or ``[batch, seq_len]`` (``"2d"``), each in ``[0, 2^24)``.
                 None (default) means ``0 .. seq_len - 1``.
+            key (torch.Tensor | None): Keyword-only. The attention key, rotated at the same positions
+                in the same launch with cos/sin composed once: like ``x`` but with its own number of
+                heads (GQA, MQA) and strides; same dtype. Not modified.
+            out (torch.Tensor | None): Keyword-only. Where to write the result, shaped and typed like
+                ``x``, any strides with a contiguous last dim; ``out=x`` rotates in place. It may not
+                otherwise overlap another argument. Not with gradients.
+            key_out (torch.Tensor | None): Keyword-only. Where to write the rotated key (with ``key``).
 
         Returns:
-            torch.Tensor: A new tensor shaped and typed like ``x``.
+            torch.Tensor | tuple: ``out``, a new tensor like ``x`` unless ``out=`` is given; with
+            ``key``, the pair ``(out, key_out)``.
 
         Raises:
+            RuntimeError: ``out=``/``key_out=`` while an input requires grad.
             TypeError: ``x`` is not a tensor, or has a dtype outside those listed.
             ValueError: Wrong number of dims for ``input_layout``, an odd ``head_dim``,
                 ``rotary_dim`` above ``head_dim``, or a position out of range.
         """
-        return self._call({"x": x, "position_ids": position_ids})
+        return self._call({"x": x, "position_ids": position_ids, "key": key}, {"out": out, "key_out": key_out})
 
 
 class RoPELinearFwdOp(_PartialRotary):
@@ -151,6 +161,7 @@ class Phi3LongRoPEFwdOp(_PartialRotary):
             self.params[arg] = freqs.factor_table(self.name, arg, self.params[arg], "rotary_dim // 2")
 
     def _check_more(self, tensors: Any, dims: Any) -> None:
+        super()._check_more(tensors, dims)
         rot = self.rotated_width(dims["head_dim"])
         for arg in ("short_factor", "long_factor"):
             f = self.params[arg]

@@ -44,6 +44,12 @@ class _RoPEBase(Op):
         device when the choice depends on position values (never read on the host)."""
         return 0
 
+    def _check_more(self, tensors: Any, dims: Any) -> None:
+        key, x = tensors.get("key"), tensors["x"]
+        if key is not None and key.dtype != x.dtype:
+            raise TypeError(f"{self.name}: key: expected dtype {str(x.dtype).replace('torch.', '')} (that of x), "
+                            f"got {str(key.dtype).replace('torch.', '')}")
+
     def position_limit(self) -> int:
         """Positions must lie in ``[0, position_limit())``: 2^24, what the digit tables cover."""
         return MAX_POSITION
@@ -56,16 +62,19 @@ class _RoPEBase(Op):
             t = cache[rot] = [RopeTables(inv, amp) for inv, amp in self.table_choices(rot)]
         return t
 
-    def _raise_bad_position(self, position_ids: torch.Tensor) -> None:
-        """Raise the ValueError naming the first position outside ``[0, position_limit())``."""
+    def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:
+        """Raise the ValueError naming the first position outside ``[0, position_limit())``;
+        ``when`` says which call it was, if not this one."""
         limit = self.position_limit()
-        bad = ((position_ids < 0) | (position_ids >= limit)).nonzero()
-        if bad.shape[0] == 0:  # pragma: no cover - called only when the kernel flagged one
-            raise RuntimeError(f"{self.name}: position_ids: a position was flagged out of range but none is")
-        idx = tuple(int(i) for i in bad[0])
         bound = "max_position" if "max_position" in self.params else "2^24"
+        bad = ((position_ids < 0) | (position_ids >= limit)).nonzero()
+        if bad.shape[0] == 0:  # the caller changed the tensor since the kernel read it
+            raise ValueError(f"{self.name}: position_ids: expected every value in [0, {bound}={limit}); "
+                             f"{when or 'this call'} read one outside (the tensor has changed since)")
+        idx = tuple(int(i) for i in bad[0])
         raise ValueError(f"{self.name}: position_ids: expected every value in [0, {bound}={limit}), "
-                         f"got position_ids[{', '.join(map(str, idx))}] = {int(position_ids[idx])}")
+                         f"got position_ids[{', '.join(map(str, idx))}] = {int(position_ids[idx])}"
+                         + (f" ({when})" if when else ""))
 
 
 class RoPEFwdOp(_RoPEBase):
@@ -108,7 +117,8 @@ class RoPEFwdOp(_RoPEBase):
         self._setup({"rope_layout": rope_layout, "input_layout": input_layout, "base": base}, target)
         self.pairing = self.params["rope_layout"]
 
-    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, key_out: torch.Tensor | None = None) -> Any:
         """Rotate ``x``; runs on ``op(x)``. Shapes and dtype are taken from the first call.
 
         Gradients: the output is differentiable in ``x`` (it carries a ``grad_fn`` when ``x``
@@ -123,16 +133,25 @@ class RoPEFwdOp(_RoPEBase):
                 (1d, or 2d shared by the batch) or ``[batch, seq_len]`` (2d); int32 or int64 on the
                 device of ``x``, each in ``[0, 2^24)``. None (default) means ``0 .. seq_len - 1``.
                 With a KV cache, chunked prefill or left padding, pass the real positions.
+            key (torch.Tensor | None): Keyword-only. The attention key, rotated at the same positions
+                in the same launch with cos/sin composed once: like ``x`` but with its own number of
+                heads (GQA, MQA) and strides; same dtype. Not modified.
+            out (torch.Tensor | None): Keyword-only. Where to write the result, shaped and typed like
+                ``x``, any strides with a contiguous last dim; ``out=x`` rotates in place. It may not
+                otherwise overlap another argument. Not with gradients.
+            key_out (torch.Tensor | None): Keyword-only. Where to write the rotated key (with ``key``).
 
         Returns:
-            torch.Tensor: A new tensor shaped and typed like ``x``.
+            torch.Tensor | tuple: ``out``, a new tensor like ``x`` unless ``out=`` is given; with
+            ``key``, the pair ``(out, key_out)``.
 
         Raises:
+            RuntimeError: ``out=``/``key_out=`` while an input requires grad.
             TypeError: ``x`` is not a tensor, or its dtype is not float16, bfloat16 or float32.
             ValueError: ``x`` has the wrong number of dims for ``input_layout``, or an odd ``head_dim``.
                 A position outside ``[0, 2^24)`` raises ValueError naming its index and value.
         """
-        return self._call({"x": x, "position_ids": position_ids})
+        return self._call({"x": x, "position_ids": position_ids, "key": key}, {"out": out, "key_out": key_out})
 
 
 class RoPENeoxPositionIdsFwdOp(_RoPEBase):
@@ -143,14 +162,12 @@ class RoPENeoxPositionIdsFwdOp(_RoPEBase):
     columns from ``rotary_dim`` on are copied unchanged. This is vLLM's ``rotary_embedding`` and
     flashinfer's ``apply_rope_pos_ids`` on the packed (THD) layout.
 
-    Positions are checked on the device: the kernel clamps any position outside
-    ``[0, max_position)`` (so nothing is read out of bounds) and raises a flag, which the op reads
-    once per call and turns into a ValueError naming the first offending index. That read is one
-    host synchronisation per call on a GPU: measured on an H200 in two runs
-    (``python -m benchmarks.hostprof``), the 4-byte read costs 9.7-12.9 µs of host time and a call
-    of this op 22-31 µs with the GPU idle, against 12-20 µs for ``RoPEFwdOp``; the GPU waits for
-    the host between calls. The kernel itself runs as fast as the 2d one (4096 tokens x 32 heads x
-    128, bf16: 19.8 µs, 80% of the copy rate).
+    Positions are checked on the device: the kernel reads any position outside ``[0, max_position)``
+    as 0 (so nothing is read out of bounds) and marks the call; the ValueError naming the index is
+    raised without a host synchronisation, at a later call of the op or at ``op.check()`` (see the
+    API page, "Positions and gradients"; ``tileops.strict()`` raises at the call itself). The
+    kernel runs as fast as the 2d one (4096 tokens x 32 heads x 128, bf16: 19.8 µs on an H200,
+    80% of the copy rate).
 
     References: GPT-NeoX and HF transformers (``rotate_half``); vLLM ``rotary_embedding``;
     flashinfer ``apply_rope_pos_ids``.
@@ -183,7 +200,8 @@ class RoPENeoxPositionIdsFwdOp(_RoPEBase):
         rd = self.params["rotary_dim"]
         return head_dim if rd is None else rd
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *, key: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, key_out: torch.Tensor | None = None) -> Any:
         """Rotate ``x`` at ``position_ids``; runs on ``op(x, position_ids)``. Shapes and dtypes
         are taken from the first call.
 
@@ -192,17 +210,26 @@ class RoPENeoxPositionIdsFwdOp(_RoPEBase):
                 ``head_dim`` even and at least ``rotary_dim``. Not modified.
             position_ids (torch.Tensor): ``[tokens]``, int32 or int64, each in ``[0, max_position)``,
                 on the device of ``x``.
+            key (torch.Tensor | None): Keyword-only. The attention key, rotated at the same positions
+                in the same launch with cos/sin composed once: like ``x`` but with its own number of
+                heads (GQA, MQA) and strides; same dtype. Not modified.
+            out (torch.Tensor | None): Keyword-only. Where to write the result, shaped and typed like
+                ``x``, any strides with a contiguous last dim; ``out=x`` rotates in place. It may not
+                otherwise overlap another argument. Not with gradients.
+            key_out (torch.Tensor | None): Keyword-only. Where to write the rotated key (with ``key``).
 
         Returns:
-            torch.Tensor: A new tensor shaped and typed like ``x``.
+            torch.Tensor | tuple: ``out``, a new tensor like ``x`` unless ``out=`` is given; with
+            ``key``, the pair ``(out, key_out)``.
 
         Raises:
+            RuntimeError: ``out=``/``key_out=`` while an input requires grad.
             TypeError: An argument is not a tensor or has a dtype outside those listed.
             ValueError: Wrong number of dims, ``tokens`` differing between the two, ``rotary_dim``
                 above ``head_dim``, tensors on different devices, or a position outside
                 ``[0, max_position)`` (the message names its index).
         """
-        return self._call({"x": x, "position_ids": position_ids})
+        return self._call({"x": x, "position_ids": position_ids, "key": key}, {"out": out, "key_out": key_out})
 
     def position_limit(self) -> int:
         return self.params["max_position"]
@@ -252,7 +279,8 @@ class RoPELlama31FwdOp(_RoPEBase):
         return freqs.llama31_inv_freq(p["base"], rot, p["scale_factor"], p["low_freq_factor"],
                                       p["high_freq_factor"], p["original_max_position"]), 1.0
 
-    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, key_out: torch.Tensor | None = None) -> Any:
         """Rotate ``x``; runs on ``op(x)``. Shapes and dtype are taken from the first call.
 
         Gradients: the output is differentiable in ``x`` (it carries a ``grad_fn`` when ``x``
@@ -267,16 +295,25 @@ class RoPELlama31FwdOp(_RoPEBase):
                 (1d, or 2d shared by the batch) or ``[batch, seq_len]`` (2d); int32 or int64 on the
                 device of ``x``, each in ``[0, 2^24)``. None (default) means ``0 .. seq_len - 1``.
                 With a KV cache, chunked prefill or left padding, pass the real positions.
+            key (torch.Tensor | None): Keyword-only. The attention key, rotated at the same positions
+                in the same launch with cos/sin composed once: like ``x`` but with its own number of
+                heads (GQA, MQA) and strides; same dtype. Not modified.
+            out (torch.Tensor | None): Keyword-only. Where to write the result, shaped and typed like
+                ``x``, any strides with a contiguous last dim; ``out=x`` rotates in place. It may not
+                otherwise overlap another argument. Not with gradients.
+            key_out (torch.Tensor | None): Keyword-only. Where to write the rotated key (with ``key``).
 
         Returns:
-            torch.Tensor: A new tensor shaped and typed like ``x``.
+            torch.Tensor | tuple: ``out``, a new tensor like ``x`` unless ``out=`` is given; with
+            ``key``, the pair ``(out, key_out)``.
 
         Raises:
+            RuntimeError: ``out=``/``key_out=`` while an input requires grad.
             TypeError: ``x`` is not a tensor, or has a dtype outside those listed.
             ValueError: Wrong number of dims for ``input_layout``, or an odd ``head_dim``.
                 A position outside ``[0, 2^24)`` raises ValueError naming its index and value.
         """
-        return self._call({"x": x, "position_ids": position_ids})
+        return self._call({"x": x, "position_ids": position_ids, "key": key}, {"out": out, "key_out": key_out})
 
 
 class YaRNFwdOp(_RoPEBase):
@@ -324,7 +361,8 @@ class YaRNFwdOp(_RoPEBase):
                                   p["beta_slow"])
         return inv, freqs.yarn_amplitude(p["scale"], p["attn_factor"])
 
-    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, key_out: torch.Tensor | None = None) -> Any:
         """Rotate and scale ``x``; runs on ``op(x)``. Shapes and dtype are taken from the first call.
 
         Gradients: the output is differentiable in ``x`` (it carries a ``grad_fn`` when ``x``
@@ -339,16 +377,25 @@ class YaRNFwdOp(_RoPEBase):
                 (1d, or 2d shared by the batch) or ``[batch, seq_len]`` (2d); int32 or int64 on the
                 device of ``x``, each in ``[0, 2^24)``. None (default) means ``0 .. seq_len - 1``.
                 With a KV cache, chunked prefill or left padding, pass the real positions.
+            key (torch.Tensor | None): Keyword-only. The attention key, rotated at the same positions
+                in the same launch with cos/sin composed once: like ``x`` but with its own number of
+                heads (GQA, MQA) and strides; same dtype. Not modified.
+            out (torch.Tensor | None): Keyword-only. Where to write the result, shaped and typed like
+                ``x``, any strides with a contiguous last dim; ``out=x`` rotates in place. It may not
+                otherwise overlap another argument. Not with gradients.
+            key_out (torch.Tensor | None): Keyword-only. Where to write the rotated key (with ``key``).
 
         Returns:
-            torch.Tensor: A new tensor shaped and typed like ``x``.
+            torch.Tensor | tuple: ``out``, a new tensor like ``x`` unless ``out=`` is given; with
+            ``key``, the pair ``(out, key_out)``.
 
         Raises:
+            RuntimeError: ``out=``/``key_out=`` while an input requires grad.
             TypeError: ``x`` is not a tensor, or has a dtype outside those listed.
             ValueError: Wrong number of dims for ``input_layout``, or an odd ``head_dim``.
                 A position outside ``[0, 2^24)`` raises ValueError naming its index and value.
         """
-        return self._call({"x": x, "position_ids": position_ids})
+        return self._call({"x": x, "position_ids": position_ids, "key": key}, {"out": out, "key_out": key_out})
 
 
 class LongRoPEFwdOp(_RoPEBase):
@@ -392,6 +439,7 @@ class LongRoPEFwdOp(_RoPEBase):
                                                             self.params["rescale_factors"], "head_dim // 2")
 
     def _check_more(self, tensors: Any, dims: Any) -> None:
+        super()._check_more(tensors, dims)
         rf = self.params["rescale_factors"]
         if rf is not None and rf.shape[0] != dims["head_dim"] // 2:
             raise ValueError(f"{self.name}: rescale_factors: expected length head_dim // 2 = "
@@ -402,7 +450,8 @@ class LongRoPEFwdOp(_RoPEBase):
         return (freqs.longrope_inv_freq(p["base"], rot, p["rescale_factors"]),
                 freqs.longrope_amplitude(p["max_position_embeddings"], p["original_max_position_embeddings"]))
 
-    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, key_out: torch.Tensor | None = None) -> Any:
         """Rotate and scale ``x``; runs on ``op(x)``. Shapes and dtype are taken from the first call.
 
         Gradients: the output is differentiable in ``x`` (it carries a ``grad_fn`` when ``x``
@@ -417,16 +466,25 @@ class LongRoPEFwdOp(_RoPEBase):
                 (1d, or 2d shared by the batch) or ``[batch, seq_len]`` (2d); int32 or int64 on the
                 device of ``x``, each in ``[0, 2^24)``. None (default) means ``0 .. seq_len - 1``.
                 With a KV cache, chunked prefill or left padding, pass the real positions.
+            key (torch.Tensor | None): Keyword-only. The attention key, rotated at the same positions
+                in the same launch with cos/sin composed once: like ``x`` but with its own number of
+                heads (GQA, MQA) and strides; same dtype. Not modified.
+            out (torch.Tensor | None): Keyword-only. Where to write the result, shaped and typed like
+                ``x``, any strides with a contiguous last dim; ``out=x`` rotates in place. It may not
+                otherwise overlap another argument. Not with gradients.
+            key_out (torch.Tensor | None): Keyword-only. Where to write the rotated key (with ``key``).
 
         Returns:
-            torch.Tensor: A new tensor shaped and typed like ``x``.
+            torch.Tensor | tuple: ``out``, a new tensor like ``x`` unless ``out=`` is given; with
+            ``key``, the pair ``(out, key_out)``.
 
         Raises:
+            RuntimeError: ``out=``/``key_out=`` while an input requires grad.
             TypeError: ``x`` is not a tensor, or has a dtype outside those listed.
             ValueError: Wrong number of dims for ``input_layout``, an odd ``head_dim``, or a
                 ``rescale_factors`` length other than ``head_dim // 2``.
                 A position outside ``[0, 2^24)`` raises ValueError naming its index and value.
         """
-        return self._call({"x": x, "position_ids": position_ids})
+        return self._call({"x": x, "position_ids": position_ids, "key": key}, {"out": out, "key_out": key_out})
 
 

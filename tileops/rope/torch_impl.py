@@ -41,7 +41,7 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
         cs = cs.float().to(spec.device)
         return cs[0], cs[1]
 
-    def run(x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(x: torch.Tensor, position_ids: torch.Tensor | None = None, key: torch.Tensor | None = None) -> Any:
         if op.layout == "ids" or position_ids is not None:
             bad = (position_ids < 0) | (position_ids >= limit)
             if bool(bad.any()):
@@ -54,6 +54,7 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
             c, s = c[:, None, :], s[:, None, :]  # [tokens, 1, R/2] against [tokens, heads, D]
         elif op.layout == "2d":
             c, s = c[..., None, :], s[..., None, :]  # [(batch,) seq, 1, R/2]
-        return _rotate(x, c, s, rot, op.pairing)
+        out = _rotate(x, c, s, rot, op.pairing)
+        return out if key is None else (out, _rotate(key, c, s, rot, op.pairing))
 
     return run

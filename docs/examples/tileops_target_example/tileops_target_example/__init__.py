@@ -29,9 +29,10 @@ class ExampleTarget(Target):
     def implement(self, op: Any, spec: Any) -> Callable[..., torch.Tensor]:
         """The function serving one specialization of ``op``: its device, dtypes and dims.
 
-        The op caches what this returns and calls it with the op's inputs as keywords: ``x`` and
-        ``position_ids`` (None when the caller gave none, except for the position-ids op), already
-        checked against the op's manifest. The output must be differentiable in ``x`` when it
+        The op caches what this returns and calls it with the op's inputs as keywords: ``x``,
+        ``position_ids`` (None when the caller gave none, except for the position-ids op) and
+        ``key`` (None, or a second tensor to rotate the same way: then return both), already
+        checked against the op's manifest; the op itself handles ``out=``. The output must be differentiable in ``x`` when it
         requires grad: plain PyTorch ops are, and the op refuses an output without a ``grad_fn``.
         """
         rot = op.rotated_width(spec.dim("head_dim"))  # the columns that rotate
@@ -61,21 +62,25 @@ class ExampleTarget(Target):
         if op.layout == "ids":
             max_position = op.params["max_position"]
 
-            def run_ids(x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            def run_ids(x: torch.Tensor, position_ids: torch.Tensor, key: torch.Tensor | None = None):
                 if bool(((position_ids < 0) | (position_ids >= max_position)).any()):
                     raise ValueError(f"{op.name}: position_ids: expected every value in [0, {max_position})")
-                return rotate(x, position_ids)
+                if key is None:
+                    return rotate(x, position_ids)
+                return rotate(x, position_ids), rotate(key, position_ids)
 
             return run_ids
 
         seq_axis = 0 if op.layout == "1d" else 1
         limit = op.position_limit()
 
-        def run(x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        def run(x: torch.Tensor, position_ids: torch.Tensor | None = None, key: torch.Tensor | None = None):
             if position_ids is None:
-                return rotate(x, torch.arange(x.shape[seq_axis], device=x.device))
-            if bool(((position_ids < 0) | (position_ids >= limit)).any()):
+                position_ids = torch.arange(x.shape[seq_axis], device=x.device)
+            elif bool(((position_ids < 0) | (position_ids >= limit)).any()):
                 op._raise_bad_position(position_ids)
-            return rotate(x, position_ids)
+            if key is None:
+                return rotate(x, position_ids)
+            return rotate(x, position_ids), rotate(key, position_ids)  # (out, key_out)
 
         return run

@@ -1,0 +1,202 @@
+"""Serving-shaped rows on a GPU: q and k in one launch on HF-layout views, decode under CUDA graphs,
+the position-ids op without a host sync, and host time per call.
+
+    python -m benchmarks.serving [--out benchmarks/results]
+
+Every row times tileops and its alternatives side by side in one run (medians; the machines are
+shared and noisy). Copy rates: a large device-to-device copy, and one of the same bytes as the row.
+Writes ``serving.md`` and ``serving.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
+
+from .timing import copy_rate, gpu_time, rotation
+
+HERE = Path(__file__).resolve().parent
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def hf_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+    """HF's ``apply_rotary_pos_emb`` (q, k ``[B, H, S, D]``; cos, sin ``[B, S, D]``)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def same_bytes_copy_us(nbytes: int) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    return gpu_time(lambda i: dst.copy_(src), 1)[0]
+
+
+def end_to_end_us(fn: Callable[[], Any], calls: int = 200) -> float:
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def host_us(fn: Callable[[], Any], calls: int = 2000) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls // 10):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / (calls // 10))
+    torch.cuda.synchronize()
+    return best * 1e6
+
+
+def qk_row(name: str, B: int, Hq: int, Hk: int, S: int, D: int, dtype: torch.dtype, in_place: bool) -> dict:
+    """q and k in HF's [B, H, S, D], rotated through transposed views in one launch."""
+    op = RoPEFwdOp(input_layout="2d")
+    nbytes = 2 * (Hq + Hk) * B * S * D * torch.tensor([], dtype=dtype).element_size()
+    n = rotation(nbytes)
+    qs = [torch.randn(B, Hq, S, D, device="cuda", dtype=dtype) for _ in range(n)]
+    ks = [torch.randn(B, Hk, S, D, device="cuda", dtype=dtype) for _ in range(n)]
+    pos = torch.arange(S, device="cuda")
+
+    def ours(i: int) -> Any:
+        q, k = qs[i].transpose(1, 2), ks[i].transpose(1, 2)
+        if in_place:
+            return op(q, position_ids=pos, key=k, out=q, key_out=k)
+        return op(q, position_ids=pos, key=k)
+
+    inv = 10000.0 ** (-torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D)
+    ang = pos.double()[:, None] * inv
+    cos = torch.cat((ang.cos(), ang.cos()), -1)[None].to(dtype).expand(B, S, D)
+    sin = torch.cat((ang.sin(), ang.sin()), -1)[None].to(dtype).expand(B, S, D)
+    compiled = torch.compile(hf_apply, dynamic=False)
+    row = {"row": name, "bytes": nbytes, "ours_us": gpu_time(ours, n)[0],
+           "compile_us": gpu_time(lambda i: compiled(qs[i], ks[i], cos, sin), n)[0],
+           "same_bytes_copy_us": same_bytes_copy_us(nbytes)}
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+
+        cc, ss = cos[:1].contiguous(), sin[:1].contiguous()
+        row["liger_us"] = gpu_time(lambda i: LigerRopeFunction.apply(qs[i], ks[i], cc, ss), n)[0]
+    except Exception as e:  # noqa: BLE001 - Liger is optional
+        row["liger_us"] = float("nan")
+        print(f"liger: {e}", file=sys.stderr)
+    q0, k0 = qs[0], ks[0]
+    row["end_to_end_us"] = end_to_end_us(lambda: ours(0))
+    row["compile_end_to_end_us"] = end_to_end_us(lambda: compiled(q0, k0, cos, sin))
+    return row
+
+
+def decode_graph_row(tokens: int = 32, Hq: int = 32, Hk: int = 8, D: int = 128) -> dict:
+    """q+k at decode size, 100 back-to-back calls captured in one CUDA graph, replayed."""
+    op = RoPENeoxPositionIdsFwdOp(1 << 20)
+    q = torch.randn(tokens, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tokens, Hk, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 1 << 20, (tokens,), device="cuda")
+    op(q, pos, key=k, out=q, key_out=k)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        for _ in range(100):
+            op(q, pos, key=k, out=q, key_out=k)
+    per_call = gpu_time(lambda i: g.replay(), 1, batches=20, per_batch=1)[0] / 100
+    op.check()
+    eager = gpu_time(lambda i: op(q, pos, key=k, out=q, key_out=k), 1)[0]
+    host = host_us(lambda: op(q, pos, key=k, out=q, key_out=k))
+    x = torch.randn(tokens, Hq, D, device="cuda", dtype=torch.bfloat16)
+    bare = host_us(lambda: x.add_(1.0))
+    return {"row": f"decode q+k {tokens} tok {Hq}/{Hk} heads, graph of 100", "graph_us_per_call": per_call,
+            "eager_us_per_call": eager, "host_us": host, "bare_add_host_us": bare}
+
+
+def ids_row(tokens: int, dtype: torch.dtype) -> dict:
+    """The position-ids op, no host sync: q alone, new tensor, queued back to back."""
+    op = RoPENeoxPositionIdsFwdOp(8192)
+    nbytes = 2 * tokens * 32 * 128 * torch.tensor([], dtype=dtype).element_size() + tokens * 8
+    n = rotation(nbytes)
+    xs = [torch.randn(tokens, 32, 128, device="cuda", dtype=dtype) for _ in range(n)]
+    ps = [torch.randint(0, 8192, (tokens,), device="cuda") for _ in range(n)]
+    cos_t = torch.randn(8192, 128, device="cuda", dtype=torch.float32)
+
+    def eager_ref(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        c = cos_t[p][:, None, :]
+        return (x.float() * c + _rotate_half(x.float()) * c).to(x.dtype)
+
+    compiled = torch.compile(eager_ref, dynamic=False)
+    return {"row": f"position ids {tokens}x32x128 {str(dtype)[6:]}", "bytes": nbytes,
+            "ours_us": gpu_time(lambda i: op(xs[i], ps[i]), n)[0],
+            "compile_us": gpu_time(lambda i: compiled(xs[i], ps[i]), n)[0],
+            "same_bytes_copy_us": same_bytes_copy_us(nbytes)}
+
+
+def markdown(rows: list[dict], ceiling: float) -> str:
+    out = [f"Copy rate (1 GiB) {ceiling:.0f} GB/s.", "",
+           "| row | MB | ours us | % same-bytes copy | % 1 GiB copy | torch.compile us | x compile | Liger us | x Liger "
+           "| ours end to end us | compile end to end us |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ours_us" not in r:
+            continue
+        floor_big = r["bytes"] / (ceiling * 1e3)
+        lg = r.get("liger_us", float("nan"))
+        out.append(f"| {r['row']} | {r['bytes'] / 1e6:.1f} | {r['ours_us']:.1f} | "
+                   f"{100 * r['same_bytes_copy_us'] / r['ours_us']:.0f} | {100 * floor_big / r['ours_us']:.0f} | "
+                   f"{r['compile_us']:.1f} | {r['compile_us'] / r['ours_us']:.2f} | {lg:.1f} | {lg / r['ours_us']:.2f} | "
+                   f"{r.get('end_to_end_us', float('nan')):.1f} | {r.get('compile_end_to_end_us', float('nan')):.1f} |")
+    for r in rows:
+        if "graph_us_per_call" in r:
+            out += ["", f"{r['row']}: {r['graph_us_per_call']:.2f} us per call replayed, {r['eager_us_per_call']:.2f} "
+                        f"us eager (queued); host {r['host_us']:.1f} us per call against {r['bare_add_host_us']:.1f} us "
+                        f"for a bare x.add_(1.0) ({r['host_us'] / r['bare_add_host_us']:.2f}x)."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving")
+    p.add_argument("--out", default=str(HERE / "results"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA GPU", file=sys.stderr)
+        return 2
+    ceiling = copy_rate()
+    rows = [
+        qk_row("q+k HF layout in place, B1 32/8 heads S8192 D128 bf16", 1, 32, 8, 8192, 128, torch.bfloat16, True),
+        qk_row("q+k HF layout [4, 8, 256, 64] fp32", 4, 8, 8, 256, 64, torch.float32, False),
+        qk_row("q+k HF layout [2, 32, 2048, 128] fp32", 2, 32, 32, 2048, 128, torch.float32, False),
+        qk_row("q+k HF layout [1, 32, 8192, 128] fp32", 1, 32, 32, 8192, 128, torch.float32, False),
+        ids_row(2048, torch.float16),
+        ids_row(4096, torch.bfloat16),
+        decode_graph_row(),
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps(rows, indent=1))
+    md = markdown(rows, ceiling)
+    (out / "serving.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The ops as torch.library custom ops: opcheck for every op, torch.compile with no graph break and
+no recompile across lengths, gradients through a compiled function (CPU here; the CUDA variants
+are in test_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tileops
+from tileops.manifest import registry
+from tileops.workloads import make_inputs, op_class
+
+REGISTRY = registry()
+OPS = sorted(REGISTRY)
+
+
+def _small(name: str, gen: torch.Generator, every: bool = True) -> tuple:
+    m = REGISTRY[name]
+    case = next(c for c in m.cases if c.label.endswith("odd") or "odd" in c.label or c.bench is False)
+    params = {p.name: p.default for p in m.params if p.has_default} | dict(case.params)
+    dims = {d: 3 for d in m.dims} | {"head_dim": 32}
+    if "max_position" in params:
+        params["max_position"] = 1000
+    if params.get("rotary_dim"):
+        params["rotary_dim"] = 16
+    for arg in ("rescale_factors", "short_factor", "long_factor"):
+        if arg in params and params[arg] is not None:
+            params[arg] = None
+    inputs = make_inputs(m, params, dims, "float32", generator=gen, every=every)
+    return m, op_class(name)(**params), inputs
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck_every_op(name, gen):
+    m, op, inputs = _small(name, gen)
+    x, pos, key = inputs["x"], inputs.get("position_ids"), inputs.get("key")
+    h = op._handle
+    for args in ((h, x, pos, key), (h, x, pos, None)):
+        torch.library.opcheck(torch.ops.tileops.apply.default, args)
+    grad_args = (h, x.clone().requires_grad_(True), pos, key.clone().requires_grad_(True))
+    torch.library.opcheck(torch.ops.tileops.apply.default, grad_args)
+    torch.library.opcheck(torch.ops.tileops.apply_out.default,
+                          (h, x, pos, key, torch.empty_like(x), torch.empty_like(key)))
+
+
+def test_compiled_fullgraph_dynamic_no_recompile_and_eager_result(gen):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    op = tileops.rope.RoPELlama31FwdOp(input_layout="2d")
+
+    def attention_inputs(q, k, pos):
+        qo, ko = op(q, position_ids=pos, key=k)
+        return qo * 0.5, ko
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(attention_inputs, fullgraph=True, dynamic=True, backend=counter)
+    # from 5: Dynamo specializes sizes 0 and 1, and equates dims equal at the first call (duck sizing)
+    for seq in range(5, 25):
+        q = torch.randn(2, seq, 4, 32, generator=gen)
+        k = torch.randn(2, seq, 2, 32, generator=gen)
+        pos = torch.randint(0, 2**20, (2, seq), generator=gen)
+        got, want = compiled(q, k, pos), attention_inputs(q, k, pos)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles for 20 lengths"
+
+
+def test_compiled_gradients_and_out(gen):
+    op = tileops.rope.RoPEFwdOp(input_layout="2d")
+
+    def loss(x, pos):
+        return op(x, position_ids=pos).square().sum()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    x = torch.randn(2, 9, 3, 32, generator=gen, requires_grad=True)
+    pos = torch.randint(0, 5000, (9,), generator=gen)
+    (g_compiled,) = torch.autograd.grad(compiled(x, pos), x)
+    (g_eager,) = torch.autograd.grad(loss(x, pos), x)
+    assert torch.allclose(g_compiled, g_eager, atol=1e-5, rtol=1e-5)
+
+    def in_place(x, pos):
+        op(x, position_ids=pos, out=x)
+        return x
+
+    y = torch.randn(2, 9, 3, 32, generator=gen)
+    want = op(y, position_ids=pos)
+    got = torch.compile(in_place, fullgraph=True)(y.clone(), pos)
+    assert torch.equal(got, want)
+
+
+def test_reduce_overhead_mode_runs(gen):
+    op = tileops.rope.RoPEFwdOp(input_layout="2d")
+    f = torch.compile(lambda x: op(x) + 1, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(1, 5, 2, 16, generator=gen)
+    assert torch.equal(f(x), op(x) + 1)

@@ -1,0 +1,201 @@
+"""Serving-grade calls on a GPU: no host sync for positions, per-call errors across threads and
+streams, CUDA graphs, torch.compile, opcheck and several GPUs (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tileops
+from tests.references import reference
+from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
+
+pytestmark = pytest.mark.cuda
+
+
+def _close(got, ref, tol=4e-3):
+    return bool(((got.double().cpu() - ref).abs() <= tol + tol * ref.abs()).all())
+
+
+def test_bad_position_reported_at_the_next_call_or_check_without_sync():
+    op = RoPENeoxPositionIdsFwdOp(4096)
+    x = torch.randn(64, 8, 128, device="cuda", dtype=torch.float16)
+    bad = torch.randint(0, 4096, (64,), device="cuda")
+    bad[17] = 4096
+    good = torch.randint(0, 4096, (64,), device="cuda")
+    op(x, bad)  # no exception here: nothing waited for the kernel
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"position_ids\[17\] = 4096 \(reported for an earlier call"):
+        op(x, good)
+    out = op(x, good)  # the error was reported once; the op goes on
+    op.check()
+    ref = reference("RoPENeoxPositionIdsFwdOp", {"max_position": 4096}, {"x": x.cpu(), "position_ids": good.cpu()})
+    assert _close(out, ref)
+    op(x, bad)
+    with pytest.raises(ValueError, match=r"position_ids\[17\]"):
+        op.check()
+    with tileops.strict(), pytest.raises(ValueError, match=r"position_ids\[17\] = 4096$"):
+        op(x, bad)
+
+
+def test_threads_and_streams_see_only_their_own_errors():
+    op = YaRNFwdOp(input_layout="2d", scale=4.0)
+    x = torch.randn(2, 33, 4, 64, device="cuda")
+    ref_pos = torch.randint(0, 2**20, (2, 33), device="cuda")
+    want = op(x, position_ids=ref_pos)
+    torch.cuda.synchronize()
+    errors = {"good": 0, "bad": 0, "wrong": 0, "launched_bad": 0}
+    lock = threading.Lock()
+
+    def worker(kind: str) -> None:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for i in range(60):
+                pos = ref_pos.clone()
+                if kind == "bad":
+                    pos[1, 5] = -3
+                try:
+                    out = op(x, position_ids=pos)
+                    if kind == "bad":  # it ran (an earlier call's error would have stopped it first)
+                        with lock:
+                            errors["launched_bad"] += 1
+                    if kind == "good":
+                        stream.synchronize()
+                        if not torch.equal(out, want):
+                            with lock:
+                                errors["wrong"] += 1
+                except ValueError as e:
+                    with lock:
+                        errors[kind] += 1
+                    assert "position_ids[1, 5] = -3" in str(e)
+            try:
+                op.check()
+            except ValueError:
+                with lock:
+                    errors[kind] += 1
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in ("good", "bad", "good", "bad")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors["good"] == 0 and errors["wrong"] == 0, errors
+    # every bad call that ran is reported exactly once: at a later call of its thread, or at check()
+    assert errors["bad"] == errors["launched_bad"] > 0, errors
+
+
+def test_cuda_graph_replays_new_data_and_positions_with_key_and_out():
+    op = RoPEFwdOp(input_layout="2d")
+    q = torch.randn(1, 32, 32, 128, device="cuda", dtype=torch.bfloat16)  # decode: 32 tokens
+    k = torch.randn(1, 32, 8, 128, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, 8192, (32,), device="cuda")
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    op(q, position_ids=pos, key=k, out=qo, key_out=ko)  # warm-up: compiles, builds the tables
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    op(q, position_ids=pos, key=k, out=qo, key_out=ko)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before, "a warm call allocated"
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        op(q, position_ids=pos, key=k, out=qo, key_out=ko)
+    for _ in range(3):
+        q.copy_(torch.randn_like(q))
+        k.copy_(torch.randn_like(k))
+        pos.copy_(torch.randint(0, 8192, (32,), device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        params = {"input_layout": "2d"}
+        assert _close(qo, reference("RoPEFwdOp", params, {"x": q.cpu(), "position_ids": pos.cpu()}), 1.6e-2)
+        assert _close(ko, reference("RoPEFwdOp", params, {"x": k.cpu(), "position_ids": pos.cpu()}), 1.6e-2)
+        op.check()
+    pos[3] = 1 << 24
+    g.replay()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"position_ids\[3\] = 16777216 \(in a CUDA graph replay\)"):
+        op.check()
+    pos[3] = 7
+    g.replay()
+    torch.cuda.synchronize()
+    op.check()  # cleared: the next replay is judged alone
+
+
+def test_every_op_captures_in_a_graph():
+    for name, cls in tileops.ops().items():
+        m = tileops.manifest.get(name)
+        params = {p.name: p.default for p in m.params if p.has_default}
+        if "max_position" in [p.name for p in m.params]:
+            params["max_position"] = 4096
+        if "input_layout" in params:
+            params["input_layout"] = "2d"
+        op = cls(**params)
+        if name == "RoPENeoxPositionIdsFwdOp":
+            x, pos = torch.randn(16, 4, 64, device="cuda"), torch.randint(0, 4096, (16,), device="cuda")
+            call = lambda: op(x, pos, out=out)  # noqa: E731
+        else:
+            x, pos = torch.randn(1, 16, 4, 64, device="cuda"), torch.randint(0, 4096, (16,), device="cuda")
+            call = lambda: op(x, position_ids=pos, out=out)  # noqa: E731
+        out = torch.empty_like(x)
+        call()
+        want = out.clone()
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(g):
+            call()
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), name
+
+
+def test_opcheck_and_compile_on_cuda():
+    op = RoPEFwdOp(input_layout="2d")
+    x = torch.randn(2, 9, 4, 64, device="cuda")
+    k = torch.randn(2, 9, 1, 64, device="cuda")
+    pos = torch.randint(0, 5000, (2, 9), device="cuda")
+    torch.library.opcheck(torch.ops.tileops.apply.default, (op._handle, x, pos, k))
+    torch.library.opcheck(torch.ops.tileops.apply.default, (op._handle, x.requires_grad_(True), pos, None))
+    x = x.detach()
+
+    def f(q, k, pos):
+        qo, ko = op(q, position_ids=pos, key=k)
+        return qo.float() * 2, ko
+
+    for mode in (None, "reduce-overhead"):
+        cf = torch.compile(f, fullgraph=True, dynamic=mode is None, mode=mode)
+        for seq in (9, 17, 33):
+            q = torch.randn(2, seq, 4, 64, device="cuda")
+            kk = torch.randn(2, seq, 1, 64, device="cuda")
+            p = torch.randint(0, 5000, (2, seq), device="cuda")
+            for a, b in zip(cf(q, kk, p), f(q, kk, p)):
+                assert torch.equal(a, b), mode
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_one_op_on_two_gpus_from_two_threads():
+    op = RoPEFwdOp(input_layout="2d")
+    results = {}
+
+    def run(dev: int) -> None:
+        torch.cuda.set_device(dev)
+        ok = True
+        for i in range(20):
+            x = torch.randn(2, 65, 8, 128, device=f"cuda:{dev}", dtype=torch.bfloat16)
+            pos = torch.randint(0, 2**20, (2, 65), device=f"cuda:{dev}")
+            out = op(x, position_ids=pos)
+            assert out.device == x.device
+            ref = reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": x.cpu(), "position_ids": pos.cpu()})
+            ok &= _close(out, ref, 1.6e-2)
+        results[dev] = ok
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {0: True, 1: True}
