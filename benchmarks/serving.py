@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +20,7 @@ import torch
 
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
 
+from .runner import end_to_end_us, host_time_us as host_us
 from .timing import copy_rate, gpu_time, rotation
 
 HERE = Path(__file__).resolve().parent
@@ -42,32 +41,6 @@ def same_bytes_copy_us(nbytes: int) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float16, device="cuda")
     dst = torch.empty_like(src)
     return gpu_time(lambda i: dst.copy_(src), 1)[0]
-
-
-def end_to_end_us(fn: Callable[[], Any], calls: int = 200) -> float:
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
-
-
-def host_us(fn: Callable[[], Any], calls: int = 2000) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls // 10):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / (calls // 10))
-    torch.cuda.synchronize()
-    return best * 1e6
 
 
 def qk_row(name: str, B: int, Hq: int, Hk: int, S: int, D: int, dtype: torch.dtype, in_place: bool) -> dict:
