@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.references import reference, reference_grad
+import tileops
 from tileops import BUILTIN
 from tileops.rope import LongRoPEFwdOp, RoPEFwdOp, RoPELlama31FwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
 
@@ -28,8 +29,11 @@ def test_out_of_range_position_raises_with_index_on_gpu(bad):
     x = torch.randn(37, 4, 64, device="cuda", dtype=torch.float16)
     pos = torch.randint(0, 8192, (37,), device="cuda")
     pos[21] = bad
+    op(x, pos)  # no host sync: reported by check() (or the next call)
     with pytest.raises(ValueError, match=r"position_ids\[21\]"):
-        op(x, pos)
+        op.check()
+    with tileops.strict(), pytest.raises(ValueError, match=r"position_ids\[21\]"):
+        op(x, pos)  # strict mode: at the call
     pos[21] = 5  # the op recovers: the flag was reset
     ref = reference("RoPENeoxPositionIdsFwdOp", {"max_position": 8192}, {"x": x.cpu(), "position_ids": pos.cpu()})
     assert (op(x, pos).double().cpu() - ref).abs().max().item() < 4e-3
@@ -123,8 +127,9 @@ def test_sequence_op_position_out_of_range_cuda(bad):
     x = torch.randn(2, 9, 3, 64, device="cuda", dtype=torch.float16)
     pos = torch.randint(0, 100, (2, 9), device="cuda")
     pos[1, 7] = bad
+    op(x, position_ids=pos)
     with pytest.raises(ValueError, match=rf"position_ids\[1, 7\] = {bad}"):
-        op(x, position_ids=pos)
+        op.check()
 
 
 def test_decode_many_calls_no_recompile():

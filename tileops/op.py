@@ -191,8 +191,9 @@ class Op:
     def _launched(self, word: errors.Pending) -> None:
         """After the kernel that writes ``word``: report now (CPU, strict mode) or later."""
         if word.pool.device.type != "cuda":  # the kernel has run: judge the call now
-            word.pool.give_back(word.slot)
-            if int(word.dev.item()) == word.tag:
+            bad = int(word.dev.item()) == word.tag
+            word.pool.give_back(word.slot)  # only after reading it: another call may take it at once
+            if bad:
                 self._raise_bad_position(word.position_ids)
             return
         word.host.copy_(word.dev, non_blocking=True)
@@ -205,8 +206,9 @@ class Op:
         word.event.record(stream)
         if errors.is_strict():
             word.event.synchronize()
+            bad = word.failed()
             word.pool.give_back(word.slot)
-            if word.failed():
+            if bad:
                 self._raise_bad_position(word.position_ids)
             return
         self._pending().setdefault(stream.cuda_stream, []).append(word)
@@ -216,20 +218,21 @@ class Op:
         pending = self._pending()
         failed = None
         for key in list(pending):
-            keep = []
-            for word in pending[key]:
+            words = pending[key]
+            done = 0
+            for word in words:  # one stream's calls complete in order: stop at the first unfinished
                 if wait and word.event is not None:
                     word.event.synchronize()
                 if not word.done():
-                    keep.append(word)
-                    continue
-                word.pool.give_back(word.slot)
+                    break
+                done += 1
                 if failed is None and word.failed():
                     failed = word
-            if keep:
-                pending[key] = keep
-            else:
+                word.pool.give_back(word.slot)  # only after reading it
+            if done == len(words):
                 del pending[key]
+            elif done:
+                del words[:done]
         if failed is not None:
             self._raise_bad_position(failed.position_ids, "reported for an earlier call of this op, whose "
                                                           "kernel read the position as 0")
