@@ -9,17 +9,16 @@ what came.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 
-from . import manifest as _manifest
-from .manifest import ExprError, OpManifest
-import threading
-
 from . import errors, library
-from .autograd import run_differentiable
+from . import manifest as _manifest
+from .autograd import backward_of, run_differentiable
+from .manifest import ExprError, OpManifest
 from .targets import Target, check_target_arg, resolve_target
 
 __all__ = ["Op", "CallSpec", "DTYPES"]
@@ -164,12 +163,14 @@ class Op:
 
     def _eager_backward(self, grads: tuple, tensors: Mapping[str, Any]) -> tuple:
         """The gradients of the inputs ``backward.wrt`` names (those given), from the outputs'."""
-        spec = self._check_call(tensors)
-        impl = self._impls.get(spec) or self._target_for(spec.device).implement(self, spec)
-        self._impls[spec] = impl
-        from .autograd import backward_of
+        return backward_of(self, self._impl_for(self._check_call(tensors)), grads, tensors)
 
-        return backward_of(self, impl, grads, tensors)
+    def _impl_for(self, spec: CallSpec) -> Any:
+        """The serving target's implementation of one call specialization, made once."""
+        impl = self._impls.get(spec)
+        if impl is None:
+            impl = self._impls[spec] = self._target_for(spec.device).implement(self, spec)
+        return impl
 
     # ----------------------------------------------------------------------------- errors
     def _pending(self) -> dict:
@@ -265,11 +266,7 @@ class Op:
         except (AttributeError, TypeError):  # not a tensor: the full check names the argument
             key, impl = None, None
         if impl is None:
-            spec = self._check_call(tensors)
-            impl = self._impls.get(spec)
-            if impl is None:
-                impl = self._target_for(spec.device).implement(self, spec)
-                self._impls[spec] = impl
+            impl = self._impl_for(self._check_call(tensors))
             if key is not None:
                 if len(self._fast) > 4096:  # many distinct shapes: keep the cache bounded
                     self._fast.clear()

@@ -42,12 +42,13 @@ class RopeKernels:
         self.backend, self.arch = device_backend(self.device)
         self.kspec = kernel_spec(op, spec, self.backend)
         self._kernels: dict[bool, Any] = {}
-        self.forward_kernel = self._kernel(False)
+        self._kernel(False)  # compile the forward now: the first call pays for it, not a later one
         self.unit = self.kspec.stride_unit
         self.layout = op.layout
         # the tables a call may use: one set, or several that a call picks from on the device
         rot = self.kspec.rot
         self.tables = op._tables(rot)
+        self._stacked: torch.Tensor | None = None  # every set, for a choice made on the device
         self.limit = op.position_limit()
         from tileops.kernels.rope import DIGITS as KDIGITS, LO as KLO
 
@@ -88,8 +89,10 @@ class RopeKernels:
             return sets[0]
         if isinstance(choice, int):
             return sets[choice]
-        stacked = torch.stack(sets)  # small (3 x 256 rows): picked on the device, no host read
-        return stacked.index_select(0, choice.reshape(1).to(self.device, torch.int64))[0]
+        if self._stacked is None:  # built once (this object serves one device): no stack per call
+            self._stacked = torch.stack(sets)
+        # picked on the device, no host read
+        return self._stacked.index_select(0, choice.reshape(1).to(self.device, torch.int64))[0]
 
     def _seq_len(self, x: torch.Tensor) -> int:
         return x.shape[1] if self.layout == "2d" else x.shape[0]
