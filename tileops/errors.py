@@ -1,23 +1,30 @@
 """Position errors reported without a host synchronisation.
 
 A kernel that reads positions clamps one outside its range (it reads position 0, so nothing is
-indexed out of bounds) and writes the call's *tag*, a 32-bit number unique to that call, into an
-error word of its own. Right after the kernel, the word is copied to pinned host memory
-asynchronously and a CUDA event is recorded; nothing waits. The call is then *pending*:
+indexed out of bounds) and writes the call's *tag*, a 31-bit number unique to that call, into an
+error word of its own. The words live in pinned host memory that the GPU writes directly (mapped
+through unified addressing), so no copy follows the kernel. Right after the kernel a CUDA event is
+recorded on the same stream (in the same C call as the launch); nothing waits. The call is then
+*pending*:
 
-* at the next call of the same op from the same thread and stream, every pending call whose event
-  has completed is checked (``event.query()`` does not block): a word holding its tag raises the
-  ``ValueError``, naming the index and value of the bad position;
-* ``op.check()`` waits for the pending calls of this thread and stream and reports them;
+* at the next call of the same op from the same thread, on the same device and stream, every
+  pending call whose event has completed is judged (``cuEventQuery`` does not block; calls on one
+  stream complete in order, so judging stops at the first unfinished one): a word holding its tag
+  raises the ``ValueError`` naming the index and value of the bad position, before that next call
+  runs;
+* ``op.check()`` waits for this thread's pending calls of the op and reports them;
 * in strict mode (``TILEOPS_STRICT=1`` in the environment, or ``with tileops.strict():``) every
   call waits for its own kernel and raises at once, at the cost of that synchronisation.
 
+A bad position is therefore reported at the first call of the op that starts after the GPU has run
+the bad call, or at ``op.check()``; a call queued behind it cannot know yet without waiting.
+
 On the CPU the kernels run synchronously, so a bad position is reported at the call itself.
 
-The state is per call, kept per (thread, stream): threads and streams that share an op never see
-each other's errors. Error words and pinned host words come from a per-device pool allocated once
-(grown only if more than ``SLOTS`` calls are in flight at once); a word is reused only after its
-call was checked, so no buffer is freed or reused while a stream may still write it.
+The state is per call, kept per (thread, device, stream): threads and streams that share an op
+never see each other's errors. Words come from a per-device pool that grows in chunks and never
+shrinks; a word is reused only after its call was judged, so no word is reused while a stream may
+still write it.
 
 Inside a CUDA graph capture no event is recorded: the words a captured call uses are kept for the
 graph (never reused), and ``op.check()`` reads them after a replay (synchronise first) and clears
@@ -27,20 +34,19 @@ them, so the next replay is judged alone.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["strict", "is_strict", "ErrorWords", "Pending", "words_for"]
+__all__ = ["strict", "is_strict", "ErrorWords", "Tracker", "words_for", "driver"]
 
-#: error words allocated per device at first use
-SLOTS = 1024
+#: error words per chunk of a device's pool (a chunk is 16 KiB of pinned memory)
+CHUNK = 4096
 _tags = itertools.count(1)
-_tag_lock = threading.Lock()
 _strict = threading.local()
 
 
@@ -64,47 +70,152 @@ def is_strict() -> bool:
 
 
 def next_tag() -> int:
-    with _tag_lock:
-        return (next(_tags) % (2**31 - 1)) + 1  # never 0, the value a word is created with
+    """A new call's tag: never 0, the value a word starts with (``next`` on a count is atomic)."""
+    return next(_tags) % 0x7FFFFFFF + 1
 
 
+# ------------------------------------------------------------------------------ CUDA driver
+class _Driver:
+    """The few CUDA driver calls the error words need, through ctypes (torch's Python wrappers for
+    events cost 5-6 µs per record on the host; these cost well under 1 µs)."""
+
+    NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, pvp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+        for name, args in (("cuEventCreate", [pvp, ctypes.c_uint]), ("cuEventRecord", [vp, vp]),
+                           ("cuEventQuery", [vp]), ("cuEventSynchronize", [vp]), ("cuEventDestroy_v2", [vp]),
+                           ("cuStreamIsCapturing", [vp, ctypes.POINTER(ctypes.c_int)])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        self.lib = lib
+        address = lambda name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value  # noqa: E731
+        self.record_address = address("cuEventRecord")
+        self.capturing_address = address("cuStreamIsCapturing")
+        self._query_args = (address("cuEventQuery"), address("cuThreadExchangeStreamCaptureMode"))
+        # an event query is one of the calls CUDA forbids while any thread captures a graph in the
+        # default (global) mode; it is safe here (no judged event belongs to a capture), so it runs
+        # with this thread's capture mode relaxed, in C (through Python it would cost 3 driver calls)
+        try:
+            from .launch import build_c_library
+
+            helper = build_c_library(_QUERY_SOURCE).tileops_event_query
+            helper.argtypes, helper.restype = [ctypes.c_void_p] * 3, ctypes.c_int
+            self._query = lambda ev: helper(*self._query_args, ev)
+        except OSError:
+            exchange = lib.cuThreadExchangeStreamCaptureMode
+            exchange.argtypes, exchange.restype = [ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+
+            def query(ev: int) -> int:
+                mode = ctypes.c_int(2)  # CU_STREAM_CAPTURE_MODE_RELAXED
+                exchange(ctypes.byref(mode))
+                try:
+                    return lib.cuEventQuery(ev)
+                finally:
+                    exchange(ctypes.byref(mode))
+            self._query = query
+
+    def create_event(self, device_index: int) -> int:
+        ev = ctypes.c_void_p()
+        with torch.cuda.device(device_index):  # an event belongs to the current context
+            rc = self.lib.cuEventCreate(ctypes.byref(ev), 2)  # CU_EVENT_DISABLE_TIMING
+        if rc != 0:
+            raise RuntimeError(f"tileops: cuEventCreate failed with CUDA error {rc}")
+        return ev.value
+
+    def done(self, event: int) -> bool:
+        rc = self._query(event)
+        if rc == 0:
+            return True
+        if rc == self.NOT_READY:
+            return False
+        raise RuntimeError(f"tileops: cuEventQuery failed with CUDA error {rc}")
+
+    def wait(self, event: int) -> None:
+        rc = self.lib.cuEventSynchronize(event)
+        if rc != 0:
+            raise RuntimeError(f"tileops: cuEventSynchronize failed with CUDA error {rc}")
+
+
+
+_QUERY_SOURCE = """
+/* generated by tileops.errors: cuEventQuery with this thread's graph-capture mode relaxed */
+typedef int (*query_t)(void*);
+typedef int (*exchange_t)(int*);
+int tileops_event_query(void* query, void* exchange, void* event) {
+  int mode = 2; /* CU_STREAM_CAPTURE_MODE_RELAXED */
+  ((exchange_t)exchange)(&mode);
+  int rc = ((query_t)query)(event);
+  ((exchange_t)exchange)(&mode);
+  return rc;
+}
+"""
+
+_driver: _Driver | None = None
+
+
+def driver() -> _Driver:
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+# ------------------------------------------------------------------------------ error words
 class ErrorWords:
-    """A device's pool of error words (int32 on the device) with a pinned host copy each."""
+    """A device's pool of error words: int32 in pinned host memory that kernels write directly (on
+    the CPU, ordinary memory), with a CUDA event per word for its call's completion."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.cuda = device.type == "cuda"
+        self.index = device.index if device.index is not None else (torch.cuda.current_device() if self.cuda else -1)
         self._lock = threading.Lock()
+        self._buffers: list[torch.Tensor] = []
+        self._words: list[Any] = []  # ctypes int32 arrays over the buffers
+        self._bases: list[int] = []
+        self._events: list[int] = []
         self._free: list[int] = []
-        self.dev = torch.empty(0, dtype=torch.int32, device=device)
-        self.host = torch.empty(0, dtype=torch.int32)
-        self._events: list[Any] = []
         self._grow()
 
     def _grow(self) -> None:
-        n = self.dev.numel()
-        add = max(SLOTS, n)
-        dev = torch.zeros(n + add, dtype=torch.int32, device=self.device)
-        pinned = self.device.type == "cuda"
-        host = torch.zeros(n + add, dtype=torch.int32, pin_memory=pinned)
-        # the old words stay alive with their pending calls (each holds its own view)
-        self.dev, self.host = dev, host
-        self._events += [None] * add
-        self._free += list(range(n + add - 1, n - 1, -1))
+        # pinned memory from cudaHostAlloc is mapped at the same address on the device (UVA)
+        buf = torch.zeros(CHUNK, dtype=torch.int32, pin_memory=self.cuda)
+        first = len(self._buffers) * CHUNK
+        self._buffers.append(buf)
+        self._words.append((ctypes.c_int32 * CHUNK).from_address(buf.data_ptr()))
+        self._bases.append(buf.data_ptr())
+        self._events += [0] * CHUNK
+        self._free += range(first + CHUNK - 1, first - 1, -1)
 
     def take(self) -> int:
-        with self._lock:
-            if not self._free:
-                self._grow()
+        """A free word (list.pop is atomic; the lock only serialises growth)."""
+        try:
             return self._free.pop()
+        except IndexError:
+            with self._lock:
+                if not self._free:
+                    self._grow()
+            return self.take()
 
     def give_back(self, i: int) -> None:
-        with self._lock:
-            self._free.append(i)
+        self._free.append(i)
 
-    def event(self, i: int) -> Any:
+    def address(self, i: int) -> int:
+        """The word's address, as the kernel writes it."""
+        return self._bases[i // CHUNK] + 4 * (i % CHUNK)
+
+    def read(self, i: int) -> int:
+        return self._words[i // CHUNK][i % CHUNK]
+
+    def clear(self, i: int) -> None:
+        self._words[i // CHUNK][i % CHUNK] = 0
+
+    def event(self, i: int) -> int:
         ev = self._events[i]
-        if ev is None:
-            ev = self._events[i] = torch.cuda.Event()
+        if not ev:
+            ev = self._events[i] = driver().create_event(self.index)
         return ev
 
 
@@ -122,21 +233,103 @@ def words_for(device: torch.device) -> ErrorWords:
     return pool
 
 
-@dataclass
-class Pending:
-    """One call's error word: where it is, the tag that marks an error, and what to name."""
+# ------------------------------------------------------------------------------ one op's calls
+class Tracker:
+    """One op's calls that read positions and are not judged yet.
 
-    pool: ErrorWords
-    slot: int
-    dev: torch.Tensor  # the 1-element device view the kernel writes
-    host: torch.Tensor  # the 1-element pinned view it is copied to
-    tag: int
-    position_ids: torch.Tensor
-    event: Any = None
-    graph: bool = False
+    A pending call is ``[pool, word, tag, position_ids, event]``, kept in a list per
+    (pool, stream) in a per-thread dict. ``raise_bad(position_ids, when)`` raises the op's error.
+    """
 
-    def done(self) -> bool:
-        return self.event is None or self.event.query()
+    def __init__(self, raise_bad: Callable[..., None]):
+        self._local = threading.local()
+        self._raise_bad = raise_bad
+        self._graph: list[tuple[ErrorWords, int, int, torch.Tensor]] = []
+        self._graph_lock = threading.Lock()
 
-    def failed(self) -> bool:
-        return int(self.host.item()) == self.tag
+    def pending(self) -> dict:
+        p = getattr(self._local, "pending", None)
+        if p is None:
+            p = self._local.pending = {}
+        return p
+
+    def has_pending(self) -> bool:
+        return bool(getattr(self._local, "pending", None))
+
+    def launch(self, kernel: Any, args: Any, put: dict, position_ids: torch.Tensor, pool: ErrorWords,
+               stream: int) -> None:
+        """Launch ``kernel`` with a fresh error word and tag filled into ``args`` (slots ``ERR`` and
+        ``tag``), and follow the call: judged now (CPU, strict mode), later, or with a graph."""
+        word = pool.take()
+        tag = next_tag()
+        args[put["ERR"]], args[put["tag"]] = pool.address(word), tag
+        if not pool.cuda:  # the kernel runs synchronously: judge the call now
+            try:
+                kernel.launch(args, 0)
+                bad = pool.read(word) == tag
+            finally:
+                pool.give_back(word)  # only after reading it: another call may take it at once
+            if bad:
+                self._raise_bad(position_ids, "")
+            return
+        drv = driver()
+        event = pool.event(word)
+        try:
+            captured = kernel.launch(args, stream, drv.record_address, event, drv.capturing_address)
+        except BaseException:
+            pool.give_back(word)
+            raise
+        if captured:  # replays write the word: op.check() reads and clears it
+            with self._graph_lock:
+                self._graph.append((pool, word, tag, position_ids))
+            return
+        if is_strict():
+            drv.wait(event)
+            bad = pool.read(word) == tag
+            pool.give_back(word)
+            if bad:
+                self._raise_bad(position_ids, "")
+            return
+        p = self.pending()
+        calls = p.get((pool, stream))
+        if calls is None:
+            calls = p[(pool, stream)] = []
+        calls.append((pool, word, tag, position_ids, event))
+
+    def reap(self, wait: bool = False) -> None:
+        """Judge this thread's finished calls (all of them with ``wait``); raise for the first bad one.
+        Never call it while the current stream is being captured (an event query is illegal then)."""
+        pending = self.pending()
+        failed = None
+        drv = driver() if pending else None
+        for key in list(pending):
+            calls = pending[key]
+            done = 0
+            for pool, word, tag, position_ids, event in calls:  # in order: stop at the first unfinished
+                if wait:
+                    drv.wait(event)
+                elif not drv.done(event):
+                    break
+                done += 1
+                if failed is None and pool.read(word) == tag:
+                    failed = position_ids
+                pool.give_back(word)  # only after reading it
+            if done == len(calls):
+                del pending[key]
+            elif done:
+                del calls[:done]
+        if failed is not None:
+            self._raise_bad(failed, "reported for an earlier call of this op, whose kernel read the position as 0")
+
+    def check(self) -> None:
+        """Wait for this thread's calls and judge them, then judge (and clear) the graph-captured words."""
+        self.reap(wait=True)
+        bad = None
+        with self._graph_lock:
+            graph = list(self._graph)
+        for pool, word, tag, position_ids in graph:
+            if bad is None and pool.read(word) == tag:
+                bad = position_ids
+            pool.clear(word)
+        if bad is not None:
+            self._raise_bad(bad, "in a CUDA graph replay")

@@ -4,22 +4,45 @@ TileLang's Python adapter validates every tensor on every call (dtype, device, s
 strides) and spends 60-100 µs of host time doing it, more than a RoPE kernel runs on a GPU. The ops
 have already checked their inputs against the manifest, so they call the library's C entry point
 directly: pointers and scalars in parameter order, then each dynamic extent, then the stream. That
-is the calling convention TileLang's own Cython wrapper uses. With ``argtypes`` declared, ctypes
-converts plain ints in C, which keeps a call near 1 µs of Python.
+is the calling convention TileLang's own Cython wrapper uses.
+
+Converting ~30 arguments through ctypes costs 3-4 µs per call, about half of what a whole torch
+elementwise op costs on the host. So each kernel signature also gets a small C *trampoline*,
+compiled once with the system C compiler and cached on disk: it takes one ``int64`` array holding
+every argument, casts each to its exact C type and calls the entry point, then (for a call whose
+completion is tracked, :mod:`tileops.errors`) records a CUDA event on the same stream, unless the
+stream is being captured into a graph. One ctypes call with six arguments replaces thirty. Without a C compiler the launcher falls back to plain
+ctypes, which is correct and slower.
 """
 
 from __future__ import annotations
 
+import array
 import ctypes
-from dataclasses import dataclass
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["RawKernel", "raw_kernel"]
+__all__ = ["RawKernel", "raw_kernel", "cache_root", "build_c_library"]
+
+_log = logging.getLogger("tileops.launch")
 
 _CTYPES = {torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64, torch.float32: ctypes.c_float,
            torch.float64: ctypes.c_double}
+#: C type of each ctypes argument type the trampoline can pass from an int64 slot
+_C_TYPES = {ctypes.c_void_p: "void*", ctypes.c_int32: "int32_t", ctypes.c_int64: "int64_t"}
+
+
+def cache_root() -> str:
+    """tileops' own cache directory (``TILEOPS_CACHE_DIR``, default ``~/.cache/tileops``)."""
+    return os.environ.get("TILEOPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tileops")
 
 
 @dataclass(frozen=True)
@@ -37,11 +60,15 @@ class RawKernel:
     device_index: int | None
     lib: Any
     param_names: tuple[str, ...] = ()
+    #: the trampoline ``(entry, args, stream, record, event, capturing) -> rc`` (None: plain ctypes)
+    packed: Any = None
     _slots: tuple[dict[str, int], tuple[int, ...]] = ({}, ())
+    _entry: int = field(default=0)
 
     def __post_init__(self) -> None:
         names = self.arg_names
         object.__setattr__(self, "_slots", ({n: i for i, n in enumerate(names)}, (0,) * len(names)))
+        object.__setattr__(self, "_entry", ctypes.cast(self.call, ctypes.c_void_p).value or 0)
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -75,13 +102,137 @@ class RawKernel:
 
     def __call__(self, *args: Any) -> None:
         """Launch with ``args`` = params then extents (the stream is added here); raises on failure."""
+        self.launch(list(args), self.stream())
+
+    def launch(self, args: "list[int] | array.array", stream: int, record: int = 0, event: int = 0,
+               capturing: int = 0) -> bool:
+        """Launch with ``args`` (params then extents, all integers) on the raw ``stream``.
+
+        With ``event``, the call's completion is tracked: the event is recorded on the stream right
+        after the kernel with ``record`` (``cuEventRecord``'s address), unless the stream is being
+        captured into a CUDA graph, which ``capturing`` (``cuStreamIsCapturing``'s address) tells.
+        Returns whether the stream was capturing (then no event was recorded)."""
         if self.device_index is not None and torch.cuda.current_device() != self.device_index:
             with torch.cuda.device(self.device_index):  # the C entry point launches on the current device
-                rc = self.call(*args, self.stream())
+                rc = self._launch(args, stream, record, event, capturing)
         else:
-            rc = self.call(*args, self.stream())
-        if rc != 0:
-            raise RuntimeError(f"TileLang kernel failed: {self.lib.get_last_error().decode('utf-8', 'replace')}")
+            rc = self._launch(args, stream, record, event, capturing)
+        if rc == 0 or rc == _CAPTURING:
+            return rc == _CAPTURING
+        if rc == _RECORD_FAILED:
+            raise RuntimeError("tileops: recording the CUDA event after a kernel failed")
+        raise RuntimeError(f"TileLang kernel failed: {self.lib.get_last_error().decode('utf-8', 'replace')}")
+
+    def _launch(self, args: Any, stream: int, record: int, event: int, capturing: int) -> int:
+        if self.packed is not None:
+            a = args if isinstance(args, array.array) else array.array("q", args)
+            return self.packed(self._entry, a.buffer_info()[0], stream, record, event, capturing)
+        cap = bool(event) and _stream_capturing(capturing, stream)  # the same steps, through ctypes
+        rc = self.call(*args, stream)
+        if rc != 0 or not event:
+            return rc
+        if cap:
+            return _CAPTURING
+        return _RECORD_FAILED if _c_fn(record, 2)(event, stream) != 0 else 0
+
+
+_RECORD_FAILED = 0x7FFFFFF0
+_CAPTURING = 0x7FFFFFF1
+_c_fns: dict[tuple[int, int], Any] = {}
+
+
+def _c_fn(address: int, nargs: int) -> Any:
+    """A driver function ``int f(void*, ...)`` called through its address."""
+    fn = _c_fns.get((address, nargs))
+    if fn is None:
+        fn = _c_fns[(address, nargs)] = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * nargs)(address)
+    return fn
+
+
+def _stream_capturing(capturing: int, stream: int) -> bool:
+    status = ctypes.c_int()
+    return _c_fn(capturing, 2)(stream, ctypes.addressof(status)) != 0 or status.value != 0
+
+
+# ---------------------------------------------------------------------------------- trampolines
+_trampolines: dict[tuple[str, ...], Any] = {}
+_trampoline_lock = threading.Lock()
+
+
+def _trampoline_source(ctypes_args: list[str]) -> str:
+    params = ", ".join(ctypes_args + ["void*"])
+    casts = [f"({t})(intptr_t)a[{i}]" if t == "void*" else f"({t})a[{i}]" for i, t in enumerate(ctypes_args)]
+    return (
+        "#include <stdint.h>\n"
+        "/* generated by tileops.launch: one kernel signature's packed-argument trampoline */\n"
+        f"typedef int32_t (*entry_t)({params});\n"
+        "typedef int (*fn2_t)(void*, void*);\n"
+        "int32_t tileops_launch(void* f, const int64_t* a, void* stream, void* record, void* event,\n"
+        "                       void* capturing) {\n"
+        "  int cap = 0;\n"
+        "  if (event) {  /* a stream being captured gets no event: a graph replays the kernel later */\n"
+        "    int status = 0;\n"
+        "    cap = ((fn2_t)capturing)(stream, &status) != 0 || status != 0;\n"
+        "  }\n"
+        f"  int32_t rc = ((entry_t)f)({', '.join(casts + ['stream'])});\n"
+        "  if (rc != 0 || !event) return rc;\n"
+        f"  if (cap) return {_CAPTURING};\n"
+        f"  if (((fn2_t)record)(event, stream) != 0) return {_RECORD_FAILED};\n"
+        "  return 0;\n"
+        "}\n"
+    )
+
+
+def _trampoline(ctypes_args: list[str]) -> Any:
+    """The compiled trampoline for one signature (C type names), or None without a C compiler."""
+    key = tuple(ctypes_args)
+    if key in _trampolines:
+        return _trampolines[key]
+    with _trampoline_lock:
+        if key in _trampolines:
+            return _trampolines[key]
+        fn = None
+        try:
+            fn = build_c_library(_trampoline_source(ctypes_args)).tileops_launch
+            fn.argtypes = [ctypes.c_void_p] * 6
+            fn.restype = ctypes.c_int32
+        except Exception as e:  # no compiler, unwritable disk: plain ctypes still works
+            _log.debug("tileops: packed launcher unavailable (%s); using plain ctypes", e)
+        _trampolines[key] = fn
+        return fn
+
+
+def build_c_library(source: str) -> ctypes.CDLL:
+    """``source`` (C) compiled into a shared library with the system compiler (``$CC``, else ``cc``),
+    cached on disk by content under :func:`cache_root`; raises OSError when it cannot be built."""
+    digest = hashlib.sha256(source.encode()).hexdigest()[:20]
+    dirs = [os.path.join(cache_root(), "launch"), os.path.join(tempfile.gettempdir(), f"tileops-launch-{os.getuid()}")]
+    for d in dirs:
+        path = os.path.join(d, f"trampoline-{digest}.so")
+        if not os.path.exists(path):
+            try:
+                os.makedirs(d, exist_ok=True)
+                fd, tmp_c = tempfile.mkstemp(suffix=".c", dir=d)
+                with os.fdopen(fd, "w") as f:
+                    f.write(source)
+                tmp_so = tmp_c[:-2] + ".so"
+                cc = os.environ.get("CC", "cc")
+                subprocess.run([cc, "-O2", "-shared", "-fPIC", tmp_c, "-o", tmp_so], check=True,
+                               capture_output=True, timeout=60)
+                os.replace(tmp_so, path)  # atomic: another process sees the whole library or none
+                os.unlink(tmp_c)
+            except (OSError, subprocess.SubprocessError):
+                continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:  # a truncated file: build afresh next time
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            continue
+        return lib
+    raise OSError("no writable directory, or no C compiler, for the launcher")
 
 
 def raw_kernel(kernel: Any, device: torch.device, param_names: tuple[str, ...] = ()) -> RawKernel:
@@ -100,12 +251,15 @@ def raw_kernel(kernel: Any, device: torch.device, param_names: tuple[str, ...] =
     if param_names and len(param_names) != len(adapter.params):
         raise RuntimeError(f"the kernel has {len(adapter.params)} parameters, its spec names {len(param_names)}")
     argtypes = [(_CTYPES[p.torch_dtype()] if p.is_scalar() else ctypes.c_void_p) for p in adapter.params]
-    argtypes += [ctypes.c_int64] * len(dyn) + [ctypes.c_void_p]
+    argtypes += [ctypes.c_int64 if str(v.dtype) == "int64" else ctypes.c_int32 for v in dyn]
     call = lib.call
-    call.argtypes = argtypes
+    call.argtypes = argtypes + [ctypes.c_void_p]
     call.restype = ctypes.c_int32
+    packed = None
+    if all(t in _C_TYPES for t in argtypes):
+        packed = _trampoline([_C_TYPES[t] for t in argtypes])
     index = None
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
     return RawKernel(call=call, extent_names=tuple(str(v) for v in dyn), device_index=index, lib=lib,
-                     param_names=tuple(param_names))
+                     param_names=tuple(param_names), packed=packed)

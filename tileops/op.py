@@ -9,7 +9,6 @@ what came.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -69,7 +68,8 @@ class Op:
         self._fixed_target: Target | None = check_target_arg(target)
         self._served_by: str | None = self._fixed_target.name if self._fixed_target else None
         self._impls: dict[CallSpec, Callable[..., Any]] = {}
-        self._fast: dict[tuple, Callable[..., Any]] = {}
+        self._fast: dict[tuple, tuple[Any, Any]] = {}
+        self._like = {o.name: o.like for o in self.manifest.outputs}
         #: this op's name in the torch.library custom ops (a traced call passes it)
         self._handle: int = library.register(self)
 
@@ -173,110 +173,84 @@ class Op:
         return impl
 
     # ----------------------------------------------------------------------------- errors
-    def _pending(self) -> dict:
-        """This thread's calls whose error words are not checked yet, by stream."""
-        local = self.__dict__.get("_local")
-        if local is None:
-            local = self.__dict__.setdefault("_local", threading.local())
-        p = getattr(local, "pending", None)
-        if p is None:
-            p = local.pending = {}
-        return p
+    def _calls(self) -> errors.Tracker:
+        """This op's calls whose position errors are not judged yet (see :mod:`tileops.errors`)."""
+        calls = self.__dict__.get("_tracker")
+        if calls is None:
+            calls = self.__dict__.setdefault("_tracker", errors.Tracker(self._raise_bad_position))
+        return calls
 
-    def _error_word(self, device: torch.device, position_ids: torch.Tensor) -> errors.Pending:
-        """An error word for one call that reads ``position_ids`` (see :mod:`tileops.errors`)."""
-        pool = errors.words_for(device)
-        i = pool.take()
-        return errors.Pending(pool, i, pool.dev[i : i + 1], pool.host[i : i + 1], errors.next_tag(), position_ids)
-
-    def _launched(self, word: errors.Pending) -> None:
-        """After the kernel that writes ``word``: report now (CPU, strict mode) or later."""
-        if word.pool.device.type != "cuda":  # the kernel has run: judge the call now
-            bad = int(word.dev.item()) == word.tag
-            word.pool.give_back(word.slot)  # only after reading it: another call may take it at once
-            if bad:
-                self._raise_bad_position(word.position_ids)
-            return
-        word.host.copy_(word.dev, non_blocking=True)
-        if torch.cuda.is_current_stream_capturing():
-            word.graph = True  # replays write it: op.check() reads and clears it
-            self.__dict__.setdefault("_graph_words", []).append(word)
-            return
-        stream = torch.cuda.current_stream(word.pool.device)
-        word.event = word.pool.event(word.slot)
-        word.event.record(stream)
-        if errors.is_strict():
-            word.event.synchronize()
-            bad = word.failed()
-            word.pool.give_back(word.slot)
-            if bad:
-                self._raise_bad_position(word.position_ids)
-            return
-        self._pending().setdefault(stream.cuda_stream, []).append(word)
-
-    def _reap(self, wait: bool = False) -> None:
-        """Judge this thread's finished calls (all of them with ``wait``); raise for the first bad one."""
-        pending = self._pending()
-        failed = None
-        for key in list(pending):
-            words = pending[key]
-            done = 0
-            for word in words:  # one stream's calls complete in order: stop at the first unfinished
-                if wait and word.event is not None:
-                    word.event.synchronize()
-                if not word.done():
-                    break
-                done += 1
-                if failed is None and word.failed():
-                    failed = word
-                word.pool.give_back(word.slot)  # only after reading it
-            if done == len(words):
-                del pending[key]
-            elif done:
-                del words[:done]
-        if failed is not None:
-            self._raise_bad_position(failed.position_ids, "reported for an earlier call of this op, whose "
-                                                          "kernel read the position as 0")
+    def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:  # pragma: no cover
+        raise ValueError(f"{self.name}: position_ids: a position is out of range ({when or 'this call'})")
 
     def check(self) -> None:
         """Wait for this thread's calls of this op and raise the ValueError of a bad position among
         them; also judges the calls captured in CUDA graphs (synchronise after a replay first), and
         clears their error words for the next replay. Returns None when every position was valid."""
-        self._reap(wait=True)
-        bad = None
-        for word in self.__dict__.get("_graph_words", []):
-            if bad is None and word.failed():
-                bad = word
-            word.host.zero_()
-            word.dev.zero_()
-        if bad is not None:
-            self._raise_bad_position(bad.position_ids, "in a CUDA graph replay")
+        calls = self.__dict__.get("_tracker")
+        if calls is not None:
+            calls.check()
 
     def _eager_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
         """Check ``tensors`` against the signature, then run the serving implementation.
 
         ``tensors`` maps every input name to its tensor, or to None for an optional input not
-        given; ``outs`` maps output names to tensors to write into (``out=``), or None. A (shape,
-        dtype, device) seen before skips the input checks: they depend on nothing else. Returns the
+        given; ``outs`` maps output names to tensors to write into (``out=``), or None. Returns the
         output, or a tuple of the outputs whose ``like`` input was given.
+
+        The checks depend only on each argument's shape, strides, dtype and device and on which
+        outputs are given (and which are their input itself, in place): a call whose *signature*
+        was seen before skips them, and runs the implementation's plan for it, when it has one
+        (:meth:`tileops.rope.builtin.RopeKernels.plan`), which checks only what pointers decide.
         """
+        outs = outs or {}
         try:
-            key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors.values())
-            impl = self._fast.get(key)
+            sig = self._signature(tensors, outs)
+            entry = self._fast.get(sig)
         except (AttributeError, TypeError):  # not a tensor: the full check names the argument
-            key, impl = None, None
-        if impl is None:
+            sig, entry = None, None
+        checked = entry is None
+        if entry is None:
             impl = self._impl_for(self._check_call(tensors))
-            if key is not None:
+            given = {k: v for k, v in outs.items() if v is not None}
+            if given:
+                self._check_outs(tensors, given)
+            plan = getattr(impl, "plan", None)
+            entry = (impl, plan(tensors, given) if plan is not None else None)
+            if sig is not None:
                 if len(self._fast) > 4096:  # many distinct shapes: keep the cache bounded
                     self._fast.clear()
-                self._fast[key] = impl
-        if self.__dict__.get("_local") is not None and self._pending() and not torch.cuda.is_current_stream_capturing():
-            self._reap()  # an earlier call's bad position, found without waiting (raised before this call runs)
-        given = {k: v for k, v in (outs or {}).items() if v is not None}
-        if given:
+                self._fast[sig] = entry
+        calls = self.__dict__.get("_tracker")
+        if calls is not None and calls.has_pending():
+            calls.reap()  # an earlier call's bad position, found without waiting (raised before this call runs)
+        impl, plan = entry
+        if plan is not None and not (torch.is_grad_enabled() and self._needs_grad(tensors)):
+            result = plan(tensors, outs)
+            if result is not NotImplemented:
+                return result
+            checked = False  # pointers the plan cannot serve: check this call in full
+        given = {k: v for k, v in outs.items() if v is not None}
+        if given and not checked:
             self._check_outs(tensors, given)
         return run_differentiable(self, impl, tensors, given)
+
+    @staticmethod
+    def _needs_grad(tensors: Mapping[str, Any]) -> bool:
+        return any(t is not None and t.requires_grad for t in tensors.values())
+
+    def _signature(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> tuple:
+        """What the checks of a call depend on (see :meth:`_eager_call`); raises AttributeError
+        for an argument that is not a tensor."""
+        sig: list[Any] = [None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors.values()]
+        for name, o in outs.items():
+            if o is None:
+                sig.append(None)
+            elif o is tensors.get(self._like[name]):
+                sig.append(True)  # in place
+            else:
+                sig.append((o.shape, o.stride(), o.dtype, o.device))
+        return tuple(sig)
 
     def _check_outs(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> None:
         """``out=``-style tensors: each like its input (shape, dtype, device), and overlapping no

@@ -10,12 +10,14 @@ because the kernel moves 16 bytes per access.
 
 from __future__ import annotations
 
+import array
 from typing import Any
 
 import torch
 
 from ..generate import compile_kernel, device_backend
 from ..launch import raw_kernel
+from ..op import _disjoint
 from .tables import DIGITS, LO
 
 __all__ = ["implement", "kernel_spec", "RopeKernels"]
@@ -111,12 +113,29 @@ class RopeKernels:
     def _fits(self, t: torch.Tensor, v: tuple[int, ...]) -> bool:
         """Whether the kernel can read or write ``t`` (seen as ``v``) where it lies: a contiguous last
         dim and, on CUDA, a pointer and strides on ``stride_unit`` elements (16 bytes)."""
+        return self._strides_fit(t, v) and t.data_ptr() % (self.unit * t.element_size()) == 0
+
+    def _strides_fit(self, t: torch.Tensor, v: tuple[int, ...]) -> bool:
+        """The part of :meth:`_fits` that depends on the strides alone, not on the pointer."""
         if t.stride(-1) != 1 and t.shape[-1] > 1:
             return False
         u = self.unit
-        if u == 1:
-            return True
-        return t.data_ptr() % (u * t.element_size()) == 0 and not (v[3] % u or v[4] % u or v[5] % u)
+        return u == 1 or not (v[3] % u or v[4] % u or v[5] % u)
+
+    @staticmethod
+    def _position_strides(position_ids: torch.Tensor) -> tuple[int, int]:
+        """(batch stride, sequence stride) of ``position_ids``; 0 for a batch it is shared across."""
+        if position_ids.dim() == 2:
+            return (position_ids.stride(0) if position_ids.shape[0] > 1 else 0), position_ids.stride(1)
+        return 0, position_ids.stride(0)
+
+    def _words(self) -> Any:
+        words = self.__dict__.get("_error_words")
+        if words is None:
+            from ..errors import words_for
+
+            words = self._error_words = words_for(self.device)
+        return words
 
     def _source(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         """``t`` where the kernel can read it, and its view; the one fallback is a dense copy."""
@@ -176,26 +195,152 @@ class RopeKernels:
             a[put["kysb"]], a[put["kyss"]], a[put["kysh"]] = vky[3] // u, vky[4] // u, vky[5] // u
         else:
             a[put["K"]] = a[put["KY"]] = 0  # HK = 0: the key loop never runs
-        word = None
+        stream = kernel.stream()
         if position_ids is not None:
-            if position_ids.dim() == 2:
-                psb = position_ids.stride(0) if position_ids.shape[0] > 1 else 0
-                pss = position_ids.stride(1)
-            else:
-                psb, pss = 0, position_ids.stride(0)
+            psb, pss = self._position_strides(position_ids)
+            a[put["P"]], a[put["psb"]], a[put["pss"]], a[put["limit"]] = position_ids.data_ptr(), psb, pss, self.limit
             # a position out of range reads as 0 (nothing is indexed out of bounds) and the kernel
             # writes this call's tag into its error word: reported without a host sync (tileops.errors)
-            word = self.op._error_word(self.device, position_ids)
-            a[put["P"]], a[put["ERR"]], a[put["tag"]] = position_ids.data_ptr(), word.dev.data_ptr(), word.tag
-            a[put["psb"]], a[put["pss"]], a[put["limit"]] = psb, pss, self.limit
-        kernel(*a)
-        if word is not None:
-            self.op._launched(word)
+            self.op._calls().launch(kernel, a, put, position_ids, self._words(), stream)
+        else:
+            kernel.launch(a, stream)
         if y is not out:
             out.copy_(y)
         if key is not None and ky is not key_out:
             key_out.copy_(ky)
         return out, key_out
+
+
+    # ------------------------------------------------------------------------------ fast path
+    def plan(self, tensors: dict, outs: dict) -> Any:
+        """A lean launcher for every later call shaped like this one, or None.
+
+        :meth:`tileops.op.Op._eager_call` keys plans by each argument's shape, strides, dtype and
+        device and by which outputs are given (and which are their own input, in place), and has
+        checked all of that once. What can still differ between such calls is checked here per
+        call: pointer alignment and, for given outputs, that they overlap nothing (by byte ranges,
+        falling back to the exact test only when the ranges meet). A call that fails those returns
+        ``NotImplemented`` and takes the general path, which copies or raises as it must. Shapes
+        that need a copy fallback, and empty tensors, get no plan.
+        """
+        x, pos, key = tensors["x"], tensors.get("position_ids"), tensors.get("key")
+        out, key_out = outs.get("out"), outs.get("key_out")
+        if x.numel() == 0 or (key is not None and key.numel() == 0):
+            return None
+        u = self.unit
+        kernel = self._kernel(False)
+        a = kernel.slots()
+        put = kernel.slot
+        roles = [("X", x), ("Y", out if out is not None else torch.empty_like(x))]
+        if key is not None:
+            roles += [("K", key), ("KY", key_out if key_out is not None else torch.empty_like(key))]
+        for role, t in roles:
+            v = self._view4(t)
+            if not self._strides_fit(t, v):
+                return None
+            low = role.lower()
+            a[put[low + "sb"]], a[put[low + "ss"]], a[put[low + "sh"]] = v[3] // u, v[4] // u, v[5] // u
+        vx = self._view4(x)
+        a[put["B"]], a[put["S"]], a[put["H"]] = vx[0], vx[1], vx[2]
+        a[put["HK"]] = key.shape[-2] if key is not None else 0
+        if pos is not None:
+            psb, pss = self._position_strides(pos)
+            a[put["psb"]], a[put["pss"]], a[put["limit"]] = psb, pss, self.limit
+        single = len(self.tables) == 1
+        if single:
+            a[put["TD"]] = self.tables[0].on(self.device).data_ptr()
+        template = array.array("q", a)
+        iX, iY, iK, iKY, iP, iTD = (put.get(n) for n in ("X", "Y", "K", "KY", "P", "TD"))
+        align = u * x.element_size()
+        check_align = align > 1
+        x_in_place = out is not None and out is x
+        k_in_place = key_out is not None and key_out is key
+        # pairs of (output, other) that must not overlap: by name, with each one's byte span
+        given = {n: t for n, t in (("out", out), ("key_out", key_out)) if t is not None}
+        names = {"x": x, "position_ids": pos, "key": key, **given}
+        spans = {n: _span(t) for n, t in names.items() if t is not None}
+        own = {"out": "x", "key_out": "key"}
+        pairs_seen: set[frozenset] = set()
+        pairs = []
+        for o in given:
+            for n in spans:
+                if n == o or (n == own[o] and names[o] is names[n]) or frozenset((o, n)) in pairs_seen:
+                    continue
+                pairs_seen.add(frozenset((o, n)))
+                pairs.append((o, spans[o], n, spans[n]))
+        disjoint_at: dict[tuple[str, str, int], bool] = {}  # interleaved views checked exactly, by offset
+        calls = self.op._calls
+        words = self._words() if pos is not None else None
+        stream_of = torch._C._cuda_getCurrentRawStream if self.device.type == "cuda" else None
+        index = kernel.device_index
+        tables_for = self.tables_for
+        empty_like = torch.empty_like
+        has_key = key is not None
+
+        def run(tensors: dict, outs: dict) -> Any:
+            x = tensors["x"]
+            ptr = {"x": x.data_ptr()}
+            args = template[:]
+            args[iX] = ptr["x"]
+            if x_in_place:
+                y = x
+                args[iY] = ptr["out"] = ptr["x"]
+            else:
+                y = outs.get("out")
+                if y is None:
+                    y = empty_like(x)
+                else:
+                    ptr["out"] = y.data_ptr()
+                args[iY] = y.data_ptr()
+            if has_key:
+                k = tensors["key"]
+                ptr["key"] = args[iK] = k.data_ptr()
+                if k_in_place:
+                    ky = k
+                    args[iKY] = ptr["key_out"] = ptr["key"]
+                else:
+                    ky = outs.get("key_out")
+                    if ky is None:
+                        ky = empty_like(k)
+                    else:
+                        ptr["key_out"] = ky.data_ptr()
+                    args[iKY] = ky.data_ptr()
+                if check_align and (args[iK] | args[iKY]) % align:
+                    return NotImplemented
+            if check_align and (args[iX] | args[iY]) % align:
+                return NotImplemented
+            if pairs:
+                p = tensors.get("position_ids")
+                if p is not None:
+                    ptr["position_ids"] = p.data_ptr()
+                for n0, s0, n1, s1 in pairs:
+                    a0, a1 = ptr[n0], ptr[n1]
+                    if a0 + s0 <= a1 or a1 + s1 <= a0:
+                        continue
+                    ok = disjoint_at.get((n0, n1, a1 - a0))
+                    if ok is None:
+                        t = {**tensors, **outs}
+                        ok = disjoint_at[(n0, n1, a1 - a0)] = _disjoint(t[n0], t[n1])
+                    if not ok:
+                        return NotImplemented  # the general path names the overlap
+            if not single:
+                td = tables_for(x, tensors.get("position_ids"))  # picked on the device; alive until launched
+                args[iTD] = td.data_ptr()
+            stream = stream_of(index) if stream_of is not None else 0
+            if words is not None:
+                p = tensors["position_ids"]
+                args[iP] = p.data_ptr()
+                calls().launch(kernel, args, put, p, words, stream)
+            else:
+                kernel.launch(args, stream)
+            return (y, ky) if has_key else y
+
+        return run
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last."""
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def implement(op: Any, spec: Any) -> RopeKernels:
