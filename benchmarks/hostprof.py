@@ -1,50 +1,50 @@
-"""Where the host time of one call goes, on a GPU (idle): ``python -m benchmarks.hostprof``."""
+"""Where the host time of one call goes, on a GPU (idle): ``python -m benchmarks.hostprof``.
+
+Prints each serving call's host time beside a bare torch op, then a cProfile of many calls (the
+profiler inflates Python-level costs; read it for the distribution, not the totals)."""
 
 from __future__ import annotations
 
-import time
+import cProfile
+import pstats
+import sys
 
 import torch
 
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
 
-
-def per_call_us(fn, n: int = 3000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n // 5):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / (n // 5))
-    torch.cuda.synchronize()
-    return best * 1e6
+from .runner import host_time_us
 
 
 def main() -> None:
-    x = torch.randn(4, 256, 8, 64, device="cuda")
-    op = RoPEFwdOp(input_layout="2d")
-    op(x)
-    impl = next(iter(op._impls.values()))
-    out = torch.empty_like(x)
-    rows = [
-        ("op(x)", lambda: op(x)),
-        ("impl(x=x) (no signature check)", lambda: impl(x=x)),
-        ("torch.empty_like(x)", lambda: torch.empty_like(x)),
-        ("x.add(1.0) (a torch kernel)", lambda: x.add(1.0)),
-        ("out.copy_(x)", lambda: out.copy_(x)),
-    ]
-    ids = RoPENeoxPositionIdsFwdOp(8192)
-    xi = torch.randn(32, 32, 128, device="cuda", dtype=torch.float16)
-    pos = torch.randint(0, 8192, (32,), device="cuda")
-    ids(xi, pos)
-    rows += [("ids op(x, pos) (reads the flag)", lambda: ids(xi, pos)),
-             ("flag read alone: t.item()", lambda: pos[0].item())]
-    for name, fn in rows:
-        print(f"{per_call_us(fn):8.2f} us  {name}")
+    dt = torch.bfloat16
+    ids = RoPENeoxPositionIdsFwdOp(1 << 20)
+    q = torch.randn(32, 32, 128, device="cuda", dtype=dt)
+    k = torch.randn(32, 8, 128, device="cuda", dtype=dt)
+    pos = torch.randint(0, 1 << 20, (32,), device="cuda")
+    hf = RoPEFwdOp(input_layout="2d")
+    x = torch.randn(32, 32, 128, device="cuda", dtype=dt)
+    cases = {
+        "ids q+k in place": lambda: ids(q, pos, key=k, out=q, key_out=k),
+        "ids q new": lambda: ids(q, pos),
+        "2d q new": lambda: hf(q[None]),
+        "x.add_(1.0)": lambda: x.add_(1.0),
+        "x.mul(2.0)": lambda: x.mul(2.0),
+    }
+    for name, fn in cases.items():
+        fn()
+        print(f"{host_time_us(fn):8.2f} us  {name}")
+    which = sys.argv[1:] or ["ids q+k in place", "2d q new"]
+    for name in which:
+        fn = cases[name]
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5000):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"--- {name}: cProfile of 5000 calls")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

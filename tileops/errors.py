@@ -13,8 +13,9 @@ recorded on the same stream (in the same C call as the launch); nothing waits. T
   raises the ``ValueError`` naming the index and value of the bad position, before that next call
   runs;
 * ``op.check()`` waits for this thread's pending calls of the op and reports them;
-* in strict mode (``TILEOPS_STRICT=1`` in the environment, or ``with tileops.strict():``) every
-  call waits for its own kernel and raises at once, at the cost of that synchronisation.
+* in strict mode (``TILEOPS_STRICT=1`` in the environment when tileops is imported, or
+  ``with tileops.strict():``) every call waits for its own kernel and raises at once, at the cost
+  of that synchronisation.
 
 A bad position is therefore reported at the first call of the op that starts after the GPU has run
 the bad call, or at ``op.check()``; a call queued behind it cannot know yet without waiting.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import os
 import threading
@@ -62,11 +64,14 @@ def strict(enabled: bool = True) -> Iterator[None]:
         _strict.on = before
 
 
+#: ``TILEOPS_STRICT`` is read once, when tileops is imported (reading the environment costs about
+#: 1 µs per call on a serving host); within a process, use :func:`strict`
+_ENV_STRICT = os.environ.get("TILEOPS_STRICT", "") not in ("", "0")
+
+
 def is_strict() -> bool:
     on = getattr(_strict, "on", None)
-    if on is not None:
-        return on
-    return os.environ.get("TILEOPS_STRICT", "") not in ("", "0")
+    return _ENV_STRICT if on is None else on
 
 
 def next_tag() -> int:
@@ -83,9 +88,8 @@ class _Driver:
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
-        vp, pvp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
-        for name, args in (("cuEventCreate", [pvp, ctypes.c_uint]), ("cuEventRecord", [vp, vp]),
-                           ("cuEventQuery", [vp]), ("cuEventSynchronize", [vp]), ("cuEventDestroy_v2", [vp]),
+        vp = ctypes.c_void_p
+        for name, args in (("cuEventRecord", [vp, vp]), ("cuEventQuery", [vp]), ("cuEventSynchronize", [vp]),
                            ("cuStreamIsCapturing", [vp, ctypes.POINTER(ctypes.c_int)])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
@@ -102,7 +106,8 @@ class _Driver:
 
             helper = build_c_library(_QUERY_SOURCE).tileops_event_query
             helper.argtypes, helper.restype = [ctypes.c_void_p] * 3, ctypes.c_int
-            self._query = lambda ev: helper(*self._query_args, ev)
+            q, x = self._query_args
+            self._query = functools.partial(helper, q, x)
         except OSError:
             exchange = lib.cuThreadExchangeStreamCaptureMode
             exchange.argtypes, exchange.restype = [ctypes.POINTER(ctypes.c_int)], ctypes.c_int
@@ -116,13 +121,19 @@ class _Driver:
                     exchange(ctypes.byref(mode))
             self._query = query
 
-    def create_event(self, device_index: int) -> int:
-        ev = ctypes.c_void_p()
-        with torch.cuda.device(device_index):  # an event belongs to the current context
-            rc = self.lib.cuEventCreate(ctypes.byref(ev), 2)  # CU_EVENT_DISABLE_TIMING
-        if rc != 0:
-            raise RuntimeError(f"tileops: cuEventCreate failed with CUDA error {rc}")
-        return ev.value
+    _side: dict[int, Any] = {}
+
+    def create_event(self, device_index: int) -> tuple[Any, int]:
+        """A new CUDA event on the device, and its raw handle. torch creates it at its first record,
+        made on a private stream (never one being captured into a graph); the driver calls then use
+        the handle."""
+        ev = torch.cuda.Event()
+        side = self._side.get(device_index)
+        if side is None:
+            side = self._side.setdefault(device_index, torch.cuda.Stream(device_index))
+        with torch.cuda.device(device_index):
+            ev.record(side)
+        return ev, ev.cuda_event
 
     def done(self, event: int) -> bool:
         rc = self._query(event)
@@ -176,6 +187,7 @@ class ErrorWords:
         self._words: list[Any] = []  # ctypes int32 arrays over the buffers
         self._bases: list[int] = []
         self._events: list[int] = []
+        self._event_objects: list[Any] = []  # the torch events that own the handles
         self._free: list[int] = []
         self._grow()
 
@@ -215,7 +227,10 @@ class ErrorWords:
     def event(self, i: int) -> int:
         ev = self._events[i]
         if not ev:
-            ev = self._events[i] = driver().create_event(self.index)
+            owner, ev = driver().create_event(self.index)
+            with self._lock:
+                self._event_objects.append(owner)
+            self._events[i] = ev
         return ev
 
 
@@ -256,13 +271,14 @@ class Tracker:
     def has_pending(self) -> bool:
         return bool(getattr(self._local, "pending", None))
 
-    def launch(self, kernel: Any, args: Any, put: dict, position_ids: torch.Tensor, pool: ErrorWords,
-               stream: int) -> None:
-        """Launch ``kernel`` with a fresh error word and tag filled into ``args`` (slots ``ERR`` and
-        ``tag``), and follow the call: judged now (CPU, strict mode), later, or with a graph."""
+    def launch(self, kernel: Any, args: Any, err_slot: int, tag_slot: int, position_ids: torch.Tensor,
+               pool: ErrorWords, stream: int) -> None:
+        """Launch ``kernel`` with a fresh error word and tag filled into ``args`` (at indices
+        ``err_slot`` and ``tag_slot``), and follow the call: judged now (CPU, strict mode), later,
+        or with a graph."""
         word = pool.take()
         tag = next_tag()
-        args[put["ERR"]], args[put["tag"]] = pool.address(word), tag
+        args[err_slot], args[tag_slot] = pool.address(word), tag
         if not pool.cuda:  # the kernel runs synchronously: judge the call now
             try:
                 kernel.launch(args, 0)
@@ -298,17 +314,21 @@ class Tracker:
 
     def reap(self, wait: bool = False) -> None:
         """Judge this thread's finished calls (all of them with ``wait``); raise for the first bad one.
-        Never call it while the current stream is being captured (an event query is illegal then)."""
+        Safe while a graph is being captured: no pending call belongs to a capture, and the event
+        query runs with this thread's capture mode relaxed."""
         pending = self.pending()
+        if not pending:
+            return
         failed = None
-        drv = driver() if pending else None
+        drv = driver()
+        done_fn = drv.done
         for key in list(pending):
             calls = pending[key]
             done = 0
             for pool, word, tag, position_ids, event in calls:  # in order: stop at the first unfinished
                 if wait:
                     drv.wait(event)
-                elif not drv.done(event):
+                elif not done_fn(event):
                     break
                 done += 1
                 if failed is None and pool.read(word) == tag:

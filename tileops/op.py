@@ -237,7 +237,10 @@ class Op:
 
     @staticmethod
     def _needs_grad(tensors: Mapping[str, Any]) -> bool:
-        return any(t is not None and t.requires_grad for t in tensors.values())
+        for t in tensors.values():
+            if t is not None and t.requires_grad:
+                return True
+        return False
 
     def _signature(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> tuple:
         """What the checks of a call depend on (see :meth:`_eager_call`); raises AttributeError
@@ -269,6 +272,10 @@ class Op:
                                     ("device", src.device, o.device)):
                 if want != got:
                     raise ValueError(f"{m.name}: {spec.name}: expected {what} {want} (that of {spec.like}), got {got}")
+            if torch._debug_has_internal_overlap(o) == 1:  # as torch refuses an in-place write into one
+                raise ValueError(f"{m.name}: {spec.name}: expected a tensor whose elements each have their own "
+                                 f"memory, got one whose elements share memory (strides {list(o.stride())}, e.g. "
+                                 f"an expanded view)")
             others = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
             others += [(n, t) for n, t in outs.items() if n != spec.name and isinstance(t, torch.Tensor)]
             for name, t in others:

@@ -201,7 +201,7 @@ class RopeKernels:
             a[put["P"]], a[put["psb"]], a[put["pss"]], a[put["limit"]] = position_ids.data_ptr(), psb, pss, self.limit
             # a position out of range reads as 0 (nothing is indexed out of bounds) and the kernel
             # writes this call's tag into its error word: reported without a host sync (tileops.errors)
-            self.op._calls().launch(kernel, a, put, position_ids, self._words(), stream)
+            self.op._calls().launch(kernel, a, put["ERR"], put["tag"], position_ids, self._words(), stream)
         else:
             kernel.launch(a, stream)
         if y is not out:
@@ -276,41 +276,42 @@ class RopeKernels:
         tables_for = self.tables_for
         empty_like = torch.empty_like
         has_key = key is not None
+        has_pos = pos is not None
+
+        iERR, itag = put.get("ERR"), put.get("tag")
 
         def run(tensors: dict, outs: dict) -> Any:
             x = tensors["x"]
-            ptr = {"x": x.data_ptr()}
             args = template[:]
-            args[iX] = ptr["x"]
+            args[iX] = xp = x.data_ptr()
             if x_in_place:
-                y = x
-                args[iY] = ptr["out"] = ptr["x"]
+                y, yp = x, xp
             else:
                 y = outs.get("out")
                 if y is None:
                     y = empty_like(x)
-                else:
-                    ptr["out"] = y.data_ptr()
-                args[iY] = y.data_ptr()
+                yp = y.data_ptr()
+            args[iY] = yp
+            if check_align and (xp | yp) % align:
+                return NotImplemented
             if has_key:
                 k = tensors["key"]
-                ptr["key"] = args[iK] = k.data_ptr()
+                args[iK] = kp = k.data_ptr()
                 if k_in_place:
-                    ky = k
-                    args[iKY] = ptr["key_out"] = ptr["key"]
+                    ky, kyp = k, kp
                 else:
                     ky = outs.get("key_out")
                     if ky is None:
                         ky = empty_like(k)
-                    else:
-                        ptr["key_out"] = ky.data_ptr()
-                    args[iKY] = ky.data_ptr()
-                if check_align and (args[iK] | args[iKY]) % align:
+                    kyp = ky.data_ptr()
+                args[iKY] = kyp
+                if check_align and (kp | kyp) % align:
                     return NotImplemented
-            if check_align and (args[iX] | args[iY]) % align:
-                return NotImplemented
+            p = tensors["position_ids"] if has_pos else None
             if pairs:
-                p = tensors.get("position_ids")
+                ptr = {"x": xp, "out": yp}
+                if has_key:
+                    ptr["key"], ptr["key_out"] = kp, kyp
                 if p is not None:
                     ptr["position_ids"] = p.data_ptr()
                 for n0, s0, n1, s1 in pairs:
@@ -324,13 +325,12 @@ class RopeKernels:
                     if not ok:
                         return NotImplemented  # the general path names the overlap
             if not single:
-                td = tables_for(x, tensors.get("position_ids"))  # picked on the device; alive until launched
+                td = tables_for(x, p)  # picked on the device; alive until launched
                 args[iTD] = td.data_ptr()
             stream = stream_of(index) if stream_of is not None else 0
-            if words is not None:
-                p = tensors["position_ids"]
+            if p is not None:
                 args[iP] = p.data_ptr()
-                calls().launch(kernel, args, put, p, words, stream)
+                calls().launch(kernel, args, iERR, itag, p, words, stream)
             else:
                 kernel.launch(args, stream)
             return (y, ky) if has_key else y
