@@ -15,6 +15,24 @@ BUILDERS: dict[str, str] = {
 }
 
 
+#: builder name -> the schedule choices a manifest's ``kernel.static`` may set, each an integer in
+#: ``[low, high]``: key -> (low, high, what it is). A value is one integer, or a map from each of the
+#: op's ``input_layout`` choices to one. ``tileops check`` validates manifests against this, and
+#: tests/test_manifest_check.py checks it against each builder's spec class (``SPECS``).
+STATIC: dict[str, dict[str, tuple[int, int, str]]] = {
+    "rope": {
+        "threads": (32, 1024, "target threads per block (CUDA)"),
+        "head_lanes": (1, 64, "threads that split one token's heads (CUDA)"),
+        "tokens_per_thread": (1, 64, "tokens each thread walks (CUDA)"),
+    },
+}
+
+#: builder name -> "module:Class" of the spec it is compiled for (imports TileLang)
+SPECS: dict[str, str] = {
+    "rope": "rope:RopeKernelSpec",
+}
+
+
 def get_builder(name: str) -> Callable:
     """The builder function registered as ``name``."""
     try:

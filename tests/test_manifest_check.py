@@ -202,3 +202,22 @@ def test_parse_expr_rejects_non_strings():
     for bad in (None, 3, ["a > 0"]):
         with pytest.raises(ExprError):
             parse_expr(bad)
+
+
+def test_static_choices_match_each_builders_spec():
+    """``tileops.kernels.STATIC`` (what ``tileops check`` accepts in ``kernel.static``) names exactly
+    the spec fields a manifest sets: every other field the op derives from the call."""
+    import dataclasses
+    import importlib
+
+    from tileops.kernels import BUILDERS, SPECS, STATIC
+
+    derived = {"rope": {"dtype", "head_dim", "rot", "pairing", "positions", "inverse", "backend"}}
+    assert set(STATIC) == set(SPECS) == set(BUILDERS)
+    for name, target in SPECS.items():
+        module, cls = target.split(":")
+        spec = getattr(importlib.import_module(f"tileops.kernels.{module}"), cls)
+        fields = {f.name for f in dataclasses.fields(spec)}
+        assert set(STATIC[name]) == fields - derived[name], name
+        for key, (low, high, _) in STATIC[name].items():
+            assert isinstance(getattr(spec, key), int) and low <= getattr(spec, key) <= high, key

@@ -345,9 +345,7 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
     builders = tuple(builders)
     if builder not in builders:
         raise ctx.err(km["builder"][1], f"kernel.builder: unknown builder {builder!r}; known: {', '.join(builders)}")
-    static = ctx.plain(km["static"][1]) if "static" in km else {}
-    if not isinstance(static, dict):
-        raise ctx.err(km["static"][1], "kernel.static: expected a mapping")
+    static = _static(ctx, km["static"][1], builder, params) if "static" in km else {}
     specialize = ctx.strings(km["specialize"][1], "kernel.specialize") if "specialize" in km else ()
     for d in specialize:
         if d not in dims:
@@ -383,6 +381,45 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
         rules=tuple(rules), kernel=kernel, cases=tuple(cases), cpu_shrink=shrink, file=ctx.file,
         line=key.start_mark.line + 1, backward=backward,
     )
+
+
+def _static(ctx: _Ctx, node: yaml.Node, builder: str, params: dict) -> dict[str, Any]:
+    """``kernel.static`` checked against the builder's schedule choices (``tileops.kernels.STATIC``):
+    known keys only, each an integer in its range or a map from every ``input_layout`` choice to one."""
+    from tileops.kernels import STATIC
+
+    allowed = STATIC.get(builder, {})
+    out: dict[str, Any] = {}
+
+    def integer(vnode: yaml.Node, what: str, low: int, high: int) -> int:
+        value = ctx.typed(vnode, (int,), what, "an integer")
+        if not low <= value <= high:
+            raise ctx.err(vnode, f"{what}: expected an integer in [{low}, {high}], found {value}")
+        return value
+
+    for key, (knode, vnode) in ctx.mapping(node, "kernel.static").items():
+        if key not in allowed:
+            known = ", ".join(allowed) or "none"
+            raise ctx.err(knode, f"kernel.static: unknown key {key!r} for builder {builder!r}; allowed: {known}")
+        low, high, _ = allowed[key]
+        what = f"kernel.static.{key}"
+        if not isinstance(vnode, yaml.MappingNode):
+            out[key] = integer(vnode, what, low, high)
+            continue
+        layout = params.get("input_layout")
+        choices = getattr(layout, "choices", None)
+        if not choices:
+            raise ctx.err(vnode, f"{what}: a map by layout needs a param `input_layout` with choices; give one integer")
+        by_layout = {}
+        for lk, (lknode, lvnode) in ctx.mapping(vnode, what).items():
+            if lk not in choices:
+                raise ctx.err(lknode, f"{what}: {lk!r} is not an input_layout; choices: {', '.join(map(str, choices))}")
+            by_layout[lk] = integer(lvnode, f"{what}.{lk}", low, high)
+        missing = [c for c in choices if c not in by_layout]
+        if missing:
+            raise ctx.err(vnode, f"{what}: no value for input_layout {', '.join(map(repr, missing))}")
+        out[key] = by_layout
+    return out
 
 
 def _builders() -> tuple[str, ...]:

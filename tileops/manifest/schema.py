@@ -78,8 +78,10 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
     },
     "kernel": {
         "builder": (True, "str", "The builder's name in `kernels.BUILDERS`."),
-        "static": (False, "map", "Fixed choices passed to the builder (schedule, pairing...); a value may be "
-                                 "a map keyed by input layout."),
+        "static": (False, "map", "The builder's schedule choices, each an integer in the range "
+                                 "`tileops.kernels.STATIC` declares for that builder (for `rope`: `threads`, "
+                                 "`head_lanes`, `tokens_per_thread`); unknown keys and values out of range are "
+                                 "errors at FILE:LINE. A value may instead map every `input_layout` choice to one."),
         "specialize": (False, "list[dim]", "Dims a kernel is compiled for (e.g. head_dim); every other dim is "
                                            "dynamic, so new sizes of it reuse the compiled kernel."),
     },
