@@ -211,6 +211,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .codegen import generate
+
+    changed = generate(check=args.check)
+    for path in changed:
+        print(f"{path}: {'differs from its manifests (run `tileops generate`)' if args.check else 'written'}")
+    if not changed:
+        print("ok: every generated module matches its manifests")
+    return 1 if (args.check and changed) else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tileops", description="LLM operators as TileLang tile programs.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -232,16 +243,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--arch", default=None, help="sm_XX, or c for the CPU (default: this machine's GPU, else c)")
     p.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")
     p.set_defaults(fn=cmd_warmup)
+    p = sub.add_parser("generate", help="write each family's op classes (tileops/<family>/ops.py) from its manifests")
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a file differs from its manifests")
+    p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("demo", help="run every op's first case against a float64 reference")
     p.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
     p.set_defaults(fn=cmd_demo)
-    for extra in ("coverage", "bench"):
-        mod = f"tileops.cli_{extra}"
-        try:
-            importlib.import_module(mod).register(sub)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
+    importlib.import_module("tileops.cli_coverage").register(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.fn(args) or 0)

@@ -377,10 +377,19 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
         name=name, family=ctx.string(m["family"][1], "family"), summary=ctx.string(m["summary"][1], "summary"),
         description=ctx.string(m["description"][1], "description") if "description" in m else "",
         references=ctx.strings(m["references"][1], "references") if "references" in m else (),
+        examples=ctx.strings(m["examples"][1], "examples") if "examples" in m else (),
+        hooks=_hooks(ctx, m["hooks"][1]),
         params=tuple(params.values()), inputs=tuple(inputs.values()), outputs=tuple(outputs.values()),
         rules=tuple(rules), kernel=kernel, cases=tuple(cases), cpu_shrink=shrink, file=ctx.file,
         line=key.start_mark.line + 1, backward=backward,
     )
+
+
+def _hooks(ctx: _Ctx, node: yaml.Node) -> str:
+    name = ctx.string(node, "hooks")
+    if not name.isidentifier():
+        raise ctx.err(node, f"hooks: expected a class name in tileops/<family>/hooks.py, found {name!r}")
+    return name
 
 
 def _static(ctx: _Ctx, node: yaml.Node, builder: str, params: dict) -> dict[str, Any]:

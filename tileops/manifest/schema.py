@@ -36,6 +36,10 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "summary": (True, "str", "One line: what the op computes."),
         "description": (False, "str", "A paragraph or more for the docs."),
         "references": (False, "list[str]", "Public sources the op agrees with."),
+        "examples": (False, "list[str]", "Doctest lines (`>>> ...`) for the class docstring's Examples section."),
+        "hooks": (True, "str", "The class in `tileops/<family>/hooks.py` the generated op class inherits: the "
+                               "family's behaviour (frequencies, checks the rules cannot express); it declares "
+                               "no parameter."),
         "params": (True, "map[name -> param]", "Constructor parameters, in signature order."),
         "inputs": (True, "map[name -> tensor]", "Tensors `forward` takes, in call order."),
         "outputs": (True, "map[name -> tensor]", "Tensors `forward` returns."),
@@ -197,6 +201,8 @@ class OpManifest:
     cases: tuple[Case, ...]
     description: str = ""
     references: tuple[str, ...] = ()
+    examples: tuple[str, ...] = ()
+    hooks: str = ""
     cpu_shrink: CpuShrink | None = None
     file: str = ""
     line: int = 0

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..targets import Target
-from .hf_ops import Phi3LongRoPEFwdOp, RoPELinearFwdOp
-from .ops import RoPEFwdOp, RoPELlama31FwdOp, YaRNFwdOp, _RoPEBase
+from .hooks import RoPEHooks
+from .ops import Phi3LongRoPEFwdOp, RoPEFwdOp, RoPELinearFwdOp, RoPELlama31FwdOp, YaRNFwdOp
 
 __all__ = ["from_hf_config", "SUPPORTED_ROPE_TYPES"]
 
@@ -92,7 +92,7 @@ class _Config:
         return out
 
 
-def from_hf_config(config: Any, *, target: str | Target | None = None) -> _RoPEBase:
+def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHooks:
     """The tileops op (``input_layout="2d"``) reproducing a transformers config's rotary embedding.
 
     Reads ``config.rope_parameters`` (transformers 5, ``rope_theta`` inside) or

@@ -1,0 +1,202 @@
+"""The RoPE family's hooks: everything an op of the family does besides its signature.
+
+Each op class in :mod:`tileops.rope.ops` is generated from its manifest (``tileops generate``): its
+constructor and ``forward`` signatures, its docstrings and the values it hands to the base class.
+It inherits from the hook class its manifest names (``hooks:``), defined here: how the frequencies
+are computed, which columns rotate, which positions are valid, and checks the rule language does
+not express. Nothing here declares a parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..op import Op
+from . import freqs
+from .tables import DIGITS, LO, RopeTables
+
+#: positions the digit tables cover: [0, 2^24)
+MAX_POSITION = LO**DIGITS
+
+__all__ = ["RoPEHooks", "Base", "NeoxPositionIds", "Llama31", "YaRN", "LongRoPE", "Linear", "Phi3LongRoPE",
+           "MAX_POSITION"]
+
+
+class RoPEHooks(Op):
+    """What every RoPE op shares: frequencies -> tables -> one kernel builder."""
+
+    pairing = "neox"
+
+    @property
+    def layout(self) -> str:
+        """``"1d"``, ``"2d"`` or ``"ids"`` (position ids)."""
+        return self.params["input_layout"]
+
+    def rotated_width(self, head_dim: int) -> int:
+        return head_dim
+
+    def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
+        """float64 inverse frequencies ``(rot // 2,)`` and the amplitude applied to cos and sin."""
+        return freqs.base_inv_freq(self.params["base"], rot), 1.0
+
+    def table_choices(self, rot: int) -> list[tuple[torch.Tensor, float]]:
+        """The frequency sets a call may pick from (:meth:`choose_table`); most ops have one."""
+        return [self.frequencies(rot)]
+
+    def choose_table(self, position_ids: torch.Tensor | None, seq_len: int) -> "int | torch.Tensor":
+        """Which of :meth:`table_choices` a call uses: an int, or a 0-dim int64 tensor on the
+        device when the choice depends on position values (never read on the host)."""
+        return 0
+
+    def _check_more(self, tensors: Any, dims: Any) -> None:
+        key, x = tensors.get("key"), tensors["x"]
+        if key is not None and key.dtype != x.dtype:
+            raise TypeError(f"{self.name}: key: expected dtype {str(x.dtype).replace('torch.', '')} (that of x), "
+                            f"got {str(key.dtype).replace('torch.', '')}")
+
+    def position_limit(self) -> int:
+        """Positions must lie in ``[0, position_limit())``: 2^24, what the digit tables cover."""
+        return MAX_POSITION
+
+    def _tables(self, rot: int) -> list[RopeTables]:
+        # kept on the op (not in a class-level cache), so tables go when the op goes
+        cache = self.__dict__.setdefault("_table_cache", {})
+        t = cache.get(rot)
+        if t is None:
+            t = cache[rot] = [RopeTables(inv, amp) for inv, amp in self.table_choices(rot)]
+        return t
+
+    def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:
+        """Raise the ValueError naming the first position outside ``[0, position_limit())``;
+        ``when`` says which call it was, if not this one."""
+        limit = self.position_limit()
+        bound = "max_position" if "max_position" in self.params else "2^24"
+        bad = ((position_ids < 0) | (position_ids >= limit)).nonzero()
+        if bad.shape[0] == 0:  # the caller changed the tensor since the kernel read it
+            raise ValueError(f"{self.name}: position_ids: expected every value in [0, {bound}={limit}); "
+                             f"{when or 'this call'} read one outside (the tensor has changed since)")
+        idx = tuple(int(i) for i in bad[0])
+        raise ValueError(f"{self.name}: position_ids: expected every value in [0, {bound}={limit}), "
+                         f"got position_ids[{', '.join(map(str, idx))}] = {int(position_ids[idx])}"
+                         + (f" ({when})" if when else ""))
+
+
+class Base(RoPEHooks):
+    """``RoPEFwdOp``: base frequencies; ``rope_layout`` picks the pairing."""
+
+    @property
+    def pairing(self) -> str:  # type: ignore[override]
+        return self.params["rope_layout"]
+
+
+class _PartialRotary(RoPEHooks):
+    """Neox pairing on the first ``rotary_dim`` columns; the rest are copied unchanged."""
+
+    def rotated_width(self, head_dim: int) -> int:
+        rd = self.params["rotary_dim"]
+        return head_dim if rd is None else rd
+
+
+class NeoxPositionIds(_PartialRotary):
+    """``RoPENeoxPositionIdsFwdOp``: packed tokens, positions in ``[0, max_position)``."""
+
+    @property
+    def layout(self) -> str:
+        return "ids"
+
+    def position_limit(self) -> int:
+        return self.params["max_position"]
+
+
+class Llama31(RoPEHooks):
+    """``RoPELlama31FwdOp``: Llama 3.1's banded frequency scaling."""
+
+    def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
+        p = self.params
+        return freqs.llama31_inv_freq(p["base"], rot, p["scale_factor"], p["low_freq_factor"],
+                                      p["high_freq_factor"], p["original_max_position"]), 1.0
+
+
+class YaRN(RoPEHooks):
+    """``YaRNFwdOp``: YaRN's ramp between kept and interpolated frequencies, and its amplitude."""
+
+    def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
+        p = self.params
+        inv = freqs.yarn_inv_freq(p["base"], rot, p["scale"], p["original_max_position"], p["beta_fast"],
+                                  p["beta_slow"])
+        return inv, freqs.yarn_amplitude(p["scale"], p["attn_factor"])
+
+
+class LongRoPE(RoPEHooks):
+    """``LongRoPEFwdOp``: one set of per-frequency divisors and LongRoPE's amplitude."""
+
+    def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        params = super()._check_params(params)
+        params["rescale_factors"] = freqs.factor_table(self.name, "rescale_factors", params["rescale_factors"],
+                                                       "head_dim // 2")
+        return params
+
+    def _check_more(self, tensors: Any, dims: Any) -> None:
+        super()._check_more(tensors, dims)
+        rf = self.params["rescale_factors"]
+        if rf is not None and rf.shape[0] != dims["head_dim"] // 2:
+            raise ValueError(f"{self.name}: rescale_factors: expected length head_dim // 2 = "
+                             f"{dims['head_dim'] // 2} (head_dim {dims['head_dim']} of x), got length {rf.shape[0]}")
+
+    def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
+        p = self.params
+        return (freqs.longrope_inv_freq(p["base"], rot, p["rescale_factors"]),
+                freqs.longrope_amplitude(p["max_position_embeddings"], p["original_max_position_embeddings"]))
+
+
+class Linear(_PartialRotary):
+    """``RoPELinearFwdOp``: positions divided by ``factor`` (HF ``linear``), partial rotary."""
+
+    def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
+        p = self.params
+        return freqs.base_inv_freq(p["base"], rot) / p["factor"], 1.0
+
+
+class Phi3LongRoPE(_PartialRotary):
+    """``Phi3LongRoPEFwdOp``: HF's longrope, short or long factors picked per call on the device."""
+
+    def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        params = super()._check_params(params)
+        for arg in ("short_factor", "long_factor"):
+            params[arg] = freqs.factor_table(self.name, arg, params[arg], "rotary_dim // 2")
+        return params
+
+    def _check_more(self, tensors: Any, dims: Any) -> None:
+        super()._check_more(tensors, dims)
+        rot = self.rotated_width(dims["head_dim"])
+        for arg in ("short_factor", "long_factor"):
+            f = self.params[arg]
+            if f is not None and f.shape[0] != rot // 2:
+                raise ValueError(f"{self.name}: {arg}: expected length rotary_dim // 2 = {rot // 2} "
+                                 f"(rotated width {rot} of head_dim {dims['head_dim']}), got length {f.shape[0]}")
+
+    def amplitude(self) -> float:
+        """``attention_factor``, or HF's default from the two lengths."""
+        p = self.params
+        if p["attention_factor"] is not None:
+            return p["attention_factor"]
+        return freqs.longrope_amplitude(p["max_position_embeddings"], p["original_max_position_embeddings"])
+
+    def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
+        """The short table: what a call at positions below the switch uses."""
+        return freqs.longrope_inv_freq(self.params["base"], rot, self.params["short_factor"]), self.amplitude()
+
+    def table_choices(self, rot: int) -> list[tuple[torch.Tensor, float]]:
+        """``[short, long]``: :meth:`choose_table` picks one per call."""
+        long = freqs.longrope_inv_freq(self.params["base"], rot, self.params["long_factor"])
+        return [self.frequencies(rot), (long, self.amplitude())]
+
+    def choose_table(self, position_ids: torch.Tensor | None, seq_len: int) -> int | torch.Tensor:
+        """1 (long) when ``max(position_ids) + 1 > original_max_position_embeddings``, else 0; a
+        0-dim int64 tensor on the positions' device, so nothing is read on the host."""
+        omp = self.params["original_max_position_embeddings"]
+        if position_ids is None:
+            return int(seq_len > omp)
+        return (position_ids.max() + 1 > omp).long()
