@@ -20,15 +20,11 @@ import torch
 
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
 
+from .baselines import _rotate_half
 from .runner import end_to_end_us, host_time_us as host_us
 from .timing import copy_rate, gpu_time, rotation
 
 HERE = Path(__file__).resolve().parent
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 def hf_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:

@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 
 from tileops import target_names
 from tileops.manifest import registry
+from tileops.testing import TOLERANCES
 from tileops.workloads import DTYPES, op_class
 
 try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
@@ -54,7 +55,6 @@ EXAMPLES = int(os.environ.get("TILEOPS_FUZZ_EXAMPLES", "40"))
 MAX_ELEMENTS = 20_000
 SMALL_HEAD_DIMS = (2, 6, 64, 96, 128)
 HEAD_DIMS = st.integers(1, 256).map(lambda n: 2 * n) if FULL else st.sampled_from(SMALL_HEAD_DIMS)
-TOLERANCES = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])

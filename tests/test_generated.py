@@ -23,7 +23,7 @@ import torch
 
 from tileops.cli import main as cli_main
 from tileops.manifest import load_files, packaged_files, registry
-from tileops.testing import COLUMNS, GeneratedCase, generated_cases
+from tileops.testing import COLUMNS, TOLERANCES, GeneratedCase, generated_cases
 from tileops.workloads import op_class, workload
 
 try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
@@ -32,7 +32,6 @@ except ImportError:  # pragma: no cover
     from tests.references import reference, reference_grad
 
 #: |out - ref| <= atol + rtol * |ref|: one rounding of an fp32 result to the dtype, plus slack.
-TOLERANCES = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 
 REGISTRY = registry()
 CASES = generated_cases(REGISTRY)

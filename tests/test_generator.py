@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -66,19 +67,45 @@ def test_threads_first_call_compile_once(gen):
 
 
 def test_disk_cache_serves_a_new_process(tmp_path):
-    """A second process with the same cache folder loads the kernel instead of building it."""
-    code = (
-        "import time, torch, tileops.generate as g\n"
+    """A second process with the same cache folder loads the kernel instead of building it: in that
+    process TileLang's build step is made to fail, so only a disk hit can answer (with the cache
+    disabled, the second process fails)."""
+    first_code = (
+        "import torch\n"
         "from tileops.rope import RoPEFwdOp\n"
-        "op = RoPEFwdOp(input_layout='1d')\n"
-        "op(torch.randn(4, 46))\n"
-        "print(g.stats.compiles)\n"
+        "print(RoPEFwdOp(input_layout='1d')(torch.ones(4, 46)).sum().item())\n"
     )
-    env = {**__import__("os").environ, "TILELANG_CACHE_DIR": str(tmp_path)}
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    files_after_first = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    files_after_second = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
-    assert files_after_first, "nothing was written to the disk cache"
-    assert files_after_first == files_after_second, "the second process compiled again"
-    assert first.stdout.strip() == second.stdout.strip() == "1"
+    no_build = (
+        "import importlib, tilelang\n"
+        "k = importlib.import_module('tilelang.jit.kernel')\n"
+        "def refuse(*a, **kw):\n"
+        "    raise RuntimeError('built again: the disk cache did not serve the kernel')\n"
+        "k.JITKernel._compile_and_create_adapter = refuse\n"
+    )
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path)}
+    env.pop("TILELANG_DISABLE_CACHE", None)
+    first = subprocess.run([sys.executable, "-c", first_code], env=env, capture_output=True, text=True, check=True)
+    assert any(p.is_file() for p in tmp_path.rglob("*")), "nothing was written to the disk cache"
+    second = subprocess.run([sys.executable, "-c", no_build + first_code], env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout == first.stdout
+    # the same second process with the cache off must build, and so fail: the check above can fail
+    off = subprocess.run([sys.executable, "-c", no_build + first_code], env={**env, "TILELANG_DISABLE_CACHE": "1"},
+                         capture_output=True, text=True)
+    assert off.returncode != 0 and "built again" in off.stderr
+
+
+def test_importing_tileops_leaves_tilelang_settings_alone():
+    """No TILELANG_* variable set, no TileLang logger level changed, by importing or calling."""
+    code = (
+        "import logging, os, torch\n"
+        "import tilelang\n"
+        "level = logging.getLogger('tilelang').level\n"
+        "import tileops\n"
+        "from tileops.rope import RoPEFwdOp\n"
+        "RoPEFwdOp()(torch.randn(3, 8))\n"
+        "print(sorted(k for k in os.environ if k.startswith('TILELANG')), logging.getLogger('tilelang').level == level)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TILELANG")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] True"

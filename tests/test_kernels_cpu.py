@@ -14,14 +14,13 @@ import torch
 from tests.references import reference
 from tileops import BUILTIN
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
+from tileops.testing import tolerance
 
-# |out - ref| <= atol + rtol * |ref|: one rounding of an fp32 result to the output dtype, plus slack
-TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    atol, rtol = TOL[out.dtype]
+    atol, rtol = tolerance(out.dtype)
     got = out.double()
     assert torch.isfinite(got).all(), "non-finite output"
     err = (got - ref).abs()

@@ -9,13 +9,13 @@ import torch
 from tests.references import reference, reference_grad
 from tileops import BUILTIN
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
+from tileops.testing import tolerance
 
-TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1.6e-2)}
 TARGETS = [BUILTIN, "torch"]
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    atol, rtol = TOL[got.dtype]
+    atol, rtol = tolerance(got.dtype)
     err = (got.detach().double() - ref).abs()
     assert bool((err <= atol + rtol * ref.abs()).all()), f"max error {err.max().item():.3e}"
 

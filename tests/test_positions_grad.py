@@ -12,8 +12,8 @@ import torch
 from tests.references import reference, reference_grad
 from tileops import BUILTIN
 from tileops.rope import LongRoPEFwdOp, RoPEFwdOp, RoPELlama31FwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
+from tileops.testing import tolerance
 
-TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 SEQUENCE_OPS = [
     (RoPEFwdOp, {"rope_layout": "interleaved"}),
     (RoPEFwdOp, {}),
@@ -25,7 +25,7 @@ IDS = [f"{cls.__name__}{'-' + next(iter(p.values())) if 'rope_layout' in p else 
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
-    atol, rtol = TOL[got.dtype]
+    atol, rtol = tolerance(got.dtype)
     err = (got.detach().double() - ref).abs()
     bad = err > atol + rtol * ref.abs()
     assert not bad.any(), f"{what}: {int(bad.sum())} elements off; max error {err.max().item():.3e}"

@@ -1,8 +1,9 @@
 """The generator: kernel builder + specialization -> TileLang ``T.prim_func`` -> compiled kernel.
 
 Compiled kernels are cached in memory per (builder, spec, backend, arch) and on disk by TileLang's
-own kernel cache (``TILELANG_CACHE_DIR``, default ``~/.cache/tileops/tilelang``). Threads that ask
-for the same kernel at once wait on one lock per key: one compile, one result for all.
+own kernel cache (TileLang's ``TILELANG_CACHE_DIR``, by default ``~/.tilelang/cache``; tileops
+leaves that setting, and TileLang's logging, as the process has them). Threads that ask for the
+same kernel at once wait on one lock per key: one compile, one result for all.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import torch
 
 __all__ = ["compile_kernel", "emit_source", "device_backend", "stats", "CompileStats"]
 
-os.environ.setdefault("TILELANG_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "tileops", "tilelang"))
-
 
 @dataclass
 class CompileStats:
@@ -27,7 +26,6 @@ class CompileStats:
 
     compiles: int = 0
     seconds: float = 0.0
-    lookups: int = 0
 
 
 stats = CompileStats()
@@ -69,7 +67,6 @@ def _prim_func(builder: str, spec: Any):
 def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
     """The compiled kernel for ``spec``: built once per process (and once per disk cache)."""
     key = (builder, spec, backend, arch)
-    stats.lookups += 1
     kernel = _cache.get(key)
     if kernel is not None:
         return kernel
@@ -82,19 +79,40 @@ def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
 
             _quiet(tilelang)
             t0 = time.perf_counter()
-            # the Cython backend exposes the library's C entry point, which tileops.launch calls directly
-            kernel = tilelang.compile(_prim_func(builder, spec), target=_tvm_target(backend, arch),
-                                      execution_backend="cython", pass_configs=PASS_CONFIGS)
+            _compiling.on = True
+            try:
+                # the Cython backend exposes the library's C entry point, which tileops.launch calls directly
+                kernel = tilelang.compile(_prim_func(builder, spec), target=_tvm_target(backend, arch),
+                                          execution_backend="cython", pass_configs=PASS_CONFIGS)
+            finally:
+                _compiling.on = False
             stats.seconds += time.perf_counter() - t0
             stats.compiles += 1
             _cache[key] = kernel
     return kernel
 
 
+_compiling = threading.local()
+
+
+class _OwnCompileChatter(logging.Filter):
+    """Drops TileLang's INFO lines (two per compile) logged while *this library* compiles on the
+    current thread; everything else TileLang logs, for anyone, passes. ``TILEOPS_VERBOSE=1`` keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not getattr(_compiling, "on", False)
+
+
+_filter = _OwnCompileChatter()
+
+
 def _quiet(tilelang: Any) -> None:
-    # TileLang logs two INFO lines per compile; keep them unless the user asked for detail.
-    if not os.environ.get("TILEOPS_VERBOSE"):
-        logging.getLogger("tilelang").setLevel(logging.WARNING)
+    """Attach the filter to TileLang's handlers (once; the logger's level is left alone)."""
+    if os.environ.get("TILEOPS_VERBOSE"):
+        return
+    for handler in logging.getLogger("tilelang").handlers:
+        if _filter not in handler.filters:
+            handler.addFilter(_filter)
 
 
 def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
@@ -106,13 +124,17 @@ def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
 
     _quiet(tilelang)
     func = _prim_func(builder, spec)
-    if backend == "c":
-        return tilelang.compile(func, target="c", pass_configs=PASS_CONFIGS).get_kernel_source()
-    target = _tvm_target(backend, arch)
-    from tvm import transform
+    _compiling.on = True
+    try:
+        if backend == "c":
+            return tilelang.compile(func, target="c", pass_configs=PASS_CONFIGS).get_kernel_source()
+        target = _tvm_target(backend, arch)
+        from tvm import transform
 
-    with target, transform.PassContext(config=PASS_CONFIGS):
-        return tilelang.lower(func, target=target).kernel_source
+        with target, transform.PassContext(config=PASS_CONFIGS):
+            return tilelang.lower(func, target=target).kernel_source
+    finally:
+        _compiling.on = False
 
 
 def clear_memory_cache() -> None:
