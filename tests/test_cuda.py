@@ -19,7 +19,7 @@ def test_accuracy_at_long_positions_cuda():
     out = RoPEFwdOp(input_layout="1d")(x).double().cpu()
     ref = reference("RoPEFwdOp", {"input_layout": "1d"}, {"x": x.cpu()})
     mag = torch.sqrt(x[:, :8].double().cpu() ** 2 + x[:, 8:].double().cpu() ** 2).repeat(1, 2)
-    ulps = (out - ref).abs() / (mag * 2.0**-23)
+    ulps = (out - ref).abs() / (mag.clamp_min(2.0**-126) * 2.0**-23)  # an exact (0, 0) pair: 0/0 otherwise
     assert ulps.max().item() < 8, f"{ulps.max().item():.1f} ulps"
 
 
@@ -95,7 +95,7 @@ def test_positions_up_to_2_24_fp32_cuda():
     out = RoPEFwdOp(input_layout="1d")(x, position_ids=pos).double().cpu()
     ref = reference("RoPEFwdOp", {"input_layout": "1d"}, {"x": x.cpu(), "position_ids": pos.cpu()})
     mag = torch.sqrt(x[:, :8].double().cpu() ** 2 + x[:, 8:].double().cpu() ** 2).repeat(1, 2)
-    ulps = (out - ref).abs() / (mag * 2.0**-23)
+    ulps = (out - ref).abs() / (mag.clamp_min(2.0**-126) * 2.0**-23)  # an exact (0, 0) pair: 0/0 otherwise
     assert ulps.max().item() < 8, f"{ulps.max().item():.1f} ulps"
 
 
@@ -146,3 +146,26 @@ def test_decode_many_calls_no_recompile():
                         {"x": x.cpu(), "position_ids": pos.cpu()})
         assert (out.double().cpu() - ref).abs().max().item() < 4e-3
     assert generate.stats.compiles == before
+
+
+def test_shapes_a_cuda_launch_cannot_take_are_refused_before_any_kernel():
+    """Block sizes above 1024 threads (a vector width of 1 on a wide head) and batches above the
+    grid's 65535 rows: a ValueError naming x, not a failed launch."""
+    cases = [
+        (RoPEFwdOp(input_layout="2d"), dict(x=torch.randn(1, 3, 2, 258, device="cuda").half())),
+        (RoPENeoxPositionIdsFwdOp(64, rotary_dim=98),
+         dict(x=torch.randn(5, 2, 256, device="cuda").half(), position_ids=torch.arange(5, device="cuda"))),
+        (RoPEFwdOp(input_layout="2d"), dict(x=torch.randn(1, 3, 2, 1022, device="cuda"))),
+    ]
+    for op, kw in cases:
+        x = kw.pop("x")
+        before = x.clone()
+        with pytest.raises(ValueError, match=r"x: head_dim=\d+ .* threads per CUDA block, above the 1024"):
+            op(x, **kw)
+        assert torch.equal(x, before)
+    big = torch.randn(65536, 1, 1, 8, device="cuda")
+    with pytest.raises(ValueError, match=r"x: expected batch <= 65535 on CUDA .* got batch=65536"):
+        RoPEFwdOp(input_layout="2d")(big)
+    out = RoPEFwdOp(input_layout="2d")(big[:65535])  # the largest batch that launches
+    ref = reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": big[:65535].cpu()})
+    assert (out.double().cpu() - ref).abs().max().item() < 1e-5
