@@ -42,6 +42,7 @@ DEFAULTS: dict[str, dict] = {
         "beta_fast": 32.0,
         "beta_slow": 1.0,
         "attn_factor": 1.0,
+        "rope_layout": "neox",
     },
     "LongRoPEFwdOp": {
         **_COMMON,
@@ -245,7 +246,7 @@ def reference(op_name: str, params: dict, inputs: dict[str, torch.Tensor]) -> to
         rot_dim = head_dim if p["rotary_dim"] is None else int(p["rotary_dim"])
         inv, amp = inv_freq_and_amplitude(op_name, p, rot_dim)
         return rotate(x, pos.view(-1, 1), inv, amp, "neox")  # one position per token, all heads
-    pairing = p["rope_layout"] if op_name == "RoPEFwdOp" else "neox"
+    pairing = p["rope_layout"] if "rope_layout" in DEFAULTS[op_name] else "neox"  # only some ops choose
     given = inputs.get("position_ids")
     if given is None:
         pos = _sequence_positions(x, p["input_layout"])

@@ -470,3 +470,53 @@ def test_model_cast_with_to_warns_and_uses_exact_frequencies():
         assert torch.isfinite(out.float()).all()
     finally:
         tt.unpatch(model)
+
+
+def _deepseek_config(**extra):
+    return transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=2560, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 0.7}, **extra)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_deepseek_v3_yarn_matches_transformers(interleave, gen):
+    """DeepSeek-V3's rope part: yarn with mscale / mscale_all_dim and (by default) interleaved pairs.
+    transformers' apply_rotary_pos_emb_interleave returns the rotated pairs de-interleaved; the op
+    rotates them where they lie, so its result de-interleaved must match (and q.k is the same)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    cfg = _deepseek_config(rope_interleave=interleave)
+    op = from_hf_config(cfg)
+    assert isinstance(op, YaRNFwdOp) and op.params["rope_layout"] == ("interleaved" if interleave else "neox")
+    B, H, S, D = 2, 4, 9, cfg.qk_rope_head_dim
+    q = torch.randn(B, H, S, D, generator=gen, dtype=torch.float64).float()
+    k = torch.randn(B, 1, S, D, generator=gen, dtype=torch.float64).float()
+    # transformers forms angles in fp32 (error ~ position * 2^-24 rad); positions below 200 keep
+    # that under the tolerance, the op's float64 angles being exact
+    pos = torch.randint(0, 200, (B, S), generator=gen)
+    cos, sin = hf.DeepseekV3RotaryEmbedding(cfg).float()(q, pos)
+    apply = hf.apply_rotary_pos_emb_interleave if interleave else hf.apply_rotary_pos_emb
+    hq, hk = apply(q, k, cos, sin)
+    oq, ok = op(q.transpose(1, 2), position_ids=pos, key=k.transpose(1, 2))
+    oq, ok = oq.transpose(1, 2), ok.transpose(1, 2)
+    if interleave:
+        torch.testing.assert_close((oq @ ok.transpose(-1, -2)), (hq @ hk.transpose(-1, -2)), atol=1e-4, rtol=1e-4)
+        oq = torch.cat((oq[..., 0::2], oq[..., 1::2]), -1)
+        ok = torch.cat((ok[..., 0::2], ok[..., 1::2]), -1)
+    torch.testing.assert_close(oq, hq, atol=5e-5, rtol=5e-5)
+    torch.testing.assert_close(ok, hk, atol=5e-5, rtol=5e-5)
+    assert not torch.allclose(oq, q, atol=1e-2), "nothing was rotated"
+
+
+def test_rope_interleave_where_no_op_has_it():
+    cfg = _deepseek_config()
+    cfg.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(NotImplementedError, match="config.rope_interleave: interleaved pairs with rope type 'linear'"):
+        from_hf_config(cfg)
+    as_json = {**_deepseek_config().to_dict(), "rope_interleave": "yes"}  # a config.json dict
+    with pytest.raises(TypeError, match="config.rope_interleave: expected a bool, got str"):
+        from_hf_config(as_json)

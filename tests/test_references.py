@@ -12,9 +12,9 @@ import pytest
 import torch
 
 try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
-    from references import REFERENCES, inv_freq_and_amplitude, reference, yarn_correction_range
+    from references import DEFAULTS, REFERENCES, inv_freq_and_amplitude, reference, yarn_correction_range
 except ImportError:  # pragma: no cover
-    from tests.references import REFERENCES, inv_freq_and_amplitude, reference, yarn_correction_range
+    from tests.references import DEFAULTS, REFERENCES, inv_freq_and_amplitude, reference, yarn_correction_range
 
 F64 = torch.float64
 SEQ_OPS = ["RoPEFwdOp", "RoPELlama31FwdOp", "YaRNFwdOp", "LongRoPEFwdOp"]  # ops with input_layout
@@ -126,8 +126,8 @@ def test_pair_norm_scaled_by_amplitude(op, rope_layout):
     params = {"rope_layout": rope_layout, "scale": 8.0, "max_position_embeddings": 16384}
     out = reference(op, params, {"x": x})
     _, amp = inv_freq_and_amplitude(op, params, 64)
-    if op != "RoPEFwdOp":
-        rope_layout = "neox"  # only RoPEFwdOp has an interleaved option
+    if "rope_layout" not in DEFAULTS[op]:
+        rope_layout = "neox"  # only RoPEFwdOp and YaRNFwdOp have an interleaved option
     xd = x.double()
     if rope_layout == "neox":
         pairs_in, pairs_out = (xd[:, :32], xd[:, 32:]), (out[:, :32], out[:, 32:])

@@ -107,6 +107,7 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
     | ``linear`` | ``RoPELinearFwdOp`` |
     | ``llama3`` | ``RoPELlama31FwdOp`` |
     | ``yarn`` | ``YaRNFwdOp``, ``attn_factor`` set so the amplitude equals HF's ``attention_factor`` |
+    | ``default``, ``yarn`` with ``rope_interleave`` (DeepSeek-V2/V3) | the same ops with ``rope_layout="interleaved"`` |
     | ``longrope`` | ``Phi3LongRoPEFwdOp`` (short/long switch per call, on the device) |
 
     Args:
@@ -116,11 +117,16 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
 
     Returns:
         The op; call it as ``op(x, position_ids=...)`` with x ``[batch, seq, heads, head_dim]``.
+        With ``rope_interleave`` (DeepSeek's rope part, ``head_dim`` being ``qk_rope_head_dim``) the
+        op rotates the pairs ``(2i, 2i+1)`` where they lie; transformers returns the same values
+        de-interleaved (``cat(evens, odds)``). q and k come out in the same order either way, so
+        their dot products, and attention, are the same.
 
     Raises:
         NotImplementedError: A rope type other than those above (``dynamic``, ``proportional``,
             ...), per-layer-type rope parameters, ``partial_rotary_factor < 1`` with ``llama3`` or
-            ``yarn``, an odd rotary width, or YaRN with ``truncate=False``.
+            ``yarn``, ``rope_interleave`` with another rope type or with partial rotary, an odd
+            rotary width, or YaRN with ``truncate=False``.
         TypeError, ValueError: A config field of the wrong type or value; the message names it.
     """
     c = _Config(config)
@@ -185,9 +191,18 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
                              f"{rope_type!r}, got none")
         return c.whole("config.max_position_embeddings", value)
 
+    interleave = c.get("rope_interleave", False)
+    if not isinstance(interleave, bool):
+        raise TypeError(f"{_NAME}: config.rope_interleave: expected a bool, got {type(interleave).__name__}")
+    if interleave and (rope_type not in ("default", "yarn") or rotary_dim is not None):
+        what = f"rope type {rope_type!r}" if rotary_dim is None else f"partial_rotary_factor {prf}"
+        raise NotImplementedError(f"{_NAME}: config.rope_interleave: interleaved pairs with {what} are not "
+                                  f"supported (only default and yarn on the whole head)")
+    pairing = "interleaved" if interleave else "neox"
+
     if rope_type == "default":
         if rotary_dim is None:
-            return RoPEFwdOp("neox", "2d", base, target=target)
+            return RoPEFwdOp(pairing, "2d", base, target=target)
         return RoPELinearFwdOp("2d", base, 1.0, rotary_dim, target=target)
 
     if rope_type == "linear":
@@ -204,7 +219,7 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
         return RoPELlama31FwdOp("2d", base, factor, low, high, original_max(), target=target)
 
     if rope_type == "yarn":
-        return _yarn(c, base, original_max, max_positions, target)
+        return _yarn(c, base, original_max, max_positions, target, pairing)
 
     # longrope
     omp = original_max()
@@ -223,7 +238,7 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
     return Phi3LongRoPEFwdOp("2d", base, short, long, omp, mpe, attention, rotary_dim, target=target)
 
 
-def _yarn(c: _Config, base: float, original_max: Any, max_positions: Any, target: Any) -> YaRNFwdOp:
+def _yarn(c: _Config, base: float, original_max: Any, max_positions: Any, target: Any, pairing: str) -> YaRNFwdOp:
     """HF's yarn on YaRNFwdOp: same ramp (truncated), amplitude mapped through ``attn_factor``."""
     rp = c.rp
     if base == 1:
@@ -253,4 +268,4 @@ def _yarn(c: _Config, base: float, original_max: Any, max_positions: Any, target
     attn_factor = attention / get_mscale(factor)
     beta_fast = c.number(c.field("beta_fast"), rp.get("beta_fast") or 32)  # HF: `or 32`, so 0 means 32
     beta_slow = c.number(c.field("beta_slow"), rp.get("beta_slow") or 1)
-    return YaRNFwdOp("2d", base, factor, omp, beta_fast, beta_slow, attn_factor, target=target)
+    return YaRNFwdOp("2d", base, factor, omp, beta_fast, beta_slow, attn_factor, pairing, target=target)

@@ -122,6 +122,10 @@ class Llama31(RoPEHooks):
 class YaRN(RoPEHooks):
     """``YaRNFwdOp``: YaRN's ramp between kept and interpolated frequencies, and its amplitude."""
 
+    @property
+    def pairing(self) -> str:  # type: ignore[override]
+        return self.params["rope_layout"]
+
     def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
         p = self.params
         inv = freqs.yarn_inv_freq(p["base"], rot, p["scale"], p["original_max_position"], p["beta_fast"],
