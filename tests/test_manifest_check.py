@@ -221,3 +221,75 @@ def test_static_choices_match_each_builders_spec():
         assert set(STATIC[name]) == fields - derived[name], name
         for key, (low, high, _) in STATIC[name].items():
             assert isinstance(getattr(spec, key), int) and low <= getattr(spec, key) <= high, key
+
+
+# ------------------------------------------------------------------ untrusted manifests (data, never code)
+_BASE = (BAD / "unknown_builder.yaml").read_text().replace("builder: ropee  # ERROR", "builder: rope")
+
+
+def _attack(tmp_path, name: str, text: str) -> tuple[int, str]:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "tileops", "check", str(path)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith(f"{path}:"), proc.stdout
+    return int(line[0].split(":")[1]), line[0]
+
+
+def _line_of(text: str, fragment: str) -> int:
+    return text[: text.index(fragment)].count("\n") + 1
+
+
+def test_a_tag_that_would_build_an_object_is_refused_and_nothing_runs(tmp_path):
+    witness = tmp_path / "ran"
+    for tag in (f'!!python/object/apply:os.system ["touch {witness}"]', "!!python/name:os.system",
+                "!!python/object:builtins.object {}", "!custom 3"):
+        text = _BASE.replace("      default: 10000.0", f"      default: {tag}")
+        line, msg = _attack(tmp_path, "tag", text)
+        assert line == _line_of(text, tag) and "is not allowed: a manifest holds plain data" in msg, msg
+    assert not witness.exists(), "a tag in a manifest ran code"
+
+
+@pytest.mark.parametrize("rule,fragment", [
+    ("x.__class__ == 1", "unexpected character '.'"),
+    ("__import__('os') == 0", "unknown"),
+    ("getattr(base, 'real') > 0", "unknown"),
+    ("base > " + " + ".join(["1"] * 700), "rule too long"),
+    ("base > " + "9" * 150, "number literal too long (150 characters; at most 100)"),
+    ("base > " + "(" * 40 + "1" + ")" * 40, "parentheses nested 40 deep"),
+])
+def test_rule_expressions_that_reach_outside_the_language_are_refused(tmp_path, rule, fragment):
+    text = _BASE.replace('{check: "base > 0"', '{check: "' + rule + '"')
+    line, msg = _attack(tmp_path, "rule", text)
+    assert line == _line_of(text, rule[:10]) and fragment in msg, msg
+
+
+def test_a_ten_megabyte_string_is_refused_at_its_line(tmp_path):
+    text = _BASE.replace("  summary: A minimal op", "  summary: " + "A" * (10 << 20) + " A minimal op")
+    line, msg = _attack(tmp_path, "big", text)
+    assert line == _line_of(text, "  summary:") and "a manifest line may have at most" in msg
+
+
+def test_a_large_file_of_short_lines_is_refused(tmp_path):
+    text = _BASE + "".join(f"# filler {i} {'x' * 60}\n" for i in range(20000))
+    line, msg = _attack(tmp_path, "long", text)
+    assert line == 1 and "file larger than" in msg
+
+
+def test_deep_nesting_is_refused_without_recursion(tmp_path):
+    text = _BASE.replace("  cases:", "  description: " + "[" * 5000 + "]" * 5000 + "\n  cases:")
+    line, msg = _attack(tmp_path, "deep", text)
+    assert line == _line_of(text, "  description:") and "nests at most 16 deep" in msg
+
+
+def test_anchors_and_aliases_are_refused(tmp_path):
+    laughs = "lols: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+        f"lols{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10))
+    line, msg = _attack(tmp_path, "laughs", laughs + _BASE)
+    assert line == 1 and "YAML anchor &a0 is not allowed" in msg
+    text = _BASE.replace("    base:\n", "    base: *nothing\n    basis:\n")
+    line, msg = _attack(tmp_path, "alias", text)
+    assert line == _line_of(text, "*nothing") and "YAML alias *nothing is not allowed" in msg

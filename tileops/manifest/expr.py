@@ -224,6 +224,8 @@ class _Parser:
     def atom(self) -> tuple:
         kind, value = self.take()
         if kind == "num":
+            if len(value) > MAX_LITERAL_CHARS:
+                raise ExprError(f"number literal too long ({len(value)} characters; at most {MAX_LITERAL_CHARS})")
             return ("lit", float(value) if any(c in value for c in ".eE") else int(value))
         if kind == "str":
             return ("lit", value[1:-1])
@@ -255,10 +257,24 @@ class _Parser:
         raise ExprError(f"unexpected {value or 'end of rule'!r}")
 
 
+#: a rule is data from a file: bounded in length, nesting and literal size before it is parsed
+MAX_RULE_CHARS = 2000
+MAX_NESTING = 32
+MAX_LITERAL_CHARS = 100
+
+
 def parse_expr(text: str) -> Expr:
     """Parse ``text`` into an :class:`Expr`; raises :class:`ExprError` naming what is wrong."""
     if not isinstance(text, str) or not text.strip():
         raise ExprError("a rule must be a non-empty string")
+    if len(text) > MAX_RULE_CHARS:
+        raise ExprError(f"rule too long ({len(text)} characters; at most {MAX_RULE_CHARS})")
+    depth = deepest = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        deepest = max(deepest, depth)
+    if deepest > MAX_NESTING:
+        raise ExprError(f"parentheses nested {deepest} deep; at most {MAX_NESTING}")
     p = _Parser(text)
     tree = p.parse()
     return Expr(text.strip(), tree, frozenset(p.names))

@@ -174,7 +174,7 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
             try:
                 bounds.append(parse_expr(str(text)))
             except ExprError as e:
-                raise ctx.err(n, f"{what}.range: {text!r} does not parse: {e}") from None
+                raise ctx.err(n, f"{what}.range: {_clip(text)} does not parse: {e}") from None
         vrange = tuple(bounds)
     optional = ctx.typed(m["optional"][1], (bool,), f"{what}.optional", "true or false") if "optional" in m else False
     if optional and section != "inputs":
@@ -229,7 +229,7 @@ def _rule(ctx: _Ctx, node: yaml.Node, params: Mapping[str, ParamSpec], dims: fro
     try:
         expr = parse_expr(text)
     except ExprError as e:
-        raise ctx.err(cnode, f"rules[].check: {text!r} does not parse: {e}") from None
+        raise ctx.err(cnode, f"rules[].check: {_clip(text)} does not parse: {e}") from None
     unknown = sorted(expr.names - set(params) - dims)
     if unknown:
         raise ctx.err(cnode, f"rules[].check: {text!r} names unknown {', '.join(map(repr, unknown))}; "
@@ -442,9 +442,15 @@ def load_file(path: str | Path, builders: Iterable[str] | None = None) -> list[O
     path = Path(path)
     ctx = _Ctx(str(path))
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise ManifestError(str(path), 0, f"cannot read: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(str(path), raw[: e.start].count(b"\n") + 1, "not UTF-8 text") from None
+    _screen(str(path), text, len(raw) > MAX_FILE_BYTES)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -455,6 +461,57 @@ def load_file(path: str | Path, builders: Iterable[str] | None = None) -> list[O
         raise ManifestError(str(path), 1, "empty manifest")
     names = tuple(builders) if builders is not None else _builders()
     return [_op(ctx, name, knode, vnode, names) for name, (knode, vnode) in ctx.mapping(root, "manifest").items()]
+
+
+#: a manifest is data from a user's path: bounded before anything is built from it
+MAX_FILE_BYTES = 1 << 20
+MAX_LINE_CHARS = 16 * 1024
+MAX_DEPTH = 16
+#: the only tags a manifest may carry, explicit or resolved: YAML's plain data types
+_PLAIN_TAGS = {None, "!"} | {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "seq", "map")}
+
+
+def _clip(text: str, n: int = 80) -> str:
+    """``repr(text)``, cut to about ``n`` characters for an error message."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"... ({len(text)} characters)"
+
+
+def _screen(file: str, text: str, too_big: bool) -> None:
+    """Refuse, with FILE:LINE, what a data file has no business holding, before YAML builds
+    anything: overlong lines (a 10 MB string), a file over ``MAX_FILE_BYTES``, tags that would
+    construct objects, anchors and aliases (which can expand exponentially: "billion laughs"), and
+    nesting deeper than ``MAX_DEPTH``. The event stream is read without recursion, so deep nesting
+    is reported, not a RecursionError."""
+    for number, line in enumerate(text.split("\n"), 1):
+        if len(line) > MAX_LINE_CHARS:
+            raise ManifestError(file, number, f"line of {len(line)} characters; a manifest line may have at most "
+                                              f"{MAX_LINE_CHARS}")
+    if too_big:
+        raise ManifestError(file, 1, f"file larger than {MAX_FILE_BYTES} bytes; a manifest is at most that")
+    depth = 0
+    try:
+        for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+            line = ev.start_mark.line + 1
+            if isinstance(ev, yaml.AliasEvent):
+                raise ManifestError(file, line, f"YAML alias *{ev.anchor} is not allowed in a manifest (anchors and "
+                                                f"aliases can expand exponentially); write the value out")
+            if getattr(ev, "anchor", None):
+                raise ManifestError(file, line, f"YAML anchor &{ev.anchor} is not allowed in a manifest; write the "
+                                                f"value out where it is used")
+            tag = getattr(ev, "tag", None)
+            if tag not in _PLAIN_TAGS:
+                raise ManifestError(file, line, f"YAML tag {tag!r} is not allowed: a manifest holds plain data "
+                                                f"(strings, numbers, booleans, null, lists, mappings)")
+            if isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise ManifestError(file, line, f"nested {depth} deep; a manifest nests at most {MAX_DEPTH} deep")
+            elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ManifestError(file, mark.line + 1 if mark is not None else 0,
+                            f"not valid YAML: {getattr(e, 'problem', e)}") from None
 
 
 def add_op(ops: dict[str, OpManifest], op: OpManifest) -> None:
