@@ -7,7 +7,7 @@ builders without importing TileLang; :func:`get_builder` imports one when a kern
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Any, Callable
 
 #: builder name (as manifests write it) -> "module:function" inside this package
 BUILDERS: dict[str, str] = {
@@ -33,11 +33,26 @@ SPECS: dict[str, str] = {
 }
 
 
+def _load(target: str) -> Any:
+    """``module:attr`` inside this package; TileLang is made importable first (its cache directory)."""
+    from tileops.generate import ensure_tilelang_importable
+
+    ensure_tilelang_importable()
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+
+
 def get_builder(name: str) -> Callable:
     """The builder function registered as ``name``."""
     try:
-        target = BUILDERS[name]
+        return _load(BUILDERS[name])
     except KeyError:
         raise KeyError(f"unknown kernel builder {name!r}; known: {', '.join(BUILDERS)}") from None
-    module, func = target.split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), func)
+
+
+def get_spec(name: str) -> Any:
+    """The spec class the builder registered as ``name`` is compiled for."""
+    try:
+        return _load(SPECS[name])
+    except KeyError:
+        raise KeyError(f"unknown kernel builder {name!r}; known: {', '.join(SPECS)}") from None

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 
 from tests.references import reference
@@ -109,3 +110,71 @@ def test_importing_tileops_leaves_tilelang_settings_alone():
     env = {k: v for k, v in os.environ.items() if not k.startswith("TILELANG")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] True"
+
+
+_PROBE = (
+    "import torch\n"
+    "from tileops.rope import RoPEFwdOp\n"
+    "print(RoPEFwdOp(input_layout='1d')(torch.ones(4, 46)).sum().item())\n"
+)
+
+
+@pytest.mark.parametrize("damage", ["truncated library", "garbage library", "corrupt params", "corrupt manifest"])
+def test_a_damaged_disk_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
+    """A cache entry cut short or overwritten (a crash mid-write, a bad disk) is detected, warned
+    about and rebuilt: the same answer, never a crash or a wrong result."""
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path)}
+    env.pop("TILELANG_DISABLE_CACHE", None)
+    good = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
+    (lib,) = tmp_path.rglob("kernel_lib.so")
+    entry = lib.parent
+    if damage == "truncated library":
+        lib.write_bytes(lib.read_bytes()[:1000])
+    elif damage == "garbage library":
+        lib.write_bytes(os.urandom(lib.stat().st_size))
+    elif damage == "corrupt params":
+        (entry / "params.json").write_text("{not json")
+    else:
+        (entry / "manifest.json").write_text("{not json")
+    again = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    told = again.stdout + again.stderr  # TileLang's log handler writes to stdout
+    assert again.stdout.splitlines()[-1] == good.stdout.strip()
+    assert "failed integrity verification" in told and "recompiling" in told, told[-2000:]
+    third = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
+    assert third.stdout == good.stdout and "integrity" not in third.stderr, "the rebuilt entry was not kept"
+
+
+def test_an_unwritable_cache_directory_means_memory_only_with_a_warning(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    where = tmp_path / "a-file" / "cache"  # cannot be created, even by root
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(where)}
+    env.pop("TILELANG_DISABLE_CACHE", None)
+    two_calls = _PROBE + "print(RoPEFwdOp(input_layout='1d')(torch.ones(5, 46)).sum().item())\n"
+    proc = subprocess.run([sys.executable, "-c", two_calls], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"kernel cache directory {where} is not writable" in proc.stderr
+    assert "kept in memory only" in proc.stderr
+    assert len(proc.stdout.split()) == 2
+    good = subprocess.run([sys.executable, "-c", two_calls], env={**env, "TILELANG_CACHE_DIR": str(tmp_path / "ok")},
+                          capture_output=True, text=True, check=True)
+    assert proc.stdout == good.stdout
+
+
+def test_two_processes_filling_one_cold_cache_at_once(tmp_path):
+    """Both compile (or one waits on the other's entry) and both get correct kernels; a third
+    process then loads the entry without building."""
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path)}
+    env.pop("TILELANG_DISABLE_CACHE", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _PROBE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-1000:] for o in outs]
+    want = subprocess.run([sys.executable, "-c", _PROBE], env={**env, "TILELANG_CACHE_DIR": str(tmp_path / "alone")},
+                          capture_output=True, text=True, check=True).stdout
+    assert [o[0].splitlines()[-1] for o in outs] == [want.strip()] * 2
+    no_build = ("import importlib, tilelang\n"
+                "k = importlib.import_module('tilelang.jit.kernel')\n"
+                "k.JITKernel._compile_and_create_adapter = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError('built'))\n")
+    third = subprocess.run([sys.executable, "-c", no_build + _PROBE], env=env, capture_output=True, text=True)
+    assert third.returncode == 0 and third.stdout == want, third.stderr[-1000:]

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Hashable
 
 import torch
 
-__all__ = ["compile_kernel", "emit_source", "device_backend", "stats", "CompileStats"]
+__all__ = ["compile_kernel", "emit_source", "device_backend", "stats", "CompileStats", "ensure_tilelang_importable"]
 
 
 @dataclass
@@ -38,6 +41,34 @@ _guard = threading.Lock()
 #: turns the kernels' 16-byte accesses into scalar ones. The kernels address flat buffers through
 #: strides the host has checked (every index lies inside the tensor the op was given), so it is off.
 PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
+
+
+_cache_checked = False
+
+
+def ensure_tilelang_importable() -> None:
+    """Before TileLang is first imported: its kernel cache directory must be writable, or importing
+    it fails (it creates the directory at import). When it is not, warn once and point TileLang at a
+    private temporary directory with its disk cache off: kernels are then kept in memory only, for
+    this process. Nothing changes when TileLang is already imported or the directory is usable."""
+    global _cache_checked
+    if _cache_checked or "tilelang" in sys.modules:
+        _cache_checked = True
+        return
+    _cache_checked = True
+    where = os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
+    try:
+        os.makedirs(where, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=where, prefix=".tileops-write-test-"):
+            pass
+        return
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+    warnings.warn(f"tileops: TileLang's kernel cache directory {where} is not writable ({reason}); kernels are "
+                  f"compiled and kept in memory only, for this process. Set TILELANG_CACHE_DIR to a writable "
+                  f"directory to keep them on disk.", RuntimeWarning, stacklevel=3)
+    os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="tileops-tilelang-")
+    os.environ["TILELANG_DISABLE_CACHE"] = "1"
 
 
 def device_backend(device: torch.device) -> tuple[str, str]:

@@ -28,8 +28,9 @@ MAX_GRID_Y = 65535
 
 def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False) -> Any:
     """The :class:`kernels.rope.RopeKernelSpec` serving ``op`` for one call specialization."""
-    from tileops.kernels.rope import RopeKernelSpec
+    from tileops.kernels import get_spec
 
+    RopeKernelSpec = get_spec("rope")
     # a static choice is one value, or a map from input layout to value (schedules differ by layout)
     static = {k: (v[op.layout] if isinstance(v, dict) else v) for k, v in op.manifest.kernel.static.items()}
     head_dim = call.dim("head_dim")
