@@ -14,7 +14,9 @@ specialization of one op (its dtype, head_dim, layout and device), which the op 
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import importlib.metadata
 import logging
 import threading
@@ -88,19 +90,46 @@ class FamilyTarget(Target):
         return getattr(importlib.import_module(module), func)(op, spec)
 
 
-class _Builtin(FamilyTarget):
+class _InTree(FamilyTarget):
+    """An in-tree target found by convention: family ``f`` is served when ``tileops/f/<module>.py``
+    exists and defines ``implement(op, spec)``; a new family needs no edit here."""
+
+    module = ""
+
+    @property
+    def families(self) -> dict[str, str]:  # type: ignore[override]
+        return _in_tree_families(self.module)
+
+
+@functools.lru_cache(maxsize=None)
+def _in_tree_families(module: str) -> dict[str, str]:
+    from .manifest import registry
+
+    found = {}
+    for family in sorted({m.family for m in registry().values()}):
+        name = f"tileops.{family}.{module}"
+        try:
+            exists = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # no tileops.<family> package at all
+            exists = False
+        if exists:
+            found[family] = f"{name}:implement"
+    return found
+
+
+class _Builtin(_InTree):
     name = BUILTIN
     description = "tileops' TileLang kernels: CUDA for the input's GPU (its sm arch), C on the CPU"
-    families = {"rope": "tileops.rope.builtin:implement"}
+    module = "builtin"
 
     def supports(self, op_name: str, family: str, device: torch.device) -> bool:
         return family in self.families and device.type in ("cuda", "cpu")
 
 
-class _Torch(FamilyTarget):
+class _Torch(_InTree):
     name = "torch"
     description = "plain PyTorch on any device (fp32 arithmetic, float64-derived cos/sin); used only when named"
-    families = {"rope": "tileops.rope.torch_impl:implement"}
+    module = "torch_impl"
 
 
 _lock = threading.Lock()

@@ -578,7 +578,7 @@ class RoPENeoxPositionIdsFwdOp(hooks.NeoxPositionIds):
 
 
 class YaRNFwdOp(hooks.YaRN):
-    """RoPE with YaRN frequency interpolation and attention scaling (neox pairing).
+    """RoPE with YaRN frequency interpolation and attention scaling; neox or interleaved pairing.
 
     ``correction_dim(r) = D ln(original_max_position / (2π r)) / (2 ln base)``; pairs below ``low =
     max(floor(correction_dim(beta_fast)), 0)`` keep their frequency, pairs above ``high =
