@@ -62,6 +62,14 @@ DEFAULTS: dict[str, dict] = {
         # not an op parameter: the largest position of the call, which picks short or long factors
         "max_position_id": None,
     },
+    "RoPEDynamicNTKFwdOp": {
+        **_COMMON,
+        "factor": 1.0,
+        "max_position_embeddings": 2048,
+        "rotary_dim": None,
+        # not an op parameter: the largest position of the call, which sets the scaled base
+        "max_position_id": None,
+    },
 }
 
 
@@ -184,6 +192,13 @@ def inv_freq_and_amplitude(op_name: str, params: dict, rot_dim: int) -> tuple[to
         return base_inv_freq(p["base"], p["rotary_dim"] or rot_dim) / float(p["factor"]), 1.0
     if op_name == "Phi3LongRoPEFwdOp":
         return phi3_longrope_inv_freq_and_amplitude(p, p["rotary_dim"] or rot_dim)
+    if op_name == "RoPEDynamicNTKFwdOp":  # HF dynamic: the base grows with the call's length
+        D = p["rotary_dim"] or rot_dim
+        mpe = float(p["max_position_embeddings"])
+        # one call on a fresh op: the cached length is max(trained length, max position + 1)
+        cached = max(mpe, float(p["max_position_id"]) + 1.0)
+        scaled = p["base"] * (p["factor"] * cached / mpe - (p["factor"] - 1.0)) ** (D / (D - 2.0))
+        return scaled ** (-torch.arange(0, D, 2, dtype=F64) / D), 1.0
     raise KeyError(op_name)  # unreachable: _params already checked
 
 
@@ -262,7 +277,7 @@ def reference(op_name: str, params: dict, inputs: dict[str, torch.Tensor]) -> to
             pos = given.view(-1)
         else:  # [seq] shared by the batch, or [batch, seq]; broadcast over heads
             pos = given.view(*given.shape, 1) if given.dim() == 2 else given.view(1, -1, 1)
-    if op_name == "Phi3LongRoPEFwdOp" and p.get("max_position_id") is None:
+    if op_name in ("Phi3LongRoPEFwdOp", "RoPEDynamicNTKFwdOp") and p.get("max_position_id") is None:
         p = {**p, "max_position_id": int(pos.max()) if pos.numel() else 0}
     inv, amp = inv_freq_and_amplitude(op_name, p, head_dim)
     return rotate(x, pos, inv, amp, pairing)

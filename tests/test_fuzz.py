@@ -216,14 +216,29 @@ def test_one_op_serves_many_calls(specs):
     # One op object, called with longer and shorter inputs (its cos/sin tables grow) and other dtypes
     # (a second kernel): every call must still match the reference.
     op = op_class(specs[0].op)(**specs[0].op_params(), target="builtin")
+    state = {}
     for spec in specs:
-        check_call(op, spec)
+        check_call(op, spec, state)
 
 
-def check_call(op, spec: Spec) -> None:
+def _dynamic_ntk_length(params: dict, inputs: dict, state: dict) -> int:
+    """HF's dynamic NTK keeps the longest length seen (back to max_position_embeddings when a call is
+    shorter): the length this call rotates with, the op's history followed here, independently."""
+    mpe = params.get("max_position_embeddings", 2048)
+    seq = int(inputs["position_ids"].max()) + 1
+    cached = state.get("ntk", mpe)
+    cached = seq if seq > cached else (mpe if seq < mpe else cached)
+    state["ntk"] = cached
+    return cached
+
+
+def check_call(op, spec: Spec, state: dict | None = None) -> None:
     """Every input is passed (position_ids and key too): out and key_out against the reference."""
     inputs = spec.inputs()
     before = {k: v.clone() for k, v in inputs.items()}
+    params = spec.op_params()
+    if spec.op == "RoPEDynamicNTKFwdOp":  # stateful: the reference is told the length the op has seen
+        params = {**params, "max_position_id": _dynamic_ntk_length(params, inputs, {} if state is None else state) - 1}
     result = op(**inputs)
     m = REGISTRY[spec.op]
     specs = [o for o in m.outputs if o.like in inputs]
@@ -235,7 +250,7 @@ def check_call(op, spec: Spec) -> None:
         assert (out.shape, out.dtype) == (src.shape, src.dtype)
         assert out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()  # a new tensor
         assert bool(torch.isfinite(out).all())
-        ref = reference(spec.op, spec.op_params(), {**inputs, "x": src})
+        ref = reference(spec.op, params, {**inputs, "x": src})
         err = (out.double() - ref).abs()
         atol, rtol = TOLERANCES[spec.dtype]
         bad = err > atol + rtol * ref.abs()

@@ -43,6 +43,7 @@ ROPE = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0},
 }
 
 
@@ -51,7 +52,9 @@ def _config(kind: str):
     if kind.startswith("llama-"):
         rs = ROPE[kind.split("-", 1)[1]]
         extra = {"rope_theta": 5000.0} if rs is None else {"rope_scaling": {**rs, "rope_theta": 5000.0}}
-        return transformers.LlamaConfig(**TINY, **extra)
+        # dynamic NTK: a trained length of 16, which prompts (23 tokens) and generation grow past
+        tiny = {**TINY, "max_position_embeddings": 16} if kind == "llama-dynamic" else TINY
+        return transformers.LlamaConfig(**tiny, **extra)
     if kind == "qwen2":
         return transformers.Qwen2Config(**TINY, rope_theta=20000.0)
     if kind == "mistral":
@@ -206,7 +209,6 @@ def test_phi3_chooses_its_table_on_the_device():
 
 
 @pytest.mark.parametrize("rope, match", [
-    ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic'"),
     ({"rope_type": "proportional", "factor": 1.0}, "'proportional'"),
     ({"rope_type": "mrope", "mrope_section": [2, 3, 3]}, "'mrope'"),
     ({"rope_type": "yarn", "factor": 4.0, "truncate": False}, "truncate"),
@@ -280,7 +282,8 @@ def test_linear_op_with_positions_and_gradient():
 
 
 # ----------------------------------------------------------------------------------- patch / unpatch
-KINDS = ["llama-default", "llama-linear", "llama-llama3", "llama-yarn", "qwen2", "phi3-short", "phi3-long"]
+KINDS = ["llama-default", "llama-linear", "llama-llama3", "llama-yarn", "llama-dynamic", "qwen2", "phi3-short",
+         "phi3-long"]
 
 
 def _ids(kind: str, batch: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
@@ -348,6 +351,10 @@ def _compare(kind: str, dtype, device, tol_logits, tol_grads):
     assert tt.unpatch(model) is model and not tt.is_patched(model)
     assert mod.apply_rotary_pos_emb is original_fn
     assert all("forward" not in m.__dict__ for m in model.modules())
+    if kind == "llama-dynamic":  # HF's dynamic rope keeps the longest length seen: start it afresh
+        rot = model.model.rotary_emb
+        rot.inv_freq.copy_(rot.original_inv_freq)
+        rot.max_seq_len_cached = rot.original_max_seq_len
     again = _run(model, ids, mask)
     assert torch.equal(again[0], before[0]) and torch.equal(again[2], before[2]) and torch.equal(again[3], before[3])
     print(f"\n{kind} {dtype} {device} ({served}): logits rel diff {d_logits:.2e}, grad rel diff {d_grads:.2e}")
@@ -429,9 +436,9 @@ def test_patch_twice_unpatch_unpatched_and_missing_positions():
 
 
 def test_unserved_models_and_rope_types_are_refused():
-    with pytest.raises(NotImplementedError, match="'dynamic'"):
+    with pytest.raises(NotImplementedError, match="truncate"):
         tt.patch(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            **TINY, rope_scaling={"rope_type": "dynamic", "factor": 2.0})))
+            **TINY, rope_scaling={"rope_type": "yarn", "factor": 2.0, "truncate": False})))
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
     with pytest.raises(NotImplementedError, match="'gpt2'"):
         tt.patch(gpt2)
@@ -520,3 +527,45 @@ def test_rope_interleave_where_no_op_has_it():
     as_json = {**_deepseek_config().to_dict(), "rope_interleave": "yes"}  # a config.json dict
     with pytest.raises(TypeError, match="config.rope_interleave: expected a bool, got str"):
         from_hf_config(as_json)
+
+
+def test_dynamic_ntk_follows_transformers_call_after_call(gen):
+    """HF's dynamic NTK is stateful: its base grows with the longest length seen and goes back when a
+    call is shorter than max_position_embeddings. The op keeps that state on the device; a sequence
+    of calls (grow, shorter but still long, short, long again) matches transformers' own module."""
+    from transformers.models.llama import modeling_llama as hf
+
+    cfg = transformers.LlamaConfig(**{**TINY, "max_position_embeddings": 64},
+                                   rope_scaling={"rope_type": "dynamic", "factor": 3.0, "rope_theta": 5000.0})
+    op = from_hf_config(cfg)
+    assert type(op).__name__ == "RoPEDynamicNTKFwdOp" and op.params["max_position_embeddings"] == 64
+    rot = hf.LlamaRotaryEmbedding(cfg)
+    B, H, S, D = 2, 3, 7, HEAD_DIM
+    for top in (40, 150, 90, 20, 200, 64, 65):
+        q = torch.randn(B, H, S, D, generator=gen)
+        k = torch.randn(B, 1, S, D, generator=gen)
+        pos = torch.randint(0, top, (B, S), generator=gen)
+        pos[0, 0] = top - 1  # this call's length is top
+        cos, sin = rot(q, pos)
+        hq, hk = hf.apply_rotary_pos_emb(q, k, cos, sin)
+        oq, ok = op(q.transpose(1, 2), position_ids=pos, key=k.transpose(1, 2))
+        # transformers forms angles in fp32: positions below 200 keep its error under the tolerance
+        torch.testing.assert_close(oq.transpose(1, 2), hq, atol=5e-5, rtol=5e-5, msg=f"length {top}")
+        torch.testing.assert_close(ok.transpose(1, 2), hk, atol=5e-5, rtol=5e-5, msg=f"length {top}")
+        assert float(op._ntk_state[torch.device("cpu")]) == float(rot.max_seq_len_cached), top
+
+
+def test_dynamic_ntk_bad_call_leaves_the_length_alone(gen):
+    """A call with a position out of range raises, and does not move the op's cached length."""
+    from tileops.rope import RoPEDynamicNTKFwdOp
+
+    op = RoPEDynamicNTKFwdOp(input_layout="2d", factor=2.0, max_position_embeddings=16)
+    x = torch.randn(1, 5, 2, 16, generator=gen)
+    op(x, position_ids=torch.tensor([[0, 1, 2, 3, 40]]))
+    state = op._ntk_state[torch.device("cpu")]
+    assert float(state) == 41.0
+    with pytest.raises(ValueError, match=r"position_ids\[0, 4\] = 16777216"):
+        op(x, position_ids=torch.tensor([[0, 1, 2, 3, 2**24]]))
+    assert float(state) == 41.0
+    op(x, position_ids=torch.tensor([[0, 1, 2, 3, 4]]))  # shorter than 16: back to the trained length
+    assert float(state) == 16.0

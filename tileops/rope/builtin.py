@@ -97,6 +97,9 @@ class RopeKernels:
         return (dx,) if gk is None else (dx, dk)
 
     def tables_for(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        built = getattr(self.op, "device_tables", None)
+        if built is not None:  # tables that depend on this call's positions, built on the device
+            return built(position_ids, self._seq_len(x), self.kspec.rot, self.device)
         choice = self.op.choose_table(position_ids, self._seq_len(x))
         sets = [t.on(self.device) for t in self.tables]
         if len(sets) == 1:
@@ -266,7 +269,7 @@ class RopeKernels:
         if pos is not None:
             psb, pss = self._position_strides(pos)
             a[put["psb"]], a[put["pss"]], a[put["limit"]] = psb, pss, self.limit
-        single = len(self.tables) == 1
+        single = len(self.tables) == 1 and not hasattr(self.op, "device_tables")
         if single:
             a[put["TD"]] = self.tables[0].on(self.device).data_ptr()
         template = array.array("q", a)

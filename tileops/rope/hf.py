@@ -12,7 +12,8 @@ from typing import Any
 
 from ..targets import Target
 from .hooks import RoPEHooks
-from .ops import Phi3LongRoPEFwdOp, RoPEFwdOp, RoPELinearFwdOp, RoPELlama31FwdOp, YaRNFwdOp
+from .ops import (Phi3LongRoPEFwdOp, RoPEDynamicNTKFwdOp, RoPEFwdOp, RoPELinearFwdOp, RoPELlama31FwdOp,
+                  YaRNFwdOp)
 
 __all__ = ["from_hf_config", "SUPPORTED_ROPE_TYPES"]
 
@@ -23,6 +24,7 @@ SUPPORTED_ROPE_TYPES = {
     "llama3": "RoPELlama31FwdOp",
     "yarn": "YaRNFwdOp",
     "longrope": "Phi3LongRoPEFwdOp",
+    "dynamic": "RoPEDynamicNTKFwdOp",
 }
 
 _NAME = "from_hf_config"
@@ -109,6 +111,7 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
     | ``yarn`` | ``YaRNFwdOp``, ``attn_factor`` set so the amplitude equals HF's ``attention_factor`` |
     | ``default``, ``yarn`` with ``rope_interleave`` (DeepSeek-V2/V3) | the same ops with ``rope_layout="interleaved"`` |
     | ``longrope`` | ``Phi3LongRoPEFwdOp`` (short/long switch per call, on the device) |
+    | ``dynamic`` | ``RoPEDynamicNTKFwdOp`` (HF's length state kept on the device) |
 
     Args:
         config: A ``transformers.PretrainedConfig`` (or any object with those attributes), or a
@@ -123,7 +126,7 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
         their dot products, and attention, are the same.
 
     Raises:
-        NotImplementedError: A rope type other than those above (``dynamic``, ``proportional``,
+        NotImplementedError: A rope type other than those above (``proportional``, ``mrope``,
             ...), per-layer-type rope parameters, ``partial_rotary_factor < 1`` with ``llama3`` or
             ``yarn``, ``rope_interleave`` with another rope type or with partial rotary, an odd
             rotary width, or YaRN with ``truncate=False``.
@@ -220,6 +223,12 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
 
     if rope_type == "yarn":
         return _yarn(c, base, original_max, max_positions, target, pairing)
+
+    if rope_type == "dynamic":
+        factor = c.number(c.field("factor"), c.required("factor"))
+        if factor < 1:
+            raise ValueError(f"{_NAME}: {c.field('factor')}: expected a factor >= 1 for dynamic NTK, got {factor}")
+        return RoPEDynamicNTKFwdOp("2d", base, factor, max_positions(), rotary_dim, target=target)
 
     # longrope
     omp = original_max()

@@ -21,7 +21,7 @@ from .tables import DIGITS, LO, RopeTables
 MAX_POSITION = LO**DIGITS
 
 __all__ = ["RoPEHooks", "Base", "NeoxPositionIds", "Llama31", "YaRN", "LongRoPE", "Linear", "Phi3LongRoPE",
-           "MAX_POSITION"]
+           "DynamicNTK", "MAX_POSITION"]
 
 
 class RoPEHooks(Op):
@@ -204,3 +204,60 @@ class Phi3LongRoPE(_PartialRotary):
         if position_ids is None:
             return int(seq_len > omp)
         return (position_ids.max() + 1 > omp).long()
+
+
+class DynamicNTK(_PartialRotary):
+    """``RoPEDynamicNTKFwdOp``: HF's dynamic NTK scaling, its length state kept on the device.
+
+    :meth:`dynamic_inv_freq` is called once per call (by every target): it updates the state and
+    returns that call's float64 inverse frequencies on the device, with no host read.
+    """
+
+    def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
+        """The unscaled table: what a call no longer than ``max_position_embeddings`` uses."""
+        return ntk_inv_freq(self.params["base"], rot, self.params["factor"], self.params["max_position_embeddings"],
+                            self.params["max_position_embeddings"]), 1.0
+
+    def _state(self, device: torch.device) -> torch.Tensor:
+        states = self.__dict__.setdefault("_ntk_state", {})
+        st = states.get(device)
+        if st is None:
+            st = states.setdefault(device, torch.full((), float(self.params["max_position_embeddings"]),
+                                                      dtype=torch.float64, device=device))
+        return st
+
+    def dynamic_inv_freq(self, position_ids: torch.Tensor | None, seq_len: int, rot: int,
+                         device: torch.device) -> torch.Tensor:
+        """This call's ``inv_freq`` ``[rot // 2]`` float64 on ``device``, after updating the cached
+        length as HF's ``dynamic_rope_update`` does (grow past it; back to the trained length when a
+        call is shorter than that). A call with a position out of range (which raises) leaves the
+        length alone, and rotates with the state as it was."""
+        p = self.params
+        mpe = float(p["max_position_embeddings"])
+        st = self._state(device)
+        if position_ids is None:
+            seq = torch.full((), float(seq_len), dtype=torch.float64, device=device)
+        else:
+            seq = (position_ids.max() + 1).to(device=device, dtype=torch.float64)
+        new = torch.where(seq > st, seq, torch.where(seq < mpe, torch.full_like(st, mpe), st))
+        if position_ids is not None:  # a call with a position out of range raises: it leaves the state alone
+            ok = ((position_ids >= 0) & (position_ids < self.position_limit())).all().to(device)
+            new = torch.where(ok, new, st)
+        st.copy_(new)
+        base = p["base"] * (p["factor"] * new / mpe - (p["factor"] - 1)) ** (rot / (rot - 2))
+        return base ** (-torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot)
+
+    def device_tables(self, position_ids: torch.Tensor | None, seq_len: int, rot: int,
+                      device: torch.device) -> torch.Tensor:
+        """The digit tables (``[DIGITS, LO, 2, rot // 2]`` fp32, :mod:`tileops.rope.tables`) for this
+        call, built on the device from :meth:`dynamic_inv_freq`."""
+        inv = self.dynamic_inv_freq(position_ids, seq_len, rot, device)
+        d = torch.arange(LO, dtype=torch.float64, device=device)
+        out = [torch.stack([(a := (d * float(LO**k))[:, None] * inv).cos(), a.sin()], dim=1) for k in range(DIGITS)]
+        return torch.stack(out).to(torch.float32)
+
+
+def ntk_inv_freq(base: float, rot: int, factor: float, cached: float, max_position_embeddings: int) -> torch.Tensor:
+    """float64 ``inv_freq`` for a cached length (HF ``_compute_dynamic_ntk_parameters``)."""
+    b = base * (factor * cached / max_position_embeddings - (factor - 1)) ** (rot / (rot - 2))
+    return b ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)

@@ -15,8 +15,8 @@ from ..targets import Target
 from . import hooks
 
 __all__ = [
-    "LongRoPEFwdOp", "Phi3LongRoPEFwdOp", "RoPEFwdOp", "RoPELinearFwdOp", "RoPELlama31FwdOp",
-    "RoPENeoxPositionIdsFwdOp", "YaRNFwdOp",
+    "LongRoPEFwdOp", "Phi3LongRoPEFwdOp", "RoPEDynamicNTKFwdOp", "RoPEFwdOp", "RoPELinearFwdOp",
+    "RoPELlama31FwdOp", "RoPENeoxPositionIdsFwdOp", "YaRNFwdOp",
 ]
 
 
@@ -169,6 +169,106 @@ class Phi3LongRoPEFwdOp(hooks.Phi3LongRoPE):
             long_factor, 'original_max_position_embeddings': original_max_position_embeddings,
             'max_position_embeddings': max_position_embeddings, 'attention_factor': attention_factor,
             'rotary_dim': rotary_dim}, target)
+
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                key: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                key_out: torch.Tensor | None = None) -> Any:
+        """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
+        are never modified (except by ``out=`` naming an input, which rotates it in place).
+
+        Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
+        computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
+        negated angle, times the amplitude; one launch of the same kernel builder for both. A gradient of that
+        gradient (double backward) raises.
+
+        Args:
+            x (torch.Tensor): The tensor to rotate; the position of a row is position_ids, or its index along
+                seq_len when they are not given. Shape ``[seq_len, head_dim]`` (``input_layout="1d"``);
+                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); dtype float16, bfloat16,
+                float32.
+            position_ids (torch.Tensor | None): Keyword-only. The position of each row, in [0, 2^24):
+                [seq_len] (1d, or 2d shared by the batch) or [batch, seq_len] (2d); omitted means 0 .. seq_len
+                - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or ``[seq_len]``
+                (``input_layout="2d"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
+            key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
+                launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
+                strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
+                (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
+                dtype float16, bfloat16, float32. Default None.
+            out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
+                and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
+                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
+                otherwise overlap another argument. Not while an input requires grad. Default None.
+            key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
+                given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
+                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
+                otherwise overlap another argument. Not while an input requires grad. Default None.
+
+        Returns:
+            torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
+                key_out)``.
+
+        Raises:
+            TypeError: An argument is not a tensor, or has a dtype not listed above.
+            ValueError: A shape that does not match the ones above, tensors on different devices, an output
+                that overlaps another argument; or, by the manifest's rules: x: expected an even head_dim (the
+                last dim); x: expected head_dim <= 1024; x: expected seq_len <= 2^24 (positions are 24-bit:
+                three 256-row cos/sin tables); rotary_dim: expected rotary_dim <= head_dim. A value of
+                ``position_ids`` outside its range raises ValueError naming its index and value, without a
+                host sync (see the API page, Positions and gradients).
+            RuntimeError: ``out=`` or another output given while an input requires grad.
+        """
+        return self._call({'x': x, 'position_ids': position_ids, 'key': key}, {'out': out, 'key_out':
+            key_out})
+
+
+class RoPEDynamicNTKFwdOp(hooks.DynamicNTK):
+    """RoPE with dynamic NTK scaling (HF rope_type dynamic) and partial rotary (neox pairing).
+
+    Each call takes ``seq = max(position_ids) + 1`` (``seq_len`` without positions) and updates, on the
+    device, the longest length seen, as HF's ``dynamic_rope_update`` does: ``cached`` starts at
+    ``max_position_embeddings``, grows to ``seq`` when ``seq`` exceeds it, and goes back to
+    ``max_position_embeddings`` when a call's ``seq`` is below that. The call then rotates with ``base' = base
+    * (factor * cached / max_position_embeddings - (factor - 1)) ^ (D / (D - 2))``, ``inv_freq[i] =
+    base'^(-2i/D)``, ``D = rotary_dim`` (default ``head_dim``); the other columns are copied unchanged.
+
+    The length is known without a host synchronisation: the maximum, the update of the cached length and the
+    cos/sin tables for the new base are computed on the device, in the call's stream, so a call never waits
+    for the GPU (and can be captured in a CUDA graph). That costs a few small torch kernels per call before
+    the rotation; the state is per op and per device, shared by the threads and streams that use the op, as
+    HF's module state is.
+
+    References: HF transformers _compute_dynamic_ntk_parameters and dynamic_rope_update; bloc97 and emozilla,
+        dynamically scaled NTK-aware RoPE (2023).
+    """
+
+    def __init__(self, input_layout: str = "1d", base: float = 10000.0, factor: float = 1.0,
+                 max_position_embeddings: int = 2048, rotary_dim: int | None = None, *,
+                 target: str | Target | None = None) -> None:
+        """Build the op; kernels are compiled at the first call.
+
+        Args:
+            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim].
+                One of ``"1d"``, ``"2d"``. Default ``"1d"``.
+            base (float): The frequency base before scaling. Default ``10000.0``.
+            factor (float): The scaling factor (HF rope_scaling factor). Default ``1.0``.
+            max_position_embeddings (int): The trained context length; longer calls scale the base. Default
+                ``2048``.
+            rotary_dim (int | None): How many leading columns of each head rotate; even, at most head_dim.
+                None rotates all. Default ``None``.
+            target (str | Target | None): Which set of kernels serves this op: a registered target name,
+                BUILTIN for the in-tree kernels, or None to decide from the input device at the first call.
+                Default None.
+
+        Raises:
+            TypeError: A parameter has the wrong type.
+            ValueError: A value outside its choices, an unknown ``target``; or, by the manifest's rules: base:
+                expected a base > 0; factor: expected factor >= 1 (HF's dynamic NTK scaling only extends the
+                context); max_position_embeddings: expected max_position_embeddings > 0; rotary_dim: expected
+                an even rotary_dim > 0, or None.
+        """
+        self._setup({'input_layout': input_layout, 'base': base, 'factor': factor, 'max_position_embeddings':
+            max_position_embeddings, 'rotary_dim': rotary_dim}, target)
 
     def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 key: torch.Tensor | None = None, out: torch.Tensor | None = None,

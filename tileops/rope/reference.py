@@ -18,14 +18,22 @@ def reference(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     head_dim = x.shape[-1]
     rot = op.rotated_width(head_dim)
     inv_freq, amplitude = op.frequencies(rot)
-    if op.layout == "ids":
-        pos = inputs["position_ids"].detach().cpu().to(torch.float64)
+    given = inputs.get("position_ids")
+    if given is not None:
+        pos = given.detach().cpu().to(torch.float64)
     else:
         pos = torch.arange(x.shape[0] if op.layout == "1d" else x.shape[1], dtype=torch.float64)
-    angle = pos[:, None] * inv_freq
+    if hasattr(op, "dynamic_inv_freq"):  # dynamic NTK: the frequencies of this call's length
+        from .hooks import ntk_inv_freq
+
+        p = op.params
+        seq = int(pos.max()) + 1 if pos.numel() else 0
+        mpe = p["max_position_embeddings"]
+        inv_freq = ntk_inv_freq(p["base"], rot, p["factor"], max(mpe, seq), mpe)
+    angle = pos[..., None] * inv_freq
     c, s = angle.cos() * amplitude, angle.sin() * amplitude
     if op.layout == "2d":
-        c, s = c[None, :, None, :], s[None, :, None, :]
+        c, s = (c[..., None, :], s[..., None, :]) if c.dim() == 3 else (c[None, :, None, :], s[None, :, None, :])
     elif op.layout == "ids":
         c, s = c[:, None, :], s[:, None, :]
     out = x.clone()

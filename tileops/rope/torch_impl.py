@@ -49,7 +49,12 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
             pos = position_ids
         else:
             pos = torch.arange(x.shape[1] if op.layout == "2d" else x.shape[0], device=x.device)
-        c, s = cos_sin(pos, op.choose_table(position_ids, pos.shape[-1]))
+        dynamic = getattr(op, "dynamic_inv_freq", None)
+        if dynamic is not None:  # this call's frequencies, from the op's state on the device
+            angle = pos.to(torch.float64)[..., None] * dynamic(position_ids, pos.shape[-1], rot, x.device)
+            c, s = angle.cos().float(), angle.sin().float()
+        else:
+            c, s = cos_sin(pos, op.choose_table(position_ids, pos.shape[-1]))
         if op.layout == "ids":
             c, s = c[:, None, :], s[:, None, :]  # [tokens, 1, R/2] against [tokens, heads, D]
         elif op.layout == "2d":
