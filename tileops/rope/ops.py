@@ -313,9 +313,10 @@ class RoPEDynamicNTKFwdOp(hooks.DynamicNTK):
             ValueError: A shape that does not match the ones above, tensors on different devices, an output
                 that overlaps another argument; or, by the manifest's rules: x: expected an even head_dim (the
                 last dim); x: expected head_dim <= 1024; x: expected seq_len <= 2^24 (positions are 24-bit:
-                three 256-row cos/sin tables); rotary_dim: expected rotary_dim <= head_dim. A value of
-                ``position_ids`` outside its range raises ValueError naming its index and value, without a
-                host sync (see the API page, Positions and gradients).
+                three 256-row cos/sin tables); rotary_dim: expected rotary_dim <= head_dim; x: expected a
+                rotated width (rotary_dim, else head_dim) of at least 4 (the scaled base is raised to D / (D -
+                2)). A value of ``position_ids`` outside its range raises ValueError naming its index and
+                value, without a host sync (see the API page, Positions and gradients).
             RuntimeError: ``out=`` or another output given while an input requires grad.
         """
         return self._call({'x': x, 'position_ids': position_ids, 'key': key}, {'out': out, 'key_out':
