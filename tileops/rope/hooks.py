@@ -15,7 +15,7 @@ import torch
 
 from ..op import Op
 from . import freqs
-from .tables import DIGITS, LO, RopeTables
+from .tables import DIGITS, LO, RopeTables, digit_tables
 
 #: positions the digit tables cover: [0, 2^24)
 MAX_POSITION = LO**DIGITS
@@ -244,20 +244,19 @@ class DynamicNTK(_PartialRotary):
             ok = ((position_ids >= 0) & (position_ids < self.position_limit())).all().to(device)
             new = torch.where(ok, new, st)
         st.copy_(new)
-        base = p["base"] * (p["factor"] * new / mpe - (p["factor"] - 1)) ** (rot / (rot - 2))
-        return base ** (-torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot)
+        return ntk_inv_freq(p["base"], rot, p["factor"], new, p["max_position_embeddings"])
 
     def device_tables(self, position_ids: torch.Tensor | None, seq_len: int, rot: int,
                       device: torch.device) -> torch.Tensor:
-        """The digit tables (``[DIGITS, LO, 2, rot // 2]`` fp32, :mod:`tileops.rope.tables`) for this
-        call, built on the device from :meth:`dynamic_inv_freq`."""
-        inv = self.dynamic_inv_freq(position_ids, seq_len, rot, device)
-        d = torch.arange(LO, dtype=torch.float64, device=device)
-        out = [torch.stack([(a := (d * float(LO**k))[:, None] * inv).cos(), a.sin()], dim=1) for k in range(DIGITS)]
-        return torch.stack(out).to(torch.float32)
+        """The digit tables (:func:`tileops.rope.tables.digit_tables`) for this call, built on the
+        device from :meth:`dynamic_inv_freq`."""
+        return digit_tables(self.dynamic_inv_freq(position_ids, seq_len, rot, device), 1.0)
 
 
-def ntk_inv_freq(base: float, rot: int, factor: float, cached: float, max_position_embeddings: int) -> torch.Tensor:
-    """float64 ``inv_freq`` for a cached length (HF ``_compute_dynamic_ntk_parameters``)."""
+def ntk_inv_freq(base: float, rot: int, factor: float, cached: "float | torch.Tensor",
+                 max_position_embeddings: int) -> torch.Tensor:
+    """float64 ``inv_freq`` for a cached length (HF ``_compute_dynamic_ntk_parameters``), on the
+    device of ``cached`` when it is a tensor (a call's length, never read on the host)."""
+    device = cached.device if isinstance(cached, torch.Tensor) else None
     b = base * (factor * cached / max_position_embeddings - (factor - 1)) ** (rot / (rot - 2))
-    return b ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    return b ** (-torch.arange(0, rot, 2, dtype=torch.float64, device=device) / rot)

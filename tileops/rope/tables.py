@@ -24,9 +24,10 @@ DIGITS = 3
 
 
 def digit_tables(inv_freq: torch.Tensor, amplitude: float) -> torch.Tensor:
-    """``[DIGITS, LO, 2, R/2]`` fp32 on the CPU: ``(cos, sin)(d * LO^k * f)``, amplitude in digit 0."""
-    inv = inv_freq.to(device="cpu", dtype=torch.float64)
-    d = torch.arange(LO, dtype=torch.float64)
+    """``[DIGITS, LO, 2, R/2]`` fp32 on ``inv_freq``'s device: ``(cos, sin)(d * LO^k * f)``, evaluated in
+    float64, amplitude in digit 0."""
+    inv = inv_freq.to(torch.float64)
+    d = torch.arange(LO, dtype=torch.float64, device=inv.device)
     out = []
     for k in range(DIGITS):
         angle = (d * float(LO**k))[:, None] * inv
