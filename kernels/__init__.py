@@ -42,17 +42,19 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
 
 
+def _lookup(table: dict[str, str], name: str) -> Any:
+    """``table[name]`` loaded; an unknown name raises KeyError listing the known ones (an error while
+    importing the module is its own, not reported as an unknown name)."""
+    if name not in table:
+        raise KeyError(f"unknown kernel builder {name!r}; known: {', '.join(table)}")
+    return _load(table[name])
+
+
 def get_builder(name: str) -> Callable:
     """The builder function registered as ``name``."""
-    try:
-        return _load(BUILDERS[name])
-    except KeyError:
-        raise KeyError(f"unknown kernel builder {name!r}; known: {', '.join(BUILDERS)}") from None
+    return _lookup(BUILDERS, name)
 
 
 def get_spec(name: str) -> Any:
     """The spec class the builder registered as ``name`` is compiled for."""
-    try:
-        return _load(SPECS[name])
-    except KeyError:
-        raise KeyError(f"unknown kernel builder {name!r}; known: {', '.join(SPECS)}") from None
+    return _lookup(SPECS, name)
