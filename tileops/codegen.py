@@ -134,11 +134,14 @@ def _shape_text(t: TensorSpec, m: OpManifest) -> str:
     return "; ".join(parts)
 
 
-def _docstring(lines: list[str]) -> list[str]:
+def _docstring(lines: list[str], indent: int = 8) -> list[str]:
+    """``lines`` as a docstring at ``indent`` (the first line opens it), backslashes and triple
+    quotes escaped so that no manifest text can end it early."""
     text = "\n".join(lines).replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
     body = text.split("\n")
-    body[0] = '        """' + body[0].lstrip()
-    return [ln.rstrip() for ln in body] + ['        """']
+    pad = " " * indent
+    body[0] = pad + '"""' + body[0].lstrip()
+    return [ln.rstrip() for ln in body] + [pad + '"""']
 
 
 def _class_doc(m: OpManifest) -> list[str]:
@@ -150,8 +153,7 @@ def _class_doc(m: OpManifest) -> list[str]:
         out += [""] + _wrap("; ".join(m.references) + ".", 4, "References: ")
     if m.examples:
         out += ["", "    Examples:"] + [f"        {e}" for e in m.examples]
-    text = "\n".join(out).replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
-    return ['    """' + text.split("\n")[0]] + [ln.rstrip() for ln in text.split("\n")[1:]] + ['    """']
+    return _docstring(out, indent=4)
 
 
 def _init_method(m: OpManifest) -> list[str]:

@@ -8,6 +8,7 @@ same kernel at once wait on one lock per key: one compile, one result for all.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -16,7 +17,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterator
 
 import torch
 
@@ -108,15 +109,11 @@ def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
         if kernel is None:
             import tilelang
 
-            _quiet(tilelang)
             t0 = time.perf_counter()
-            _compiling.on = True
-            try:
+            with _own_compile():
                 # the Cython backend exposes the library's C entry point, which tileops.launch calls directly
                 kernel = tilelang.compile(_prim_func(builder, spec), target=_tvm_target(backend, arch),
                                           execution_backend="cython", pass_configs=PASS_CONFIGS)
-            finally:
-                _compiling.on = False
             stats.seconds += time.perf_counter() - t0
             stats.compiles += 1
             _cache[key] = kernel
@@ -137,13 +134,24 @@ class _OwnCompileChatter(logging.Filter):
 _filter = _OwnCompileChatter()
 
 
-def _quiet(tilelang: Any) -> None:
+def _quiet() -> None:
     """Attach the filter to TileLang's handlers (once; the logger's level is left alone)."""
     if os.environ.get("TILEOPS_VERBOSE"):
         return
     for handler in logging.getLogger("tilelang").handlers:
         if _filter not in handler.filters:
             handler.addFilter(_filter)
+
+
+@contextlib.contextmanager
+def _own_compile() -> Iterator[None]:
+    """Within: this thread is compiling for tileops, so TileLang's INFO chatter is dropped."""
+    _quiet()
+    _compiling.on = True
+    try:
+        yield
+    finally:
+        _compiling.on = False
 
 
 def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
@@ -153,10 +161,8 @@ def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
     """
     import tilelang
 
-    _quiet(tilelang)
     func = _prim_func(builder, spec)
-    _compiling.on = True
-    try:
+    with _own_compile():
         if backend == "c":
             return tilelang.compile(func, target="c", pass_configs=PASS_CONFIGS).get_kernel_source()
         target = _tvm_target(backend, arch)
@@ -164,8 +170,6 @@ def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
 
         with target, transform.PassContext(config=PASS_CONFIGS):
             return tilelang.lower(func, target=target).kernel_source
-    finally:
-        _compiling.on = False
 
 
 def clear_memory_cache() -> None:
