@@ -451,12 +451,15 @@ def load_file(path: str | Path, builders: Iterable[str] | None = None) -> list[O
     except UnicodeDecodeError as e:
         raise ManifestError(str(path), raw[: e.start].count(b"\n") + 1, "not UTF-8 text") from None
     _screen(str(path), text, len(raw) > MAX_FILE_BYTES)
+    loader = _ScreeningLoader(text, str(path))
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = loader.get_single_node()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else 0
         raise ManifestError(str(path), line, f"not valid YAML: {getattr(e, 'problem', e)}") from None
+    finally:
+        loader.dispose()
     if root is None:
         raise ManifestError(str(path), 1, "empty manifest")
     names = tuple(builders) if builders is not None else _builders()
@@ -477,41 +480,49 @@ def _clip(text: str, n: int = 80) -> str:
 
 
 def _screen(file: str, text: str, too_big: bool) -> None:
-    """Refuse, with FILE:LINE, what a data file has no business holding, before YAML builds
-    anything: overlong lines (a 10 MB string), a file over ``MAX_FILE_BYTES``, tags that would
-    construct objects, anchors and aliases (which can expand exponentially: "billion laughs"), and
-    nesting deeper than ``MAX_DEPTH``. The event stream is read without recursion, so deep nesting
-    is reported, not a RecursionError."""
+    """Refuse, with FILE:LINE, what a data file has no business holding, before YAML reads it:
+    overlong lines (a 10 MB string) and a file over ``MAX_FILE_BYTES``. Tags, anchors, aliases and
+    nesting are refused while the file is composed (:class:`_ScreeningLoader`)."""
     for number, line in enumerate(text.split("\n"), 1):
         if len(line) > MAX_LINE_CHARS:
             raise ManifestError(file, number, f"line of {len(line)} characters; a manifest line may have at most "
                                               f"{MAX_LINE_CHARS}")
     if too_big:
         raise ManifestError(file, 1, f"file larger than {MAX_FILE_BYTES} bytes; a manifest is at most that")
-    depth = 0
-    try:
-        for ev in yaml.parse(text, Loader=yaml.SafeLoader):
-            line = ev.start_mark.line + 1
-            if isinstance(ev, yaml.AliasEvent):
-                raise ManifestError(file, line, f"YAML alias *{ev.anchor} is not allowed in a manifest (anchors and "
-                                                f"aliases can expand exponentially); write the value out")
-            if getattr(ev, "anchor", None):
-                raise ManifestError(file, line, f"YAML anchor &{ev.anchor} is not allowed in a manifest; write the "
-                                                f"value out where it is used")
-            tag = getattr(ev, "tag", None)
-            if tag not in _PLAIN_TAGS:
-                raise ManifestError(file, line, f"YAML tag {tag!r} is not allowed: a manifest holds plain data "
-                                                f"(strings, numbers, booleans, null, lists, mappings)")
-            if isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-                depth += 1
-                if depth > MAX_DEPTH:
-                    raise ManifestError(file, line, f"nested {depth} deep; a manifest nests at most {MAX_DEPTH} deep")
-            elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-                depth -= 1
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ManifestError(file, mark.line + 1 if mark is not None else 0,
-                            f"not valid YAML: {getattr(e, 'problem', e)}") from None
+
+
+class _ScreeningLoader(yaml.SafeLoader):
+    """YAML's safe loader composing nodes, refusing before each node is built: tags that would
+    construct objects, anchors and aliases (which can expand exponentially: "billion laughs"), and
+    nesting deeper than ``MAX_DEPTH`` (refused on the way down, before Python's recursion limit)."""
+
+    def __init__(self, stream: str, file: str):
+        super().__init__(stream)
+        self._file, self._depth = file, 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        ev = self.peek_event()
+        line = ev.start_mark.line + 1
+        if isinstance(ev, yaml.AliasEvent):
+            raise ManifestError(self._file, line, f"YAML alias *{ev.anchor} is not allowed in a manifest (anchors "
+                                                  f"and aliases can expand exponentially); write the value out")
+        if getattr(ev, "anchor", None):
+            raise ManifestError(self._file, line, f"YAML anchor &{ev.anchor} is not allowed in a manifest; write "
+                                                  f"the value out where it is used")
+        tag = getattr(ev, "tag", None)
+        if tag not in _PLAIN_TAGS:
+            raise ManifestError(self._file, line, f"YAML tag {tag!r} is not allowed: a manifest holds plain data "
+                                                  f"(strings, numbers, booleans, null, lists, mappings)")
+        if not isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise ManifestError(self._file, line, f"nested {self._depth} deep; a manifest nests at most {MAX_DEPTH} "
+                                                  f"deep")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def add_op(ops: dict[str, OpManifest], op: OpManifest) -> None:
