@@ -1,51 +1,50 @@
-"""Where the host time of one call goes, on a GPU (idle): ``python -m benchmarks.hostprof``.
+"""Where the host time of one call goes: ``python -m benchmarks.hostprof [--device cpu|cuda] [--profile]``.
 
-Prints each serving call's host time beside a bare torch op, then a cProfile of many calls (the
-profiler inflates Python-level costs; read it for the distribution, not the totals)."""
+Prints what each layer between ``op(...)`` and the launch costs (``benchmarks/host.py``: the full
+call, ``forward``, ``Op._call`` with the argument dicts built outside, the native dispatch alone,
+and on the Python path ``Op._eager_call``), beside the bare torch ops; with ``--profile``, a
+cProfile of many Python-path calls (the profiler inflates Python-level costs: read it for the
+distribution, not the totals)."""
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import sys
 
 import torch
 
-from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
-
-from .runner import host_time_us
+from . import host
 
 
-def main() -> None:
-    dt = torch.bfloat16
-    ids = RoPENeoxPositionIdsFwdOp(1 << 20)
-    q = torch.randn(32, 32, 128, device="cuda", dtype=dt)
-    k = torch.randn(32, 8, 128, device="cuda", dtype=dt)
-    pos = torch.randint(0, 1 << 20, (32,), device="cuda")
-    hf = RoPEFwdOp(input_layout="2d")
-    x = torch.randn(32, 32, 128, device="cuda", dtype=dt)
-    cases = {
-        "ids q+k in place": lambda: ids(q, pos, key=k, out=q, key_out=k),
-        "ids q new": lambda: ids(q, pos),
-        "2d q new": lambda: hf(q[None]),
-        "x.add_(1.0)": lambda: x.add_(1.0),
-        "x.mul(2.0)": lambda: x.mul(2.0),
-    }
-    for name, fn in cases.items():
-        fn()
-        print(f"{host_time_us(fn):8.2f} us  {name}")
-    which = sys.argv[1:] or ["ids q+k in place", "2d q new"]
-    for name in which:
-        fn = cases[name]
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(5000):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        print(f"--- {name}: cProfile of 5000 calls")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hostprof")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    p.add_argument("--profile", action="store_true", help="also a cProfile of the Python path's calls")
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    print(f"host time per call on {device} ({host.SIZES[device.type]}; native: "
+          f"{'yes' if host.native_available() else 'no'}, medians):")
+    for name, us in host.layers(device):
+        print(f"{us:8.2f} us  {name}")
+    if args.profile:
+        specs, _ = host.cases(device)
+        with host.python_path():
+            for name, make, _ in specs[:2]:
+                fn = make()
+                fn()
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(5000):
+                    fn()
+                prof.disable()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                print(f"--- {name} (Python path): cProfile of 5000 calls")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,6 +2,10 @@
 the position-ids op without a host sync, and host time per call.
 
     python -m benchmarks.serving [--out benchmarks/results]
+    python -m benchmarks.serving --host [--device cpu|cuda]
+
+``--host`` prints only host time per call (``benchmarks/host.py``: each serving call on the native
+and the Python path beside a bare torch op; on the CPU too) and, on a GPU, the decode graph row.
 
 Every row times tileops and its alternatives side by side in one run (medians; the machines are
 shared and noisy). Copy rates: a large device-to-device copy, and one of the same bytes as the row.
@@ -20,6 +24,7 @@ import torch
 
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
 
+from . import host
 from .baselines import _rotate_half
 from .runner import end_to_end_us, host_time_us as host_us
 from .timing import copy_rate, gpu_time, rotation
@@ -100,39 +105,6 @@ def decode_graph_row(tokens: int = 32, Hq: int = 32, Hk: int = 8, D: int = 128) 
             "eager_us_per_call": eager, "host_us": host, "bare_add_host_us": bare}
 
 
-def host_rows(tokens: int = 32, Hq: int = 32, Hk: int = 8, D: int = 128) -> list[dict]:
-    """Host time per call (GPU idle, calls queued) of the serving calls at decode size, each beside
-    the bare torch elementwise op that does the same kind of write (in place: ``add_``; a new
-    tensor: ``mul``), measured alternately in one run."""
-    dt = torch.bfloat16
-    ids = RoPENeoxPositionIdsFwdOp(1 << 20)
-    q = torch.randn(tokens, Hq, D, device="cuda", dtype=dt)
-    k = torch.randn(tokens, Hk, D, device="cuda", dtype=dt)
-    pos = torch.randint(0, 1 << 20, (tokens,), device="cuda")
-    hf = RoPEFwdOp(input_layout="2d")
-    qh = torch.randn(1, Hq, tokens, D, device="cuda", dtype=dt)  # HF's [B, H, S, D]
-    kh = torch.randn(1, Hk, tokens, D, device="cuda", dtype=dt)
-    pos2 = pos[None]
-    x = torch.randn(tokens, Hq, D, device="cuda", dtype=dt)
-    cases = [
-        ("ids q+k in place, positions", lambda: ids(q, pos, key=k, out=q, key_out=k), "add_", lambda: x.add_(1.0)),
-        ("ids q alone, new tensor, positions", lambda: ids(q, pos), "mul", lambda: x.mul(2.0)),
-        ("2d q+k on HF views, new tensors, positions",
-         lambda: hf(qh.transpose(1, 2), position_ids=pos2, key=kh.transpose(1, 2)), "mul", lambda: x.mul(2.0)),
-        ("2d q alone, new tensor", lambda: hf(qh.transpose(1, 2)), "mul", lambda: x.mul(2.0)),
-    ]
-    rows = []
-    for name, fn, bare_name, bare in cases:
-        fn()
-        ours, ref = [], []
-        for _ in range(3):  # alternate, so drift on a shared host hits both
-            ours.append(host_us(fn))
-            ref.append(host_us(bare))
-        rows.append({"row": name, "host_us": sorted(ours)[1], "bare": bare_name, "bare_host_us": sorted(ref)[1]})
-    ids.check()
-    return rows
-
-
 def ids_row(tokens: int, dtype: torch.dtype) -> dict:
     """The position-ids op, no host sync: q alone, new tensor, queued back to back."""
     op = RoPENeoxPositionIdsFwdOp(8192)
@@ -166,13 +138,6 @@ def markdown(rows: list[dict], ceiling: float) -> str:
                    f"{100 * r['same_bytes_copy_us'] / r['ours_us']:.0f} | {100 * floor_big / r['ours_us']:.0f} | "
                    f"{r['compile_us']:.1f} | {r['compile_us'] / r['ours_us']:.2f} | {lg:.1f} | {lg / r['ours_us']:.2f} | "
                    f"{r.get('end_to_end_us', float('nan')):.1f} | {r.get('compile_end_to_end_us', float('nan')):.1f} |")
-    host = [r for r in rows if "bare_host_us" in r]
-    if host:
-        out += ["", "Host time per call at decode size (32 tokens, 32/8 heads, bf16; GPU idle, calls queued; median of "
-                    "3 alternating runs):", "", "| call | host us | bare torch op | its host us | ratio |",
-                "|---|---|---|---|---|"]
-        out += [f"| {r['row']} | {r['host_us']:.2f} | `{r['bare']}` | {r['bare_host_us']:.2f} | "
-                f"{r['host_us'] / r['bare_host_us']:.2f}x |" for r in host]
     for r in rows:
         if "graph_us_per_call" in r:
             out += ["", f"{r['row']}: {r['graph_us_per_call']:.2f} us per call replayed, {r['eager_us_per_call']:.2f} "
@@ -184,16 +149,25 @@ def markdown(rows: list[dict], ceiling: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving")
     p.add_argument("--out", default=str(HERE / "results"))
-    p.add_argument("--host", action="store_true", help="only the host-time rows and the decode graph row")
+    p.add_argument("--host", action="store_true", help="only host time per call (and the decode graph row on CUDA)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="--host: where the tensors live (default: cuda when there is one)")
     args = p.parse_args(argv)
+    if args.host:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            print("--device cuda: no CUDA GPU here", file=sys.stderr)
+            return 2
+        rows, info = host.host_rows(device)
+        text = host.markdown(rows, info)
+        if device.type == "cuda":
+            text = markdown([decode_graph_row()], copy_rate()) + "\n" + text
+        print(text)
+        return 0
     if not torch.cuda.is_available():
-        print("benchmarks need a CUDA GPU", file=sys.stderr)
+        print("benchmarks need a CUDA GPU (--host also runs on the CPU)", file=sys.stderr)
         return 2
     ceiling = copy_rate()
-    if args.host:
-        rows = [decode_graph_row(), *host_rows()]
-        print(markdown(rows, ceiling))
-        return 0
     rows = [
         qk_row("q+k HF layout in place, B1 32/8 heads S8192 D128 bf16", 1, 32, 8, 8192, 128, torch.bfloat16, True),
         qk_row("q+k HF layout [4, 8, 256, 64] fp32", 4, 8, 8, 256, 64, torch.float32, False),
@@ -202,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         ids_row(2048, torch.float16),
         ids_row(4096, torch.bfloat16),
         decode_graph_row(),
-        *host_rows(),
     ]
+    host_table, info = host.host_rows(torch.device("cuda"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps(rows, indent=1))
-    md = markdown(rows, ceiling)
+    (out / "serving.json").write_text(json.dumps({"rows": rows, "host": host_table, "host_info": info}, indent=1))
+    md = markdown(rows, ceiling) + "\n" + host.markdown(host_table, info)
     (out / "serving.md").write_text(md)
     print(md)
     return 0

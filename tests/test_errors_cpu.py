@@ -8,39 +8,47 @@ import pytest
 import torch
 
 import tileops
+from tests.paths import both
 from tileops.rope import RoPENeoxPositionIdsFwdOp
 
 
 def test_threads_sharing_an_op_see_only_their_own_errors():
-    op = RoPENeoxPositionIdsFwdOp(1000)
+    """Four threads, two with a bad position in every call, on both paths (tests/paths.py)."""
     x = torch.randn(23, 4, 32)
     good = torch.randint(0, 1000, (23,))
-    want = op(x, good)
-    counts = {"good_raised": 0, "good_wrong": 0, "bad_raised": 0, "bad_silent": 0}
-    lock = threading.Lock()
 
-    def worker(kind: str) -> None:
-        for _ in range(150):
-            pos = good.clone()
-            if kind == "bad":
-                pos[9] = 1000
-            try:
-                out = op(x, pos)
-                key = "good_wrong" if kind == "good" and not torch.equal(out, want) else None
-                key = key or ("bad_silent" if kind == "bad" else None)
-            except ValueError as e:
-                assert "position_ids[9] = 1000" in str(e)
-                key = f"{kind}_raised"
-            if key:
-                with lock:
-                    counts[key] += 1
+    def scenario(path: str) -> tuple[dict, list]:
+        op = RoPENeoxPositionIdsFwdOp(1000)
+        want = op(x, good)
+        op(x, good)
+        counts = {"good_raised": 0, "good_wrong": 0, "bad_raised": 0, "bad_silent": 0}
+        lock = threading.Lock()
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in ("good", "bad", "good", "bad")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert counts == {"good_raised": 0, "good_wrong": 0, "bad_raised": 300, "bad_silent": 0}
+        def worker(kind: str) -> None:
+            for i in range(120):
+                pos = good.clone()
+                if kind == "bad":
+                    pos[9] = 1000 + i
+                try:
+                    out = op(x, pos, out=torch.empty_like(x)) if i % 2 else op(x, pos)
+                    key = "bad_silent" if kind == "bad" else ("good_wrong" if not torch.equal(out, want) else None)
+                except ValueError as e:
+                    assert f"position_ids[9] = {1000 + i}" in str(e)
+                    key = f"{kind}_raised"
+                if key:
+                    with lock:
+                        counts[key] += 1
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in ("good", "bad", "good", "bad")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        op.check()
+        return counts, [op]
+
+    py, nat = both(scenario)
+    assert py == nat == {"good_raised": 0, "good_wrong": 0, "bad_raised": 240, "bad_silent": 0}
 
 
 def test_strict_mode_and_check_on_the_cpu():

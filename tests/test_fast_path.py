@@ -102,7 +102,7 @@ def test_packed_launcher_matches_plain_ctypes(gen):
     assert kernel.packed is not None, "no packed launcher although a C compiler is here"
     want = op(x)
     impl._kernels[False] = dataclasses.replace(kernel, packed=None)
-    op._fast.clear()  # plans hold the kernel they were made with
+    op._forget_plans()  # plans (Python and native) hold the kernel they were made with
     got = op(x)
     assert torch.equal(got, want)
     assert_close(got, reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": x}))

@@ -9,17 +9,30 @@ import pytest
 import torch
 
 import tileops
+from tests.paths import both, native_module, python_path
 from tests.references import reference
+from tileops import errors
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
 
 pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(params=["native", "python"])
+def path(request):
+    """Each test so marked runs on the native path (tileops.native) and on the Python one."""
+    if request.param == "python":
+        with python_path():
+            yield "python"
+    else:
+        native_module()
+        yield "native"
 
 
 def _close(got, ref, tol=4e-3):
     return bool(((got.double().cpu() - ref).abs() <= tol + tol * ref.abs()).all())
 
 
-def test_bad_position_reported_at_the_next_call_or_check_without_sync():
+def test_bad_position_reported_at_the_next_call_or_check_without_sync(path):
     op = RoPENeoxPositionIdsFwdOp(4096)
     x = torch.randn(64, 8, 128, device="cuda", dtype=torch.float16)
     bad = torch.randint(0, 4096, (64,), device="cuda")
@@ -40,7 +53,7 @@ def test_bad_position_reported_at_the_next_call_or_check_without_sync():
         op(x, bad)
 
 
-def test_threads_and_streams_see_only_their_own_errors():
+def test_threads_and_streams_see_only_their_own_errors(path):
     op = YaRNFwdOp(input_layout="2d", scale=4.0)
     x = torch.randn(2, 33, 4, 64, device="cuda")
     ref_pos = torch.randint(0, 2**20, (2, 33), device="cuda")
@@ -86,7 +99,7 @@ def test_threads_and_streams_see_only_their_own_errors():
     assert errors["bad"] == errors["launched_bad"] > 0, errors
 
 
-def test_cuda_graph_replays_new_data_and_positions_with_key_and_out():
+def test_cuda_graph_replays_new_data_and_positions_with_key_and_out(path):
     op = RoPEFwdOp(input_layout="2d")
     q = torch.randn(1, 32, 32, 128, device="cuda", dtype=torch.bfloat16)  # decode: 32 tokens
     k = torch.randn(1, 32, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -124,7 +137,7 @@ def test_cuda_graph_replays_new_data_and_positions_with_key_and_out():
     op.check()  # cleared: the next replay is judged alone
 
 
-def test_every_op_captures_in_a_graph():
+def test_every_op_captures_in_a_graph(path):
     for name, cls in tileops.ops().items():
         m = tileops.manifest.get(name)
         params = {p.name: p.default for p in m.params if p.has_default}
@@ -177,7 +190,7 @@ def test_opcheck_and_compile_on_cuda():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_one_op_on_two_gpus_from_two_threads():
+def test_one_op_on_two_gpus_from_two_threads(path):
     op = RoPEFwdOp(input_layout="2d")
     results = {}
 
@@ -199,3 +212,93 @@ def test_one_op_on_two_gpus_from_two_threads():
     for t in threads:
         t.join()
     assert results == {0: True, 1: True}
+
+
+def test_native_and_python_paths_agree_on_cuda_bit_for_bit():
+    """The serving calls, out=, in place, a fused qkv buffer and a view 4 bytes off a 16-byte
+    boundary (the plan refuses it, the Python path copies), three times each, both ways."""
+    T, Hq, Hk, D = 32, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(7)
+    inputs = {"q": torch.randn(T, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g),
+              "k": torch.randn(T, Hk, D, device="cuda", dtype=torch.bfloat16, generator=g),
+              "pos": torch.randint(0, 1 << 20, (T,), device="cuda", generator=g),
+              "qh": torch.randn(1, Hq, T, D, device="cuda", generator=g),
+              "kh": torch.randn(1, Hk, T, D, device="cuda", generator=g),
+              "qkv": torch.randn(T, (Hq + 2 * Hk) * D, device="cuda", dtype=torch.float16, generator=g)}
+
+    def scenario(path):
+        ids = RoPENeoxPositionIdsFwdOp(1 << 20)
+        hf = RoPEFwdOp(input_layout="2d")
+        got = []
+        for _ in range(3):
+            v = {n: t.clone() for n, t in inputs.items()}
+            q, k = v["q"], v["k"]
+            ids(q, v["pos"], key=k, out=q, key_out=k)
+            got += [q, k, ids(v["q"], v["pos"])]
+            got += list(hf(v["qh"].transpose(1, 2), position_ids=v["pos"][None], key=v["kh"].transpose(1, 2)))
+            got.append(hf(v["qh"].transpose(1, 2)))
+            flat = torch.full((1 + v["qh"].numel(),), float("nan"), device="cuda")
+            odd = flat[1:].view(1, T, Hq, D)  # 4 bytes past a 16-byte boundary
+            hf(v["qh"].transpose(1, 2), position_ids=v["pos"], out=odd)
+            got.append(flat.clone())
+            qkv = v["qkv"]
+            qq, kk = qkv[:, : Hq * D].view(T, Hq, D), qkv[:, Hq * D : (Hq + Hk) * D].view(T, Hk, D)
+            ids(qq, v["pos"], key=kk, out=qq, key_out=kk)
+            got.append(qkv)
+        ids.check()
+        torch.cuda.synchronize()
+        return [t.cpu() for t in got], [ids, hf]
+
+    py, nat = both(scenario)
+    assert all(torch.equal(a, b) for a, b in zip(py, nat)) and len(py) == len(nat)
+    ref = reference("RoPENeoxPositionIdsFwdOp", {"max_position": 1 << 20},
+                    {"x": inputs["q"].cpu(), "position_ids": inputs["pos"].cpu()})
+    assert _close(nat[0], ref, 1.6e-2)
+    assert torch.isnan(nat[6][0]), "the fallback wrote outside out"
+
+
+def test_a_pending_python_path_call_is_reported_after_the_switch_to_native():
+    """An op's bad call queued on the Python path (its Python tracker holds it), then the native
+    extension arrives (a background build finishing): the next call, now native, reports it first."""
+    native_module()
+    x = torch.randn(64, 8, 128, device="cuda", dtype=torch.float16)
+    good = torch.randint(0, 4096, (64,), device="cuda")
+    bad = good.clone()
+    bad[5] = 4096
+    with python_path():
+        op = RoPENeoxPositionIdsFwdOp(4096)
+        op(x, good)
+        op(x, bad)
+        assert isinstance(op._calls(), errors.Tracker) and op._calls().has_pending()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"position_ids\[5\] = 4096 \(reported for an earlier call"):
+        op(x, good)
+    assert isinstance(op._calls().legacy, errors.Tracker)
+    want = op(x, good)
+    op(x, bad)  # native now: pending in the native tracker
+    with pytest.raises(ValueError, match=r"position_ids\[5\] = 4096"):
+        op.check()
+    assert op._dispatch.stats()["hits"] >= 2
+    ref = reference("RoPENeoxPositionIdsFwdOp", {"max_position": 4096}, {"x": x.cpu(), "position_ids": good.cpu()})
+    assert _close(want, ref)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_native_path_launches_on_the_tensors_gpu_not_the_current_one(path):
+    """Tensors on cuda:1 while cuda:0 is current: the launch switches device (and back), on the
+    stream current on cuda:1; errors come back from there too."""
+    torch.cuda.set_device(0)
+    op = RoPEFwdOp(input_layout="2d")
+    for _ in range(3):
+        x = torch.randn(2, 33, 4, 64, device="cuda:1")
+        pos = torch.randint(0, 5000, (2, 33), device="cuda:1")
+        out = op(x, position_ids=pos)
+        assert out.device == x.device and torch.cuda.current_device() == 0
+        ref = reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": x.cpu(), "position_ids": pos.cpu()})
+        assert _close(out, ref)
+    pos[1, 2] = -1
+    op(x, position_ids=pos)
+    with pytest.raises(ValueError, match=r"position_ids\[1, 2\] = -1"):
+        op.check()
+    if path == "native":
+        assert op._dispatch.stats()["hits"] >= 2

@@ -144,6 +144,11 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     for spec, err in failures:
         print(f"tileops warmup: {spec}: {err}", file=sys.stderr)
     print(f"{n - len(failures)} of {n} kernels for {arch} in the cache ({seconds:.1f} s)")
+    from . import native
+
+    t0 = time.perf_counter()
+    native.build()  # the eager fast path's extension; without a compiler the Python path serves
+    print(f"native fast path: {native.status()} ({time.perf_counter() - t0:.1f} s)")
     return 1 if failures else 0
 
 

@@ -30,6 +30,12 @@ still write it.
 Inside a CUDA graph capture no event is recorded: the words a captured call uses are kept for the
 graph (never reused), and ``op.check()`` reads them after a replay (synchronise first) and clears
 them, so the next replay is judged alone.
+
+Two implementations of the pool and the tracker behave identically: :class:`ErrorWords` and
+:class:`Tracker` here, and the native extension's ``Pool`` and ``Tracker`` (:mod:`tileops.native`),
+which :func:`words_for` and :func:`new_tracker` hand out once the extension is loaded, and which
+its fast path uses without Python. A native tracker judges the calls an op made through the Python
+one before the extension was loaded (its ``legacy``) first.
 """
 
 from __future__ import annotations
@@ -39,24 +45,38 @@ import ctypes
 import functools
 import itertools
 import os
+import sys
 import threading
 from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["strict", "is_strict", "ErrorWords", "Tracker", "words_for", "driver"]
+from . import native
+
+__all__ = ["strict", "is_strict", "ErrorWords", "Tracker", "words_for", "new_tracker", "driver"]
 
 #: error words per chunk of a device's pool (a chunk is 16 KiB of pinned memory)
 CHUNK = 4096
 _tags = itertools.count(1)
-_strict = threading.local()
+
+#: how a reported call is named in the error, after the op's name and position (``when``)
+WHEN_NOW = ""
+WHEN_EARLIER = "reported for an earlier call of this op, whose kernel read the position as 0"
+WHEN_GRAPH = "in a CUDA graph replay"
+
+
+class _StrictLocal(threading.local):
+    on: "bool | None" = None  # a class default: reading it never raises (the native path reads it too)
+
+
+_strict = _StrictLocal()
 
 
 @contextlib.contextmanager
 def strict(enabled: bool = True) -> Iterator[None]:
     """Within this block (on this thread), every call that takes positions reports a bad one at
     the call itself, waiting for its kernel to do so."""
-    before = getattr(_strict, "on", None)
+    before = _strict.on
     _strict.on = enabled
     try:
         yield
@@ -70,7 +90,7 @@ _ENV_STRICT = os.environ.get("TILEOPS_STRICT", "") not in ("", "0")
 
 
 def is_strict() -> bool:
-    on = getattr(_strict, "on", None)
+    on = _strict.on
     return _ENV_STRICT if on is None else on
 
 
@@ -98,6 +118,9 @@ class _Driver:
         self.record_address = address("cuEventRecord")
         self.capturing_address = address("cuStreamIsCapturing")
         self._query_args = (address("cuEventQuery"), address("cuThreadExchangeStreamCaptureMode"))
+        #: for the native extension: (record, capturing, query, synchronize, exchange capture mode)
+        self.addresses = (self.record_address, self.capturing_address, self._query_args[0],
+                          address("cuEventSynchronize"), self._query_args[1])
         # an event query is one of the calls CUDA forbids while any thread captures a graph in the
         # default (global) mode; it is safe here (no judged event belongs to a capture), so it runs
         # with this thread's capture mode relaxed, in C (through Python it would cost 3 driver calls)
@@ -234,18 +257,57 @@ class ErrorWords:
         return ev
 
 
-_pools: dict[torch.device, ErrorWords] = {}
+_pools: dict[tuple[bool, torch.device], Any] = {}
 _pools_lock = threading.Lock()
 
 
-def words_for(device: torch.device) -> ErrorWords:
-    pool = _pools.get(device)
+def words_for(device: torch.device) -> Any:
+    """The device's pool of error words: the native extension's once it is loaded, else an
+    :class:`ErrorWords` (both have the same methods)."""
+    mod = native.module
+    key = (mod is not None, device)
+    pool = _pools.get(key)
     if pool is None:
         with _pools_lock:
-            pool = _pools.get(device)
+            pool = _pools.get(key)
             if pool is None:
-                pool = _pools[device] = ErrorWords(device)
+                pool = _pools[key] = ErrorWords(device) if mod is None else _native_pool(mod, device)
     return pool
+
+
+def _native_pool(mod: Any, device: torch.device) -> Any:
+    cuda = device.type == "cuda"
+    index = device.index if device.index is not None else (torch.cuda.current_device() if cuda else -1)
+    if cuda and not mod.has_driver():
+        mod.set_driver(*driver().addresses)
+
+    def grow() -> tuple[torch.Tensor, int]:
+        buf = torch.zeros(CHUNK, dtype=torch.int32, pin_memory=cuda)
+        return buf, buf.data_ptr()
+
+    def make_event() -> tuple[Any, int]:
+        return driver().create_event(index)
+
+    return mod.Pool(device, cuda, index, CHUNK, grow, make_event)
+
+
+class _TrackerLocal(threading.local):
+    state: Any = None  # a native tracker's per-thread state (a class default: reading it never raises)
+
+
+def new_tracker(raise_bad: Callable[..., None]) -> Any:
+    """A tracker for one op: the native extension's once it is loaded, else a :class:`Tracker`."""
+    mod = native.module
+    return Tracker(raise_bad) if mod is None else mod.Tracker(raise_bad, _TrackerLocal())
+
+
+def configure_native(mod: Any) -> None:
+    """Hand the native extension what it mirrors from this module (called when it is loaded)."""
+    from .launch import _CAPTURING, _RECORD_FAILED
+
+    mod.configure(rc_record_failed=_RECORD_FAILED, rc_capturing=_CAPTURING, when_now=WHEN_NOW,
+                  when_earlier=WHEN_EARLIER, when_graph=WHEN_GRAPH, strict_local=_strict,
+                  errors_module=sys.modules[__name__], py_tracker=Tracker)
 
 
 # ------------------------------------------------------------------------------ one op's calls
@@ -286,7 +348,7 @@ class Tracker:
             finally:
                 pool.give_back(word)  # only after reading it: another call may take it at once
             if bad:
-                self._raise_bad(position_ids, "")
+                self._raise_bad(position_ids, WHEN_NOW)
             return
         drv = driver()
         event = pool.event(word)
@@ -304,7 +366,7 @@ class Tracker:
             bad = pool.read(word) == tag
             pool.give_back(word)
             if bad:
-                self._raise_bad(position_ids, "")
+                self._raise_bad(position_ids, WHEN_NOW)
             return
         p = self.pending()
         calls = p.get((pool, stream))
@@ -325,21 +387,23 @@ class Tracker:
         for key in list(pending):
             calls = pending[key]
             done = 0
-            for pool, word, tag, position_ids, event in calls:  # in order: stop at the first unfinished
-                if wait:
-                    drv.wait(event)
-                elif not done_fn(event):
-                    break
-                done += 1
-                if failed is None and pool.read(word) == tag:
-                    failed = position_ids
-                pool.give_back(word)  # only after reading it
-            if done == len(calls):
-                del pending[key]
-            elif done:
-                del calls[:done]
+            try:
+                for pool, word, tag, position_ids, event in calls:  # in order: stop at the first unfinished
+                    if wait:
+                        drv.wait(event)
+                    elif not done_fn(event):
+                        break
+                    done += 1
+                    if failed is None and pool.read(word) == tag:
+                        failed = position_ids
+                    pool.give_back(word)  # only after reading it
+            finally:  # a driver error: the calls judged so far are not judged (nor given back) again
+                if done == len(calls):
+                    del pending[key]
+                elif done:
+                    del calls[:done]
         if failed is not None:
-            self._raise_bad(failed, "reported for an earlier call of this op, whose kernel read the position as 0")
+            self._raise_bad(failed, WHEN_EARLIER)
 
     def check(self) -> None:
         """Wait for this thread's calls and judge them, then judge (and clear) the graph-captured words."""
@@ -352,4 +416,4 @@ class Tracker:
                 bad = position_ids
             pool.clear(word)
         if bad is not None:
-            self._raise_bad(bad, "in a CUDA graph replay")
+            self._raise_bad(bad, WHEN_GRAPH)

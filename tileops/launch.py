@@ -119,9 +119,22 @@ class RawKernel:
             rc = self._launch(args, stream, record, event, capturing)
         if rc == 0 or rc == _CAPTURING:
             return rc == _CAPTURING
+        self._fail(rc)
+        return False  # not reached
+
+    def _fail(self, rc: int) -> None:
+        """Raise the error of a launch that returned ``rc`` (the native path calls this too)."""
         if rc == _RECORD_FAILED:
             raise RuntimeError("tileops: recording the CUDA event after a kernel failed")
         raise RuntimeError(f"TileLang kernel failed: {self.lib.get_last_error().decode('utf-8', 'replace')}")
+
+    @property
+    def addresses(self) -> tuple[int, int]:
+        """(the trampoline's address, the entry point's): what a native plan calls; (0, 0) without
+        a trampoline."""
+        if self.packed is None:
+            return 0, 0
+        return ctypes.cast(self.packed, ctypes.c_void_p).value or 0, self._entry
 
     def _launch(self, args: Any, stream: int, record: int, event: int, capturing: int) -> int:
         if self.packed is not None:

@@ -8,13 +8,15 @@ what came.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 
-from . import errors, library
+from . import errors, library, native
 from . import manifest as _manifest
 from .autograd import backward_of, run_differentiable
 from .manifest import ExprError, OpManifest
@@ -26,6 +28,9 @@ __all__ = ["Op", "CallSpec", "DTYPES"]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_is_compiling = torch.compiler.is_compiling
+_log = logging.getLogger("tileops.native")
+_native_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,13 @@ class Op:
 
     #: the manifest's op name; defaults to the class name
     op_name: str = ""
+    #: the native extension's ``Dispatch.run`` for this op once it is loaded (:mod:`tileops.native`)
+    _native_run: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__ and "__call__" not in cls.__dict__:
+            cls.__call__ = cls.forward  # op(...) is forward(...) without a frame that re-packs the arguments
 
     def _setup(self, params: Mapping[str, Any], target: Any) -> None:
         self.manifest: OpManifest = _manifest.get(self.op_name or type(self).__name__)
@@ -70,8 +82,10 @@ class Op:
         self._impls: dict[CallSpec, Callable[..., Any]] = {}
         self._fast: dict[tuple, tuple[Any, Any]] = {}
         self._like = {o.name: o.like for o in self.manifest.outputs}
+        self._dispatch: Any = None  # the native extension's plans for this op (see _native_plan)
         #: this op's name in the torch.library custom ops (a traced call passes it)
         self._handle: int = library.register(self)
+        native.start()  # loads the cached extension, or builds it in the background
 
     # ----------------------------------------------------------------------------- params
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -145,9 +159,17 @@ class Op:
 
     # ----------------------------------------------------------------------------- calls
     def _call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
-        """Run the op: eagerly, or as a ``torch.library`` custom op while ``torch.compile`` traces."""
-        if torch.compiler.is_compiling():
+        """Run the op: eagerly, or as a ``torch.library`` custom op while ``torch.compile`` traces.
+
+        An eager call goes to the native plans first (:mod:`tileops.native`), which serve a call
+        whose signature was seen before and return ``NotImplemented`` for any other."""
+        if _is_compiling():
             return self._traced_call(tensors, outs or {})
+        run = self._native_run
+        if run is not None:
+            result = run(tensors, outs)
+            if result is not NotImplemented:
+                return result
         return self._eager_call(tensors, outs)
 
     def _traced_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> Any:
@@ -173,11 +195,11 @@ class Op:
         return impl
 
     # ----------------------------------------------------------------------------- errors
-    def _calls(self) -> errors.Tracker:
+    def _calls(self) -> Any:
         """This op's calls whose position errors are not judged yet (see :mod:`tileops.errors`)."""
         calls = self.__dict__.get("_tracker")
         if calls is None:
-            calls = self.__dict__.setdefault("_tracker", errors.Tracker(self._raise_bad_position))
+            calls = self.__dict__.setdefault("_tracker", errors.new_tracker(self._raise_bad_position))
         return calls
 
     def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:  # pragma: no cover
@@ -204,6 +226,9 @@ class Op:
         (:meth:`tileops.rope.builtin.RopeKernels.plan`), which checks only what pointers decide.
         """
         outs = outs or {}
+        nat = native.module
+        if nat is not None and self._dispatch is None:
+            self._go_native(nat)
         try:
             sig = self._signature(tensors, outs)
             entry = self._fast.get(sig)
@@ -221,6 +246,8 @@ class Op:
                 if len(self._fast) > 4096:  # many distinct shapes: keep the cache bounded
                     self._fast.clear()
                 self._fast[sig] = entry
+        if sig is not None and nat is not None:
+            self._native_plan(nat, entry, tensors, outs)
         calls = self.__dict__.get("_tracker")
         if calls is not None and calls.has_pending():
             calls.reap()  # an earlier call's bad position, found without waiting (raised before this call runs)
@@ -234,6 +261,46 @@ class Op:
         if given and not checked:
             self._check_outs(tensors, given)
         return run_differentiable(self, impl, tensors, given)
+
+    def _go_native(self, nat: Any) -> None:
+        """Switch this op to the native extension, loaded after the op was made: its plans, and a
+        native tracker that judges the Python tracker's pending calls first (its ``legacy``)."""
+        with _native_lock:
+            if self._dispatch is not None:
+                return
+            old = self.__dict__.get("_tracker")
+            if old is not None and not isinstance(old, nat.Tracker):
+                tracker = errors.new_tracker(self._raise_bad_position)
+                tracker.legacy = old
+                self._tracker = tracker
+            self._fast.clear()  # Python plans made before hold the Python pool of error words
+            inputs = tuple(t.name for t in self.manifest.inputs)
+            outputs = tuple(o.name for o in self.manifest.outputs)
+            self._dispatch = nat.Dispatch(inputs, outputs, tuple(inputs.index(o.like) for o in self.manifest.outputs))
+            self._native_run = self._dispatch.run
+
+    def _native_plan(self, nat: Any, entry: tuple, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> None:
+        """Give the native dispatch a plan for calls shaped like this one (whose signature the caller
+        has checked), unless it knows the signature already; None, remembered too, when the Python
+        path has no plan for it either, or the implementation makes no native plans."""
+        d = self._dispatch
+        if d is None or d.lookup(tensors, outs) is not False:
+            return  # known, or no native plan can serve such a call (e.g. a tensor subclass)
+        impl, plan = entry
+        make = getattr(impl, "native_plan", None) if plan is not None else None
+        made = None
+        if make is not None:
+            try:
+                made = make(nat, tensors, {k: v for k, v in outs.items() if v is not None})
+            except Exception as e:  # noqa: BLE001 - the Python path serves this signature
+                _log.debug("tileops: %s: no native plan (%s: %s)", self.name, type(e).__name__, e)
+        d.add(tensors, outs, made)
+
+    def _forget_plans(self) -> None:
+        """Drop every launch plan (Python and native); the next call of each signature makes new ones."""
+        self._fast.clear()
+        if self._dispatch is not None:
+            self._dispatch.clear()
 
     @staticmethod
     def _needs_grad(tensors: Mapping[str, Any]) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..errors import words_for
 from ..generate import compile_kernel, device_backend
 from ..launch import raw_kernel
 from ..op import _disjoint
@@ -151,12 +152,9 @@ class RopeKernels:
         return 0, position_ids.stride(0)
 
     def _words(self) -> Any:
-        words = self.__dict__.get("_error_words")
-        if words is None:
-            from ..errors import words_for
-
-            words = self._error_words = words_for(self.device)
-        return words
+        """The device's error words: looked up each time, since which implementation serves them
+        changes when the native extension is loaded (:func:`tileops.errors.words_for`)."""
+        return words_for(self.device)
 
     def _source(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         """``t`` where the kernel can read it, and its view; the one fallback is a dense copy."""
@@ -234,16 +232,16 @@ class RopeKernels:
 
 
     # ------------------------------------------------------------------------------ fast path
-    def plan(self, tensors: dict, outs: dict) -> Any:
-        """A lean launcher for every later call shaped like this one, or None.
+    def _plan_parts(self, tensors: dict, outs: dict) -> dict | None:
+        """What every later call shaped like this one shares (for :meth:`plan` and
+        :meth:`native_plan`), or None when such calls get no plan.
 
         :meth:`tileops.op.Op._eager_call` keys plans by each argument's shape, strides, dtype and
         device and by which outputs are given (and which are their own input, in place), and has
-        checked all of that once. What can still differ between such calls is checked here per
-        call: pointer alignment and, for given outputs, that they overlap nothing (by byte ranges,
-        falling back to the exact test only when the ranges meet). A call that fails those returns
-        ``NotImplemented`` and takes the general path, which copies or raises as it must. Shapes
-        that need a copy fallback, and empty tensors, get no plan.
+        checked all of that once. What can still differ between such calls is checked per call:
+        pointer alignment and, for given outputs, that they overlap nothing (by byte ranges,
+        falling back to the exact test only when the ranges meet). Shapes that need a copy
+        fallback, and empty tensors, get no plan.
         """
         x, pos, key = tensors["x"], tensors.get("position_ids"), tensors.get("key")
         out, key_out = outs.get("out"), outs.get("key_out")
@@ -272,12 +270,6 @@ class RopeKernels:
         single = len(self.tables) == 1 and not hasattr(self.op, "device_tables")
         if single:
             a[put["TD"]] = self.tables[0].on(self.device).data_ptr()
-        template = array.array("q", a)
-        iX, iY, iK, iKY, iP, iTD = (put.get(n) for n in ("X", "Y", "K", "KY", "P", "TD"))
-        align = u * x.element_size()
-        check_align = align > 1
-        x_in_place = out is not None and out is x
-        k_in_place = key_out is not None and key_out is key
         # pairs of (output, other) that must not overlap: by name, with each one's byte span
         given = {n: t for n, t in (("out", out), ("key_out", key_out)) if t is not None}
         names = {"x": x, "position_ids": pos, "key": key, **given}
@@ -291,16 +283,30 @@ class RopeKernels:
                     continue
                 pairs_seen.add(frozenset((o, n)))
                 pairs.append((o, spans[o], n, spans[n]))
+        return {"kernel": kernel, "template": array.array("q", a), "slot": put, "align": u * x.element_size(),
+                "x_in_place": out is not None and out is x, "k_in_place": key_out is not None and key_out is key,
+                "pairs": pairs, "single": single, "has_key": key is not None, "has_pos": pos is not None,
+                "words": self._words() if pos is not None else None}
+
+    def plan(self, tensors: dict, outs: dict) -> Any:
+        """A lean launcher for every later call shaped like this one (see :meth:`_plan_parts`), or
+        None. A call that fails the per-call checks returns ``NotImplemented`` and takes the
+        general path, which copies or raises as it must."""
+        parts = self._plan_parts(tensors, outs)
+        if parts is None:
+            return None
+        kernel, template, put, align = parts["kernel"], parts["template"], parts["slot"], parts["align"]
+        iX, iY, iK, iKY, iP, iTD = (put.get(n) for n in ("X", "Y", "K", "KY", "P", "TD"))
+        check_align = align > 1
+        x_in_place, k_in_place, pairs, single = parts["x_in_place"], parts["k_in_place"], parts["pairs"], parts["single"]
         disjoint_at: dict[tuple[str, str, int], bool] = {}  # interleaved views checked exactly, by offset
         calls = self.op._calls
-        words = self._words() if pos is not None else None
+        words = parts["words"]
         stream_of = torch._C._cuda_getCurrentRawStream if self.device.type == "cuda" else None
         index = kernel.device_index
         tables_for = self.tables_for
         empty_like = torch.empty_like
-        has_key = key is not None
-        has_pos = pos is not None
-
+        has_key, has_pos = parts["has_key"], parts["has_pos"]
         iERR, itag = put.get("ERR"), put.get("tag")
 
         def run(tensors: dict, outs: dict) -> Any:
@@ -337,14 +343,19 @@ class RopeKernels:
                     ptr["key"], ptr["key_out"] = kp, kyp
                 if p is not None:
                     ptr["position_ids"] = p.data_ptr()
+                t = None
                 for n0, s0, n1, s1 in pairs:
                     a0, a1 = ptr[n0], ptr[n1]
                     if a0 + s0 <= a1 or a1 + s1 <= a0:
                         continue
-                    ok = disjoint_at.get((n0, n1, a1 - a0))
+                    t = t or {**tensors, **outs}
+                    # the exact test; its answer depends on the offset alone when one storage holds both
+                    shared = t[n0].untyped_storage().data_ptr() == t[n1].untyped_storage().data_ptr()
+                    ok = disjoint_at.get((n0, n1, a1 - a0)) if shared else None
                     if ok is None:
-                        t = {**tensors, **outs}
-                        ok = disjoint_at[(n0, n1, a1 - a0)] = _disjoint(t[n0], t[n1])
+                        ok = _disjoint(t[n0], t[n1])
+                        if shared:
+                            disjoint_at[(n0, n1, a1 - a0)] = ok
                     if not ok:
                         return NotImplemented  # the general path names the overlap
             if not single:
@@ -359,6 +370,35 @@ class RopeKernels:
             return (y, ky) if has_key else y
 
         return run
+
+    def native_plan(self, native: Any, tensors: dict, outs: dict) -> Any:
+        """The native extension's ``Plan`` for every later call shaped like this one: the same
+        launch and per-call checks as :meth:`plan`, in C++ (:mod:`tileops.native`); or None."""
+        parts = self._plan_parts(tensors, outs)
+        if parts is None:
+            return None
+        kernel = parts["kernel"]
+        packed, entry = kernel.addresses
+        if not packed:
+            return None
+        put = parts["slot"]
+        roles = {"x": 0, "position_ids": 1, "key": 2, "out": 3, "key_out": 4}
+        inputs = [t.name for t in self.op.manifest.inputs]
+        outputs = [o.name for o in self.op.manifest.outputs]
+        at = {f"at_{n}": (inputs.index(n) if n in inputs and tensors.get(n) is not None else -1)
+              for n in ("x", "position_ids", "key")}
+        at.update({f"at_{n}": (outputs.index(n) if n in outputs else -1) for n in ("out", "key_out")})
+        cuda = self.device.type == "cuda"
+        return native.Plan({
+            "template": parts["template"], **at,
+            **{n: (put[n] if n in put else -1) for n in ("X", "Y", "K", "KY", "P", "TD", "ERR", "tag")},
+            "x_in_place": parts["x_in_place"], "k_in_place": parts["k_in_place"], "align": parts["align"],
+            "pairs": [(roles[o], so, roles[n], sn) for o, so, n, sn in parts["pairs"]], "disjoint": _disjoint,
+            "tables_for": None if parts["single"] else self.tables_for, "kernel": kernel, "packed": packed,
+            "entry": entry, "device_index": kernel.device_index if cuda else -1,
+            "raw_stream": torch._C._cuda_getCurrentRawStream if cuda else None,
+            "tracker": self.op._calls() if parts["has_pos"] else None, "pool": parts["words"],
+        })
 
 
 def _span(t: torch.Tensor) -> int:
