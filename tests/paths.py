@@ -18,8 +18,9 @@ __all__ = ["can_build", "native_module", "python_path", "both"]
 
 
 def can_build() -> bool:
+    """Whether the extension should build here: a C++ compiler, torch's headers, not switched off."""
     include = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "autograd" / "python_variable.h"
-    return shutil.which(os.environ.get("CXX", "c++")) is not None and include.exists()
+    return native.enabled() and shutil.which(os.environ.get("CXX", "c++")) is not None and include.exists()
 
 
 def native_module() -> Any:

@@ -53,6 +53,26 @@ def test_bad_position_reported_at_the_next_call_or_check_without_sync(path):
         op(x, bad)
 
 
+def test_a_call_without_positions_reports_an_earlier_bad_one(path):
+    """As Op._eager_call judges the op's pending calls before any call, the native path does too,
+    whatever the new call's signature (here: no positions, another shape)."""
+    op = RoPEFwdOp(input_layout="2d")
+    x = torch.randn(1, 16, 4, 64, device="cuda")
+    pos = torch.randint(0, 4096, (16,), device="cuda")
+    op(x, position_ids=pos)
+    op(x)
+    op(x)  # both signatures have plans now
+    pos[3] = -7
+    op(x, position_ids=pos)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"position_ids\[3\] = -7 \(reported for an earlier call"):
+        op(x)
+    op(x)
+    op.check()
+    if path == "native":
+        assert op._dispatch.stats()["hits"] >= 3
+
+
 def test_threads_and_streams_see_only_their_own_errors(path):
     op = YaRNFwdOp(input_layout="2d", scale=4.0)
     x = torch.randn(2, 33, 4, 64, device="cuda")

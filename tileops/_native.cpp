@@ -479,13 +479,29 @@ int tracker_reap(Tracker* tr, bool wait) {
   return 0;
 }
 
-bool tracker_has_pending(Tracker* tr) {  // errors are cleared: has_pending never raises
+// whether this thread has calls to judge (its own, or in the legacy tracker); never raises: when
+// it cannot tell, it says yes and the reap that follows reports what went wrong
+bool tracker_has_pending(Tracker* tr) {
   ThreadState* ts = thread_state(tr, false);
-  if (ts == nullptr) {
+  if (ts == nullptr && PyErr_Occurred()) {
     PyErr_Clear();
-    return tr->legacy != Py_None;
+    return true;
   }
-  return !ts->streams.empty() || (tr->legacy != Py_None && !ts->legacy_clear);
+  if (ts != nullptr && !ts->streams.empty()) return true;
+  if (tr->legacy == nullptr || tr->legacy == Py_None || (ts != nullptr && ts->legacy_clear)) return false;
+  PyObject* has = PyObject_CallMethodNoArgs(tr->legacy, s_has_pending);
+  int h = has != nullptr ? PyObject_IsTrue(has) : -1;
+  Py_XDECREF(has);
+  if (h != 0) {
+    PyErr_Clear();
+    return true;
+  }
+  if (ts == nullptr && (ts = thread_state(tr, true)) == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  ts->legacy_clear = true;  // until a call of this thread goes to the legacy tracker again
+  return false;
 }
 
 // How a tracked call's kernel is launched: returns 0 (ran), 1 (ran while the stream was being
@@ -1101,6 +1117,7 @@ struct Dispatch {
   std::unordered_map<uint64_t, std::vector<Entry>> table;
   size_t count = 0;
   uint64_t hits = 0, misses = 0;
+  PyObject* tracker = nullptr;  // the op's tracker once it has one (Op._calls sets it)
 };
 PyTypeObject* DispatchType = nullptr;
 
@@ -1203,6 +1220,23 @@ Entry* find(Dispatch* d, const Key& k, uint64_t h) {
   return nullptr;
 }
 
+// what Op._eager_call does before a call runs: the op's finished calls judged (its tracker is
+// native, or, if the op was given a Python one, called through Python)
+int reap_op(PyObject* tracker) {
+  if (PyObject_TypeCheck(tracker, TrackerType)) {
+    Tracker* tr = (Tracker*)tracker;
+    return tracker_has_pending(tr) ? tracker_reap(tr, false) : 0;
+  }
+  PyObject* has = PyObject_CallMethodNoArgs(tracker, s_has_pending);
+  if (has == nullptr) return -1;
+  int h = PyObject_IsTrue(has);
+  Py_DECREF(has);
+  if (h <= 0) return h;
+  PyObject* r = PyObject_CallMethodNoArgs(tracker, s_reap);
+  Py_XDECREF(r);
+  return r == nullptr ? -1 : 0;
+}
+
 PyObject* dispatch_run(Dispatch* d, PyObject* tensors, PyObject* outs) {
   PyObject *in[kMaxIn], *out[kMaxOut];
   Key k;
@@ -1224,8 +1258,8 @@ PyObject* dispatch_run(Dispatch* d, PyObject* tensors, PyObject* outs) {
       }
   }
   Plan* p = (Plan*)Py_NewRef(e->plan);  // held: Python code run by the plan may clear the table
-  if (p->tracker != nullptr && tracker_has_pending(p->tracker) && tracker_reap(p->tracker, false) < 0) {
-    Py_DECREF(p);  // an earlier call's bad position, raised before this call runs
+  if (d->tracker != nullptr && reap_op(d->tracker) < 0) {
+    Py_DECREF(p);  // an earlier call's bad position (of any signature), raised before this call runs
     return nullptr;
   }
   PyObject* r = plan_run(p, in, out);
@@ -1318,6 +1352,17 @@ PyObject* Dispatch_stats(Dispatch* d, PyObject*) {
 
 Py_ssize_t Dispatch_len(Dispatch* d) { return (Py_ssize_t)d->count; }
 
+PyObject* Dispatch_get_tracker(Dispatch* d, void*) { return Py_NewRef(d->tracker ? d->tracker : Py_None); }
+int Dispatch_set_tracker(Dispatch* d, PyObject* v, void*) {
+  Py_XINCREF(v == Py_None ? nullptr : v);
+  Py_XSETREF(d->tracker, v == Py_None ? nullptr : v);
+  return 0;
+}
+PyGetSetDef Dispatch_getset[] = {
+    {"tracker", (getter)Dispatch_get_tracker, (setter)Dispatch_set_tracker,
+     "the op's tracker: judged before every call it serves, as Op._eager_call does", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
 PyObject* Dispatch_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
   static const char* names[] = {"inputs", "outputs", "likes", nullptr};
   PyObject *ins, *outs_, *likes;
@@ -1359,6 +1404,7 @@ PyObject* Dispatch_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
 
 int Dispatch_traverse(Dispatch* d, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(d));
+  Py_VISIT(d->tracker);
   for (auto& kv : d->table)
     for (Entry& e : kv.second) Py_VISIT(e.plan);
   return 0;
@@ -1366,11 +1412,12 @@ int Dispatch_traverse(Dispatch* d, visitproc visit, void* arg) {
 
 int Dispatch_clear(Dispatch* d) {
   dispatch_clear_table(d);
+  Py_CLEAR(d->tracker);
   return 0;
 }
 
 int Dispatch_release(Dispatch* d) {  // everything, names too: for dealloc only
-  dispatch_clear_table(d);
+  Dispatch_clear(d);
   for (auto& s : d->in_names) Py_CLEAR(s);
   for (auto& s : d->out_names) Py_CLEAR(s);
   return 0;
@@ -1392,6 +1439,7 @@ PyType_Slot Dispatch_slots[] = {{Py_tp_new, (void*)Dispatch_new},
                                 {Py_tp_clear, (void*)Dispatch_clear},
                                 {Py_tp_call, (void*)Dispatch_call},
                                 {Py_tp_methods, Dispatch_methods},
+                                {Py_tp_getset, Dispatch_getset},
                                 {Py_mp_length, (void*)Dispatch_len},
                                 {Py_tp_doc, (void*)"One op's native plans: dispatch(tensors, outs) runs the call "
                                                    "or returns NotImplemented."},

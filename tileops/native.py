@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import glob
 import hashlib
 import importlib.machinery
@@ -83,8 +84,10 @@ def _flags() -> list[str]:
     return ["-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
 
 
+@functools.lru_cache(maxsize=None)
 def _key() -> str:
-    """What a build depends on: torch's version and build, Python's ABI, the source and flags."""
+    """What a build depends on: torch's version and build, Python's ABI, the source and flags (read
+    once per process)."""
     import torch
 
     parts = [torch.__version__, getattr(torch.version, "git_version", ""), str(torch.version.cuda),

@@ -67,11 +67,6 @@ class Op:
     #: the native extension's ``Dispatch.run`` for this op once it is loaded (:mod:`tileops.native`)
     _native_run: Any = None
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if "forward" in cls.__dict__ and "__call__" not in cls.__dict__:
-            cls.__call__ = cls.forward  # op(...) is forward(...) without a frame that re-packs the arguments
-
     def _setup(self, params: Mapping[str, Any], target: Any) -> None:
         self.manifest: OpManifest = _manifest.get(self.op_name or type(self).__name__)
         self.name = self.manifest.name
@@ -199,7 +194,12 @@ class Op:
         """This op's calls whose position errors are not judged yet (see :mod:`tileops.errors`)."""
         calls = self.__dict__.get("_tracker")
         if calls is None:
-            calls = self.__dict__.setdefault("_tracker", errors.new_tracker(self._raise_bad_position))
+            with _native_lock:  # one tracker, and the native dispatch (if any) told of it
+                calls = self.__dict__.get("_tracker")
+                if calls is None:
+                    calls = self._tracker = errors.new_tracker(self._raise_bad_position)
+                    if self._dispatch is not None:
+                        self._dispatch.tracker = calls  # judged before every native call, as _eager_call does
         return calls
 
     def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:  # pragma: no cover
@@ -268,16 +268,18 @@ class Op:
         with _native_lock:
             if self._dispatch is not None:
                 return
-            old = self.__dict__.get("_tracker")
-            if old is not None and not isinstance(old, nat.Tracker):
+            tracker = self.__dict__.get("_tracker")
+            if tracker is not None and not isinstance(tracker, nat.Tracker):
                 tracker = errors.new_tracker(self._raise_bad_position)
-                tracker.legacy = old
+                tracker.legacy = self._tracker
                 self._tracker = tracker
             self._fast.clear()  # Python plans made before hold the Python pool of error words
             inputs = tuple(t.name for t in self.manifest.inputs)
             outputs = tuple(o.name for o in self.manifest.outputs)
-            self._dispatch = nat.Dispatch(inputs, outputs, tuple(inputs.index(o.like) for o in self.manifest.outputs))
-            self._native_run = self._dispatch.run
+            d = nat.Dispatch(inputs, outputs, tuple(inputs.index(o.like) for o in self.manifest.outputs))
+            d.tracker = tracker
+            self._dispatch = d
+            self._native_run = d.run
 
     def _native_plan(self, nat: Any, entry: tuple, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> None:
         """Give the native dispatch a plan for calls shaped like this one (whose signature the caller
