@@ -184,9 +184,10 @@ class Op:
         raise ValueError(f"{self.name}: position_ids: a position is out of range ({when or 'this call'})")
 
     def check(self) -> None:
-        """Wait for this thread's calls of this op and raise the ValueError of a bad position among
-        them; also judges the calls captured in CUDA graphs (synchronise after a replay first), and
-        clears their error words for the next replay. Returns None when every position was valid."""
+        """Wait for this thread's calls of this op and raise the ValueError of the first bad position
+        among them (each bad call is reported once: call again for the next); also judges the calls
+        captured in CUDA graphs (synchronise after a replay first), and clears their error words for
+        the next replay. Returns None when every position was valid."""
         calls = self.__dict__.get("_tracker")
         if calls is not None:
             calls.check()
