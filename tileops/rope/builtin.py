@@ -246,7 +246,7 @@ class RopeKernels:
             a[put[low + "sb"]], a[put[low + "ss"]], a[put[low + "sh"]] = v[3] // u, v[4] // u, v[5] // u
         vx = self._view4(x)
         a[put["B"]], a[put["S"]], a[put["H"]] = vx[0], vx[1], vx[2]
-        a[put["HK"]] = key.shape[-2] if key is not None else 0
+        a[put["HK"]] = self._view4(key)[2] if key is not None else 0  # heads as the kernel sees them (1 in 1d)
         if pos is not None:
             psb, pss = self._position_strides(pos)
             a[put["psb"]], a[put["pss"]], a[put["limit"]] = psb, pss, self.limit
