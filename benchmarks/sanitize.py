@@ -190,12 +190,17 @@ def outer(tools: list[str], jobs: int, logdir: str) -> int:
     procs = [subprocess.Popen([*me, "--part", str(i), "--parts", str(jobs)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for i in range(jobs)]
     ok = True
-    for p in procs:
+    for i, p in enumerate(procs):
         out, _ = p.communicate()
         ok &= p.returncode == 0
-        for ln in out.splitlines():
-            if ln.startswith(("FAILED", "sanitize calls")):
-                print("  plain:", ln)
+        if logdir:
+            with open(os.path.join(logdir, f"sanitize-plain-{i}.log"), "w") as f:
+                f.write(out)
+        lines = out.splitlines()
+        shown = [ln for ln in lines if ln.startswith(("FAILED", "sanitize calls"))]
+        print(f"  plain part {i}: rc={p.returncode}; {'; '.join(shown) or '(no summary)'}")
+        if p.returncode != 0:
+            print("\n".join("    " + ln for ln in lines[-15:]))
     print(f"plain run ({len(calls())} calls, {jobs} processes, kernels compiled): {'ok' if ok else 'FAILED'} "
           f"in {time.time() - t0:.0f} s", flush=True)
     exe = os.environ.get("COMPUTE_SANITIZER", "compute-sanitizer")
