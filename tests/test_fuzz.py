@@ -237,17 +237,15 @@ def _gpu_kernels():
 
 
 @pytest.mark.parametrize("op_name", sorted(REGISTRY))
-def test_valid_specs_match_the_reference(op_name):
+@settings(SETTINGS, max_examples=max(4, EXAMPLES // len(REGISTRY)))
+@given(data=st.data())
+def test_valid_specs_match_the_reference(op_name, data):
     # One hypothesis run per op, so that every op gets its share of the examples.
-    @settings(SETTINGS, max_examples=max(4, EXAMPLES // len(REGISTRY)))
-    @given(spec=valid_specs(ops=(op_name,)))
-    def run(spec):
-        event(f"dtype: {spec.dtype}")
-        event(f"view: {spec.view}")
-        event(f"mode: {spec.mode}")
-        check_call(op_class(spec.op)(**spec.op_params(), target="builtin"), spec)
-
-    run()
+    spec = data.draw(valid_specs(ops=(op_name,)), label="spec")
+    event(f"dtype: {spec.dtype}")
+    event(f"view: {spec.view}")
+    event(f"mode: {spec.mode}")
+    check_call(op_class(spec.op)(**spec.op_params(), target="builtin"), spec)
 
 
 @st.composite
