@@ -42,8 +42,11 @@ Two schedules from one description:
 
 
 from dataclasses import dataclass
+from typing import Any
 
-import tilelang.language as T
+#: ``tilelang.language``, imported when a kernel is first built (:func:`_tl`): the spec class and the
+#: constants here are read without TileLang, so a process that loads cached kernels never imports it
+T: Any = None
 
 __all__ = ["RopeKernelSpec", "build_rope", "LO", "DIGITS", "MAX_POSITION", "ARGS", "MAX_BLOCK_THREADS", "MAX_GRID_Y"]
 
@@ -168,13 +171,27 @@ def build_rope(spec: RopeKernelSpec):
     position lies outside ``[0, limit)``; that position reads as 0, so no table is ever indexed out
     of bounds), ``limit`` and ``tag``.
     """
+    _tl()
     if spec.backend == "cuda":
         return _build_cuda(spec)
     return _build_c(spec)
 
 
-@T.macro
-def _position(by_ids, P, ERR, psb, pss, limit, tag, b, s):
+_position: Any = None  # the macro of _position_body, made by _tl()
+
+
+def _tl() -> Any:
+    """Import TileLang's language (once) and make the module-level macros; returns it."""
+    global T, _position
+    if T is None:
+        import tilelang.language as tl
+
+        T = tl
+        _position = T.macro(_position_body)
+    return T
+
+
+def _position_body(by_ids, P, ERR, psb, pss, limit, tag, b, s):
     """The position of row ``(b, s)``: ``s`` itself, or ``P[b * psb + s * pss]`` checked against
     ``[0, limit)``; one outside reads as 0 and writes the call's ``tag`` into ``ERR[0]``."""
     p = T.alloc_var("int64")

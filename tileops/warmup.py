@@ -82,11 +82,11 @@ def _compile(job: tuple[str, Any, str, str]) -> str | None:
     """Compile one kernel; None, or the first line of what went wrong."""
     import logging
 
-    from .generate import compile_kernel
+    from .generate import index_kernel
 
     logging.getLogger("tilelang").setLevel(logging.ERROR)  # a worker's chatter helps nobody
     try:
-        compile_kernel(*job)
+        index_kernel(*job)
     except Exception as e:  # noqa: BLE001 - reported per kernel by warmup()
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     return None

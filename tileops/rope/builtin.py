@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from ..generate import compile_kernel, device_backend
-from ..launch import raw_kernel
+from ..generate import device_backend, load_kernel
 from ..op import _disjoint
 from .tables import DIGITS, LO
 
@@ -62,8 +61,8 @@ class RopeKernels:
         k = self._kernels.get(inverse)
         if k is None:
             kspec = self.kspec if not inverse else kernel_spec(self.op, self.spec, self.backend, inverse=True)
-            compiled = compile_kernel(self.op.manifest.kernel.builder, kspec, self.backend, self.arch)
-            k = self._kernels[inverse] = raw_kernel(compiled, self.device, kspec.args)
+            k = self._kernels[inverse] = load_kernel(self.op.manifest.kernel.builder, kspec, self.backend, self.arch,
+                                                     self.device, kspec.args)
         return k
 
     # ------------------------------------------------------------------------------ per call
