@@ -39,13 +39,13 @@ def kernel_jobs(names: Iterable[str] | None, arch: str) -> list[tuple[str, Any, 
 
 
 def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int], dtypes: Iterable[str], arch: str,
-                   with_inputs: Iterable[str] | None = None,
-                   every_index_dtype: bool = False) -> list[tuple[str, Any, str, str]]:
+                   with_inputs: Iterable[str] | None = None, every_index_dtype: bool = False,
+                   backward: bool = True) -> list[tuple[str, Any, str, str]]:
     """The kernel jobs of op ``name`` built with ``params``, for calls with ``dims`` (at least those
     the manifest's ``kernel.specialize`` names) in each of ``dtypes``: forward and, where the
-    manifest declares one, backward. Optional inputs are the ``with_inputs`` given, or (None) every
-    combination of present and absent; integer inputs take their workload dtype, or each of their
-    dtypes with ``every_index_dtype``."""
+    manifest declares one and ``backward`` is true, backward. Optional inputs are the
+    ``with_inputs`` given, or (None) every combination of present and absent; integer inputs take
+    their workload dtype, or each of their dtypes with ``every_index_dtype``."""
     import torch
 
     from .manifest import registry
@@ -72,7 +72,7 @@ def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int]
                        if t.range is not None else [(t.name, dtype)] for t in given]
             for combo in itertools.product(*choices):
                 call = CallSpec(device, tuple(combo), static)
-                for inverse in (False, True) if m.backward else (False,):
+                for inverse in (False, True) if m.backward and backward else (False,):
                     spec = family.kernel_spec(op, call, backend, inverse=inverse)
                     jobs.append((m.kernel.builder, spec, backend, arch))
     return list(dict.fromkeys(jobs))
