@@ -450,10 +450,12 @@ int tracker_reap(Tracker* tr, bool wait) {
         err = -1;
         break;
       }
-      if (failed == nullptr && pool_read(c.pool, c.word) == c.tag) failed = Py_NewRef(c.pos);
+      bool bad = pool_read(c.pool, c.word) == c.tag;
       pool_give_back(c.pool, c.word);  // only after reading it
+      if (bad) failed = Py_NewRef(c.pos);
       release_pending(c);
       ++sc.head;
+      if (bad) break;  // one error per bad call: later calls stay pending, for the next report
     }
     if (sc.head == sc.calls.size()) {
       ts->streams.erase(ts->streams.begin() + s);
@@ -464,7 +466,7 @@ int tracker_reap(Tracker* tr, bool wait) {
       }
       ++s;
     }
-    if (err) break;
+    if (err || failed != nullptr) break;
   }
   if (err) {
     Py_XDECREF(failed);
