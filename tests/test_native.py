@@ -411,3 +411,126 @@ def test_an_op_is_garbage_collected_with_its_native_plans_and_tracker(gen):
     assert ref() is None, "the op (or a cycle through its native objects) was kept alive"
     with pytest.raises(RuntimeError, match="names no live op"):
         tileops.library.lookup(handle)
+
+
+class _FakeDriver:
+    """The five driver calls the trackers make on a GPU, in Python (for errors.Tracker) and as C
+    function pointers (for the native one), over events that finish when the test says so: the
+    pending-call logic of both trackers runs on the CPU."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.finished: set[int] = set()
+        self.capturing = False
+        self.next_event = 100
+        vp, ip = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)
+
+        def capture(stream: int, status: Any) -> int:
+            status[0] = int(self.capturing)
+            return 0
+
+        self._fns = [ctypes.CFUNCTYPE(ctypes.c_int, vp, vp)(lambda ev, st: 0),
+                     ctypes.CFUNCTYPE(ctypes.c_int, vp, ip)(capture),
+                     ctypes.CFUNCTYPE(ctypes.c_int, vp)(lambda ev: 0 if ev in self.finished else 600),
+                     ctypes.CFUNCTYPE(ctypes.c_int, vp)(lambda ev: self.finished.add(ev) or 0),
+                     ctypes.CFUNCTYPE(ctypes.c_int, ip)(lambda mode: 0)]
+        self.addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in self._fns)
+        self.record_address, self.capturing_address = self.addresses[0], self.addresses[1]
+
+    def create_event(self, index: int) -> tuple[Any, int]:
+        self.next_event += 1
+        return None, self.next_event
+
+    def done(self, event: int) -> bool:
+        return event in self.finished
+
+    def wait(self, event: int) -> None:
+        self.finished.add(event)
+
+
+class _QueuedKernel:
+    """A kernel that 'runs' on a stream: it writes the tag into the word when its call is bad, and
+    reports capture when the fake driver is capturing."""
+
+    def __init__(self, drv: _FakeDriver):
+        self.drv = drv
+        self.bad = False
+
+    def launch(self, args: list, stream: int, record: int = 0, event: int = 0, capturing: int = 0) -> bool:
+        import ctypes
+
+        if self.bad:
+            ctypes.c_int32.from_address(args[0]).value = args[1]
+        return self.drv.capturing
+
+
+def test_pending_calls_are_judged_alike_by_both_trackers(monkeypatch):
+    """The GPU logic of errors.Tracker and of the native tracker, side by side on a fake driver:
+    calls pending per stream, judged in order without waiting, each bad call raising once (up to
+    the first bad one per judgement), check() waiting for the rest, strict mode, a graph-captured
+    call judged (and cleared) by check(), every word given back once judged."""
+    mod = native_module()
+    drv = _FakeDriver()
+    monkeypatch.setattr(errors, "_driver", drv)
+    old = mod.set_driver(*drv.addresses)
+    try:
+        logs = {}
+        for kind in ("python", "native"):
+            pool = mod.Pool(torch.device("cuda", 0), True, 0, 64, lambda: (lambda b: (b, b.data_ptr()))(
+                torch.zeros(64, dtype=torch.int32)), lambda: drv.create_event(0))
+            log: list = []
+            rb = lambda pos, when: (_ for _ in ()).throw(ValueError(f"{int(pos[0])}: {when}"))  # noqa: E731
+            tracker = errors.Tracker(rb) if kind == "python" else mod.Tracker(rb, errors._TrackerLocal())
+            kernel = _QueuedKernel(drv)
+            events: list = []
+
+            def launch(n: int, bad: bool, stream: int) -> None:
+                kernel.bad = bad
+                before = drv.next_event
+                try:
+                    tracker.launch(kernel, [0, 0], 0, 1, torch.tensor([n]), pool, stream)
+                    log.append((n, "queued"))
+                except ValueError as e:
+                    log.append((n, str(e)))
+                events.extend(range(before + 1, drv.next_event + 1))
+
+            def judge(what: str, fn: Callable[[], None]) -> None:
+                try:
+                    fn()
+                    log.append((what, "nothing"))
+                except ValueError as e:
+                    log.append((what, str(e)))
+
+            free = pool.free
+            launch(1, False, 7)
+            launch(2, True, 7)
+            launch(3, True, 7)
+            launch(4, True, 8)
+            drv.finished.update(pool.event(i) for i in range(2))  # the first two words' calls
+            judge("reap a", tracker.reap)
+            judge("reap b", tracker.reap)  # call 3 has not finished: nothing more
+            log.append(("pending", tracker.has_pending()))
+            judge("check a", tracker.check)  # waits: 3 (stream 7), then 4 (stream 8) next time
+            judge("check b", tracker.check)
+            judge("check c", tracker.check)
+            log.append(("pending", tracker.has_pending(), pool.free == free))
+            with tileops.strict():
+                launch(5, True, 7)
+                launch(6, False, 7)
+            drv.capturing = True
+            launch(7, True, 9)
+            drv.capturing = False
+            log.append(("pending", tracker.has_pending()))
+            judge("graph a", tracker.check)
+            judge("graph b", tracker.check)  # cleared by the first
+            logs[kind] = log
+        assert logs["python"] == logs["native"], logs
+        log = logs["native"]
+        assert ("reap a", f"2: {errors.WHEN_EARLIER}") in log and ("reap b", "nothing") in log
+        assert ("check a", f"3: {errors.WHEN_EARLIER}") in log and ("check b", f"4: {errors.WHEN_EARLIER}") in log
+        assert ("check c", "nothing") in log and ("pending", False, True) in log
+        assert (5, "5: ") in log and (6, "queued") in log
+        assert ("graph a", f"7: {errors.WHEN_GRAPH}") in log and ("graph b", "nothing") in log
+    finally:
+        mod.set_driver(*old)
