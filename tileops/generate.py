@@ -50,6 +50,11 @@ class CompileStats:
     seconds: float = 0.0
     loads: int = 0
 
+    @property
+    def kernels(self) -> int:
+        """Kernels this process made ready, compiled or loaded from the index."""
+        return self.compiles + self.loads
+
 
 stats = CompileStats()
 _cache: dict[Hashable, Any] = {}
