@@ -49,8 +49,8 @@ def _declared(path: Path) -> tuple[bool, dict[str, tuple[int, int, str]]]:
     return has_build, static
 
 
-def _discover() -> tuple[dict[str, str], dict[str, dict[str, tuple[int, int, str]]], dict[str, str]]:
-    builders, static, specs = {}, {}, {}
+def _discover() -> tuple[dict[str, str], dict[str, dict[str, tuple[int, int, str]]], dict[str, str], list[str]]:
+    builders, static, specs, helpers = {}, {}, {}, []
     for folder in __path__:
         for path in sorted(Path(folder).glob("*.py")):
             if path.name.startswith("_"):
@@ -59,7 +59,9 @@ def _discover() -> tuple[dict[str, str], dict[str, dict[str, tuple[int, int, str
             if has_build:
                 builders[path.stem], static[path.stem], specs[path.stem] = (
                     f"{path.stem}:build", choices, f"{path.stem}:Spec")
-    return builders, static, specs
+            else:
+                helpers.append(str(path))
+    return builders, static, specs, helpers
 
 
 #: builder name (as manifests write it, the module's name) -> "module:function" inside this package
@@ -69,7 +71,10 @@ BUILDERS: dict[str, str]
 STATIC: dict[str, dict[str, tuple[int, int, str]]]
 #: builder name -> "module:Class" of the spec it is compiled for (imports TileLang)
 SPECS: dict[str, str]
-BUILDERS, STATIC, SPECS = _discover()
+#: the helper modules (no ``build``) builders may import: their sources are part of every kernel's
+#: cache key (:mod:`tileops.generate`), as the builder's own is
+HELPERS: list[str]
+BUILDERS, STATIC, SPECS, HELPERS = _discover()
 
 
 def _load(target: str) -> Any:

@@ -179,6 +179,11 @@ def test_builtin_and_torch_serve_it_on_the_cpu(family: Path):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["attr"] is True and "ScaleFwdOp" in got["classes"] and "RoPEFwdOp" in got["classes"]
     assert {t: len(v) for t, v in got["targets"].items()} == {"builtin": 6, "torch": 6}
+    # a later process loads the compiled kernel from tileops' index, without importing TileLang
+    warm = _run([sys.executable, "-c", "import sys, torch\nfrom tileops.scale import ScaleFwdOp\n"
+                 "x = torch.randn(100)\nassert torch.equal(ScaleFwdOp(c=2.5, target='builtin')(x), (x * 2.5))\n"
+                 "print('tilelang' in sys.modules)"], family)
+    assert warm.stdout.split() == ["False"], warm.stdout
 
 
 def test_the_generated_tests_run_it(family: Path):

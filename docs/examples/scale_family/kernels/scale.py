@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import tilelang.language as T
-
 from tileops.kernels.storage import load_f32, storage_dtype, to_storage
 
 #: the schedule choices a manifest's ``kernel.static`` may set: key -> (low, high, what it is)
@@ -44,6 +42,10 @@ class Spec:
 
 def build(spec: Spec):
     """The ``T.prim_func`` for ``spec``: ``Y[i] = c * X[i]`` for ``i < N``."""
+    # TileLang is imported here, when a kernel is built: a process that loads compiled kernels from
+    # tileops' index never imports it
+    import tilelang.language as T
+
     dt, storage = spec.dtype, storage_dtype(spec.dtype, spec.backend)
     N = T.dynamic("N")
 

@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from tileops.generate import compile_kernel, device_backend
-from tileops.launch import raw_kernel
+from tileops.generate import device_backend, load_kernel
 
 __all__ = ["implement", "kernel_spec", "ScaleKernels"]
 
@@ -31,8 +30,8 @@ class ScaleKernels:
     def __init__(self, op: Any, spec: Any):
         backend, arch = device_backend(spec.device)
         kspec = kernel_spec(op, spec, backend)
-        self.kernel = raw_kernel(compile_kernel(op.manifest.kernel.builder, kspec, backend, arch), spec.device,
-                                 kspec.args)
+        # compiled once, then loaded from tileops' index by later processes (no TileLang import there)
+        self.kernel = load_kernel(op.manifest.kernel.builder, kspec, backend, arch, spec.device, kspec.args)
         self.factor = op.factor
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
