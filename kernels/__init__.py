@@ -10,8 +10,7 @@ file: a module ``kernels/<name>.py`` that defines, at module level,
   ``{key: (low, high, "what it is")}`` (each value an integer in ``[low, high]``). ``tileops check``
   validates manifests against it, and tests/test_manifest_check.py checks it against ``Spec``.
 
-Importing this package is cheap: builders are found by reading their source (``ast``, nothing is
-executed), so ``BUILDERS``, ``STATIC`` and ``SPECS`` need no TileLang; :func:`get_builder` and
+Importing this package is cheap: builders are found by reading their source (nothing is executed), so ``BUILDERS``, ``STATIC`` and ``SPECS`` need no TileLang; :func:`get_builder` and
 :func:`get_spec` import a builder's module when a kernel is generated. A module without a
 module-level ``build`` (a helper such as :mod:`tileops.kernels.storage`) is not a builder.
 """
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,25 +28,31 @@ from tileops.families import extend_path
 __path__ = extend_path(__path__, "kernels")  # noqa: F821 - a package's own __path__
 
 
+_BUILD = re.compile(r"^(?:(?:async\s+)?def\s+build\s*\(|build\s*(?::[^=\n]*)?=)", re.M)
+_STATIC = re.compile(r"^STATIC\s*(?::[^=\n]*)?=", re.M)
+
+
 def _declared(path: Path) -> tuple[bool, dict[str, tuple[int, int, str]]]:
-    """(whether the module defines ``build``, its ``STATIC`` literal), read from its source."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    has_build, static = False, {}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "build":
-            has_build = True
-        targets = node.targets if isinstance(node, ast.Assign) else (
-            [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else [])
-        for t in targets:
-            if isinstance(t, ast.Name) and t.id == "build":
-                has_build = True
-            if isinstance(t, ast.Name) and t.id == "STATIC":
-                try:
-                    static = ast.literal_eval(node.value)
-                except ValueError:
-                    raise ValueError(f"{path}:{node.lineno}: STATIC must be a literal (tileops reads it without "
-                                     f"importing the module)") from None
-    return has_build, static
+    """(whether the module defines ``build`` at module level, its ``STATIC`` literal), read from its
+    source: the lines that start at column 0 (a full parse of every builder costs ~10 ms a module,
+    on every process that loads manifests)."""
+    text = path.read_text(encoding="utf-8")
+    has_build = _BUILD.search(text) is not None
+    found = _STATIC.search(text)
+    if found is None:
+        return has_build, {}
+    lineno = text.count("\n", 0, found.start()) + 1
+    lines = text[found.start():].split("\n")
+    for n in range(1, len(lines) + 1):  # the statement: the shortest run of lines that parses
+        try:
+            node = ast.parse("\n".join(lines[:n])).body[0]
+        except SyntaxError:
+            continue
+        try:
+            return has_build, ast.literal_eval(node.value)
+        except ValueError:
+            break
+    raise ValueError(f"{path}:{lineno}: STATIC must be a literal (tileops reads it without importing the module)")
 
 
 def _discover() -> tuple[dict[str, str], dict[str, dict[str, tuple[int, int, str]]], dict[str, str], list[str]]:
