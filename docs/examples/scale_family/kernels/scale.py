@@ -62,7 +62,7 @@ def build(spec: Spec):
     @T.prim_func
     def scale_cuda(X: T.Tensor((N,), dt), Y: T.Tensor((N,), dt), c: T.float32):
         with T.Kernel(T.ceildiv(N, threads), threads=threads) as bx:
-            i = bx * threads + T.get_thread_binding()
+            i = bx * threads + T.get_thread_binding()  # int32: the manifest keeps N <= 2^31 - 1024
             if i < N:
                 Y[i] = T.cast(T.cast(X[i], "float32") * c, dt)
     return scale_cuda
