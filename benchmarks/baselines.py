@@ -3,7 +3,8 @@
 ``hf_style``: HF transformers' ``apply_rotary_pos_emb`` with cos/sin tables given (fp32, computed
 outside the timed region, as a model caches them), arithmetic in fp32, one cast back. Timed eager and
 under ``torch.compile``. Liger-Kernel's Triton RoPE is timed where its layout fits (q and k as
-[batch, heads, seq, head_dim]).
+[batch, heads, seq, head_dim]). An op of another family is timed against its own ``torch`` target
+(``tileops/<family>/torch_impl.py``, plain PyTorch), eager and compiled: no edit here for a new family.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def make_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..
     The tensors of ``inputs`` come first in ``args``, in the op's input order, so a caller can swap
     in another input set of the same shapes: ``(*new_inputs.values(), *args[len(inputs):])``.
     """
+    if op.manifest.family != "rope":
+        return _torch_target(op, inputs)
     x = inputs["x"]
     rot = op.rotated_width(x.shape[-1])
     inv, amp = op.frequencies(rot)
@@ -67,6 +70,15 @@ def make_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..
     return _rope_interleaved, (x, c, s)
 
 
+def _torch_target(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., Any], tuple]:
+    """The family's ``torch`` target for ``op`` on inputs shaped like ``inputs``, called directly (so
+    ``torch.compile`` traces its PyTorch ops, not tileops' custom op)."""
+    twin = type(op)(**op.params, target="torch")
+    impl = twin._impl_for(twin._check_call(inputs))
+    names = list(inputs)
+    return (lambda *tensors: impl(**dict(zip(names, tensors)))), tuple(inputs.values())
+
+
 def liger_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., Any], tuple] | None:
     """Liger's ``liger_rotary_pos_emb`` on the same data, where it fits (neox, 2d); else None.
 
@@ -74,7 +86,7 @@ def liger_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[.
     (transposed views made contiguous outside the timed region), so it moves twice the bytes of one
     op call: its time is halved when compared.
     """
-    if op.layout != "2d" or op.pairing != "neox":
+    if op.manifest.family != "rope" or op.layout != "2d" or op.pairing != "neox":
         return None
     try:
         from liger_kernel.ops.rope import LigerRopeFunction

@@ -12,6 +12,12 @@ A page asks for generated text with an HTML comment on a line of its own:
     <!-- coverage -->                   the output of `tileops coverage --markdown`
     <!-- benchmarks -->                 benchmarks/results/latest.md and latest.png
 
+Every family has an API page, ``api/<family>.md``, listed under "API reference" with no edit to
+mkdocs.yml: the file in docs/ where one is written (``api/rope.md``), else a page generated from the
+family (its package docstring, and for each op its class through mkdocstrings and its manifest's
+tables: :func:`tileops.docgen.family_page_markdown`). Families of ``TILEOPS_FAMILY_PATH`` roots get
+theirs the same way; :class:`FamilyRoots`, a griffe extension, shows mkdocstrings their packages.
+
 Files are read from the repository (the folder of mkdocs.yml); ``latest.png`` is added to the site
 as a generated file, never copied into docs/. On a page of the Chinese site that has no Chinese
 version, the English text is shown under a notice saying so.
@@ -27,17 +33,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import griffe
 from mkdocs.exceptions import PluginError
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File
 
-from tileops import docgen
+from tileops import docgen, family_names
+from tileops.families import roots
 
 log = logging.getLogger("mkdocs.hooks.tileops")
 
 MARKER = re.compile(r"^<!--\s*([a-z-]+)(?::\s*(.+?))?\s*-->\s*$", re.MULTILINE)
 FALLBACK_NOTICE = '!!! info "本页暂无中文版。以下为英文原文。"\n\n'
 BENCH_PNG = "assets/benchmarks/latest.png"
-API_PAGE = "api/rope.md"
+API_SECTION = "API reference"
 OPS_TABLE_HEADERS = {"en": ("Op", "Family", "What it computes"), "zh": ("算子", "族", "计算内容（英文）")}
 _LANG = {".py": "python", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".md": "markdown", ".sh": "bash"}
 
@@ -46,11 +55,79 @@ def _root(config) -> Path:
     return Path(config.config_file_path).resolve().parent
 
 
+def _api_page(family: str) -> str:
+    return f"api/{family}.md"
+
+
+def on_config(config):
+    """Every family's API page under "API reference" in the nav (those mkdocs.yml does not list)."""
+    nav = config.nav or []
+    section = next((e[API_SECTION] for e in nav if isinstance(e, dict) and API_SECTION in e), None)
+    if section is None:
+        section = []
+        nav.append({API_SECTION: section})
+    listed = {v for e in section for v in (e.values() if isinstance(e, dict) else [e])}
+    for family in family_names():
+        if _api_page(family) not in listed:
+            section.append({docgen.family_title(family): _api_page(family)})
+    config.nav = nav
+    return config
+
+
+@event_priority(-200)  # after the i18n plugin's (-100), which rebuilds each page from a file in docs/
 def on_files(files, config):
+    """The benchmark plot, and the generated API page of every family with none in docs/, for the
+    language being built (the default one's text: another language's site shows it under the
+    fallback notice)."""
     png = _root(config) / "benchmarks" / "results" / "latest.png"
     if png.is_file() and files.get_file_from_path(BENCH_PNG) is None:
         files.append(File.generated(config, BENCH_PNG, abs_src_path=str(png)))
+    i18n = config.plugins.get("i18n")
+    for family in family_names():
+        if (Path(config.docs_dir) / _api_page(family)).is_file():
+            continue
+        text = docgen.family_page_markdown(family)
+        if i18n is None:
+            files.append(File.generated(config, _api_page(family), content=text))
+            continue
+        # what the i18n plugin gives each page: its version in every language (for the switcher)
+        versions = {}
+        for lang in sorted(i18n.build_languages):
+            f = versions[lang] = File.generated(config, _api_page(family), content=text)
+            if lang != i18n.default_language:
+                f.dest_uri = f"{lang}/{f.dest_uri}"
+            f.locale, f.locale_alternate_of, f.norm_src_uri = i18n.default_language, lang, f.src_uri
+        for f in versions.values():
+            f.alternates = versions
+        files.append(versions[i18n.current_language])
     return files
+
+
+class FamilyRoots(griffe.Extension):
+    """Griffe extension: the family packages of ``TILEOPS_FAMILY_PATH`` roots, as the submodules of
+    ``tileops`` they are at run time. Griffe reads ``tileops`` from its folder and, unlike Python,
+    does not follow the extended ``__path__``; this reads each root's ``tileops/<family>/`` the
+    same way (source only, nothing is imported)."""
+
+    def on_package(self, *, pkg, loader, **kwargs):
+        if pkg.name != "tileops":
+            return
+        for root in roots():
+            for init in sorted((root / "tileops").glob("*/__init__.py")):
+                family = self._visit(init.parent.name, init, pkg, loader)
+                for path in sorted(init.parent.glob("*.py")):
+                    if path.name != "__init__.py":
+                        self._visit(path.stem, path, family, loader)
+        loader.expand_exports(pkg)
+        loader.expand_wildcards(pkg, external=False)
+
+    @staticmethod
+    def _visit(name: str, path: Path, parent, loader):
+        module = griffe.visit(name, path, path.read_text(encoding="utf-8"), parent=parent,
+                              docstring_parser=loader.docstring_parser, docstring_options=loader.docstring_options,
+                              lines_collection=loader.lines_collection, modules_collection=loader.modules_collection)
+        parent.set_member(name, module)
+        return module
 
 
 def on_page_markdown(markdown, page, config, files):
@@ -82,7 +159,7 @@ def _expand(kind: str, arg: str, root: Path, page) -> str:
     if kind == "manifest":
         return f'#### Manifest {{ #{arg}-manifest }}\n\n' + docgen.op_markdown(arg, root)
     if kind == "ops-table":
-        return docgen.ops_table_markdown(_rel(API_PAGE, page.file.src_uri), OPS_TABLE_HEADERS[arg or "en"])
+        return docgen.ops_table_markdown(_rel("", page.file.src_uri), OPS_TABLE_HEADERS[arg or "en"])
     if kind == "manifest-schema":
         return docgen.schema_markdown(int(arg) if arg else 2)
     if kind == "rule-language":

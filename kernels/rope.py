@@ -44,11 +44,23 @@ Two schedules from one description:
 from dataclasses import dataclass
 from typing import Any
 
+from .storage import load_f32, storage_dtype, to_storage
+
 #: ``tilelang.language``, imported when a kernel is first built (:func:`_tl`): the spec class and the
 #: constants here are read without TileLang, so a process that loads cached kernels never imports it
 T: Any = None
 
-__all__ = ["RopeKernelSpec", "build_rope", "LO", "DIGITS", "MAX_POSITION", "ARGS", "MAX_BLOCK_THREADS", "MAX_GRID_Y"]
+__all__ = ["RopeKernelSpec", "build_rope", "build", "Spec", "STATIC", "LO", "DIGITS", "MAX_POSITION", "ARGS",
+           "MAX_BLOCK_THREADS", "MAX_GRID_Y"]
+
+#: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
+#: without importing the module): key -> (low, high, what it is). Every other field of
+#: :class:`RopeKernelSpec` the op derives from the call.
+STATIC = {
+    "threads": (32, 1024, "target threads per block (CUDA)"),
+    "head_lanes": (1, 64, "threads that split one token's heads (CUDA)"),
+    "tokens_per_thread": (1, 64, "tokens each thread walks (CUDA)"),
+}
 
 #: rows of each digit table: positions are split into 8-bit digits
 LO = 256
@@ -144,24 +156,6 @@ class RopeKernelSpec:
         return ARGS
 
 
-def _load_f32(buf, idx, storage: str, dtype: str):
-    """An element of ``buf`` as fp32. bf16 on the C backend is stored as int16 bits."""
-    if dtype == "bfloat16" and storage == "int16":
-        bits = T.shift_left(T.cast(T.cast(buf[idx], "uint16"), "uint32"), T.uint32(16))
-        return T.reinterpret(bits, "float32")
-    return T.cast(buf[idx], "float32")
-
-
-def _to_storage(value, storage: str, dtype: str):
-    """fp32 -> the stored type, rounding to nearest even (bf16 bits by hand on the C backend)."""
-    if dtype == "bfloat16" and storage == "int16":
-        u = T.reinterpret(value, "uint32")
-        rounded = T.shift_right(u + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(u, T.uint32(16)), T.uint32(1)),
-                                T.uint32(16))
-        return T.cast(T.cast(rounded, "uint16"), "int16")
-    return T.cast(value, dtype)
-
-
 def build_rope(spec: RopeKernelSpec):
     """The ``T.prim_func`` for ``spec``; its parameters are ``spec.args``.
 
@@ -232,7 +226,7 @@ def _signature(spec: RopeKernelSpec, storage: str):
 
 def _build_c(spec: RopeKernelSpec):
     D, R, half = spec.head_dim, spec.rot, spec.rot // 2
-    storage = "int16" if spec.dtype == "bfloat16" else spec.dtype
+    storage = storage_dtype(spec.dtype, "c")
     dt = spec.dtype
     by_ids = spec.positions is not None
     sgn = -1.0 if spec.inverse else 1.0
@@ -242,10 +236,10 @@ def _build_c(spec: RopeKernelSpec):
     def one_head(X, Y, xh, yh, cst):
         for j in T.serial(half):
             i1, i2 = _pair_index(spec, j)
-            a = _load_f32(X, xh + i1, storage, dt)
-            c = _load_f32(X, xh + i2, storage, dt)
-            Y[yh + i1] = _to_storage(a * cst[0, j] - c * cst[1, j], storage, dt)
-            Y[yh + i2] = _to_storage(c * cst[0, j] + a * cst[1, j], storage, dt)
+            a = load_f32(X, xh + i1, storage, dt)
+            c = load_f32(X, xh + i2, storage, dt)
+            Y[yh + i1] = to_storage(a * cst[0, j] - c * cst[1, j], storage, dt)
+            Y[yh + i2] = to_storage(c * cst[0, j] + a * cst[1, j], storage, dt)
         for i in T.serial(D - R):
             Y[yh + R + i] = X[xh + R + i]
 
@@ -467,3 +461,8 @@ def _build_cuda(spec: RopeKernelSpec):
                 body(X, Y, K, KY, TD, None, None, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
                      kyss, kysh, 0, 0, 0, 0, bx, by + rb * MAX_GRID_Y)
     return rope_cuda
+
+
+#: the names :mod:`tileops.kernels` looks up in a builder module
+build = build_rope
+Spec = RopeKernelSpec

@@ -7,8 +7,10 @@ BUILTIN kernels on a GPU, which carry the ``cuda`` marker and skip without one).
 adds tests with no new code here.
 
 Each item builds the case's inputs (scaled down on the CPU by the manifest's ``cpu_shrink`` rule,
-never skipped), runs the op, and checks against the independent float64 reference in
-``tests/references.py``: never against package code.
+never skipped), runs the op, and checks against the independent float64 reference of its family
+(``tests/references.py`` for RoPE, ``tests/references_<family>.py`` in the family's root for any
+other: see ``tests/family_references.py``): never against package code. A family from
+``TILEOPS_FAMILY_PATH`` gets its items here like an in-tree one.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from tileops.testing import COLUMNS, TOLERANCES, GeneratedCase, generated_cases
 from tileops.workloads import op_class, workload
 
 try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
-    from references import reference, reference_grad
+    import family_references
 except ImportError:  # pragma: no cover
-    from tests.references import reference, reference_grad
+    from tests import family_references
 
 #: |out - ref| <= atol + rtol * |ref|: one rounding of an fp32 result to the dtype, plus slack.
 
@@ -63,6 +65,7 @@ def check_case(gcase: GeneratedCase, gen: torch.Generator) -> None:
     outs = result if isinstance(result, tuple) else (result,)
     assert len(outs) == len(specs), seed
     cpu = {k: v.cpu() for k, v in w.inputs.items()}
+    refs = family_references.outputs(m, w.params, cpu)
     for spec, out in zip(specs, outs):
         src = w.inputs[spec.like]
         assert isinstance(out, torch.Tensor)
@@ -72,8 +75,7 @@ def check_case(gcase: GeneratedCase, gen: torch.Generator) -> None:
         # The output is a fresh tensor from the op, so instead of pre-filling it with NaN we check
         # that every element was written with a finite value.
         assert bool(torch.isfinite(out).all()), f"non-finite {spec.name} {seed}"
-        ref = reference(gcase.op, w.params, {**cpu, "x": cpu[spec.like]})
-        assert_close(out, ref, gcase.dtype, f"{spec.name} {seed}")
+        assert_close(out, refs[spec.name], gcase.dtype, f"{spec.name} {seed}")
     for name, t in w.inputs.items():
         assert torch.equal(t, before[name]), f"input {name} was modified {seed}"
 
@@ -91,12 +93,12 @@ def check_backward(gcase: GeneratedCase, m, w, op, before, seed, gen) -> None:
     for name, t in w.inputs.items():
         assert torch.equal(t, before[name]), f"input {name} was modified {seed}"
     cpu = {k: v.detach().cpu() for k, v in inputs.items()}
-    like = {o.like: i for i, o in enumerate(o for o in m.outputs if o.like in w.inputs)}
+    made = [o.name for o in m.outputs if o.like in w.inputs]
+    refs = family_references.grads(m, w.params, cpu, wrt, {n: g.cpu() for n, g in zip(made, gs)})
     for name, g in zip(wrt, got):
         assert (g.shape, g.dtype) == (leaves[name].shape, leaves[name].dtype), seed
         assert bool(torch.isfinite(g).all()), f"non-finite gradient of {name} {seed}"
-        ref = reference_grad(gcase.op, w.params, {**cpu, "x": cpu[name]}, gs[like[name]].cpu())
-        assert_close(g, ref, gcase.dtype, f"grad of {name} {seed}")
+        assert_close(g, refs[name], gcase.dtype, f"grad of {name} {seed}")
 
 
 def assert_close(got_t: torch.Tensor, ref: torch.Tensor, dtype: str, seed: str) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tileops
+from tileops.library import pack
 from tileops.manifest import registry
 from tileops.workloads import make_inputs, op_class
 
@@ -33,15 +34,18 @@ def _small(name: str, gen: torch.Generator, every: bool = True) -> tuple:
 
 @pytest.mark.parametrize("name", OPS)
 def test_opcheck_every_op(name, gen):
+    # The custom ops take the given inputs as one list in the manifest's order with their names,
+    # and apply_out one tensor per output the call produces.
     m, op, inputs = _small(name, gen)
-    x, pos, key = inputs["x"], inputs.get("position_ids"), inputs.get("key")
     h = op._handle
-    for args in ((h, x, pos, key), (h, x, pos, None)):
-        torch.library.opcheck(torch.ops.tileops.apply.default, args)
-    grad_args = (h, x.clone().requires_grad_(True), pos, key.clone().requires_grad_(True))
-    torch.library.opcheck(torch.ops.tileops.apply.default, grad_args)
-    torch.library.opcheck(torch.ops.tileops.apply_out.default,
-                          (h, x, pos, key, torch.empty_like(x), torch.empty_like(key)))
+    required = {t.name: inputs[t.name] for t in m.inputs if not t.optional}
+    for given in (inputs, required):
+        torch.library.opcheck(torch.ops.tileops.apply.default, (h, *pack(op, given)))
+    wrt = set(m.backward.wrt) if m.backward else set()
+    grad = {n: t.clone().requires_grad_(True) if n in wrt else t for n, t in inputs.items()}
+    torch.library.opcheck(torch.ops.tileops.apply.default, (h, *pack(op, grad)))
+    outs = [torch.empty_like(inputs[o.like]) for o in m.outputs if o.like in inputs]
+    torch.library.opcheck(torch.ops.tileops.apply_out.default, (h, *pack(op, inputs), outs))
 
 
 def test_compiled_fullgraph_dynamic_no_recompile_and_eager_result(gen):
@@ -94,3 +98,31 @@ def test_reduce_overhead_mode_runs(gen):
     f = torch.compile(lambda x: op(x) + 1, mode="reduce-overhead", fullgraph=True)
     x = torch.randn(1, 5, 2, 16, generator=gen)
     assert torch.equal(f(x), op(x) + 1)
+
+
+def test_compiled_with_some_outputs_given_returns_what_eager_returns(gen):
+    # out= given with a key but no key_out: the eager call returns (out, a new key_out); the traced
+    # call once passed key_out=None to the kernel and returned (out, None)
+    op = tileops.rope.RoPEFwdOp(input_layout="2d")
+    x, k = torch.randn(2, 7, 3, 32, generator=gen), torch.randn(2, 7, 1, 32, generator=gen)
+    pos = torch.randint(0, 5000, (7,), generator=gen)
+    want = op(x, position_ids=pos, key=k)
+
+    def only_out(x, k, pos, o):
+        return op(x, position_ids=pos, key=k, out=o)
+
+    o = torch.full_like(x, float("nan"))
+    got = torch.compile(only_out, fullgraph=True)(x, k, pos, o)
+    assert isinstance(got, tuple) and len(got) == 2 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(o, want[0])
+
+    def only_key_out(x, k, pos, ko):
+        return op(x, position_ids=pos, key=k, key_out=ko)
+
+    ko = torch.full_like(k, float("nan"))
+    got = torch.compile(only_key_out, fullgraph=True)(x, k, pos, ko)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(ko, want[1])
+    with pytest.raises(Exception, match="key_out: given without key"):
+        torch.compile(lambda x, ko: op(x, key_out=ko), fullgraph=True)(x, ko)
+    with pytest.raises(Exception, match="out= cannot be used while x requires grad"):
+        torch.compile(lambda x, o: op(x, out=o), fullgraph=True)(x.clone().requires_grad_(True), o)

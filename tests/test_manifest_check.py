@@ -8,6 +8,7 @@ expected ``FILE:LINE`` is read from the file itself and stays right when a file 
 
 from __future__ import annotations
 
+import importlib
 import math
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tileops.cli import main
-from tileops.manifest import ExprError, packaged_files, parse_expr, registry
+from tileops.manifest import ExprError, manifest_files, packaged_files, parse_expr, registry
 
 BAD = Path(__file__).parent / "bad_manifests"
 FILES = sorted(p for p in BAD.glob("*.yaml") if p.name != "dup_op_first.yaml")
@@ -82,7 +83,7 @@ def test_check_of_a_huge_power_ends(tmp_path, rule):
 
 def test_check_packaged_manifests_is_ok(capsys):
     assert main(["check"]) == 0
-    assert capsys.readouterr().out.strip() == f"ok: {len(registry())} ops in {len(packaged_files())} files"
+    assert capsys.readouterr().out.strip() == f"ok: {len(registry())} ops in {len(manifest_files())} files"
 
 
 def test_check_packaged_files_given_explicitly(capsys):
@@ -205,22 +206,42 @@ def test_parse_expr_rejects_non_strings():
 
 
 def test_static_choices_match_each_builders_spec():
-    """``tileops.kernels.STATIC`` (what ``tileops check`` accepts in ``kernel.static``) names exactly
-    the spec fields a manifest sets: every other field the op derives from the call."""
+    """``tileops.kernels.STATIC`` (what ``tileops check`` accepts in ``kernel.static``, read from each
+    builder module's source) names spec fields with integer defaults in range; for ``rope`` exactly
+    the fields a manifest sets (every other field the op derives from the call)."""
     import dataclasses
-    import importlib
 
-    from tileops.kernels import BUILDERS, SPECS, STATIC
+    from tileops.kernels import BUILDERS, SPECS, STATIC, get_builder, get_spec
 
     derived = {"rope": {"dtype", "head_dim", "rot", "pairing", "positions", "inverse", "backend"}}
-    assert set(STATIC) == set(SPECS) == set(BUILDERS)
-    for name, target in SPECS.items():
-        module, cls = target.split(":")
-        spec = getattr(importlib.import_module(f"tileops.kernels.{module}"), cls)
+    assert set(STATIC) == set(SPECS) == set(BUILDERS) >= {"rope"}
+    for name in BUILDERS:
+        spec, build = get_spec(name), get_builder(name)
+        assert dataclasses.is_dataclass(spec) and callable(build), name
+        assert getattr(importlib.import_module(f"tileops.kernels.{name}"), "STATIC") == STATIC[name], name
         fields = {f.name for f in dataclasses.fields(spec)}
-        assert set(STATIC[name]) == fields - derived[name], name
+        assert set(STATIC[name]) <= fields, name
+        if name in derived:
+            assert set(STATIC[name]) == fields - derived[name], name
         for key, (low, high, _) in STATIC[name].items():
             assert isinstance(getattr(spec, key), int) and low <= getattr(spec, key) <= high, key
+
+
+def test_builders_are_found_by_their_file(tmp_path):
+    """A module of kernels/ with a module-level ``build`` is a builder (its STATIC read without
+    importing it); a helper module without one is not; a STATIC that is not a literal is an error."""
+    from tileops import kernels
+
+    (tmp_path / "demo.py").write_text("import no_such_module\nSTATIC = {'threads': (1, 8, 'x')}\n"
+                                      "def build(spec):\n    pass\n")
+    (tmp_path / "helper.py").write_text("def load(x):\n    return x\n")
+    assert kernels._declared(tmp_path / "demo.py") == (True, {"threads": (1, 8, "x")})
+    assert kernels._declared(tmp_path / "helper.py") == (False, {})
+    assert "storage" not in kernels.BUILDERS  # kernels/storage.py: helpers for every builder
+    assert any(p.endswith("storage.py") for p in kernels.HELPERS)  # part of every kernel's cache key
+    (tmp_path / "bad.py").write_text("LIMIT = 8\nSTATIC = {'threads': (1, LIMIT, 'x')}\nbuild = None\n")
+    with pytest.raises(ValueError, match=r"bad.py:2: STATIC must be a literal"):
+        kernels._declared(tmp_path / "bad.py")
 
 
 # ------------------------------------------------------------------ untrusted manifests (data, never code)

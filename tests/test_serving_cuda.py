@@ -191,8 +191,8 @@ def test_opcheck_and_compile_on_cuda():
     x = torch.randn(2, 9, 4, 64, device="cuda")
     k = torch.randn(2, 9, 1, 64, device="cuda")
     pos = torch.randint(0, 5000, (2, 9), device="cuda")
-    torch.library.opcheck(torch.ops.tileops.apply.default, (op._handle, x, pos, k))
-    torch.library.opcheck(torch.ops.tileops.apply.default, (op._handle, x.requires_grad_(True), pos, None))
+    torch.library.opcheck(torch.ops.tileops.apply.default, (op._handle, [x, pos, k], "x,position_ids,key"))
+    torch.library.opcheck(torch.ops.tileops.apply.default, (op._handle, [x.requires_grad_(True), pos], "x,position_ids"))
     x = x.detach()
 
     def f(q, k, pos):

@@ -28,6 +28,9 @@ def _doc_args(fn) -> list[str]:
 
 def test_generated_modules_match_the_manifests():
     assert generate(check=True) == [], "run `tileops generate`: a generated module differs from its manifests"
+    assert generate(check=True, families=["rope"]) == []
+    with pytest.raises(KeyError, match="unknown family 'nosuch'; families with manifests: .*rope"):
+        generate(check=True, families=["nosuch"])
 
 
 @pytest.mark.parametrize("m", OPS, ids=[m.name for m in OPS])

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["run_differentiable", "is_kernel_set", "backward_of"]
+__all__ = ["run_differentiable", "grad_needed", "is_kernel_set", "backward_of"]
 
 
 def is_kernel_set(impl: Any) -> bool:
@@ -53,20 +53,27 @@ class _KernelFunction(torch.autograd.Function):
         return (None, None, None, None, None, *got)
 
 
+def grad_needed(op: Any, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> list[str]:
+    """The inputs that require grad (none under ``torch.no_grad``); raises when the op cannot give
+    them a gradient: it declares no backward, or outputs are given (``outs``, the non-None ones)."""
+    needing = [k for k, v in tensors.items() if getattr(v, "requires_grad", False)] if torch.is_grad_enabled() else []
+    if needing and op.manifest.backward is None:
+        raise RuntimeError(f"{op.name}: {needing[0]} requires grad, but the op declares no backward; "
+                           f"pass {needing[0]}.detach() or call it under torch.no_grad()")
+    if needing and outs:
+        raise RuntimeError(f"{op.name}: {', '.join(outs)}= cannot be used while {needing[0]} requires grad "
+                           f"(autograd does not follow writes into given tensors); leave it out to get a new, "
+                           f"differentiable tensor")
+    return needing
+
+
 def run_differentiable(op: Any, impl: Any, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
     """Run ``impl`` on ``tensors`` so that the outputs are differentiable where the manifest says;
     ``outs`` are tensors to write the outputs into (``out=``), which autograd does not follow."""
     outs = outs or {}
     bwd = op.manifest.backward
-    needing = [k for k, v in tensors.items() if getattr(v, "requires_grad", False)] if torch.is_grad_enabled() else []
-    if needing and bwd is None:
-        raise RuntimeError(f"{op.name}: {needing[0]} requires grad, but the op declares no backward; "
-                           f"pass {needing[0]}.detach() or call it under torch.no_grad()")
+    needing = grad_needed(op, tensors, outs)
     wants_grad = bool(needing)
-    if wants_grad and outs:
-        raise RuntimeError(f"{op.name}: {', '.join(outs)}= cannot be used while {needing[0]} requires grad "
-                           f"(autograd does not follow writes into given tensors); leave it out to get a new, "
-                           f"differentiable tensor")
     if not is_kernel_set(impl):
         result = impl(**tensors)
         if wants_grad:

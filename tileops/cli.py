@@ -68,10 +68,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .manifest import ManifestError, load_file, packaged_files
+    from .manifest import ManifestError, load_file, manifest_files
     from .manifest.loader import add_op
 
-    files = [Path(f) for f in args.files] if args.files else packaged_files()
+    files = [Path(f) for f in args.files] if args.files else manifest_files()
     seen: dict = {}
     bad = 0
     for f in files:  # every file is checked: one bad file does not hide the next one's errors
@@ -218,7 +218,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .codegen import generate
 
-    changed = generate(check=args.check)
+    try:
+        changed = generate(check=args.check, families=args.families or None)
+    except (KeyError, FileNotFoundError) as e:
+        print(f"tileops generate: {e.args[0]}", file=sys.stderr)
+        return 2
     for path in changed:
         print(f"{path}: {'differs from its manifests (run `tileops generate`)' if args.check else 'written'}")
     if not changed:
@@ -233,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("show", help="one op's manifest, readable")
     p.add_argument("op")
     p.set_defaults(fn=cmd_show)
-    p = sub.add_parser("check", help="validate manifests: the packaged ones, or the files given")
+    p = sub.add_parser("check", help="validate manifests: every family's (TILEOPS_FAMILY_PATH's too), or the files given")
     p.add_argument("files", nargs="*")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("emit", help="print the kernel source generated for a case")
@@ -248,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")
     p.set_defaults(fn=cmd_warmup)
     p = sub.add_parser("generate", help="write each family's op classes (tileops/<family>/ops.py) from its manifests")
+    p.add_argument("families", nargs="*", help="family names (default: every family)")
     p.add_argument("--check", action="store_true", help="only compare; exit 1 if a file differs from its manifests")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("demo", help="run every op's first case against a float64 reference")

@@ -50,8 +50,15 @@ _TARGET_DOC = ("Which set of kernels serves this op: a registered target name, B
 
 
 def family_module_path(family: str) -> Path:
-    """Where the generated module of ``family`` lives in the source tree."""
-    return Path(__file__).resolve().parent / family / "ops.py"
+    """Where the generated module of ``family`` lives: ``ops.py`` in its package ``tileops/<family>/``,
+    in the tree or in the family root (``TILEOPS_FAMILY_PATH``) that holds it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(f"tileops.{family}")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"family {family!r} has manifests but no package tileops/{family}/ (with __init__.py "
+                                f"and hooks.py) in the tree or in a TILEOPS_FAMILY_PATH root")
+    return Path(list(spec.submodule_search_locations)[0]) / "ops.py"
 
 
 def _annotation(p: ParamSpec) -> str:
@@ -181,7 +188,7 @@ def _init_method(m: OpManifest) -> list[str]:
 
 def _forward_method(m: OpManifest) -> list[str]:
     doc = ["Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs",
-           "        are never modified (except by ``out=`` naming an input, which rotates it in place)."]
+           "        are never modified (except by ``out=`` naming an input, which takes the result in place)."]
     if m.backward is not None:
         wrt = " and ".join(f"``{w}``" for w in m.backward.wrt)
         doc += [""] + _paragraphs(f"Gradients: differentiable in {wrt}; an output carries a ``grad_fn`` when "
@@ -199,7 +206,7 @@ def _forward_method(m: OpManifest) -> list[str]:
         doc += _wrap(text, 12, f"{t.name} ({ann}): ")
     for o in m.outputs:
         text = (f"Keyword-only. Where to write the result ({o.doc.strip()}). Shaped and typed like ``{o.like}``, "
-                "any strides with a contiguous last dim; it may be its own input exactly (in place) but "
+                "any strides; it may be its own input exactly (in place) but "
                 "may not otherwise overlap another argument. Not while an input requires grad. Default None.")
         doc += _wrap(text, 12, f"{o.name} (torch.Tensor | None): ")
     first, rest = m.outputs[0], m.outputs[1:]
@@ -244,14 +251,19 @@ def render_family(family: str, manifests: Iterable[OpManifest]) -> str:
     return out
 
 
-def generate(check: bool = False) -> list[str]:
-    """Write every family's module (or, with ``check``, only compare). Returns the paths that
-    changed (or would change)."""
+def generate(check: bool = False, families: Iterable[str] | None = None) -> list[str]:
+    """Write the module of every family (or of the ``families`` named), or with ``check`` only
+    compare. Returns the paths that changed (or would change); an unknown family is a KeyError."""
     from .manifest import registry
 
     ops = list(registry().values())
+    known = sorted({m.family for m in ops})
+    wanted = known if families is None else list(dict.fromkeys(families))
+    unknown = [f for f in wanted if f not in known]
+    if unknown:
+        raise KeyError(f"unknown family {unknown[0]!r}; families with manifests: {', '.join(known)}")
     changed = []
-    for family in sorted({m.family for m in ops}):
+    for family in wanted:
         path = family_module_path(family)
         text = render_family(family, ops)
         old = path.read_text(encoding="utf-8") if path.exists() else None

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 __all__ = [
-    "op_markdown", "ops_table_markdown", "schema_markdown", "rule_language_markdown", "targets_markdown",
+    "op_markdown", "ops_table_markdown", "family_title", "family_page_markdown", "schema_markdown",
+    "rule_language_markdown", "targets_markdown",
     "readme_commands", "readme_commands_markdown",
 ]
 
@@ -100,16 +101,58 @@ def op_markdown(name: str, root: str | Path | None = None) -> str:
     return "\n\n".join(out) + "\n"
 
 
-def ops_table_markdown(api_page: str, headers: Sequence[str] = ("Op", "Family", "What it computes")) -> str:
-    """Every op with its summary, each name linked to its entry on ``api_page``.
+def ops_table_markdown(prefix: str = "", headers: Sequence[str] = ("Op", "Family", "What it computes")) -> str:
+    """Every op with its summary, each name linked to its entry on its family's API page
+    (``{prefix}api/<family>.md``).
 
     Links use the object's path as the anchor, which is the id mkdocstrings gives its heading.
     """
     from tileops.manifest import registry
 
-    rows = [[f"[`{name}`]({api_page}#tileops.{m.family}.{name})", m.family, _text(m.summary)]
+    rows = [[f"[`{name}`]({prefix}api/{m.family}.md#tileops.{m.family}.{name})", m.family, _text(m.summary)]
             for name, m in sorted(registry().items(), key=lambda kv: (kv[1].family, kv[0]))]
     return _table(headers, rows) + "\n"
+
+
+def _family_doc(family: str) -> str:
+    """The docstring of ``tileops/<family>/__init__.py``, read from its source (nothing is imported)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(f"tileops.{family}")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"family {family!r} has manifests but no package tileops/{family}/")
+    path = Path(spec.origin)
+    return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"), str(path))) or ""
+
+
+def _family_head(family: str) -> tuple[str, str, str]:
+    """(title, lead, rest) of a family's package docstring: its first line is ``Title: lead``."""
+    doc = re.sub(r":\w+:`([^`]+)`", r"`\1`", _family_doc(family)).replace("``", "`")  # reST roles -> Markdown
+    first, _, rest = doc.strip().partition("\n")
+    title, colon, lead = first.partition(":")
+    if not colon:
+        title, lead = first, ""
+    return title.strip().rstrip(".") or f"{family} operators", lead.strip(), rest.strip()
+
+
+def family_title(family: str) -> str:
+    """A family's title: its package docstring's first line up to a colon (``"RoPE operators"``)."""
+    return _family_head(family)[0]
+
+
+def family_page_markdown(family: str) -> str:
+    """The API page of a family that has none written: its package docstring, then for each op
+    its class (a mkdocstrings block: signatures and docstrings, generated from the manifest) and
+    its manifest's tables (the ``manifest`` marker)."""
+    from tileops.manifest import registry
+
+    title, lead, rest = _family_head(family)
+    out = [f"# {title}", ""]
+    out += [p for p in (lead[:1].upper() + lead[1:], rest) if p for p in (p, "")]
+    for name in sorted(n for n, m in registry().items() if m.family == family):
+        out += [f"::: tileops.{family}.{name}", "", f"<!-- manifest: {name} -->", ""]
+    return "\n".join(out)
 
 
 # ------------------------------------------------------------------------------------ manifests

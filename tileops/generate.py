@@ -8,7 +8,8 @@ same kernel at once wait on one lock per key: one compile, one result for all.
 The ops launch kernels through :func:`load_kernel`, which also keeps an index of its own under
 ``tileops.launch.cache_root()/kernels``: per kernel, a copy of its compiled library and a record of
 its arguments (:func:`tileops.launch.kernel_record`), keyed by the builder, the spec, the backend,
-the arch, the builder module's source, TileLang's version and the pass configs. A later process
+the arch, the sources of the builder module and of the kernels' helper modules, TileLang's
+version and the pass configs. A later process
 loads the library from there with ctypes, without importing TileLang (1-1.5 s) or re-tracing the
 tile program to find TileLang's own cache entry. A library whose bytes no longer match its record
 (truncated, overwritten) is rebuilt, with a warning.
@@ -49,6 +50,11 @@ class CompileStats:
     compiles: int = 0
     seconds: float = 0.0
     loads: int = 0
+
+    @property
+    def kernels(self) -> int:
+        """Kernels this process made ready, compiled or loaded from the index."""
+        return self.compiles + self.loads
 
 
 stats = CompileStats()
@@ -153,13 +159,18 @@ def _index_dir() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _builder_digest(builder: str) -> str:
-    """A digest of the builder module's source (read, not imported: importing it imports TileLang)."""
-    from tileops.kernels import BUILDERS
+    """A digest of the builder module's source and of the helper modules of ``tileops.kernels`` it
+    may import (``storage.py``: a module without a ``build``), read, not imported (importing a
+    builder imports TileLang)."""
+    from tileops.kernels import BUILDERS, HELPERS
 
     module = BUILDERS[builder].split(":")[0]
     found = importlib.util.find_spec(f"tileops.kernels.{module}")
-    with open(found.origin, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    digest = hashlib.sha256()
+    for path in (found.origin, *HELPERS):
+        with open(path, "rb") as f:
+            digest.update(hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,13 +2,18 @@
 
 Eager calls go straight to the kernels (a custom op's dispatch costs host time that a 3 µs kernel
 cannot afford); while ``torch.compile`` traces, :meth:`tileops.op.Op._call` routes a call here
-instead, so Dynamo sees one opaque op with a fake (meta) implementation, never the ctypes launch:
+instead, so Dynamo sees one opaque op with a fake (meta) implementation, never the ctypes launch.
+Three custom ops serve every op of every family; what their lists hold comes from the op's manifest:
 
-* ``tileops::apply(int handle, Tensor x, Tensor? position_ids, Tensor? key) -> Tensor[]``: new
-  outputs (``[out]`` or ``[out, key_out]``), differentiable through ``register_autograd``, whose
-  backward is ``tileops::apply_backward`` (one launch of the inverse rotation for every gradient);
-* ``tileops::apply_out(int handle, Tensor x, Tensor? position_ids, Tensor? key, Tensor(a!) out,
-  Tensor(b!)? key_out) -> ()``: ``out=``/``key_out=`` and in place, with exact ``mutates_args``.
+* ``tileops::apply(int handle, Tensor[] inputs, str names) -> Tensor[]``: the given inputs in the
+  manifest's order, ``names`` theirs, comma-separated (``"x,position_ids"``; an optional input not
+  given is left out); returns the new outputs whose ``like`` input is given, in the manifest's
+  order (for RoPE ``[out]`` or ``[out, key_out]``). Differentiable through
+  ``register_autograd``, whose backward is ``tileops::apply_backward`` (for RoPE one launch of the
+  inverse rotation for every gradient);
+* ``tileops::apply_out(int handle, Tensor[] inputs, str names, Tensor(a!)[] outs) -> ()``: ``out=`` and in
+  place: ``outs`` holds one tensor per output whose ``like`` input is given, with exact
+  ``mutates_args``.
 
 ``handle`` names the op object (its parameters and compiled kernels), registered at construction
 and forgotten when the op is garbage collected. It is the same int on every call of one op, so a
@@ -20,7 +25,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -40,71 +45,94 @@ def register(op: Any) -> int:
 
 
 def lookup(handle: int) -> Any:
-    op = _ops.get(handle)
+    """The op of ``handle``. A fake implementation may get the handle as a SymInt (``dynamic=True``
+    makes ints symbolic): ``int()`` specializes the graph on it, which is what a handle is for."""
+    op = _ops.get(int(handle))
     if op is None:
         raise RuntimeError(f"tileops: op handle {handle} names no live op (the op was garbage collected)")
     return op
 
 
-def _inputs(op: Any, x: torch.Tensor, position_ids: Optional[torch.Tensor], key: Optional[torch.Tensor]) -> dict:
-    names = [t.name for t in op.manifest.inputs]
-    given = {"x": x, "position_ids": position_ids, "key": key}
-    return {n: given.get(n) for n in names}
+def pack(op: Any, tensors: dict) -> tuple[list[torch.Tensor], str]:
+    """The given inputs of a call as the custom ops take them: the tensors in the manifest's order
+    and their names, comma-separated (a string is a constant to Dynamo; a list holding None would
+    not be differentiable)."""
+    given = [t.name for t in op.manifest.inputs if tensors.get(t.name) is not None]
+    return [tensors[n] for n in given], ",".join(given)
+
+
+def _inputs(op: Any, inputs: list[torch.Tensor], names: str) -> dict:
+    """Every input of the op by name (None for one not given), from :func:`pack`'s list and names."""
+    given = dict(zip(names.split(","), inputs)) if names else {}
+    if len(given) != len(inputs) or not set(given) <= {t.name for t in op.manifest.inputs}:
+        raise TypeError(f"{op.name}: inputs {names!r} do not match its inputs "
+                        f"({', '.join(t.name for t in op.manifest.inputs)})")
+    return {t.name: given.get(t.name) for t in op.manifest.inputs}
+
+
+def produced(op: Any, tensors: dict) -> list:
+    """The manifest's outputs a call with ``tensors`` produces: those whose ``like`` input is given."""
+    return [o for o in op.manifest.outputs if tensors.get(o.like) is not None]
 
 
 @torch.library.custom_op("tileops::apply", mutates_args=())
-def apply(handle: int, x: torch.Tensor, position_ids: Optional[torch.Tensor],
-          key: Optional[torch.Tensor]) -> list[torch.Tensor]:
+def apply(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
     op = lookup(handle)
     with torch.no_grad():  # autograd is registered on this op, not traced through its body
-        out = op._eager_call(_inputs(op, x, position_ids, key), {})
+        out = op._eager_call(_inputs(op, inputs, names), {})
     return list(out) if isinstance(out, tuple) else [out]
 
 
 @apply.register_fake
-def _apply_fake(handle: int, x: torch.Tensor, position_ids: Optional[torch.Tensor],
-                key: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.empty_like(x)] + ([torch.empty_like(key)] if key is not None else [])
+def _apply_fake(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
+    op = lookup(handle)
+    tensors = _inputs(op, inputs, names)
+    return [torch.empty_like(tensors[o.like]) for o in produced(op, tensors)]
 
 
 @torch.library.custom_op("tileops::apply_backward", mutates_args=())
-def apply_backward(handle: int, grads: list[torch.Tensor], position_ids: Optional[torch.Tensor],
-                   x: torch.Tensor, key: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    """Gradients of the inputs ``backward.wrt`` names, from the outputs' gradients."""
+def apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
+                   names: str) -> list[torch.Tensor]:
+    """Gradients of the inputs ``backward.wrt`` names that are given, in that order, from the outputs'."""
     op = lookup(handle)
-    return list(op._eager_backward(tuple(grads), _inputs(op, x, position_ids, key)))
+    return list(op._eager_backward(tuple(grads), _inputs(op, inputs, names)))
 
 
 @apply_backward.register_fake
-def _apply_backward_fake(handle: int, grads: list[torch.Tensor], position_ids: Optional[torch.Tensor],
-                         x: torch.Tensor, key: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.empty_like(g) for g in grads]
+def _apply_backward_fake(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
+                         names: str) -> list[torch.Tensor]:
+    op = lookup(handle)
+    tensors = _inputs(op, inputs, names)
+    return [torch.empty_like(tensors[w]) for w in op.manifest.backward.wrt if tensors.get(w) is not None]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-    handle, x, position_ids, key = inputs
-    ctx.handle = handle
-    ctx.save_for_backward(x, position_ids, key)  # x and key: for their shapes and the kernel choice
+    handle, tensors, names = inputs
+    ctx.handle, ctx.names = handle, names
+    # every input: for the shapes, the kernel choice and what the backward reads (positions)
+    ctx.save_for_backward(*tensors)
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
-    x, position_ids, key = ctx.saved_tensors
-    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, (x, key))]
-    got = torch.ops.tileops.apply_backward(ctx.handle, grads, position_ids, x, key)
-    return None, got[0], None, (got[1] if key is not None else None)
+    op = lookup(ctx.handle)
+    inputs = list(ctx.saved_tensors)
+    tensors = _inputs(op, inputs, ctx.names)
+    grads = [g if g is not None else torch.zeros_like(tensors[o.like]) for g, o in zip(grads, produced(op, tensors))]
+    got = dict(zip([w for w in op.manifest.backward.wrt if tensors.get(w) is not None],
+                   torch.ops.tileops.apply_backward(ctx.handle, grads, inputs, ctx.names)))
+    return None, [got.get(n) for n in ctx.names.split(",")], None
 
 
 apply.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("tileops::apply_out", mutates_args=("out", "key_out"))
-def apply_out(handle: int, x: torch.Tensor, position_ids: Optional[torch.Tensor], key: Optional[torch.Tensor],
-              out: torch.Tensor, key_out: Optional[torch.Tensor]) -> None:
+@torch.library.custom_op("tileops::apply_out", mutates_args=("outs",))
+def apply_out(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
     op = lookup(handle)
-    op._eager_call(_inputs(op, x, position_ids, key), {"out": out, "key_out": key_out})
+    tensors = _inputs(op, inputs, names)
+    op._eager_call(tensors, {o.name: t for o, t in zip(produced(op, tensors), outs)})
 
 
 @apply_out.register_fake
-def _apply_out_fake(handle: int, x: torch.Tensor, position_ids: Optional[torch.Tensor],
-                    key: Optional[torch.Tensor], out: torch.Tensor, key_out: Optional[torch.Tensor]) -> None:
+def _apply_out_fake(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
     return None

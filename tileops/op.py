@@ -18,7 +18,7 @@ import torch
 
 from . import errors, library, native
 from . import manifest as _manifest
-from .autograd import backward_of, run_differentiable
+from .autograd import backward_of, grad_needed, run_differentiable
 from .manifest import ExprError, OpManifest
 from .targets import Target, check_target_arg, resolve_target
 
@@ -168,15 +168,21 @@ class Op:
         return self._eager_call(tensors, outs)
 
     def _traced_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> Any:
-        x, pos, key = tensors.get("x"), tensors.get("position_ids"), tensors.get("key")
-        if outs.get("out") is not None or outs.get("key_out") is not None:
-            out = outs.get("out")
-            if out is None:
-                raise ValueError(f"{self.name}: key_out: under torch.compile, give out= with it")
-            torch.ops.tileops.apply_out(self._handle, x, pos, key, out, outs.get("key_out"))
-            return out if key is None else (out, outs.get("key_out"))
-        got = torch.ops.tileops.apply(self._handle, x, pos, key)
-        return got[0] if key is None else (got[0], got[1])
+        """The call as one of :mod:`tileops.library`'s custom ops: inputs and outputs as lists in the
+        manifest's order. With any output given, every output the call produces is passed to
+        ``apply_out`` (those not given as new tensors), so the result is what the eager call returns."""
+        inputs, names = library.pack(self, tensors)
+        made = library.produced(self, tensors)
+        for o in self.manifest.outputs:
+            if outs.get(o.name) is not None and tensors.get(o.like) is None:
+                raise ValueError(f"{self.name}: {o.name}: given without {o.like}, whose result it would hold")
+        grad_needed(self, tensors, {k: v for k, v in outs.items() if v is not None})  # raises as the eager call does
+        if any(outs.get(o.name) is not None for o in made):
+            got = [outs[o.name] if outs.get(o.name) is not None else torch.empty_like(tensors[o.like]) for o in made]
+            torch.ops.tileops.apply_out(self._handle, inputs, names, got)
+        else:
+            got = torch.ops.tileops.apply(self._handle, inputs, names)
+        return got[0] if len(made) == 1 else tuple(got)
 
     def _eager_backward(self, grads: tuple, tensors: Mapping[str, Any]) -> tuple:
         """The gradients of the inputs ``backward.wrt`` names (those given), from the outputs'."""

@@ -5,23 +5,24 @@ from __future__ import annotations
 import functools
 
 from .expr import Expr, ExprError, parse_expr
-from .loader import ManifestError, load_file, load_files, packaged_files
+from .loader import ManifestError, load_file, load_files, manifest_files, packaged_files
 from .schema import SCHEMA, Case, KernelSpec, OpManifest, ParamSpec, Rule, TensorSpec
 
 __all__ = [
-    "Expr", "ExprError", "parse_expr", "ManifestError", "load_file", "load_files", "packaged_files",
+    "Expr", "ExprError", "parse_expr", "ManifestError", "load_file", "load_files", "packaged_files", "manifest_files",
     "SCHEMA", "Case", "KernelSpec", "OpManifest", "ParamSpec", "Rule", "TensorSpec", "registry", "get",
 ]
 
 
 @functools.lru_cache(maxsize=1)
 def registry() -> dict[str, OpManifest]:
-    """All packaged manifests, parsed once per process, keyed by op (class) name."""
-    return load_files(packaged_files())
+    """Every family's manifests (:func:`manifest_files`: packaged, then ``TILEOPS_FAMILY_PATH``'s),
+    parsed once per process, keyed by op (class) name."""
+    return load_files(manifest_files())
 
 
 def get(name: str) -> OpManifest:
-    """The packaged manifest of op ``name``."""
+    """The manifest of op ``name``."""
     reg = registry()
     if name not in reg:
         raise KeyError(f"no manifest for op {name!r}; known: {', '.join(sorted(reg))}")

@@ -17,7 +17,7 @@ from .schema import (
     TensorSpec,
 )
 
-__all__ = ["ManifestError", "add_op", "load_file", "load_files", "packaged_files"]
+__all__ = ["ManifestError", "add_op", "load_file", "load_files", "packaged_files", "manifest_files"]
 
 
 class ManifestError(ValueError):
@@ -289,6 +289,8 @@ def _case(ctx: _Ctx, node: yaml.Node, op: dict[str, Any]) -> Case:
     bench = ctx.typed(m["bench"][1], (bool,), f"{what}.bench", "true or false") if "bench" in m else True
     env = full | dims
     for rule in op["rules"]:
+        if not rule.check.names <= env.keys():
+            continue  # about dims of another layout: the op checks a rule when the call has its dims
         try:
             ok = rule.check.evaluate(env)
         except ExprError as e:
@@ -591,6 +593,14 @@ def packaged_files() -> list[Path]:
     """The manifests shipped in the package (``manifests/`` in the source tree)."""
     root = importlib.resources.files("tileops.manifests")
     return sorted(Path(str(p)) for p in _walk(root) if str(p).endswith((".yaml", ".yml")))
+
+
+def manifest_files() -> list[Path]:
+    """Every family's manifests: the packaged ones, then those of each family root named by
+    ``TILEOPS_FAMILY_PATH`` (``<root>/manifests/<family>/*.yaml``, :mod:`tileops.families`)."""
+    from tileops.families import root_manifest_files
+
+    return packaged_files() + root_manifest_files()
 
 
 def _walk(root: Any) -> Iterable[Any]:

@@ -32,7 +32,8 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
 # key -> (required, type description, meaning). Nested sections are keyed "section.key".
 SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
     "op": {
-        "family": (True, "str", "The op family; ops of one family share a module (`tileops.<family>`)."),
+        "family": (True, "str", "The op family; ops of one family share a package (`tileops.<family>`, in the tree "
+                                "or in a `TILEOPS_FAMILY_PATH` root)."),
         "summary": (True, "str", "One line: what the op computes."),
         "description": (False, "str", "A paragraph or more for the docs."),
         "references": (False, "list[str]", "Public sources the op agrees with."),
@@ -81,9 +82,10 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "message": (True, "str", "What is expected, in words."),
     },
     "kernel": {
-        "builder": (True, "str", "The builder's name in `kernels.BUILDERS`."),
-        "static": (False, "map", "The builder's schedule choices, each an integer in the range "
-                                 "`tileops.kernels.STATIC` declares for that builder (for `rope`: `threads`, "
+        "builder": (True, "str", "The builder: the name of a module `kernels/<builder>.py` (in the tree or a family "
+                                 "root) that defines `build`, `Spec` and `STATIC`."),
+        "static": (False, "map", "The builder's schedule choices, each an integer in the range the builder's "
+                                 "`STATIC` declares (`tileops.kernels.STATIC`; for `rope`: `threads`, "
                                  "`head_lanes`, `tokens_per_thread`); unknown keys and values out of range are "
                                  "errors at FILE:LINE. A value may instead map every `input_layout` choice to one."),
         "specialize": (False, "list[dim]", "Dims a kernel is compiled for (e.g. head_dim); every other dim is "

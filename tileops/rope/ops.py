@@ -63,7 +63,7 @@ class LongRoPEFwdOp(hooks.LongRoPE):
                 key: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 key_out: torch.Tensor | None = None) -> Any:
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
-        are never modified (except by ``out=`` naming an input, which rotates it in place).
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
 
         Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
         computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
@@ -86,12 +86,12 @@ class LongRoPEFwdOp(hooks.LongRoPE):
                 dtype float16, bfloat16, float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
-                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                any strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
             key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
                 given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
-                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
 
         Returns:
             torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
@@ -174,7 +174,7 @@ class Phi3LongRoPEFwdOp(hooks.Phi3LongRoPE):
                 key: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 key_out: torch.Tensor | None = None) -> Any:
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
-        are never modified (except by ``out=`` naming an input, which rotates it in place).
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
 
         Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
         computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
@@ -197,12 +197,12 @@ class Phi3LongRoPEFwdOp(hooks.Phi3LongRoPE):
                 dtype float16, bfloat16, float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
-                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                any strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
             key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
                 given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
-                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
 
         Returns:
             torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
@@ -274,7 +274,7 @@ class RoPEDynamicNTKFwdOp(hooks.DynamicNTK):
                 key: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 key_out: torch.Tensor | None = None) -> Any:
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
-        are never modified (except by ``out=`` naming an input, which rotates it in place).
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
 
         Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
         computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
@@ -297,12 +297,12 @@ class RoPEDynamicNTKFwdOp(hooks.DynamicNTK):
                 dtype float16, bfloat16, float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
-                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                any strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
             key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
                 given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
-                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
 
         Returns:
             torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
@@ -364,7 +364,7 @@ class RoPEFwdOp(hooks.Base):
                 key: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 key_out: torch.Tensor | None = None) -> Any:
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
-        are never modified (except by ``out=`` naming an input, which rotates it in place).
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
 
         Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
         computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
@@ -387,12 +387,12 @@ class RoPEFwdOp(hooks.Base):
                 dtype float16, bfloat16, float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
-                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                any strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
             key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
                 given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
-                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
 
         Returns:
             torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
@@ -455,7 +455,7 @@ class RoPELinearFwdOp(hooks.Linear):
                 key: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 key_out: torch.Tensor | None = None) -> Any:
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
-        are never modified (except by ``out=`` naming an input, which rotates it in place).
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
 
         Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
         computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
@@ -478,12 +478,12 @@ class RoPELinearFwdOp(hooks.Linear):
                 dtype float16, bfloat16, float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
-                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                any strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
             key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
                 given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
-                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
 
         Returns:
             torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
@@ -548,7 +548,7 @@ class RoPELlama31FwdOp(hooks.Llama31):
                 key: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 key_out: torch.Tensor | None = None) -> Any:
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
-        are never modified (except by ``out=`` naming an input, which rotates it in place).
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
 
         Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
         computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
@@ -571,12 +571,12 @@ class RoPELlama31FwdOp(hooks.Llama31):
                 dtype float16, bfloat16, float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
-                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                any strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
             key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
                 given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
-                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
 
         Returns:
             torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
@@ -636,7 +636,7 @@ class RoPENeoxPositionIdsFwdOp(hooks.NeoxPositionIds):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *, key: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, key_out: torch.Tensor | None = None) -> Any:
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
-        are never modified (except by ``out=`` naming an input, which rotates it in place).
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
 
         Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
         computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
@@ -654,12 +654,12 @@ class RoPENeoxPositionIdsFwdOp(hooks.NeoxPositionIds):
                 float16, bfloat16, float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
-                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                any strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
             key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
                 given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
-                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
 
         Returns:
             torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
@@ -730,7 +730,7 @@ class YaRNFwdOp(hooks.YaRN):
                 key: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 key_out: torch.Tensor | None = None) -> Any:
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
-        are never modified (except by ``out=`` naming an input, which rotates it in place).
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
 
         Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
         computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
@@ -753,12 +753,12 @@ class YaRNFwdOp(hooks.YaRN):
                 dtype float16, bfloat16, float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
-                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                any strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
             key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
                 given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
-                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
 
         Returns:
             torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,

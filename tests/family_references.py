@@ -1,0 +1,92 @@
+"""Every family's float64 reference, for the tests that run every op (generated tests, fuzzer, bad inputs).
+
+A family's reference is a module of the tests, found by convention in the family root that holds the
+family (:mod:`tileops.families`): ``tests/references_<family>.py``, in this repository's ``tests/`` or
+in a ``TILEOPS_FAMILY_PATH`` root's. RoPE's, the first family's, is ``tests/references.py``. A
+reference module defines
+
+    reference(op_name, params, inputs) -> a float64 tensor (the op's output), or a dict of them by
+                                          output name when the op has several
+
+where ``params`` are the op's constructor arguments and ``inputs`` the call's tensors by name, on
+the CPU. Gradients are float64 autograd of it. A reference is written from the mathematics and must
+share no code with the package or its kernels: loading one that imports ``tileops`` or ``kernels``
+fails here, before any test compares against it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from tileops.families import roots
+
+__all__ = ["reference_module", "outputs", "grads", "check_independent"]
+
+HERE = Path(__file__).resolve().parent
+#: the first family's reference predates the convention
+_NAMED = {"rope": "references.py"}
+_FORBIDDEN = ("tileops", "kernels")
+
+
+def check_independent(path: Path) -> None:
+    """Raise when the module at ``path`` imports tileops or kernels (read from its source)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        for name in names:
+            if name.split(".")[0] in _FORBIDDEN:
+                raise ImportError(f"{path}:{node.lineno}: a test reference imports {name}; it must share no code "
+                                  f"with the package or its kernels")
+
+
+@functools.lru_cache(maxsize=None)
+def reference_module(family: str) -> ModuleType:
+    """The reference module of ``family``, loaded once (after :func:`check_independent`)."""
+    name = _NAMED.get(family, f"references_{family}.py")
+    places = [HERE / name, *(r / "tests" / name for r in roots())]
+    path = next((p for p in places if p.is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"no float64 reference for the {family!r} family: expected tests/{name} in the "
+                                f"family root that holds it; looked at {', '.join(map(str, places))}")
+    check_independent(path)
+    spec = importlib.util.spec_from_file_location(f"_tileops_test_{path.stem}_{family}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def outputs(m: Any, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float64 value of every output of op manifest ``m`` that a call with ``inputs`` produces
+    (those whose ``like`` input is given), by output name."""
+    made = [o for o in m.outputs if inputs.get(o.like) is not None]
+    ref = reference_module(m.family).reference
+    if m.family == "rope":  # RoPE's reference rotates "x": each output is its `like` input rotated
+        return {o.name: ref(m.name, dict(params), {**inputs, "x": inputs[o.like]}) for o in made}
+    got = ref(m.name, dict(params), dict(inputs))
+    if isinstance(got, Mapping):
+        return {o.name: got[o.name] for o in made}
+    if len(made) != 1:
+        raise TypeError(f"the {m.family} reference returned one tensor for {m.name}, which makes "
+                        f"{', '.join(o.name for o in made)}: return a dict by output name")
+    return {made[0].name: got}
+
+
+def grads(m: Any, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor], wrt: list[str],
+          grad_outs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """float64 gradients of ``sum(output * grad_outs[output])`` over the outputs, with respect to the
+    inputs ``wrt``, by autograd of :func:`outputs`."""
+    leaves = {n: inputs[n].detach().double().requires_grad_(True) for n in wrt}
+    outs = outputs(m, params, {**inputs, **leaves})
+    names = [n for n in outs if n in grad_outs]
+    got = torch.autograd.grad([outs[n] for n in names], [leaves[n] for n in wrt],
+                              [grad_outs[n].double() for n in names], allow_unused=True)
+    return {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(wrt, got)}
