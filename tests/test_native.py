@@ -534,3 +534,22 @@ def test_pending_calls_are_judged_alike_by_both_trackers(monkeypatch):
         assert ("graph a", f"7: {errors.WHEN_GRAPH}") in log and ("graph b", "nothing") in log
     finally:
         mod.set_driver(*old)
+
+
+def test_a_short_lived_process_never_starts_the_compiler(tmp_path):
+    """Without a cached build, the build starts only at the process's BUILD_AFTER-th eager call: a
+    script of a few calls neither waits for nor leaves behind a compiler run."""
+    code = ("import torch\n"
+            "from tileops import native\n"
+            "from tileops.rope import RoPEFwdOp\n"
+            "op = RoPEFwdOp()\n"
+            "x = torch.randn(3, 16)\n"
+            "for _ in range(native.BUILD_AFTER - 1):\n"
+            "    op(x)\n"
+            "print('STATUS', native.status())\n"
+            "op(x)\n"
+            "print('STATUS', native.status())\n")
+    r = _run(code, {"TILEOPS_CACHE_DIR": str(tmp_path / "cache"), "CXX": "false"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[-3:-1] == ["STATUS not built", "STATUS building"] or \
+        r.stdout.split("\n")[-3:-1][1].startswith("STATUS failed"), r.stdout

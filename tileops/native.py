@@ -14,8 +14,10 @@ The extension is compiled once per (torch version, Python ABI, source) with the 
 compiler (``$CXX``, else ``c++``) against the installed torch's headers, and cached under
 :func:`tileops.launch.cache_root` (``native/``), atomically, with a checksum: a damaged file is
 rebuilt. Compiling takes tens of seconds, so the first use never waits for it: :func:`start`
-(called when an op is constructed) loads a cached build at once, or starts the build in a
-background thread, and ops switch to the native path when it is ready. ``tileops warmup`` builds it
+(called when an op is constructed) loads a cached build at once; without one, the build starts in a
+background thread once the process has made ``BUILD_AFTER`` (200) eager calls, so that a short
+script never pays for, nor leaves behind, a compiler run, and ops switch to the native path when
+it is ready. ``tileops warmup`` builds it
 ahead of time; :func:`build` builds and loads it synchronously (tests).
 
 ``TILEOPS_NATIVE=0`` in the environment keeps every call on the Python path (read at each
@@ -66,7 +68,8 @@ def enabled() -> bool:
 
 
 def status() -> str:
-    """What happened so far: ``loaded``, ``building``, ``off``, ``not started`` or why it failed."""
+    """What happened so far: ``loaded``, ``building``, ``not built`` (no cached build; none started yet),
+    ``off``, ``not started`` or why it failed."""
     return _status
 
 
@@ -196,11 +199,17 @@ def _set(mod: Any, why: str) -> None:
     module = mod
 
 
+#: eager calls a process makes on the Python path before it starts building the extension, so that
+#: a short script (or a test's subprocess) neither waits for nor leaves behind a compiler run
+BUILD_AFTER = 200
+_python_calls = 0
+
+
 def start() -> None:
-    """Make the native path available as soon as possible without waiting for a compiler: load the
-    cached build now, or build it in a background thread. Called when an op is constructed; cheap
-    after the first call."""
-    global _thread, _status
+    """Load the cached build, if there is one (called when an op is constructed; cheap after the
+    first call). Without one, the build starts in a background thread at the process's
+    ``BUILD_AFTER``-th eager call (:func:`python_call`), or at :func:`wait` or :func:`build`."""
+    global _status
     if module is not None or _thread is not None or _status not in ("not started", "off"):
         return
     if not enabled():
@@ -221,6 +230,23 @@ def start() -> None:
             _status = f"failed: {e}"
             _log.debug("tileops: native fast path unavailable: %s", e)
             return
+        _status = "not built"
+
+
+def python_call() -> None:
+    """Count an eager call served while the extension is not loaded; the ``BUILD_AFTER``-th starts
+    the background build."""
+    global _python_calls
+    _python_calls += 1
+    if _python_calls == BUILD_AFTER:
+        _start_build()
+
+
+def _start_build() -> None:
+    global _thread, _status
+    with _lock:
+        if module is not None or _thread is not None or _status != "not built":
+            return
         _status = "building"
         _thread = threading.Thread(target=_background, name="tileops-native-build", daemon=True)
         _thread.start()
@@ -236,8 +262,10 @@ def _background() -> None:
 
 
 def wait(timeout: float | None = None) -> Any:
-    """Wait for a background build started by :func:`start`; returns :data:`module` (None when the
-    native path is off or unavailable)."""
+    """Start the background build if it has not started (and there is no cached build), then wait
+    for it; returns :data:`module` (None when the native path is off or unavailable)."""
+    start()
+    _start_build()
     t = _thread
     if t is not None:
         t.join(timeout)

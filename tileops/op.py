@@ -80,7 +80,7 @@ class Op:
         self._dispatch: Any = None  # the native extension's plans for this op (see _native_plan)
         #: this op's name in the torch.library custom ops (a traced call passes it)
         self._handle: int = library.register(self)
-        native.start()  # loads the cached extension, or builds it in the background
+        native.start()  # loads the cached extension (without one, it is built after 200 eager calls)
 
     # ----------------------------------------------------------------------------- params
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -292,7 +292,9 @@ class Op:
         """
         outs = outs or {}
         nat = native.module
-        if nat is not None and self._dispatch is None:
+        if nat is None:
+            native.python_call()  # the extension is built once a process has made enough calls
+        elif self._dispatch is None:
             self._go_native(nat)
         try:
             sig = self._signature(tensors, outs)
