@@ -212,7 +212,8 @@ def test_static_choices_match_each_builders_spec():
 
     from tileops.kernels import BUILDERS, SPECS, STATIC
 
-    derived = {"rope": {"dtype", "head_dim", "rot", "pairing", "positions", "inverse", "backend"}}
+    derived = {"rope": {"dtype", "head_dim", "rot", "pairing", "positions", "inverse", "backend", "mrope_section",
+                        "mrope_interleaved"}}
     assert set(STATIC) == set(SPECS) == set(BUILDERS)
     for name, target in SPECS.items():
         module, cls = target.split(":")
