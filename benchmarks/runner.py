@@ -138,7 +138,8 @@ def _grad_timer(fn: Callable[..., torch.Tensor], arg_sets: list[tuple], n: int) 
     for args in arg_sets:
         x = args[0].detach().requires_grad_(True)
         out = fn(x, *args[1:])
-        graphs.append((out, x, torch.randn_like(out)))
+        outs = out if isinstance(out, tuple) else (out,)  # (out, key_out): x's gradient through out
+        graphs.append((outs[0], x, torch.randn_like(outs[0])))
     return gpu_time(lambda i: torch.autograd.grad(graphs[i][0], graphs[i][1], graphs[i][2], retain_graph=True), n)
 
 
@@ -147,7 +148,7 @@ def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base
     """The backward of ``case``: the gradient of x (the output's gradient in, x's gradient out:
     the same bytes as the forward)."""
     names = list(sets[0])
-    assert names[0] == m.backward.wrt, "the timers pass the differentiated input first"
+    assert names[0] == m.backward.wrt[0], "the timers pass the differentiated input first"
     ours = _grad_timer(lambda *args: op(**dict(zip(names, args))), [tuple(s_.values()) for s_ in sets], n)
     eager = _grad_timer(base_fn, bargs, n)
     try:
