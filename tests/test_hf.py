@@ -729,3 +729,26 @@ def test_vl_model_with_an_image_bf16_cuda(kind):
             logits = model(want[1][:, :col], **{**kw, "mm_token_type_ids": mm}).logits[0, -1].float()
         top = logits.topk(2).values
         assert float(top[0] - top[1]) < 0.05 * float(logits.abs().max()), col
+
+
+@pytest.mark.parametrize("kind", sorted(VL))
+def test_vl_text_model_with_explicit_three_stream_positions(kind, gen):
+    """The text model alone (model type ``*_text``), given position_ids as the whole model hands
+    them: [3, batch, seq] with different streams, and [4, batch, seq] (text positions first, then
+    the three streams: a strided view reaches the op)."""
+    cfg = _vl_config(kind).text_config
+    cls = getattr(transformers, VL[kind][1].replace("ForConditionalGeneration", "TextModel"))
+    torch.manual_seed(0)
+    model = cls._from_config(cfg).eval()
+    ids = torch.randint(3, 128, (2, 15), generator=gen)
+    three = torch.randint(0, 40, (3, 2, 15), generator=gen)
+    four = torch.cat([torch.arange(15).expand(1, 2, 15), three])
+    with torch.no_grad():
+        want = [model(ids, position_ids=p).last_hidden_state for p in (three, four)]
+        tt.patch(model)
+        try:
+            got = [model(ids, position_ids=p).last_hidden_state for p in (three, four)]
+        finally:
+            tt.unpatch(model)
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 1e-5, _rel(g, w)
