@@ -22,7 +22,7 @@ from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
 
 from .baselines import _rotate_half
 from .runner import end_to_end_us, host_time_us as host_us
-from .timing import copy_rate, gpu_time, rotation
+from .timing import copy_rate, gpu_time, rotation, same_bytes_copy_us
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,12 +31,6 @@ def hf_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     """HF's ``apply_rotary_pos_emb`` (q, k ``[B, H, S, D]``; cos, sin ``[B, S, D]``)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def same_bytes_copy_us(nbytes: int) -> float:
-    src = torch.empty(nbytes // 4, dtype=torch.float16, device="cuda")
-    dst = torch.empty_like(src)
-    return gpu_time(lambda i: dst.copy_(src), 1)[0]
 
 
 def qk_row(name: str, B: int, Hq: int, Hk: int, S: int, D: int, dtype: torch.dtype, in_place: bool) -> dict:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["gpu_time", "rotation"]
+__all__ = ["gpu_time", "rotation", "copy_rate", "same_bytes_copy_us"]
 
 L2_BYTES = 60 * 2**20
 
@@ -63,3 +63,15 @@ def copy_rate(nbytes: int = 2**30) -> float:
     return 2 * src.numel() * 2 / (med * 1e-6) / 1e9
 
 
+
+
+def same_bytes_copy_us(nbytes: int) -> float:
+    """Median microseconds of a device-to-device copy moving ``nbytes`` (half read, half written),
+    rotating through as many buffers as a row of that size does (:func:`rotation`), so that a small
+    copy pays what a small op pays (launch, ramp, no L2 hits) and is the fair ceiling for it."""
+    n = rotation(nbytes)
+    half = max(2, nbytes // 2 // 2 * 2)
+    srcs = [torch.empty(half // 2, dtype=torch.float16, device="cuda").normal_() for _ in range(n)]
+    dsts = [torch.empty_like(s) for s in srcs]
+    med, _, _ = gpu_time(lambda i: dsts[i].copy_(srcs[i]), n)
+    return med

@@ -35,7 +35,9 @@ Two schedules from one description:
 * ``cuda``: SIMT. A thread owns one chunk of ``VEC`` pairs (16 bytes of x) of one token, composes
   its cos/sin once and reuses them across the heads it walks (``H / HL`` of them, then the key's)
   and across both halves of each pair. Loads and stores of x are 16 bytes wide: the host checks
-  that every pointer and stride is a multiple of ``VEC`` elements.
+  that every pointer and stride is a multiple of ``VEC`` elements. Blocks tile the tokens along
+  the grid's x and the batch along y; a batch above the 65535 rows y may have is walked by each
+  block row in steps of 65535.
 * ``c``: TileLang's C backend has no threads, so the same math runs as plain loops per token.
 
 MRoPE. A token has three positions; all three are read and bounds-checked by every thread of the
@@ -48,10 +50,13 @@ rows. The loads and stores of x are the same 16-byte accesses either way.
 
 
 from dataclasses import dataclass
+from typing import Any
 
-import tilelang.language as T
+#: ``tilelang.language``, imported when a kernel is first built (:func:`_tl`): the spec class and the
+#: constants here are read without TileLang, so a process that loads cached kernels never imports it
+T: Any = None
 
-__all__ = ["RopeKernelSpec", "build_rope", "LO", "DIGITS", "MAX_POSITION", "ARGS"]
+__all__ = ["RopeKernelSpec", "build_rope", "LO", "DIGITS", "MAX_POSITION", "ARGS", "MAX_BLOCK_THREADS", "MAX_GRID_Y"]
 
 #: rows of each digit table: positions are split into 8-bit digits
 LO = 256
@@ -59,6 +64,10 @@ LO = 256
 DIGITS = 3
 MAX_POSITION = LO**DIGITS
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+#: CUDA's limits: threads per block, and blocks along the grid's y (which holds the batch; a larger
+#: batch is walked by each block row in steps of this)
+MAX_BLOCK_THREADS = 1024
+MAX_GRID_Y = 65535
 
 #: the generated function's parameters, in order (``P``, ``ERR``, the position strides and ``limit``
 #: only with positions). The launcher binds arguments by these names.
@@ -119,13 +128,21 @@ class RopeKernelSpec:
         return (self.rot // 2) // self.vec + (self.head_dim - self.rot) // self.vec
 
     @property
+    def _head_lanes(self) -> int:
+        """Threads that split one token's heads: ``head_lanes``, or fewer where a token's lanes times
+        that would pass the 1024 threads a block may have (a vector width of 1 on a wide head: fp16
+        head_dim 258 has 129 lanes, so at most 7 head lanes). ``_lanes <= head_dim - rot / 2 < 1024``
+        for every head_dim the manifests allow (at most 1024), so one head lane always fits."""
+        return max(1, min(max(1, self.head_lanes), MAX_BLOCK_THREADS // self._lanes))
+
+    @property
     def _slots(self) -> int:
-        return max(1, self.threads // (self._lanes * max(1, self.head_lanes)))
+        return max(1, self.threads // (self._lanes * self._head_lanes))
 
     @property
     def block_threads(self) -> int:
-        """Threads of one CUDA block."""
-        return self._lanes * max(1, self.head_lanes) * self._slots
+        """Threads of one CUDA block (at most 1024)."""
+        return self._lanes * self._head_lanes * self._slots
 
     @property
     def vec(self) -> int:
@@ -198,13 +215,27 @@ def build_rope(spec: RopeKernelSpec):
     position lies outside ``[0, limit)``; that position reads as 0, so no table is ever indexed out
     of bounds), ``limit`` and ``tag``.
     """
+    _tl()
     if spec.backend == "cuda":
         return _build_cuda(spec)
     return _build_c(spec)
 
 
-@T.macro
-def _position(by_ids, P, ERR, psb, pss, limit, tag, b, s, stream=None, psc=None):
+_position: Any = None  # the macro of _position_body, made by _tl()
+
+
+def _tl() -> Any:
+    """Import TileLang's language (once) and make the module-level macros; returns it."""
+    global T, _position
+    if T is None:
+        import tilelang.language as tl
+
+        T = tl
+        _position = T.macro(_position_body)
+    return T
+
+
+def _position_body(by_ids, P, ERR, psb, pss, limit, tag, b, s, stream=None, psc=None):
     """The position of row ``(b, s)``: ``s`` itself, or ``P[b * psb + s * pss]`` checked against
     ``[0, limit)``; one outside reads as 0 and writes the call's ``tag`` into ``ERR[0]``. With
     ``stream`` (MRoPE), the position of that stream, ``P[stream * psc + b * psb + s * pss]``."""
@@ -354,7 +385,7 @@ def _build_cuda(spec: RopeKernelSpec):
     V = spec.vec
     wide = V * _ELEM_BYTES[dt] == 16  # a vector is a full 16 bytes: store it with tileops_st16
     C = half // V  # lanes that rotate: each owns V pairs (2 * V elements of x)
-    HL = max(1, spec.head_lanes)
+    HL = spec._head_lanes
     CL = spec._lanes
     TOK = spec._slots  # token slots per block
     TPT = max(1, spec.tokens_per_thread)  # tokens each thread walks, TOK apart
@@ -518,9 +549,10 @@ def _build_cuda(spec: RopeKernelSpec):
                             xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
                             ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
                             psb: T.int64, pss: T.int64, psc: T.int64, limit: T.int64, tag: T.int32):
-            with T.Kernel(T.ceildiv(S, GROUP), B, threads=threads) as (bx, bb):
-                body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                     kysh, psb, pss, psc, limit, tag, bx, bb)
+            with T.Kernel(T.ceildiv(S, GROUP), T.min(B, MAX_GRID_Y), threads=threads) as (bx, by):
+                for rb in T.serial(T.ceildiv(B - by, MAX_GRID_Y)):
+                    body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
+                         kyss, kysh, psb, pss, psc, limit, tag, bx, by + rb * MAX_GRID_Y)
         return rope_mrope_cuda
 
     if by_ids:
@@ -530,9 +562,10 @@ def _build_cuda(spec: RopeKernelSpec):
                           xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
                           ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
                           psb: T.int64, pss: T.int64, limit: T.int64, tag: T.int32):
-            with T.Kernel(T.ceildiv(S, GROUP), B, threads=threads) as (bx, bb):
-                body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                     kysh, psb, pss, 0, limit, tag, bx, bb)
+            with T.Kernel(T.ceildiv(S, GROUP), T.min(B, MAX_GRID_Y), threads=threads) as (bx, by):
+                for rb in T.serial(T.ceildiv(B - by, MAX_GRID_Y)):
+                    body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
+                         kyss, kysh, psb, pss, 0, limit, tag, bx, by + rb * MAX_GRID_Y)
         return rope_ids_cuda
 
     @T.prim_func
@@ -540,7 +573,8 @@ def _build_cuda(spec: RopeKernelSpec):
                   B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
                   xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
                   ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64):
-        with T.Kernel(T.ceildiv(S, GROUP), B, threads=threads) as (bx, bb):
-            body(X, Y, K, KY, TD, None, None, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                 kysh, 0, 0, 0, 0, 0, bx, bb)
+        with T.Kernel(T.ceildiv(S, GROUP), T.min(B, MAX_GRID_Y), threads=threads) as (bx, by):
+            for rb in T.serial(T.ceildiv(B - by, MAX_GRID_Y)):
+                body(X, Y, K, KY, TD, None, None, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
+                     kyss, kysh, 0, 0, 0, 0, 0, bx, by + rb * MAX_GRID_Y)
     return rope_cuda

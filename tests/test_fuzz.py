@@ -11,23 +11,32 @@ one op (new lengths, now and then a new dtype). Invalid specs are drawn per kind
 param type, non-finite float, value outside choices, broken rule, wrong input dtype/rank/type,
 position out of range, bad rescale factors, unknown target), each a separate pytest item.
 
+Each valid spec is called in one of four modes: new outputs, ``out=`` into NaN-filled tensors laid
+out like the inputs (so an element the kernel skips shows), in place (``out=x``, ``key_out=key``),
+or backward (gradients of x and key against float64 autograd of the reference).
+
 Cost and knobs:
 
-* Every new (dtype, head_dim, rotary width, pairing, layout, position dtype) compiles a kernel,
-  about 1.5 s on the CPU (then cached in memory and on disk by TileLang). With the default
-  ``max_examples`` (40 for the valid test, 20 for the many-calls one, 10 per kind of mistake)
-  head_dim is drawn from a small set, ``SMALL_HEAD_DIMS``, so the default run takes under a minute.
-* ``TILEOPS_FUZZ_EXAMPLES=N`` sets ``max_examples`` to N (N/2, N/4) and draws head_dim from every
-  even value in 2..512, so most examples compile a kernel: about 2.5 minutes for N=300 here.
-* ``max_position`` is drawn up to the manifest's cap, 2**24 (``2**28 // rotary_dim`` by default):
-  the BUILTIN position-ids op builds its high cos/sin table (max_position / 256 rows) at the first
-  call, so host memory for that build grows as ``max_position * rotary_dim / 256``.
+* Every new (dtype, head_dim, rotary width, pairing, layout, position dtype, direction) compiles a
+  kernel, about 1.5 s on the CPU (then cached in memory and on disk by TileLang). With the default
+  ``max_examples`` (4 per op for the valid test, 20 for the many-calls one, 10 per kind of mistake)
+  head_dim is drawn from a small set, ``SMALL_HEAD_DIMS``, so the default run takes about a minute.
+* ``TILEOPS_FUZZ_EXAMPLES=N`` sets ``max_examples`` to N in all (N / ops per op for the valid
+  test; N/2, N/4 for the others); ``TILEOPS_FUZZ_WIDE=1`` draws head_dim from every even value in
+  2..512, so most examples compile a kernel: about 2.5 minutes for N=300 here.
+* ``TILEOPS_FUZZ_DEVICE=cuda`` runs the specs on the GPU (``python -m pytest tests/test_fuzz.py``
+  with ``TILEOPS_FUZZ_EXAMPLES=2000`` is issue 12's GPU fuzz run). There head_dim comes from
+  ``GPU_HEAD_DIMS`` and the rotary width from three choices, and every kernel those draws can need
+  is compiled first, in parallel processes (:func:`tileops.warmup.compile_jobs`): nvcc takes
+  seconds a kernel, the examples themselves milliseconds.
+* ``max_position`` is drawn up to the manifest's cap, 2**24 (``2**28 // rotary_dim`` by default).
 
 Run with ``--hypothesis-show-statistics`` to see how examples spread over ops, dtypes and layouts.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -45,16 +54,27 @@ from tileops.testing import TOLERANCES
 from tileops.workloads import DTYPES, op_class
 
 try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
-    from references import reference
+    from references import reference, reference_grad
 except ImportError:  # pragma: no cover
-    from tests.references import reference
+    from tests.references import reference, reference_grad
 
 REGISTRY = registry()
-FULL = "TILEOPS_FUZZ_EXAMPLES" in os.environ
+FULL = os.environ.get("TILEOPS_FUZZ_WIDE", "") not in ("", "0")
+DEVICE = os.environ.get("TILEOPS_FUZZ_DEVICE", "cpu")
 EXAMPLES = int(os.environ.get("TILEOPS_FUZZ_EXAMPLES", "40"))
 MAX_ELEMENTS = 20_000
 SMALL_HEAD_DIMS = (2, 6, 64, 96, 128)
-HEAD_DIMS = st.integers(1, 256).map(lambda n: 2 * n) if FULL else st.sampled_from(SMALL_HEAD_DIMS)
+GPU_HEAD_DIMS = (2, 96)
+if DEVICE != "cpu":
+    HEAD_DIMS = st.sampled_from(GPU_HEAD_DIMS)
+else:
+    HEAD_DIMS = st.integers(1, 256).map(lambda n: 2 * n) if FULL else st.sampled_from(SMALL_HEAD_DIMS)
+MODES = ("new", "out", "in-place", "backward")
+
+
+def _rotary_choices(head_dim: int) -> list[int | None]:
+    """The rotary widths drawn on a GPU: whole, and about half."""
+    return [None, max(2, head_dim // 4 * 2)]
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
@@ -88,6 +108,7 @@ class Spec:
     seed: int
     edges: list[int] = field(default_factory=list)  # positions put first, so the ends get drawn
     view: str = "contiguous"  # how inputs are laid out in memory: see _as_view
+    mode: str = "new"  # how the op is called: see MODES and check_call
 
     def inputs(self) -> dict[str, Any]:
         m, g = REGISTRY[self.op], torch.Generator().manual_seed(self.seed)
@@ -99,9 +120,9 @@ class Spec:
                 low, high = (int(b.evaluate(env)) for b in t.range)
                 v = torch.randint(low, high, shape, generator=g, dtype=torch.int64)
                 v.view(-1)[: len(self.edges)] = torch.tensor(self.edges[: v.numel()], dtype=torch.int64)
-                out[t.name] = _as_view(v.to(DTYPES[self.dtype_of(t)]), self.view)
+                out[t.name] = _as_view(v.to(DTYPES[self.dtype_of(t)]).to(DEVICE), self.view)
             else:
-                out[t.name] = _as_view(torch.randn(shape, generator=g).to(DTYPES[self.dtype]), self.view)
+                out[t.name] = _as_view(torch.randn(shape, generator=g).to(DTYPES[self.dtype]).to(DEVICE), self.view)
         return out
 
     def dtype_of(self, t) -> str:
@@ -118,15 +139,15 @@ def _as_view(t: torch.Tensor, view: str) -> torch.Tensor:
     """The same values as ``t``, laid out as callers lay them out: a slice of a wider last dim (q
     and k split from one qkv tensor), one element past a 16-byte boundary, or every other row."""
     if view == "padded" and t.dim() > 1:
-        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 3, dtype=t.dtype)
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 3, dtype=t.dtype, device=t.device)
         wide[..., : t.shape[-1]] = t
         return wide[..., : t.shape[-1]]
     if view == "offset":
-        buf = torch.zeros(t.numel() + 1, dtype=t.dtype)
+        buf = torch.zeros(t.numel() + 1, dtype=t.dtype, device=t.device)
         buf[1:] = t.reshape(-1)
         return buf[1:].view(t.shape)
     if view == "every-other-row" and t.dim() > 0:
-        tall = torch.zeros(2 * t.shape[0], *t.shape[1:], dtype=t.dtype)
+        tall = torch.zeros(2 * t.shape[0], *t.shape[1:], dtype=t.dtype, device=t.device)
         tall[::2] = t
         return tall[::2]
     return t
@@ -149,6 +170,8 @@ def _param(draw, m, p, head_dim: int) -> Any:
     if p.name == "base":
         return draw(_BASE)
     if p.name == "rotary_dim":
+        if DEVICE != "cpu":
+            return draw(st.sampled_from(_rotary_choices(head_dim)))
         return draw(st.one_of(st.none(), st.integers(1, head_dim // 2).map(lambda n: 2 * n)))
     if p.name == "mrope_section":  # three positive counts summing to head_dim / 2 (else the rule rejects it)
         assume(head_dim >= 6)  # the op's check: sum(mrope_section) == head_dim // 2
@@ -203,15 +226,43 @@ def valid_specs(draw, max_elements: int = MAX_ELEMENTS, ops: tuple[str, ...] = t
             edge = st.one_of(st.sampled_from([low, high - 1]), st.integers(low, high - 1))
             edges = draw(st.lists(edge, max_size=4))
     dtype = draw(st.sampled_from(m.inputs[0].dtypes))
-    return Spec(name, params, dims, dtype, draw(st.integers(0, 2**32 - 1)), edges, draw(st.sampled_from(VIEWS)))
+    mode = draw(st.sampled_from([md for md in MODES if md != "backward" or m.backward]))
+    return Spec(name, params, dims, dtype, draw(st.integers(0, 2**32 - 1)), edges, draw(st.sampled_from(VIEWS)),
+                mode)
 
 
-@SETTINGS
-@given(spec=valid_specs())
-def test_valid_specs_match_the_reference(spec):
-    event(f"op: {spec.op}")
+@pytest.fixture(scope="module", autouse=True)
+def _gpu_kernels():
+    """On a GPU, every kernel the draws can need, compiled first in parallel (see the module doc)."""
+    if DEVICE == "cpu":
+        return
+    from tileops.warmup import compile_jobs, op_kernel_jobs
+
+    jobs = []
+    for name, m in REGISTRY.items():
+        params = m.defaults() | dict(m.cases[0].params)
+        choices = [[(p.name, c) for c in p.choices] for p in m.params if p.choices is not None]
+        for combo in itertools.product(*choices):
+            for head_dim in GPU_HEAD_DIMS:
+                rots = _rotary_choices(head_dim) if any(p.name == "rotary_dim" for p in m.params) else [None]
+                for rot in rots:
+                    extra = {"rotary_dim": rot} if rot is not None else {}
+                    jobs += op_kernel_jobs(name, params | dict(combo) | extra, {"head_dim": head_dim},
+                                           m.inputs[0].dtypes, "sm_90", every_index_dtype=True)
+    n, seconds, failures = compile_jobs(jobs)
+    print(f"\nfuzz: {n} kernels ready in {seconds:.0f} s")
+    assert not failures, failures[:3]
+
+
+@pytest.mark.parametrize("op_name", sorted(REGISTRY))
+@settings(SETTINGS, max_examples=max(4, EXAMPLES // len(REGISTRY)))
+@given(data=st.data())
+def test_valid_specs_match_the_reference(op_name, data):
+    # One hypothesis run per op, so that every op gets its share of the examples.
+    spec = data.draw(valid_specs(ops=(op_name,)), label="spec")
     event(f"dtype: {spec.dtype}")
     event(f"view: {spec.view}")
+    event(f"mode: {spec.mode}")
     check_call(op_class(spec.op)(**spec.op_params(), target="builtin"), spec)
 
 
@@ -251,30 +302,61 @@ def _dynamic_ntk_length(params: dict, inputs: dict, state: dict) -> int:
 
 
 def check_call(op, spec: Spec, state: dict | None = None) -> None:
-    """Every input is passed (position_ids and key too): out and key_out against the reference."""
+    """Every input is passed (position_ids and key too), in the spec's mode: out and key_out (and in
+    backward mode the gradients of x and key) against the reference."""
     inputs = spec.inputs()
     before = {k: v.clone() for k, v in inputs.items()}
     params = spec.op_params()
     if spec.op == "RoPEDynamicNTKFwdOp":  # stateful: the reference is told the length the op has seen
         params = {**params, "max_position_id": _dynamic_ntk_length(params, inputs, {} if state is None else state) - 1}
-    result = op(**inputs)
     m = REGISTRY[spec.op]
     specs = [o for o in m.outputs if o.like in inputs]
+    given_outs: dict[str, torch.Tensor] = {}
+    leaves: dict[str, torch.Tensor] = {}
+    if spec.mode == "out":  # NaN-filled, laid out like the inputs: an unwritten element shows
+        for o in specs:
+            src = inputs[o.like]
+            given_outs[o.name] = _as_view(torch.full(src.shape, math.nan, dtype=src.dtype, device=src.device), spec.view)
+    elif spec.mode == "in-place":
+        given_outs = {o.name: inputs[o.like] for o in specs}
+    elif spec.mode == "backward":
+        leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in m.backward.wrt if n in inputs}
+    result = op(**{**inputs, **leaves}, **given_outs)
+    op.check()  # on a GPU a bad position would be reported here; none is drawn
     outs = result if isinstance(result, tuple) else (result,)
     assert len(outs) == len(specs)
-    assert all(torch.equal(inputs[k], before[k]) for k in inputs)
+    changed = {o.like for o in specs} if spec.mode == "in-place" else set()
+    assert all(torch.equal(inputs[k], before[k]) for k in inputs if k not in changed)
+    cpu = {k: v.cpu() for k, v in before.items()}
     for o, out in zip(specs, outs):
-        src = inputs[o.like]
+        src = before[o.like]
         assert (out.shape, out.dtype) == (src.shape, src.dtype)
-        assert out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()  # a new tensor
-        assert bool(torch.isfinite(out).all())
-        ref = reference(spec.op, params, {**inputs, "x": src})
-        err = (out.double() - ref).abs()
-        atol, rtol = TOLERANCES[spec.dtype]
-        bad = err > atol + rtol * ref.abs()
-        note(f"{o.name}: max err {err.max().item() if err.numel() else 0:.3g}")
-        assert not bool(bad.any()), (f"{o.name}: {int(bad.sum())} of {bad.numel()} elements off, first at "
-                                     f"{bad.nonzero()[0].tolist()}")
+        if o.name in given_outs:
+            assert out is given_outs[o.name]  # written where it was asked
+        else:
+            assert out.untyped_storage().data_ptr() != inputs[o.like].untyped_storage().data_ptr()  # a new tensor
+        _assert_matches(out, reference(spec.op, params, {**cpu, "x": cpu[o.like]}), spec.dtype, o.name)
+    if leaves:
+        assert all(out.grad_fn is not None for out in outs)
+        g = torch.Generator().manual_seed(spec.seed ^ 0x5EED)
+        grads_out = [torch.randn(out.shape, generator=g).to(out.dtype).to(out.device) for out in outs]
+        got = torch.autograd.grad(outs, list(leaves.values()), grads_out)
+        like = {o.like: i for i, o in enumerate(specs)}
+        for (n, leaf), gr in zip(leaves.items(), got):
+            assert (gr.shape, gr.dtype) == (leaf.shape, leaf.dtype)
+            ref = reference_grad(spec.op, params, {**cpu, "x": cpu[n]}, grads_out[like[n]].cpu())
+            _assert_matches(gr, ref, spec.dtype, f"grad of {n}")
+
+
+def _assert_matches(got: torch.Tensor, ref: torch.Tensor, dtype: str, what: str) -> None:
+    got = got.detach().double().cpu()
+    assert bool(torch.isfinite(got).all()), f"{what}: non-finite elements"
+    err = (got - ref).abs()
+    atol, rtol = TOLERANCES[dtype]
+    bad = err > atol + rtol * ref.abs()
+    note(f"{what}: max err {err.max().item() if err.numel() else 0:.3g}")
+    assert not bool(bad.any()), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off, first at "
+                                 f"{bad.nonzero()[0].tolist()}")
 
 
 # --------------------------------------------------------------------------- invalid specs
@@ -363,7 +445,7 @@ def invalid_specs(draw, kind: str):
     if kind == "input-type":
         bad = draw(st.one_of(st.none().filter(lambda _: not t.optional), st.integers(), st.floats(), st.text(max_size=3), st.tuples(st.integers()),
                              st.lists(st.floats(), max_size=3), st.just(spec.inputs()[t.name].tolist()),
-                             st.just(spec.inputs()[t.name].float().numpy())))  # numpy has no bf16
+                             st.just(spec.inputs()[t.name].float().cpu().numpy())))  # numpy has no bf16
         return spec, {"value": (t.name, bad)}, TypeError, t.name
     if kind == "input-range":
         t = next(t for t in m.inputs if t.range is not None)
@@ -411,6 +493,7 @@ def check_invalid(case):
     with pytest.raises((TypeError, ValueError)) as info:
         op = op_class(spec.op)(**params, target=change.get("target", "builtin"))
         op(**inputs)
+        op.check()  # on a GPU, a bad position is reported here (no host sync at the call)
     msg = str(info.value)
     note(msg)
     assert isinstance(info.value, kind), msg

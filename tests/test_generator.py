@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -67,10 +68,17 @@ def test_threads_first_call_compile_once(gen):
         assert (out.double() - ref).abs().max().item() < 1e-5
 
 
+def _cache_env(tmp_path) -> dict:
+    """Both disk caches in ``tmp_path``: TileLang's, and tileops' index of loadable kernels."""
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "TILEOPS_CACHE_DIR": str(tmp_path / "tileops")}
+    env.pop("TILELANG_DISABLE_CACHE", None)
+    return env
+
+
 def test_disk_cache_serves_a_new_process(tmp_path):
-    """A second process with the same cache folder loads the kernel instead of building it: in that
+    """A second process with the same cache folders loads the kernel instead of building it: in that
     process TileLang's build step is made to fail, so only a disk hit can answer (with the cache
-    disabled, the second process fails)."""
+    disabled, the second process fails). A warm process never imports TileLang at all."""
     first_code = (
         "import torch\n"
         "from tileops.rope import RoPEFwdOp\n"
@@ -83,10 +91,12 @@ def test_disk_cache_serves_a_new_process(tmp_path):
         "    raise RuntimeError('built again: the disk cache did not serve the kernel')\n"
         "k.JITKernel._compile_and_create_adapter = refuse\n"
     )
-    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path)}
-    env.pop("TILELANG_DISABLE_CACHE", None)
+    env = _cache_env(tmp_path)
     first = subprocess.run([sys.executable, "-c", first_code], env=env, capture_output=True, text=True, check=True)
     assert any(p.is_file() for p in tmp_path.rglob("*")), "nothing was written to the disk cache"
+    warm = subprocess.run([sys.executable, "-c", first_code + "import sys; print('tilelang' in sys.modules)\n"],
+                          env=env, capture_output=True, text=True, check=True)
+    assert warm.stdout == first.stdout + "False\n", "a warm process imported TileLang"
     second = subprocess.run([sys.executable, "-c", no_build + first_code], env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr[-2000:]
     assert second.stdout == first.stdout
@@ -119,37 +129,45 @@ _PROBE = (
 )
 
 
-@pytest.mark.parametrize("damage", ["truncated library", "garbage library", "corrupt params", "corrupt manifest"])
+@pytest.mark.parametrize("damage", ["truncated library", "garbage library", "corrupt params", "corrupt manifest",
+                                    "truncated index library", "garbage index library", "corrupt index record"])
 def test_a_damaged_disk_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
-    """A cache entry cut short or overwritten (a crash mid-write, a bad disk) is detected, warned
-    about and rebuilt: the same answer, never a crash or a wrong result."""
-    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path)}
-    env.pop("TILELANG_DISABLE_CACHE", None)
+    """A cache entry cut short or overwritten (a crash mid-write, a bad disk), in TileLang's cache or
+    in tileops' index, is detected, warned about and rebuilt: the same answer, never a crash or a
+    wrong result."""
+    env = _cache_env(tmp_path)
     good = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
-    (lib,) = tmp_path.rglob("kernel_lib.so")
+    (lib,) = (tmp_path / "tilelang").rglob("kernel_lib.so")
+    (index_lib,) = (tmp_path / "tileops" / "kernels").glob("*.so")
     entry = lib.parent
-    if damage == "truncated library":
-        lib.write_bytes(lib.read_bytes()[:1000])
-    elif damage == "garbage library":
-        lib.write_bytes(os.urandom(lib.stat().st_size))
-    elif damage == "corrupt params":
-        (entry / "params.json").write_text("{not json")
+    if "index" in damage:
+        target = index_lib.with_suffix(".json") if "record" in damage else index_lib
     else:
-        (entry / "manifest.json").write_text("{not json")
+        shutil.rmtree(tmp_path / "tileops" / "kernels")  # so that TileLang's entry is read
+        target = {"corrupt params": entry / "params.json", "corrupt manifest": entry / "manifest.json"}.get(damage, lib)
+    if damage.startswith("truncated"):
+        target.write_bytes(target.read_bytes()[:1000])
+    elif damage.startswith("garbage"):
+        target.write_bytes(os.urandom(target.stat().st_size))
+    else:
+        target.write_text("{not json")
     again = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-2000:]
     told = again.stdout + again.stderr  # TileLang's log handler writes to stdout
     assert again.stdout.splitlines()[-1] == good.stdout.strip()
-    assert "failed integrity verification" in told and "recompiling" in told, told[-2000:]
+    if "index" in damage:
+        assert "rebuilding it" in told and str(target) in told, told[-2000:]
+    else:
+        assert "failed integrity verification" in told and "recompiling" in told, told[-2000:]
     third = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
-    assert third.stdout == good.stdout and "integrity" not in third.stderr, "the rebuilt entry was not kept"
+    assert third.stdout == good.stdout and "integrity" not in third.stderr and "rebuilding" not in third.stderr, \
+        "the rebuilt entry was not kept"
 
 
 def test_an_unwritable_cache_directory_means_memory_only_with_a_warning(tmp_path):
     (tmp_path / "a-file").write_text("")
     where = tmp_path / "a-file" / "cache"  # cannot be created, even by root
-    env = {**os.environ, "TILELANG_CACHE_DIR": str(where)}
-    env.pop("TILELANG_DISABLE_CACHE", None)
+    env = {**_cache_env(tmp_path), "TILELANG_CACHE_DIR": str(where)}
     two_calls = _PROBE + "print(RoPEFwdOp(input_layout='1d')(torch.ones(5, 46)).sum().item())\n"
     proc = subprocess.run([sys.executable, "-c", two_calls], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -164,13 +182,12 @@ def test_an_unwritable_cache_directory_means_memory_only_with_a_warning(tmp_path
 def test_two_processes_filling_one_cold_cache_at_once(tmp_path):
     """Both compile (or one waits on the other's entry) and both get correct kernels; a third
     process then loads the entry without building."""
-    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path)}
-    env.pop("TILELANG_DISABLE_CACHE", None)
+    env = _cache_env(tmp_path)
     procs = [subprocess.Popen([sys.executable, "-c", _PROBE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-1000:] for o in outs]
-    want = subprocess.run([sys.executable, "-c", _PROBE], env={**env, "TILELANG_CACHE_DIR": str(tmp_path / "alone")},
+    want = subprocess.run([sys.executable, "-c", _PROBE], env=_cache_env(tmp_path / "alone"),
                           capture_output=True, text=True, check=True).stdout
     assert [o[0].splitlines()[-1] for o in outs] == [want.strip()] * 2
     no_build = ("import importlib, tilelang\n"

@@ -109,6 +109,22 @@ def test_non_contiguous_and_unaligned_inputs(gen):
     assert_close(op(y), reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": y}))
 
 
+def test_block_threads_fit_every_allowed_head():
+    """Every head_dim the manifests allow (even, at most 1024), every rotated width and dtype: the
+    CUDA block stays within 1024 threads, however narrow the vector gets."""
+    from tileops.kernels.rope import MAX_BLOCK_THREADS, RopeKernelSpec
+
+    worst = 0
+    for dtype in ("float16", "bfloat16", "float32"):
+        for head_dim in range(2, 1025, 2):
+            for rot in {head_dim, 2, max(2, head_dim // 2 // 2 * 2), 98 if head_dim >= 98 else head_dim}:
+                for head_lanes in (1, 8, 64):
+                    k = RopeKernelSpec(dtype=dtype, head_dim=head_dim, rot=rot, head_lanes=head_lanes)
+                    assert 1 <= k.block_threads <= MAX_BLOCK_THREADS, (dtype, head_dim, rot, head_lanes)
+                    worst = max(worst, k._lanes * head_lanes)
+    assert worst > MAX_BLOCK_THREADS  # the clamp was needed: fp32 head_dim 1022 at 8 lanes is 4088
+
+
 def test_empty_sequence():
     op = RoPEFwdOp(input_layout="2d", target=BUILTIN)
     out = op(torch.randn(2, 0, 4, 64))

@@ -131,3 +131,24 @@ def test_key_gradients_in_one_backward(gen):
     assert_close(k.grad, reference_grad("RoPEFwdOp", params, {"x": k.detach(), "position_ids": pos}, gk))
     with pytest.raises(RuntimeError, match="out= cannot be used"):
         op(x, out=torch.empty(2, 7, 4, 32))
+
+
+@pytest.mark.parametrize("layout", ["1d", "2d", "ids"])
+def test_key_in_place_on_repeated_calls_every_layout(layout, gen):
+    """The second call of a signature takes the launch plan: the key's heads as the kernel sees them
+    (one in 1d, where the key is [seq, D]). The fuzzer found the plan taking seq_len for them, which
+    rotated a 1d key in place seq_len times."""
+    shapes = {"1d": ((13, 32), (13, 32)), "2d": ((2, 13, 4, 32), (2, 13, 2, 32)), "ids": ((13, 4, 32), (13, 2, 32))}
+    xs, ks = shapes[layout]
+    if layout == "ids":
+        op, params = RoPENeoxPositionIdsFwdOp(4096, target=BUILTIN), {"max_position": 4096}
+    else:
+        op, params = RoPEFwdOp(input_layout=layout, target=BUILTIN), {"input_layout": layout}
+    for _ in range(3):
+        x, k = torch.randn(xs, generator=gen), torch.randn(ks, generator=gen)
+        pos = torch.randint(0, 4096, (13,), generator=gen)
+        want_x = reference(op.name, params, {"x": x, "position_ids": pos})
+        want_k = reference(op.name, params, {"x": k, "position_ids": pos})
+        op(x, position_ids=pos, key=k, out=x, key_out=k)
+        assert_close(x, want_x)
+        assert_close(k, want_k)

@@ -1,5 +1,5 @@
-"""Faults in the data rather than in the call: NaN and Inf in x stay in their own pairs, on the CPU's
-BUILTIN kernels (the same builder as CUDA's). See docs/reliability.md."""
+"""Faults in the data rather than in the call: NaN and Inf in x stay in their own pairs, on the
+BUILTIN kernels of the CPU and (marked cuda) of the GPU. See docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ CASES = [
 
 @pytest.mark.parametrize("name,make,shape,rot,pairing,kw", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_nan_and_inf_stay_in_their_own_pair(name, make, shape, rot, pairing, kw, bad, gen):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_nan_and_inf_stay_in_their_own_pair(name, make, shape, rot, pairing, kw, bad, device, gen):
     op = make()
     x = torch.randn(*shape, generator=gen)
     flat = x.view(-1)
     hits = torch.randperm(flat.numel(), generator=gen)[:3]
     flat[hits] = bad
-    out = op(x, **kw)
+    out = op(x.to(device), **{k: v.to(device) for k, v in kw.items()}).cpu()
     want = torch.zeros(shape, dtype=torch.bool).view(-1, shape[-1])
     rows = hits // shape[-1]
     cols = hits % shape[-1]

@@ -13,6 +13,8 @@ recorded on the same stream (in the same C call as the launch); nothing waits. T
   raises the ``ValueError`` naming the index and value of the bad position, before that next call
   runs;
 * ``op.check()`` waits for this thread's pending calls of the op and reports them;
+* each bad call raises its own ``ValueError``, once: a judgement stops at the first bad call it
+  finds, and the calls after it stay pending for the next call or ``check()``;
 * in strict mode (``TILEOPS_STRICT=1`` in the environment when tileops is imported, or
   ``with tileops.strict():``) every call waits for its own kernel and raises at once, at the cost
   of that synchronisation.
@@ -331,13 +333,17 @@ class Tracker:
                 elif not done_fn(event):
                     break
                 done += 1
-                if failed is None and pool.read(word) == tag:
-                    failed = position_ids
+                bad = pool.read(word) == tag
                 pool.give_back(word)  # only after reading it
+                if bad:  # one error per bad call: later calls stay pending, for the next report
+                    failed = position_ids
+                    break
             if done == len(calls):
                 del pending[key]
             elif done:
                 del calls[:done]
+            if failed is not None:
+                break
         if failed is not None:
             self._raise_bad(failed, "reported for an earlier call of this op, whose kernel read the position as 0")
 

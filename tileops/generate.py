@@ -4,13 +4,29 @@ Compiled kernels are cached in memory per (builder, spec, backend, arch) and on 
 own kernel cache (TileLang's ``TILELANG_CACHE_DIR``, by default ``~/.tilelang/cache``; tileops
 leaves that setting, and TileLang's logging, as the process has them). Threads that ask for the
 same kernel at once wait on one lock per key: one compile, one result for all.
+
+The ops launch kernels through :func:`load_kernel`, which also keeps an index of its own under
+``tileops.launch.cache_root()/kernels``: per kernel, a copy of its compiled library and a record of
+its arguments (:func:`tileops.launch.kernel_record`), keyed by the builder, the spec, the backend,
+the arch, the builder module's source, TileLang's version and the pass configs. A later process
+loads the library from there with ctypes, without importing TileLang (1-1.5 s) or re-tracing the
+tile program to find TileLang's own cache entry. A library whose bytes no longer match its record
+(truncated, overwritten) is rebuilt, with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
 import logging
 import os
+import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -21,15 +37,18 @@ from typing import Any, Hashable, Iterator
 
 import torch
 
-__all__ = ["compile_kernel", "emit_source", "device_backend", "stats", "CompileStats", "ensure_tilelang_importable"]
+__all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "stats", "CompileStats",
+           "ensure_tilelang_importable"]
 
 
 @dataclass
 class CompileStats:
-    """How many kernels this process built (``compiles``) and how long that took in all."""
+    """How many kernels this process built (``compiles``) and how long that took in all, and how
+    many it loaded from tileops' own index without TileLang (``loads``)."""
 
     compiles: int = 0
     seconds: float = 0.0
+    loads: int = 0
 
 
 stats = CompileStats()
@@ -120,6 +139,145 @@ def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
     return kernel
 
 
+# ------------------------------------------------------------------------- tileops' own index
+#: bump when the index's layout changes: older entries are then simply not found
+_INDEX_FORMAT = 1
+_loaded: dict[Hashable, tuple[Any, dict[str, Any]]] = {}
+
+
+def _index_dir() -> str:
+    from .launch import cache_root
+
+    return os.path.join(cache_root(), "kernels")
+
+
+@functools.lru_cache(maxsize=None)
+def _builder_digest(builder: str) -> str:
+    """A digest of the builder module's source (read, not imported: importing it imports TileLang)."""
+    from tileops.kernels import BUILDERS
+
+    module = BUILDERS[builder].split(":")[0]
+    found = importlib.util.find_spec(f"tileops.kernels.{module}")
+    with open(found.origin, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _tilelang_version() -> str:
+    try:
+        return importlib.metadata.version("tilelang")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source checkout of TileLang
+        import tilelang
+
+        return str(getattr(tilelang, "__version__", "unknown"))
+
+
+def _index_key(builder: str, spec: Any, backend: str, arch: str) -> str:
+    text = repr((_INDEX_FORMAT, builder, spec, backend, arch, _builder_digest(builder), _tilelang_version(),
+                 sorted(PASS_CONFIGS.items()), platform.machine()))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _init_library(path: str) -> Any:
+    """The kernel library at ``path``, loaded and initialised as TileLang does (``init()`` == 0)."""
+    lib = ctypes.CDLL(path)
+    lib.get_last_error.restype = ctypes.c_char_p
+    if lib.init() != 0:
+        raise OSError(f"init failed: {lib.get_last_error().decode('utf-8', 'replace')}")
+    return lib
+
+
+def _from_index(key: str) -> tuple[Any, dict[str, Any]] | None:
+    """(library, record) from the index, or None when absent; a damaged entry warns and is None."""
+    base = os.path.join(_index_dir(), key)
+    try:
+        with open(base + ".json") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        warnings.warn(f"tileops: kernel index entry {base}.json is unreadable ({e}); rebuilding it", RuntimeWarning)
+        return None
+    try:
+        if _file_digest(base + ".so") != record.get("sha256"):
+            raise OSError("its bytes differ from the record")
+        return _init_library(base + ".so"), record
+    except OSError as e:
+        warnings.warn(f"tileops: cached kernel {base}.so cannot be used ({e}); rebuilding it", RuntimeWarning)
+        return None
+
+
+def _to_index(key: str, kernel: Any) -> None:
+    """Keep ``kernel``'s library and record in the index (atomically: another process sees the whole
+    entry or none); an unwritable index is skipped (the kernel is still served from memory)."""
+    from .launch import kernel_record
+
+    src = getattr(kernel.adapter, "libpath", None)
+    if not src or not os.path.exists(src):
+        return
+    d = _index_dir()
+    base = os.path.join(d, key)
+    try:
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{base}.{os.getpid()}.{threading.get_ident()}.tmp"
+        shutil.copyfile(src, tmp)
+        record = {**kernel_record(kernel), "sha256": _file_digest(tmp)}
+        os.replace(tmp, base + ".so")
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, base + ".json")  # written last: an entry with a record has its library
+    except OSError as e:
+        _log.debug("tileops: kernel index not written (%s)", e)
+
+
+def load_kernel(builder: str, spec: Any, backend: str, arch: str, device: torch.device,
+                param_names: tuple[str, ...] = ()) -> Any:
+    """The launchable kernel (:class:`tileops.launch.RawKernel`) for ``spec`` on ``device``: from
+    memory, else from tileops' index (no TileLang import), else compiled by TileLang and indexed."""
+    from .launch import raw_kernel_from
+
+    key = (builder, spec, backend, arch)
+    got = _loaded.get(key)
+    if got is None:
+        with _guard:
+            lock = _locks.setdefault(("load", key), threading.Lock())
+        with lock:
+            got = _loaded.get(key)
+            if got is None:
+                got = _load_or_build(builder, spec, backend, arch)
+                _loaded[key] = got
+    lib, record = got
+    return raw_kernel_from(lib, record, device, param_names)
+
+
+def _load_or_build(builder: str, spec: Any, backend: str, arch: str) -> tuple[Any, dict[str, Any]]:
+    from .launch import kernel_record
+
+    index_key = _index_key(builder, spec, backend, arch)
+    if os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0"):  # the disk cache is not turned off
+        found = _from_index(index_key)
+        if found is not None:
+            stats.loads += 1
+            return found
+    kernel = compile_kernel(builder, spec, backend, arch)
+    if os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0"):
+        _to_index(index_key, kernel)
+    return kernel.adapter.lib, kernel_record(kernel)
+
+
+def index_kernel(builder: str, spec: Any, backend: str, arch: str) -> None:
+    """Compile ``spec`` (unless TileLang's cache has it) and make sure tileops' index has it."""
+    _load_or_build(builder, spec, backend, arch)
+
+
+_log = logging.getLogger("tileops.generate")
+
+
 _compiling = threading.local()
 
 
@@ -173,7 +331,8 @@ def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
 
 
 def clear_memory_cache() -> None:
-    """Forget compiled kernels held in memory (the disk cache stays)."""
+    """Forget compiled kernels held in memory (the disk caches stay)."""
     with _guard:
         _cache.clear()
+        _loaded.clear()
         _locks.clear()

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["RawKernel", "raw_kernel", "cache_root", "build_c_library"]
+__all__ = ["RawKernel", "raw_kernel", "raw_kernel_from", "kernel_record", "cache_root", "build_c_library"]
 
 _log = logging.getLogger("tileops.launch")
 
@@ -235,23 +235,45 @@ def build_c_library(source: str) -> ctypes.CDLL:
     raise OSError("no writable directory, or no C compiler, for the launcher")
 
 
+#: C type names of kernel arguments as a kernel record writes them
+_RECORD_TYPES = {"void*": ctypes.c_void_p, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+                 "float": ctypes.c_float, "double": ctypes.c_double}
+_TYPE_NAMES = {v: k for k, v in _RECORD_TYPES.items()}
+
+
+def kernel_record(kernel: Any) -> dict[str, Any]:
+    """What launching ``kernel`` (compiled by TileLang with the Cython execution backend) takes, as
+    plain data: ``args``, the C type of each parameter then of each dynamic extent, and
+    ``extents``, the extents' names. With it, :func:`raw_kernel_from` launches the kernel's library
+    in a later process without TileLang (:mod:`tileops.generate` keeps records on disk)."""
+    adapter = kernel.adapter
+    dyn = getattr(adapter, "dynamic_symbolic_map", None)
+    if getattr(adapter, "lib", None) is None or dyn is None:
+        raise RuntimeError("tileops needs TileLang's Cython execution backend (the kernel has no C entry point)")
+    if any(ref_kind != 0 for ref_kind, *_ in dyn.values()):
+        raise RuntimeError("a dynamic stride in a tileops kernel: not supported by the launcher")
+    args = [_TYPE_NAMES[_CTYPES[p.torch_dtype()] if p.is_scalar() else ctypes.c_void_p] for p in adapter.params]
+    args += ["int64_t" if str(v.dtype) == "int64" else "int32_t" for v in dyn]
+    return {"args": args, "extents": [str(v) for v in dyn]}
+
+
 def raw_kernel(kernel: Any, device: torch.device, param_names: tuple[str, ...] = ()) -> RawKernel:
     """The C entry point of ``kernel`` (compiled by TileLang with the Cython execution backend).
 
     ``param_names`` names the kernel's parameters in order (the builder's spec knows them), so
     arguments can be bound by name with :meth:`RawKernel.bind`.
     """
-    adapter = kernel.adapter
-    lib = getattr(adapter, "lib", None)
-    dyn = getattr(adapter, "dynamic_symbolic_map", None)
-    if lib is None or dyn is None:
-        raise RuntimeError("tileops needs TileLang's Cython execution backend (the kernel has no C entry point)")
-    if any(ref_kind != 0 for ref_kind, *_ in dyn.values()):
-        raise RuntimeError("a dynamic stride in a tileops kernel: not supported by the launcher")
-    if param_names and len(param_names) != len(adapter.params):
-        raise RuntimeError(f"the kernel has {len(adapter.params)} parameters, its spec names {len(param_names)}")
-    argtypes = [(_CTYPES[p.torch_dtype()] if p.is_scalar() else ctypes.c_void_p) for p in adapter.params]
-    argtypes += [ctypes.c_int64 if str(v.dtype) == "int64" else ctypes.c_int32 for v in dyn]
+    return raw_kernel_from(kernel.adapter.lib, kernel_record(kernel), device, param_names)
+
+
+def raw_kernel_from(lib: Any, record: dict[str, Any], device: torch.device,
+                    param_names: tuple[str, ...] = ()) -> RawKernel:
+    """The C entry point ``call`` of a loaded kernel library, typed by its :func:`kernel_record`."""
+    argtypes = [_RECORD_TYPES[t] for t in record["args"]]
+    extents = tuple(record["extents"])
+    if param_names and len(param_names) != len(argtypes) - len(extents):
+        raise RuntimeError(f"the kernel has {len(argtypes) - len(extents)} parameters, its spec names "
+                           f"{len(param_names)}")
     call = lib.call
     call.argtypes = argtypes + [ctypes.c_void_p]
     call.restype = ctypes.c_int32
@@ -261,5 +283,5 @@ def raw_kernel(kernel: Any, device: torch.device, param_names: tuple[str, ...] =
     index = None
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-    return RawKernel(call=call, extent_names=tuple(str(v) for v in dyn), device_index=index, lib=lib,
+    return RawKernel(call=call, extent_names=extents, device_index=index, lib=lib,
                      param_names=tuple(param_names), packed=packed)

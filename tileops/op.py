@@ -191,12 +191,71 @@ class Op:
         raise ValueError(f"{self.name}: position_ids: a position is out of range ({when or 'this call'})")
 
     def check(self) -> None:
-        """Wait for this thread's calls of this op and raise the ValueError of a bad position among
-        them; also judges the calls captured in CUDA graphs (synchronise after a replay first), and
-        clears their error words for the next replay. Returns None when every position was valid."""
+        """Wait for this thread's calls of this op and raise the ValueError of the first bad position
+        among them (each bad call is reported once: call again for the next); also judges the calls
+        captured in CUDA graphs (synchronise after a replay first), and clears their error words for
+        the next replay. Returns None when every position was valid."""
         calls = self.__dict__.get("_tracker")
         if calls is not None:
             calls.check()
+
+    def compile(self, *, dtypes: "tuple[str, ...] | list[str] | None" = None, device: "str | torch.device | None" = None,
+                with_inputs: "tuple[str, ...] | list[str] | None" = None, backward: bool = True,
+                jobs: int | None = None, **dims: int) -> int:
+        """Compile ahead of time, without data, the kernels this op's calls will need, several at
+        once in separate processes (``jobs``, default one per CPU), into the disk cache, so that a
+        server's first calls load them (no compile, and no TileLang import, in a new process).
+
+        Args:
+            dtypes: The dtypes of ``x`` the calls will use (names such as ``"bfloat16"``); default all
+                the manifest allows.
+            device: The device the calls will run on (its arch is compiled for); default ``cuda`` when
+                a GPU is present, else ``cpu``.
+            with_inputs: The optional inputs the calls will pass, e.g. ``("position_ids", "key")``;
+                default every combination. Integer inputs (positions) are compiled for each of their dtypes.
+            backward: Also the backward kernels (default True).
+            jobs: Processes compiling at once; 1 compiles in this process.
+            **dims: The dims kernels are compiled for (for RoPE: ``head_dim``); other dims are dynamic.
+
+        Returns:
+            The number of kernels now in the cache (0 when the serving target compiles nothing).
+
+        Raises:
+            TypeError: A dim the manifest compiles for is missing, or an unknown dim is given.
+            ValueError: A dtype the op does not take, an unknown optional input, or a failed compile.
+        """
+        from .generate import device_backend
+        from .targets import BUILTIN
+        from .warmup import compile_jobs, op_kernel_jobs
+
+        m = self.manifest
+        want = set(m.kernel.specialize)
+        if set(dims) != want:
+            missing, extra = sorted(want - set(dims)), sorted(set(dims) - want)
+            raise TypeError(f"{m.name}.compile: expected the dims {', '.join(sorted(want))}"
+                            + (f"; missing {', '.join(missing)}" if missing else "")
+                            + (f"; unknown {', '.join(extra)}" if extra else ""))
+        allowed = m.inputs[0].dtypes
+        dtypes = tuple(dtypes) if dtypes is not None else tuple(allowed)
+        bad = [d for d in dtypes if d not in allowed]
+        if bad:
+            raise ValueError(f"{m.name}.compile: dtypes: expected some of {', '.join(allowed)}, got {bad[0]!r}")
+        optional = [t.name for t in m.inputs if t.optional]
+        if with_inputs is not None:
+            unknown = [n for n in with_inputs if n not in optional]
+            if unknown:
+                raise ValueError(f"{m.name}.compile: with_inputs: expected some of {', '.join(optional) or '(none)'}, "
+                                 f"got {unknown[0]!r}")
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self._target_for(dev).name != BUILTIN:
+            return 0  # another target serves this device: nothing of tileops' to compile
+        _, arch = device_backend(dev)
+        todo = op_kernel_jobs(self.name, self.params, dims, dtypes, arch, with_inputs=with_inputs,
+                              every_index_dtype=True, backward=backward)
+        n, _, failures = compile_jobs(todo, jobs)
+        if failures:
+            raise ValueError(f"{m.name}.compile: {len(failures)} of {n} kernels failed; first: {failures[0][1]}")
+        return n
 
     def _eager_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
         """Check ``tensors`` against the signature, then run the serving implementation.

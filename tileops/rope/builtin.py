@@ -15,16 +15,11 @@ from typing import Any
 
 import torch
 
-from ..generate import compile_kernel, device_backend
-from ..launch import raw_kernel
+from ..generate import device_backend, load_kernel
 from ..op import _disjoint
 from .tables import DIGITS, LO
 
-__all__ = ["implement", "kernel_spec", "RopeKernels", "MAX_BLOCK_THREADS", "MAX_GRID_Y"]
-
-#: CUDA's limits on a block's threads and on a grid's y extent (the kernels put the batch on y)
-MAX_BLOCK_THREADS = 1024
-MAX_GRID_Y = 65535
+__all__ = ["implement", "kernel_spec", "RopeKernels"]
 
 def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False) -> Any:
     """The :class:`kernels.rope.RopeKernelSpec` serving ``op`` for one call specialization."""
@@ -50,13 +45,6 @@ class RopeKernels:
         self.device = spec.device
         self.backend, self.arch = device_backend(self.device)
         self.kspec = kernel_spec(op, spec, self.backend)
-        if self.backend == "cuda" and self.kspec.block_threads > MAX_BLOCK_THREADS:
-            k = self.kspec
-            raise ValueError(
-                f"{op.name}: x: head_dim={k.head_dim} (rotated width {k.rot}) in {k.dtype} needs {k.block_threads} "
-                f"threads per CUDA block, above the {MAX_BLOCK_THREADS} a block may have: the kernel moves "
-                f"{k.vec} element(s) per access because head_dim and rotated width / 2 are not both multiples of "
-                f"{16 // torch.tensor([], dtype=getattr(torch, k.dtype)).element_size()}; not supported yet")
         self._kernels: dict[bool, Any] = {}
         self._kernel(False)  # compile the forward now: the first call pays for it, not a later one
         self.unit = self.kspec.stride_unit
@@ -75,8 +63,8 @@ class RopeKernels:
         k = self._kernels.get(inverse)
         if k is None:
             kspec = self.kspec if not inverse else kernel_spec(self.op, self.spec, self.backend, inverse=True)
-            compiled = compile_kernel(self.op.manifest.kernel.builder, kspec, self.backend, self.arch)
-            k = self._kernels[inverse] = raw_kernel(compiled, self.device, kspec.args)
+            k = self._kernels[inverse] = load_kernel(self.op.manifest.kernel.builder, kspec, self.backend, self.arch,
+                                                     self.device, kspec.args)
         return k
 
     # ------------------------------------------------------------------------------ per call
@@ -139,12 +127,6 @@ class RopeKernels:
         u = self.unit
         return u == 1 or not (v[3] % u or v[4] % u or v[5] % u)
 
-    def _check_grid(self, v: tuple[int, ...]) -> None:
-        """A CUDA grid has at most 65535 blocks along y, which holds the batch."""
-        if self.backend == "cuda" and v[0] > MAX_GRID_Y:
-            raise ValueError(f"{self.op.name}: x: expected batch <= {MAX_GRID_Y} on CUDA (one grid row per batch "
-                             f"entry), got batch={v[0]}; split the batch, or fold it into seq_len with position_ids")
-
     def _position_strides(self, position_ids: torch.Tensor) -> tuple[int, ...]:
         """(batch stride, sequence stride) of ``position_ids``; 0 for a batch it is shared across.
         MRoPE: ``position_ids`` is ``[3, ...]``: those of ``position_ids[0]``, then the stride between
@@ -157,7 +139,8 @@ class RopeKernels:
         for name, stride in zip(("psb", "pss", "psc"), self._position_strides(position_ids)):
             a[put[name]] = stride
 
-    def _position_strides_of(self, position_ids: torch.Tensor) -> tuple[int, int]:
+    @staticmethod
+    def _position_strides_of(position_ids: torch.Tensor) -> tuple[int, int]:
         if position_ids.dim() == 2:
             return (position_ids.stride(0) if position_ids.shape[0] > 1 else 0), position_ids.stride(1)
         return 0, position_ids.stride(0)
@@ -200,7 +183,6 @@ class RopeKernels:
         """Rotate ``x`` and ``key`` (by the negated angle with ``inverse``) in one launch; returns
         ``(out, key_out)``, new tensors unless given. ``out is x`` rotates in place."""
         src_x, vx = self._source(x)
-        self._check_grid(vx)
         y, out, vy = self._dest(x, out)
         if src_x is not x and y is x:  # in place through the fallback: the kernel writes the buffer
             y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -275,9 +257,8 @@ class RopeKernels:
             low = role.lower()
             a[put[low + "sb"]], a[put[low + "ss"]], a[put[low + "sh"]] = v[3] // u, v[4] // u, v[5] // u
         vx = self._view4(x)
-        self._check_grid(vx)
         a[put["B"]], a[put["S"]], a[put["H"]] = vx[0], vx[1], vx[2]
-        a[put["HK"]] = key.shape[-2] if key is not None else 0
+        a[put["HK"]] = self._view4(key)[2] if key is not None else 0  # heads as the kernel sees them (1 in 1d)
         if pos is not None:
             a[put["limit"]] = self.limit
             self._put_position_strides(a, put, pos)

@@ -1,0 +1,241 @@
+"""Every op, forward and backward, under NVIDIA's compute-sanitizer (issue 12): ``python -m benchmarks.sanitize``.
+
+The calls (``calls()``) cover every manifest case of every op (inputs scaled down by the manifest's
+``cpu_shrink``), forward and backward, and on top of that, for the base op in 2d and the
+position-ids op: head_dim 2, 64, 80, 96, 128, 256 and 512; 1 and 80 heads and a GQA key; lengths 1,
+7 and 129 (partial tiles); ``key=``, ``out=`` into NaN-filled tensors, in place, HF's transposed
+views, a fused qkv buffer, a misaligned view (the copy fallback); positions 0 and 2^24 - 1 (the
+largest supported) and out-of-range positions, which must be reported while memcheck stays clean.
+Every result is checked against the float64 references of ``tests/references.py``.
+
+The runner first makes the calls without the tool, split over ``--jobs`` processes, which compiles
+every kernel into the disk cache (and checks every result); then it runs them all in one process
+under each tool (``memcheck``, ``racecheck``, ``initcheck``, ``synccheck``), prints each tool's
+summary line and exits non-zero unless every tool reports no error and every call passed.
+``--inner`` runs the calls in this process (what each tool runs); ``--tools`` picks tools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+HEAD_DIMS = (2, 64, 80, 96, 128, 256, 512)
+MAX_POS = (1 << 24) - 1
+#: where the calls run: CUDA under the tool; ``TILEOPS_SANITIZE_DEVICE=cpu`` tries the calls on the CPU
+DEV = os.environ.get("TILEOPS_SANITIZE_DEVICE", "cuda")
+
+
+def _refs():
+    from tests.references import reference, reference_grad
+    from tileops.testing import tolerance
+
+    return reference, reference_grad, tolerance
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    _, _, tolerance = _refs()
+    atol, rtol = tolerance(got.dtype)
+    g = got.detach().double().cpu()
+    bad = ~torch.isfinite(g) | ((g - ref).abs() > atol + rtol * ref.abs())
+    if bool(bad.any()):
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements off, max err "
+                             f"{(g - ref).abs().max().item():.3g}")
+
+
+Call = tuple[str, Callable[[], None]]
+
+
+def _case_calls() -> Iterator[Call]:
+    """Every case of every op, forward and backward, on its first dtype (shrunk inputs)."""
+    from tileops.manifest import registry
+    from tileops.workloads import op_class, workload
+
+    reference, reference_grad, _ = _refs()
+    for name, m in sorted(registry().items()):
+        for case in m.cases:
+            def run(name=name, m=m, case=case) -> None:
+                g = torch.Generator().manual_seed(hash((name, case.label)) & 0xFFFF)
+                w = workload(m, case, case.dtypes[0], DEV, shrink=True, generator=g)
+                op = op_class(name)(**w.params)
+                cpu = {k: v.cpu() for k, v in w.inputs.items()}
+                res = op(**w.inputs)
+                outs = res if isinstance(res, tuple) else (res,)
+                likes = [o.like for o in m.outputs if o.like in w.inputs]
+                for like, out in zip(likes, outs):
+                    _close(out, reference(name, w.params, {**cpu, "x": cpu[like]}), f"{name} {case.label} {like}")
+                if m.backward:
+                    wrt = [n for n in m.backward.wrt if n in w.inputs]
+                    leaves = {n: w.inputs[n].detach().clone().requires_grad_(True) for n in wrt}
+                    outs = op(**{**w.inputs, **leaves})
+                    outs = outs if isinstance(outs, tuple) else (outs,)
+                    gs = [torch.randn(o.shape, generator=g).to(o.dtype).to(DEV) for o in outs]
+                    grads = torch.autograd.grad(outs, [leaves[n] for n in wrt], gs)
+                    for n, gr in zip(wrt, grads):
+                        gout = gs[likes.index(n)].cpu()
+                        _close(gr, reference_grad(name, w.params, {**cpu, "x": cpu[n]}, gout), f"{name} {case.label} d{n}")
+                op.check()
+            yield f"{name} {case.label}", run
+
+
+def _base_calls() -> Iterator[Call]:
+    """RoPEFwdOp in 2d over head dims, heads, lengths, views, outputs and positions."""
+    from tileops.rope import RoPEFwdOp
+
+    reference, reference_grad, _ = _refs()
+    params = {"input_layout": "2d"}
+    for D in HEAD_DIMS:
+        for H, HK, S in ((1, 1, 1), (80, 8, 7), (4, 4, 129)):
+            dt = torch.float32 if D in (80, 2) else torch.bfloat16
+
+            def run(D=D, H=H, HK=HK, S=S, dt=dt) -> None:
+                g = torch.Generator().manual_seed(D * 1000 + H)
+                op = RoPEFwdOp(input_layout="2d")
+                # HF's [B, H, S, D], seen as [B, S, H, D]: strided, no copy
+                q = torch.randn(2, H, S, D, generator=g).to(dt).to(DEV).transpose(1, 2)
+                k = torch.randn(2, HK, S, D, generator=g).to(dt).to(DEV).transpose(1, 2)
+                pos = torch.randint(0, MAX_POS + 1, (2, S), generator=g)
+                pos[0, 0], pos[-1, -1] = 0, MAX_POS
+                qo, ko = torch.full(q.shape, float("nan"), dtype=dt).to(DEV), torch.full(k.shape, float("nan"), dtype=dt).to(DEV)
+                op(q, position_ids=pos.to(DEV), key=k, out=qo, key_out=ko)
+                cq, ck = q.cpu(), k.cpu()
+                _close(qo, reference("RoPEFwdOp", params, {"x": cq, "position_ids": pos}), f"D{D} H{H} S{S} out=")
+                _close(ko, reference("RoPEFwdOp", params, {"x": ck, "position_ids": pos}), f"D{D} H{H} S{S} key_out=")
+                q2, k2 = q.clone(), k.clone()
+                op(q2, position_ids=pos.to(DEV), key=k2, out=q2, key_out=k2)  # in place
+                _close(q2, reference("RoPEFwdOp", params, {"x": cq, "position_ids": pos}), f"D{D} in place")
+                _close(op(q), reference("RoPEFwdOp", params, {"x": cq}), f"D{D} no positions")
+                leaf = q.detach().clone().requires_grad_(True)
+                go = torch.randn(q.shape, generator=g).to(dt).to(DEV)
+                (dq,) = torch.autograd.grad(op(leaf, position_ids=pos.to(DEV)), leaf, go)
+                _close(dq, reference_grad("RoPEFwdOp", params, {"x": cq, "position_ids": pos}, go.cpu()), f"D{D} dq")
+                op.check()
+            yield f"RoPEFwdOp 2d D={D} H={H}/{HK} S={S}", run
+
+
+def _ids_calls() -> Iterator[Call]:
+    """The position-ids op on a fused qkv buffer, partial rotary, a misaligned view, bad positions."""
+    from tileops.rope import RoPENeoxPositionIdsFwdOp
+
+    reference, _, _ = _refs()
+    for D, rot in ((64, 64), (128, 64), (256, 98), (512, 512)):
+        def run(D=D, rot=rot) -> None:
+            g = torch.Generator().manual_seed(D)
+            T_, HQ, HKV, limit = 129, 8, 2, 1 << 24
+            p = {"max_position": limit, "rotary_dim": rot}
+            op = RoPENeoxPositionIdsFwdOp(limit, rotary_dim=rot)
+            qkv = torch.randn(T_, (HQ + 2 * HKV) * D, generator=g).half().to(DEV)
+            q = qkv[:, : HQ * D].view(T_, HQ, D)
+            k = qkv[:, HQ * D : (HQ + HKV) * D].view(T_, HKV, D)
+            pos = torch.randint(0, limit, (T_,), generator=g)
+            pos[0], pos[-1] = 0, limit - 1
+            cq, ck = q.cpu().clone(), k.cpu().clone()  # before the in-place call (.cpu() of a CPU tensor is itself)
+            v_before = qkv[:, (HQ + HKV) * D :].clone()
+            op(q, position_ids=pos.to(DEV), key=k, out=q, key_out=k)  # in place in the fused buffer
+            _close(q, reference(op.name, p, {"x": cq, "position_ids": pos}), f"ids D{D} fused q")
+            _close(k, reference(op.name, p, {"x": ck, "position_ids": pos}), f"ids D{D} fused k")
+            assert torch.equal(qkv[:, (HQ + HKV) * D :], v_before), "v was written"
+            buf = torch.randn(T_ * HQ * D + 1, generator=g).half().to(DEV)
+            odd = buf[1:].view(T_, HQ, D)  # 2 bytes past a 16-byte boundary: the copy fallback
+            _close(op(odd, position_ids=pos.to(DEV)), reference(op.name, p, {"x": odd.cpu(), "position_ids": pos}),
+                   f"ids D{D} misaligned")
+            bad = pos.clone()
+            bad[T_ // 2] = limit  # out of range: read as 0, reported, never read out of bounds
+            try:
+                op(odd, position_ids=bad.to(DEV))  # on a GPU reported by check(), on the CPU at the call
+                op.check()
+            except ValueError as e:
+                assert f"position_ids[{T_ // 2}] = {limit}" in str(e), e
+            else:
+                raise AssertionError("an out-of-range position was not reported")
+        yield f"ids D={D} rot={rot}", run
+
+
+def calls() -> list[Call]:
+    return [*_case_calls(), *_base_calls(), *_ids_calls()]
+
+
+def inner(part: int, parts: int) -> int:
+    todo = calls()[part::parts]
+    failed = 0
+    for name, run in todo:
+        try:
+            run()
+        except Exception as e:  # report every failure, then fail the run
+            failed += 1
+            print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    print(f"sanitize calls: {len(todo) - failed} passed, {failed} failed", flush=True)
+    return 1 if failed else 0
+
+
+def _summary(tool: str, log: str) -> str:
+    lines = [ln for ln in log.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
+    return lines[-1].strip() if lines else "(no summary line)"
+
+
+def outer(tools: list[str], jobs: int, logdir: str) -> int:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    me = [sys.executable, "-m", "benchmarks.sanitize", "--inner"]
+    t0 = time.time()
+    procs = [subprocess.Popen([*me, "--part", str(i), "--parts", str(jobs)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(jobs)]
+    ok = True
+    for i, p in enumerate(procs):
+        out, _ = p.communicate()
+        ok &= p.returncode == 0
+        if logdir:
+            with open(os.path.join(logdir, f"sanitize-plain-{i}.log"), "w") as f:
+                f.write(out)
+        lines = out.splitlines()
+        shown = [ln for ln in lines if ln.startswith(("FAILED", "sanitize calls"))]
+        print(f"  plain part {i}: rc={p.returncode}; {'; '.join(shown) or '(no summary)'}")
+        if p.returncode != 0:
+            print("\n".join("    " + ln for ln in lines[-15:]))
+    print(f"plain run ({len(calls())} calls, {jobs} processes, kernels compiled): {'ok' if ok else 'FAILED'} "
+          f"in {time.time() - t0:.0f} s", flush=True)
+    exe = os.environ.get("COMPUTE_SANITIZER", "compute-sanitizer")
+    for tool in tools:
+        t0 = time.time()
+        cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
+        if tool == "racecheck":
+            cmd += ["--racecheck-report", "all"]
+        proc = subprocess.run([*cmd, *me], env=env, capture_output=True, text=True)
+        log = proc.stdout + proc.stderr
+        if logdir:
+            with open(os.path.join(logdir, f"sanitize-{tool}.log"), "w") as f:
+                f.write(log)
+        calls_line = next((ln for ln in log.splitlines() if ln.startswith("sanitize calls")), "(calls did not finish)")
+        good = proc.returncode == 0
+        ok &= good
+        print(f"{tool:10s} rc={proc.returncode} {_summary(tool, log)}; {calls_line} ({time.time() - t0:.0f} s)", flush=True)
+        if not good:
+            print("\n".join(ln for ln in log.splitlines() if re.search(r"FAILED|Error|error", ln))[-3000:])
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.sanitize", description=__doc__.split("\n")[0])
+    ap.add_argument("--inner", action="store_true", help="run the calls in this process")
+    ap.add_argument("--part", type=int, default=0)
+    ap.add_argument("--parts", type=int, default=1)
+    ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes for the plain run")
+    ap.add_argument("--logdir", default="", help="write each tool's full log here")
+    a = ap.parse_args(argv)
+    if a.inner:
+        return inner(a.part, a.parts)
+    return outer([t for t in a.tools.split(",") if t], a.jobs, a.logdir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
