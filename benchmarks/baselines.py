@@ -48,6 +48,8 @@ def make_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..
     rot = op.rotated_width(x.shape[-1])
     inv, amp = op.frequencies(rot)
     inv = inv.to(x.device)
+    if op.name == "MRoPEFwdOp" and inputs.get("position_ids") is not None:
+        return _mrope_baseline(op, inputs, inv, amp)
     if op.layout == "ids":
         pos = inputs["position_ids"]
         table = torch.arange(op.params["max_position"], device=x.device, dtype=torch.float64)[:, None] * inv
@@ -79,6 +81,21 @@ def _torch_target(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..
     return (lambda *tensors: impl(**dict(zip(names, tensors)))), tuple(inputs.values())
 
 
+def _mrope_baseline(op: Any, inputs: dict[str, torch.Tensor], inv: torch.Tensor, amp: float) -> tuple[Callable, tuple]:
+    """MRoPE as Qwen2-VL's modeling code runs it: cos/sin per token with the sections folded in
+    (the rotary embedding's output, computed outside the timed region), then ``apply_rotary_pos_emb``
+    on x and, when given, the key."""
+    x, pos, key = inputs["x"], inputs["position_ids"], inputs.get("key")
+    angle = op.angles(pos, inv, True)  # [rows..., R/2]: each pair at its stream's position
+    c, s = (angle.cos() * amp).float(), (angle.sin() * amp).float()
+    c, s = torch.cat((c, c), -1), torch.cat((s, s), -1)
+    if op.layout != "1d":
+        c, s = c[..., None, :], s[..., None, :]  # over the heads
+    if key is None:
+        return (lambda x, pos, c, s: _rope_neox(x, c, s)), (x, pos, c, s)
+    return (lambda x, pos, k, c, s: (_rope_neox(x, c, s), _rope_neox(k, c, s))), (x, pos, key, c, s)
+
+
 def liger_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., Any], tuple] | None:
     """Liger's ``liger_rotary_pos_emb`` on the same data, where it fits (neox, 2d); else None.
 
@@ -86,7 +103,7 @@ def liger_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[.
     (transposed views made contiguous outside the timed region), so it moves twice the bytes of one
     op call: its time is halved when compared.
     """
-    if op.manifest.family != "rope" or op.layout != "2d" or op.pairing != "neox":
+    if op.manifest.family != "rope" or op.layout != "2d" or op.pairing != "neox" or op.name == "MRoPEFwdOp":
         return None
     try:
         from liger_kernel.ops.rope import LigerRopeFunction

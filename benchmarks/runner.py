@@ -144,7 +144,8 @@ def _grad_timer(fn: Callable[..., torch.Tensor], arg_sets: list[tuple], n: int) 
     for args in arg_sets:
         x = args[0].detach().requires_grad_(True)
         out = fn(x, *args[1:])
-        graphs.append((out, x, torch.randn_like(out)))
+        outs = out if isinstance(out, tuple) else (out,)  # (out, key_out): x's gradient through out
+        graphs.append((outs[0], x, torch.randn_like(outs[0])))
     return gpu_time(lambda i: torch.autograd.grad(graphs[i][0], graphs[i][1], graphs[i][2], retain_graph=True), n)
 
 

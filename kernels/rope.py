@@ -6,7 +6,9 @@ folds into three small float64-derived tables; the kernel itself knows four thin
 * the pairing: ``neox`` pairs ``(i, i + R/2)``, ``interleaved`` pairs ``(2i, 2i + 1)``;
 * where positions come from: the sequence index (``positions=None``) or an int32/int64 tensor
   ``P`` read through two strides (``[S]`` shared by the batch, or ``[B, S]``), bounds-checked on
-  the device;
+  the device; with ``mrope_section`` (multimodal RoPE, Qwen2-VL / Qwen3-VL) ``P`` holds three
+  position streams (temporal, height, width) read through a third stride, and each pair takes its
+  angle from the stream the section map gives it (see ``_pick``);
 * the rotated width ``R`` (``rot``), at most ``D``; columns ``R..D`` are copied unchanged;
 * the direction: ``inverse=True`` rotates by the negated angle. The backward of
   ``y = A R(θ) x`` is ``A R(-θ) g``, so the gradient is this same kernel with sin negated.
@@ -37,6 +39,12 @@ Two schedules from one description:
   the grid's x and the batch along y; a batch above the 65535 rows y may have is walked by each
   block row in steps of 65535.
 * ``c``: TileLang's C backend has no threads, so the same math runs as plain loops per token.
+
+MRoPE. A token has three positions; all three are read and bounds-checked by every thread of the
+token. Where every section is a multiple of ``VEC`` pairs and the map is not interleaved (Qwen2-VL's
+``[16, 24, 24]`` in any dtype), a thread's ``VEC`` pairs share one stream and the table loads stay
+as wide as without MRoPE; otherwise (Qwen3-VL's interleaved map) each pair gathers its own table
+rows. The loads and stores of x are the same 16-byte accesses either way.
 """
 
 
@@ -78,6 +86,8 @@ MAX_GRID_Y = 65535
 ARGS = ("X", "Y", "K", "KY", "TD", "P", "ERR", "B", "S", "H", "HK",
         "xsb", "xss", "xsh", "ysb", "yss", "ysh", "ksb", "kss", "ksh", "kysb", "kyss", "kysh",
         "psb", "pss", "limit", "tag")
+#: with ``mrope_section``: the stride between the three position streams, after ``pss``
+MROPE_ARGS = ARGS[:ARGS.index("pss") + 1] + ("psc",) + ARGS[ARGS.index("pss") + 1:]
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,9 @@ class RopeKernelSpec:
     head_lanes: int = 4  # cuda: threads that split one token's heads
     threads: int = 128  # cuda: target threads per block
     tokens_per_thread: int = 1  # cuda: tokens each thread walks
+    #: MRoPE: pairs per position stream (temporal, height, width), summing to rot // 2; needs positions
+    mrope_section: "tuple[int, int, int] | None" = None
+    mrope_interleaved: bool = False  # the stream map of Qwen3-VL instead of consecutive sections
 
     def __post_init__(self) -> None:
         if self.dtype not in _ELEM_BYTES:
@@ -106,6 +119,16 @@ class RopeKernelSpec:
             raise ValueError(f"positions: expected None, 'int32' or 'int64', got {self.positions!r}")
         if self.backend not in ("cuda", "c"):
             raise ValueError(f"backend: expected 'cuda' or 'c', got {self.backend!r}")
+        sec = self.mrope_section
+        if sec is not None:
+            if (not isinstance(sec, tuple) or len(sec) != 3 or any(type(n) is not int or n < 1 for n in sec)
+                    or sum(sec) != self.rot // 2):
+                raise ValueError(f"mrope_section: expected a tuple of 3 positive ints summing to rot // 2 = "
+                                 f"{self.rot // 2}, got {sec!r}")
+            if self.positions is None:
+                raise ValueError("mrope_section: expected positions (three streams are read from P), got None")
+        elif self.mrope_interleaved:
+            raise ValueError("mrope_interleaved: expected mrope_section with it, got None")
 
     @property
     def group(self) -> int:
@@ -149,11 +172,32 @@ class RopeKernelSpec:
         return self.vec if self.backend == "cuda" else 1
 
     @property
+    def uniform_streams(self) -> bool:
+        """MRoPE on CUDA: whether each thread's ``vec`` pairs all take one stream (consecutive
+        sections, each a multiple of ``vec``), so its table loads stay vectorized."""
+        sec = self.mrope_section
+        return sec is not None and not self.mrope_interleaved and all(n % self.vec == 0 for n in sec)
+
+    @property
     def args(self) -> tuple[str, ...]:
         """The generated function's parameter names, in order."""
         if self.positions is None:
             return tuple(a for a in ARGS if a not in ("P", "ERR", "psb", "pss", "limit", "tag"))
-        return ARGS
+        return ARGS if self.mrope_section is None else MROPE_ARGS
+
+
+def _pick(spec: RopeKernelSpec, j, pt, ph, pw):
+    """The position pair ``j`` (a TIR expression) rotates by: that of stream 0 (temporal, ``pt``), 1
+    (height, ``ph``) or 2 (width, ``pw``). Consecutive sections (Qwen2-VL, Qwen2.5-VL): the first
+    ``section[0]`` pairs take stream 0, the next ``section[1]`` stream 1, the rest stream 2.
+    Interleaved (Qwen3-VL): stream 1 when ``j % 3 == 1`` and ``j < 3 * section[1]``, stream 2 when
+    ``j % 3 == 2`` and ``j < 3 * section[2]``, else stream 0 (``tileops.rope.freqs.mrope_streams``
+    is the same map on the host)."""
+    s0, s1, s2 = spec.mrope_section
+    if spec.mrope_interleaved:
+        return T.if_then_else(T.And(j % 3 == 1, j < 3 * s1), ph,
+                              T.if_then_else(T.And(j % 3 == 2, j < 3 * s2), pw, pt))
+    return T.if_then_else(j < s0, pt, T.if_then_else(j < s0 + s1, ph, pw))
 
 
 def build_rope(spec: RopeKernelSpec):
@@ -185,12 +229,16 @@ def _tl() -> Any:
     return T
 
 
-def _position_body(by_ids, P, ERR, psb, pss, limit, tag, b, s):
+def _position_body(by_ids, P, ERR, psb, pss, limit, tag, b, s, stream=None, psc=None):
     """The position of row ``(b, s)``: ``s`` itself, or ``P[b * psb + s * pss]`` checked against
-    ``[0, limit)``; one outside reads as 0 and writes the call's ``tag`` into ``ERR[0]``."""
+    ``[0, limit)``; one outside reads as 0 and writes the call's ``tag`` into ``ERR[0]``. With
+    ``stream`` (MRoPE), the position of that stream, ``P[stream * psc + b * psb + s * pss]``."""
     p = T.alloc_var("int64")
     if by_ids:
-        raw = T.cast(P[T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
+        if stream is None:
+            raw = T.cast(P[T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
+        else:
+            raw = T.cast(P[stream * psc + T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
         if raw < 0 or raw >= limit:
             ERR[0] = tag
             p = 0
@@ -229,6 +277,7 @@ def _build_c(spec: RopeKernelSpec):
     storage = storage_dtype(spec.dtype, "c")
     dt = spec.dtype
     by_ids = spec.positions is not None
+    mrope = spec.mrope_section is not None
     sgn = -1.0 if spec.inverse else 1.0
     sig = _signature(spec, storage)
 
@@ -246,26 +295,50 @@ def _build_c(spec: RopeKernelSpec):
     # Macro parameters that receive a kernel parameter carry its exact name: TVMScript renames a
     # variable bound to a new name, and two kernel parameters of one name do not compile.
     @T.macro
+    def compose(TD, cst, j, d0, d1, d2):
+        c2, s2 = TD[2, d2, 0, j], TD[2, d2, 1, j]
+        c1, s1 = TD[1, d1, 0, j], TD[1, d1, 1, j]
+        c0, s0 = TD[0, d0, 0, j], TD[0, d0, 1, j]
+        c12 = c2 * c1 - s2 * s1
+        s12 = s2 * c1 + c2 * s1
+        cst[0, j] = c12 * c0 - s12 * s0
+        cst[1, j] = (s12 * c0 + c12 * s0) * sgn
+
+    @T.macro
     def body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
-             psb, pss, limit, tag, b, s):
+             psb, pss, psc, limit, tag, b, s):
         cst = T.alloc_local((2, half), "float32")
-        p = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s)
-        d0 = p % LO
-        d1 = (p // LO) % LO
-        d2 = p // (LO * LO)
-        for j in T.serial(half):
-            c2, s2 = TD[2, d2, 0, j], TD[2, d2, 1, j]
-            c1, s1 = TD[1, d1, 0, j], TD[1, d1, 1, j]
-            c0, s0 = TD[0, d0, 0, j], TD[0, d0, 1, j]
-            c12 = c2 * c1 - s2 * s1
-            s12 = s2 * c1 + c2 * s1
-            cst[0, j] = c12 * c0 - s12 * s0
-            cst[1, j] = (s12 * c0 + c12 * s0) * sgn
+        if mrope:  # three positions; each pair takes its stream's
+            pt = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s, 0, psc)
+            ph = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s, 1, psc)
+            pw = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s, 2, psc)
+            for j in T.serial(half):
+                pj = _pick(spec, j, pt, ph, pw)
+                compose(TD, cst, j, pj % LO, (pj // LO) % LO, pj // (LO * LO))
+        else:
+            p = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s)
+            d0 = p % LO
+            d1 = (p // LO) % LO
+            d2 = p // (LO * LO)
+            for j in T.serial(half):
+                compose(TD, cst, j, d0, d1, d2)
         for h in T.serial(H + HK):
             if h < H:
                 one_head(X, Y, _offset(b, s, h, xsb, xss, xsh), _offset(b, s, h, ysb, yss, ysh), cst)
             else:
                 one_head(K, KY, _offset(b, s, h - H, ksb, kss, ksh), _offset(b, s, h - H, kysb, kyss, kysh), cst)
+
+    if mrope:
+        @T.prim_func
+        def rope_mrope_c(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"],
+                         ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
+                         xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
+                         ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
+                         psb: T.int64, pss: T.int64, psc: T.int64, limit: T.int64, tag: T.int32):
+            with T.Kernel(S, B, threads=1) as (bs, bb):
+                body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
+                     kysh, psb, pss, psc, limit, tag, bb, bs)
+        return rope_mrope_c
 
     if by_ids:
         @T.prim_func
@@ -276,7 +349,7 @@ def _build_c(spec: RopeKernelSpec):
                        psb: T.int64, pss: T.int64, limit: T.int64, tag: T.int32):
             with T.Kernel(S, B, threads=1) as (bs, bb):
                 body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                     kysh, psb, pss, limit, tag, bb, bs)
+                     kysh, psb, pss, 0, limit, tag, bb, bs)
         return rope_ids_c
 
     @T.prim_func
@@ -286,7 +359,7 @@ def _build_c(spec: RopeKernelSpec):
                ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64):
         with T.Kernel(S, B, threads=1) as (bs, bb):
             body(X, Y, K, KY, TD, None, None, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                 kysh, 0, 0, 0, 0, bb, bs)
+                 kysh, 0, 0, 0, 0, 0, bb, bs)
     return rope_c
 
 
@@ -313,6 +386,8 @@ def _build_cuda(spec: RopeKernelSpec):
     threads = spec.block_threads
     GROUP = spec.group
     by_ids = spec.positions is not None
+    mrope = spec.mrope_section is not None
+    gather = mrope and not spec.uniform_streams  # each pair of a thread's V may take its own stream
     neox = spec.pairing == "neox"
     sgn = -1.0 if spec.inverse else 1.0
     sig = _signature(spec, dt)
@@ -363,29 +438,51 @@ def _build_cuda(spec: RopeKernelSpec):
 
     @T.macro
     def token(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
-              psb, pss, limit, tag, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb):
-        p = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s)
+              psb, pss, psc, limit, tag, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb):
+        if mrope:  # every thread reads (and checks) the token's three positions
+            pt = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s, 0, psc)
+            ph = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s, 1, psc)
+            pw = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s, 2, psc)
+        else:
+            p = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s)
         xo = _offset(bb, s, 0, xsb, xss, xsh, V)
         yo = _offset(bb, s, 0, ysb, yss, ysh, V)
         ko = _offset(bb, s, 0, ksb, kss, ksh, V)
         kyo = _offset(bb, s, 0, kysb, kyss, kysh, V)
         if lane < C:
             j0 = lane * V
-            d0 = p % LO
-            d1 = (p // LO) % LO
-            d2 = p // (LO * LO)
-            for v in T.vectorized(V):
-                c2[v] = TD[2, d2, 0, j0 + v]
-            for v in T.vectorized(V):
-                s2[v] = TD[2, d2, 1, j0 + v]
-            for v in T.vectorized(V):
-                c1[v] = TD[1, d1, 0, j0 + v]
-            for v in T.vectorized(V):
-                s1[v] = TD[1, d1, 1, j0 + v]
-            for v in T.vectorized(V):
-                c0[v] = TD[0, d0, 0, j0 + v]
-            for v in T.vectorized(V):
-                s0[v] = TD[0, d0, 1, j0 + v]
+            if gather:  # per pair: its stream's position, its own table rows
+                for v in T.unroll(V):
+                    pv = T.alloc_var("int64")  # a variable: the pick is not repeated in each load
+                    pv = _pick(spec, j0 + v, pt, ph, pw)
+                    e0 = pv % LO
+                    e1 = (pv // LO) % LO
+                    e2 = pv // (LO * LO)
+                    c2[v] = TD[2, e2, 0, j0 + v]
+                    s2[v] = TD[2, e2, 1, j0 + v]
+                    c1[v] = TD[1, e1, 0, j0 + v]
+                    s1[v] = TD[1, e1, 1, j0 + v]
+                    c0[v] = TD[0, e0, 0, j0 + v]
+                    s0[v] = TD[0, e0, 1, j0 + v]
+            else:
+                if mrope:  # the V pairs share one stream
+                    p = T.alloc_var("int64")
+                    p = _pick(spec, j0, pt, ph, pw)
+                d0 = p % LO
+                d1 = (p // LO) % LO
+                d2 = p // (LO * LO)
+                for v in T.vectorized(V):
+                    c2[v] = TD[2, d2, 0, j0 + v]
+                for v in T.vectorized(V):
+                    s2[v] = TD[2, d2, 1, j0 + v]
+                for v in T.vectorized(V):
+                    c1[v] = TD[1, d1, 0, j0 + v]
+                for v in T.vectorized(V):
+                    s1[v] = TD[1, d1, 1, j0 + v]
+                for v in T.vectorized(V):
+                    c0[v] = TD[0, d0, 0, j0 + v]
+                for v in T.vectorized(V):
+                    s0[v] = TD[0, d0, 1, j0 + v]
             for v in T.serial(V):
                 c12 = c2[v] * c1[v] - s2[v] * s1[v]
                 s12 = s2[v] * c1[v] + c2[v] * s1[v]
@@ -414,7 +511,7 @@ def _build_cuda(spec: RopeKernelSpec):
 
     @T.macro
     def body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
-             psb, pss, limit, tag, bx, bb):
+             psb, pss, psc, limit, tag, bx, bb):
         T.import_source(_CUDA_HELPERS)
         tx = T.get_thread_binding()
         lane = tx % CL
@@ -436,7 +533,21 @@ def _build_cuda(spec: RopeKernelSpec):
             s = bx * GROUP + kt * TOK + tok
             if s < S:
                 token(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                      kysh, psb, pss, limit, tag, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb)
+                      kysh, psb, pss, psc, limit, tag, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya,
+                      yb)
+
+    if mrope:
+        @T.prim_func
+        def rope_mrope_cuda(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"],
+                            ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
+                            xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
+                            ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
+                            psb: T.int64, pss: T.int64, psc: T.int64, limit: T.int64, tag: T.int32):
+            with T.Kernel(T.ceildiv(S, GROUP), T.min(B, MAX_GRID_Y), threads=threads) as (bx, by):
+                for rb in T.serial(T.ceildiv(B - by, MAX_GRID_Y)):
+                    body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
+                         kyss, kysh, psb, pss, psc, limit, tag, bx, by + rb * MAX_GRID_Y)
+        return rope_mrope_cuda
 
     if by_ids:
         @T.prim_func
@@ -448,7 +559,7 @@ def _build_cuda(spec: RopeKernelSpec):
             with T.Kernel(T.ceildiv(S, GROUP), T.min(B, MAX_GRID_Y), threads=threads) as (bx, by):
                 for rb in T.serial(T.ceildiv(B - by, MAX_GRID_Y)):
                     body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
-                         kyss, kysh, psb, pss, limit, tag, bx, by + rb * MAX_GRID_Y)
+                         kyss, kysh, psb, pss, 0, limit, tag, bx, by + rb * MAX_GRID_Y)
         return rope_ids_cuda
 
     @T.prim_func
@@ -459,7 +570,7 @@ def _build_cuda(spec: RopeKernelSpec):
         with T.Kernel(T.ceildiv(S, GROUP), T.min(B, MAX_GRID_Y), threads=threads) as (bx, by):
             for rb in T.serial(T.ceildiv(B - by, MAX_GRID_Y)):
                 body(X, Y, K, KY, TD, None, None, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
-                     kyss, kysh, 0, 0, 0, 0, bx, by + rb * MAX_GRID_Y)
+                     kyss, kysh, 0, 0, 0, 0, 0, bx, by + rb * MAX_GRID_Y)
     return rope_cuda
 
 

@@ -62,6 +62,8 @@ DEFAULTS: dict[str, dict] = {
         # not an op parameter: the largest position of the call, which picks short or long factors
         "max_position_id": None,
     },
+    # MRoPE (Qwen2-VL / Qwen3-VL): mrope_section is required; position_ids are [3, ...]
+    "MRoPEFwdOp": {"input_layout": "2d", "base": 10000.0, "mrope_section": None, "mrope_interleaved": False},
     "RoPEDynamicNTKFwdOp": {
         **_COMMON,
         "factor": 1.0,
@@ -192,6 +194,8 @@ def inv_freq_and_amplitude(op_name: str, params: dict, rot_dim: int) -> tuple[to
         return base_inv_freq(p["base"], p["rotary_dim"] or rot_dim) / float(p["factor"]), 1.0
     if op_name == "Phi3LongRoPEFwdOp":
         return phi3_longrope_inv_freq_and_amplitude(p, p["rotary_dim"] or rot_dim)
+    if op_name == "MRoPEFwdOp":  # base frequencies; the streams only pick each pair's position
+        return base_inv_freq(p["base"], rot_dim), 1.0
     if op_name == "RoPEDynamicNTKFwdOp":  # HF dynamic: the base grows with the call's length
         D = p["rotary_dim"] or rot_dim
         mpe = float(p["max_position_embeddings"])
@@ -242,9 +246,65 @@ def _sequence_positions(x: torch.Tensor, input_layout: str) -> torch.Tensor:
     raise ValueError(f"unknown input_layout {input_layout!r}")
 
 
+def mrope_pair_streams(section, interleaved: bool, pairs: int) -> list[int]:
+    """The position stream (0 temporal, 1 height, 2 width) of each of the ``pairs`` frequency pairs.
+
+    Consecutive (HF Qwen2-VL ``recomposition_frequencies``: the frequencies split by
+    ``mrope_section``, chunk c from stream c): section[0] zeros, section[1] ones, section[2] twos.
+    Interleaved (HF Qwen3-VL): stream 0 everywhere, then every third pair from 1 below
+    3 * section[1] is stream 1 and every third pair from 2 below 3 * section[2] is stream 2.
+    """
+    section = [int(n) for n in section]
+    if len(section) != 3 or min(section) < 1 or sum(section) != pairs:
+        raise ValueError(f"mrope_section must be 3 positive counts summing to {pairs}, got {section}")
+    if not interleaved:
+        return [c for c, n in enumerate(section) for _ in range(n)]
+    streams = [0] * pairs
+    for c in (1, 2):
+        for j in range(c, min(3 * section[c], pairs), 3):
+            streams[j] = c
+    return streams
+
+
+def mrope_reference(p: dict, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """MRoPE: neox pairs (i, i + D/2), pair i turning by position_ids[stream(i)] * base^(-2i/D)."""
+    x = inputs["x"].double()
+    D, layout = x.shape[-1], p["input_layout"]
+    if p["mrope_section"] is None:
+        raise ValueError("MRoPEFwdOp needs mrope_section")
+    streams = mrope_pair_streams(p["mrope_section"], bool(p["mrope_interleaved"]), D // 2)
+    rows = {"1d": x.shape[:1], "2d": x.shape[:2], "packed": x.shape[:1]}[layout]  # one position per row
+    given = inputs.get("position_ids")
+    if given is None:
+        if layout == "packed":
+            raise ValueError("packed MRoPE needs position_ids")
+        seq = torch.arange(x.shape[0] if layout == "1d" else x.shape[1], dtype=F64)
+        pos = seq.expand(3, *rows)  # text-only: every stream is the sequence index
+    else:
+        if given.dtype not in (torch.int32, torch.int64) or tuple(given.shape) != (3, *rows):
+            raise ValueError(f"position_ids must be int32/int64 of shape {(3, *rows)}, got {tuple(given.shape)}")
+        if given.numel() and (int(given.min()) < 0 or int(given.max()) >= 2**24):
+            raise ValueError("position_ids outside [0, 2^24)")
+        pos = given.to(F64)
+    inv = base_inv_freq(p["base"], D)
+    angle = torch.zeros(*rows, D // 2, dtype=F64)
+    for i, c in enumerate(streams):
+        angle[..., i] = pos[c] * inv[i]
+    if layout != "1d":
+        angle = angle.unsqueeze(-2)  # broadcast over heads
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    out = x.clone()
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    out[..., : D // 2] = x1 * cos - x2 * sin
+    out[..., D // 2:] = x2 * cos + x1 * sin
+    return out
+
+
 def reference(op_name: str, params: dict, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """float64 output of the op for those constructor params and call inputs."""
     p = _params(op_name, params)
+    if op_name == "MRoPEFwdOp":
+        return mrope_reference(p, inputs)
     x = inputs["x"].double()
     head_dim = x.shape[-1]
     if op_name == "RoPENeoxPositionIdsFwdOp":

@@ -47,7 +47,9 @@ def test_emit_c_source():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 @pytest.mark.parametrize("op,case", [("RoPEFwdOp", "neox-2d-2k"), ("RoPEFwdOp", "interleaved-2d-2k"),
-                                     ("RoPENeoxPositionIdsFwdOp", "ids-partial-4k")])
+                                     ("RoPENeoxPositionIdsFwdOp", "ids-partial-4k"),
+                                     ("MRoPEFwdOp", "qwen2vl-2d-4k"), ("MRoPEFwdOp", "qwen3vl-2d-4k"),
+                                     ("MRoPEFwdOp", "qwen2vl-packed-4k"), ("MRoPEFwdOp", "mrope-packed-odd")])
 def test_cuda_source_compiles_with_16_byte_accesses(op, case, arch, tmp_path):
     src = emit(op, "--case", case, "--arch", arch)
     assert "__global__" in src
@@ -62,3 +64,15 @@ def test_cuda_source_compiles_with_16_byte_accesses(op, case, arch, tmp_path):
     assert stores, "no 16-byte global stores"
     narrow_loads = re.findall(r"ld\.global(?:\.nc)?\.(?:u8|u16|s16|b16|v2\.u16)\b", ptx)
     assert not narrow_loads, f"narrow global loads of x: {narrow_loads[:4]}"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_mrope_sections_on_vector_boundaries_keep_wide_table_loads(tmp_path):
+    """Qwen2-VL's [16, 24, 24] in bf16: each thread's 8 pairs share one stream, so its cos/sin table
+    loads stay 16 bytes wide as in plain RoPE; Qwen3-VL's interleaved map gathers a row per pair."""
+    wide = _ptx(emit("MRoPEFwdOp", "--case", "qwen2vl-2d-4k", "--arch", "sm_90"), "sm_90", tmp_path)
+    gather = _ptx(emit("MRoPEFwdOp", "--case", "qwen3vl-2d-4k", "--arch", "sm_90"), "sm_90", tmp_path)
+    plain = _ptx(emit("RoPEFwdOp", "--case", "neox-2d-2k", "--arch", "sm_90"), "sm_90", tmp_path)
+    f32x4 = r"ld\.global(?:\.nc)?\.v4\.f32"
+    assert len(re.findall(f32x4, wide)) == len(re.findall(f32x4, plain)) > 0
+    assert len(re.findall(r"ld\.global(?:\.nc)?\.f32", gather)) >= 48  # 6 tables x 8 pairs

@@ -87,6 +87,18 @@ _INTS = {"original_max_position": (1, 2**20), "max_position_embeddings": (1, 2**
 _BASE = st.one_of(st.sampled_from([10000.0, 500000.0, 1e6, 2.0]), st.floats(0.05, 1e7))
 
 
+def _pinned_dims(m) -> dict[str, int]:
+    """Dims a rule of the form ``dim == N`` fixes (MRoPE's ``streams == 3``): drawn as N."""
+    dims = m.dims
+    out = {}
+    for r in m.rules:
+        t = r.check.tree
+        if (t[0] == "cmp" and t[2] == ("==",) and t[1][0] == "name" and t[1][1] in dims
+                and t[3][0][0] == "lit" and isinstance(t[3][0][1], int)):
+            out[t[1][1]] = t[3][0][1]
+    return out
+
+
 @dataclass
 class Spec:
     op: str
@@ -167,6 +179,12 @@ def _param(draw, m, p, head_dim: int) -> Any:
         if DEVICE != "cpu":
             return draw(st.sampled_from(_rotary_choices(head_dim)))
         return draw(st.one_of(st.none(), st.integers(1, head_dim // 2).map(lambda n: 2 * n)))
+    if p.name == "mrope_section":  # three positive counts summing to head_dim / 2 (else the rule rejects it)
+        assume(head_dim >= 6)  # the op's check: sum(mrope_section) == head_dim // 2
+        half = head_dim // 2
+        a = draw(st.integers(1, half - 2))
+        b = draw(st.integers(1, half - a - 1))
+        return (a, b, half - a - b)
     if p.name == "rescale_factors":
         factors = st.one_of(st.floats(0.25, 64.0), st.floats(-4.0, -0.25))
         values = st.lists(factors, min_size=head_dim // 2, max_size=head_dim // 2)
@@ -183,7 +201,7 @@ def _param(draw, m, p, head_dim: int) -> Any:
 def _dims(draw, m, params, head_dim: int, max_elements: int) -> dict[str, int]:
     # head_dim first (for ops that have one), then the small dims (heads, batch), then the length
     # takes what the budget leaves
-    dims = {"head_dim": head_dim} if "head_dim" in m.dims else {}
+    dims = {**({"head_dim": head_dim} if "head_dim" in m.dims else {}), **_pinned_dims(m)}
     shape = max((t.shape_for(params) for t in m.inputs), key=len)
     limits = {"heads": 80, "num_heads": 80, "batch": 4}
     for d in sorted(shape, key=lambda d: d not in limits):
@@ -356,7 +374,9 @@ _WRONG_TYPES = {"int": st.one_of(st.floats(), st.text(max_size=4), st.booleans()
                 "float": st.one_of(st.text(max_size=4), st.booleans(), st.complex_numbers(allow_nan=False)),
                 "str": st.one_of(st.integers(), st.floats(allow_nan=False), st.booleans()),
                 "bool": st.one_of(st.integers(), st.text(max_size=4)),
-                "tensor": st.one_of(st.floats(allow_nan=False), st.text(max_size=4), st.integers())}
+                "tensor": st.one_of(st.floats(allow_nan=False), st.text(max_size=4), st.integers()),
+                "ints": st.one_of(st.integers(), st.text(max_size=4), st.lists(st.floats(allow_nan=False), min_size=1,
+                                                                               max_size=3))}
 
 
 def _violated(m, env) -> list:

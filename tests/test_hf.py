@@ -65,11 +65,37 @@ def _config(kind: str):
         return transformers.Phi3Config(**TINY, partial_rotary_factor=0.5, original_max_position_embeddings=24,
                                        rope_scaling={"rope_type": "longrope", "short_factor": SHORT,
                                                      "long_factor": LONG})
+    if kind in VL:
+        return _vl_config(kind)
     raise KeyError(kind)
 
 
+#: the vision-language models (MRoPE): the whole model, a one-block vision tower, its image tokens
+#: outside the ids the tests draw (3..127) so that text prompts hold none
+VL = {"qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", [2, 3, 3]),
+      "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", [4, 2, 2]),
+      "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", [3, 3, 2])}
+IMAGE_TOKEN, VISION_START, VISION_END = 150, 152, 153
+
+
+def _vl_config(kind: str):
+    name, _, section = VL[kind]
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    text = {**TINY, "vocab_size": 160, "head_dim": HEAD_DIM,
+            "rope_parameters": {"rope_type": "default", "mrope_section": section, "rope_theta": 5000.0}}
+    vision = {"qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2),
+              "qwen2_5_vl": dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2,
+                                 fullatt_block_indexes=[0]),
+              "qwen3_vl": dict(depth=1, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2,
+                               num_position_embeddings=64, deepstack_visual_indexes=[0])}[kind]
+    return getattr(transformers, name)(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                                       video_token_id=151, vision_start_token_id=VISION_START,
+                                       vision_end_token_id=VISION_END)
+
+
 _MODELS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-           "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+           "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", **{k: v[1] for k, v in VL.items()}}
 
 
 def _model(kind: str, dtype=torch.float32, device="cpu", seed=0):
@@ -283,7 +309,7 @@ def test_linear_op_with_positions_and_gradient():
 
 # ----------------------------------------------------------------------------------- patch / unpatch
 KINDS = ["llama-default", "llama-linear", "llama-llama3", "llama-yarn", "llama-dynamic", "qwen2", "phi3-short",
-         "phi3-long"]
+         "phi3-long", *VL]
 
 
 def _ids(kind: str, batch: int, gen: torch.Generator, device="cpu") -> torch.Tensor:
@@ -569,3 +595,160 @@ def test_dynamic_ntk_bad_call_leaves_the_length_alone(gen):
     assert float(state) == 41.0
     op(x, position_ids=torch.tensor([[0, 1, 2, 3, 4]]))  # shorter than 16: back to the trained length
     assert float(state) == 16.0
+
+
+# ----------------------------------------------------------------------------------- MRoPE
+MROPE_CASES = {
+    "qwen2_vl_text": (lambda: transformers.Qwen2VLTextConfig(**TINY, rope_parameters={
+        "rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}), [2, 3, 3], False, 1e4),
+    "qwen2_vl-v4-dict": (lambda: {"model_type": "qwen2_vl", **TINY, "rope_theta": 1e6,
+                                  "rope_scaling": {"type": "mrope", "mrope_section": [4, 2, 2]}}, [4, 2, 2], False, 1e6),
+    "qwen2_vl-composite": (lambda: _vl_config("qwen2_vl"), [2, 3, 3], False, 5000.0),
+    "qwen2_vl-composite-dict": (lambda: _vl_config("qwen2_vl").to_dict(), [2, 3, 3], False, 5000.0),
+    "qwen2_5_vl-default-section": (lambda: transformers.Qwen2_5_VLConfig(), [16, 24, 24], False, 1e6),
+    "qwen3_vl-composite": (lambda: _vl_config("qwen3_vl"), [3, 3, 2], True, 5000.0),
+    "qwen3_vl-default-section": (lambda: transformers.Qwen3VLConfig(), [24, 20, 20], True, 5e5),
+    # Qwen3-VL interleaves whatever mrope_interleaved says, as transformers does
+    "qwen3_vl_text-flag-false": (lambda: transformers.Qwen3VLTextConfig(**TINY, head_dim=16, rope_parameters={
+        "rope_type": "default", "mrope_section": [3, 3, 2], "mrope_interleaved": False}), [3, 3, 2], True, 5e5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MROPE_CASES))
+def test_from_hf_config_mrope(case):
+    make, section, interleaved, theta = MROPE_CASES[case]
+    op = from_hf_config(make(), target="torch")
+    assert type(op).__name__ == "MRoPEFwdOp"
+    assert op.params == {"mrope_section": tuple(section), "input_layout": "2d", "base": theta,
+                         "mrope_interleaved": interleaved}
+
+
+@pytest.mark.parametrize("config, exc, match", [
+    (lambda: {"model_type": "qwen2_vl", **TINY, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 4]}},
+     ValueError, r"rope_scaling\['mrope_section'\]: expected counts summing to head_dim / 2 = 8"),
+    (lambda: {"model_type": "qwen2_vl", **TINY, "rope_scaling": {"type": "mrope", "mrope_section": [8]}},
+     ValueError, r"mrope_section'\]: expected 3 counts"),
+    (lambda: {"model_type": "qwen2_vl", **TINY, "rope_scaling": {"type": "mrope", "mrope_section": [2.5, 3, 3]}},
+     ValueError, r"mrope_section'\]\[0\]: expected a whole number"),
+    (lambda: {"model_type": "qwen2_vl", **TINY},  # HF's default [16, 24, 24] needs head_dim 128
+     ValueError, r"mrope_section'\] \(the default of qwen2_vl\)"),
+    (lambda: {"model_type": "qwen3_vl_text", **TINY, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+     NotImplementedError, r"rope type 'yarn' with MRoPE \(qwen3_vl_text\)"),
+    (lambda: {"model_type": "llama", **TINY, "rope_scaling": {"rope_type": "mrope", "mrope_section": [2, 3, 3]}},
+     NotImplementedError, r"rope type 'mrope' is served for the model types qwen2_vl.*got config.model_type 'llama'"),
+])
+def test_bad_mrope_configs_name_the_field(config, exc, match):
+    with pytest.raises(exc, match=match):
+        from_hf_config(config())
+
+
+def _image_prompt(kind: str, model, gen: torch.Generator):
+    """ids with one image (random pixels; grid 1 x 4 x 6, 6 tokens after merging) between text, and
+    the kwargs the model takes with them."""
+    vc = model.config.vision_config
+    grid = torch.tensor([[1, 4, 6]])
+    tokens = int(grid.prod()) // vc.spatial_merge_size ** 2
+    pixels = torch.randn(int(grid.prod()), vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2,
+                         generator=gen)
+    ids = torch.randint(3, 128, (1, 9 + tokens), generator=gen)
+    ids[0, 3], ids[0, 4:4 + tokens], ids[0, 4 + tokens] = VISION_START, IMAGE_TOKEN, VISION_END
+    return ids, dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE_TOKEN).long())
+
+
+def _image_run(model, ids, kw):
+    model.model.rope_deltas = None  # the positions of a new prompt
+    with torch.no_grad():
+        logits = model(ids, **kw).logits
+        model.model.rope_deltas = None
+        tokens = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, **kw)
+    return logits, tokens
+
+
+@pytest.mark.parametrize("kind", sorted(VL))
+def test_vl_model_with_an_image_matches_transformers(kind, gen):
+    """A prompt holding an image: the three position streams differ (the image's tokens share a
+    temporal position and spread over height and width), so the section map decides the result.
+    Patched logits and greedy generation match the unpatched model's; the op is called with those
+    streams; and an op with the other section layout is refused at patch() (its map differs from
+    the model's own recomposition)."""
+    model = _model(kind)
+    ids, kw = _image_prompt(kind, model, gen)
+    pos, _ = model.model.get_rope_index(ids, image_grid_thw=kw["image_grid_thw"],
+                                        mm_token_type_ids=kw["mm_token_type_ids"])
+    assert not torch.equal(pos[1], pos[2]) and not torch.equal(pos[0], pos[1]), "the streams do not differ"
+    want = _image_run(model, ids, kw)
+    tt.patch(model)
+    try:
+        op = model._tileops_patch.op
+        seen = []
+        real = op.forward
+        op.forward = lambda *a, **k: (seen.append(k["position_ids"]), real(*a, **k))[1]
+        got = _image_run(model, ids, kw)
+        del op.forward
+    finally:
+        tt.unpatch(model)
+    assert _rel(got[0], want[0]) < 1e-5, _rel(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+    assert seen and seen[0].shape[0] == 3 and torch.equal(seen[0].cpu(), pos), "the op saw other positions"
+
+    wrong = type(op)(list(op.params["mrope_section"]), "2d", op.params["base"], not op.params["mrope_interleaved"])
+    original = tt.from_hf_config
+    tt.from_hf_config = lambda config, **kwargs: wrong
+    try:
+        with pytest.raises(NotImplementedError, match="gives the pairs the streams"):
+            tt.patch(model)
+    finally:
+        tt.from_hf_config = original
+    assert not tt.is_patched(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", sorted(VL))
+def test_vl_model_with_an_image_bf16_cuda(kind):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gen = torch.Generator().manual_seed(5)
+    model = _model(kind, torch.bfloat16, "cuda")
+    ids, kw = _image_prompt(kind, model, gen)
+    ids = ids.cuda()
+    kw = {k: v.cuda() for k, v in kw.items()}
+    kw["pixel_values"] = kw["pixel_values"].to(torch.bfloat16)
+    want = _image_run(model, ids, kw)
+    tt.patch(model)
+    try:
+        got = _image_run(model, ids, kw)
+    finally:
+        tt.unpatch(model)
+    assert _rel(got[0], want[0]) < 3e-2
+    if not torch.equal(got[1], want[1]):  # bf16: a differing greedy token must be a near-tie
+        col = int((got[1] != want[1]).nonzero()[0, 1])
+        mm = torch.zeros(1, col, dtype=torch.long, device="cuda")
+        mm[:, : ids.shape[1]] = kw["mm_token_type_ids"]
+        model.model.rope_deltas = None
+        with torch.no_grad():
+            logits = model(want[1][:, :col], **{**kw, "mm_token_type_ids": mm}).logits[0, -1].float()
+        top = logits.topk(2).values
+        assert float(top[0] - top[1]) < 0.05 * float(logits.abs().max()), col
+
+
+@pytest.mark.parametrize("kind", sorted(VL))
+def test_vl_text_model_with_explicit_three_stream_positions(kind, gen):
+    """The text model alone (model type ``*_text``), given position_ids as the whole model hands
+    them: [3, batch, seq] with different streams, and [4, batch, seq] (text positions first, then
+    the three streams: a strided view reaches the op)."""
+    cfg = _vl_config(kind).text_config
+    cls = getattr(transformers, VL[kind][1].replace("ForConditionalGeneration", "TextModel"))
+    torch.manual_seed(0)
+    model = cls._from_config(cfg).eval()
+    ids = torch.randint(3, 128, (2, 15), generator=gen)
+    three = torch.randint(0, 40, (3, 2, 15), generator=gen)
+    four = torch.cat([torch.arange(15).expand(1, 2, 15), three])
+    with torch.no_grad():
+        want = [model(ids, position_ids=p).last_hidden_state for p in (three, four)]
+        tt.patch(model)
+        try:
+            got = [model(ids, position_ids=p).last_hidden_state for p in (three, four)]
+        finally:
+            tt.unpatch(model)
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 1e-5, _rel(g, w)

@@ -25,6 +25,8 @@ def _small(name: str, gen: torch.Generator, every: bool = True) -> tuple:
         params["max_position"] = 1000
     if params.get("rotary_dim"):
         params["rotary_dim"] = 16
+    if "mrope_section" in params:  # head_dim 32: three sections summing to 16
+        params["mrope_section"] = (4, 6, 6)
     for arg in ("rescale_factors", "short_factor", "long_factor"):
         if arg in params and params[arg] is not None:
             params[arg] = None

@@ -199,7 +199,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         med = _time(lambda: op(**w.inputs), sync, 20 if device.type == "cuda" else 3)
         family = importlib.import_module(f"tileops.{m.family}.reference")
         ref = family.reference(op, w.inputs)
-        got = out.detach().cpu().double()
+        got = (out[0] if isinstance(out, tuple) else out).detach().cpu().double()  # (out, key_out): x's
         atol, rtol = TOLERANCES[dtype]
         err = (got - ref).abs()
         ok = bool(torch.isfinite(got).all()) and bool((err <= atol + rtol * ref.abs()).all())

@@ -44,7 +44,8 @@ from . import hooks
 __all__ = [{names}]
 '''
 
-_PY_TYPES = {"str": "str", "int": "int", "float": "float", "bool": "bool", "tensor": "torch.Tensor"}
+_PY_TYPES = {"str": "str", "int": "int", "float": "float", "bool": "bool",
+             "ints": "tuple[int, ...] | list[int]", "tensor": "torch.Tensor"}
 _TARGET_DOC = ("Which set of kernels serves this op: a registered target name, BUILTIN for the in-tree "
                "kernels, or None to decide from the input device at the first call. Default None.")
 

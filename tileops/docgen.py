@@ -64,7 +64,8 @@ def op_markdown(name: str, root: str | Path | None = None) -> str:
 
     rows = []
     for p in m.params:
-        ptype = "tensor or None" if p.type == "tensor" else p.type + (" or None" if p.optional else "")
+        ptype = "tensor or None" if p.type == "tensor" else {"ints": "list of ints"}.get(p.type, p.type) + (
+            " or None" if p.optional else "")
         if p.keyword_only:
             ptype += ", keyword only"
         default = _code(_value(p.default)) if p.has_default else "required"

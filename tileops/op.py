@@ -100,6 +100,13 @@ class Op:
                     raise TypeError(f"{m.name}: {p.name}: expected a torch.Tensor or None, "
                                     f"got {type(value).__name__}")
                 continue
+            if p.type == "ints":
+                if not isinstance(value, (list, tuple)) or any(
+                        not isinstance(v, int) or isinstance(v, bool) for v in value):
+                    raise TypeError(f"{m.name}: {p.name}: expected a list or tuple of ints, got "
+                                    f"{type(value).__name__} {value!r}")
+                params[p.name] = tuple(value)
+                continue
             ok = {
                 "str": isinstance(value, str),
                 "bool": isinstance(value, bool),

@@ -39,8 +39,13 @@ __all__ = ["patch", "unpatch", "is_patched", "SERVED_MODEL_TYPES"]
 #: model types whose modeling code was checked: attention applies the module-global
 #: ``apply_rotary_pos_emb(q, k, cos, sin)`` to q, k ``[batch, heads, seq, head_dim]`` with cos/sin
 #: from a ``*RotaryEmbedding`` module called as ``rotary_emb(x, position_ids)`` (Phi-3 rotates the
-#: first ``cos.shape[-1]`` columns: partial rotary)
-SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+#: first ``cos.shape[-1]`` columns: partial rotary). The vision-language models (Qwen2-VL,
+#: Qwen2.5-VL, Qwen3-VL, whole or their text model) pass ``position_ids`` ``[3, batch, seq]`` and
+#: fold MRoPE's sections into cos/sin in the rotary embedding (``recomposition_frequencies``); their
+#: vision towers have rotary embeddings and attention of their own (``*Vision*``, with
+#: ``apply_rotary_pos_emb_vision``), which stay HF's.
+SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl",
+                      "qwen2_5_vl_text", "qwen3_vl", "qwen3_vl_text")
 
 _STATE = "_tileops_patch"
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("tileops_patched_attention", default=None)
@@ -104,16 +109,33 @@ def _rotate(tag: _Tag, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, 
                              f"got shape {list(t.shape)}")
     pos = tag.position_ids
     batch, seq = q.shape[0], q.shape[2]
-    if pos.dim() == 2 and pos.shape[0] == 1 and batch != 1:
-        pos = pos[0]  # [1, seq] shared by the batch
-    if pos.shape[-1] != seq or (pos.dim() == 2 and pos.shape[0] != batch):
-        raise ValueError(f"tileops.integrations.transformers: position_ids: expected [{seq}] or [{batch}, {seq}] "
-                         f"(or [1, {seq}]) for q of shape {list(q.shape)}, got {list(pos.shape)}")
+    if tag.op.name == "MRoPEFwdOp":
+        pos = _mrope_positions(pos, q)
+    else:
+        if pos.dim() == 2 and pos.shape[0] == 1 and batch != 1:
+            pos = pos[0]  # [1, seq] shared by the batch
+        if pos.shape[-1] != seq or (pos.dim() == 2 and pos.shape[0] != batch):
+            raise ValueError(f"tileops.integrations.transformers: position_ids: expected [{seq}] or [{batch}, {seq}] "
+                             f"(or [1, {seq}]) for q of shape {list(q.shape)}, got {list(pos.shape)}")
     if pos.device != q.device:
         pos = pos.to(q.device)
     # forward, not op(...): Op.__call__ only re-packs the arguments (0.6 us of host time per call)
     qo, ko = tag.op.forward(q.transpose(1, 2), position_ids=pos, key=k.transpose(1, 2))
     return qo.transpose(1, 2), ko.transpose(1, 2)
+
+
+def _mrope_positions(pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """MRoPE's positions ``[3, batch, seq]`` for q ``[batch, heads, seq, head_dim]``: ``[3, 1, seq]``
+    and a text-only ``[batch, seq]`` are expanded to it (no copy)."""
+    batch, seq = q.shape[0], q.shape[2]
+    if pos.dim() == 2:  # one position per token: every stream the same (HF expands it so)
+        pos = pos.expand(3, *pos.shape)
+    if pos.dim() == 3 and pos.shape[0] == 3 and pos.shape[1] == 1 and batch != 1:
+        pos = pos.expand(3, batch, pos.shape[2])
+    if pos.dim() != 3 or tuple(pos.shape) != (3, batch, seq):
+        raise ValueError(f"tileops.integrations.transformers: position_ids: expected [3, {batch}, {seq}] (or "
+                         f"[3, 1, {seq}], [{batch}, {seq}]) for q of shape {list(q.shape)}, got {list(pos.shape)}")
+    return pos
 
 
 def is_patched(model: torch.nn.Module) -> bool:
@@ -157,10 +179,38 @@ def _check_tables(op: Any, rotary: torch.nn.Module, config: Any, head_dim: int, 
                            f"(largest relative difference {float(((a - b) / b).abs().max()):.3g}, "
                            f"amplitudes {amp_a} vs {amp_b})")
                 break
+    if problem is None and op.name == "MRoPEFwdOp":
+        problem = _mrope_problem(op, rotary, rot)
     if problem:
         raise NotImplementedError(f"tileops.integrations.transformers: {model_type} with rope type {rope_type!r}: "
                                   f"the model's {type(rotary).__name__} does not match {op.name} built from its "
                                   f"config: {problem}")
+
+
+def _mrope_problem(op: Any, rotary: torch.nn.Module, rot: int) -> str | None:
+    """Whether the model's rotary embedding assigns each pair the stream the op does: its own
+    ``recomposition_frequencies`` applied to a marker (stream c holding the value c) reads the map
+    back, so the check follows the installed transformers, not a copy of its rule."""
+    recompose = getattr(rotary, "recomposition_frequencies", None)
+    if recompose is None:  # transformers that applies MRoPE elsewhere (apply_multimodal_rotary_pos_emb)
+        return (f"it has no recomposition_frequencies (this transformers {_version()} applies MRoPE "
+                f"where tileops does not hook it)")
+    marker = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).expand(3, 1, 1, rot // 2).clone()
+    got = recompose(marker)
+    if tuple(got.shape[-1:]) != (rot,) or not torch.equal(got[..., : rot // 2], got[..., rot // 2:]):
+        return f"its recomposed cos/sin have shape {list(got.shape)}, not [..., {rot}] with equal halves"
+    mine = op.streams().to(torch.float32)
+    theirs = got.reshape(-1, rot)[0, : rot // 2]
+    if not torch.equal(theirs, mine):
+        return (f"its mrope_section gives the pairs the streams {theirs.long().tolist()}, the op "
+                f"{mine.long().tolist()}")
+    return None
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def patch(model: torch.nn.Module) -> torch.nn.Module:
@@ -196,7 +246,9 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     if model_type not in SERVED_MODEL_TYPES:
         raise NotImplementedError(f"tileops.integrations.transformers.patch: model type {model_type!r} "
                                   f"({type(model).__name__}) is not served; served: {', '.join(SERVED_MODEL_TYPES)}")
-    rotaries = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    # a vision tower's rotary embedding (Qwen2-VL's) is not the language model's: it stays HF's
+    rotaries = [m for m in model.modules()
+                if type(m).__name__.endswith("RotaryEmbedding") and "Vision" not in type(m).__name__]
     if not rotaries:
         raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type} model "
                                   f"{type(model).__name__} has no *RotaryEmbedding module")
@@ -218,7 +270,8 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
         op = from_hf_config(config)
     except NotImplementedError as e:
         raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: {e}") from None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    text = getattr(config, "text_config", None) or config  # a vision-language model: its text model's
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     for r in rotaries:
         _check_tables(op, r, config, head_dim, model_type)
 

@@ -128,6 +128,11 @@ def _param(ctx: _Ctx, name: str, node: yaml.Node) -> ParamSpec:
 
 
 def _value_of_type(ctx: _Ctx, node: yaml.Node, ptype: str, optional: bool, what: str) -> Any:
+    if ptype == "ints" and isinstance(node, yaml.SequenceNode):
+        items = [ctx.scalar(n) for n in node.value]
+        if any(not isinstance(v, int) or isinstance(v, bool) for v in items):
+            raise ctx.err(node, f"{what}: expected a list of integers, found {_show(items)}")
+        return tuple(items)
     value = ctx.scalar(node)
     if value is None:
         if optional or ptype == "tensor":
@@ -135,6 +140,8 @@ def _value_of_type(ctx: _Ctx, node: yaml.Node, ptype: str, optional: bool, what:
         raise ctx.err(node, f"{what}: null given but the param is not optional")
     if ptype == "tensor":
         raise ctx.err(node, f"{what}: a tensor param can only default to null")
+    if ptype == "ints":
+        raise ctx.err(node, f"{what}: expected a list of integers, found {_show(value)}")
     types = PARAM_TYPES[ptype]
     if not isinstance(value, types) or (ptype != "bool" and isinstance(value, bool)):
         raise ctx.err(node, f"{what}: expected {ptype}, found {_show(value)}")

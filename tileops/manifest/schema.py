@@ -23,6 +23,7 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
     "float": (float, int),
     "bool": (bool,),
+    "ints": (list, tuple),  # a list of ints, held as a tuple (MRoPE's mrope_section)
     "tensor": (),  # a torch.Tensor, checked by the op; only None may be written in YAML
 }
 

@@ -28,11 +28,13 @@ def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False) -> Any:
 
     RopeKernelSpec = get_spec("rope")
     # a static choice is one value, or a map from input layout to value (schedules differ by layout)
-    static = {k: (v[op.layout] if isinstance(v, dict) else v) for k, v in op.manifest.kernel.static.items()}
+    # keyed by the input_layout choices the manifest spells (MRoPE's "packed" is the "ids" layout)
+    key = op.params.get("input_layout", op.layout)
+    static = {k: (v[key] if isinstance(v, dict) else v) for k, v in op.manifest.kernel.static.items()}
     head_dim = call.dim("head_dim")
     return RopeKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=op.rotated_width(head_dim),
                           pairing=op.pairing, positions=call.position_dtype, inverse=inverse, backend=backend,
-                          **static)
+                          **static, **op.kernel_fields(call.position_dtype))
 
 
 class RopeKernels:
@@ -126,9 +128,20 @@ class RopeKernels:
         u = self.unit
         return u == 1 or not (v[3] % u or v[4] % u or v[5] % u)
 
+    def _position_strides(self, position_ids: torch.Tensor) -> tuple[int, ...]:
+        """(batch stride, sequence stride) of ``position_ids``; 0 for a batch it is shared across.
+        MRoPE: ``position_ids`` is ``[3, ...]``: those of ``position_ids[0]``, then the stride between
+        the streams."""
+        if self.kspec.mrope_section is not None:
+            return (*self._position_strides_of(position_ids[0]), position_ids.stride(0))
+        return self._position_strides_of(position_ids)
+
+    def _put_position_strides(self, a: Any, put: dict, position_ids: torch.Tensor) -> None:
+        for name, stride in zip(("psb", "pss", "psc"), self._position_strides(position_ids)):
+            a[put[name]] = stride
+
     @staticmethod
-    def _position_strides(position_ids: torch.Tensor) -> tuple[int, int]:
-        """(batch stride, sequence stride) of ``position_ids``; 0 for a batch it is shared across."""
+    def _position_strides_of(position_ids: torch.Tensor) -> tuple[int, int]:
         if position_ids.dim() == 2:
             return (position_ids.stride(0) if position_ids.shape[0] > 1 else 0), position_ids.stride(1)
         return 0, position_ids.stride(0)
@@ -198,8 +211,8 @@ class RopeKernels:
             a[put["K"]] = a[put["KY"]] = 0  # HK = 0: the key loop never runs
         stream = kernel.stream()
         if position_ids is not None:
-            psb, pss = self._position_strides(position_ids)
-            a[put["P"]], a[put["psb"]], a[put["pss"]], a[put["limit"]] = position_ids.data_ptr(), psb, pss, self.limit
+            a[put["P"]], a[put["limit"]] = position_ids.data_ptr(), self.limit
+            self._put_position_strides(a, put, position_ids)
             # a position out of range reads as 0 (nothing is indexed out of bounds) and the kernel
             # writes this call's tag into its error word: reported without a host sync (tileops.errors)
             self.op._calls().launch(kernel, a, put["ERR"], put["tag"], position_ids, self._words(), stream)
@@ -245,8 +258,8 @@ class RopeKernels:
         a[put["B"]], a[put["S"]], a[put["H"]] = vx[0], vx[1], vx[2]
         a[put["HK"]] = self._view4(key)[2] if key is not None else 0  # heads as the kernel sees them (1 in 1d)
         if pos is not None:
-            psb, pss = self._position_strides(pos)
-            a[put["psb"]], a[put["pss"]], a[put["limit"]] = psb, pss, self.limit
+            a[put["limit"]] = self.limit
+            self._put_position_strides(a, put, pos)
         single = len(self.tables) == 1 and not hasattr(self.op, "device_tables")
         if single:
             a[put["TD"]] = self.tables[0].on(self.device).data_ptr()

@@ -11,7 +11,7 @@ import math
 import torch
 
 __all__ = ["base_inv_freq", "llama31_inv_freq", "yarn_inv_freq", "yarn_amplitude", "longrope_inv_freq", "factor_table",
-           "longrope_amplitude"]
+           "longrope_amplitude", "mrope_streams"]
 
 
 def base_inv_freq(base: float, rot: int) -> torch.Tensor:
@@ -84,3 +84,18 @@ def factor_table(op_name: str, arg: str, value: torch.Tensor | None, length: str
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"{op_name}: {arg}: expected finite non-zero factors, got {arg}[{i}] = {float(t[i])}")
     return t
+
+
+def mrope_streams(section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """MRoPE: the position stream (0 temporal, 1 height, 2 width) of each of the ``sum(section)``
+    pairs, int64. Consecutive (Qwen2-VL): ``section[c]`` pairs in a row take stream ``c``.
+    Interleaved (Qwen3-VL): pair ``j`` takes stream 1 when ``j % 3 == 1`` and ``j < 3 * section[1]``,
+    stream 2 when ``j % 3 == 2`` and ``j < 3 * section[2]``, else stream 0 (``kernels/rope.py``'s
+    ``_pick`` is the same map on the device)."""
+    j = torch.arange(sum(section))
+    if interleaved:
+        out = torch.zeros_like(j)
+        out[(j % 3 == 1) & (j < 3 * section[1])] = 1
+        out[(j % 3 == 2) & (j < 3 * section[2])] = 2
+        return out
+    return (j >= section[0]).long() + (j >= section[0] + section[1]).long()

@@ -12,10 +12,10 @@ from typing import Any
 
 from ..targets import Target
 from .hooks import RoPEHooks
-from .ops import (Phi3LongRoPEFwdOp, RoPEDynamicNTKFwdOp, RoPEFwdOp, RoPELinearFwdOp, RoPELlama31FwdOp,
-                  YaRNFwdOp)
+from .ops import (MRoPEFwdOp, Phi3LongRoPEFwdOp, RoPEDynamicNTKFwdOp, RoPEFwdOp, RoPELinearFwdOp,
+                  RoPELlama31FwdOp, YaRNFwdOp)
 
-__all__ = ["from_hf_config", "SUPPORTED_ROPE_TYPES"]
+__all__ = ["from_hf_config", "SUPPORTED_ROPE_TYPES", "MROPE_MODEL_TYPES"]
 
 #: rope types :func:`from_hf_config` serves, and the op each maps to
 SUPPORTED_ROPE_TYPES = {
@@ -25,6 +25,17 @@ SUPPORTED_ROPE_TYPES = {
     "yarn": "YaRNFwdOp",
     "longrope": "Phi3LongRoPEFwdOp",
     "dynamic": "RoPEDynamicNTKFwdOp",
+    "mrope": "MRoPEFwdOp (default rope of the model types in MROPE_MODEL_TYPES)",
+}
+
+#: model types whose rotary embedding is MRoPE whatever the rope block says, as transformers codes
+#: them: (interleaved, the mrope_section transformers takes when the config has none). The
+#: composite configs (``qwen2_vl``, ...) hold the text model's settings in ``text_config``.
+MROPE_MODEL_TYPES: dict[str, tuple[bool, tuple[int, int, int]]] = {
+    "qwen2_vl": (False, (16, 24, 24)), "qwen2_vl_text": (False, (16, 24, 24)),
+    "qwen2_5_vl": (False, (16, 24, 24)), "qwen2_5_vl_text": (False, (16, 24, 24)),
+    "qwen3_vl": (True, (24, 20, 20)), "qwen3_vl_text": (True, (24, 20, 20)),
+    "qwen3_vl_moe": (True, (24, 20, 20)), "qwen3_vl_moe_text": (True, (24, 20, 20)),
 }
 
 _NAME = "from_hf_config"
@@ -34,13 +45,13 @@ class _Config:
     """Reads a config object or a config.json mapping; errors name the field as the config spells it."""
 
     def __init__(self, config: Any) -> None:
-        if isinstance(config, Mapping):
-            self._get = config.get
-        elif hasattr(config, "__dict__") or hasattr(config, "__getattr__"):
-            self._get = lambda name, default=None: getattr(config, name, default)
-        else:
-            raise TypeError(f"{_NAME}: config: expected a transformers PretrainedConfig or a config.json "
-                            f"dict, got {type(config).__name__}")
+        self._get = self._reader(config)
+        self.model_type = self.get("model_type")
+        text = self.get("text_config")
+        if text is not None and self.model_type in MROPE_MODEL_TYPES:
+            # a vision-language model's config: its text model's rope settings (a flat config.json
+            # of the same model type keeps them at the top level, and is read as it is)
+            self._get = self._reader(text)
         rp, self.block = self.get("rope_parameters"), "rope_parameters"
         if not rp:
             rp, self.block = self.get("rope_scaling"), "rope_scaling"
@@ -54,6 +65,15 @@ class _Config:
             raise NotImplementedError(f"{_NAME}: config.{self.block}: per-layer-type rope parameters "
                                       f"(keys {nested}) are not supported")
         self.rp = dict(rp)
+
+    @staticmethod
+    def _reader(config: Any) -> Any:
+        if isinstance(config, Mapping):
+            return config.get
+        if hasattr(config, "__dict__") or hasattr(config, "__getattr__"):
+            return lambda name, default=None: getattr(config, name, default)
+        raise TypeError(f"{_NAME}: config: expected a transformers PretrainedConfig or a config.json "
+                        f"dict, got {type(config).__name__}")
 
     def get(self, name: str, default: Any = None) -> Any:
         value = self._get(name, default)
@@ -112,11 +132,17 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
     | ``default``, ``yarn`` with ``rope_interleave`` (DeepSeek-V2/V3) | the same ops with ``rope_layout="interleaved"`` |
     | ``longrope`` | ``Phi3LongRoPEFwdOp`` (short/long switch per call, on the device) |
     | ``dynamic`` | ``RoPEDynamicNTKFwdOp`` (HF's length state kept on the device) |
+    | Qwen2-VL, Qwen2.5-VL (``default``/``mrope``) | ``MRoPEFwdOp`` with the config's ``mrope_section`` |
+    | Qwen3-VL (``default``) | ``MRoPEFwdOp(mrope_interleaved=True)`` |
 
     Args:
         config: A ``transformers.PretrainedConfig`` (or any object with those attributes), or a
             ``config.json`` dict.
         target (str | None): Passed to the op. Default None (decided by the first call's device).
+
+    The MRoPE model types (:data:`MROPE_MODEL_TYPES`, read from ``config.model_type``; a composite
+    vision-language config is read through its ``text_config``) get ``MRoPEFwdOp``, called with
+    ``position_ids`` ``[3, batch, seq]`` as their rotary embedding receives them.
 
     Returns:
         The op; call it as ``op(x, position_ids=...)`` with x ``[batch, seq, heads, head_dim]``.
@@ -126,8 +152,9 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
         their dot products, and attention, are the same.
 
     Raises:
-        NotImplementedError: A rope type other than those above (``proportional``, ``mrope``,
-            ...), per-layer-type rope parameters, ``partial_rotary_factor < 1`` with ``llama3`` or
+        NotImplementedError: A rope type other than those above (``proportional``, ``mrope`` on a
+            model type whose MRoPE layout is not known, a scaled rope type with MRoPE, ...),
+            per-layer-type rope parameters, ``partial_rotary_factor < 1`` with ``llama3`` or
             ``yarn``, ``rope_interleave`` with another rope type or with partial rotary, an odd
             rotary width, or YaRN with ``truncate=False``.
         TypeError, ValueError: A config field of the wrong type or value; the message names it.
@@ -137,27 +164,19 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
     rope_type = rp.get("rope_type", rp.get("type")) or "default"
     if not isinstance(rope_type, str):
         raise TypeError(f"{_NAME}: {c.field('rope_type')}: expected a str, got {type(rope_type).__name__}")
+    if c.model_type in MROPE_MODEL_TYPES:
+        return _mrope(c, rope_type, target)
+    if rope_type == "mrope":
+        raise NotImplementedError(f"{_NAME}: {c.field('rope_type')}: rope type 'mrope' is served for the model "
+                                  f"types {', '.join(MROPE_MODEL_TYPES)}, got config.model_type "
+                                  f"{c.model_type!r} (whose MRoPE layout is not known)")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(f"{_NAME}: {c.field('rope_type')}: rope type {rope_type!r} is not supported; "
                                   f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
-    theta_key = c.field("rope_theta") if rp.get("rope_theta") is not None else "config.rope_theta"
-    theta = rp.get("rope_theta")
-    if theta is None:
-        theta = c.get("rope_theta", c.get("default_theta", 10000.0))
-    base = c.number(theta_key, theta)
+    base = _base(c)
 
-    head_dim = c.get("head_dim")
-    if head_dim is None:
-        hidden, heads = c.get("hidden_size"), c.get("num_attention_heads")
-        if hidden is None or heads is None:
-            raise ValueError(f"{_NAME}: config.head_dim: expected head_dim, or hidden_size and "
-                             f"num_attention_heads, got none of them")
-        head_dim = c.whole("config.hidden_size", hidden) // c.whole("config.num_attention_heads", heads)
-        head_key = "hidden_size // num_attention_heads"
-    else:
-        head_dim = c.whole("config.head_dim", head_dim)
-        head_key = "head_dim"
+    head_dim, head_key = _head_dim(c)
 
     prf = rp.get("partial_rotary_factor")
     prf_key = c.field("partial_rotary_factor")
@@ -245,6 +264,52 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
     short = torch.tensor(c.factors("short_factor", dim // 2), dtype=torch.float64)
     long = torch.tensor(c.factors("long_factor", dim // 2), dtype=torch.float64)
     return Phi3LongRoPEFwdOp("2d", base, short, long, omp, mpe, attention, rotary_dim, target=target)
+
+
+def _head_dim(c: _Config) -> tuple[int, str]:
+    """(head_dim, how the config gives it): ``head_dim``, else ``hidden_size // num_attention_heads``."""
+    head_dim = c.get("head_dim")
+    if head_dim is not None:
+        return c.whole("config.head_dim", head_dim), "head_dim"
+    hidden, heads = c.get("hidden_size"), c.get("num_attention_heads")
+    if hidden is None or heads is None:
+        raise ValueError(f"{_NAME}: config.head_dim: expected head_dim, or hidden_size and "
+                         f"num_attention_heads, got none of them")
+    return (c.whole("config.hidden_size", hidden) // c.whole("config.num_attention_heads", heads),
+            "hidden_size // num_attention_heads")
+
+
+def _base(c: _Config) -> float:
+    """``rope_theta`` from the rope block, else the config's attribute, else its class default."""
+    theta_key = c.field("rope_theta") if c.rp.get("rope_theta") is not None else "config.rope_theta"
+    theta = c.rp.get("rope_theta")
+    if theta is None:
+        theta = c.get("rope_theta", c.get("default_theta", 10000.0))
+    return c.number(theta_key, theta)
+
+
+def _mrope(c: _Config, rope_type: str, target: Any) -> MRoPEFwdOp:
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: MRoPE on base frequencies, as their rotary embeddings
+    compute it. They use the whole head (``head_dim``, else ``hidden_size // num_attention_heads``;
+    ``partial_rotary_factor`` is not read), ``mrope_section`` from the rope block or the model type's
+    default, and the layout of the model type (Qwen3-VL interleaves whatever
+    ``mrope_interleaved`` says)."""
+    interleaved, default_section = MROPE_MODEL_TYPES[c.model_type]
+    if rope_type not in ("default", "mrope"):
+        raise NotImplementedError(f"{_NAME}: {c.field('rope_type')}: rope type {rope_type!r} with MRoPE "
+                                  f"({c.model_type}) is not supported; only the default frequencies")
+    head_dim, _ = _head_dim(c)
+    key = c.field("mrope_section")
+    section = c.rp.get("mrope_section")
+    if section is None:
+        section, key = default_section, f"{key} (the default of {c.model_type})"
+    if isinstance(section, (str, bytes, Mapping)) or not hasattr(section, "__len__") or len(section) != 3:
+        raise ValueError(f"{_NAME}: {key}: expected 3 counts (temporal, height, width), got {section!r}")
+    section = [c.whole(f"{key}[{i}]", n) for i, n in enumerate(section)]
+    if 2 * sum(section) != head_dim:
+        raise ValueError(f"{_NAME}: {key}: expected counts summing to head_dim / 2 = {head_dim / 2:g}, got "
+                         f"{section} (sum {sum(section)})")
+    return MRoPEFwdOp(section, "2d", _base(c), interleaved, target=target)
 
 
 def _yarn(c: _Config, base: float, original_max: Any, max_positions: Any, target: Any, pairing: str) -> YaRNFwdOp:

@@ -21,7 +21,7 @@ from .tables import DIGITS, LO, RopeTables, digit_tables
 MAX_POSITION = LO**DIGITS
 
 __all__ = ["RoPEHooks", "Base", "NeoxPositionIds", "Llama31", "YaRN", "LongRoPE", "Linear", "Phi3LongRoPE",
-           "DynamicNTK", "MAX_POSITION"]
+           "DynamicNTK", "MRoPE", "MAX_POSITION"]
 
 
 class RoPEHooks(Op):
@@ -59,6 +59,16 @@ class RoPEHooks(Op):
     def position_limit(self) -> int:
         """Positions must lie in ``[0, position_limit())``: 2^24, what the digit tables cover."""
         return MAX_POSITION
+
+    def kernel_fields(self, positions: str | None) -> dict[str, Any]:
+        """Fields of the kernel spec beyond the family's common ones, for a call whose
+        ``position_ids`` have dtype ``positions`` (None when not given); most ops have none."""
+        return {}
+
+    def angles(self, positions: torch.Tensor, inv_freq: torch.Tensor, given: bool) -> torch.Tensor:
+        """float64 angles ``[..., R/2]`` at ``positions`` (the call's ``position_ids`` when
+        ``given``, else ``0 .. seq_len - 1``), for the ``torch`` target and the demo's reference."""
+        return positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
 
     def _tables(self, rot: int) -> list[RopeTables]:
         # kept on the op (not in a class-level cache), so tables go when the op goes
@@ -251,6 +261,52 @@ class DynamicNTK(_PartialRotary):
         """The digit tables (:func:`tileops.rope.tables.digit_tables`) for this call, built on the
         device from :meth:`dynamic_inv_freq`."""
         return digit_tables(self.dynamic_inv_freq(position_ids, seq_len, rot, device), 1.0)
+
+
+class MRoPE(RoPEHooks):
+    """``MRoPEFwdOp``: three position streams, each pair taking the angle of the stream its section
+    gives it (consecutive for Qwen2-VL / Qwen2.5-VL, interleaved for Qwen3-VL); base frequencies."""
+
+    @property
+    def layout(self) -> str:
+        return "ids" if self.params["input_layout"] == "packed" else self.params["input_layout"]
+
+    def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        params = super()._check_params(params)
+        sec = params["mrope_section"]
+        if len(sec) != 3 or min(sec) < 1:
+            raise ValueError(f"{self.name}: mrope_section: expected 3 positive ints (pairs taking the temporal, "
+                             f"height and width positions), got {list(sec)}")
+        return params
+
+    def _check_more(self, tensors: Any, dims: Any) -> None:
+        super()._check_more(tensors, dims)
+        sec, half = self.params["mrope_section"], dims["head_dim"] // 2
+        if sum(sec) != half:
+            raise ValueError(f"{self.name}: mrope_section: expected 3 counts summing to head_dim // 2 = {half} "
+                             f"(head_dim {dims['head_dim']} of x; every pair takes one stream), got {list(sec)} "
+                             f"(sum {sum(sec)})")
+        if tensors.get("position_ids") is None and self.layout == "ids":
+            raise ValueError(f"{self.name}: position_ids: expected [3, tokens] positions with "
+                             f"input_layout='packed' (packed sequences have positions of their own), got None")
+
+    def kernel_fields(self, positions: str | None) -> dict[str, Any]:
+        # without position_ids every stream is the sequence index: plain RoPE, the plain kernel
+        if positions is None:
+            return {}
+        return {"mrope_section": self.params["mrope_section"], "mrope_interleaved": self.params["mrope_interleaved"]}
+
+    def streams(self) -> torch.Tensor:
+        """The stream of each pair (:func:`tileops.rope.freqs.mrope_streams`), int64 on the CPU."""
+        return freqs.mrope_streams(self.params["mrope_section"], self.params["mrope_interleaved"])
+
+    def angles(self, positions: torch.Tensor, inv_freq: torch.Tensor, given: bool) -> torch.Tensor:
+        """``[..., R/2]``: pair ``j`` at the position of its stream, ``positions[stream[j], ...]``."""
+        if not given:
+            return super().angles(positions, inv_freq, given)
+        pick = torch.nn.functional.one_hot(self.streams(), 3).T.to(torch.float64).to(positions.device)  # [3, R/2]
+        pos = positions.to(torch.float64).movedim(0, -1)  # [..., 3]
+        return (pos @ pick) * inv_freq.to(positions.device)  # one non-zero term per pair: exact
 
 
 def ntk_inv_freq(base: float, rot: int, factor: float, cached: "float | torch.Tensor",

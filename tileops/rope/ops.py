@@ -15,8 +15,8 @@ from ..targets import Target
 from . import hooks
 
 __all__ = [
-    "LongRoPEFwdOp", "Phi3LongRoPEFwdOp", "RoPEDynamicNTKFwdOp", "RoPEFwdOp", "RoPELinearFwdOp",
-    "RoPELlama31FwdOp", "RoPENeoxPositionIdsFwdOp", "YaRNFwdOp",
+    "LongRoPEFwdOp", "MRoPEFwdOp", "Phi3LongRoPEFwdOp", "RoPEDynamicNTKFwdOp", "RoPEFwdOp",
+    "RoPELinearFwdOp", "RoPELlama31FwdOp", "RoPENeoxPositionIdsFwdOp", "YaRNFwdOp",
 ]
 
 
@@ -104,6 +104,112 @@ class LongRoPEFwdOp(hooks.LongRoPE):
                 last dim); x: expected head_dim <= 1024; x: expected seq_len <= 2^24 (positions are 24-bit:
                 three 256-row cos/sin tables). A value of ``position_ids`` outside its range raises ValueError
                 naming its index and value, without a host sync (see the API page, Positions and gradients).
+            RuntimeError: ``out=`` or another output given while an input requires grad.
+        """
+        return self._call({'x': x, 'position_ids': position_ids, 'key': key}, {'out': out, 'key_out':
+            key_out})
+
+
+class MRoPEFwdOp(hooks.MRoPE):
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) with three position streams, neox pairing.
+
+    Each token has three positions, temporal, height and width: ``position_ids[0]``, ``[1]`` and ``[2]``.
+    ``inv_freq[j] = base^(-2j/D)`` as in plain RoPE, and pair ``(j, j + D/2)`` turns by ``position_ids[c(j)] *
+    inv_freq[j]``, where ``mrope_section`` (three counts summing to ``D/2``) gives the stream ``c(j)`` of each
+    pair. Consecutive sections (Qwen2-VL, Qwen2.5-VL): the first ``mrope_section[0]`` pairs take the temporal
+    position, the next ``mrope_section[1]`` the height, the rest the width. Interleaved
+    (``mrope_interleaved=True``, Qwen3-VL): pair ``j`` takes the height when ``j % 3 == 1`` and ``j < 3 *
+    mrope_section[1]``, the width when ``j % 3 == 2`` and ``j < 3 * mrope_section[2]``, else the temporal
+    position. Text tokens carry equal positions in the three streams, which is plain RoPE; ``position_ids``
+    left out means ``0 .. seq_len - 1`` in every stream (plain RoPE), as transformers does for a text-only
+    call. Every stream's positions are checked on the device, like those of the other ops.
+
+    References: Qwen2-VL: Wang et al., 2024, arXiv:2409.12191 (M-RoPE); HF transformers
+        Qwen2VLRotaryEmbedding, Qwen3VLTextRotaryEmbedding (recomposition_frequencies).
+
+    Examples:
+        >>> op = MRoPEFwdOp([16, 24, 24], input_layout="2d", base=1e6)
+        >>> pos = torch.randint(0, 64, (3, 2, 300))   # [3, batch, seq]: temporal, height, width
+        >>> q, k = op(torch.randn(2, 300, 28, 128), position_ids=pos, key=torch.randn(2, 300, 4, 128))
+    """
+
+    def __init__(self, mrope_section: tuple[int, ...] | list[int], input_layout: str = "2d",
+                 base: float = 10000.0, mrope_interleaved: bool = False, *,
+                 target: str | Target | None = None) -> None:
+        """Build the op; kernels are compiled at the first call.
+
+        Args:
+            mrope_section (tuple[int, ...] | list[int]): Pairs per position stream (temporal, height, width):
+                3 positive ints summing to head_dim / 2, e.g. [16, 24, 24] (Qwen2-VL) or [24, 20, 20]
+                (Qwen3-VL). Required.
+            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim];
+                packed: x is [tokens, heads, head_dim] (position_ids required). One of ``"1d"``, ``"2d"``,
+                ``"packed"``. Default ``"2d"``.
+            base (float): The frequency base: inv_freq[j] = base^(-2j/head_dim). Default ``10000.0``.
+            mrope_interleaved (bool): false: consecutive sections (Qwen2-VL, Qwen2.5-VL); true: the
+                interleaved map of Qwen3-VL. Default ``False``.
+            target (str | Target | None): Which set of kernels serves this op: a registered target name,
+                BUILTIN for the in-tree kernels, or None to decide from the input device at the first call.
+                Default None.
+
+        Raises:
+            TypeError: A parameter has the wrong type.
+            ValueError: A value outside its choices, an unknown ``target``; or, by the manifest's rules: base:
+                expected a base > 0.
+        """
+        self._setup({'mrope_section': mrope_section, 'input_layout': input_layout, 'base': base,
+            'mrope_interleaved': mrope_interleaved}, target)
+
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                key: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                key_out: torch.Tensor | None = None) -> Any:
+        """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
+        are never modified (except by ``out=`` naming an input, which rotates it in place).
+
+        Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
+        computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
+        negated angle; one launch of the same kernel builder for both. A gradient of that gradient (double
+        backward) raises.
+
+        Args:
+            x (torch.Tensor): The tensor to rotate (the attention query, or any tensor of that layout). Shape
+                ``[seq_len, head_dim]`` (``input_layout="1d"``); ``[batch, seq_len, num_heads, head_dim]``
+                (``input_layout="2d"``); ``[tokens, heads, head_dim]`` (``input_layout="packed"``); dtype
+                float16, bfloat16, float32.
+            position_ids (torch.Tensor | None): Keyword-only. The temporal, height and width position of each
+                row, each in [0, 2^24): [3, seq_len] (1d), [3, batch, seq_len] (2d; expand a batch-shared [3,
+                1, seq_len] to it: no copy) or [3, tokens] (packed); any strides. Omitted (1d, 2d): 0 ..
+                seq_len - 1 in every stream, which is plain RoPE. Shape ``[streams, seq_len]``
+                (``input_layout="1d"``); ``[streams, batch, seq_len]`` (``input_layout="2d"``); ``[streams,
+                tokens]`` (``input_layout="packed"``); dtype int32, int64. Each value in ``[0, 16777216)``.
+                Default None.
+            key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
+                launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
+                strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
+                (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
+                ``[tokens, key_heads, head_dim]`` (``input_layout="packed"``); dtype float16, bfloat16,
+                float32. Default None.
+            out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
+                and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
+                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
+                otherwise overlap another argument. Not while an input requires grad. Default None.
+            key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
+                given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
+                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
+                otherwise overlap another argument. Not while an input requires grad. Default None.
+
+        Returns:
+            torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
+                key_out)``.
+
+        Raises:
+            TypeError: An argument is not a tensor, or has a dtype not listed above.
+            ValueError: A shape that does not match the ones above, tensors on different devices, an output
+                that overlaps another argument; or, by the manifest's rules: x: expected an even head_dim (the
+                last dim); x: expected head_dim <= 1024; x: expected seq_len <= 2^24 (positions are 24-bit:
+                three 256-row cos/sin tables); position_ids: expected 3 position streams (temporal, height,
+                width) along dim 0. A value of ``position_ids`` outside its range raises ValueError naming its
+                index and value, without a host sync (see the API page, Positions and gradients).
             RuntimeError: ``out=`` or another output given while an input requires grad.
         """
         return self._call({'x': x, 'position_ids': position_ids, 'key': key}, {'out': out, 'key_out':

@@ -30,7 +30,7 @@ def reference(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         seq = int(pos.max()) + 1 if pos.numel() else 0
         mpe = p["max_position_embeddings"]
         inv_freq = ntk_inv_freq(p["base"], rot, p["factor"], max(mpe, seq), mpe)
-    angle = pos[..., None] * inv_freq
+    angle = op.angles(pos, inv_freq, given is not None)  # MRoPE: each pair at its stream's position
     c, s = angle.cos() * amplitude, angle.sin() * amplitude
     if op.layout == "2d":
         c, s = (c[..., None, :], s[..., None, :]) if c.dim() == 3 else (c[None, :, None, :], s[None, :, None, :])

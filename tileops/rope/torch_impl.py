@@ -31,11 +31,11 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
     limit = op.position_limit()
     host = spec.device.type == "mps"  # no float64 there: evaluate the angles on the host
 
-    def cos_sin(pos: torch.Tensor, choice: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(pos: torch.Tensor, choice: Any, given: bool) -> tuple[torch.Tensor, torch.Tensor]:
         dev = torch.device("cpu") if host else spec.device
         out = []
         for inv, amp in choices:
-            angle = pos.to(device=dev, dtype=torch.float64)[..., None] * inv.to(dev)
+            angle = op.angles(pos.to(device=dev), inv.to(dev), given)
             out.append(torch.stack([angle.cos() * amp, angle.sin() * amp]))
         cs = out[0] if len(out) == 1 else torch.stack(out)[torch.as_tensor(choice, device=dev)]
         cs = cs.float().to(spec.device)
@@ -54,7 +54,7 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
             angle = pos.to(torch.float64)[..., None] * dynamic(position_ids, pos.shape[-1], rot, x.device)
             c, s = angle.cos().float(), angle.sin().float()
         else:
-            c, s = cos_sin(pos, op.choose_table(position_ids, pos.shape[-1]))
+            c, s = cos_sin(pos, op.choose_table(position_ids, pos.shape[-1]), position_ids is not None)
         if op.layout == "ids":
             c, s = c[:, None, :], s[:, None, :]  # [tokens, 1, R/2] against [tokens, heads, D]
         elif op.layout == "2d":
