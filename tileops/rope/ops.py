@@ -164,7 +164,7 @@ class MRoPEFwdOp(hooks.MRoPE):
                 key: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 key_out: torch.Tensor | None = None) -> Any:
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
-        are never modified (except by ``out=`` naming an input, which rotates it in place).
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
 
         Gradients: differentiable in ``x`` and ``key``; an output carries a ``grad_fn`` when an input it is
         computed from requires grad. The gradients of x (and key): each output's gradient rotated by the
@@ -191,12 +191,12 @@ class MRoPEFwdOp(hooks.MRoPE):
                 float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
-                any strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                any strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
             key_out (torch.Tensor | None): Keyword-only. Where to write the result (key rotated, when key is
                 given: a new tensor like key, or the key_out= tensor.). Shaped and typed like ``key``, any
-                strides with a contiguous last dim; it may be its own input exactly (in place) but may not
-                otherwise overlap another argument. Not while an input requires grad. Default None.
+                strides; it may be its own input exactly (in place) but may not otherwise overlap another
+                argument. Not while an input requires grad. Default None.
 
         Returns:
             torch.Tensor | tuple: ``out``, a new tensor unless given; with ``key``, the tuple ``(out,
