@@ -165,12 +165,15 @@ def test_every_op_captures_in_a_graph(path):
             params["max_position"] = 4096
         if "input_layout" in params:
             params["input_layout"] = "2d"
+        if name == "MRoPEFwdOp":
+            params["mrope_section"] = (8, 12, 12)  # the 32 pairs of head_dim 64
         op = cls(**params)
         if name == "RoPENeoxPositionIdsFwdOp":
             x, pos = torch.randn(16, 4, 64, device="cuda"), torch.randint(0, 4096, (16,), device="cuda")
             call = lambda: op(x, pos, out=out)  # noqa: E731
         else:
-            x, pos = torch.randn(1, 16, 4, 64, device="cuda"), torch.randint(0, 4096, (16,), device="cuda")
+            x = torch.randn(1, 16, 4, 64, device="cuda")
+            pos = torch.randint(0, 4096, (3, 1, 16) if name == "MRoPEFwdOp" else (16,), device="cuda")
             call = lambda: op(x, position_ids=pos, out=out)  # noqa: E731
         out = torch.empty_like(x)
         call()
@@ -270,7 +273,8 @@ def test_native_and_python_paths_agree_on_cuda_bit_for_bit():
         return [t.cpu() for t in got], [ids, hf]
 
     py, nat = both(scenario)
-    assert all(torch.equal(a, b) for a, b in zip(py, nat)) and len(py) == len(nat)
+    same = [torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) for a, b in zip(py, nat)]
+    assert all(same) and len(py) == len(nat), same  # bytes: the NaN the odd view leaves in flat[0] is equal too
     ref = reference("RoPENeoxPositionIdsFwdOp", {"max_position": 1 << 20},
                     {"x": inputs["q"].cpu(), "position_ids": inputs["pos"].cpu()})
     assert _close(nat[0], ref, 1.6e-2)
