@@ -102,10 +102,11 @@ def workload(m: OpManifest, case: Case, dtype: str, device: torch.device | str =
 
 
 def bytes_moved(w: Workload) -> int:
-    """Bytes that must move: each input read once, each output written once (no tables)."""
+    """Bytes that must move: each input read once, each output written once (no tables); an output
+    shaped like an input the workload does not pass (``key_out`` without ``key``) is not written."""
     n = sum(t.numel() * t.element_size() for t in w.inputs.values())
     for o in w.manifest.outputs:
-        src = w.inputs[o.like] if o.like else None
+        src = w.inputs.get(o.like) if o.like else None
         if src is not None:
             n += src.numel() * src.element_size()
     return n
