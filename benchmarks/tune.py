@@ -36,19 +36,38 @@ WORKLOADS = [
     ("ids-decode", "float16", "ids", 1, 32, 32, 128, 128, "neox", "int64"),
 ]
 
+# q and k of HF's [B, H, S, D] layout rotated in one launch through transposed views, in place:
+# (name, dtype, B, S, H, HK, D)
+HF_WORKLOADS = [
+    ("hf-qk-8k", "bfloat16", 1, 8192, 32, 8, 128),
+    ("hf-qk-fp32-8k", "float32", 1, 8192, 32, 32, 128),
+    ("hf-qk-fp32-2k", "float32", 2, 2048, 32, 32, 128),
+    ("hf-qk-fp32-small", "float32", 4, 256, 8, 8, 64),
+    ("hf-qk-decode", "bfloat16", 1, 32, 32, 8, 128),
+]
+
 
 def configs(layout: str, quick: bool):
+    if layout == "hf":
+        return [dict(threads=t, head_lanes=h, tokens_per_thread=k) for t, h, k in
+                itertools.product((128, 256, 512), (1, 2, 4, 8, 16), (1,) if quick else (1, 2))
+                if t >= 8 * h]
     if layout == "1d":
         return [dict(threads=t, head_lanes=1, tokens_per_thread=k) for t, k in
                 itertools.product((128, 256), (2, 4) if quick else (2, 4, 8))]
     return [dict(threads=t, head_lanes=h, tokens_per_thread=k) for t, h, k in
-            itertools.product((128,) if quick else (128, 256), (4, 8), (1, 2))]
+            itertools.product((128,) if quick else (128, 256, 512), (4, 8) if quick else (2, 4, 8), (1, 2))]
 
 
 def spec_of(w, cfg) -> RopeKernelSpec:
     _, dtype, _, _, _, _, D, rot, pairing, positions = w
     return RopeKernelSpec(dtype=dtype, head_dim=D, rot=rot, pairing=pairing, positions=positions,
                           backend="cuda", **cfg)
+
+
+def hf_spec(w, cfg) -> RopeKernelSpec:
+    _, dtype, _, _, _, _, D = w
+    return RopeKernelSpec(dtype=dtype, head_dim=D, rot=D, pairing="neox", positions=None, backend="cuda", **cfg)
 
 
 def _compile(spec: RopeKernelSpec) -> str:
@@ -61,8 +80,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", help="comma-separated workload names")
     args = p.parse_args()
-    wl = [w for w in WORKLOADS if not args.only or w[0] in args.only.split(",")]
-    specs = sorted({spec_of(w, c) for w in wl for c in configs(w[2], args.quick)}, key=str)
+    want = args.only.split(",") if args.only else None
+    wl = [w for w in WORKLOADS if not want or w[0] in want]
+    hf = [w for w in HF_WORKLOADS if not want or w[0] in want]
+    specs = {spec_of(w, c) for w in wl for c in configs(w[2], args.quick)}
+    specs |= {hf_spec(w, c) for w in hf for c in configs("hf", args.quick)}
+    specs = sorted(specs, key=str)
     print(f"compiling {len(specs)} kernels", flush=True)
     with ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 4)) as pool:
         list(pool.map(_compile, specs))
@@ -85,7 +108,7 @@ def main() -> int:
         if positions:
             pos = torch.randint(0, 8192, (S,), device=dev)
             err = torch.zeros(1, dtype=torch.int32, device=dev)
-            extra = dict(P=pos.data_ptr(), ERR=err.data_ptr(), psb=0, pss=1, limit=8192, NP=S)
+            extra = dict(P=pos.data_ptr(), ERR=err.data_ptr(), psb=0, pss=1, limit=8192, tag=1, NP=S)
             nbytes += pos.numel() * 8
         results = []
         for cfg in configs(layout, args.quick):
@@ -107,7 +130,49 @@ def main() -> int:
         print(f"\n{name} {dtype} {tuple(x.shape)}: {nbytes / 1e6:.1f} MB, floor {floor * 1e6:.1f} us")
         for t, cfg in results:
             print(f"  {t * 1e6:8.1f} us  {100 * floor / t:5.1f}% copy  {cfg}")
+    for w in hf:
+        tune_hf(w, args.quick, rate)
     return 0
+
+
+def tune_hf(w, quick: bool, rate: float) -> None:
+    """Time every schedule on q and k of HF's layout, rotated in place through transposed views,
+    against a same-bytes copy timed here too."""
+    from .timing import gpu_time, rotation, same_bytes_copy_us
+
+    name, dtype, B, S, H, HK, D = w
+    dev = torch.device("cuda")
+    dt = getattr(torch, dtype)
+    one = B * S * (H + HK) * D * dt.itemsize * 2
+    n = rotation(one)
+    qs = [torch.randn(B, H, S, D, device=dev).to(dt) for _ in range(n)]
+    ks = [torch.randn(B, HK, S, D, device=dev).to(dt) for _ in range(n)]
+    inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    td = RopeTables(inv, 1.0).on(dev)
+    floor = one / rate
+    copy = same_bytes_copy_us(one)
+    results = []
+    for cfg in configs("hf", quick):
+        spec = hf_spec(w, cfg)
+        k = raw_kernel(generate.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
+        u = spec.stride_unit
+        # [B, H, S, D] seen as [B, S, H, D]: batch, token and head strides, in units of u
+        qst = [v // u for v in (H * S * D, D, S * D)]
+        kst = [v // u for v in (HK * S * D, D, S * D)]
+
+        def launch(i, k=k, qst=qst, kst=kst):
+            q, kk = qs[i].data_ptr(), ks[i].data_ptr()
+            k(*k.bind(X=q, Y=q, K=kk, KY=kk, TD=td.data_ptr(), B=B, S=S, H=H, HK=HK,
+                      xsb=qst[0], xss=qst[1], xsh=qst[2], ysb=qst[0], yss=qst[1], ysh=qst[2],
+                      ksb=kst[0], kss=kst[1], ksh=kst[2], kysb=kst[0], kyss=kst[1], kysh=kst[2],
+                      NX=0, NY=0, NK=0, NKY=0))
+
+        results.append((gpu_time(launch, n)[0], cfg))
+    results.sort(key=lambda r: r[0])
+    print(f"\n{name} {dtype} q [{B}, {H}, {S}, {D}] k [{B}, {HK}, {S}, {D}] in place: {one / 1e6:.1f} MB, "
+          f"floor {floor * 1e6:.1f} us, same-bytes copy {copy:.1f} us")
+    for t, cfg in results:
+        print(f"  {t:8.1f} us  {100 * floor * 1e6 / t:5.1f}% copy  {100 * copy / t:5.1f}% same-bytes  {cfg}")
 
 
 if __name__ == "__main__":

@@ -98,10 +98,10 @@ def test_packed_launcher_matches_plain_ctypes(gen):
     x = torch.randn(2, 5, 3, 64, generator=gen)
     op(x)
     impl = next(iter(op._impls.values()))
-    kernel = impl._kernels[False]
+    kernel = impl._kernels[False, False]
     assert kernel.packed is not None, "no packed launcher although a C compiler is here"
     want = op(x)
-    impl._kernels[False] = dataclasses.replace(kernel, packed=None)
+    impl._kernels[False, False] = dataclasses.replace(kernel, packed=None)
     op._forget_plans()  # plans (Python and native) hold the kernel they were made with
     got = op(x)
     assert torch.equal(got, want)

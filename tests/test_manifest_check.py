@@ -213,8 +213,8 @@ def test_static_choices_match_each_builders_spec():
 
     from tileops.kernels import BUILDERS, SPECS, STATIC, get_builder, get_spec
 
-    derived = {"rope": {"dtype", "head_dim", "rot", "pairing", "positions", "inverse", "backend", "mrope_section",
-                        "mrope_interleaved"}}
+    derived = {"rope": {"dtype", "head_dim", "rot", "pairing", "positions", "inverse", "backend", "transposed",
+                        "mrope_section", "mrope_interleaved"}}
     assert set(STATIC) == set(SPECS) == set(BUILDERS) >= {"rope"}
     for name in BUILDERS:
         spec, build = get_spec(name), get_builder(name)

@@ -10,7 +10,7 @@ import torch
 
 import tileops
 from tests.paths import both, native_module, python_path
-from tests.references import reference
+from tests.references import reference, reference_grad
 from tileops import errors
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
 
@@ -326,3 +326,48 @@ def test_native_path_launches_on_the_tensors_gpu_not_the_current_one(path):
         op.check()
     if path == "native":
         assert op._dispatch.stats()["hits"] >= 2
+
+
+@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 128), (torch.float32, 64)])
+def test_long_head_major_views_take_their_kernel(path, dtype, D):
+    """q and k of HF's [B, H, S, D] through transposes, long enough for the kernel made for
+    head-major views (kernels/rope.py, ``transposed``): new outputs, NaN-filled given outputs and in
+    place, with and without positions, each call repeated so the plan (Python or native) runs too;
+    every result against the float64 reference, and the gradient through transposed views."""
+    from tileops.rope.builtin import TRANSPOSED_MIN_TOKENS
+
+    S = TRANSPOSED_MIN_TOKENS + 3
+    op = RoPEFwdOp(input_layout="2d")
+    q = torch.randn(1, 4, S, D, device="cuda", dtype=dtype)
+    k = torch.randn(1, 2, S, D, device="cuda", dtype=dtype)
+    pos = torch.randint(0, 2**20, (1, S), device="cuda")
+    tol = 2e-5 if dtype == torch.float32 else 1.6e-2
+    for p in (None, pos):
+        inputs = {} if p is None else {"position_ids": p.cpu()}
+        want_q = reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": q.transpose(1, 2).cpu(), **inputs})
+        want_k = reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": k.transpose(1, 2).cpu(), **inputs})
+        for mode in ("new", "out", "in place"):
+            for _ in range(3):
+                qv, kv = q.clone().transpose(1, 2), k.clone().transpose(1, 2)
+                kw = {} if p is None else {"position_ids": p}
+                if mode == "out":
+                    kw["out"] = torch.full_like(q, float("nan")).transpose(1, 2)
+                    kw["key_out"] = torch.full_like(k, float("nan")).transpose(1, 2)
+                elif mode == "in place":
+                    kw["out"], kw["key_out"] = qv, kv
+                got_q, got_k = op(qv, key=kv, **kw)
+                if mode == "in place":
+                    assert got_q is qv and got_k is kv
+                assert _close(got_q, want_q, tol) and _close(got_k, want_k, tol), (mode, p is None)
+    impl = next(iter(op._impls.values()))
+    assert (False, True) in impl._kernels, "the head-major kernel did not serve these views"
+    short = RoPEFwdOp(input_layout="2d")
+    short(q[:, :, :32].transpose(1, 2), key=k[:, :, :32].transpose(1, 2))
+    assert (False, True) not in next(iter(short._impls.values()))._kernels
+    qg = q.clone().requires_grad_(True)
+    out = op(qg.transpose(1, 2), position_ids=pos)
+    g = torch.randn(1, 4, S, D, device="cuda", dtype=dtype)
+    out.backward(g.transpose(1, 2))
+    want = reference_grad("RoPEFwdOp", {"input_layout": "2d"},
+                          {"x": q.transpose(1, 2).cpu(), "position_ids": pos.cpu()}, g.transpose(1, 2).cpu())
+    assert _close(qg.grad.transpose(1, 2), want, tol)

@@ -52,3 +52,26 @@ def test_compile_refuses_bad_arguments_naming_them():
 
 def test_compile_for_another_target_compiles_nothing():
     assert RoPENeoxPositionIdsFwdOp(4096, target="torch").compile(head_dim=64, device="cpu") == 0
+
+
+def test_warmup_builds_the_head_major_kernel_for_2d_ops_only():
+    """A long head-major 2d view (HF's [B, H, S, D] through a transpose) is served on CUDA by a kernel
+    of its own schedule: ``tileops warmup`` and ``op.compile`` build it beside the usual one, for 2d
+    ops only (a packed or 1d op never takes it), and never for the CPU."""
+    from tileops.warmup import op_kernel_jobs
+
+    jobs = op_kernel_jobs("RoPEFwdOp", {"input_layout": "2d"}, {"head_dim": 128}, ["bfloat16"], "sm_90",
+                          with_inputs=[])
+    specs = [j[1] for j in jobs]
+    assert sorted((s.inverse, s.transposed) for s in specs) == [(False, False), (False, True), (True, False),
+                                                                 (True, True)]
+    for s in specs:  # the head-major kernel walks fewer head lanes, so a block covers more tokens
+        assert s._head_lanes == (s.transposed_head_lanes if s.transposed else s.head_lanes)
+        assert s.group == s._slots and s.block_threads <= 1024
+    lanes = {s.transposed: s._head_lanes for s in specs}
+    assert lanes[True] < lanes[False]
+    assert max(s.group for s in specs if s.transposed) > max(s.group for s in specs if not s.transposed)
+    assert {s.transposed for _, s, _, _ in op_kernel_jobs("RoPENeoxPositionIdsFwdOp", {"max_position": 64},
+                                                          {"head_dim": 128}, ["float16"], "sm_90")} == {False}
+    assert {s.transposed for _, s, _, _ in op_kernel_jobs("RoPEFwdOp", {"input_layout": "2d"}, {"head_dim": 128},
+                                                          ["float16"], "c")} == {False}

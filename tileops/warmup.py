@@ -73,8 +73,11 @@ def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int]
             for combo in itertools.product(*choices):
                 call = CallSpec(device, tuple(combo), static)
                 for inverse in (False, True) if m.backward and backward else (False,):
-                    spec = family.kernel_spec(op, call, backend, inverse=inverse)
-                    jobs.append((m.kernel.builder, spec, backend, arch))
+                    # a family may serve some views by other kernels (rope: long head-major 2d views)
+                    specs = getattr(family, "kernel_specs", None)
+                    for spec in (specs(op, call, backend, inverse=inverse) if specs else
+                                 [family.kernel_spec(op, call, backend, inverse=inverse)]):
+                        jobs.append((m.kernel.builder, spec, backend, arch))
     return list(dict.fromkeys(jobs))
 
 

@@ -20,10 +20,28 @@ from ..generate import device_backend, load_kernel
 from ..op import _disjoint
 from .tables import DIGITS, LO
 
-__all__ = ["implement", "kernel_spec", "RopeKernels"]
+__all__ = ["implement", "kernel_spec", "kernel_specs", "RopeKernels", "TRANSPOSED_MIN_TOKENS"]
 
-def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False) -> Any:
-    """The :class:`kernels.rope.RopeKernelSpec` serving ``op`` for one call specialization."""
+#: a 2d view of at least this many tokens (B x S) whose head stride exceeds its token stride (HF's
+#: ``[B, H, S, D]`` through a transpose) is served on CUDA by the kernel made for head-major views
+#: (``RopeKernelSpec.transposed``); a shorter one keeps the usual schedule, whose many head lanes
+#: are what a few tokens need (H200: decode-size q+k on such views 4.7 us with 8 head lanes, 11.9
+#: us with 2; 8192 tokens 46.7 us with 8, 44.3 us with 2)
+TRANSPOSED_MIN_TOKENS = 8192
+
+
+def kernel_specs(op: Any, call: Any, backend: str, inverse: bool = False) -> list[Any]:
+    """Every kernel spec that may serve ``op`` for one call specialization, by the views it gets
+    (what ``tileops warmup`` and ``op.compile`` build ahead)."""
+    specs = [kernel_spec(op, call, backend, inverse)]
+    if backend == "cuda" and op.layout == "2d":
+        specs.append(kernel_spec(op, call, backend, inverse, transposed=True))
+    return specs
+
+
+def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False, transposed: bool = False) -> Any:
+    """The :class:`kernels.rope.RopeKernelSpec` serving ``op`` for one call specialization
+    (``transposed``: the kernel for long head-major 2d views, see :data:`TRANSPOSED_MIN_TOKENS`)."""
     from tileops.kernels import get_spec
 
     RopeKernelSpec = get_spec("rope")
@@ -34,7 +52,7 @@ def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False) -> Any:
     head_dim = call.dim("head_dim")
     return RopeKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=op.rotated_width(head_dim),
                           pairing=op.pairing, positions=call.position_dtype, inverse=inverse, backend=backend,
-                          **static, **op.kernel_fields(call.position_dtype))
+                          transposed=transposed, **static, **op.kernel_fields(call.position_dtype))
 
 
 class RopeKernels:
@@ -46,7 +64,7 @@ class RopeKernels:
         self.device = spec.device
         self.backend, self.arch = device_backend(self.device)
         self.kspec = kernel_spec(op, spec, self.backend)
-        self._kernels: dict[bool, Any] = {}
+        self._kernels: dict[tuple[bool, bool], Any] = {}
         self._kernel(False)  # compile the forward now: the first call pays for it, not a later one
         self.unit = self.kspec.stride_unit
         self.layout = op.layout
@@ -60,13 +78,20 @@ class RopeKernels:
         if (KLO, KDIGITS) != (LO, DIGITS):
             raise RuntimeError("tileops.rope.tables and kernels/rope.py split positions differently")
 
-    def _kernel(self, inverse: bool) -> Any:
-        k = self._kernels.get(inverse)
+    def _kernel(self, inverse: bool, transposed: bool = False) -> Any:
+        k = self._kernels.get((inverse, transposed))
         if k is None:
-            kspec = self.kspec if not inverse else kernel_spec(self.op, self.spec, self.backend, inverse=True)
-            k = self._kernels[inverse] = load_kernel(self.op.manifest.kernel.builder, kspec, self.backend, self.arch,
-                                                     self.device, kspec.args)
+            kspec = (self.kspec if not (inverse or transposed)
+                     else kernel_spec(self.op, self.spec, self.backend, inverse=inverse, transposed=transposed))
+            k = self._kernels[inverse, transposed] = load_kernel(self.op.manifest.kernel.builder, kspec, self.backend,
+                                                                 self.arch, self.device, kspec.args)
         return k
+
+    def _head_major(self, v: tuple[int, ...]) -> bool:
+        """Whether the view ``v`` of x (:meth:`_view4`) takes the kernel made for head-major views."""
+        b, s, h, _, ss, sh = v
+        return (self.backend == "cuda" and self.layout == "2d" and h > 1 and s > 1 and sh > ss
+                and b * s >= TRANSPOSED_MIN_TOKENS)
 
     # ------------------------------------------------------------------------------ per call
     def prepare(self, tensors: dict) -> torch.Tensor:
@@ -195,7 +220,7 @@ class RopeKernels:
         if x.numel() == 0 and (key is None or key.numel() == 0):
             return out, key_out
         u = self.unit
-        kernel = self._kernel(inverse)
+        kernel = self._kernel(inverse, self._head_major(vx))
         a = kernel.slots()
         put = kernel.slot
         a[put["X"]], a[put["Y"]], a[put["TD"]] = src_x.data_ptr(), y.data_ptr(), tables.data_ptr()
@@ -242,7 +267,7 @@ class RopeKernels:
         if x.numel() == 0 or (key is not None and key.numel() == 0):
             return None
         u = self.unit
-        kernel = self._kernel(False)
+        kernel = self._kernel(False, self._head_major(self._view4(x)))
         a = kernel.slots()
         put = kernel.slot
         roles = [("X", x), ("Y", out if out is not None else torch.empty_like(x))]
