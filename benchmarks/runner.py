@@ -65,6 +65,14 @@ def end_to_end_us(fn: Callable[[], Any], calls: int = 200) -> float:
     return statistics.median(times) * 1e6
 
 
+def fresh_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(fn)`` with Dynamo's caches emptied first. One baseline function serves many
+    rows; each new shape recompiles it, and past Dynamo's recompile limit (8) a call silently runs
+    eagerly: the "compile" column then timed torch eager on every later row."""
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
 def _bind(args: tuple, inputs: dict[str, torch.Tensor]) -> tuple:
     return (*inputs.values(), *args[len(inputs):])
 
@@ -98,7 +106,7 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
         bargs = [_bind(base_args, x) for x in sets]
         eager = gpu_time(lambda i: base_fn(*bargs[i]), n)
         try:
-            cfn = torch.compile(base_fn, dynamic=False)
+            cfn = fresh_compile(base_fn)
             compiled = gpu_time(lambda i: cfn(*bargs[i]), n)
         except Exception as e:  # torch.compile may be unavailable (no compiler on the host)
             print(f"torch.compile failed on {case.label}: {e}", file=sys.stderr)
@@ -158,7 +166,7 @@ def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base
     ours = _grad_timer(lambda *args: op(**dict(zip(names, args))), [tuple(s_.values()) for s_ in sets], n)
     eager = _grad_timer(base_fn, bargs, n)
     try:
-        compiled = _grad_timer(torch.compile(base_fn, dynamic=False), bargs, n)
+        compiled = _grad_timer(fresh_compile(base_fn), bargs, n)
     except Exception as e:  # torch.compile may be unavailable (no compiler on the host)
         print(f"torch.compile failed on {case.label} (backward): {e}", file=sys.stderr)
         compiled = (float("nan"),) * 3
