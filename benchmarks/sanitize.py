@@ -3,7 +3,7 @@
 The calls (``calls()``) cover every manifest case of every op (inputs scaled down by the manifest's
 ``cpu_shrink``), forward and backward, and on top of that, for the base op in 2d and the
 position-ids op: head_dim 2, 64, 80, 96, 128, 256 and 512; 1 and 80 heads and a GQA key; lengths 1,
-7 and 129 (partial tiles); ``key=``, ``out=`` into NaN-filled tensors, in place, HF's transposed
+7 and 129 (partial tiles) and 8195 (the head-major kernel); ``key=``, ``out=`` into NaN-filled tensors, in place, HF's transposed
 views, a fused qkv buffer, a misaligned view (the copy fallback); positions 0 and 2^24 - 1 (the
 largest supported) and out-of-range positions, which must be reported while memcheck stays clean.
 Every result is checked against the float64 references of ``tests/references.py``.
@@ -93,7 +93,8 @@ def _base_calls() -> Iterator[Call]:
     reference, reference_grad, _ = _refs()
     params = {"input_layout": "2d"}
     for D in HEAD_DIMS:
-        for H, HK, S in ((1, 1, 1), (80, 8, 7), (4, 4, 129)):
+        # 2 x 8195 tokens: long enough for the kernel made for head-major views (kernels/rope.py)
+        for H, HK, S in ((1, 1, 1), (80, 8, 7), (4, 4, 129)) + (((2, 1, 8195),) if D in (64, 128) else ()):
             dt = torch.float32 if D in (80, 2) else torch.bfloat16
 
             def run(D=D, H=H, HK=HK, S=S, dt=dt) -> None:
@@ -114,7 +115,7 @@ def _base_calls() -> Iterator[Call]:
                 _close(q2, reference("RoPEFwdOp", params, {"x": cq, "position_ids": pos}), f"D{D} in place")
                 _close(op(q), reference("RoPEFwdOp", params, {"x": cq}), f"D{D} no positions")
                 leaf = q.detach().clone().requires_grad_(True)
-                go = torch.randn(q.shape, generator=g).to(dt).to(DEV)
+                go = torch.randn(2, H, S, D, generator=g).to(dt).to(DEV).transpose(1, 2)  # as HF's would be
                 (dq,) = torch.autograd.grad(op(leaf, position_ids=pos.to(DEV)), leaf, go)
                 _close(dq, reference_grad("RoPEFwdOp", params, {"x": cq, "position_ids": pos}, go.cpu()), f"D{D} dq")
                 op.check()
