@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -140,13 +141,46 @@ def markdown(rows: list[dict], ceiling: float) -> str:
     return "\n".join(out) + "\n"
 
 
+def plot(rows: list[dict], ceiling: float, path: Path) -> None:
+    """The q+k and position-ids rows as GB/s of bytes that must move: tileops, torch.compile and
+    Liger, against the 1 GiB copy rate (line) and a copy of each row's own bytes (marks)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in rows if "ours_us" in r]
+    gbps = {name: [r["bytes"] / r[key] / 1e3 if r.get(key) else float("nan") for r in rows]
+            for name, key in (("tileops", "ours_us"), ("torch.compile", "compile_us"), ("Liger", "liger_us"))}
+    fig, ax = plt.subplots(figsize=(max(9, len(rows) * 1.6), 5))
+    width = 0.27
+    for i, (name, vals) in enumerate(gbps.items()):
+        ax.bar([j + (i - 1) * width for j in range(len(rows))], vals, width, label=name)
+    ax.axhline(ceiling, color="k", linestyle="--", linewidth=1, label=f"1 GiB copy rate {ceiling:.0f} GB/s")
+    ax.scatter(range(len(rows)), [r["bytes"] / r["same_bytes_copy_us"] / 1e3 for r in rows], marker="_", s=400,
+               color="k", zorder=3, label="copy of the same bytes")
+    ax.set_xticks(range(len(rows)), [textwrap.fill(r["row"], 16) for r in rows], fontsize=7)
+    ax.set_ylabel("GB/s of bytes that must move")
+    ax.set_title("q+k in one launch and position ids (python -m benchmarks.serving)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving")
+    p.add_argument("--replot", metavar="JSON", help="only draw serving.png (into --out) from a saved serving.json")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--host", action="store_true", help="only host time per call (and the decode graph row on CUDA)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="--host: where the tensors live (default: cuda when there is one)")
     args = p.parse_args(argv)
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        plot(saved["rows"], saved["copy_gbps"], Path(args.out) / "serving.png")
+        return 0
     if args.host:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -174,9 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     host_table, info = host.host_rows(torch.device("cuda"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps({"rows": rows, "host": host_table, "host_info": info}, indent=1))
+    (out / "serving.json").write_text(json.dumps({"rows": rows, "host": host_table, "host_info": info,
+                                                  "copy_gbps": ceiling}, indent=1))
     md = markdown(rows, ceiling) + "\n" + host.markdown(host_table, info)
     (out / "serving.md").write_text(md)
+    plot(rows, ceiling, out / "serving.png")
     print(md)
     return 0
 
