@@ -170,10 +170,18 @@ def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base
     except Exception as e:  # torch.compile may be unavailable (no compiler on the host)
         print(f"torch.compile failed on {case.label} (backward): {e}", file=sys.stderr)
         compiled = (float("nan"),) * 3
+    liger = None
+    lg = liger_baseline(op, sets[0])
+    if lg is not None:  # Liger's backward rotates the gradients of q and k: two op calls' worth of bytes
+        try:
+            lsets = [liger_baseline(op, x)[1] for x in sets[: max(2, n // 2)]]
+            liger = tuple(v / 2 for v in _grad_timer(lg[0], lsets, len(lsets)))
+        except Exception as e:  # noqa: BLE001 - Liger is optional; its backward is timed where it runs
+            print(f"liger backward failed on {case.label}: {e}", file=sys.stderr)
     row = {"op": m.name, "case": f"{case.label} (backward)", "dtype": dtype,
            "shape": [list(t.shape) for t in sets[0].values()], "bytes": nbytes,
            "floor_us": nbytes / (ceiling * 1e9) * 1e6, "ours_us": ours, "eager_us": eager, "compile_us": compiled,
-           "liger_us": None, "gbps": nbytes / (ours[0] * 1e-6) / 1e9, "first_call_s": float("nan")}
+           "liger_us": liger, "gbps": nbytes / (ours[0] * 1e-6) / 1e9, "first_call_s": float("nan")}
     row["pct_copy"] = 100 * row["gbps"] / ceiling
     return row
 
