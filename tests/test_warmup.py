@@ -48,6 +48,17 @@ def test_compile_refuses_bad_arguments_naming_them():
         op.compile(head_dim=64, dtypes=["float64"], device="cpu")
     with pytest.raises(ValueError, match=r"with_inputs: expected some of key, got 'positions'"):
         op.compile(head_dim=64, with_inputs=["positions"], device="cpu")
+    # the dims: an int, at least 1, and one a call would be served with (the manifest's rules)
+    with pytest.raises(TypeError, match=r"compile: head_dim: expected an int, got str '64'"):
+        op.compile(head_dim="64", device="cpu")
+    with pytest.raises(TypeError, match=r"compile: head_dim: expected an int, got bool True"):
+        op.compile(head_dim=True, device="cpu")
+    with pytest.raises(ValueError, match=r"compile: head_dim: expected a positive size, got 0"):
+        op.compile(head_dim=0, device="cpu")
+    with pytest.raises(ValueError, match=r"x: expected an even head_dim \(the last dim\); got head_dim=63"):
+        op.compile(head_dim=63, device="cpu")
+    with pytest.raises(ValueError, match=r"x: expected head_dim <= 1024; got head_dim=2048"):
+        op.compile(head_dim=2048, device="cpu")
 
 
 def test_compile_for_another_target_compiles_nothing():

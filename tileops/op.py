@@ -249,8 +249,11 @@ class Op:
             The number of kernels now in the cache (0 when the serving target compiles nothing).
 
         Raises:
-            TypeError: A dim the manifest compiles for is missing, or an unknown dim is given.
-            ValueError: A dtype the op does not take, an unknown optional input, or a failed compile.
+            TypeError: A dim the manifest compiles for is missing or not an int, or an unknown dim
+                is given.
+            ValueError: A dim below 1 or one a call would be refused for (the manifest's rules,
+                e.g. an odd ``head_dim``), a dtype the op does not take, an unknown optional input, or a failed
+                compile.
         """
         from .generate import device_backend
         from .targets import BUILTIN
@@ -263,6 +266,12 @@ class Op:
             raise TypeError(f"{m.name}.compile: expected the dims {', '.join(sorted(want))}"
                             + (f"; missing {', '.join(missing)}" if missing else "")
                             + (f"; unknown {', '.join(extra)}" if extra else ""))
+        for name, size in dims.items():
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise TypeError(f"{m.name}.compile: {name}: expected an int, got {type(size).__name__} {size!r}")
+            if size < 1:
+                raise ValueError(f"{m.name}.compile: {name}: expected a positive size, got {size}")
+        self._check_dim_rules(dims)  # what a call with these dims would be refused for
         allowed = m.inputs[0].dtypes
         dtypes = tuple(dtypes) if dtypes is not None else tuple(allowed)
         bad = [d for d in dtypes if d not in allowed]
@@ -462,15 +471,19 @@ class Op:
                     raise ValueError(f"{m.name}: {spec.name}: expected {dim}={dims[dim]} (as in {first}), "
                                      f"got {dim}={size} in shape {list(t.shape)}")
                 dims[dim] = int(size)
-        env = {**self.params, **dims}
-        for rule in m.rules:
-            if rule.needs_dims and rule.check.names <= env.keys():
-                self._check_rule(rule, env)
+        self._check_dim_rules(dims)
         assert device is not None
         self._check_more(tensors, dims)
         # only the dims kernels are compiled for: other sizes share one implementation
         static = sorted((d, dims[d]) for d in m.kernel.specialize)
         return CallSpec(device=device, dtypes=tuple(dtypes), dims=tuple(static))
+
+    def _check_dim_rules(self, dims: Mapping[str, int]) -> None:
+        """The manifest's rules over dims whose every name ``dims`` and the params give."""
+        env = {**self.params, **dims}
+        for rule in self.manifest.rules:
+            if rule.needs_dims and rule.check.names <= env.keys():
+                self._check_rule(rule, env)
 
     def _check_more(self, tensors: Mapping[str, Any], dims: Mapping[str, int]) -> None:
         """Op-specific checks that the rule language does not express (default: none)."""
