@@ -189,11 +189,6 @@ def _index_key(builder: str, spec: Any, backend: str, arch: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _file_digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def _init_library(path: str) -> Any:
     """The kernel library at ``path``, loaded and initialised as TileLang does (``init()`` == 0)."""
     lib = ctypes.CDLL(path)
@@ -214,8 +209,10 @@ def _from_index(key: str) -> tuple[Any, dict[str, Any]] | None:
     except (OSError, ValueError) as e:
         warnings.warn(f"tileops: kernel index entry {base}.json is unreadable ({e}); rebuilding it", RuntimeWarning)
         return None
+    from .launch import file_sha256
+
     try:
-        if _file_digest(base + ".so") != record.get("sha256"):
+        if file_sha256(base + ".so") != record.get("sha256"):
             raise OSError("its bytes differ from the record")
         return _init_library(base + ".so"), record
     except OSError as e:
@@ -226,7 +223,7 @@ def _from_index(key: str) -> tuple[Any, dict[str, Any]] | None:
 def _to_index(key: str, kernel: Any) -> None:
     """Keep ``kernel``'s library and record in the index (atomically: another process sees the whole
     entry or none); an unwritable index is skipped (the kernel is still served from memory)."""
-    from .launch import kernel_record
+    from .launch import file_sha256, kernel_record
 
     src = getattr(kernel.adapter, "libpath", None)
     if not src or not os.path.exists(src):
@@ -237,7 +234,7 @@ def _to_index(key: str, kernel: Any) -> None:
         os.makedirs(d, exist_ok=True)
         tmp = f"{base}.{os.getpid()}.{threading.get_ident()}.tmp"
         shutil.copyfile(src, tmp)
-        record = {**kernel_record(kernel), "sha256": _file_digest(tmp)}
+        record = {**kernel_record(kernel), "sha256": file_sha256(tmp)}
         os.replace(tmp, base + ".so")
         with open(tmp, "w") as f:
             json.dump(record, f)
@@ -270,13 +267,14 @@ def _load_or_build(builder: str, spec: Any, backend: str, arch: str) -> tuple[An
     from .launch import kernel_record
 
     index_key = _index_key(builder, spec, backend, arch)
-    if os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0"):  # the disk cache is not turned off
+    use_disk = os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0")  # the disk cache is not turned off
+    if use_disk:
         found = _from_index(index_key)
         if found is not None:
             stats.loads += 1
             return found
     kernel = compile_kernel(builder, spec, backend, arch)
-    if os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0"):
+    if use_disk:
         _to_index(index_key, kernel)
     return kernel.adapter.lib, kernel_record(kernel)
 

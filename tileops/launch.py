@@ -45,6 +45,12 @@ def cache_root() -> str:
     return os.environ.get("TILEOPS_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tileops")
 
 
+def file_sha256(path: str) -> str:
+    """The sha256 of a file's bytes (hex): how every cached library in tileops' cache is checked."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 @dataclass(frozen=True)
 class RawKernel:
     """A compiled kernel's C entry point.

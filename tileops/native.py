@@ -107,23 +107,22 @@ def library_path() -> str:
     return os.path.join(cache_root(), "native", f"{_NAME}-{_key()}{suffix}")
 
 
-def _digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def _intact(path: str) -> bool:
     """Whether ``path`` and its checksum file exist and agree."""
+    from .launch import file_sha256
+
     try:
         with open(path + ".sha256") as f:
             want = f.read().strip()
-        return bool(want) and _digest(path) == want
+        return bool(want) and file_sha256(path) == want
     except OSError:
         return False
 
 
 def _compile(path: str) -> None:
     """Compile the extension into ``path`` (atomically: a temporary file, then a rename)."""
+    from .launch import file_sha256
+
     include, lib = _torch_paths()
     py_include = sysconfig.get_paths()["include"]
     if not os.path.exists(os.path.join(py_include, "Python.h")):
@@ -149,7 +148,7 @@ def _compile(path: str) -> None:
             last = (r.stderr or r.stdout).strip().splitlines()[-3:]
         else:
             raise OSError(f"{cxx} failed: {' / '.join(last or [])}")
-        digest = _digest(tmp)
+        digest = file_sha256(tmp)
         os.replace(tmp, path)  # another process sees the whole library or none
         tmp_sum = path + f".sha256.{os.getpid()}"
         with open(tmp_sum, "w") as f:
