@@ -138,6 +138,8 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
             back["copy_us"] = row["copy_us"]  # the same bytes move
             back["pct_same_copy"] = 100 * row["copy_us"] / back["ours_us"][0]
             rows.append(back)
+        for r in rows[-2 if m.backward is not None else -1:]:  # a run cut short still leaves its rows in the log
+            print("row " + json.dumps(r), file=sys.stderr, flush=True)
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -192,7 +194,8 @@ def _meta(ceiling: float) -> dict[str, Any]:
                                 cwd=HERE, check=False).stdout.strip()
     except OSError:
         commit = ""
-    commit = commit or os.environ.get("TILEOPS_COMMIT", "")  # a copy of the tree without .git
+    # TILEOPS_COMMIT wins: a copy of the tree without .git, or with stale git metadata (the device's copy)
+    commit = os.environ.get("TILEOPS_COMMIT", "") or commit
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, check=False).stdout.strip()
