@@ -278,7 +278,7 @@ def _gpu_kernels():
 
 
 @pytest.mark.parametrize("op_name", sorted(REGISTRY))
-@settings(SETTINGS, max_examples=max(4, EXAMPLES // len(REGISTRY)))
+@settings(SETTINGS, max_examples=max(4, -(-EXAMPLES // len(REGISTRY))))
 @given(data=st.data())
 def test_valid_specs_match_the_reference(op_name, data):
     # One hypothesis run per op, so that every op gets its share of the examples.
@@ -443,7 +443,9 @@ def invalid_specs(draw, kind: str):
             bad = draw(st.text(max_size=8).filter(lambda s: s not in p.choices))
             return spec, {"param": (p.name, bad)}, ValueError, p.name
         if kind == "tensor-param":
-            n = spec.dims["head_dim"] // 2
+            # the factors' length the op expects: one per rotated pair (rotary_dim // 2 where the op
+            # has a rotary_dim, as Phi-3's factors do; head_dim // 2 otherwise)
+            n = (spec.params.get("rotary_dim") or spec.dims["head_dim"]) // 2
             length = draw(st.integers(0, 2 * n + 2).filter(lambda k: k != n))
             vals = torch.ones(length, dtype=torch.float64)
             if draw(st.booleans()):  # a bad value instead of a bad length
