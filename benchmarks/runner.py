@@ -147,28 +147,35 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
     return {"meta": _meta(ceiling), "rows": rows}
 
 
-def _grad_timer(fn: Callable[..., torch.Tensor], arg_sets: list[tuple], n: int) -> tuple[float, float, float]:
+def _grad_timer(fn: Callable[..., torch.Tensor], arg_sets: list[tuple], n: int,
+                wrt: tuple[int, ...] = (0,)) -> tuple[float, float, float]:
     """GPU time of the backward alone: one graph per input set is built once, then
-    ``autograd.grad(..., retain_graph=True)`` replays only the backward (argument 0 is x)."""
+    ``autograd.grad(..., retain_graph=True)`` replays only the backward. The arguments at ``wrt``
+    (x, and the key where one is given) require grad, and every output gets a gradient: a q+k call's
+    backward rotates both gradients, as in training."""
     graphs = []
     for args in arg_sets:
-        x = args[0].detach().requires_grad_(True)
-        out = fn(x, *args[1:])
-        outs = out if isinstance(out, tuple) else (out,)  # (out, key_out): x's gradient through out
-        graphs.append((outs[0], x, torch.randn_like(outs[0])))
-    return gpu_time(lambda i: torch.autograd.grad(graphs[i][0], graphs[i][1], graphs[i][2], retain_graph=True), n)
+        args = list(args)
+        for i in wrt:
+            args[i] = args[i].detach().requires_grad_(True)
+        out = fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)  # (out, key_out) for a q+k call
+        graphs.append((outs, [args[i] for i in wrt], [torch.randn_like(o) for o in outs]))
+    return gpu_time(lambda i: torch.autograd.grad(*graphs[i], retain_graph=True), n)
 
 
 def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base_fn: Callable[..., Any],
                   bargs: list[tuple], nbytes: int, ceiling: float, n: int) -> dict[str, Any]:
-    """The backward of ``case``: the gradient of x (the output's gradient in, x's gradient out:
-    the same bytes as the forward)."""
+    """The backward of ``case``: the gradients of x and of the key where the case has one (the
+    outputs' gradients in, the inputs' gradients out: the same bytes as the forward)."""
     names = list(sets[0])
-    assert names[0] == m.backward.wrt[0], "the timers pass the differentiated input first"
-    ours = _grad_timer(lambda *args: op(**dict(zip(names, args))), [tuple(s_.values()) for s_ in sets], n)
-    eager = _grad_timer(base_fn, bargs, n)
+    # the inputs that get a gradient (x, and key where the case gives one): the same positions in
+    # our arguments and the baselines' (their inputs come first, in the op's order)
+    wrt = tuple(i for i, k in enumerate(names) if k in m.backward.wrt and sets[0][k] is not None)
+    ours = _grad_timer(lambda *args: op(**dict(zip(names, args))), [tuple(s_.values()) for s_ in sets], n, wrt)
+    eager = _grad_timer(base_fn, bargs, n, wrt)
     try:
-        compiled = _grad_timer(fresh_compile(base_fn), bargs, n)
+        compiled = _grad_timer(fresh_compile(base_fn), bargs, n, wrt)
     except Exception as e:  # torch.compile may be unavailable (no compiler on the host)
         print(f"torch.compile failed on {case.label} (backward): {e}", file=sys.stderr)
         compiled = (float("nan"),) * 3
@@ -177,7 +184,7 @@ def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base
     if lg is not None:  # Liger's backward rotates the gradients of q and k: two op calls' worth of bytes
         try:
             lsets = [liger_baseline(op, x)[1] for x in sets[: max(2, n // 2)]]
-            liger = tuple(v / 2 for v in _grad_timer(lg[0], lsets, len(lsets)))
+            liger = tuple(v / 2 for v in _grad_timer(lg[0], lsets, len(lsets), (0, 1)))
         except Exception as e:  # noqa: BLE001 - Liger is optional; its backward is timed where it runs
             print(f"liger backward failed on {case.label}: {e}", file=sys.stderr)
     row = {"op": m.name, "case": f"{case.label} (backward)", "dtype": dtype,
