@@ -84,6 +84,8 @@ def _mrope_choices(head_dim: int) -> list[tuple[int, int, int]]:
     if half < 3:
         return []
     return sorted({(half - 2 * (half // 3), half // 3, half // 3), (half - 2 * (half // 4), half // 4, half // 4)})
+
+
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
@@ -260,9 +262,9 @@ def _gpu_kernels():
     for name, m in REGISTRY.items():
         params = m.defaults() | dict(m.cases[0].params)
         choices = [[(p.name, c) for c in p.choices] for p in m.params if p.choices is not None]
+        names = {p.name for p in m.params}
         for combo in itertools.product(*choices):
             for head_dim in GPU_HEAD_DIMS:
-                names = {p.name for p in m.params}
                 rots = _rotary_choices(head_dim) if "rotary_dim" in names else [None]
                 sections = _mrope_choices(head_dim) if "mrope_section" in names else [None]
                 for rot, sec in itertools.product(rots, sections):
