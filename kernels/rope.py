@@ -75,6 +75,8 @@ STATIC = {
     "tokens_per_thread": (1, 64, "tokens each thread walks (CUDA)"),
     "transposed_head_lanes": (1, 64, "head lanes instead, for a long view whose heads lie farther apart than its "
                                      "tokens, such as HF's [B, H, S, D] through a transpose (CUDA)"),
+    "head_unroll": (0, 8, "the unroll factor nvcc is given for the head loops: 0 leaves it to nvcc, 1 keeps them "
+                          "rolled (a view with one head per token, where an unrolled copy only holds registers) (CUDA)"),
 }
 
 #: rows of each digit table: positions are split into 8-bit digits
@@ -115,6 +117,8 @@ class RopeKernelSpec:
     #: are one contiguous run there, so fewer lanes and more tokens a block read longer runs
     transposed_head_lanes: int = 2
     transposed: bool = False  # serve views whose head stride exceeds their token stride (the op decides)
+    #: cuda: ``#pragma unroll head_unroll`` on the head loops; 0: nvcc's own choice (it unrolls fp16's twice)
+    head_unroll: int = 0
     #: MRoPE: pairs per position stream (temporal, height, width), summing to rot // 2; needs positions
     mrope_section: "tuple[int, int, int] | None" = None
     mrope_interleaved: bool = False  # the stream map of Qwen3-VL instead of consecutive sections
@@ -404,6 +408,14 @@ def _build_cuda(spec: RopeKernelSpec):
     sgn = -1.0 if spec.inverse else 1.0
     sig = _signature(spec, dt)
 
+    def heads(n):
+        """A head loop: ``#pragma unroll head_unroll`` where the spec sets it, else nvcc decides."""
+        if spec.head_unroll:
+            from tilelang.cuda.language import unroll
+
+            return unroll(n, unroll_factor=spec.head_unroll)
+        return T.serial(n)
+
     @T.macro
     def store(Y, o, vals):
         if wide:
@@ -505,18 +517,18 @@ def _build_cuda(spec: RopeKernelSpec):
             # two vectors; element e of the pair run is (vector e // V, slot e % V).
             o1 = j0 if neox else 2 * j0
             o2 = half + j0 if neox else 2 * j0 + V
-            for k in T.serial(T.ceildiv(H - hl, HL)):
+            for k in heads(T.ceildiv(H - hl, HL)):
                 h = T.cast(hl + k * HL, "int64")
                 rotate_one(X, Y, xo + h * xsh * V, yo + h * ysh * V, o1, o2, cs, sn, xa, xb, ya, yb)
-            for k in T.serial(T.ceildiv(HK - hl, HL)):
+            for k in heads(T.ceildiv(HK - hl, HL)):
                 h = T.cast(hl + k * HL, "int64")
                 rotate_one(K, KY, ko + h * ksh * V, kyo + h * kysh * V, o1, o2, cs, sn, xa, xb, ya, yb)
         else:
             o = R + (lane - C) * V
-            for k in T.serial(T.ceildiv(H - hl, HL)):
+            for k in heads(T.ceildiv(H - hl, HL)):
                 h = T.cast(hl + k * HL, "int64")
                 copy_one(X, Y, xo + h * xsh * V, yo + h * ysh * V, o, xa)
-            for k in T.serial(T.ceildiv(HK - hl, HL)):
+            for k in heads(T.ceildiv(HK - hl, HL)):
                 h = T.cast(hl + k * HL, "int64")
                 copy_one(K, KY, ko + h * ksh * V, kyo + h * kysh * V, o, xa)
 
