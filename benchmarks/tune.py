@@ -1,4 +1,4 @@
-"""Sweep the CUDA schedule of the RoPE kernel (threads, head lanes, tokens per thread) on a GPU.
+"""Sweep the CUDA schedule of the RoPE kernel (threads, head lanes, tokens per thread, head unroll) on a GPU.
 
     python -m benchmarks.tune [--quick]
 
@@ -52,9 +52,9 @@ def configs(layout: str, quick: bool):
         return [dict(threads=t, head_lanes=h, tokens_per_thread=k) for t, h, k in
                 itertools.product((128, 256, 512), (1, 2, 4, 8, 16), (1,) if quick else (1, 2))
                 if t >= 8 * h]
-    if layout == "1d":
-        return [dict(threads=t, head_lanes=1, tokens_per_thread=k) for t, k in
-                itertools.product((128, 256), (2, 4) if quick else (2, 4, 8))]
+    if layout == "1d":  # head_unroll 0 (nvcc unrolls the one-head loop) against 1 (kept rolled): kernel v7
+        return [dict(threads=t, head_lanes=1, tokens_per_thread=k, head_unroll=u) for t, k, u in
+                itertools.product((128, 256), (2, 4) if quick else (2, 4, 8), (0, 1))]
     return [dict(threads=t, head_lanes=h, tokens_per_thread=k) for t, h, k in
             itertools.product((128,) if quick else (128, 256, 512), (4, 8) if quick else (2, 4, 8), (1, 2))]
 
