@@ -28,6 +28,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -44,12 +45,14 @@ __all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "st
 
 @dataclass
 class CompileStats:
-    """How many kernels this process built (``compiles``) and how long that took in all, and how
-    many it loaded from tileops' own index without TileLang (``loads``)."""
+    """How many kernels this process built (``compiles``, of which ``lean`` by :mod:`tileops.cubuild`)
+    and how long that took in all, and how many it loaded from tileops' own index without TileLang
+    (``loads``)."""
 
     compiles: int = 0
     seconds: float = 0.0
     loads: int = 0
+    lean: int = 0
 
     @property
     def kernels(self) -> int:
@@ -183,9 +186,18 @@ def _tilelang_version() -> str:
         return str(getattr(tilelang, "__version__", "unknown"))
 
 
-def _index_key(builder: str, spec: Any, backend: str, arch: str) -> str:
+@functools.lru_cache(maxsize=None)
+def _lean_digest() -> str:
+    """A digest of :mod:`tileops.cubuild`'s source: a lean build's index entries depend on it."""
+    with open(os.path.join(os.path.dirname(__file__), "cubuild.py"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = False) -> str:
+    """The index entry of a kernel built TileLang's way, or (``lean``) by :mod:`tileops.cubuild`."""
+    how = ("lean", _lean_digest()) if lean else "tilelang"
     text = repr((_INDEX_FORMAT, builder, spec, backend, arch, _builder_digest(builder), _tilelang_version(),
-                 sorted(PASS_CONFIGS.items()), platform.machine()))
+                 sorted(PASS_CONFIGS.items()), platform.machine(), how))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -220,12 +232,12 @@ def _from_index(key: str) -> tuple[Any, dict[str, Any]] | None:
         return None
 
 
-def _to_index(key: str, kernel: Any) -> None:
-    """Keep ``kernel``'s library and record in the index (atomically: another process sees the whole
-    entry or none); an unwritable index is skipped (the kernel is still served from memory)."""
-    from .launch import file_sha256, kernel_record
+def _to_index(key: str, src: str | None, record: dict[str, Any]) -> None:
+    """Keep the library at ``src`` and its launch ``record`` in the index (atomically: another
+    process sees the whole entry or none); an unwritable index is skipped (the kernel is still
+    served from memory)."""
+    from .launch import file_sha256
 
-    src = getattr(kernel.adapter, "libpath", None)
     if not src or not os.path.exists(src):
         return
     d = _index_dir()
@@ -234,7 +246,7 @@ def _to_index(key: str, kernel: Any) -> None:
         os.makedirs(d, exist_ok=True)
         tmp = f"{base}.{os.getpid()}.{threading.get_ident()}.tmp"
         shutil.copyfile(src, tmp)
-        record = {**kernel_record(kernel), "sha256": file_sha256(tmp)}
+        record = {**record, "sha256": file_sha256(tmp)}
         os.replace(tmp, base + ".so")
         with open(tmp, "w") as f:
             json.dump(record, f)
@@ -264,19 +276,76 @@ def load_kernel(builder: str, spec: Any, backend: str, arch: str, device: torch.
 
 
 def _load_or_build(builder: str, spec: Any, backend: str, arch: str) -> tuple[Any, dict[str, Any]]:
+    from . import cubuild
     from .launch import kernel_record
 
-    index_key = _index_key(builder, spec, backend, arch)
+    lean = backend == "cuda" and cubuild.enabled()
+    keys = ([_index_key(builder, spec, backend, arch, lean=True)] if lean else [])
+    keys.append(_index_key(builder, spec, backend, arch))
     use_disk = os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0")  # the disk cache is not turned off
     if use_disk:
-        found = _from_index(index_key)
-        if found is not None:
-            stats.loads += 1
-            return found
+        for key in keys:  # a lean build first; a kernel that build does not serve is TileLang's
+            found = _from_index(key)
+            if found is not None:
+                stats.loads += 1
+                return found
+    if lean:
+        built = _lean_build(builder, spec, arch)
+        if built is not None:
+            return _keep_lean(keys[0], built, use_disk)
     kernel = compile_kernel(builder, spec, backend, arch)
+    record = kernel_record(kernel)
     if use_disk:
-        _to_index(index_key, kernel)
-    return kernel.adapter.lib, kernel_record(kernel)
+        _to_index(keys[-1], getattr(kernel.adapter, "libpath", None), record)
+    return kernel.adapter.lib, record
+
+
+_lean_warned = False
+
+
+def _lean_build(builder: str, spec: Any, arch: str) -> Any:
+    """The kernel built by :mod:`tileops.cubuild` (None: build it TileLang's way). A kernel that build
+    does not serve is a debug line; a compiler failing on one it should serve warns once per process."""
+    global _lean_warned
+    from . import cubuild
+
+    if not cubuild.enabled():
+        return None
+    import tilelang  # noqa: F401 - before the kernel module, as compile_kernel does
+
+    t0 = time.perf_counter()
+    try:
+        with _own_compile():
+            lean = cubuild.build(_prim_func(builder, spec), arch, PASS_CONFIGS)
+    except cubuild.Unsupported as e:
+        _log.debug("tileops: %s built by TileLang (%s)", spec, e)
+        return None
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        if not _lean_warned:
+            _lean_warned = True
+            warnings.warn(f"tileops: the lean CUDA build failed ({str(e).splitlines()[0]}); building with "
+                          f"TileLang's nvcc instead (slower to compile, the same kernel). TILEOPS_LEAN_BUILD=0 "
+                          f"skips the attempt.", RuntimeWarning, stacklevel=4)
+        _log.debug("tileops: lean build of %s failed: %s", spec, e)
+        return None
+    stats.seconds += time.perf_counter() - t0
+    stats.compiles += 1
+    stats.lean += 1
+    return lean
+
+
+def _keep_lean(index_key: str, lean: Any, use_disk: bool) -> tuple[Any, dict[str, Any]]:
+    """Load a lean build's library (from the index where the disk cache is on) and remove its build
+    directory (a loaded library stays mapped)."""
+    try:
+        path = lean.libpath
+        if use_disk:
+            _to_index(index_key, lean.libpath, lean.record)
+            if os.path.exists(os.path.join(_index_dir(), index_key + ".json")):
+                path = os.path.join(_index_dir(), index_key + ".so")
+        return _init_library(path), lean.record
+    finally:
+        shutil.rmtree(os.path.dirname(lean.libpath), ignore_errors=True)
 
 
 def index_kernel(builder: str, spec: Any, backend: str, arch: str) -> None:

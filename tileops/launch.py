@@ -285,6 +285,19 @@ def raw_kernel(kernel: Any, device: torch.device, param_names: tuple[str, ...] =
     return raw_kernel_from(kernel.adapter.lib, kernel_record(kernel), device, param_names)
 
 
+def _load_device_code(lib: Any) -> None:
+    """A lean build's library (:mod:`tileops.cubuild`) loads its cubin at the first launch, or here,
+    when the kernel is fetched: before the call that may be captured into a CUDA graph. Raises what
+    loading reports (no GPU, a driver too old for the cubin)."""
+    try:
+        load = lib.load
+    except AttributeError:  # TileLang's own build: nvcc registered the kernel with the runtime
+        return
+    load.restype = ctypes.c_int
+    if load() != 0:
+        raise RuntimeError(f"tileops: {lib.get_last_error().decode('utf-8', 'replace')}")
+
+
 def raw_kernel_from(lib: Any, record: dict[str, Any], device: torch.device,
                     param_names: tuple[str, ...] = ()) -> RawKernel:
     """The C entry point ``call`` of a loaded kernel library, typed by its :func:`kernel_record`."""
@@ -302,5 +315,6 @@ def raw_kernel_from(lib: Any, record: dict[str, Any], device: torch.device,
     index = None
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
+        _load_device_code(lib)
     return RawKernel(call=call, extent_names=extents, device_index=index, lib=lib,
                      param_names=tuple(param_names), packed=packed)
