@@ -1,7 +1,10 @@
 """Cold and warm first-call times, each in a new process: ``python -m benchmarks.compile_time``.
 
 cold: empty cache folders (TileLang's and tileops' index), so the first call imports TileLang,
-lowers, runs nvcc and links the host stub.
+lowers and builds the kernel: by tileops' lean build (NVRTC and the C++ compiler, the default) and,
+in a second new process beside it, by TileLang's own (``TILEOPS_LEAN_BUILD=0``: nvcc on TileLang's
+templates), so the two are measured side by side. "build s" is the time inside the builds,
+TileLang's import and lowering included.
 warm: a new process with those caches filled, so the first call loads the library from tileops'
 index (without importing TileLang: the table says whether it was imported).
 Columns: constructing the op (which reads its manifest), its first call, and the whole process
@@ -35,25 +38,32 @@ t2 = time.perf_counter()
 op(*args)
 torch.cuda.synchronize()
 t3 = time.perf_counter()
-print(f"{{t2 - t1:.3f}} {{t3 - t2:.3f}} {{t3 - t0:.3f}} {{'tilelang' in sys.modules}}")
+from tileops.generate import stats
+print(f"{{t2 - t1:.3f}} {{t3 - t2:.3f}} {{t3 - t0:.3f}} {{'tilelang' in sys.modules}} {{stats.seconds:.3f}} "
+      f"{{stats.lean}}/{{stats.compiles}}")
 """
 
 
+def _run(code: str, cache: str, **env_extra: str) -> list[str]:
+    env = {**os.environ, "TILELANG_CACHE_DIR": os.path.join(cache, "tilelang"),
+           "TILEOPS_CACHE_DIR": os.path.join(cache, "tileops"), **env_extra}
+    env.pop("TILELANG_DISABLE_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.split()[-6:]
+
+
 def main() -> int:
-    print("| op | cold: construct s | cold: first call s | warm: construct s | warm: first call s "
-          "| warm: whole process s | warm: TileLang imported |")
-    print("|---|---|---|---|---|---|---|")
+    print("| op | cold: construct s | cold: first call s | cold: build s (lean/all) | cold, TileLang's build: "
+          "first call s | warm: construct s | warm: first call s | warm: whole process s | warm: TileLang imported |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for op, args in CASES:
-        with tempfile.TemporaryDirectory() as cache:
-            env = {**os.environ, "TILELANG_CACHE_DIR": os.path.join(cache, "tilelang"),
-                   "TILEOPS_CACHE_DIR": os.path.join(cache, "tileops")}
-            env.pop("TILELANG_DISABLE_CACHE", None)
-            code = CODE.format(op=op, args=args)
-            cold = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-            warm = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-            c_make, c_first, _, _ = cold.stdout.split()[-4:]
-            w_make, w_first, w_total, w_tl = warm.stdout.split()[-4:]
-            print(f"| `{op}` | {c_make} | {c_first} | {w_make} | {w_first} | {w_total} | {w_tl} |")
+        code = CODE.format(op=op, args=args)
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as other:
+            c_make, c_first, _, _, c_build, c_lean = _run(code, cache)
+            _, t_first, _, _, _, _ = _run(code, other, TILEOPS_LEAN_BUILD="0")
+            w_make, w_first, w_total, w_tl, _, _ = _run(code, cache)
+            print(f"| `{op}` | {c_make} | {c_first} | {c_build} ({c_lean}) | {t_first} | {w_make} | {w_first} | "
+                  f"{w_total} | {w_tl} |")
     return 0
 
 
