@@ -38,7 +38,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Unsupported", "LeanLibrary", "enabled", "build", "device_source", "nvrtc_path"]
@@ -386,6 +387,8 @@ class LeanLibrary:
     record: dict[str, Any]
     device_source: str
     compiler: str
+    #: seconds per step: lower (TileLang), wrap (its launcher generator), cubin, host (the C++ compile)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _record(func: Any, dyn: list[tuple[str, str]]) -> dict[str, Any]:
@@ -418,17 +421,24 @@ def build(func: Any, arch: str, pass_configs: dict[str, Any], out_dir: str | Non
     from tvm import transform
     from tvm.target import Target
 
+    num = arch.removeprefix("sm_")
+    if not num.isdigit() or int(num) < 80:
+        raise Unsupported(f"arch {arch}: the prelude's bf16 conversion needs sm_80 or later")
+    t = [time.perf_counter()]
     target = Target({"kind": "cuda", "arch": arch})
     with transform.PassContext(opt_level=3, config=pass_configs), target:
         art = tilelang.lower(func, target=target)
+    t.append(time.perf_counter())
     mod = tvm.IRModule({func.attrs["global_symbol"]: func})
     wrapper = _wrapper_class()(scheduled_ir_module=mod, source=art.kernel_source, target=target,
                                device_mod=art.device_mod, host_mod=art.host_mod, pass_configs=pass_configs)
     host = wrapper.lib_code[len(art.kernel_source):]
     dev = device_source(art.kernel_source)
     record = _record(wrapper.prim_func, wrapper.get_dynamic_symbolic_set(wrapper.prim_func))
+    t.append(time.perf_counter())
     out_dir = out_dir or tempfile.mkdtemp(prefix="tileops-lean-")
     blob, compiler = cubin(dev, arch, name=wrapper.function_names[0], workdir=out_dir)
+    t.append(time.perf_counter())
     src = os.path.join(out_dir, "host.cpp")
     lib = os.path.join(out_dir, "kernel.so")
     with open(src, "w") as f:
@@ -445,4 +455,6 @@ def build(func: Any, arch: str, pass_configs: dict[str, Any], out_dir: str | Non
     ret = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if ret.returncode != 0:
         raise RuntimeError(f"host launcher compile failed: {' '.join(cmd)}\n{ret.stderr[-4000:]}")
-    return LeanLibrary(libpath=lib, record=record, device_source=dev, compiler=compiler)
+    t.append(time.perf_counter())
+    steps = dict(zip(("lower", "wrap", "cubin", "host"), (b - a for a, b in zip(t, t[1:]))))
+    return LeanLibrary(libpath=lib, record=record, device_source=dev, compiler=compiler, seconds=steps)
