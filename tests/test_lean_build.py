@@ -144,7 +144,8 @@ def test_a_kernel_the_lean_build_cannot_make_is_built_by_tilelang(failure, tmp_p
     class Kernel:
         adapter = Adapter()
 
-    monkeypatch.setattr(cubuild, "build", refuse)
+    monkeypatch.setattr(cubuild, "build", refuse)  # lowering now,
+    monkeypatch.setattr(cubuild, "compile_sources", refuse)  # and the sources shipped lowered
     monkeypatch.setattr(generate, "_prim_func", lambda *a: None)
     monkeypatch.setattr(generate, "compile_kernel", lambda *a: Kernel())
     import tileops.launch
@@ -162,6 +163,7 @@ def test_lean_build_off_by_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEOPS_LEAN_BUILD", "0")
     monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cubuild, "build", lambda *a, **k: pytest.fail("the lean build was tried"))
+    monkeypatch.setattr(cubuild, "compile_sources", lambda *a, **k: pytest.fail("the lean build was tried"))
 
     class Adapter:
         lib, libpath = "tl", None

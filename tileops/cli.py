@@ -230,6 +230,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if (args.check and changed) else 0
 
 
+def cmd_lowered(args: argparse.Namespace) -> int:
+    from . import lowered
+
+    out, n, skipped = lowered.write(args.arch, jobs=args.jobs)
+    print(f"{out}: {n} kernels lowered for {args.arch}" + (f" ({skipped} not served by the lean build)" if skipped else ""))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tileops", description="LLM operators as TileLang tile programs.")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -251,6 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--arch", default=None, help="sm_XX, or c for the CPU (default: this machine's GPU, else c)")
     p.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")
     p.set_defaults(fn=cmd_warmup)
+    p = sub.add_parser("lowered", help="lower every case's kernels and write the sources tileops ships "
+                                       "(kernels/lowered/ARCH.json.xz), so their cold first calls skip TileLang")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--jobs", type=int, default=None, help="processes (default: one per CPU)")
+    p.set_defaults(fn=cmd_lowered)
     p = sub.add_parser("generate", help="write each family's op classes (tileops/<family>/ops.py) from its manifests")
     p.add_argument("families", nargs="*", help="family names (default: every family)")
     p.add_argument("--check", action="store_true", help="only compare; exit 1 if a file differs from its manifests")

@@ -42,7 +42,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Unsupported", "LeanLibrary", "enabled", "build", "device_source", "nvrtc_path"]
+__all__ = ["Unsupported", "LeanLibrary", "Sources", "enabled", "build", "lower_sources", "compile_sources",
+           "device_source", "nvrtc_path"]
 
 _log = logging.getLogger("tileops.cubuild")
 
@@ -387,7 +388,7 @@ class LeanLibrary:
     record: dict[str, Any]
     device_source: str
     compiler: str
-    #: seconds per step: lower (TileLang), wrap (its launcher generator), cubin, host (the C++ compile)
+    #: seconds per step: lower (TileLang and its launcher generator), cubin, host (the C++ compile)
     seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -412,37 +413,59 @@ def _record(func: Any, dyn: list[tuple[str, str]]) -> dict[str, Any]:
     return {"args": args + [names[t] for _, t in extents], "extents": [n for n, _ in extents]}
 
 
-def build(func: Any, arch: str, pass_configs: dict[str, Any], out_dir: str | None = None) -> LeanLibrary:
-    """Lower ``func`` (a TileLang prim_func) for ``arch`` and build its library the lean way into
-    ``out_dir`` (a fresh temporary directory by default). Raises :class:`Unsupported` when this build
-    cannot serve the kernel, RuntimeError when a compiler fails."""
+@dataclass(frozen=True)
+class Sources:
+    """What lowering a kernel gives the lean build: the device source (prelude included), the host
+    launcher's source (without the prelude and cubin :func:`compile_sources` adds), the launch record
+    and the kernel's name. Plain data: :mod:`tileops.lowered` keeps these for kernels shipped lowered."""
+
+    device: str
+    host: str
+    record: dict[str, Any]
+    name: str
+
+
+def _check_arch(arch: str) -> None:
+    num = arch.removeprefix("sm_")
+    if not num.isdigit() or int(num) < 80:
+        raise Unsupported(f"arch {arch}: the prelude's bf16 conversion needs sm_80 or later")
+
+
+def lower_sources(func: Any, arch: str, pass_configs: dict[str, Any]) -> Sources:
+    """Lower ``func`` (a TileLang prim_func) for ``arch`` with TileLang and generate the lean build's
+    sources; raises :class:`Unsupported` when this build cannot serve the kernel."""
     import tilelang
     from tilelang import tvm
     from tvm import transform
     from tvm.target import Target
 
-    num = arch.removeprefix("sm_")
-    if not num.isdigit() or int(num) < 80:
-        raise Unsupported(f"arch {arch}: the prelude's bf16 conversion needs sm_80 or later")
-    t = [time.perf_counter()]
+    _check_arch(arch)
     target = Target({"kind": "cuda", "arch": arch})
     with transform.PassContext(opt_level=3, config=pass_configs), target:
         art = tilelang.lower(func, target=target)
-    t.append(time.perf_counter())
     mod = tvm.IRModule({func.attrs["global_symbol"]: func})
     wrapper = _wrapper_class()(scheduled_ir_module=mod, source=art.kernel_source, target=target,
                                device_mod=art.device_mod, host_mod=art.host_mod, pass_configs=pass_configs)
-    host = wrapper.lib_code[len(art.kernel_source):]
-    dev = device_source(art.kernel_source)
-    record = _record(wrapper.prim_func, wrapper.get_dynamic_symbolic_set(wrapper.prim_func))
-    t.append(time.perf_counter())
+    if len(wrapper.function_names) != 1:
+        raise Unsupported(f"{len(wrapper.function_names)} device kernels in one library")
+    return Sources(device=device_source(art.kernel_source), host=wrapper.lib_code[len(art.kernel_source):],
+                   record=_record(wrapper.prim_func, wrapper.get_dynamic_symbolic_set(wrapper.prim_func)),
+                   name=wrapper.function_names[0])
+
+
+def compile_sources(src: Sources, arch: str, out_dir: str | None = None) -> LeanLibrary:
+    """Build the library of lowered ``src`` into ``out_dir`` (a fresh temporary directory by default):
+    the cubin, then the launcher with it embedded. Needs no TileLang. Raises :class:`Unsupported`
+    when a tool is missing, RuntimeError when a compiler fails."""
+    _check_arch(arch)
+    t = [time.perf_counter()]
     out_dir = out_dir or tempfile.mkdtemp(prefix="tileops-lean-")
-    blob, compiler = cubin(dev, arch, name=wrapper.function_names[0], workdir=out_dir)
+    blob, compiler = cubin(src.device, arch, name=src.name, workdir=out_dir)
     t.append(time.perf_counter())
-    src = os.path.join(out_dir, "host.cpp")
+    host = os.path.join(out_dir, "host.cpp")
     lib = os.path.join(out_dir, "kernel.so")
-    with open(src, "w") as f:
-        f.write(HOST_PRELUDE + _cubin_array(blob) + host)
+    with open(host, "w") as f:
+        f.write(HOST_PRELUDE + _cubin_array(blob) + src.host)
     inc = _toolkit_dirs("include")
     libdirs = _toolkit_dirs("lib")
     if not any(os.path.exists(os.path.join(d, "libcudart_static.a")) for d in libdirs):
@@ -450,11 +473,23 @@ def build(func: Any, arch: str, pass_configs: dict[str, Any], out_dir: str | Non
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise Unsupported("no C++ compiler for the host launcher ($CXX, c++)")
-    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", src, "-o", lib, *[f"-I{d}" for d in inc],
+    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", host, "-o", lib, *[f"-I{d}" for d in inc],
            *[f"-L{d}" for d in libdirs], "-lcudart_static", "-ldl", "-lpthread", "-lrt"]
     ret = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if ret.returncode != 0:
         raise RuntimeError(f"host launcher compile failed: {' '.join(cmd)}\n{ret.stderr[-4000:]}")
     t.append(time.perf_counter())
-    steps = dict(zip(("lower", "wrap", "cubin", "host"), (b - a for a, b in zip(t, t[1:]))))
-    return LeanLibrary(libpath=lib, record=record, device_source=dev, compiler=compiler, seconds=steps)
+    steps = dict(zip(("cubin", "host"), (b - a for a, b in zip(t, t[1:]))))
+    return LeanLibrary(libpath=lib, record=src.record, device_source=src.device, compiler=compiler, seconds=steps)
+
+
+def build(func: Any, arch: str, pass_configs: dict[str, Any], out_dir: str | None = None) -> LeanLibrary:
+    """Lower ``func`` (a TileLang prim_func) for ``arch`` and build its library the lean way into
+    ``out_dir`` (a fresh temporary directory by default). Raises :class:`Unsupported` when this build
+    cannot serve the kernel, RuntimeError when a compiler fails."""
+    t0 = time.perf_counter()
+    src = lower_sources(func, arch, pass_configs)
+    lowered = time.perf_counter() - t0
+    lib = compile_sources(src, arch, out_dir)
+    lib.seconds = {"lower": lowered, **lib.seconds}
+    return lib

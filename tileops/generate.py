@@ -53,6 +53,8 @@ class CompileStats:
     seconds: float = 0.0
     loads: int = 0
     lean: int = 0
+    #: of the lean builds, those compiled from sources shipped lowered (:mod:`tileops.lowered`)
+    shipped: int = 0
 
     @property
     def kernels(self) -> int:
@@ -290,7 +292,7 @@ def _load_or_build(builder: str, spec: Any, backend: str, arch: str) -> tuple[An
                 stats.loads += 1
                 return found
     if lean:
-        built = _lean_build(builder, spec, arch)
+        built = _lean_build(builder, spec, arch, keys[0])
         if built is not None:
             return _keep_lean(keys[0], built, use_disk)
     kernel = compile_kernel(builder, spec, backend, arch)
@@ -303,20 +305,26 @@ def _load_or_build(builder: str, spec: Any, backend: str, arch: str) -> tuple[An
 _lean_warned = False
 
 
-def _lean_build(builder: str, spec: Any, arch: str) -> Any:
-    """The kernel built by :mod:`tileops.cubuild` (None: build it TileLang's way). A kernel that build
-    does not serve is a debug line; a compiler failing on one it should serve warns once per process."""
+def _lean_build(builder: str, spec: Any, arch: str, key: str) -> Any:
+    """The kernel built by :mod:`tileops.cubuild` (None: build it TileLang's way): from the sources
+    shipped lowered (:mod:`tileops.lowered`, no TileLang import) when they have ``key``, else lowered
+    now. A kernel that build does not serve is a debug line; a compiler failing on one it should
+    serve warns once per process."""
     global _lean_warned
-    from . import cubuild
+    from . import cubuild, lowered
 
     if not cubuild.enabled():
         return None
-    import tilelang  # noqa: F401 - before the kernel module, as compile_kernel does
-
     t0 = time.perf_counter()
     try:
-        with _own_compile():
-            lean = cubuild.build(_prim_func(builder, spec), arch, PASS_CONFIGS)
+        shipped = lowered.lookup(key, arch)
+        if shipped is not None:
+            lean = cubuild.compile_sources(shipped, arch)
+        else:
+            import tilelang  # noqa: F401 - before the kernel module, as compile_kernel does
+
+            with _own_compile():
+                lean = cubuild.build(_prim_func(builder, spec), arch, PASS_CONFIGS)
     except cubuild.Unsupported as e:
         _log.debug("tileops: %s built by TileLang (%s)", spec, e)
         return None
@@ -331,6 +339,7 @@ def _lean_build(builder: str, spec: Any, arch: str) -> Any:
     stats.seconds += time.perf_counter() - t0
     stats.compiles += 1
     stats.lean += 1
+    stats.shipped += shipped is not None
     return lean
 
 

@@ -1,0 +1,69 @@
+"""The sources shipped lowered (tileops/lowered.py, kernels/lowered/sm_90.json.xz)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_lean_build import needs_toolchain
+from tileops import cubuild, generate, lowered
+from tileops.warmup import kernel_jobs
+
+
+def _jobs():
+    return [j for j in kernel_jobs(None, "sm_90") if j[2] == "cuda"]
+
+
+def test_the_shipped_file_has_every_warmup_kernel_under_its_current_key():
+    """Fails after a change to a kernel builder, its helpers, tileops/cubuild.py, the pass configs or
+    TileLang's version until ``tileops lowered`` is run again (the old keys no longer match)."""
+    stale = [repr(j[1]) for j in _jobs()
+             if lowered.lookup(generate._index_key(*j, lean=True), "sm_90") is None]
+    assert not stale, f"{len(stale)} kernels missing from {lowered.path('sm_90')} (run `tileops lowered`): {stale[:2]}"
+
+
+@pytest.mark.parametrize("i", [0, 57, 131, -1])
+def test_shipped_sources_are_what_lowering_gives_now(i):
+    job = _jobs()[i]
+    shipped = lowered.lookup(generate._index_key(*job, lean=True), "sm_90")
+    fresh = cubuild.lower_sources(generate._prim_func(job[0], job[1]), "sm_90", generate.PASS_CONFIGS)
+    assert shipped == fresh
+
+
+def test_an_unreadable_or_foreign_file_means_lowering(tmp_path, monkeypatch):
+    bad = tmp_path / "sm_90.json.xz"
+    bad.write_bytes(b"not xz at all")
+    monkeypatch.setattr(lowered, "path", lambda arch: bad)
+    monkeypatch.setattr(lowered, "_packs", {})
+    assert lowered.lookup("anything", "sm_90") is None
+    import lzma
+
+    with lzma.open(bad, "wt") as f:
+        json.dump({"format": 1, "arch": "sm_80", "kernels": {"k": {}}}, f)  # another arch's file
+    monkeypatch.setattr(lowered, "_packs", {})
+    assert lowered.lookup("k", "sm_90") is None
+
+
+COLD = """
+import json, sys
+from tileops import generate
+from tileops.warmup import kernel_jobs
+job = [j for j in kernel_jobs(["RoPEFwdOp"], "sm_90") if j[2] == "cuda"][0]
+lib, record = generate._load_or_build(*job)
+print(json.dumps({"tilelang": "tilelang" in sys.modules, "lean": generate.stats.lean,
+                  "shipped": generate.stats.shipped, "args": len(record["args"])}))
+"""
+
+
+@needs_toolchain
+def test_a_cold_build_of_a_shipped_kernel_never_imports_tilelang(tmp_path):
+    env = {**os.environ, "TILEOPS_CACHE_DIR": str(tmp_path / "tileops"), "TILELANG_CACHE_DIR": str(tmp_path / "tl")}
+    env.pop("TILELANG_DISABLE_CACHE", None)
+    out = subprocess.run([sys.executable, "-c", COLD], env=env, capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"tilelang": False, "lean": 1, "shipped": 1, "args": got["args"]} and got["args"] > 20
+    assert len(os.listdir(tmp_path / "tileops" / "kernels")) == 2  # indexed: a later process loads it

@@ -1,0 +1,105 @@
+"""Kernels shipped lowered: the lean build's sources for every kernel of the manifests' cases.
+
+A cold first call spends most of its time in TileLang before any compiler runs: importing it (1-3 s)
+and lowering the kernel (0.5-1.7 s on the H200's host, ``benchmarks/NOTES.md``). What lowering gives
+the lean build (:class:`tileops.cubuild.Sources`: the device source, the launcher's source, the launch
+record) depends only on the kernel's spec, the builder's source, TileLang's version, the pass configs
+and :mod:`tileops.cubuild` itself, which is what the lean build's index key digests. So those sources
+are generated ahead, for every kernel ``tileops warmup`` would build, and shipped in
+``kernels/lowered/<arch>.json.xz``; a cold first call of one of those kernels compiles the shipped
+sources (NVRTC and the C++ compiler, about half a second) without importing TileLang. A kernel not in
+the file, or a file left behind by a change to the kernels (its keys no longer match), is lowered by
+TileLang as before: the file can make a first call faster, never different.
+
+``tileops lowered --write`` regenerates the file (``tests/test_lowered.py`` fails when it is stale).
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["path", "lookup", "write"]
+
+_FORMAT = 1
+_lock = threading.Lock()
+_packs: dict[str, dict[str, Any]] = {}
+
+
+def path(arch: str) -> Path:
+    """Where the shipped sources for ``arch`` are (``tileops.kernels``' ``lowered/`` folder)."""
+    import tileops.kernels
+
+    return Path(tileops.kernels.__file__).parent / "lowered" / f"{arch}.json.xz"
+
+
+def _pack(arch: str) -> dict[str, Any]:
+    with _lock:
+        got = _packs.get(arch)
+        if got is None:
+            got = {}
+            try:
+                with lzma.open(path(arch), "rt", encoding="utf-8") as f:
+                    data = json.load(f)
+                if data.get("format") == _FORMAT and data.get("arch") == arch:
+                    got = data["kernels"]
+            except (OSError, ValueError, lzma.LZMAError, KeyError, TypeError):
+                got = {}  # absent or unreadable: every kernel is lowered by TileLang
+            _packs[arch] = got
+        return got
+
+
+def lookup(key: str, arch: str) -> Any:
+    """The shipped :class:`tileops.cubuild.Sources` of the kernel whose lean index key is ``key``, or None."""
+    from .cubuild import Sources
+
+    entry = _pack(arch).get(key)
+    if not isinstance(entry, dict):
+        return None
+    try:
+        return Sources(device=entry["device"], host=entry["host"], record=entry["record"], name=entry["name"])
+    except KeyError:
+        return None
+
+
+def _lower(job: tuple[str, Any, str, str]) -> tuple[str, dict[str, Any] | None]:
+    import logging
+
+    from . import cubuild, generate
+
+    logging.getLogger("tilelang").setLevel(logging.ERROR)
+    builder, spec, backend, arch = job
+    key = generate._index_key(builder, spec, backend, arch, lean=True)
+    try:
+        src = cubuild.lower_sources(generate._prim_func(builder, spec), arch, generate.PASS_CONFIGS)
+    except cubuild.Unsupported:
+        return key, None
+    return key, {"spec": repr(spec), "device": src.device, "host": src.host, "record": src.record, "name": src.name}
+
+
+def write(arch: str = "sm_90", jobs: int | None = None, names: Any = None) -> tuple[Path, int, int]:
+    """Lower every kernel of ``tileops warmup``'s list for ``arch`` (``jobs`` processes) and write the
+    file; returns (its path, kernels written, kernels the lean build does not serve)."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    from .warmup import kernel_jobs
+
+    todo = [j for j in kernel_jobs(names, arch) if j[2] == "cuda"]
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_lower, todo))
+    kernels = {k: v for k, v in sorted(results) if v is not None}
+    out = path(arch)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with lzma.open(tmp, "wt", encoding="utf-8", preset=9) as f:
+        json.dump({"format": _FORMAT, "arch": arch, "kernels": kernels}, f, sort_keys=True, separators=(",", ":"))
+    os.replace(tmp, out)
+    with _lock:
+        _packs.pop(arch, None)
+    return out, len(kernels), len(results) - len(kernels)
