@@ -191,8 +191,9 @@ def _tilelang_version() -> str:
 @functools.lru_cache(maxsize=None)
 def _lean_digest() -> str:
     """A digest of :mod:`tileops.cubuild`'s source: a lean build's index entries depend on it."""
-    with open(os.path.join(os.path.dirname(__file__), "cubuild.py"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    from .launch import file_sha256
+
+    return file_sha256(os.path.join(os.path.dirname(__file__), "cubuild.py"))
 
 
 def _index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = False) -> str:
@@ -308,13 +309,11 @@ _lean_warned = False
 def _lean_build(builder: str, spec: Any, arch: str, key: str) -> Any:
     """The kernel built by :mod:`tileops.cubuild` (None: build it TileLang's way): from the sources
     shipped lowered (:mod:`tileops.lowered`, no TileLang import) when they have ``key``, else lowered
-    now. A kernel that build does not serve is a debug line; a compiler failing on one it should
-    serve warns once per process."""
+    now (the caller has checked :func:`tileops.cubuild.enabled`). A kernel that build does not serve
+    is a debug line; a compiler failing on one it should serve warns once per process."""
     global _lean_warned
     from . import cubuild, lowered
 
-    if not cubuild.enabled():
-        return None
     t0 = time.perf_counter()
     try:
         shipped = lowered.lookup(key, arch)

@@ -84,15 +84,10 @@ def _lower(job: tuple[str, Any, str, str]) -> tuple[str, dict[str, Any] | None]:
 def write(arch: str = "sm_90", jobs: int | None = None, names: Any = None) -> tuple[Path, int, int]:
     """Lower every kernel of ``tileops warmup``'s list for ``arch`` (``jobs`` processes) and write the
     file; returns (its path, kernels written, kernels the lean build does not serve)."""
-    import concurrent.futures as cf
-    import multiprocessing
-
-    from .warmup import kernel_jobs
+    from .warmup import kernel_jobs, map_jobs
 
     todo = [j for j in kernel_jobs(names, arch) if j[2] == "cuda"]
-    workers = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
-    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(_lower, todo))
+    results = map_jobs(_lower, todo, jobs)
     kernels = {k: v for k, v in sorted(results) if v is not None}
     out = path(arch)
     out.parent.mkdir(parents=True, exist_ok=True)

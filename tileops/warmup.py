@@ -104,19 +104,23 @@ def warmup(names: Iterable[str] | None = None, arch: str = "sm_90",
     return compile_jobs(kernel_jobs(names, arch), jobs)
 
 
+def map_jobs(fn: Any, todo: list[Any], jobs: int | None = None) -> list[Any]:
+    """``[fn(job) for job in todo]``, ``jobs`` processes at once (default: one per CPU): fresh
+    interpreters, so no CUDA context or TileLang state is inherited. ``fn`` must be importable."""
+    import multiprocessing
+
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+    if workers == 1:
+        return [fn(job) for job in todo]
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(fn, todo))
+
+
 def compile_jobs(todo: list[tuple[str, Any, str, str]], jobs: int | None = None) -> tuple[int, float, list[tuple[Any, str]]]:
     """Compile the kernel jobs ``todo`` into the disk cache, ``jobs`` processes at once (default: one
     per CPU). Returns ``(kernels, seconds, failures)`` as :func:`warmup` does."""
-    import multiprocessing
-
     todo = list(dict.fromkeys(todo))
     t0 = time.perf_counter()
-    workers = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
-    if workers == 1:
-        errors = [_compile(job) for job in todo]
-    else:
-        # fresh interpreters: no CUDA context or TileLang state is inherited
-        with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            errors = list(pool.map(_compile, todo))
+    errors = map_jobs(_compile, todo, jobs)
     failures = [(job[1], err) for job, err in zip(todo, errors) if err]
     return len(todo), time.perf_counter() - t0, failures
