@@ -74,3 +74,15 @@ def test_demo_device_is_checked(capsys):
         main(["demo", "--device", "bogus"])
     err = capsys.readouterr().err
     assert "--device" in err and "expected cpu, cuda or cuda:N" in err and "'bogus'" in err
+
+
+def test_lowered_refuses_an_arch_the_lean_build_lacks_and_bad_jobs(capsys, monkeypatch):
+    from tileops import lowered
+
+    monkeypatch.setattr(lowered, "write", lambda *a, **k: (_ for _ in ()).throw(AssertionError("wrote")))
+    for argv, what in ((["lowered", "--arch", "sm_75"], "--arch: expected sm_XX with XX >= 80"),
+                       (["lowered", "--arch", "c"], "--arch: expected sm_XX"),
+                       (["lowered", "--jobs", "0"], "--jobs: expected a positive number, got 0")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert what in err, err

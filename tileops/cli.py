@@ -233,6 +233,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_lowered(args: argparse.Namespace) -> int:
     from . import lowered
 
+    num = args.arch.removeprefix("sm_")
+    if not (args.arch.startswith("sm_") and num.isdigit() and int(num) >= 80):
+        print(f"tileops lowered: --arch: expected sm_XX with XX >= 80 (the lean build's archs), got {args.arch!r}",
+              file=sys.stderr)
+        return 2
+    if args.jobs is not None and args.jobs < 1:
+        print(f"tileops lowered: --jobs: expected a positive number, got {args.jobs}", file=sys.stderr)
+        return 2
     out, n, skipped = lowered.write(args.arch, jobs=args.jobs)
     print(f"{out}: {n} kernels lowered for {args.arch}" + (f" ({skipped} not served by the lean build)" if skipped else ""))
     return 0
