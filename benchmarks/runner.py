@@ -6,7 +6,8 @@ Workloads are the manifests' cases marked ``bench`` (each in its first dtype). E
 median of 200 calls timed with CUDA events, p20/p80 beside it, rotating through enough input sets
 to exceed L2 three times (``benchmarks/timing.py``). Two ceilings, both timed in the same run: a
 1 GiB device-to-device copy (the copy rate), and per row a copy of the same bytes, rotated the same
-way, which pays the launch and ramp a small kernel pays. Results go to ``results/latest.{json,md,png}``.
+way, which pays the launch and ramp a small kernel pays. Results go to ``results/latest.{json,md}``, and
+the figures and ``summary.md`` the docs page leads with are drawn from them (``benchmarks/plots.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from tileops.manifest import registry
 from tileops.workloads import bytes_moved, op_class, workload
 
+from . import plots
 from .baselines import liger_baseline, make_baseline
 from .timing import copy_rate, gpu_time, rotation, same_bytes_copy_us
 
@@ -119,7 +121,7 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
             t = gpu_time(lambda i: lfn(*lsets[i]), len(lsets))
             liger = tuple(v / 2 for v in t)  # it rotates q and k: two op calls' worth of bytes
         row = {
-            "op": m.name, "case": case.label, "dtype": dtype,
+            "op": m.name, "family": m.family, "direction": "forward", "case": case.label, "dtype": dtype,
             "shape": [list(t.shape) for t in w.inputs.values()], "bytes": nbytes,
             "floor_us": nbytes / (ceiling * 1e9) * 1e6,
             "ours_us": ours, "eager_us": eager, "compile_us": compiled, "liger_us": liger,
@@ -187,7 +189,8 @@ def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base
             liger = tuple(v / 2 for v in _grad_timer(lg[0], lsets, len(lsets), (0, 1)))
         except Exception as e:  # noqa: BLE001 - Liger is optional; its backward is timed where it runs
             print(f"liger backward failed on {case.label}: {e}", file=sys.stderr)
-    row = {"op": m.name, "case": f"{case.label} (backward)", "dtype": dtype,
+    row = {"op": m.name, "family": m.family, "direction": "backward",
+           "case": f"{case.label}{plots.BACKWARD_SUFFIX}", "dtype": dtype,
            "shape": [list(t.shape) for t in sets[0].values()], "bytes": nbytes,
            "floor_us": nbytes / (ceiling * 1e9) * 1e6, "ours_us": ours, "eager_us": eager, "compile_us": compiled,
            "liger_us": liger, "gbps": nbytes / (ours[0] * 1e-6) / 1e9, "first_call_s": float("nan")}
@@ -245,40 +248,11 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    rows = result["rows"]
-    labels = [f"{r['case']}\n{r['dtype']}" for r in rows]
-    ceiling = result["meta"]["copy_gbps"]
-    series = {"tileops": [r["bytes"] / r["ours_us"][0] / 1e3 for r in rows],
-              "torch.compile": [r["bytes"] / r["compile_us"][0] / 1e3 for r in rows],
-              "torch eager": [r["bytes"] / r["eager_us"][0] / 1e3 for r in rows]}
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4.5))
-    width = 0.27
-    for i, (name, vals) in enumerate(series.items()):
-        ax.bar([j + (i - 1) * width for j in range(len(rows))], vals, width, label=name)
-    ax.axhline(ceiling, color="k", linestyle="--", linewidth=1, label=f"1 GiB copy rate {ceiling:.0f} GB/s")
-    same = [r["bytes"] / r["copy_us"] / 1e3 if r.get("copy_us") else float("nan") for r in rows]
-    ax.scatter(range(len(rows)), same, marker="_", s=400, color="k", zorder=3, label="copy of the same bytes")
-    ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("GB/s of bytes that must move")
-    ax.set_title(f"RoPE on {result['meta']['gpu']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks")
     p.add_argument("--ops", help="comma-separated op names (default: all)")
     p.add_argument("--cases", help="comma-separated case labels (default: all marked bench)")
-    p.add_argument("--out", default=str(HERE / "results"), help="folder for latest.json/.md/.png")
+    p.add_argument("--out", default=str(HERE / "results"), help="folder for latest.json/.md, the figures and summary.md")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
@@ -289,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "latest.json").write_text(json.dumps(result, indent=1))
     md = markdown(result)
     (out / "latest.md").write_text(md)
-    plot(result, out / "latest.png")
+    try:
+        plots.write(result, out)
+    except ImportError as e:  # matplotlib is in the bench extra; the results above are saved either way
+        print(f"figures not drawn ({e}): pip install -e '.[bench]', then python -m benchmarks.plots", file=sys.stderr)
     print(md)
     return 0
 

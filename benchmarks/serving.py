@@ -25,7 +25,7 @@ import torch
 
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
 
-from . import host
+from . import host, plots
 from .baselines import _rotate_half
 from .runner import fresh_compile, end_to_end_us, host_time_us as host_us
 from .timing import copy_rate, gpu_time, rotation, same_bytes_copy_us
@@ -141,32 +141,14 @@ def markdown(rows: list[dict], ceiling: float) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(rows: list[dict], ceiling: float, path: Path) -> None:
-    """The q+k and position-ids rows as GB/s of bytes that must move: tileops, torch.compile and
-    Liger, against the 1 GiB copy rate (line) and a copy of each row's own bytes (marks)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+def plot(rows: list[dict], path: Path) -> None:
+    """The q+k and position-ids rows: tileops, torch.compile and Liger, each as its speed relative to
+    a copy of the row's own bytes (``benchmarks/plots.py``'s bars, sized for the docs page)."""
     rows = [r for r in rows if "ours_us" in r]
-    gbps = {name: [r["bytes"] / r[key] / 1e3 if r.get(key) else float("nan") for r in rows]
+    bars = {name: [plots.relative(r["same_bytes_copy_us"], r.get(key)) for r in rows]
             for name, key in (("tileops", "ours_us"), ("torch.compile", "compile_us"), ("Liger", "liger_us"))}
-    fig, ax = plt.subplots(figsize=(max(9, len(rows) * 1.6), 5))
-    width = 0.27
-    for i, (name, vals) in enumerate(gbps.items()):
-        ax.bar([j + (i - 1) * width for j in range(len(rows))], vals, width, label=name)
-    ax.axhline(ceiling, color="k", linestyle="--", linewidth=1, label=f"1 GiB copy rate {ceiling:.0f} GB/s")
-    ax.scatter(range(len(rows)), [r["bytes"] / r["same_bytes_copy_us"] / 1e3 for r in rows], marker="_", s=400,
-               color="k", zorder=3, label="copy of the same bytes")
-    ax.set_xticks(range(len(rows)), [textwrap.fill(r["row"], 16) for r in rows], fontsize=7)
-    ax.set_ylabel("GB/s of bytes that must move")
-    ax.set_title("q+k in one launch and position ids (python -m benchmarks.serving)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plots.draw([textwrap.fill(r["row"], 30) for r in rows], bars,
+               "q+k in one launch, position ids (python -m benchmarks.serving)", path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
-        plot(saved["rows"], saved["copy_gbps"], Path(args.out) / "serving.png")
+        plot(saved["rows"], Path(args.out) / "serving.png")
         return 0
     if args.host:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -212,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "copy_gbps": ceiling}, indent=1))
     md = markdown(rows, ceiling) + "\n" + host.markdown(host_table, info)
     (out / "serving.md").write_text(md)
-    plot(rows, ceiling, out / "serving.png")
+    plot(rows, out / "serving.png")
     print(md)
     return 0
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tileops.manifest import registry
 from tileops.workloads import op_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ sits beside tests/, not installed
-from benchmarks import runner  # noqa: E402
+from benchmarks import plots, runner  # noqa: E402
 from benchmarks.baselines import make_baseline  # noqa: E402
 
 
@@ -51,3 +53,83 @@ def test_a_backward_row_without_a_key_differentiates_x_alone(monkeypatch):
     x = torch.randn(2, 16, 3, 32)
     got = _backward_grads(monkeypatch, "RoPEFwdOp", {"input_layout": "2d"}, {"x": x})
     assert len(got) == 3 and all([tuple(t.shape) for t in grads] == [tuple(x.shape)] for grads in got)
+
+
+# ------------------------------------------------------------------ the figures and the summary
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+PAGE_PX = (700, 1200)  # the docs page's content column is about 800 px; wider is shrunk, narrower wastes it
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def _committed() -> dict:
+    return json.loads((RESULTS / "latest.json").read_text(encoding="utf-8"))
+
+
+def test_one_figure_per_family_and_direction_of_the_committed_results_sized_for_the_page(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = _committed()
+    written = plots.write(result, tmp_path)
+    figures = [p for p in written if p.suffix == ".png"]
+    # the committed run has RoPE's forward and backward rows, and no family or direction field
+    assert [p.name for p in figures] == ["latest-rope-forward.png", "latest-rope-backward.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in written)
+    per_figure = {"forward": 0, "backward": 0}
+    for r in result["rows"]:
+        per_figure["backward" if r["case"].endswith(" (backward)") else "forward"] += 1
+    for p in figures:
+        width, height = _png_size(p)
+        assert PAGE_PX[0] <= width <= PAGE_PX[1], (p.name, width)
+        rows = per_figure[p.stem.rsplit("-", 1)[1]]
+        assert height >= 50 * rows, (p.name, height, rows)  # a bar group of four per row, labels legible
+
+
+def test_figures_follow_the_families_and_directions_a_result_holds(tmp_path):
+    pytest.importorskip("matplotlib")
+    row = {"dtype": "float16", "bytes": 8 << 20, "copy_us": 5.0, "ours_us": [4.0, 3.9, 4.1],
+           "eager_us": [40.0] * 3, "compile_us": [float("nan")] * 3, "liger_us": None}
+    rows = [dict(row, op="ScaleFwdOp", family="scale", direction="forward", case="s-1k"),
+            dict(row, op="RoPEFwdOp", family="rope", direction="forward", case="r-1k"),
+            dict(row, op="RoPEFwdOp", family="rope", direction="backward", case="r-1k (backward)"),
+            dict(row, op="ScaleFwdOp", family="scale", direction="forward", case="s-2k")]
+    written = plots.write({"meta": {"gpu": "test GPU"}, "rows": rows}, tmp_path)
+    assert [p.name for p in written] == ["latest-scale-forward.png", "latest-rope-forward.png",
+                                         "latest-rope-backward.png", "summary.md"]
+    summary = (tmp_path / "summary.md").read_text(encoding="utf-8")
+    # torch.compile failed (NaN) and Liger has no such op: no ratio for either, not a NaN
+    assert "| `ScaleFwdOp` | 2 | - | - | - | - | 125 | - |" in summary, summary
+    assert "nan" not in summary.lower()
+
+
+def test_the_summary_table_names_its_columns_and_spans_each_ops_cases():
+    result = _committed()
+    text = plots.summary_markdown(result, ["latest-rope-forward.png"])
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| op |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert columns == ["op", "cases", "x torch.compile, forward", "x torch.compile, backward", "x Liger, forward",
+                       "x Liger, backward", "% same-bytes copy, forward", "% same-bytes copy, backward"]
+    assert "![latest-rope-forward](latest-rope-forward.png)" in lines
+    # RoPEFwdOp's forward cells, recomputed from the JSON's medians
+    fwd = [r for r in result["rows"] if r["op"] == "RoPEFwdOp" and not r["case"].endswith("(backward)")]
+    compile_x = [r["compile_us"][0] / r["ours_us"][0] for r in fwd]
+    liger_x = [r["liger_us"][0] / r["ours_us"][0] for r in fwd if r["liger_us"]]
+    pct = [100 * r["copy_us"] / r["ours_us"][0] for r in fwd]
+    cells = [c.strip() for c in next(line for line in lines if line.startswith("| `RoPEFwdOp` |")).strip("|").split("|")]
+    assert cells[1] == str(len(fwd))
+    assert cells[2] == f"{min(compile_x):.2f}-{max(compile_x):.2f}"
+    assert cells[4] == f"{min(liger_x):.2f}-{max(liger_x):.2f}"
+    assert cells[6] == f"{min(pct):.0f}-{max(pct):.0f}"
+
+
+def test_the_committed_summary_and_figures_are_those_of_the_committed_json(tmp_path):
+    # a run that updated latest.json but not what the docs page shows would go unnoticed
+    result = _committed()
+    names = [plots.figure_name(f, d) for f, d in plots.groups(result)]
+    assert (RESULTS / "summary.md").read_text(encoding="utf-8") == plots.summary_markdown(result, names)
+    for name in names:
+        assert (RESULTS / name).is_file(), name
