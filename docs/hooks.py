@@ -10,7 +10,8 @@ A page asks for generated text with an HTML comment on a line of its own:
     <!-- readme-commands -->            the setup commands of README.md
     <!-- include: PATH -->              a file of the repository, as a code block
     <!-- coverage -->                   the output of `tileops coverage --markdown`
-    <!-- benchmarks -->                 benchmarks/results/latest.md and latest.png
+    <!-- results: NAME -->              benchmarks/results/NAME: a .md file inlined (its links to
+                                        PNGs beside it kept working), a .png as an image
 
 Every family has an API page, ``api/<family>.md``, listed under "API reference" with no edit to
 mkdocs.yml: the file in docs/ where one is written (``api/rope.md``), else a page generated from the
@@ -18,9 +19,11 @@ family (its package docstring, and for each op its class through mkdocstrings an
 tables: :func:`tileops.docgen.family_page_markdown`). Families of ``TILEOPS_FAMILY_PATH`` roots get
 theirs the same way; :class:`FamilyRoots`, a griffe extension, shows mkdocstrings their packages.
 
-Files are read from the repository (the folder of mkdocs.yml); ``latest.png`` is added to the site
-as a generated file, never copied into docs/. On a page of the Chinese site that has no Chinese
-version, the English text is shown under a notice saying so.
+Files are read from the repository (the folder of mkdocs.yml); the PNGs of benchmarks/results/ are
+added to the site as generated files, never copied into docs/. A results file not committed yet
+reads as a sentence saying so (a page may name one that a benchmark run is still to write). On a
+page of the Chinese site that has no Chinese version, the English text is shown under a notice
+saying so.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ log = logging.getLogger("mkdocs.hooks.tileops")
 
 MARKER = re.compile(r"^<!--\s*([a-z-]+)(?::\s*(.+?))?\s*-->\s*$", re.MULTILINE)
 FALLBACK_NOTICE = '!!! info "本页暂无中文版。以下为英文原文。"\n\n'
-BENCH_PNG = "assets/benchmarks/latest.png"
+RESULTS = Path("benchmarks") / "results"
+RESULTS_SITE = "assets/benchmarks"  # where the site publishes RESULTS' PNGs
+RESULTS_PNG_LINK = re.compile(r"(!\[[^\]]*\])\(([\w.-]+\.png)\)")  # ![alt](NAME.png): a PNG beside the file
 API_SECTION = "API reference"
 OPS_TABLE_HEADERS = {"en": ("Op", "Family", "What it computes"), "zh": ("算子", "族", "计算内容（英文）")}
 _LANG = {".py": "python", ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".md": "markdown", ".sh": "bash"}
@@ -76,12 +81,12 @@ def on_config(config):
 
 @event_priority(-200)  # after the i18n plugin's (-100), which rebuilds each page from a file in docs/
 def on_files(files, config):
-    """The benchmark plot, and the generated API page of every family with none in docs/, for the
+    """The benchmark figures, and the generated API page of every family with none in docs/, for the
     language being built (the default one's text: another language's site shows it under the
     fallback notice)."""
-    png = _root(config) / "benchmarks" / "results" / "latest.png"
-    if png.is_file() and files.get_file_from_path(BENCH_PNG) is None:
-        files.append(File.generated(config, BENCH_PNG, abs_src_path=str(png)))
+    for png in sorted((_root(config) / RESULTS).glob("*.png")):
+        if files.get_file_from_path(f"{RESULTS_SITE}/{png.name}") is None:
+            files.append(File.generated(config, f"{RESULTS_SITE}/{png.name}", abs_src_path=str(png)))
     i18n = config.plugins.get("i18n")
     for family in family_names():
         if (Path(config.docs_dir) / _api_page(family)).is_file():
@@ -176,8 +181,8 @@ def _expand(kind: str, arg: str, root: Path, page) -> str:
         return f'```{_LANG.get(path.suffix, "text")} title="{arg}"\n{text}\n```'
     if kind == "coverage":
         return _coverage()
-    if kind == "benchmarks":
-        return _benchmarks(root, page)
+    if kind == "results":
+        return _results(root, arg, page)
     raise PluginError(f"{page.file.src_uri}: unknown marker <!-- {kind} -->; see docs/hooks.py")
 
 
@@ -210,13 +215,13 @@ def _coverage() -> str:
     return run.stdout
 
 
-def _benchmarks(root: Path, page) -> str:
-    results = root / "benchmarks" / "results"
-    out = []
-    if (results / "latest.png").is_file():
-        out.append(f"![Benchmark results: the bandwidth each case reaches, tileops against the baselines and "
-                   f"the device's copy rate]({_rel(BENCH_PNG, page.file.src_uri)})")
-    md = results / "latest.md"
-    if md.is_file():
-        out.append(md.read_text(encoding="utf-8").strip())
-    return "\n\n".join(out) + "\n" if out else "*No benchmark results have been committed yet.*\n"
+def _results(root: Path, name: str, page) -> str:
+    if not re.fullmatch(r"[\w.-]+\.(md|png)", name):
+        raise PluginError(f"{page.file.src_uri}: results: expected a .md or .png file name in {RESULTS}, got {name!r}")
+    path = root / RESULTS / name
+    if not path.is_file():
+        return f"*`{RESULTS.as_posix()}/{name}` has not been committed yet.*\n"
+    site = _rel(RESULTS_SITE, page.file.src_uri)
+    if path.suffix == ".png":
+        return f"![{RESULTS.as_posix()}/{name}]({site}/{name})\n"
+    return RESULTS_PNG_LINK.sub(rf"\1({site}/\2)", path.read_text(encoding="utf-8").strip()) + "\n"
