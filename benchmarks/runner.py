@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks")
     p.add_argument("--ops", help="comma-separated op names (default: all)")
     p.add_argument("--cases", help="comma-separated case labels (default: all marked bench)")
-    p.add_argument("--out", default=str(HERE / "results"), help="folder for latest.json/.md, the figures and summary.md")
+    p.add_argument("--out", default=str(HERE / "results"), help="folder for latest.json/.md, figures, summary.md")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
