@@ -45,7 +45,7 @@ def check_args(path: Path) -> list[str]:
 def test_check_reports_file_and_line(path, capsys):
     fragment, line = expectation(path)
     assert main(["check", *check_args(path)]) == 1
-    out = capsys.readouterr().out.strip().splitlines()
+    out = capsys.readouterr().err.strip().splitlines()  # errors go to stderr
     assert len(out) == 1, out  # one error, nothing else (no "ok" line)
     assert out[0].startswith(f"{path}:{line}: "), out[0]
     assert fragment in out[0]
@@ -58,8 +58,8 @@ def test_check_as_a_subprocess():
                            *map(str, files)], capture_output=True, text=True, timeout=120,
                           check=False)
     assert proc.returncode == 1, proc.stderr
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == len(files)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == len(files) and proc.stdout == ""
     for path in files:
         fragment, line = expectation(path)
         got = [x for x in lines if x.startswith(f"{path}:")]
@@ -78,7 +78,7 @@ def test_check_of_a_huge_power_ends(tmp_path, rule):
     path.write_text(text)
     proc = subprocess.run([sys.executable, "-m", "tileops", "check", str(path)], capture_output=True,
                           text=True, timeout=60, check=False)  # a hang, not a slow start
-    assert proc.returncode == 1 and f"{path}:" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 1 and f"{path}:" in proc.stderr, proc.stdout + proc.stderr
 
 
 def test_check_packaged_manifests_is_ok(capsys):
@@ -256,8 +256,8 @@ def _attack(tmp_path, name: str, text: str) -> tuple[int, str]:
                           timeout=120, check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    line = proc.stdout.strip().splitlines()
-    assert len(line) == 1 and line[0].startswith(f"{path}:"), proc.stdout
+    line = proc.stderr.strip().splitlines()
+    assert len(line) == 1 and line[0].startswith(f"{path}:"), proc.stderr
     return int(line[0].split(":")[1]), line[0]
 
 

@@ -102,9 +102,9 @@ def test_listed_generated_and_checked(family: Path):
         path.write_text(text.replace(old, new))
         broken.append((path, next(n for n, ln in enumerate(lines, 1) if old in ln), fragment))
     proc = _tileops("check", *(str(p) for p, _, _ in broken), family=family, check=False)
-    assert proc.returncode == 1, proc.stdout
-    out = proc.stdout.strip().splitlines()
-    assert len(out) == len(broken), proc.stdout
+    assert proc.returncode == 1, proc.stderr
+    out = proc.stderr.strip().splitlines()
+    assert len(out) == len(broken), proc.stderr
     for got, (path, line, fragment) in zip(out, broken):
         assert got.startswith(f"{path}:{line}: ") and fragment in got, got
 

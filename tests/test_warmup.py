@@ -86,3 +86,97 @@ def test_warmup_builds_the_head_major_kernel_for_2d_ops_only():
                                                           {"head_dim": 128}, ["float16"], "sm_90")} == {False}
     assert {s.transposed for _, s, _, _ in op_kernel_jobs("RoPEFwdOp", {"input_layout": "2d"}, {"head_dim": 128},
                                                           ["float16"], "c")} == {False}
+
+
+def test_compile_from_a_script_without_a_main_guard(tmp_path):
+    """``op.compile(..., jobs=2)`` pasted into a plain script: the workers are ``python -m
+    tileops.warmup``, so they never re-run the script (a spawned pool did, and died with
+    BrokenProcessPool). With ``TILEOPS_PROGRESS=1`` and stderr a pipe, one plain line per kernel."""
+    script = tmp_path / "no_guard.py"
+    script.write_text("from tileops.rope import RoPENeoxPositionIdsFwdOp\n"
+                      "print('script ran')\n"
+                      "op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=32)\n"
+                      "print(op.compile(head_dim=48, dtypes=['float32'], with_inputs=[], device='cpu', jobs=2,\n"
+                      "                 backward=False))\n")
+    env = {**os.environ, "TILEOPS_CACHE_DIR": str(tmp_path / "tileops"), "TILEOPS_PROGRESS": "1"}
+    env.pop("TILELANG_DISABLE_CACHE", None)  # TileLang's own disk cache may serve: the point is the workers
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["script", "ran", "2"], done.stdout  # ran once; two kernels (int32, int64 positions)
+    steps = [line.split("] ", 1) for line in done.stderr.splitlines() if line.startswith("[")]
+    assert sorted(n for n, _ in steps) == ["[1/2", "[2/2"], done.stderr
+    assert sorted(rest.rsplit("  ", 1)[0] for _, rest in steps) == [
+        "rope neox float32 head_dim=48 positions int32 fwd c", "rope neox float32 head_dim=48 positions int64 fwd c"]
+
+
+def test_map_jobs_runs_a_worker_per_job_and_names_a_failing_one():
+    from tileops.warmup import map_jobs
+
+    assert map_jobs(os.path.basename, ["/a/x", "/b/y", "/c/z"], jobs=2, progress=False) == ["x", "y", "z"]
+    with pytest.raises(RuntimeError, match=r"TypeError"):
+        map_jobs(os.path.basename, ["/a/x", 3], jobs=2, progress=False)
+
+
+def test_progress_lines_when_not_a_terminal(monkeypatch):
+    import io
+
+    from tileops.progress import Progress, task, wanted
+
+    out = io.StringIO()  # not a TTY: plain lines, never a bar
+    with Progress(3, "compiling kernels", stream=out) as bar:
+        for label in ("a", "b", "c"):
+            bar.step(label, 0.25)
+    assert out.getvalue().splitlines() == ["[1/3] a  0.2 s", "[2/3] b  0.2 s", "[3/3] c  0.2 s"]
+    quiet = io.StringIO()
+    with Progress(2, "x", show=False, stream=quiet) as bar:
+        bar.step("a")
+    assert quiet.getvalue() == ""
+    out = io.StringIO()
+    with task("building", stream=out):
+        pass
+    assert out.getvalue().startswith("tileops: building ...\ntileops: building: done in ")
+    monkeypatch.delenv("TILEOPS_PROGRESS", raising=False)
+    assert wanted(None, io.StringIO()) is False  # not a terminal: a library call stays quiet
+    assert wanted(True, io.StringIO()) is True and wanted(False) is False
+    monkeypatch.setenv("TILEOPS_PROGRESS", "1")
+    assert wanted(None, io.StringIO()) is True
+    monkeypatch.setenv("TILEOPS_PROGRESS", "0")
+    assert wanted(None) is False
+
+
+def test_a_first_call_that_compiles_says_so_once_and_a_load_says_nothing(tmp_path):
+    code = ("import torch\n"
+            "from tileops.rope import RoPEFwdOp\n"
+            "op = RoPEFwdOp(rope_layout='neox', input_layout='2d')\n"
+            "op(torch.randn(1, 4, 2, 64))\n"
+            "op(torch.randn(1, 9, 2, 64))\n")
+    env = {**os.environ, "TILEOPS_CACHE_DIR": str(tmp_path / "tileops")}
+    env.pop("TILELANG_DISABLE_CACHE", None)
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    lines = [line for line in first.stderr.splitlines() if "compiled" in line]
+    assert len(lines) == 1, first.stderr
+    assert lines[0].startswith("tileops: compiled RoPEFwdOp (rope neox float32 head_dim=64 fwd) for c in ")
+    assert f"(cached in {tmp_path / 'tileops' / 'kernels'})" in lines[0]
+    assert "in memory cache" not in first.stderr  # TileLang's hint about its own API is filtered
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "compiled" not in again.stderr, again.stderr
+    quiet = ("import logging\nlogging.getLogger('tileops.compile').setLevel(logging.WARNING)\n"
+             + code.replace("64", "32"))
+    silenced = subprocess.run([sys.executable, "-c", quiet], env=env, capture_output=True, text=True, timeout=600)
+    assert silenced.returncode == 0 and "compiled" not in silenced.stderr, silenced.stderr
+
+
+def test_tilelang_memory_cache_hint_alone_is_filtered():
+    import logging
+
+    import tileops.generate  # noqa: F401 - installs the filter
+
+    log = logging.getLogger("tilelang.cache.kernel_cache")
+    hint = logging.LogRecord(log.name, logging.WARNING, __file__, 1, "Found kernel '%s' in memory cache. For better "
+                             "performance, consider using `@tilelang.jit` instead of direct kernel caching.",
+                             ("rope_c",), None)
+    other = logging.LogRecord(log.name, logging.WARNING, __file__, 1, "Cache directory %s is not writable",
+                              ("/x",), None)
+    assert not log.filter(hint) and log.filter(other)

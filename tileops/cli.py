@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import importlib.metadata
+import logging
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
+from .progress import Progress
 from .testing import TOLERANCES
+from .warmup import arch_problem, default_arch
 
 __all__ = ["main"]
 
@@ -79,7 +84,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             for op in load_file(f):
                 add_op(seen, op)
         except ManifestError as e:
-            print(str(e))
+            print(str(e), file=sys.stderr)
             bad += 1
     if not bad:
         print(f"ok: {len(seen)} ops in {len(files)} files")
@@ -111,43 +116,46 @@ def cmd_emit(args: argparse.Namespace) -> int:
     except KeyError as e:
         print(f"tileops emit: {e.args[0]}", file=sys.stderr)
         return 2
-    backend = "c" if args.arch == "c" else "cuda"
+    arch = args.arch or default_arch()
+    problem = arch_problem(arch)  # CUDA source is only lowered: no toolkit needed
+    if problem:
+        print(f"tileops emit: --arch: {problem}", file=sys.stderr)
+        return 2
+    backend = "c" if arch == "c" else "cuda"
     family = importlib.import_module(f"tileops.{m.family}.builtin")
     spec = family.kernel_spec(op, call, backend)
-    print(f"// {m.name} case {case.label}, {args.arch}: {spec}")
-    print(emit_source(m.kernel.builder, spec, backend, args.arch))
+    print(f"// {m.name} case {case.label}, {arch}: {spec}")
+    print(emit_source(m.kernel.builder, spec, backend, arch))
     return 0
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    import torch
-
+    from . import native
     from .warmup import warmup
 
-    arch = args.arch
-    if arch is None:
-        arch = "c"
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            arch = f"sm_{major}{minor}"
-    if arch != "c" and not (arch.startswith("sm_") and arch[3:].isdigit()):
-        print(f"tileops warmup: --arch: expected sm_XX or c, got {arch!r}", file=sys.stderr)
+    arch = args.arch or default_arch()
+    problem = arch_problem(arch, build=True)
+    if problem:
+        print(f"tileops warmup: --arch: {problem}", file=sys.stderr)
         return 2
     if args.jobs is not None and args.jobs < 1:
         print(f"tileops warmup: --jobs: expected a positive number, got {args.jobs}", file=sys.stderr)
         return 2
     try:
-        n, seconds, failures = warmup(args.ops or None, arch, args.jobs)
+        n, seconds, failures = warmup(args.ops or None, arch, args.jobs, progress=True)
     except KeyError as e:
         print(f"tileops warmup: {e.args[0]}", file=sys.stderr)
         return 2
+    # one line per distinct error: a missing tool fails every kernel the same way
+    by_error: dict[str, list[Any]] = {}
     for spec, err in failures:
-        print(f"tileops warmup: {spec}: {err}", file=sys.stderr)
+        by_error.setdefault(err, []).append(spec)
+    for err, specs in by_error.items():
+        more = f" (and {len(specs) - 1} more kernels)" if len(specs) > 1 else ""
+        print(f"tileops warmup: {specs[0]}{more}: {err}", file=sys.stderr)
     print(f"{n - len(failures)} of {n} kernels for {arch} in the cache ({seconds:.1f} s)")
-    from . import native
-
     t0 = time.perf_counter()
-    native.build()  # the eager fast path's extension; without a compiler the Python path serves
+    native.build(progress=True)  # the eager fast path's extension; without a compiler the Python path serves
     print(f"native fast path: {native.status()} ({time.perf_counter() - t0:.1f} s)")
     return 1 if failures else 0
 
@@ -187,15 +195,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rows = []
     failed = 0
-    for name, m in _manifests().items():
+    reg = _manifests()
+    bar = Progress(len(reg), "first calls")
+    for name, m in reg.items():
         case = m.cases[0]
         dtype = case.dtypes[0]
         w = workload(m, case, dtype, device, shrink=device.type == "cpu")
         op = op_class(name)(**w.params)
         t0 = time.perf_counter()
-        out = op(**w.inputs)
-        sync()
+        with _no_compile_lines():  # the step's line says it, with the first call's time
+            out = op(**w.inputs)
+            sync()
         first = time.perf_counter() - t0
+        bar.step(f"{name} {case.label} {dtype} on {device}: first call", first)
         med = _time(lambda: op(**w.inputs), sync, 20 if device.type == "cuda" else 3)
         family = importlib.import_module(f"tileops.{m.family}.reference")
         ref = family.reference(op, w.inputs)
@@ -207,6 +219,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         shape = "x".join(str(s) for s in w.inputs[m.inputs[0].name].shape)
         rows.append((name, f"{case.label}-{dtype}", shape, str(device), op.serving_target or "-",
                      f"{err.max().item():.2e}", f"{first:.2f} s", f"{med * 1e6:.1f} us", "ok" if ok else "MISMATCH"))
+    bar.close()
     head = ("op", "case", "shape", "device", "target", "max err", "first call", "median", "")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     for r in [head] + rows:
@@ -233,54 +246,105 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_lowered(args: argparse.Namespace) -> int:
     from . import lowered
 
-    num = args.arch.removeprefix("sm_")
-    if not (args.arch.startswith("sm_") and num.isdigit() and int(num) >= 80):
-        print(f"tileops lowered: --arch: expected sm_XX with XX >= 80 (the lean build's archs), got {args.arch!r}",
-              file=sys.stderr)
+    problem = arch_problem(args.arch, cpu=False)  # lowering only: no GPU, no CUDA toolkit
+    if problem:
+        print(f"tileops lowered: --arch: {problem}", file=sys.stderr)
         return 2
     if args.jobs is not None and args.jobs < 1:
         print(f"tileops lowered: --jobs: expected a positive number, got {args.jobs}", file=sys.stderr)
         return 2
-    out, n, skipped = lowered.write(args.arch, jobs=args.jobs)
+    out, n, skipped = lowered.write(args.arch, jobs=args.jobs, progress=True)
     print(f"{out}: {n} kernels lowered for {args.arch}" + (f" ({skipped} not served by the lean build)" if skipped else ""))
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tileops", description="LLM operators as TileLang tile programs.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="ops, family and summary").set_defaults(fn=cmd_list)
-    p = sub.add_parser("show", help="one op's manifest, readable")
-    p.add_argument("op")
-    p.set_defaults(fn=cmd_show)
-    p = sub.add_parser("check", help="validate manifests: every family's (TILEOPS_FAMILY_PATH's too), or the files given")
-    p.add_argument("files", nargs="*")
-    p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("emit", help="print the kernel source generated for a case")
-    p.add_argument("op")
+@contextlib.contextmanager
+def _no_compile_lines() -> Iterator[None]:
+    """Within: no "tileops: compiled ..." lines (a command that reports its own progress)."""
+    from .generate import compile_log
+
+    level = compile_log.level
+    compile_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        compile_log.setLevel(level)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tileops")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "unknown (not installed)"
+
+
+_ARCH_DEFAULT = "default: this machine's GPU's arch (sm_90 on an H100/H200), else c"
+
+
+def _command(sub: Any, name: str, fn: Any, help: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand: ``help`` is its line in ``tileops --help``, ``description`` heads its own ``--help``."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(fn=fn)
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``tileops`` argument parser (every subcommand with its help)."""
+    top = argparse.ArgumentParser(prog="tileops", description="LLM operators as TileLang tile programs: list and "
+                                  "inspect the ops, compile their kernels ahead of time, check them against "
+                                  "float64 references.")
+    top.add_argument("--version", action="version", version=f"tileops {_version()}")
+    sub = top.add_subparsers(dest="cmd", metavar="COMMAND")
+    _command(sub, "list", cmd_list, "ops, family and summary",
+             "List every op the manifests define: its name, family and one-line summary.")
+    p = _command(sub, "show", cmd_show, "one op's manifest, readable",
+                 "Print one op's manifest in readable form: parameters, inputs and outputs with their dtypes "
+                 "and shapes, the rules a call is checked against, the kernel and the test cases.")
+    p.add_argument("op", help="op name, e.g. RoPEFwdOp (`tileops list` names them)")
+    p = _command(sub, "check", cmd_check, "validate manifests: every family's (TILEOPS_FAMILY_PATH's too), "
+                 "or the files given", "Validate op manifests (every packaged family's and TILEOPS_FAMILY_PATH's, "
+                 "or the files given). Each error is printed on stderr with its file and line; the exit status "
+                 "is 1 when any file is bad.")
+    p.add_argument("files", nargs="*", help="manifest YAML files (default: every family's)")
+    p = _command(sub, "emit", cmd_emit, "print the kernel source generated for a case",
+                 "Print the kernel source TileLang generates for one of an op's cases: CUDA C for an sm arch "
+                 "(only lowered: no GPU or CUDA toolkit needed), C for the CPU.")
+    p.add_argument("op", help="op name")
     p.add_argument("--case", help="case label (default: the first case)")
-    p.add_argument("--arch", default="sm_90", choices=["sm_90", "sm_80", "c"],
-                   help="CUDA C for an sm arch, or C for the CPU (default sm_90)")
-    p.set_defaults(fn=cmd_emit)
-    p = sub.add_parser("warmup", help="compile the kernels of every case (or of the ops named) ahead of time")
+    p.add_argument("--arch", default=None, help=f"sm_XX (XX >= 80) or c for the CPU ({_ARCH_DEFAULT})")
+    p = _command(sub, "warmup", cmd_warmup, "compile the kernels of every case (or of the ops named) ahead of time",
+                 "Compile ahead of time, into the disk cache, the kernels of every manifest case (or of the ops "
+                 "named), several at once, then build the native fast path; a later process's first calls load "
+                 "them. A CUDA arch needs the CUDA toolkit (no GPU: the kernels link CUDA's static runtime).")
     p.add_argument("ops", nargs="*", help="op names (default: all)")
-    p.add_argument("--arch", default=None, help="sm_XX, or c for the CPU (default: this machine's GPU, else c)")
+    p.add_argument("--arch", default=None, help=f"sm_XX (XX >= 80), or c for the CPU ({_ARCH_DEFAULT})")
     p.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")
-    p.set_defaults(fn=cmd_warmup)
-    p = sub.add_parser("lowered", help="lower every case's kernels and write the sources tileops ships "
-                                       "(kernels/lowered/ARCH.json.xz), so their cold first calls skip TileLang")
-    p.add_argument("--arch", default="sm_90")
+    p = _command(sub, "lowered", cmd_lowered, "lower every case's kernels and write the sources tileops ships "
+                 "(kernels/lowered/ARCH.json.xz), so their cold first calls skip TileLang",
+                 "Lower every case's kernels with TileLang for a CUDA arch and write the lean build's sources "
+                 "that tileops ships (kernels/lowered/ARCH.json.xz), so that their cold first calls skip TileLang. "
+                 "Lowering needs no GPU.")
+    p.add_argument("--arch", default="sm_90", help="sm_XX with XX >= 80 (default sm_90, the file tileops ships)")
     p.add_argument("--jobs", type=int, default=None, help="processes (default: one per CPU)")
-    p.set_defaults(fn=cmd_lowered)
-    p = sub.add_parser("generate", help="write each family's op classes (tileops/<family>/ops.py) from its manifests")
+    p = _command(sub, "generate", cmd_generate, "write each family's op classes (tileops/<family>/ops.py) from "
+                 "its manifests", "Write each family's op classes (tileops/<family>/ops.py) from its manifests, "
+                 "or with --check only compare them.")
     p.add_argument("families", nargs="*", help="family names (default: every family)")
     p.add_argument("--check", action="store_true", help="only compare; exit 1 if a file differs from its manifests")
-    p.set_defaults(fn=cmd_generate)
-    p = sub.add_parser("demo", help="run every op's first case against a float64 reference")
+    p = _command(sub, "demo", cmd_demo, "run every op's first case against a float64 reference",
+                 "Run every op's first case, compare it with a float64 reference and print the error, the first "
+                 "call's time (a compile when the kernel is not cached) and the median call time.")
     p.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
-    p.set_defaults(fn=cmd_demo)
     importlib.import_module("tileops.cli_coverage").register(sub)
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    top = parser()
+    args = top.parse_args(argv)
+    if args.cmd is None:  # bare `tileops`: what it can do, as pip and cargo answer; nothing failed
+        top.print_help()
+        return 0
     try:
         return int(args.fn(args) or 0)
     except BrokenPipeError:  # `tileops emit ... | head`: the reader left, nothing more to say

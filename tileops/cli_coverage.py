@@ -8,6 +8,7 @@ case exercises). ``--markdown`` prints the same table for the docs.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -16,7 +17,9 @@ __all__ = ["cmd_coverage", "coverage_rows", "register"]
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("coverage", help="generated tests per op, dtype and target")
+    p = subparsers.add_parser("coverage", help="generated tests per op, dtype and target",
+                              description="Count the generated tests (tests/test_generated.py) that cover each op, "
+                                          "dtype and target: a 0 is a dtype an op allows that no case exercises.")
     p.add_argument("files", nargs="*", help="manifest files (default: the packaged manifests)")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table (for the docs)")
     p.set_defaults(fn=cmd_coverage)
@@ -48,7 +51,7 @@ def cmd_coverage(args: argparse.Namespace) -> int:
     try:
         reg = _manifests(args.files)
     except ManifestError as e:
-        print(str(e))
+        print(str(e), file=sys.stderr)
         return 1
     columns, rows = coverage_rows(reg)
     head = ["op", "dtype", *columns, "total"]

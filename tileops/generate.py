@@ -259,9 +259,10 @@ def _to_index(key: str, src: str | None, record: dict[str, Any]) -> None:
 
 
 def load_kernel(builder: str, spec: Any, backend: str, arch: str, device: torch.device,
-                param_names: tuple[str, ...] = ()) -> Any:
+                param_names: tuple[str, ...] = (), op_name: str = "") -> Any:
     """The launchable kernel (:class:`tileops.launch.RawKernel`) for ``spec`` on ``device``: from
-    memory, else from tileops' index (no TileLang import), else compiled by TileLang and indexed."""
+    memory, else from tileops' index (no TileLang import), else compiled by TileLang and indexed.
+    A compile logs one INFO line on ``tileops.compile`` saying what (``op_name``'s kernel) and how long."""
     from .launch import raw_kernel_from
 
     key = (builder, spec, backend, arch)
@@ -272,13 +273,77 @@ def load_kernel(builder: str, spec: Any, backend: str, arch: str, device: torch.
         with lock:
             got = _loaded.get(key)
             if got is None:
-                got = _load_or_build(builder, spec, backend, arch)
+                t0 = time.perf_counter()
+                got, compiled = _obtain(builder, spec, backend, arch)
+                if compiled:
+                    _say_compiled(op_name, builder, spec, arch, time.perf_counter() - t0)
                 _loaded[key] = got
     lib, record = got
     return raw_kernel_from(lib, record, device, param_names)
 
 
+# ------------------------------------------------------------------- the "compiled ..." line
+#: One INFO record per kernel a call compiles (a load from a cache says nothing): a first call that
+#: stops for seconds says why. ``logging``, not ``warnings``: a compile is an event, not something to
+#: change in one's code, and the warnings filter would show it once per call site only; a named logger
+#: is what an application routes, levels or silences:
+#: ``logging.getLogger("tileops.compile").setLevel(logging.WARNING)``.
+compile_log = logging.getLogger("tileops.compile")
+
+
+class _UntilConfigured(logging.StreamHandler):
+    """stderr for ``tileops.compile``'s records while the application has configured no logging
+    (no handler above this logger): once it has, they reach its handlers only, not twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        up = compile_log.parent
+        while up is not None:
+            if up.handlers:
+                return
+            up = up.parent if up.propagate else None
+        super().emit(record)
+
+
+if compile_log.level == logging.NOTSET:  # an application's own setting stays
+    compile_log.setLevel(logging.INFO)
+if not any(isinstance(h, _UntilConfigured) for h in compile_log.handlers):
+    compile_log.addHandler(_UntilConfigured(sys.stderr))
+
+
+def kernel_label(builder: str, spec: Any) -> str:
+    """A kernel in a few words, from the spec fields it has: ``rope neox bfloat16 head_dim=128 fwd``."""
+    parts = [builder, str(getattr(spec, "pairing", "") or ""), str(getattr(spec, "dtype", "") or "")]
+    if getattr(spec, "head_dim", None) is not None:
+        parts.append(f"head_dim={spec.head_dim}")
+    if getattr(spec, "positions", None):
+        parts.append(f"positions {spec.positions}")
+    if getattr(spec, "mrope_section", None):
+        parts.append("mrope")
+    if hasattr(spec, "inverse"):
+        parts.append("bwd" if spec.inverse else "fwd")
+    if getattr(spec, "transposed", False):
+        parts.append("head-major")
+    return " ".join(p for p in parts if p)
+
+
+def _say_compiled(op_name: str, builder: str, spec: Any, arch: str, seconds: float) -> None:
+    if not compile_log.isEnabledFor(logging.INFO):
+        return
+    where = _index_dir() if os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0") else None
+    if where is not None:
+        home = os.path.expanduser("~")
+        where = "cached in " + ("~" + where[len(home):] if where.startswith(home + os.sep) else where)
+    compile_log.info("tileops: compiled %s(%s) for %s in %.1f s (%s)", f"{op_name} " if op_name else "",
+                     kernel_label(builder, spec), arch, seconds, where or "kept in memory only")
+
+
 def _load_or_build(builder: str, spec: Any, backend: str, arch: str) -> tuple[Any, dict[str, Any]]:
+    """(library, record): from the index, else compiled (and indexed)."""
+    return _obtain(builder, spec, backend, arch)[0]
+
+
+def _obtain(builder: str, spec: Any, backend: str, arch: str) -> tuple[tuple[Any, dict[str, Any]], bool]:
+    """((library, record), whether it was compiled now rather than loaded from the index)."""
     from . import cubuild
     from .launch import kernel_record
 
@@ -291,16 +356,16 @@ def _load_or_build(builder: str, spec: Any, backend: str, arch: str) -> tuple[An
             found = _from_index(key)
             if found is not None:
                 stats.loads += 1
-                return found
+                return found, False
     if lean:
         built = _lean_build(builder, spec, arch, keys[0])
         if built is not None:
-            return _keep_lean(keys[0], built, use_disk)
+            return _keep_lean(keys[0], built, use_disk), True
     kernel = compile_kernel(builder, spec, backend, arch)
     record = kernel_record(kernel)
     if use_disk:
         _to_index(keys[-1], getattr(kernel.adapter, "libpath", None), record)
-    return kernel.adapter.lib, record
+    return (kernel.adapter.lib, record), True
 
 
 _lean_warned = False
@@ -356,12 +421,29 @@ def _keep_lean(index_key: str, lean: Any, use_disk: bool) -> tuple[Any, dict[str
         shutil.rmtree(os.path.dirname(lean.libpath), ignore_errors=True)
 
 
-def index_kernel(builder: str, spec: Any, backend: str, arch: str) -> None:
-    """Compile ``spec`` (unless TileLang's cache has it) and make sure tileops' index has it."""
-    _load_or_build(builder, spec, backend, arch)
+def index_kernel(builder: str, spec: Any, backend: str, arch: str) -> bool:
+    """Compile ``spec`` (unless the index has it) and make sure tileops' index has it; whether it compiled."""
+    return _obtain(builder, spec, backend, arch)[1]
 
 
 _log = logging.getLogger("tileops.generate")
+
+
+class _MemoryCacheHint(logging.Filter):
+    """Drops one message of TileLang's kernel cache (``tilelang/cache/kernel_cache.py``), the WARNING
+    "Found kernel '%s' in memory cache. For better performance, consider using `@tilelang.jit` ...",
+    logged when ``tilelang.compile`` is asked again for a kernel it holds: tileops asks again by design
+    (``emit`` and the lean build's lowering trace a kernel anew; tileops' own caches sit in front),
+    and the advice is about TileLang's API, not the user's code. Everything else that logger says passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith("Found kernel '%s' in memory cache"))
+
+
+#: on that logger alone (it need not exist yet: TileLang's ``getLogger`` returns this same object)
+_tilelang_cache_log = logging.getLogger("tilelang.cache.kernel_cache")
+if not any(isinstance(f, _MemoryCacheHint) for f in _tilelang_cache_log.filters):
+    _tilelang_cache_log.addFilter(_MemoryCacheHint())
 
 
 _compiling = threading.local()

@@ -81,13 +81,15 @@ def _lower(job: tuple[str, Any, str, str]) -> tuple[str, dict[str, Any] | None]:
     return key, {"spec": repr(spec), "device": src.device, "host": src.host, "record": src.record, "name": src.name}
 
 
-def write(arch: str = "sm_90", jobs: int | None = None, names: Any = None) -> tuple[Path, int, int]:
-    """Lower every kernel of ``tileops warmup``'s list for ``arch`` (``jobs`` processes) and write the
-    file; returns (its path, kernels written, kernels the lean build does not serve)."""
+def write(arch: str = "sm_90", jobs: int | None = None, names: Any = None,
+          progress: bool | None = None) -> tuple[Path, int, int]:
+    """Lower every kernel of ``tileops warmup``'s list for ``arch`` (``jobs`` processes, ``progress``
+    as :func:`tileops.progress.wanted`) and write the file; returns (its path, kernels written,
+    kernels the lean build does not serve)."""
     from .warmup import kernel_jobs, map_jobs
 
     todo = [j for j in kernel_jobs(names, arch) if j[2] == "cuda"]
-    results = map_jobs(_lower, todo, jobs)
+    results = map_jobs(_lower, todo, jobs, progress=progress, what="lowering kernels")
     kernels = {k: v for k, v in sorted(results) if v is not None}
     out = path(arch)
     out.parent.mkdir(parents=True, exist_ok=True)

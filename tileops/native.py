@@ -171,9 +171,12 @@ def _load(path: str) -> Any:
     return mod
 
 
-def _build_and_load(wait_for_others: bool = True) -> Any:
+def _build_and_load(wait_for_others: bool = True, progress: bool = False) -> Any:
     """The extension: loaded from the cache, else built (under a lock file, so that two processes
-    do not build it at once; the second loads the first's) and loaded. Raises OSError/ImportError."""
+    do not build it at once; the second loads the first's; a line on stderr before and after the
+    compile with ``progress``) and loaded. Raises OSError/ImportError."""
+    from .progress import task
+
     path = library_path()
     if not _intact(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -186,7 +189,8 @@ def _build_and_load(wait_for_others: bool = True) -> Any:
                     for f in (path, path + ".sha256"):
                         if os.path.exists(f):
                             os.unlink(f)
-                    _compile(path)
+                    with task("compiling the native fast path (tileops/_native.cpp, about 20 s)", progress):
+                        _compile(path)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
     return _load(path)
@@ -271,9 +275,12 @@ def wait(timeout: float | None = None) -> Any:
     return module
 
 
-def build() -> Any:
+def build(progress: bool | None = None) -> Any:
     """Build (if not cached) and load the extension now, in this thread; returns :data:`module`, or
-    None when it cannot be built (the reason is in :func:`status`). For ``tileops warmup`` and tests."""
+    None when it cannot be built (the reason is in :func:`status`). For ``tileops warmup`` and tests;
+    ``progress`` as :func:`tileops.progress.wanted` (a line before and after a compile)."""
+    from .progress import wanted
+
     global _status
     if module is not None:
         return module
@@ -285,7 +292,7 @@ def build() -> Any:
     with _lock:
         if module is None:
             try:
-                _set(_build_and_load(), "loaded")
+                _set(_build_and_load(progress=wanted(progress)), "loaded")
             except Exception as e:  # noqa: BLE001
                 _status = f"failed: {e}"
                 _log.debug("tileops: native fast path unavailable: %s", e)
@@ -310,7 +317,7 @@ def disabled() -> Iterator[None]:
 def _main(argv: list[str]) -> int:
     """``python -m tileops.native``: build (if needed) and load; print where and how long."""
     t0 = time.perf_counter()
-    mod = build()
+    mod = build(progress=True)
     print(f"{status()}: {library_path()} ({time.perf_counter() - t0:.1f} s)")
     return 0 if mod is not None else 1
 

@@ -229,7 +229,7 @@ class Op:
 
     def compile(self, *, dtypes: "tuple[str, ...] | list[str] | None" = None, device: "str | torch.device | None" = None,
                 with_inputs: "tuple[str, ...] | list[str] | None" = None, backward: bool = True,
-                jobs: int | None = None, **dims: int) -> int:
+                jobs: int | None = None, progress: bool | None = None, **dims: int) -> int:
         """Compile ahead of time, without data, the kernels this op's calls will need, several at
         once in separate processes (``jobs``, default one per CPU), into the disk cache, so that a
         server's first calls load them (no compile, and no TileLang import, in a new process).
@@ -242,7 +242,11 @@ class Op:
             with_inputs: The optional inputs the calls will pass, e.g. ``("position_ids", "key")``;
                 default every combination. Integer inputs (positions) are compiled for each of their dtypes.
             backward: Also the backward kernels (default True).
-            jobs: Processes compiling at once; 1 compiles in this process.
+            jobs: Processes compiling at once; 1 compiles in this process. The processes run
+                ``python -m tileops.warmup``, not the calling script: no ``__main__`` guard is needed.
+            progress: One step per kernel on stderr (a tqdm bar on a terminal): True shows it, False
+                hides it; None (default) shows it when stderr is a terminal, unless
+                ``TILEOPS_PROGRESS=0`` (:mod:`tileops.progress`).
             **dims: The dims kernels are compiled for (for RoPE: ``head_dim``); other dims are dynamic.
 
         Returns:
@@ -289,7 +293,7 @@ class Op:
         _, arch = device_backend(dev)
         todo = op_kernel_jobs(self.name, self.params, dims, dtypes, arch, with_inputs=with_inputs,
                               every_index_dtype=True, backward=backward)
-        n, _, failures = compile_jobs(todo, jobs)
+        n, _, failures = compile_jobs(todo, jobs, progress)
         if failures:
             raise ValueError(f"{m.name}.compile: {len(failures)} of {n} kernels failed; first: {failures[0][1]}")
         return n

@@ -4,6 +4,11 @@
 the forward kernel and, where the manifest declares a backward, the backward kernel, for one device
 arch; several compiles run at once in separate processes (nvcc is single-threaded), and each lands
 in the on-disk kernel cache, from which a later process's first call loads it.
+
+The processes are fresh interpreters running ``python -m tileops.warmup``, fed jobs through a pipe
+(:func:`map_jobs`), not a ``multiprocessing`` pool: a spawned pool's workers re-import the caller's
+``__main__``, so ``op.compile(...)`` in a script without an ``if __name__ == "__main__":`` guard
+ran the script again in every worker and died with ``BrokenProcessPool``.
 """
 
 from __future__ import annotations
@@ -11,11 +16,67 @@ from __future__ import annotations
 import concurrent.futures as cf
 import importlib
 import itertools
+import logging
 import os
+import pickle
+import shutil
+import subprocess
+import sys
+import threading
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
-__all__ = ["kernel_jobs", "op_kernel_jobs", "compile_jobs", "warmup"]
+__all__ = ["kernel_jobs", "op_kernel_jobs", "compile_jobs", "warmup", "map_jobs", "default_arch", "arch_problem"]
+
+#: the lowest CUDA arch tileops builds for: the lean build's prelude converts bfloat16 with sm_80
+#: instructions (:mod:`tileops.cubuild`), and TileLang's own nvcc build, the fallback, links against
+#: ``libcuda``, which a machine without the driver lacks (``tileops warmup --arch sm_75`` there
+#: printed 99 ``cannot find -lcuda`` in 12 minutes)
+MIN_SM = 80
+
+
+def default_arch() -> str:
+    """The arch ``--arch`` defaults to: this machine's GPU's (``sm_90`` on an H200), else ``c``."""
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}"
+    return "c"
+
+
+def arch_problem(arch: str, cpu: bool = True, build: bool = False) -> str | None:
+    """Why ``arch`` cannot be used, or None: the one check behind every ``--arch``.
+
+    ``c`` (the CPU) when ``cpu`` allows it; else ``sm_XX`` with XX >= :data:`MIN_SM`. With ``build``
+    (kernels are compiled, not only lowered), a CUDA arch also needs what the lean build compiles
+    with: the CUDA toolkit's headers and static runtime, NVRTC or nvcc, and a C++ compiler. No GPU and
+    no driver: the lean build links the static runtime, not ``libcuda`` (``tileops warmup --arch
+    sm_90`` builds every kernel on a machine without a GPU), and every kernel of the manifests is one
+    it serves (``tileops lowered`` reports any that is not).
+    """
+    if arch == "c":
+        return None if cpu else f"expected sm_XX with XX >= {MIN_SM}, got 'c' (this command is for CUDA only)"
+    num = arch.removeprefix("sm_")
+    if not (arch.startswith("sm_") and num.isdigit()):
+        return f"expected sm_XX{' or c' if cpu else ''}, got {arch!r}"
+    if int(num) < MIN_SM:
+        return (f"expected sm_XX with XX >= {MIN_SM} (bfloat16 conversions and the lean build need sm_80), "
+                f"got {arch!r}")
+    if build:
+        from . import cubuild
+
+        try:
+            libs = cubuild._toolkit_dirs("lib")
+            if not any(os.path.exists(os.path.join(d, "libcudart_static.a")) for d in libs):
+                raise cubuild.Unsupported(f"no libcudart_static.a in {', '.join(libs) or 'the CUDA toolkit'}")
+            if cubuild.nvrtc_path() is None and not os.path.exists(os.path.join(cubuild._cuda_home(), "bin", "nvcc")):
+                raise cubuild.Unsupported("neither NVRTC nor nvcc found")
+            if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+                raise cubuild.Unsupported("no C++ compiler ($CXX, c++, g++)")
+        except cubuild.Unsupported as e:
+            return f"building for {arch} needs the CUDA toolkit, and here: {e} (the CPU's kernels: --arch c)"
+    return None
 
 
 def kernel_jobs(names: Iterable[str] | None, arch: str) -> list[tuple[str, Any, str, str]]:
@@ -83,11 +144,8 @@ def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int]
 
 def _compile(job: tuple[str, Any, str, str]) -> str | None:
     """Compile one kernel; None, or the first line of what went wrong."""
-    import logging
-
     from .generate import index_kernel
 
-    logging.getLogger("tilelang").setLevel(logging.ERROR)  # a worker's chatter helps nobody
     try:
         index_kernel(*job)
     except Exception as e:  # noqa: BLE001 - reported per kernel by warmup()
@@ -95,32 +153,116 @@ def _compile(job: tuple[str, Any, str, str]) -> str | None:
     return None
 
 
-def warmup(names: Iterable[str] | None = None, arch: str = "sm_90",
-           jobs: int | None = None) -> tuple[int, float, list[tuple[Any, str]]]:
-    """Compile every kernel of :func:`kernel_jobs` into the disk cache.
+def warmup(names: Iterable[str] | None = None, arch: str = "sm_90", jobs: int | None = None,
+           progress: bool | None = None) -> tuple[int, float, list[tuple[Any, str]]]:
+    """Compile every kernel of :func:`kernel_jobs` into the disk cache (``progress``: see
+    :func:`tileops.progress.wanted`).
 
     Returns ``(kernels, seconds, failures)``, ``failures`` a list of ``(spec, error line)``.
     """
-    return compile_jobs(kernel_jobs(names, arch), jobs)
+    return compile_jobs(kernel_jobs(names, arch), jobs, progress)
 
 
-def map_jobs(fn: Any, todo: list[Any], jobs: int | None = None) -> list[Any]:
-    """``[fn(job) for job in todo]``, ``jobs`` processes at once (default: one per CPU): fresh
-    interpreters, so no CUDA context or TileLang state is inherited. ``fn`` must be importable."""
-    import multiprocessing
+def _job_label(job: Any) -> str:
+    """A kernel job in a few words, for a progress line."""
+    from .generate import kernel_label
 
+    if isinstance(job, tuple) and len(job) == 4:
+        builder, spec, _, arch = job
+        return f"{kernel_label(builder, spec)} {arch}"
+    return str(job)
+
+
+def map_jobs(fn: Callable[[Any], Any], todo: list[Any], jobs: int | None = None, progress: bool | None = None,
+             what: str = "jobs") -> list[Any]:
+    """``[fn(job) for job in todo]``, ``jobs`` processes at once (default: one per CPU), one
+    progress step per job (``progress``: :func:`tileops.progress.wanted`). ``fn`` must be a
+    module-level function of an importable module, ``todo`` picklable.
+
+    Workers are fresh interpreters (no CUDA context or TileLang state inherited) started as
+    ``python -m tileops.warmup``, so they import tileops and never the caller's ``__main__``.
+    """
+    from .progress import Progress, wanted
+
+    results: list[Any] = [None] * len(todo)
     workers = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
-    if workers == 1:
-        return [fn(job) for job in todo]
-    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(fn, todo))
+    with Progress(len(todo), what, wanted(progress)) as bar:
+        if workers == 1:
+            for i, job in enumerate(todo):
+                t0 = time.perf_counter()
+                results[i] = fn(job)
+                bar.step(_job_label(job), time.perf_counter() - t0)
+            return results
+        lock = threading.Lock()
+        order = iter(range(len(todo)))
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this tileops imports from
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+
+        def drive() -> None:
+            proc = subprocess.Popen([sys.executable, "-m", "tileops.warmup"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, env=env)
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                while True:
+                    with lock:
+                        i = next(order, None)
+                    if i is None:
+                        return
+                    pickle.dump((fn, todo[i]), proc.stdin)
+                    proc.stdin.flush()
+                    try:
+                        ok, value, seconds = pickle.load(proc.stdout)
+                    except EOFError:
+                        raise RuntimeError(f"a tileops worker died (exit code {proc.wait()}) on "
+                                           f"{_job_label(todo[i])}; its stderr is above") from None
+                    if not ok:
+                        raise RuntimeError(f"{_job_label(todo[i])}: {value}")
+                    results[i] = value
+                    with lock:
+                        bar.step(_job_label(todo[i]), seconds)
+            finally:
+                proc.stdin.close()
+                proc.wait()
+
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="tileops-worker") as pool:
+            for f in [pool.submit(drive) for _ in range(workers)]:
+                f.result()
+    return results
 
 
-def compile_jobs(todo: list[tuple[str, Any, str, str]], jobs: int | None = None) -> tuple[int, float, list[tuple[Any, str]]]:
+def _serve() -> None:
+    """A :func:`map_jobs` worker: ``(fn, job)`` pickles from stdin, ``(ok, result or error, seconds)``
+    pickles to stdout, until stdin closes. What compilers or TileLang print goes to stderr."""
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    logging.getLogger("tilelang").setLevel(logging.ERROR)  # a worker's chatter helps nobody
+    logging.getLogger("tileops").setLevel(logging.WARNING)  # nor a "compiled ..." line per kernel
+    jobs = sys.stdin.buffer
+    while True:
+        try:
+            fn, job = pickle.load(jobs)
+        except EOFError:
+            return
+        t0 = time.perf_counter()
+        try:
+            answer = (True, fn(job))
+        except Exception as e:  # noqa: BLE001 - the parent raises it, with the job named
+            answer = (False, f"{type(e).__name__}: {e}")
+        pickle.dump((*answer, time.perf_counter() - t0), answers)
+        answers.flush()
+
+
+def compile_jobs(todo: list[tuple[str, Any, str, str]], jobs: int | None = None,
+                 progress: bool | None = None) -> tuple[int, float, list[tuple[Any, str]]]:
     """Compile the kernel jobs ``todo`` into the disk cache, ``jobs`` processes at once (default: one
-    per CPU). Returns ``(kernels, seconds, failures)`` as :func:`warmup` does."""
+    per CPU), one progress step per kernel. Returns ``(kernels, seconds, failures)`` as :func:`warmup` does."""
     todo = list(dict.fromkeys(todo))
     t0 = time.perf_counter()
-    errors = map_jobs(_compile, todo, jobs)
+    errors = map_jobs(_compile, todo, jobs, progress=progress, what="compiling kernels")
     failures = [(job[1], err) for job, err in zip(todo, errors) if err]
     return len(todo), time.perf_counter() - t0, failures
+
+
+if __name__ == "__main__":
+    _serve()

@@ -84,7 +84,8 @@ class RopeKernels:
             kspec = (self.kspec if not (inverse or transposed)
                      else kernel_spec(self.op, self.spec, self.backend, inverse=inverse, transposed=transposed))
             k = self._kernels[inverse, transposed] = load_kernel(self.op.manifest.kernel.builder, kspec, self.backend,
-                                                                 self.arch, self.device, kspec.args)
+                                                                 self.arch, self.device, kspec.args,
+                                                                 op_name=self.op.name)
         return k
 
     def _head_major(self, v: tuple[int, ...]) -> bool:
