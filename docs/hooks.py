@@ -2,7 +2,7 @@
 
 A page asks for generated text with an HTML comment on a line of its own:
 
-    <!-- manifest: RoPEFwdOp -->        the op's manifest: params, tensors, rules (tileops.docgen)
+    <!-- manifest: RoPEFwdOp -->        the op's manifest: tensors, backward, rules (tileops.docgen)
     <!-- ops-table[: zh] -->            every op and its summary, linked to the API reference
     <!-- manifest-schema -->            every manifest key, from tileops.manifest.schema.SCHEMA
     <!-- rule-language -->              the rule grammar, from tileops.manifest.expr

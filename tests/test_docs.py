@@ -5,7 +5,6 @@ the examples it shows run (the example target package is installed and used thro
 
 from __future__ import annotations
 
-import doctest
 import html
 import itertools
 import os
@@ -126,7 +125,18 @@ def test_api_reference_in_a_browser(site: Path, capsys: pytest.CaptureFixture[st
     with capsys.disabled():
         print(f"\ndocs screenshot of {url}: {SCREENSHOT}")
 
-    page = dom.stdout
+    _check_api_reference(dom.stdout)
+
+
+def test_api_reference_layout(site: Path) -> None:
+    """What the browser test checks in the rendered DOM, in the built HTML (no browser needed)."""
+    _check_api_reference(_page(site, "api/rope"))
+
+
+def _check_api_reference(page: str) -> None:
+    """Every op of the family: its class, ``__init__`` listing each param once (the manifest's
+    tables do not repeat them), ``forward``, and its manifest's tables: each tensor labelled input or
+    output, the backward in words, every dtype and shape."""
     assert "<h1" in page and "RoPE Operators" in _text(page.split("<h1", 1)[1])
     assert len(ROPE_OPS) >= 8, ROPE_OPS  # every manifest of the family, read from the registry
     for name in ROPE_OPS:
@@ -144,41 +154,48 @@ def test_api_reference_in_a_browser(site: Path, capsys: pytest.CaptureFixture[st
         def row(markup: str, arg: str) -> bool:  # a table row that names ``arg`` in its first cell
             return re.search(rf"<tr[^>]*>\s*<td[^>]*>\s*<code>{arg}</code>", markup) is not None
 
-        for p in m.params:
-            for part, where in ((init, "__init__"), (manifest, "manifest")):
-                assert row(part, p.name), f"{name}: no row for {p.name} in {where}"
-                if p.has_default:
-                    assert any(f in _text(part) for f in _default_forms(p.default)), \
-                        f"{name}: default {p.default!r} of {p.name} not in {where}"
+        for p in m.params:  # listed once: under __init__, not again in the manifest's tables
+            assert row(init, p.name), f"{name}: no row for {p.name} in __init__"
+            assert not row(manifest, p.name), f"{name}: {p.name} listed again in the manifest section"
+            if p.has_default:
+                assert any(f in _text(init) for f in _default_forms(p.default)), \
+                    f"{name}: default {p.default!r} of {p.name} not in __init__"
         assert row(init, "target") and "Which set of kernels serves this op" in _text(init), name
         for t in m.inputs:
             assert row(forward, t.name), f"{name}: forward has no row for {t.name}"
             assert row(manifest, t.name) and all(d in _text(manifest) for d in t.dtypes), f"{name}: {t.name}"
             for dims in t.shapes.values():
                 assert "[" + ", ".join(dims) + "]" in _text(manifest), f"{name}: {t.name} shape {dims}"
+        for role, tensors in (("input", m.inputs), ("output", m.outputs)):
+            for t in tensors:  # the Role cell: an output is never called an input
+                cell = re.search(rf"<td[^>]*>\s*<code>{t.name}</code>\s*</td>\s*<td[^>]*>(.*?)</td>", manifest, re.S)
+                assert cell and _text(cell.group(1)).startswith(role), f"{name}: {t.name} is not labelled {role}"
+        if m.backward is not None:  # in words, never a Python tuple
+            said = re.search(r"Backward\s*:\s*(.*?)\.", _text(manifest))
+            assert said and said.group(1).split() == ["differentiable", "in", *" and ".join(m.backward.wrt).split()], \
+                f"{name}: {said and said.group(0)}"
         forward = _text(forward)
         for section in ("Parameters", "Returns", "Raises"):
             assert section in forward, f"{name}.forward has no {section}"
 
 
+def test_api_page_shows_the_classes_first(site: Path) -> None:
+    """The first class comes right after the page's short introduction, and the usage details
+    (positions, q and k, torch.compile, costs) after the last class."""
+    page = _page(site, "api/rope")
+    body = page[page.index("<h1"):]
+    first = body.index('id="tileops.rope.')
+    last_manifest = max(body.index(f'id="{n}-manifest"') for n in ROPE_OPS)
+    intro = _text(body[:first])
+    assert len(intro) < 2500, f"{len(intro)} characters of text before the first class:\n{intro[:500]}"
+    for anchor in ("positions-and-gradients", "q-and-k-together-out-in-place-views", "torchcompile-and-cuda-graphs"):
+        assert body.index(f'id="{anchor}"') > last_manifest, f"{anchor} comes before a class"
+        assert f'href="#{anchor}"' in body[:first], f"the introduction does not link to {anchor}"
+
+
 # ------------------------------------------------------------------------------------- examples
-def test_first_call_example_runs() -> None:
-    run = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "first_call.py")], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert run.stdout.split() == ["builtin", "(2,", "128,", "8,", "64)", "torch.float32"], run.stdout
-
-
-def test_getting_started_sessions_are_right() -> None:
-    """The ``pycon`` sessions of the getting-started page, run as doctests."""
-    source = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"```pycon\n(.*?)```", source, flags=re.S)
-    assert blocks
-    parser, runner = doctest.DocTestParser(), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for i, block in enumerate(blocks):
-        runner.run(parser.get_doctest(block, {}, f"getting-started.md pycon block {i}", None, 0))
-    result = runner.summarize(verbose=False)
-    assert result.failed == 0, result
+# The scripts of docs/examples/, every page's python blocks and pycon sessions and every docstring
+# example are run by tests/test_examples.py.
 
 
 def test_example_target_through_its_entry_point(tmp_path: Path) -> None:

@@ -242,10 +242,11 @@ def test_it_is_documented(family: Path, tmp_path: Path):
         for anchor in ("tileops.scale.ScaleFwdOp", "tileops.scale.ScaleFwdOp.__init__",
                        "tileops.scale.ScaleFwdOp.forward", "ScaleFwdOp-manifest"):
             assert f'id="{anchor}"' in page, anchor
-        manifest = page.split('id="ScaleFwdOp-manifest"', 1)[1]
-        for param, default in (("input_layout", '"1d"'), ("c", "2.0")):
-            assert re.search(rf"<td[^>]*>\s*<code>{param}</code>", manifest), param
-            assert default in manifest.replace("&quot;", '"'), default
+        init, manifest = page.split('id="tileops.scale.ScaleFwdOp.__init__"', 1)[1].split('id="ScaleFwdOp-manifest"', 1)
+        for param, default in (("input_layout", '"1d"'), ("c", "2.0")):  # under __init__, once
+            assert re.search(rf"<td[^>]*>\s*<code>{param}</code>", init), param
+            assert not re.search(rf"<td[^>]*>\s*<code>{param}</code>", manifest), param
+            assert default in init.replace("&quot;", '"').replace("&#39;", '"'), default
         assert "<code>[rows, cols]</code>" in manifest and "float16, bfloat16, float32" in manifest
         assert "Scale operators" in page and "A tensor times a constant" in page
         home = (site / lang / "index.html").read_text(encoding="utf-8")

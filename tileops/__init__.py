@@ -1,8 +1,11 @@
 """tileops: LLM operators written as TileLang tile programs, behind a small PyTorch API.
 
+    >>> import torch
     >>> import tileops
+    >>> device = "cuda" if torch.cuda.is_available() else "cpu"
     >>> op = tileops.rope.RoPEFwdOp(rope_layout="neox", input_layout="2d")   # target=None
-    >>> out = op(x)       # x: [batch, seq_len, num_heads, head_dim], on a GPU or the CPU
+    >>> x = torch.randn(2, 128, 8, 64, device=device)   # [batch, seq_len, num_heads, head_dim]
+    >>> out = op(x)       # served by the first call's device: the GPU or the CPU
 
 Every family is a subpackage, ``tileops.<family>``: the in-tree ones and those of the family roots
 named by ``TILEOPS_FAMILY_PATH`` (:mod:`tileops.families`), whose ``tileops/`` folders extend this

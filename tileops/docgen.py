@@ -45,10 +45,29 @@ def _shape(dims: Sequence[str]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ ops
-def op_markdown(name: str, root: str | Path | None = None) -> str:
-    """The manifest of op ``name`` as three tables: params, tensors and rules.
+def _words(names: Sequence[str]) -> str:
+    """``x``, ``x and key``, ``x, key and y``: names as inline code, joined as a sentence does."""
+    codes = [_code(n) for n in names]
+    return " and ".join(codes) if len(codes) < 3 else ", ".join(codes[:-1]) + " and " + codes[-1]
 
-    ``root`` (the repository root) only shortens the manifest's path in the lead-in line.
+
+def _role(t: Any, role: str) -> str:
+    """What a tensor is to the call: an input (optional ones keyword only) or an output (an optional
+    one exists when the input it is shaped like is given)."""
+    if role == "input":
+        return "input, optional (keyword only)" if t.optional else "input"
+    if t.optional:
+        return f"output, when {_code(t.like)} is given" if t.like else "output, optional"
+    return "output"
+
+
+def op_markdown(name: str, root: str | Path | None = None) -> str:
+    """The manifest of op ``name`` beside its class's docstrings: each tensor's role, shapes and
+    dtypes, the backward in words, and the rules.
+
+    The constructor's parameters are not repeated: the class's ``__init__`` documents each one
+    (generated from the same manifest). ``root`` (the repository root) only shortens the manifest's
+    path in the lead-in line.
     """
     from tileops.manifest import get
 
@@ -59,19 +78,8 @@ def op_markdown(name: str, root: str | Path | None = None) -> str:
             path = path.resolve().relative_to(Path(root).resolve())
         except ValueError:
             pass
-    out = [f"From {_code(path.as_posix())}, which the constructor's arguments and every call's tensors "
-           f"are checked against."]
-
-    rows = []
-    for p in m.params:
-        ptype = "tensor or None" if p.type == "tensor" else {"ints": "list of ints"}.get(p.type, p.type) + (
-            " or None" if p.optional else "")
-        if p.keyword_only:
-            ptype += ", keyword only"
-        default = _code(_value(p.default)) if p.has_default else "required"
-        choices = ", ".join(_code(_value(c)) for c in p.choices) if p.choices else ""
-        rows.append([_code(p.name), ptype, default, choices, _text(p.doc)])
-    out.append("**Parameters**\n\n" + _table(["Name", "Type", "Default", "Choices", "Meaning"], rows))
+    out = [f"From {_code(path.as_posix())}, which the constructor's arguments (documented under "
+           f"`__init__` above) and every call's tensors are checked against."]
 
     rows = []
     for role, tensors in (("input", m.inputs), ("output", m.outputs)):
@@ -86,14 +94,12 @@ def op_markdown(name: str, root: str | Path | None = None) -> str:
                     shape = "<br>".join(f"{_code(f'{t.shape_by}={_value(k)}')}: "
                                         + " or ".join(_shape(v) for v in vs) for k, vs in alts.items())
                 dtypes = ", ".join(t.dtypes)
-            doc = _text(t.doc)
-            shown = "input, optional (keyword only)" if t.optional else role
-            if t.range is not None:
-                doc += f" Values in {_code(f'[{t.range[0]}, {t.range[1]})')}."
-            rows.append([_code(t.name), shown, shape, dtypes, doc])
-    out.append("**Tensors**\n\n" + _table(["Name", "Role", "Shape", "Dtypes", "Meaning"], rows))
+                if t.range is not None:
+                    dtypes += f"; values in {_code(f'[{t.range[0]}, {t.range[1]})')}"
+            rows.append([_code(t.name), _role(t, role), shape, dtypes])
+    out.append("**Tensors**\n\n" + _table(["Name", "Role", "Shape", "Dtypes"], rows))
     if m.backward is not None:
-        out.append(f"**Backward**: differentiable in {_code(m.backward.wrt)}. {_text(m.backward.doc)}")
+        out.append(f"**Backward**: differentiable in {_words(m.backward.wrt)}. {_text(m.backward.doc)}")
 
     if m.rules:
         rows = [[_code(r.check), _code(r.arg), "first call" if r.needs_dims else "construction",

@@ -5,8 +5,9 @@ counts the same list, so the coverage table can never disagree with what the tes
 manifest (or a case, or a dtype to a case) adds items here with no new test code.
 
     >>> from tileops.manifest import registry
-    >>> [c.id for c in generated_cases(registry())][:1]
-    ['RoPEFwdOp[neox-2d-2k-fp16-cpu]']
+    >>> from tileops.testing import generated_cases
+    >>> [c.id for c in generated_cases({"RoPEFwdOp": registry()["RoPEFwdOp"]})][:2]
+    ['RoPEFwdOp[neox-2d-2k-fp16-cpu]', 'RoPEFwdOp[neox-2d-2k-fp16-torch]']
 """
 
 from __future__ import annotations

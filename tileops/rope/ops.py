@@ -128,9 +128,16 @@ class MRoPEFwdOp(hooks.MRoPE):
         Qwen2VLRotaryEmbedding, Qwen3VLTextRotaryEmbedding (recomposition_frequencies).
 
     Examples:
+        >>> import torch
+        >>> from tileops.rope import MRoPEFwdOp
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
         >>> op = MRoPEFwdOp([16, 24, 24], input_layout="2d", base=1e6)
-        >>> pos = torch.randint(0, 64, (3, 2, 300))   # [3, batch, seq]: temporal, height, width
-        >>> q, k = op(torch.randn(2, 300, 28, 128), position_ids=pos, key=torch.randn(2, 300, 4, 128))
+        >>> pos = torch.randint(0, 64, (3, 2, 300), device=device)   # [3, batch, seq]: temporal, height, width
+        >>> q = torch.randn(2, 300, 28, 128, device=device)   # [batch, seq, heads, head_dim]
+        >>> k = torch.randn(2, 300, 4, 128, device=device)
+        >>> q_rot, k_rot = op(q, position_ids=pos, key=k)
+        >>> q_rot.shape, k_rot.shape
+        (torch.Size([2, 300, 28, 128]), torch.Size([2, 300, 4, 128]))
     """
 
     def __init__(self, mrope_section: tuple[int, ...] | list[int], input_layout: str = "2d",
@@ -441,8 +448,14 @@ class RoPEFwdOp(hooks.Base):
     References: GPT-NeoX / HF transformers rotate_half; RoFormer: Su et al., 2021, arXiv:2104.09864.
 
     Examples:
+        >>> import torch
+        >>> from tileops.rope import RoPEFwdOp
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
         >>> op = RoPEFwdOp(rope_layout="neox", input_layout="2d")
-        >>> out = op(torch.randn(2, 2048, 32, 128, dtype=torch.bfloat16, device="cuda"))
+        >>> x = torch.randn(2, 512, 32, 128, dtype=torch.bfloat16, device=device)   # [batch, seq, heads, head_dim]
+        >>> out = op(x)
+        >>> out.shape, out.dtype
+        (torch.Size([2, 512, 32, 128]), torch.bfloat16)
     """
 
     def __init__(self, rope_layout: str = "neox", input_layout: str = "1d", base: float = 10000.0, *,
@@ -529,8 +542,13 @@ class RoPELinearFwdOp(hooks.Linear):
         interpolation (SuperHOT); Chen et al., 2023, arXiv:2306.15595.
 
     Examples:
+        >>> import torch
+        >>> from tileops.rope import RoPELinearFwdOp
+        >>> device = "cuda" if torch.cuda.is_available() else "cpu"
         >>> op = RoPELinearFwdOp(input_layout="2d", factor=4.0, rotary_dim=64)
-        >>> out = op(torch.randn(2, 512, 8, 128))
+        >>> out = op(torch.randn(2, 512, 8, 128, device=device))   # the first 64 columns of each head rotate
+        >>> out.shape
+        torch.Size([2, 512, 8, 128])
     """
 
     def __init__(self, input_layout: str = "1d", base: float = 10000.0, factor: float = 1.0,
