@@ -20,7 +20,7 @@ import torch
 
 from tileops import target_names
 from tileops.manifest import registry
-from tileops.targets import Target
+from tileops.targets import FamilyTarget, Target, TargetError
 from tileops.workloads import DTYPES, case_params, make_inputs, op_class
 
 try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
@@ -355,6 +355,61 @@ def test_unknown_target_lists_the_known_ones():
         for known in target_names():
             assert known in msg
         raises_naming("target", op_class(m.name), **base(m)[0], target=3, kinds=TypeError)
+
+
+class _Nowhere(Target):
+    """A target that serves no device."""
+
+    name = "serves-nothing"
+
+    def supports(self, op_name, family, device):
+        return False
+
+
+class _NoFamily(FamilyTarget):
+    """A target that claims every device but implements no family (its implement() refuses)."""
+
+    name = "no-families"
+    families: dict[str, str] = {}
+
+    def supports(self, op_name, family, device):
+        return True
+
+
+# TargetError's messages once lacked the "OpName: " that starts every other error of an op.
+@pytest.mark.parametrize("m", list(REGISTRY.values()), ids=list(REGISTRY))
+def test_target_errors_start_with_the_op_name(m):
+    params, dims = base(m)
+    prefix = f"{m.name}: target: "
+    for target, kind in (("no-such-target", TargetError), (3, TypeError)):
+        with pytest.raises(kind) as info:
+            op_class(m.name)(**params, target=target)
+        assert str(info.value).startswith(prefix), str(info.value)
+    for target, words in ((_Nowhere(), "cannot serve cpu tensors"), (_NoFamily(), "has no kernels")):
+        with pytest.raises(TargetError) as info:
+            call(m, params, dims, {}, target=target)
+        msg = str(info.value)
+        assert msg.startswith(prefix) and words in msg, msg
+
+
+# --------------------------------------------------------------------------- out= tensors
+
+_OUTS = [pytest.param(m, o, id=f"{m.name}-{o.name}") for m in REGISTRY.values() for o in m.outputs]
+
+
+# A wrong out= dtype once raised ValueError where a wrong input dtype raises TypeError.
+@pytest.mark.parametrize("m, spec", _OUTS)
+def test_bad_out_tensor_is_named_with_the_kind_of_an_input_error(m, spec):
+    params, dims = base(m)
+    like = make_inputs(m, params, dims, "float32", every=True)[spec.like]
+    wrong = {
+        "dtype": (torch.empty_like(like, dtype=torch.float64), TypeError),
+        "shape": (like.new_empty((*like.shape[:-1], like.shape[-1] + 2)), ValueError),
+        "device": (torch.empty_like(like, device="meta"), ValueError),
+    }
+    for what, (bad, kind) in wrong.items():
+        msg = raises_naming(spec.name, call, m, params, dims, {spec.name: bad}, kinds=kind)
+        assert msg.startswith(f"{m.name}: {spec.name}: expected {what} ") and f"(that of {spec.like})" in msg, msg
 
 
 # --------------------------------------------------------------------------- values checked at the call

@@ -24,7 +24,8 @@ Cost and knobs:
 * ``TILEOPS_FUZZ_EXAMPLES=N`` sets ``max_examples`` to N in all (N / ops per op for the valid
   test; N/2, N/4 for the others); ``TILEOPS_FUZZ_WIDE=1`` draws head_dim from every even value in
   2..512, so most examples compile a kernel: about 2.5 minutes for N=300 here.
-* ``TILEOPS_FUZZ_DEVICE=cuda`` runs the specs on the GPU (``python -m pytest tests/test_fuzz.py``
+* Every test here is marked ``slow``, so run the module as ``python -m pytest -m slow tests/test_fuzz.py``.
+* ``TILEOPS_FUZZ_DEVICE=cuda`` runs the specs on the GPU (``python -m pytest -m slow tests/test_fuzz.py``
   with ``TILEOPS_FUZZ_EXAMPLES=2000`` is issue 12's GPU fuzz run). There head_dim comes from
   ``GPU_HEAD_DIMS`` and the rotary width from three choices, and every kernel those draws can need
   is compiled first, in parallel processes (:func:`tileops.warmup.compile_jobs`): nvcc takes
@@ -57,6 +58,10 @@ try:  # pytest puts tests/ on sys.path when it is not a package, the repo root w
     import family_references
 except ImportError:  # pragma: no cover
     from tests import family_references
+
+# Every test here is a hypothesis run (kernels compiled as draws need them: about a minute with the
+# defaults on a free 2-core machine), so the module is deselected by default: `-m slow` runs it.
+pytestmark = pytest.mark.slow
 
 REGISTRY = registry()
 FULL = os.environ.get("TILEOPS_FUZZ_WIDE", "") not in ("", "0")

@@ -39,12 +39,26 @@ REGISTRY = registry()
 CASES = generated_cases(REGISTRY)
 
 
+def is_slow(c: GeneratedCase) -> bool:
+    """Whether an item is marked ``slow`` (deselected unless ``-m slow`` or ``-m cuda``). The default
+    run keeps each op's first case in every dtype, column and direction, and every other case
+    forward in its first dtype through the BUILTIN kernels: every case's params and optional
+    inputs, every dtype, the torch target and the backward stay covered; the slow run adds their
+    products (when this was written, 121 of the 548 CPU items ran by default)."""
+    m = REGISTRY[c.op]
+    case = m.case(c.case)
+    if case is m.cases[0]:
+        return False
+    return c.backward or c.target != "builtin" or c.dtype != case.dtypes[0]
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Runs at collection: each test_<Op> below is parametrized with that op's generated cases.
     op = getattr(metafunc.function, "op_name", None)
     if op is None or "gcase" not in metafunc.fixturenames:
         return
-    params = [pytest.param(c, id=c.param_id, marks=[getattr(pytest.mark, m) for m in c.marks])
+    params = [pytest.param(c, id=c.param_id, marks=[getattr(pytest.mark, m) for m in c.marks]
+                           + ([pytest.mark.slow] if is_slow(c) else []))
               for c in CASES if c.op == op]
     metafunc.parametrize("gcase", params)
 

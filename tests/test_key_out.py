@@ -96,7 +96,7 @@ def test_bad_out_and_key_are_named(gen):
     k = torch.randn(2, 5, 1, 32, generator=gen)
     bad = [
         (dict(out=torch.empty(2, 5, 4, 16)), ValueError, "out: expected shape"),
-        (dict(out=torch.empty(2, 5, 4, 32, dtype=torch.float64)), ValueError, "out: expected dtype"),
+        (dict(out=torch.empty(2, 5, 4, 32, dtype=torch.float64)), TypeError, "out: expected dtype"),
         (dict(out=[1.0]), TypeError, "out: expected a torch.Tensor"),
         (dict(key_out=torch.empty_like(k)), ValueError, "key_out: given without key"),
         (dict(key=k.double()), TypeError, "key: expected dtype"),

@@ -167,7 +167,7 @@ def _class_doc(m: OpManifest) -> list[str]:
 def _init_method(m: OpManifest) -> list[str]:
     doc = ["Build the op; kernels are compiled at the first call.", "", "        Args:"]
     for p in m.params:
-        text = p.doc.strip()
+        text = ("Keyword-only. " if p.keyword_only else "") + p.doc.strip()
         if p.choices:
             text += " One of " + ", ".join(f"``{_literal(c)}``" for c in p.choices) + "."
         if p.has_default:

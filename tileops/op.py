@@ -20,7 +20,7 @@ from . import errors, library, native
 from . import manifest as _manifest
 from .autograd import backward_of, grad_needed, run_differentiable
 from .manifest import ExprError, OpManifest
-from .targets import Target, check_target_arg, resolve_target
+from .targets import Target, TargetError, check_target_arg, resolve_target
 
 __all__ = ["Op", "CallSpec", "DTYPES"]
 
@@ -72,7 +72,7 @@ class Op:
         self.name = self.manifest.name
         self.params: dict[str, Any] = self._check_params(dict(params))
         self._target_arg = target
-        self._fixed_target: Target | None = check_target_arg(target)
+        self._fixed_target: Target | None = check_target_arg(target, self.name)
         self._served_by: str | None = self._fixed_target.name if self._fixed_target else None
         self._impls: dict[CallSpec, Callable[..., Any]] = {}
         self._fast: dict[tuple, tuple[Any, Any]] = {}
@@ -149,12 +149,12 @@ class Op:
         if self._fixed_target is not None:
             t = self._fixed_target
             if not t.supports(self.name, self.manifest.family, device):
-                raise ValueError(f"{self.name}: target {t.name!r} cannot serve {device.type} tensors")
+                raise TargetError(f"{self.name}: target: {t.name!r} cannot serve {device.type} tensors")
             return t
         t, _ = resolve_target(self.name, self.manifest.family, device)
         if not t.supports(self.name, self.manifest.family, device):
             first = self.manifest.inputs[0].name
-            raise ValueError(f"{self.name}: {first}: no registered target serves {device.type} tensors "
+            raise TargetError(f"{self.name}: {first}: no registered target serves {device.type} tensors "
                              f"(BUILTIN runs on cuda and cpu; pass target='torch' for plain PyTorch)")
         self._served_by = t.name
         return t
@@ -323,10 +323,11 @@ class Op:
             sig, entry = None, None
         checked = entry is None
         if entry is None:
-            impl = self._impl_for(self._check_call(tensors))
+            spec = self._check_call(tensors)
             given = {k: v for k, v in outs.items() if v is not None}
-            if given:
+            if given:  # before the implementation is made, which may compile a kernel for seconds
                 self._check_outs(tensors, given)
+            impl = self._impl_for(spec)
             plan = getattr(impl, "plan", None)
             entry = (impl, plan(tensors, given) if plan is not None else None)
             if sig is not None:
@@ -424,10 +425,12 @@ class Op:
                 raise TypeError(f"{m.name}: {spec.name}: expected a torch.Tensor or None, got {type(o).__name__}")
             if src is None:
                 raise ValueError(f"{m.name}: {spec.name}: given without {spec.like}, whose result it would hold")
-            for what, want, got in (("shape", list(src.shape), list(o.shape)), ("dtype", src.dtype, o.dtype),
-                                    ("device", src.device, o.device)):
+            # a wrong dtype is a TypeError and a wrong shape or device a ValueError, as for an input
+            for what, want, got, error in (("shape", list(src.shape), list(o.shape), ValueError),
+                                           ("dtype", src.dtype, o.dtype, TypeError),
+                                           ("device", src.device, o.device, ValueError)):
                 if want != got:
-                    raise ValueError(f"{m.name}: {spec.name}: expected {what} {want} (that of {spec.like}), got {got}")
+                    raise error(f"{m.name}: {spec.name}: expected {what} {want} (that of {spec.like}), got {got}")
             if torch._debug_has_internal_overlap(o) == 1:  # as torch refuses an in-place write into one
                 raise ValueError(f"{m.name}: {spec.name}: expected a tensor whose elements each have their own "
                                  f"memory, got one whose elements share memory (strides {list(o.stride())}, e.g. "

@@ -42,7 +42,8 @@ ENTRY_POINT_GROUP = "tileops.targets"
 
 
 class TargetError(ValueError):
-    """An unknown target name, or a target that cannot serve an op on a device."""
+    """An unknown target name, or a target that cannot serve an op on a device. Raised for an op,
+    its message starts with the op's name, as every other error of an op does."""
 
 
 class Target:
@@ -84,8 +85,8 @@ class FamilyTarget(Target):
     def implement(self, op: "Op", spec: Any) -> Callable[..., Any]:
         family = op.manifest.family
         if family not in self.families:
-            raise TargetError(f"target {self.name!r} has no kernels for the {family!r} family "
-                              f"(op {op.name}); it serves: {', '.join(self.families) or 'nothing'}")
+            raise TargetError(f"{op.name}: target: {self.name!r} has no kernels for the {family!r} family; "
+                              f"it serves: {', '.join(self.families) or 'nothing'}")
         module, func = self.families[family].split(":")
         return getattr(importlib.import_module(module), func)(op, spec)
 
@@ -176,25 +177,28 @@ def target_names() -> list[str]:
     return sorted(_registry)
 
 
-def get_target(name: str) -> Target:
-    """The target registered as ``name``; unknown names fail with the list of known ones."""
+def get_target(name: str, *, op_name: str = "") -> Target:
+    """The target registered as ``name``; unknown names fail with the list of known ones (the
+    message starting with ``op_name`` when one is given)."""
     _load_entry_points()
     try:
         return _registry[name]
     except KeyError:
-        raise TargetError(f"target: unknown target {name!r}; known targets: {', '.join(sorted(_registry))} "
-                          f"(or None to decide from the input device)") from None
+        prefix = f"{op_name}: " if op_name else ""
+        raise TargetError(f"{prefix}target: unknown target {name!r}; known targets: "
+                          f"{', '.join(sorted(_registry))} (or None to decide from the input device)") from None
 
 
-def check_target_arg(target: Any) -> Target | None:
-    """Validate a ``target=`` argument at construction: a known name, a Target, or None."""
+def check_target_arg(target: Any, op_name: str) -> Target | None:
+    """Validate the ``target=`` argument of ``op_name`` at construction: a known name, a Target, or None."""
     if target is None:
         return None
     if isinstance(target, Target):
         return target
     if not isinstance(target, str):
-        raise TypeError(f"target: expected a target name (str), BUILTIN or None, got {type(target).__name__}")
-    return get_target(target)
+        raise TypeError(f"{op_name}: target: expected a target name (str), BUILTIN or None, "
+                        f"got {type(target).__name__}")
+    return get_target(target, op_name=op_name)
 
 
 _logged: set[tuple[str, str, str]] = set()

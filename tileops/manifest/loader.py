@@ -127,6 +127,28 @@ def _param(ctx: _Ctx, name: str, node: yaml.Node) -> ParamSpec:
                      line=node.start_mark.line + 1)
 
 
+def _check_signature_order(ctx: _Ctx, params: tuple[ParamSpec, ...]) -> None:
+    """The params in order must make a Python signature that means what the manifest says: the
+    generator puts ``*`` before the first keyword-only param, so a positional one after it would
+    silently become keyword-only, and a required positional param after one with a default is a
+    SyntaxError in the generated module."""
+    first_kw: ParamSpec | None = None
+    first_default: ParamSpec | None = None
+    for p in params:
+        if p.keyword_only:
+            first_kw = first_kw or p
+            continue
+        if first_kw is not None:
+            raise ctx.err(p.line, f"params.{p.name}: a positional param after keyword-only {first_kw.name!r} "
+                                  f"(line {first_kw.line}); mark it keyword_only: true or move it before")
+        if not p.has_default and first_default is not None:
+            raise ctx.err(p.line, f"params.{p.name}: a required positional param after {first_default.name!r}, "
+                                  f"which has a default (line {first_default.line}); give it a default or move "
+                                  "it before")
+        if p.has_default:
+            first_default = first_default or p
+
+
 def _value_of_type(ctx: _Ctx, node: yaml.Node, ptype: str, optional: bool, what: str) -> Any:
     if ptype == "ints" and isinstance(node, yaml.SequenceNode):
         items = [ctx.scalar(n) for n in node.value]
@@ -318,6 +340,7 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
         if not pname.isidentifier():
             raise ctx.err(knode, f"params: {pname!r} is not an identifier")
         params[pname] = _param(ctx, pname, vnode)
+    _check_signature_order(ctx, tuple(params.values()))
     inputs: dict[str, TensorSpec] = {}
     for tname, (_, vnode) in ctx.mapping(m["inputs"][1], "inputs").items():
         inputs[tname] = _tensor(ctx, tname, vnode, "inputs", params, {})

@@ -58,7 +58,11 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "optional": (False, "bool", "Whether None is accepted (default false)."),
         "choices": (False, "list", "The only values accepted."),
         "doc": (True, "str", "What the param means, for the API reference."),
-        "keyword_only": (False, "bool", "Whether the param comes after `*` in the signature."),
+        "keyword_only": (False, "bool", "Whether the param comes after `*` in the signature (default false). A "
+                                        "param added to an op after its signature was published is keyword-only, "
+                                        "so calls written against the published signature keep their meaning; "
+                                        "keyword-only params follow every positional one (else an error at "
+                                        "FILE:LINE)."),
     },
     "backward": {
         "wrt": (True, "str | list[str]", "The inputs the op is differentiable in (each output is like one of "

@@ -342,4 +342,5 @@ def _yarn(c: _Config, base: float, original_max: Any, max_positions: Any, target
     attn_factor = attention / get_mscale(factor)
     beta_fast = c.number(c.field("beta_fast"), rp.get("beta_fast") or 32)  # HF: `or 32`, so 0 means 32
     beta_slow = c.number(c.field("beta_slow"), rp.get("beta_slow") or 1)
-    return YaRNFwdOp("2d", base, factor, omp, beta_fast, beta_slow, attn_factor, pairing, target=target)
+    return YaRNFwdOp("2d", base, factor, omp, beta_fast, beta_slow, attn_factor, rope_layout=pairing,
+                     target=target)

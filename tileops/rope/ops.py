@@ -817,7 +817,7 @@ class YaRNFwdOp(hooks.YaRN):
 
     def __init__(self, input_layout: str = "1d", base: float = 10000.0, scale: float = 16.0,
                  original_max_position: int = 4096, beta_fast: float = 32.0, beta_slow: float = 1.0,
-                 attn_factor: float = 1.0, rope_layout: str = "neox", *,
+                 attn_factor: float = 1.0, *, rope_layout: str = "neox",
                  target: str | Target | None = None) -> None:
         """Build the op; kernels are compiled at the first call.
 
@@ -832,9 +832,9 @@ class YaRNFwdOp(hooks.YaRN):
             beta_slow (float): Rotations per original context below which a pair is fully interpolated.
                 Default ``1.0``.
             attn_factor (float): Extra factor on the amplitude of cos and sin. Default ``1.0``.
-            rope_layout (str): Which elements pair up: neox pairs (i, i + D/2) (HF rotate_half); interleaved
-                pairs (2i, 2i+1), as DeepSeek-V2/V3 lay out their rope part (HF rope_interleave). One of
-                ``"neox"``, ``"interleaved"``. Default ``"neox"``.
+            rope_layout (str): Keyword-only. Which elements pair up: neox pairs (i, i + D/2) (HF rotate_half);
+                interleaved pairs (2i, 2i+1), as DeepSeek-V2/V3 lay out their rope part (HF rope_interleave).
+                One of ``"neox"``, ``"interleaved"``. Default ``"neox"``.
             target (str | Target | None): Which set of kernels serves this op: a registered target name,
                 BUILTIN for the in-tree kernels, or None to decide from the input device at the first call.
                 Default None.
