@@ -490,6 +490,37 @@ def test_the_patch_is_per_model():
     assert mod.apply_rotary_pos_emb is original_fn
 
 
+def test_concurrent_eager_calls_keep_their_positions():
+    """Nothing of a call is kept where another thread could read it: two threads running a patched
+    model and an unpatched one of the same architecture, with prompts of other lengths, get what each
+    gets alone."""
+    import threading
+
+    a, b = _model("qwen2", seed=0), _model("qwen2", seed=1)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (2, n), generator=gen) for n in (7, 19)]
+    tt.patch(a)
+    try:
+        with torch.no_grad():
+            want = {(m, i): m(p).logits for m in (a, b) for i, p in enumerate(prompts)}
+        wrong = []
+
+        def work(model, i):
+            with torch.no_grad():
+                for _ in range(6):
+                    if not torch.equal(model(prompts[i]).logits, want[(model, i)]):
+                        wrong.append((model is a, i))
+
+        threads = [threading.Thread(target=work, args=(m, i)) for m in (a, b) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        tt.unpatch(a)
+    assert not wrong, wrong
+
+
 def test_patch_twice_unpatch_unpatched_and_missing_positions():
     model = _model("llama-default")
     with pytest.raises(ValueError, match="expected a model patched by tileops"):
