@@ -257,7 +257,7 @@ def test_partial_rotary_refused_where_no_op_has_it(rope):
     ({**TINY, "rope_theta": 0.0}, ValueError, "rope_theta"),
     ({**TINY, "partial_rotary_factor": 1.5}, ValueError, "partial_rotary_factor"),
     ({**TINY, "partial_rotary_factor": 0.2}, NotImplementedError, "partial_rotary_factor"),  # int(16 * 0.2) = 3
-    ({"vocab_size": 8}, ValueError, "head_dim"),
+    ({"vocab_size": 8, "rope_theta": 1e4}, ValueError, "head_dim"),
     ({**TINY, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
                                "high_freq_factor": 2.0}}, ValueError, "high_freq_factor"),
     ({**TINY, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 7, "long_factor": [1.0] * 8}},
@@ -272,6 +272,55 @@ def test_partial_rotary_refused_where_no_op_has_it(rope):
 def test_bad_configs_name_the_field(config, exc, match):
     with pytest.raises(exc, match=match):
         from_hf_config(config)
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: transformers.GPT2Config(), ValueError, r"'gpt2' config with no rotary settings"),
+    (lambda: transformers.BertConfig(), ValueError, r"'bert' config with no rotary settings"),
+    (lambda: transformers.T5Config(), ValueError, r"'t5' config with no rotary settings"),
+    (lambda: transformers.OPTConfig(), ValueError, r"'opt' config with no rotary settings"),
+    (lambda: transformers.BloomConfig(), ValueError, r"'bloom' config with no rotary settings"),
+    (lambda: transformers.GPT2Config().to_dict(), ValueError, r"'gpt2' config with no rotary settings"),
+    (lambda: transformers.FalconConfig(alibi=True), ValueError, r"'falcon' config with config.alibi set"),
+    (lambda: transformers.LlavaConfig(), ValueError, r"'llava' config .*pass config.text_config"),
+    (lambda: transformers.GPTJConfig(), NotImplementedError, r"config.rotary_dim: a 'gptj' config"),
+    (lambda: {"model_type": "gpt_neox", **TINY, "rotary_pct": 0.25, "rotary_emb_base": 1e4}, NotImplementedError,
+     r"config.rotary_pct: .*load it with transformers 5"),
+    (lambda: {**TINY, "rope_theta": 1e4, "rotary_dim": 8}, NotImplementedError,
+     r"config.rotary_dim: 8 rotated columns are not read"),
+])
+def test_configs_without_rope_are_refused(make, exc, match):
+    """A model without rotary embeddings (absolute positions, relative biases, ALiBi) gets no RoPE with
+    default settings, and rotary settings spelt in a way not read are named."""
+    with pytest.raises(exc, match=match):
+        from_hf_config(make())
+
+
+def test_rotary_configs_are_still_accepted():
+    """Every transformers config class whose default instance carries rope parameters, and the
+    spellings that had no rope key before (a flat MRoPE config.json, Falcon without alibi, GPT-NeoX as
+    transformers 5 reads it), gets an op or a NotImplementedError about its rope settings, never the
+    no-RoPE refusal."""
+    from transformers import CONFIG_MAPPING
+
+    configs = [transformers.FalconConfig(alibi=False), transformers.GPTNeoXConfig(),
+               {"model_type": "qwen2_vl", **TINY, "rope_scaling": None}]
+    for model_type in CONFIG_MAPPING:
+        try:
+            cfg = CONFIG_MAPPING[model_type]()
+        except Exception:  # noqa: BLE001 - a config class that needs arguments: not a default instance
+            continue
+        if getattr(cfg, "rope_parameters", None):
+            configs.append(cfg)
+    assert len(configs) > 100
+    for cfg in configs:
+        try:
+            from_hf_config(cfg)
+        except NotImplementedError:
+            pass
+        except ValueError as e:
+            assert "no rotary settings" not in str(e) and "ALiBi" not in str(e), (getattr(cfg, "model_type", cfg), e)
+    assert type(from_hf_config(transformers.GPTNeoXConfig(**TINY))) is RoPELinearFwdOp  # rotary_pct 0.25
 
 
 # ----------------------------------------------------------------------------------- the new ops
@@ -439,6 +488,37 @@ def test_the_patch_is_per_model():
                 if tt.is_patched(m):
                     tt.unpatch(m)
     assert mod.apply_rotary_pos_emb is original_fn
+
+
+def test_concurrent_eager_calls_keep_their_positions():
+    """Nothing of a call is kept where another thread could read it: two threads running a patched
+    model and an unpatched one of the same architecture, with prompts of other lengths, get what each
+    gets alone."""
+    import threading
+
+    a, b = _model("qwen2", seed=0), _model("qwen2", seed=1)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 128, (2, n), generator=gen) for n in (7, 19)]
+    tt.patch(a)
+    try:
+        with torch.no_grad():
+            want = {(m, i): m(p).logits for m in (a, b) for i, p in enumerate(prompts)}
+        wrong = []
+
+        def work(model, i):
+            with torch.no_grad():
+                for _ in range(6):
+                    if not torch.equal(model(prompts[i]).logits, want[(model, i)]):
+                        wrong.append((model is a, i))
+
+        threads = [threading.Thread(target=work, args=(m, i)) for m in (a, b) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        tt.unpatch(a)
+    assert not wrong, wrong
 
 
 def test_patch_twice_unpatch_unpatched_and_missing_positions():

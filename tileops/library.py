@@ -95,15 +95,32 @@ def apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.Te
                    names: str) -> list[torch.Tensor]:
     """Gradients of the inputs ``backward.wrt`` names that are given, in that order, from the outputs'."""
     op = lookup(handle)
-    return list(op._eager_backward(tuple(grads), _inputs(op, inputs, names)))
+    tensors = _inputs(op, inputs, names)
+    got = list(op._eager_backward(tuple(grads), tensors))
+    # the strides the fake promised (a compiled graph views the result by them): the kernels' own
+    # choice but after a fallback, which is copied
+    for i, ref in enumerate(_gradient_layouts(op, tensors, grads)):
+        if got[i].stride() != ref.stride():
+            promised = torch.empty_like(ref)
+            if promised.stride() != got[i].stride():
+                got[i] = promised.copy_(got[i])
+    return got
+
+
+def _gradient_layouts(op: Any, tensors: dict, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """For each gradient ``apply_backward`` returns, the tensor it is laid out like (``empty_like``):
+    the gradient of the output like its input, as the kernels write it, not the input (in a compiled
+    training step they differ: k's gradient from attention is ``[b, h, s, d]``, the op's key input a
+    ``[b, s, h, d]`` view)."""
+    like = {o.like: g for o, g in zip(produced(op, tensors), grads)}
+    return [like.get(w, tensors[w]) for w in op.manifest.backward.wrt if tensors.get(w) is not None]
 
 
 @apply_backward.register_fake
 def _apply_backward_fake(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
                          names: str) -> list[torch.Tensor]:
     op = lookup(handle)
-    tensors = _inputs(op, inputs, names)
-    return [torch.empty_like(tensors[w]) for w in op.manifest.backward.wrt if tensors.get(w) is not None]
+    return [torch.empty_like(t) for t in _gradient_layouts(op, _inputs(op, inputs, names), grads)]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

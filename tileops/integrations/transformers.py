@@ -4,17 +4,22 @@ How it plugs in (the least a model's code is touched, in the manner of Liger's
 ``apply_liger_kernel_to_llama``):
 
 * the model's rotary embedding modules (``model.model.rotary_emb``) get an instance-level
-  ``forward`` that calls theirs and tags the ``cos`` it returns with the op and the
-  ``position_ids`` (HF computes cos/sin once per forward from the positions and hands them to
-  every layer unchanged);
-* the attention modules get an instance-level ``forward`` that marks "inside a patched attention"
-  for the call (a context variable);
+  ``forward`` that calls theirs and tags the ``cos`` it returns with ``(op, position_ids)`` (HF
+  computes cos/sin once per forward from the positions and hands them to every layer unchanged);
+* the attention modules get an instance-level ``forward`` that refuses a ``position_embeddings``
+  whose ``cos`` is not tagged (one that did not come from the model's patched rotary embedding),
+  then calls theirs;
 * the modeling module's global ``apply_rotary_pos_emb`` (what the attention's forward looks up at
   call time) is replaced by one that, for tagged ``cos``, runs the op on q and k as
-  ``[batch, seq, heads, head_dim]`` views with ``position_ids=``. Untagged ``cos`` outside a patched
-  attention (another, unpatched model of the same architecture) goes to the original function, so
-  patching is per model although the function is per module. Inside a patched attention, untagged
-  ``cos`` raises: nothing is silently computed another way.
+  ``[batch, seq, heads, head_dim]`` views with ``position_ids=``. Untagged ``cos`` (another,
+  unpatched model of the same architecture) goes to the original function, so patching is per
+  model although the function is per module; a patched attention never gets that far with one.
+
+Nothing is shared between calls: the tag travels with the tensor, and there is no context variable
+or other per-thread state, so concurrent eager calls cannot see each other's positions, and
+``torch.compile`` traces all of it (Dynamo follows a Python attribute set on a tensor it made, and
+:mod:`tileops.library` gives it the op as a custom op): a patched model compiles into the graphs an
+unpatched one does, with no graph break and no recompile of its own.
 
 ``unpatch`` deletes the instance attributes and, when the last patched model of a modeling module
 is unpatched, puts back the original function object.
@@ -22,7 +27,7 @@ is unpatched, puts back the original function object.
 
 from __future__ import annotations
 
-import contextvars
+import inspect
 import math
 import sys
 import threading
@@ -48,16 +53,11 @@ SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen2_vl", 
                       "qwen2_5_vl_text", "qwen3_vl", "qwen3_vl_text")
 
 _STATE = "_tileops_patch"
-_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("tileops_patched_attention", default=None)
+#: the attribute of a tagged ``cos``: ``(op, position_ids)``, a tuple (the cheapest object to make
+#: once per forward, and one Dynamo builds in the graph's Python side without a break)
+_TAG = "_tileops"
 _LOCK = threading.Lock()
 _MODULES: dict[str, "_ModuleSwap"] = {}
-
-
-class _Tag:
-    __slots__ = ("op", "position_ids", "model_type")
-
-    def __init__(self, op: Any, position_ids: torch.Tensor, model_type: str) -> None:
-        self.op, self.position_ids, self.model_type = op, position_ids, model_type
 
 
 class _ModuleSwap:
@@ -70,15 +70,9 @@ class _ModuleSwap:
         original = self.original
 
         def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-            tag = getattr(cos, "_tileops", None)
-            if tag is None:
-                active = _ACTIVE.get()
-                if active is None:  # a model that is not patched: HF's own function
-                    return original(q, k, cos, sin, unsqueeze_dim)
-                raise RuntimeError(
-                    f"tileops.integrations.transformers: {active.model_type} model patched by tileops: the cos "
-                    f"passed to apply_rotary_pos_emb carries no position_ids (it did not come from the model's "
-                    f"patched rotary embedding); refusing to rotate without positions")
+            tag = getattr(cos, _TAG, None)
+            if tag is None:  # a model that is not patched (a patched attention refuses untagged cos): HF's own
+                return original(q, k, cos, sin, unsqueeze_dim)
             if unsqueeze_dim != 1:
                 raise NotImplementedError(f"tileops.integrations.transformers: apply_rotary_pos_emb: expected "
                                           f"unsqueeze_dim=1 (q, k [batch, heads, seq, head_dim]), got {unsqueeze_dim}")
@@ -100,16 +94,16 @@ class _PatchState:
 _NONE = object()
 
 
-def _rotate(tag: _Tag, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotate(tag: tuple[Any, torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k ``[batch, heads, seq, head_dim]`` -> rotated, same layout, in one launch on their
     transposed views (no copies)."""
     for name, t in (("q", q), ("k", k)):
         if t.dim() != 4:
             raise ValueError(f"tileops.integrations.transformers: {name}: expected [batch, heads, seq, head_dim], "
                              f"got shape {list(t.shape)}")
-    pos = tag.position_ids
+    op, pos = tag
     batch, seq = q.shape[0], q.shape[2]
-    if tag.op.name == "MRoPEFwdOp":
+    if op.name == "MRoPEFwdOp":
         pos = _mrope_positions(pos, q)
     else:
         if pos.dim() == 2 and pos.shape[0] == 1 and batch != 1:
@@ -120,7 +114,7 @@ def _rotate(tag: _Tag, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, 
     if pos.device != q.device:
         pos = pos.to(q.device)
     # forward, not op(...): Op.__call__ only re-packs the arguments (0.6 us of host time per call)
-    qo, ko = tag.op.forward(q.transpose(1, 2), position_ids=pos, key=k.transpose(1, 2))
+    qo, ko = op.forward(q.transpose(1, 2), position_ids=pos, key=k.transpose(1, 2))
     return qo.transpose(1, 2), ko.transpose(1, 2)
 
 
@@ -257,8 +251,9 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     if mod is None or not callable(getattr(mod, "apply_rotary_pos_emb", None)):
         raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: its rotary embedding "
                                   f"is not defined next to a module-level apply_rotary_pos_emb")
-    attentions = [m for m in model.modules()
-                  if type(m).__module__ == mod.__name__ and type(m).__name__.endswith("Attention")]
+    # the vision tower's attention (apply_rotary_pos_emb_vision, its own cos/sin) stays HF's too
+    attentions = [m for m in model.modules() if type(m).__module__ == mod.__name__
+                  and type(m).__name__.endswith("Attention") and "Vision" not in type(m).__name__]
     if not attentions:
         raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: no attention module "
                                   f"of {mod.__name__} found")
@@ -266,6 +261,15 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
         if getattr(m.__dict__.get("forward"), "_tileops_wrapper", False):
             raise ValueError(f"tileops.integrations.transformers.patch: model: expected a model not patched yet, "
                              f"got one whose {type(m).__name__} is already patched (through another module)")
+    # where each attention's forward takes position_embeddings when they are passed by position (the
+    # class's signature: an instance-level forward may be someone's (*args, **kwargs) wrapper)
+    slots = {}
+    for a in attentions:
+        names = list(inspect.signature(type(a).forward).parameters)[1:]  # past self
+        if "position_embeddings" not in names:
+            raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: "
+                                      f"{type(a).__name__}.forward takes no position_embeddings (cos, sin)")
+        slots[a] = names.index("position_embeddings")
     try:
         op = from_hf_config(config)
     except NotImplementedError as e:
@@ -286,9 +290,9 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
         state = _PatchState(op, model_type, swap)
         swap.users.add(state)
     for r in rotaries:
-        _wrap(state, r, _rotary_forward(r.forward, op, model_type))
+        _wrap(state, r, _rotary_forward(r.forward, op))
     for a in attentions:
-        _wrap(state, a, _attention_forward(a.forward, state))
+        _wrap(state, a, _attention_forward(a.forward, slots[a], model_type))
     object.__setattr__(model, _STATE, state)
     return model
 
@@ -299,24 +303,29 @@ def _wrap(state: _PatchState, module: torch.nn.Module, forward: Any) -> None:
     module.forward = forward
 
 
-def _rotary_forward(forward: Any, op: Any, model_type: str) -> Any:
+def _rotary_forward(forward: Any, op: Any) -> Any:
     def tagged_forward(x, position_ids, *args, **kwargs):
         cos, sin = forward(x, position_ids, *args, **kwargs)
-        cos._tileops = _Tag(op, position_ids, model_type)
+        setattr(cos, _TAG, (op, position_ids))
         return cos, sin
 
     return tagged_forward
 
 
-def _attention_forward(forward: Any, state: _PatchState) -> Any:
-    def marked_forward(*args, **kwargs):
-        token = _ACTIVE.set(state)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
+def _attention_forward(forward: Any, slot: int, model_type: str) -> Any:
+    """The attention's forward, refusing cos/sin that did not come from the patched rotary
+    embedding (the replaced ``apply_rotary_pos_emb`` would hand untagged cos to HF's function)."""
 
-    return marked_forward
+    def checked_forward(*args, **kwargs):
+        pe = args[slot] if len(args) > slot else kwargs.get("position_embeddings")
+        if pe is None or getattr(pe[0], _TAG, None) is None:
+            raise RuntimeError(
+                f"tileops.integrations.transformers: {model_type} model patched by tileops: the cos in "
+                f"position_embeddings carries no position_ids (it did not come from the model's patched "
+                f"rotary embedding); refusing to rotate without positions")
+        return forward(*args, **kwargs)
+
+    return checked_forward
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:

@@ -156,10 +156,17 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
             model type whose MRoPE layout is not known, a scaled rope type with MRoPE, ...),
             per-layer-type rope parameters, ``partial_rotary_factor < 1`` with ``llama3`` or
             ``yarn``, ``rope_interleave`` with another rope type or with partial rotary, an odd
-            rotary width, or YaRN with ``truncate=False``.
+            rotary width, YaRN with ``truncate=False``, or rotary settings in a spelling not read
+            (``rotary_dim`` of GPT-J/CodeGen, ``rotary_pct``/``rotary_emb_base`` of a transformers 4
+            GPT-NeoX config.json, a ``rotary_dim`` the rope block contradicts).
+        ValueError: A config whose model has no rotary embedding: none of ``rope_parameters``,
+            ``rope_scaling``, ``rope_theta``, ``partial_rotary_factor`` and the older spellings
+            (GPT-2, BERT, T5, OPT, Bloom, ...), or ``alibi`` set (Falcon); the message names the
+            model type.
         TypeError, ValueError: A config field of the wrong type or value; the message names it.
     """
     c = _Config(config)
+    _check_rotary(c)
     rp = c.rp
     rope_type = rp.get("rope_type", rp.get("type")) or "default"
     if not isinstance(rope_type, str):
@@ -191,6 +198,11 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
                                   f"partial_rotary_factor {prf}) = {dim} is not a positive even number "
                                   f"(HF rotates {dim + dim % 2} columns with exponents over {dim}; no op does)")
     rotary_dim = None if dim == head_dim else dim
+    given_dim = c.get("rotary_dim")
+    if given_dim is not None and given_dim != dim:  # MiniMax-M2's config.json spelling of partial rotary
+        raise NotImplementedError(f"{_NAME}: config.rotary_dim: {given_dim} rotated columns are not read "
+                                  f"(transformers 5 turns it into partial_rotary_factor; load the config with "
+                                  f"transformers); the rope block gives {dim} of {head_key} {head_dim}")
     if rotary_dim is not None and rope_type in ("llama3", "yarn"):
         raise NotImplementedError(f"{_NAME}: {prf_key}: partial_rotary_factor {prf} with rope type "
                                   f"{rope_type!r} is not supported (only default, linear and longrope)")
@@ -264,6 +276,41 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
     short = torch.tensor(c.factors("short_factor", dim // 2), dtype=torch.float64)
     long = torch.tensor(c.factors("long_factor", dim // 2), dtype=torch.float64)
     return Phi3LongRoPEFwdOp("2d", base, short, long, omp, mpe, attention, rotary_dim, target=target)
+
+
+#: what a transformers config holds when its model has rotary embeddings: the rope block
+#: (``rope_parameters``, version 5; ``rope_scaling`` and ``rope_theta``, version 4), and the older
+#: spellings ``partial_rotary_factor`` (Phi), ``rotary_dim`` (GPT-J, CodeGen) and ``rotary_pct``,
+#: ``rotary_emb_base`` (GPT-NeoX before version 5)
+_ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "rotary_dim", "rotary_pct",
+              "rotary_emb_base")
+
+
+def _check_rotary(c: _Config) -> None:
+    """Refuse a config whose model has no rotary embedding (GPT-2, BERT, T5, OPT, Bloom, MPT, ... hold
+    none of :data:`_ROPE_KEYS`; Falcon with ``alibi`` uses ALiBi biases instead), and the rotary
+    settings this module does not read, rather than return a RoPE with default settings. The MRoPE
+    model types are rotary by type (a flat config.json of theirs may hold no rope key)."""
+    kind = f"a {c.model_type!r} config" if c.model_type else "a config"
+    if c.get("alibi"):  # Falcon's switch (its config carries rope_parameters either way)
+        raise ValueError(f"{_NAME}: config: expected the config of a model with rotary position embeddings, got "
+                         f"{kind} with config.alibi set: its attention uses ALiBi biases, not RoPE")
+    if c.model_type not in MROPE_MODEL_TYPES and not any(c.get(k) not in (None, {}) for k in _ROPE_KEYS):
+        text = c.get("text_config")
+        hint = " (its text_config has them: pass config.text_config)" if text is not None and any(
+            _Config._reader(text)(k) not in (None, {}) for k in _ROPE_KEYS) else ""
+        raise ValueError(f"{_NAME}: config: expected the config of a model with rotary position embeddings "
+                         f"(rope_parameters, or rope_scaling/rope_theta), got {kind} with no rotary settings: "
+                         f"its model has no RoPE{hint}")
+    legacy = [k for k in ("rotary_pct", "rotary_emb_base") if c.get(k) is not None]
+    if c.get("rotary_dim") is not None and not any(c.get(k) is not None for k in _ROPE_KEYS[:3]):
+        legacy.append("rotary_dim")  # GPT-J, CodeGen: interleaved pairs on part of the head, no rope block
+    if legacy:
+        raise NotImplementedError(f"{_NAME}: config.{legacy[0]}: {kind}'s rotary settings in the spelling of "
+                                  f"{', '.join(legacy)} are not read (GPT-J and CodeGen rotate interleaved pairs "
+                                  f"of the first rotary_dim columns, which no op serves; a transformers 4 "
+                                  f"GPT-NeoX config.json: load it with transformers 5, which moves them into "
+                                  f"rope_parameters)")
 
 
 def _head_dim(c: _Config) -> tuple[int, str]:

@@ -1,0 +1,186 @@
+"""torch.compile of models patched by tileops.integrations.transformers, on tiny random models (CPU).
+
+A patched model must compile like the unpatched one: Dynamo traces the patch's plumbing (no more
+graph breaks than the unpatched model has, the op appearing in the graph as ``tileops::apply``),
+``generate`` with a static cache and a compiled forward compiles no more graphs, and the compiled
+model computes what the eager patched model computes. Cheap backends (``eager``, ``aot_eager``)
+stand in for Inductor: what is checked is what Dynamo and AOTAutograd see.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tileops.integrations import transformers as tt  # noqa: E402
+
+try:
+    from test_hf import _MODELS, TINY, VL, _config, _rel, _vl_config
+except ImportError:  # run from the repo root
+    from tests.test_hf import _MODELS, TINY, VL, _config, _rel, _vl_config
+
+#: one tiny model per served model type: the ``*_text`` types are the vision-language models'
+#: text models (``*TextModel``, no LM head)
+TEXT = {f"{k}_text": v[1].replace("ForConditionalGeneration", "TextModel") for k, v in VL.items()}
+assert set(_MODELS) | set(TEXT) == set(tt.SERVED_MODEL_TYPES)
+
+
+def _model(kind: str, seed: int = 0) -> torch.nn.Module:
+    if kind in TEXT:
+        cfg = _vl_config(kind[: -len("_text")]).text_config
+    else:
+        cfg = _config("llama-default" if kind == "llama" else kind)
+    torch.manual_seed(seed)
+    return getattr(transformers, TEXT.get(kind) or _MODELS[kind])._from_config(cfg).eval()
+
+
+def _op_nodes(graphs) -> int:
+    """How many calls of tileops' custom ops the FX graphs hold."""
+    return sum(1 for g in graphs for n in g.graph.nodes if n.op == "call_function" and "tileops" in str(n.target))
+
+
+def _explain(model, ids):
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return torch._dynamo.explain(model)(ids)
+
+
+@pytest.mark.parametrize("kind", tt.SERVED_MODEL_TYPES)
+def test_patched_model_has_no_more_graph_breaks(kind, gen):
+    model = _model(kind)
+    ids = torch.randint(3, 128, (2, 11), generator=gen)
+    plain = _explain(model, ids)
+    tt.patch(model)
+    try:
+        patched = _explain(model, ids)
+    finally:
+        tt.unpatch(model)
+        torch._dynamo.reset()
+    reasons = [str(r.reason).splitlines()[0] for r in patched.break_reasons]
+    assert patched.graph_break_count <= plain.graph_break_count, (kind, reasons)
+    assert patched.graph_count <= plain.graph_count, kind
+    # the op was traced (one call per layer: q and k together), not HF's function in its place
+    assert _op_nodes(patched.graphs) == model.config.get_text_config().num_hidden_layers, kind
+    assert _op_nodes(plain.graphs) == 0
+
+
+class _Counting:
+    """A compile backend that runs the graph as Dynamo captured it and counts the graphs it gets."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> object:
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def _compiled_generate(model, ids, new_tokens: int) -> tuple[list[int], torch.Tensor, _Counting]:
+    """A greedy static-cache generation with ``model.forward`` compiled: the number of graphs
+    compiled by each step (a logits processor reads it), the tokens, and the backend."""
+    backend = _Counting()
+    counts: list[int] = []
+
+    def record(input_ids, scores):
+        counts.append(len(backend.graphs))
+        return scores
+
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=backend)
+    try:
+        with torch.no_grad():
+            tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                    do_sample=False, cache_implementation="static", pad_token_id=0,
+                                    logits_processor=transformers.LogitsProcessorList([record]))
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+    return counts, tokens, backend
+
+
+@pytest.mark.parametrize("kind", ["llama", "phi3", "qwen2_vl", "qwen3_vl"])
+def test_static_cache_generate_compiles_no_more_graphs(kind, gen):
+    """Step by step, the patched model has compiled as many graphs as the unpatched one: prefill and
+    the first decode step compile, later steps reuse them (Phi-3 also recompiles where the generation
+    crosses its original length, unpatched too: HF's rotary embedding swaps its inv_freq there; the
+    op switches tables on the device). Before the patch was traceable, its graph breaks made Dynamo
+    recompile the resumed frames at every step until the recompile limit."""
+    model = _model(kind)
+    ids = torch.randint(3, 128, (2, 20), generator=gen)  # + 10 new tokens: past Phi-3's original 24
+    plain, want, _ = _compiled_generate(model, ids, 10)
+    tt.patch(model)
+    try:
+        patched, got, backend = _compiled_generate(model, ids, 10)
+    finally:
+        tt.unpatch(model)
+    assert patched == plain, (kind, patched, plain)
+    if kind != "phi3":
+        assert patched[-1] == patched[2], f"{kind}: later decode steps compiled more graphs: {patched}"
+    assert _op_nodes(backend.graphs) > 0  # the compiled graphs run the op
+    assert torch.equal(got, want), kind
+
+
+@pytest.mark.parametrize("kind", ["llama", "phi3", "qwen3", "qwen2_vl_text"])
+def test_compiled_patched_model_matches_eager(kind, gen):
+    """aot_eager (AOTAutograd: the op's fake and autograd registrations) against the eager patched
+    model: fp32 logits and the q/k projection gradients of a loss."""
+    model = _model(kind)
+    model.train()  # dropout is 0 in these configs: train mode only makes autograd record
+    ids = torch.randint(3, 128, (2, 30), generator=gen)  # Phi-3: past its original length of 24
+    tt.patch(model)
+    try:
+        runs = []
+        for forward in (model.forward, torch.compile(model.forward, backend="aot_eager")):
+            model.zero_grad(set_to_none=True)
+            out = forward(ids)
+            logits = out.logits if hasattr(out, "logits") else out.last_hidden_state
+            (logits.float() ** 2).mean().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if "q_proj" in n or "k_proj" in n}
+            runs.append((logits.detach(), grads))
+    finally:
+        tt.unpatch(model)
+        torch._dynamo.reset()
+    (eager, eager_grads), (compiled, compiled_grads) = runs
+    assert _rel(compiled, eager) < 1e-6, (kind, _rel(compiled, eager))
+    for name in eager_grads:
+        assert _rel(compiled_grads[name], eager_grads[name]) < 1e-5, (kind, name)
+
+
+def test_compiled_patched_attention_refuses_untagged_cos():
+    """The guarantee of the eager patch holds in a compiled graph: cos/sin that did not come from the
+    patched rotary embedding are refused, not rotated another way."""
+    model = _model("llama")
+    tt.patch(model)
+    try:
+        attn = model.model.layers[0].self_attn
+        head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+        h, cos, sin = torch.randn(1, 5, TINY["hidden_size"]), torch.ones(1, 5, head_dim), torch.zeros(1, 5, head_dim)
+        compiled = torch.compile(attn, backend="eager")
+        with pytest.raises(RuntimeError, match="no position_ids"):
+            compiled(h, position_embeddings=(cos, sin), attention_mask=None)
+    finally:
+        tt.unpatch(model)
+        torch._dynamo.reset()
+
+
+def test_patched_and_unpatched_models_compile_side_by_side(gen):
+    """Per model under compile too: an unpatched model of the same architecture, compiled next to a
+    patched one, traces HF's function (no op in its graph) and computes what it computed before."""
+    a, b = _model("qwen2", seed=0), _model("qwen2", seed=1)
+    ids = torch.randint(3, 128, (2, 11), generator=gen)
+    with torch.no_grad():
+        want_b = b(ids).logits
+        tt.patch(a)
+        try:
+            backends = _Counting(), _Counting()
+            got_a = torch.compile(a, backend=backends[0])(ids).logits
+            got_b = torch.compile(b, backend=backends[1])(ids).logits
+            eager_a = a(ids).logits
+        finally:
+            tt.unpatch(a)
+            torch._dynamo.reset()
+    assert _op_nodes(backends[0].graphs) > 0 and _op_nodes(backends[1].graphs) == 0
+    assert torch.equal(got_b, want_b)
+    assert _rel(got_a, eager_a) < 1e-6
