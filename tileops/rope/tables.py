@@ -68,7 +68,11 @@ class DynamicNtkTables:
     call's stream, ahead of the RoPE kernel. It updates the length (a float64 tensor on the device,
     the op's state) from the call's ``seq_len`` or ``max(position_ids) + 1`` and rewrites the
     tables only where the length changed; nothing is read on the host, so a call can be captured in
-    a CUDA graph and replayed with other positions."""
+    a CUDA graph and replayed with other positions.
+
+    One set per op, device and width, rewritten in place: calls of one op on two streams at once
+    whose lengths move the state race on it (the torch-op version built fresh tables per call).
+    Order such calls between the streams, or give each stream its own op."""
 
     def __init__(self, state: torch.Tensor, rot: int, device: torch.device, base: float, factor: float,
                  max_position_embeddings: int, limit: int):
