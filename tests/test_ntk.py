@@ -40,8 +40,13 @@ def check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) 
     torch.testing.assert_close(got.double().cpu(), want, atol=atol, rtol=rtol, msg=what)
 
 
+def where(device: str) -> torch.device:
+    """The device as a call's tensors name it (``cuda:0``, not ``cuda``): the key of the op's state."""
+    return torch.empty(0, device=device).device
+
+
 def state(op: RoPEDynamicNTKFwdOp, device: str) -> float:
-    return float(op._state(torch.device(device)))
+    return float(op._state(where(device)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -104,7 +109,7 @@ def test_tables_are_rewritten_only_when_the_length_changes(device, gen):
     op = RoPEDynamicNTKFwdOp(input_layout="2d", factor=FACTOR, max_position_embeddings=MPE)
     x = torch.randn(1, 100, 2, 32, generator=gen).to(device)
     op(x)
-    tables = op._ntk_tables[(torch.device(device), 32)].tables
+    tables = op._ntk_tables[(where(device), 32)].tables
     tables[2, 255, 0, 3] = 42.0
     op(x)  # length 100 again
     assert float(tables[2, 255, 0, 3]) == 42.0, "the tables were rewritten although the length did not change"
