@@ -133,6 +133,8 @@ def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int]
                        if t.range is not None else [(t.name, dtype)] for t in given]
             for combo in itertools.product(*choices):
                 call = CallSpec(device, tuple(combo), static)
+                helpers = getattr(family, "helper_kernels", None)  # kernels a call launches besides its own
+                jobs += [(b, spec, backend, arch) for b, spec in (helpers(op, call, backend) if helpers else [])]
                 for inverse in (False, True) if m.backward and backward else (False,):
                     # a family may serve some views by other kernels (rope: long head-major 2d views)
                     specs = getattr(family, "kernel_specs", None)

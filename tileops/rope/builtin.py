@@ -20,7 +20,7 @@ from ..generate import device_backend, load_kernel
 from ..op import _disjoint
 from .tables import DIGITS, LO
 
-__all__ = ["implement", "kernel_spec", "kernel_specs", "RopeKernels", "TRANSPOSED_MIN_TOKENS"]
+__all__ = ["implement", "kernel_spec", "kernel_specs", "helper_kernels", "RopeKernels", "TRANSPOSED_MIN_TOKENS"]
 
 #: a 2d view of at least this many tokens (B x S) whose head stride exceeds its token stride (HF's
 #: ``[B, H, S, D]`` through a transpose) is served on CUDA by the kernel made for head-major views
@@ -37,6 +37,17 @@ def kernel_specs(op: Any, call: Any, backend: str, inverse: bool = False) -> lis
     if backend == "cuda" and op.layout == "2d":
         specs.append(kernel_spec(op, call, backend, inverse, transposed=True))
     return specs
+
+
+def helper_kernels(op: Any, call: Any, backend: str) -> list[tuple[str, Any]]:
+    """``(builder, spec)`` of the kernels besides the RoPE kernel that a forward call of ``op``
+    launches (what ``tileops warmup`` and ``op.compile`` build too): dynamic NTK's state kernel."""
+    if not hasattr(op, "device_tables"):
+        return []
+    from tileops.kernels import get_spec
+
+    return [("ntk", get_spec("ntk")(op.rotated_width(call.dim("head_dim")), positions=call.position_dtype,
+                                    backend=backend))]
 
 
 def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False, transposed: bool = False) -> Any:
@@ -97,7 +108,13 @@ class RopeKernels:
     # ------------------------------------------------------------------------------ per call
     def prepare(self, tensors: dict) -> torch.Tensor:
         """The digit tables this call uses (``[DIGITS, LO, 2, R/2]`` on the device); no host sync."""
-        return self.tables_for(tensors["x"], tensors.get("position_ids"))
+        tables = self.tables_for(tensors["x"], tensors.get("position_ids"))
+        if hasattr(self.op, "device_tables") and torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (tensors["x"], tensors.get("key"))):
+            # dynamic NTK rewrites its tables in place when a later call changes the length; the
+            # backward must rotate by this call's frequencies (a 0.4 MB copy, on the autograd path only)
+            tables = tables.clone()
+        return tables
 
     def forward(self, tables: torch.Tensor, tensors: dict, outs: dict) -> Any:
         """x rotated (and the key, in the same launch): ``out`` or ``(out, key_out)``."""

@@ -15,7 +15,7 @@ import torch
 
 from ..op import Op
 from . import freqs
-from .tables import DIGITS, LO, RopeTables, digit_tables
+from .tables import DIGITS, LO, DynamicNtkTables, RopeTables
 
 #: positions the digit tables cover: [0, 2^24)
 MAX_POSITION = LO**DIGITS
@@ -219,8 +219,10 @@ class Phi3LongRoPE(_PartialRotary):
 class DynamicNTK(_PartialRotary):
     """``RoPEDynamicNTKFwdOp``: HF's dynamic NTK scaling, its length state kept on the device.
 
-    :meth:`dynamic_inv_freq` is called once per call (by every target): it updates the state and
-    returns that call's float64 inverse frequencies on the device, with no host read.
+    Once per call, the state is updated on the device, with no host read: by :meth:`device_tables`
+    (BUILTIN: one small kernel, ``kernels/ntk.py``, that also rewrites the digit tables when the
+    length changed) or by :meth:`dynamic_inv_freq` (the ``torch`` target: torch ops). Both keep the
+    one state tensor of the device, so the targets can be mixed on one op.
     """
 
     def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
@@ -258,9 +260,18 @@ class DynamicNTK(_PartialRotary):
 
     def device_tables(self, position_ids: torch.Tensor | None, seq_len: int, rot: int,
                       device: torch.device) -> torch.Tensor:
-        """The digit tables (:func:`tileops.rope.tables.digit_tables`) for this call, built on the
-        device from :meth:`dynamic_inv_freq`."""
-        return digit_tables(self.dynamic_inv_freq(position_ids, seq_len, rot, device), 1.0)
+        """The digit tables for this call (``[DIGITS, LO, 2, rot // 2]`` fp32 on ``device``), after
+        updating the cached length as :meth:`dynamic_inv_freq` does, in one launch
+        (:class:`tileops.rope.tables.DynamicNtkTables`). The tables are the op's, rewritten in place
+        by a later call that changes the length: a caller keeping them past that copies them."""
+        holders = self.__dict__.setdefault("_ntk_tables", {})
+        t = holders.get((device, rot))
+        if t is None:
+            p = self.params
+            t = holders.setdefault((device, rot), DynamicNtkTables(
+                self._state(device), rot, device, p["base"], p["factor"], p["max_position_embeddings"],
+                self.position_limit()))
+        return t.update(position_ids, seq_len)
 
 
 class MRoPE(RoPEHooks):

@@ -345,11 +345,11 @@ class RoPEDynamicNTKFwdOp(hooks.DynamicNTK):
     * (factor * cached / max_position_embeddings - (factor - 1)) ^ (D / (D - 2))``, ``inv_freq[i] =
     base'^(-2i/D)``, ``D = rotary_dim`` (default ``head_dim``); the other columns are copied unchanged.
 
-    The length is known without a host synchronisation: the maximum, the update of the cached length and the
-    cos/sin tables for the new base are computed on the device, in the call's stream, so a call never waits
-    for the GPU (and can be captured in a CUDA graph). That costs a few small torch kernels per call before
-    the rotation; the state is per op and per device, shared by the threads and streams that use the op, as
-    HF's module state is.
+    The length is known without a host synchronisation: one small kernel, in the call's stream before the
+    rotation, takes the maximum, updates the cached length and, when the length changed, rewrites the cos/sin
+    tables for the new base, so a call never waits for the GPU (and can be captured in a CUDA graph, whose
+    replays follow the positions they are given). The state is per op and per device, shared by the threads
+    and streams that use the op, as HF's module state is.
 
     References: HF transformers _compute_dynamic_ntk_parameters and dynamic_rope_update; bloc97 and emozilla,
         dynamically scaled NTK-aware RoPE (2023).

@@ -7,16 +7,21 @@ fp32 results stay within a few ulps at any position: an fp32 angle would be off 
 rad (0.06 rad at p = 1e6).
 
 The tables do not depend on the positions a call passes: built once per device (0.4 MB for a
-rotated width of 128), they are never grown, reallocated or copied at call time.
+rotated width of 128), they are never grown, reallocated or copied at call time. Dynamic NTK's
+depend on its cached length: :class:`DynamicNtkTables` keeps them on the device and has a kernel
+(``kernels/ntk.py``) rewrite them there when a call changes that length.
 """
 
 from __future__ import annotations
 
+import array
+import struct
 import threading
+from typing import Any
 
 import torch
 
-__all__ = ["RopeTables", "digit_tables"]
+__all__ = ["RopeTables", "DynamicNtkTables", "digit_tables"]
 
 #: rows per digit table and the number of digits: positions below 256^3 = 2^24
 LO = 256
@@ -55,3 +60,83 @@ class RopeTables:
                 if t is None:
                     t = self._on[device] = self._host.to(device)
         return t
+
+
+class DynamicNtkTables:
+    """Dynamic NTK's digit tables for one rotated width on one device, and the launch that keeps
+    them and the op's cached length current: ``kernels/ntk.py``, one small kernel per call in the
+    call's stream, ahead of the RoPE kernel. It updates the length (a float64 tensor on the device,
+    the op's state) from the call's ``seq_len`` or ``max(position_ids) + 1`` and rewrites the
+    tables only where the length changed; nothing is read on the host, so a call can be captured in
+    a CUDA graph and replayed with other positions.
+
+    One set per op, device and width, rewritten in place: calls of one op on two streams at once
+    whose lengths move the state race on it (the torch-op version built fresh tables per call).
+    Order such calls between the streams, or give each stream its own op."""
+
+    def __init__(self, state: torch.Tensor, rot: int, device: torch.device, base: float, factor: float,
+                 max_position_embeddings: int, limit: int):
+        from tileops.generate import device_backend
+        from tileops.kernels.ntk import DIGITS as KDIGITS, LO as KLO, NtkTablesSpec
+
+        if (KLO, KDIGITS) != (LO, DIGITS):
+            raise RuntimeError("tileops.rope.tables and kernels/ntk.py split positions differently")
+        self.state, self.rot, self.device = state, rot, device
+        self.backend, self.arch = device_backend(device)
+        self.tables = torch.empty((DIGITS, LO, 2, rot // 2), dtype=torch.float32, device=device)
+        # the length each block's share of the tables was built for; NaN: not built yet
+        blocks = NtkTablesSpec(rot, backend=self.backend).blocks
+        self.stamps = torch.full((blocks,), float("nan"), dtype=torch.float64, device=device)
+        self._doubles = {f"{n}_bits": _bits(v) for n, v in (("base", base), ("factor", factor),
+                                                          ("mpe", float(max_position_embeddings)),
+                                                          ("power", rot / (rot - 2)))}
+        self.limit = limit
+        self._launchers: dict[str | None, tuple[Any, array.array, dict[str, int]]] = {}
+
+    def _launcher(self, positions: str | None) -> tuple[Any, array.array, dict[str, int]]:
+        got = self._launchers.get(positions)
+        if got is None:
+            from tileops.generate import load_kernel
+            from tileops.kernels.ntk import NtkTablesSpec
+
+            spec = NtkTablesSpec(self.rot, positions=positions, backend=self.backend)
+            kernel = load_kernel("ntk", spec, self.backend, self.arch, self.device, spec.args)
+            a, put = kernel.slots(), kernel.slot
+            a[put["TD"]], a[put["ST"]], a[put["STAMP"]] = (self.tables.data_ptr(), self.state.data_ptr(),
+                                                          self.stamps.data_ptr())
+            for name, bits in self._doubles.items():
+                a[put[name]] = bits
+            if positions is not None:
+                a[put["limit"]] = self.limit
+            got = self._launchers[positions] = (kernel, array.array("q", a), put)
+        return got
+
+    def update(self, position_ids: torch.Tensor | None, seq_len: int) -> torch.Tensor:
+        """Launch the update for a call of ``seq_len`` rows, or at ``position_ids`` (``[S]`` or
+        ``[B, S]``, on this device); returns the tables (``[DIGITS, LO, 2, R/2]`` fp32), which the
+        next call may rewrite."""
+        if position_ids is None:
+            kernel, template, put = self._launcher(None)
+            a = template[:]
+            a[put["seq"]] = seq_len
+        else:
+            if position_ids.numel() == 0:  # no position, no length: the state and tables stay
+                return self.tables
+            kernel, template, put = self._launcher(str(position_ids.dtype).replace("torch.", ""))
+            a = template[:]
+            a[put["P"]] = position_ids.data_ptr()
+            if position_ids.dim() == 2:
+                b = position_ids.shape[0]
+                a[put["B"]], a[put["S"]] = b, position_ids.shape[1]
+                a[put["psb"]], a[put["pss"]] = (position_ids.stride(0) if b > 1 else 0), position_ids.stride(1)
+            else:
+                a[put["B"]], a[put["S"]] = 1, position_ids.shape[0]
+                a[put["psb"]], a[put["pss"]] = 0, position_ids.stride(0)
+        kernel.launch(a, kernel.stream())
+        return self.tables
+
+
+def _bits(v: float) -> int:
+    """The bits of float64 ``v`` as an int64: how the state kernel takes doubles (its launcher's fast
+    path passes integers only)."""
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
