@@ -79,7 +79,7 @@ def produced(op: Any, tensors: dict) -> list:
 def apply(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
     op = lookup(handle)
     with torch.no_grad():  # autograd is registered on this op, not traced through its body
-        out = op._eager_call(_inputs(op, inputs, names), {})
+        out = op._eager(_inputs(op, inputs, names), {})
     return list(out) if isinstance(out, tuple) else [out]
 
 
@@ -147,7 +147,7 @@ apply.register_autograd(_backward, setup_context=_setup_context)
 def apply_out(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
     op = lookup(handle)
     tensors = _inputs(op, inputs, names)
-    op._eager_call(tensors, {o.name: t for o, t in zip(produced(op, tensors), outs)})
+    op._eager(tensors, {o.name: t for o, t in zip(produced(op, tensors), outs)})
 
 
 @apply_out.register_fake

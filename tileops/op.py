@@ -167,6 +167,13 @@ class Op:
         whose signature was seen before and return ``NotImplemented`` for any other."""
         if _is_compiling():
             return self._traced_call(tensors, outs or {})
+        return self._eager(tensors, outs)
+
+    def _eager(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
+        """An eager call: the native plans first, then :meth:`_eager_call`. The custom ops of
+        :mod:`tileops.library` run their calls here too, so a compiled graph's call costs the
+        native path's host time, not the Python checks' (a patched HF model's compiled decode
+        makes one such call per layer and step)."""
         run = self._native_run
         if run is not None:
             result = run(tensors, outs)
