@@ -75,6 +75,7 @@ class RopeKernels:
         self.backend, self.arch = device_backend(self.device)
         self.kspec = kernel_spec(op, spec, self.backend)
         self._kernels: dict[tuple[bool, bool], Any] = {}
+        self._wide_kernels: dict[tuple[bool, bool], Any] = {}  # fp32 kernels of an fp16 spec (widens)
         self._kernel(False)  # compile the forward now: the first call pays for it, not a later one
         self.unit = self.kspec.stride_unit
         self.layout = op.layout
@@ -90,13 +91,14 @@ class RopeKernels:
 
     def _kernel(self, inverse: bool, transposed: bool = False, wide: bool = False) -> Any:
         """The kernel for one direction and view; ``wide``: the fp32 kernel of this spec (see :meth:`widens`)."""
-        k = self._kernels.get((inverse, transposed, wide))
+        kernels = self._wide_kernels if wide else self._kernels
+        k = kernels.get((inverse, transposed))
         if k is None:
             kspec = (self.kspec if not (inverse or transposed)
                      else kernel_spec(self.op, self.spec, self.backend, inverse=inverse, transposed=transposed))
             if wide:
                 kspec = dataclasses.replace(kspec, dtype="float32")
-            k = self._kernels[inverse, transposed, wide] = load_kernel(
+            k = kernels[inverse, transposed] = load_kernel(
                 self.op.manifest.kernel.builder, kspec, self.backend, self.arch, self.device, kspec.args)
         return k
 
