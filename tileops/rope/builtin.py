@@ -11,16 +11,18 @@ because the kernel moves 16 bytes per access.
 from __future__ import annotations
 
 import array
+import dataclasses
 from typing import Any
 
 import torch
 
 from ..errors import words_for
 from ..generate import device_backend, load_kernel
-from ..op import _disjoint
+from ..op import DTYPES as DTYPE, _disjoint
 from .tables import DIGITS, LO
 
-__all__ = ["implement", "kernel_spec", "kernel_specs", "helper_kernels", "RopeKernels", "TRANSPOSED_MIN_TOKENS"]
+__all__ = ["implement", "kernel_spec", "kernel_specs", "helper_kernels", "RopeKernels", "TRANSPOSED_MIN_TOKENS",
+           "CPU_WIDEN_FP16_MIN"]
 
 #: a 2d view of at least this many tokens (B x S) whose head stride exceeds its token stride (HF's
 #: ``[B, H, S, D]`` through a transpose) is served on CUDA by the kernel made for head-major views
@@ -28,6 +30,15 @@ __all__ = ["implement", "kernel_spec", "kernel_specs", "helper_kernels", "RopeKe
 #: are what a few tokens need (H200: decode-size q+k on such views 4.7 us with 8 head lanes, 11.9
 #: us with 2; 8192 tokens 46.7 us with 8, 44.3 us with 2)
 TRANSPOSED_MIN_TOKENS = 8192
+
+#: fp16 on the CPU: from this many elements of x (and key) a call converts them to fp32 with torch,
+#: rotates the copies in place with the fp32 C kernel and rounds the result back into the output.
+#: The same bits as the fp16 kernel: that kernel also widens each element exactly, computes in fp32
+#: in the same order and rounds to nearest even, which is what ``copy_`` into fp16 does. The fp16
+#: kernel itself converts one element at a time (GCC 12 vectorizes no _Float16 conversion short of
+#: AVX512-FP16), 4.3x the fp32 kernel's time (331 against 77 us on [2, 32, 32, 128]), while torch's
+#: conversions are vectorized. Below the threshold the two extra passes' fixed costs are not worth it.
+CPU_WIDEN_FP16_MIN = 16384
 
 
 def kernel_specs(op: Any, call: Any, backend: str, inverse: bool = False) -> list[Any]:
@@ -76,6 +87,7 @@ class RopeKernels:
         self.backend, self.arch = device_backend(self.device)
         self.kspec = kernel_spec(op, spec, self.backend)
         self._kernels: dict[tuple[bool, bool], Any] = {}
+        self._wide_kernels: dict[tuple[bool, bool], Any] = {}  # fp32 kernels of an fp16 spec (widens)
         self._kernel(False)  # compile the forward now: the first call pays for it, not a later one
         self.unit = self.kspec.stride_unit
         self.layout = op.layout
@@ -89,15 +101,25 @@ class RopeKernels:
         if (KLO, KDIGITS) != (LO, DIGITS):
             raise RuntimeError("tileops.rope.tables and kernels/rope.py split positions differently")
 
-    def _kernel(self, inverse: bool, transposed: bool = False) -> Any:
-        k = self._kernels.get((inverse, transposed))
+    def _kernel(self, inverse: bool, transposed: bool = False, wide: bool = False) -> Any:
+        """The kernel for one direction and view; ``wide``: the fp32 kernel of this spec (see :meth:`widens`)."""
+        kernels = self._wide_kernels if wide else self._kernels
+        k = kernels.get((inverse, transposed))
         if k is None:
             kspec = (self.kspec if not (inverse or transposed)
                      else kernel_spec(self.op, self.spec, self.backend, inverse=inverse, transposed=transposed))
-            k = self._kernels[inverse, transposed] = load_kernel(self.op.manifest.kernel.builder, kspec, self.backend,
-                                                                 self.arch, self.device, kspec.args,
-                                                                 op_name=self.op.name)
+            if wide:
+                kspec = dataclasses.replace(kspec, dtype="float32")
+            k = kernels[inverse, transposed] = load_kernel(
+                self.op.manifest.kernel.builder, kspec, self.backend, self.arch, self.device, kspec.args,
+                op_name=self.op.name)
         return k
+
+    def widens(self, x: torch.Tensor, key: torch.Tensor | None = None) -> bool:
+        """Whether a call on ``x`` (and ``key``) runs the fp32 kernel on fp32 copies
+        (:data:`CPU_WIDEN_FP16_MIN`): fp16 on the CPU, from that many elements."""
+        return (self.backend == "c" and x.dtype == torch.float16
+                and x.numel() + (key.numel() if key is not None else 0) >= CPU_WIDEN_FP16_MIN)
 
     def _head_major(self, v: tuple[int, ...]) -> bool:
         """Whether the view ``v`` of x (:meth:`_view4`) takes the kernel made for head-major views."""
@@ -223,6 +245,8 @@ class RopeKernels:
             key_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rotate ``x`` and ``key`` (by the negated angle with ``inverse``) in one launch; returns
         ``(out, key_out)``, new tensors unless given. ``out is x`` rotates in place."""
+        if self.widens(x, key):
+            return self._run_wide(x, position_ids, tables, inverse, key, out, key_out)
         src_x, vx = self._source(x)
         y, out, vy = self._dest(x, out)
         if src_x is not x and y is x:  # in place through the fallback: the kernel writes the buffer
@@ -238,7 +262,7 @@ class RopeKernels:
         if x.numel() == 0 and (key is None or key.numel() == 0):
             return out, key_out
         u = self.unit
-        kernel = self._kernel(inverse, self._head_major(vx))
+        kernel = self._kernel(inverse, self._head_major(vx), wide=x.dtype != DTYPE[self.kspec.dtype])
         a = kernel.slots()
         put = kernel.slot
         a[put["X"]], a[put["Y"]], a[put["TD"]] = src_x.data_ptr(), y.data_ptr(), tables.data_ptr()
@@ -267,6 +291,18 @@ class RopeKernels:
             key_out.copy_(ky)
         return out, key_out
 
+    def _run_wide(self, x: torch.Tensor, position_ids: torch.Tensor | None, tables: torch.Tensor, inverse: bool,
+                  key: torch.Tensor | None, out: torch.Tensor | None,
+                  key_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`run` through fp32 copies (:meth:`widens`): rotated in place by the fp32 kernel,
+        then rounded to nearest even into the outputs (which may be the inputs themselves)."""
+        xw = x.float()
+        kw = key.float() if key is not None else None
+        self.run(xw, position_ids, tables, inverse, kw, out=xw, key_out=kw)
+        out = xw.to(x.dtype) if out is None else out.copy_(xw)
+        if key is not None:
+            key_out = kw.to(key.dtype) if key_out is None else key_out.copy_(kw)
+        return out, key_out
 
     # ------------------------------------------------------------------------------ fast path
     def _plan_parts(self, tensors: dict, outs: dict) -> dict | None:
@@ -282,8 +318,8 @@ class RopeKernels:
         """
         x, pos, key = tensors["x"], tensors.get("position_ids"), tensors.get("key")
         out, key_out = outs.get("out"), outs.get("key_out")
-        if x.numel() == 0 or (key is not None and key.numel() == 0):
-            return None
+        if x.numel() == 0 or (key is not None and key.numel() == 0) or self.widens(x, key):
+            return None  # (widened calls take the general path: its conversions dwarf the Python)
         u = self.unit
         kernel = self._kernel(False, self._head_major(self._view4(x)))
         a = kernel.slots()
