@@ -183,7 +183,9 @@ def summary_markdown(result: dict[str, Any], figures: list[str]) -> str:
             cells.setdefault(r["op"], {}).setdefault(dirn, []).append(r)
     header = ["op", "cases"] + [f"{title}, {d}" for title, _ in SUMMARY_COLUMNS for d in dirns]
     lines = [(f"{meta['gpu']}, torch {versions.get('torch', '?')}, commit {meta.get('commit') or '?'}, "
-              f"{meta.get('date', '?')[:10]}. Per op, the range over its cases (full table: `latest.md`)."), "",
+              f"{meta.get('date', '?')[:10]}. Per op, the range over its cases (full table: `latest.md`)."
+              + "".join(f" {', '.join(u['ops'])}: re-measured at commit {u['commit']}, {u['date'][:10]}."
+                        for u in meta.get("updated", []))), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for op, by_dirn in cells.items():
         row = [f"`{op}`", str(max(len(v) for v in by_dirn.values()))]

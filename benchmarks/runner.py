@@ -226,7 +226,10 @@ def markdown(result: dict[str, Any]) -> str:
     meta = result["meta"]
     lines = [f"GPU {meta['gpu']} (driver {meta['driver']}), "
              + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
-             + f", commit {meta['commit']}, {meta['date']}. Copy rate {meta['copy_gbps']:.0f} GB/s.", "",
+             + f", commit {meta['commit']}, {meta['date']}. Copy rate {meta['copy_gbps']:.0f} GB/s."]
+    lines += [f"Rows of {', '.join(u['ops'])} re-measured later: commit {u['commit']}, {u['date']}, copy rate "
+              f"{u['copy_gbps']:.0f} GB/s (`python -m benchmarks --splice`)." for u in meta.get("updated", [])]
+    lines += ["",
              "| op | case | dtype | MB | floor us | ours us (p20-p80) | GB/s | % copy | same-bytes copy us "
              "| % same-bytes copy | eager us | compile us | liger us | x eager | x compile | x liger |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -248,17 +251,28 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks")
-    p.add_argument("--ops", help="comma-separated op names (default: all)")
-    p.add_argument("--cases", help="comma-separated case labels (default: all marked bench)")
-    p.add_argument("--out", default=str(HERE / "results"), help="folder for latest.json/.md, figures, summary.md")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks need a CUDA GPU", file=sys.stderr)
-        return 2
-    result = run(args.ops.split(",") if args.ops else None, args.cases.split(",") if args.cases else None)
-    out = Path(args.out)
+def splice(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with the rows of the ops ``new`` measured replaced by ``new``'s, where the first of
+    them stood (a later run of a few ops, e.g. after a change to one op); ``meta['updated']`` records
+    which rows come from which run, and the tables and figures say so."""
+    ops = list(dict.fromkeys(r["op"] for r in new["rows"]))
+    rows, placed = [], False
+    for r in base["rows"]:
+        if r["op"] in ops:
+            if not placed:
+                rows += new["rows"]
+                placed = True
+            continue
+        rows.append(r)
+    if not placed:
+        rows += new["rows"]
+    nm = new["meta"]
+    updated = [u for u in base["meta"].get("updated", []) if not set(u["ops"]) <= set(ops)]
+    updated.append({"ops": ops, "commit": nm["commit"], "date": nm["date"], "copy_gbps": nm["copy_gbps"]})
+    return {"meta": {**base["meta"], "updated": updated}, "rows": rows}
+
+
+def _write(result: dict[str, Any], out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "latest.json").write_text(json.dumps(result, indent=1))
     md = markdown(result)
@@ -267,7 +281,27 @@ def main(argv: list[str] | None = None) -> int:
         plots.write(result, out)
     except ImportError as e:  # matplotlib is in the bench extra; the results above are saved either way
         print(f"figures not drawn ({e}): pip install -e '.[bench]', then python -m benchmarks.plots", file=sys.stderr)
-    print(md)
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks")
+    p.add_argument("--ops", help="comma-separated op names (default: all)")
+    p.add_argument("--cases", help="comma-separated case labels (default: all marked bench)")
+    p.add_argument("--out", default=str(HERE / "results"), help="folder for latest.json/.md, figures, summary.md")
+    p.add_argument("--splice", metavar="JSON", help="no run: replace the rows of the ops in JSON (a later run's "
+                   "latest.json) in OUT/latest.json, and redraw the tables and figures")
+    args = p.parse_args(argv)
+    if args.splice:
+        out = Path(args.out)
+        result = splice(json.loads((out / "latest.json").read_text()), json.loads(Path(args.splice).read_text()))
+        print(_write(result, out))
+        return 0
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA GPU", file=sys.stderr)
+        return 2
+    result = run(args.ops.split(",") if args.ops else None, args.cases.split(",") if args.cases else None)
+    print(_write(result, Path(args.out)))
     return 0
 
 

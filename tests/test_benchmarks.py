@@ -134,3 +134,20 @@ def test_the_committed_summary_and_figures_are_those_of_the_committed_json(tmp_p
     assert (RESULTS / "summary.md").read_text(encoding="utf-8") == plots.summary_markdown(result, names)
     for name in names:
         assert (RESULTS / name).is_file(), name
+
+
+def test_splice_replaces_one_ops_rows_in_place_and_says_so():
+    base = json.loads((Path(runner.HERE) / "results" / "latest.json").read_text())
+    op = base["rows"][len(base["rows"]) // 2]["op"]
+    first = next(i for i, r in enumerate(base["rows"]) if r["op"] == op)
+    new_rows = [dict(r, ours_us=[1.0, 1.0, 1.0]) for r in base["rows"] if r["op"] == op][:1]
+    new = {"meta": dict(base["meta"], commit="abc1234", date="2030-01-02T00:00:00+00:00"), "rows": new_rows}
+    got = runner.splice(base, new)
+    assert [r for r in got["rows"] if r["op"] == op] == new_rows
+    assert got["rows"][first] == new_rows[0]  # where the op's first row stood
+    assert [r for r in got["rows"] if r["op"] != op] == [r for r in base["rows"] if r["op"] != op]
+    assert got["meta"]["commit"] == base["meta"]["commit"] and got["meta"]["updated"][-1]["commit"] == "abc1234"
+    assert f"Rows of {op} re-measured later: commit abc1234" in runner.markdown(got)
+    assert f"{op}: re-measured at commit abc1234" in plots.summary_markdown(got, [])
+    again = runner.splice(got, new)  # a second splice of the same op replaces the record, not adds one
+    assert [u["commit"] for u in again["meta"]["updated"]].count("abc1234") == 1
