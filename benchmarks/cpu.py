@@ -162,9 +162,7 @@ def _us(v: float) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
-    lines = [
-        "## CPU",
-        "",
+    lines = [  # no heading: the page that includes the table has its own (docs/benchmarks.md)
         f"Measured on {m['cpu']}, {m['cores']} cores, torch {m['torch']} with {m['torch_threads']} intra-op "
         f"threads, {result['date']}, by `{result['command']}`; the machine was shared with other work "
         f"(1-minute load average {m['load_average_1min']:.1f} before the run, "

@@ -276,6 +276,7 @@ def test_param_rule_broken_at_construction(m, rule, name, value):
     raises_naming(rule.arg, op_class(m.name), **(params | {name: value}), target=NO_KERNEL, kinds=ValueError)
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 @pytest.mark.parametrize("m, rule, name, value", _ids(DIM_RULES))
 def test_dim_rule_broken_at_the_call(m, rule, name, value):
     params, dims = _params_for(m, rule), base(m)[1]
@@ -417,6 +418,7 @@ def test_bad_out_tensor_is_named_with_the_kind_of_an_input_error(m, spec):
 _RANGED = [(m, t) for m in REGISTRY.values() for t in m.inputs if t.range is not None]
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 @pytest.mark.parametrize("target", ["builtin", "torch"])
 @pytest.mark.parametrize("m, spec", [pytest.param(m, t, id=f"{m.name}-{t.name}") for m, t in _RANGED])
 def test_values_out_of_range_name_the_index(m, spec, target):

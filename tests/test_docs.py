@@ -23,6 +23,9 @@ from tileops import docgen  # noqa: E402
 from tileops.manifest import registry  # noqa: E402
 from tileops.manifest.schema import SCHEMA  # noqa: E402
 
+# builds a family copy / the docs site in subprocesses (8-17 s a test on 2 cores); CI runs -m slow
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT = ROOT / "build" / "docs-screenshot.png"

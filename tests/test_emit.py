@@ -50,6 +50,7 @@ def test_emit_c_source():
                                      ("RoPENeoxPositionIdsFwdOp", "ids-partial-4k"),
                                      ("MRoPEFwdOp", "qwen2vl-2d-4k"), ("MRoPEFwdOp", "qwen3vl-2d-4k"),
                                      ("MRoPEFwdOp", "qwen2vl-packed-4k"), ("MRoPEFwdOp", "mrope-packed-odd")])
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_cuda_source_compiles_with_16_byte_accesses(op, case, arch, tmp_path):
     src = emit(op, "--case", case, "--arch", arch)
     assert "__global__" in src
@@ -66,6 +67,7 @@ def test_cuda_source_compiles_with_16_byte_accesses(op, case, arch, tmp_path):
     assert not narrow_loads, f"narrow global loads of x: {narrow_loads[:4]}"
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_mrope_sections_on_vector_boundaries_keep_wide_table_loads(tmp_path):
     """Qwen2-VL's [16, 24, 24] in bf16: each thread's 8 pairs share one stream, so its cos/sin table

@@ -12,6 +12,7 @@ from tests.paths import both
 from tileops.rope import RoPENeoxPositionIdsFwdOp
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_threads_sharing_an_op_see_only_their_own_errors():
     """Four threads, two with a bad position in every call, on both paths (tests/paths.py)."""
     x = torch.randn(23, 4, 32)

@@ -75,6 +75,7 @@ def _cache_env(tmp_path) -> dict:
     return env
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_disk_cache_serves_a_new_process(tmp_path):
     """A second process with the same cache folders loads the kernel instead of building it: in that
     process TileLang's build step is made to fail, so only a disk hit can answer (with the cache
@@ -106,6 +107,7 @@ def test_disk_cache_serves_a_new_process(tmp_path):
     assert off.returncode != 0 and "built again" in off.stderr
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_importing_tileops_leaves_tilelang_settings_alone():
     """No TILELANG_* variable set, no TileLang logger level changed, by importing or calling."""
     code = (
@@ -131,6 +133,7 @@ _PROBE = (
 
 @pytest.mark.parametrize("damage", ["truncated library", "garbage library", "corrupt params", "corrupt manifest",
                                     "truncated index library", "garbage index library", "corrupt index record"])
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_a_damaged_disk_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
     """A cache entry cut short or overwritten (a crash mid-write, a bad disk), in TileLang's cache or
     in tileops' index, is detected, warned about and rebuilt: the same answer, never a crash or a
@@ -164,6 +167,7 @@ def test_a_damaged_disk_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
         "the rebuilt entry was not kept"
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_an_unwritable_cache_directory_means_memory_only_with_a_warning(tmp_path):
     (tmp_path / "a-file").write_text("")
     where = tmp_path / "a-file" / "cache"  # cannot be created, even by root
@@ -179,6 +183,7 @@ def test_an_unwritable_cache_directory_means_memory_only_with_a_warning(tmp_path
     assert proc.stdout == good.stdout
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_two_processes_filling_one_cold_cache_at_once(tmp_path):
     """Both compile (or one waits on the other's entry) and both get correct kernels; a third
     process then loads the entry without building."""

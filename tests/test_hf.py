@@ -296,6 +296,7 @@ def test_configs_without_rope_are_refused(make, exc, match):
         from_hf_config(make())
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_rotary_configs_are_still_accepted():
     """Every transformers config class whose default instance carries rope parameters, and the
     spellings that had no rope key before (a flat MRoPE config.json, Falcon without alibi, GPT-NeoX as
@@ -557,6 +558,7 @@ def test_unserved_models_and_rope_types_are_refused():
     assert not tt.is_patched(model)
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_docs_example_runs():
     import subprocess
     import sys

@@ -100,6 +100,7 @@ def _compiled_generate(model, ids, new_tokens: int) -> tuple[list[int], torch.Te
     return counts, tokens, backend
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 @pytest.mark.parametrize("kind", ["llama", "phi3", "qwen2_vl", "qwen3_vl"])
 def test_static_cache_generate_compiles_no_more_graphs(kind, gen):
     """Step by step, the patched model has compiled as many graphs as the unpatched one: prefill and
@@ -122,6 +123,7 @@ def test_static_cache_generate_compiles_no_more_graphs(kind, gen):
     assert torch.equal(got, want), kind
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 @pytest.mark.parametrize("kind", ["llama", "phi3", "qwen3", "qwen2_vl_text"])
 def test_compiled_patched_model_matches_eager(kind, gen):
     """aot_eager (AOTAutograd: the op's fake and autograd registrations) against the eager patched

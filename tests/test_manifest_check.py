@@ -265,6 +265,7 @@ def _line_of(text: str, fragment: str) -> int:
     return text[: text.index(fragment)].count("\n") + 1
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_a_tag_that_would_build_an_object_is_refused_and_nothing_runs(tmp_path):
     witness = tmp_path / "ran"
     for tag in (f'!!python/object/apply:os.system ["touch {witness}"]', "!!python/name:os.system",
@@ -307,6 +308,7 @@ def test_deep_nesting_is_refused_without_recursion(tmp_path):
     assert line == _line_of(text, "  description:") and "nests at most 16 deep" in msg
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_anchors_and_aliases_are_refused(tmp_path):
     laughs = "lols: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
         f"lols{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10))

@@ -311,6 +311,7 @@ print("STATUS", native.status(), native.module is not None, op._native_run is no
 """
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_off_switch_and_no_compiler_mean_the_python_path_silently(tmp_path):
     """TILEOPS_NATIVE=0, a compiler that fails, a cache that cannot be created: the Python path, no warning."""
     r = _run(_PROBE, {"TILEOPS_NATIVE": "0", "TILEOPS_CACHE_DIR": str(tmp_path / "a")})
@@ -327,6 +328,7 @@ def test_off_switch_and_no_compiler_mean_the_python_path_silently(tmp_path):
     assert "STATUS failed:" in r.stdout and "False False" in r.stdout
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_a_cached_build_loads_without_building_and_a_damaged_one_is_rebuilt(tmp_path):
     """A second process finds the build in the cache (it loads with no compiler at all); a cached
     library overwritten with garbage is rebuilt, once, by two processes starting at once, and both
@@ -536,6 +538,7 @@ def test_pending_calls_are_judged_alike_by_both_trackers(monkeypatch):
         mod.set_driver(*old)
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_a_short_lived_process_never_starts_the_compiler(tmp_path):
     """Without a cached build, the build starts only at the process's BUILD_AFTER-th eager call: a
     script of a few calls neither waits for nor leaves behind a compiler run."""

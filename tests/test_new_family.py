@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+# builds a family copy / the docs site in subprocesses (8-17 s a test on 2 cores); CI runs -m slow
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "examples" / "scale_family"
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
@@ -200,7 +203,8 @@ def test_builtin_and_torch_serve_it_on_the_cpu(family: Path):
 
 def test_the_generated_tests_run_it(family: Path):
     """tests/test_generated.py and tests/test_bad_inputs.py, unchanged, collect and pass its items."""
-    proc = _run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-k", "ScaleFwdOp",
+    proc = _run([sys.executable, "-m", "pytest", "-q", "-rA", "-n", "0", "-p", "no:cacheprovider", "-k", "ScaleFwdOp",
+                 "-m", "slow or not slow",  # every generated item, the ones marked slow too
                  "tests/test_generated.py", "tests/test_bad_inputs.py"], family, timeout=600)
     passed = set(re.findall(r"^PASSED (\S+)", proc.stdout, flags=re.M))
     skipped = re.findall(r"^SKIPPED \[\d+\] .*", proc.stdout, flags=re.M)

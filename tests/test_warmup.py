@@ -19,6 +19,7 @@ def _env(tmp_path) -> dict:
     return env
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_compile_ahead_then_a_new_process_loads_without_tilelang(tmp_path):
     aot = ("from tileops.rope import RoPENeoxPositionIdsFwdOp\n"
            "op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=32)\n"
@@ -88,6 +89,7 @@ def test_warmup_builds_the_head_major_kernel_for_2d_ops_only():
                                                           ["float16"], "c")} == {False}
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_compile_from_a_script_without_a_main_guard(tmp_path):
     """``op.compile(..., jobs=2)`` pasted into a plain script: the workers are ``python -m
     tileops.warmup``, so they never re-run the script (a spawned pool did, and died with
@@ -110,6 +112,7 @@ def test_compile_from_a_script_without_a_main_guard(tmp_path):
         "rope neox float32 head_dim=48 positions int32 fwd c", "rope neox float32 head_dim=48 positions int64 fwd c"]
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_map_jobs_runs_a_worker_per_job_and_names_a_failing_one():
     from tileops.warmup import map_jobs
 
@@ -145,6 +148,7 @@ def test_progress_lines_when_not_a_terminal(monkeypatch):
     assert wanted(None) is False
 
 
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_a_first_call_that_compiles_says_so_once_and_a_load_says_nothing(tmp_path):
     code = ("import torch\n"
             "from tileops.rope import RoPEFwdOp\n"
