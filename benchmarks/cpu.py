@@ -8,7 +8,8 @@ them the four a user reported (fp32 and bf16 ``[4, 2048, 32, 128]``, fp32 ``[2, 
 fp16 ``[2, 32, 32, 128]``); each forward (``fwd``) and forward + backward (``fwd+bwd``: the float
 inputs' gradients by ``torch.autograd.grad`` from fixed random output gradients).
 
-Columns, timed in the same rounds (one sample of each per round, in turn, so the machine's load
+Columns, timed in the same rounds (one sample of each per round, in turn, each round starting with
+the next column, so that the machine's load
 falls on all of them alike): ``target=None`` (what a user gets: ``op.serving_target`` names what
 served it), ``BUILTIN`` (the C kernel, forced), the ``torch`` target, and torch eager: HF
 transformers' ``apply_rotary_pos_emb`` (``x * cos + rotate_half(x) * sin`` in fp32, one cast back)
@@ -117,8 +118,13 @@ def time_side_by_side(fns: dict[str, Callable[[], Any]], budget_s: float) -> dic
     samples: dict[str, list[float]] = {k: [] for k in fns}
     t_end = time.perf_counter() + budget_s
     rounds = 0
+    names = list(fns)
     while rounds < 7 or (time.perf_counter() < t_end and rounds < 101):
-        for k, fn in fns.items():
+        # each round starts with the next column: the first of a round ran 1.3-1.5x slower on
+        # ~100 us calls (target=None and BUILTIN, the same code, measured 0.83x and 1.25x eager
+        # with target=None always first)
+        for k in names[rounds % len(names):] + names[:rounds % len(names)]:
+            fn = fns[k]
             n = batch[k]
             t0 = time.perf_counter()
             for _ in range(n):
