@@ -32,7 +32,8 @@ __all__ = ["implement", "kernel_spec", "kernel_specs", "helper_kernels", "RopeKe
 TRANSPOSED_MIN_TOKENS = 8192
 
 #: fp16 on the CPU: from this many elements of x (and key) a call converts them to fp32 with torch,
-#: rotates the copies in place with the fp32 C kernel and rounds the result back into the output.
+#: rotates the copies into new fp32 tensors with the fp32 C kernel (:meth:`RopeKernels._run_wide`)
+#: and rounds the result back into the output.
 #: The same bits as the fp16 kernel: that kernel also widens each element exactly, computes in fp32
 #: in the same order and rounds to nearest even, which is what ``copy_`` into fp16 does. The fp16
 #: kernel itself converts one element at a time (GCC 12 vectorizes no _Float16 conversion short of
