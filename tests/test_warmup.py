@@ -146,6 +146,8 @@ def test_progress_lines_when_not_a_terminal(monkeypatch):
     assert wanted(None, io.StringIO()) is True
     monkeypatch.setenv("TILEOPS_PROGRESS", "0")
     assert wanted(None) is False
+    with pytest.raises(TypeError, match=r"progress: expected True, False or None, got str 'no'"):
+        wanted("no")  # a truthy string must not mean "show"
 
 
 @pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow

@@ -35,7 +35,9 @@ def wanted(progress: bool | None, stream: IO[str] | None = None) -> bool:
     """Whether to show progress: ``progress`` when given, else ``TILEOPS_PROGRESS`` when set (``0``,
     ``false``, ``no`` or ``off`` hide it), else whether ``stream`` (stderr) is a terminal."""
     if progress is not None:
-        return bool(progress)
+        if not isinstance(progress, bool):  # progress="no" would otherwise mean True
+            raise TypeError(f"progress: expected True, False or None, got {type(progress).__name__} {progress!r}")
+        return progress
     env = os.environ.get("TILEOPS_PROGRESS", "").strip().lower()
     if env:
         return env not in ("0", "false", "no", "off")
