@@ -5,7 +5,7 @@ lowers and builds the kernel: by tileops' lean build (NVRTC and the C++ compiler
 in a second new process beside it, by TileLang's own (``TILEOPS_LEAN_BUILD=0``: nvcc on TileLang's
 templates), so the two are measured side by side. "build s" is the time inside the builds,
 TileLang's import and lowering included; "shipped" counts the kernels built from the sources tileops
-ships lowered (:mod:`tileops.lowered`), which need neither.
+ships lowered (:mod:`tileops.compile.lowered`), which need neither.
 warm: a new process with those caches filled, so the first call loads the library from tileops'
 index (without importing TileLang: the table says whether it was imported).
 Columns: constructing the op (which reads its manifest), its first call, and the whole process
@@ -39,7 +39,7 @@ t2 = time.perf_counter()
 op(*args)
 torch.cuda.synchronize()
 t3 = time.perf_counter()
-from tileops.generate import stats
+from tileops.compile.build import stats
 print(f"{{t2 - t1:.3f}} {{t3 - t2:.3f}} {{t3 - t0:.3f}} {{'tilelang' in sys.modules}} {{stats.seconds:.3f}} "
       f"{{stats.shipped}}/{{stats.lean}}/{{stats.compiles}}")
 """

@@ -4,7 +4,7 @@
     python -m benchmarks.hostprof [--device cpu|cuda]          (the layers, then a cProfile)
 
 The serving calls of ``benchmarks.serving`` (ids q+k in place with positions, ids q alone, 2d q+k
-on HF views, 2d q alone), each on both paths: the native extension's (:mod:`tileops.native`) and
+on HF views, 2d q alone), each on both paths: the native extension's (:mod:`tileops.runtime.native`) and
 the Python one (ops made with the extension off, as ``TILEOPS_NATIVE=0`` or a machine without a
 compiler gets), next to the bare torch op that does the same kind of write (in place: ``x.add_``;
 a new tensor: ``x.mul``) on a tensor of x's size. Each round times every contender once (the best
@@ -25,7 +25,7 @@ import torch
 from tileops.op import Op
 
 try:
-    from tileops import native
+    from tileops.runtime import native
 except ImportError:
     native = None  # type: ignore[assignment]
 if not hasattr(Op, "_native_run"):  # a tileops without the native path (measuring an older commit)

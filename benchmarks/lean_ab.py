@@ -30,16 +30,16 @@ def steps() -> None:
     import tilelang  # noqa: F401
 
     t2 = time.perf_counter()
-    from tileops import cubuild, generate
+    from tileops.compile import cuda_build, build
     from tileops.kernels.rope import RopeKernelSpec
-    from tileops.launch import raw_kernel_from
+    from tileops.compile.entry import raw_kernel_from
 
     spec = RopeKernelSpec(**SPEC)
-    func = generate._prim_func("rope", spec)
+    func = build._prim_func("rope", spec)
     t3 = time.perf_counter()
-    lean = cubuild.build(func, "sm_90", generate.PASS_CONFIGS)
+    lean = cuda_build.build(func, "sm_90", build.PASS_CONFIGS)
     t4 = time.perf_counter()
-    raw_kernel_from(generate._init_library(lean.libpath), lean.record, torch.device("cuda"), spec.args)
+    raw_kernel_from(build._init_library(lean.libpath), lean.record, torch.device("cuda"), spec.args)
     t5 = time.perf_counter()
     parts = " | ".join(f"{k} {v:.2f}" for k, v in lean.seconds.items())
     print(f"import torch + CUDA {t1 - t0:.2f} s | import tilelang {t2 - t1:.2f} | trace the prim_func {t3 - t2:.2f} | "
@@ -47,20 +47,20 @@ def steps() -> None:
 
 
 def launch(rounds: int = 22, calls: int = 500) -> None:
-    """Each build's raw launch (:meth:`tileops.launch.RawKernel.launch`) ``calls`` times per round,
+    """Each build's raw launch (:meth:`tileops.compile.entry.RawKernel.launch`) ``calls`` times per round,
     the two alternating; batches stay below the launch queue's depth, so the host is what is timed."""
     import torch
 
-    from tileops import cubuild, generate
+    from tileops.compile import cuda_build, build
     from tileops.kernels.rope import RopeKernelSpec
-    from tileops.launch import raw_kernel, raw_kernel_from
+    from tileops.compile.entry import raw_kernel, raw_kernel_from
     from tileops.rope.tables import RopeTables
 
     dev = torch.device("cuda")
     spec = RopeKernelSpec(dtype="float32", head_dim=64, rot=64, head_lanes=8)
-    theirs = raw_kernel(generate.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
-    lean = cubuild.build(generate._prim_func("rope", spec), "sm_90", generate.PASS_CONFIGS)
-    ours = raw_kernel_from(generate._init_library(lean.libpath), lean.record, dev, spec.args)
+    theirs = raw_kernel(build.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
+    lean = cuda_build.build(build._prim_func("rope", spec), "sm_90", build.PASS_CONFIGS)
+    ours = raw_kernel_from(build._init_library(lean.libpath), lean.record, dev, spec.args)
     x = torch.randn(1, 16, 8, 64, device=dev)
     y = torch.empty_like(x)
     td = RopeTables(10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64), 1.0).on(dev)

@@ -4,7 +4,7 @@
 
 For every kernel ``tileops warmup`` builds: the device source TileLang generates is compiled as
 TileLang compiles it (``nvcc`` with TileLang's templates and CUTLASS), and the lean build's version of
-it (:func:`tileops.cubuild.device_source`) as the lean build does (NVRTC, else ``nvcc -cubin``). The
+it (:func:`tileops.compile.cuda_build.device_source`) as the lean build does (NVRTC, else ``nvcc -cubin``). The
 two cubins are disassembled with ``cuobjdump -sass`` (``cuobjdump`` and ``nvdisasm`` on PATH: the
 ``nvidia-cuda-cuobjdump`` and ``nvidia-cuda-nvdisasm`` wheels carry them) and their instruction
 streams compared, encodings included, addresses left out. Needs no GPU. Prints one line per kernel
@@ -36,28 +36,28 @@ def compare(job: tuple) -> tuple[str, str]:
     from tvm import transform
     from tvm.target import Target
 
-    from tileops import cubuild, generate
+    from tileops.compile import cuda_build, build
 
     builder, spec, _, arch = job
-    func = generate._prim_func(builder, spec)
+    func = build._prim_func(builder, spec)
     target = Target({"kind": "cuda", "arch": arch})
-    with transform.PassContext(opt_level=3, config=generate.PASS_CONFIGS), target:
+    with transform.PassContext(opt_level=3, config=build.PASS_CONFIGS), target:
         full = tilelang.lower(func, target=target).kernel_source
     try:
-        lean = cubuild.device_source(full)
-    except cubuild.Unsupported as e:
+        lean = cuda_build.device_source(full)
+    except cuda_build.Unsupported as e:
         return repr(spec), f"not lean ({e})"
     with tempfile.TemporaryDirectory(prefix="tileops-sass-") as d:
         with open(os.path.join(d, "full.cu"), "w") as f:
             f.write(full)
         num = arch.removeprefix("sm_")
         # TileLang's flags (tilelang/jit/adapter/libgen.py), device code only
-        cmd = [os.path.join(cubuild._cuda_home(), "bin", "nvcc"), "-cubin", "-std=c++20", "-w", "-Xcudafe",
+        cmd = [os.path.join(cuda_build._cuda_home(), "bin", "nvcc"), "-cubin", "-std=c++20", "-w", "-Xcudafe",
                "--diag_suppress=177", "-lineinfo", "-gencode", f"arch=compute_{num},code={arch}",
                os.path.join(d, "full.cu"), "-o", os.path.join(d, "full.cubin"), f"-I{TILELANG_TEMPLATE_PATH}",
                f"-I{CUTLASS_INCLUDE_DIR}"]
         subprocess.run(cmd, check=True, capture_output=True)
-        blob, how = cubuild.cubin(lean, arch, "kernel")
+        blob, how = cuda_build.cubin(lean, arch, "kernel")
         with open(os.path.join(d, "lean.cubin"), "wb") as f:
             f.write(blob)
         a, b = _sass(os.path.join(d, "full.cubin")), _sass(os.path.join(d, "lean.cubin"))
@@ -78,7 +78,7 @@ def main() -> int:
     if not shutil.which("cuobjdump") or not shutil.which("nvdisasm"):
         print("cuobjdump and nvdisasm must be on PATH", file=sys.stderr)
         return 2
-    from tileops.warmup import kernel_jobs
+    from tileops.compile.warmup import kernel_jobs
 
     jobs = kernel_jobs(None, args.arch)[: args.only]
     counts: dict[str, int] = {}

@@ -18,9 +18,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from tileops import generate
+from tileops.compile import build
 from tileops.kernels.rope import RopeKernelSpec
-from tileops.launch import raw_kernel
+from tileops.compile.entry import raw_kernel
 from tileops.rope.tables import RopeTables
 
 # (name, dtype, layout, B, S, H, D, rot, pairing, positions)
@@ -71,7 +71,7 @@ def hf_spec(w, cfg) -> RopeKernelSpec:
 
 
 def _compile(spec: RopeKernelSpec) -> str:
-    generate.compile_kernel("rope", spec, "cuda", "sm_90")
+    build.compile_kernel("rope", spec, "cuda", "sm_90")
     return str(spec)
 
 
@@ -113,7 +113,7 @@ def main() -> int:
         results = []
         for cfg in configs(layout, args.quick):
             spec = spec_of(w, cfg)
-            k = raw_kernel(generate.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
+            k = raw_kernel(build.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
             u = spec.stride_unit
             st = [v // u for v in (S * H * D, H * D, D)]  # contiguous [B, S, H, D], in units of u
 
@@ -154,7 +154,7 @@ def tune_hf(w, quick: bool, rate: float) -> None:
     results = []
     for cfg in configs("hf", quick):
         spec = hf_spec(w, cfg)
-        k = raw_kernel(generate.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
+        k = raw_kernel(build.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
         u = spec.stride_unit
         # [B, H, S, D] seen as [B, S, H, D]: batch, token and head strides, in units of u
         qst = [v // u for v in (H * S * D, D, S * D)]

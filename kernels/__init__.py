@@ -78,14 +78,14 @@ STATIC: dict[str, dict[str, tuple[int, int, str]]]
 #: builder name -> "module:Class" of the spec it is compiled for (imports TileLang)
 SPECS: dict[str, str]
 #: the helper modules (no ``build``) builders may import: their sources are part of every kernel's
-#: cache key (:mod:`tileops.generate`), as the builder's own is
+#: cache key (:mod:`tileops.compile.build`), as the builder's own is
 HELPERS: list[str]
 BUILDERS, STATIC, SPECS, HELPERS = _discover()
 
 
 def _load(target: str) -> Any:
     """``module:attr`` inside this package; TileLang is made importable first (its cache directory)."""
-    from tileops.generate import ensure_tilelang_importable
+    from tileops.compile.build import ensure_tilelang_importable
 
     ensure_tilelang_importable()
     module, attr = target.split(":")

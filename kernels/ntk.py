@@ -228,7 +228,7 @@ def _build_cuda(spec: NtkTablesSpec):
                      mpe_bits: T.int64, power_bits: T.int64):
         with T.Kernel(spec.blocks, threads=threads) as bx:
             tx = T.get_thread_binding()
-            # static shared memory: the lean build (tileops.cubuild) takes no dynamic shared memory
+            # static shared memory: the lean build (tileops.compile.cuda_build) takes no dynamic shared memory
             top = T.alloc_shared((threads,), "int64", scope="shared")
             bad = T.alloc_shared((threads,), "int32", scope="shared")
             mine = T.alloc_var("int64")

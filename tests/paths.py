@@ -1,5 +1,5 @@
 """The two paths of an eager call, for tests that run both: the native extension's
-(:mod:`tileops.native`) and the Python one (what ``TILEOPS_NATIVE=0`` or a machine without a
+(:mod:`tileops.runtime.native`) and the Python one (what ``TILEOPS_NATIVE=0`` or a machine without a
 compiler gets)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from tileops import native
+from tileops.runtime import native
 
 __all__ = ["can_build", "native_module", "python_path", "both"]
 

@@ -77,7 +77,7 @@ def test_demo_device_is_checked(capsys):
 
 
 def test_lowered_refuses_an_arch_the_lean_build_lacks_and_bad_jobs(capsys, monkeypatch):
-    from tileops import lowered
+    from tileops.compile import lowered
 
     monkeypatch.setattr(lowered, "write", lambda *a, **k: (_ for _ in ()).throw(AssertionError("wrote")))
     for argv, what in ((["lowered", "--arch", "sm_75"], "--arch: expected sm_XX with XX >= 80"),
@@ -91,12 +91,12 @@ def test_lowered_refuses_an_arch_the_lean_build_lacks_and_bad_jobs(capsys, monke
 def test_arch_is_refused_at_once_naming_the_flag_by_every_subcommand(capsys, monkeypatch):
     """sm_75 ran 12 minutes of ``cannot find -lcuda`` in ``warmup`` on a machine without a GPU; now
     every ``--arch`` goes through one check before anything is compiled or lowered."""
-    from tileops import lowered, warmup
+    from tileops.compile import lowered, warmup
 
     boom = lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran"))  # noqa: E731
     monkeypatch.setattr(warmup, "warmup", boom)
     monkeypatch.setattr(lowered, "write", boom)
-    monkeypatch.setattr("tileops.generate.emit_source", boom)
+    monkeypatch.setattr("tileops.compile.build.emit_source", boom)
     for cmd in (["warmup"], ["emit", "RoPEFwdOp"], ["lowered"]):
         for arch, what in (("sm_75", "expected sm_XX with XX >= 80"), ("sm90", "expected sm_XX"),
                            ("gfx90a", "expected sm_XX")):
@@ -106,15 +106,15 @@ def test_arch_is_refused_at_once_naming_the_flag_by_every_subcommand(capsys, mon
 
 
 def test_warmup_refuses_a_cuda_arch_without_the_toolkit(capsys, monkeypatch):
-    from tileops import cubuild, warmup
+    from tileops.compile import cuda_build, warmup
 
     monkeypatch.setattr(warmup, "warmup", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
 
     def no_toolkit(*a):
-        raise cubuild.Unsupported("no CUDA toolkit found (CUDA_HOME, nvcc on PATH, /usr/local/cuda)")
+        raise cuda_build.Unsupported("no CUDA toolkit found (CUDA_HOME, nvcc on PATH, /usr/local/cuda)")
 
-    monkeypatch.setattr(cubuild, "_cuda_home", no_toolkit)
-    monkeypatch.setattr(cubuild, "_toolkit_dirs", no_toolkit)
+    monkeypatch.setattr(cuda_build, "_cuda_home", no_toolkit)
+    monkeypatch.setattr(cuda_build, "_toolkit_dirs", no_toolkit)
     assert main(["warmup", "--arch", "sm_90"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tileops warmup: --arch: building for sm_90 needs the CUDA toolkit") and "--arch c" in err
@@ -123,7 +123,7 @@ def test_warmup_refuses_a_cuda_arch_without_the_toolkit(capsys, monkeypatch):
 def test_emit_and_warmup_default_to_this_machine(monkeypatch):
     import torch
 
-    from tileops.warmup import default_arch
+    from tileops.compile.warmup import default_arch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_arch() == "c"
@@ -156,7 +156,8 @@ def test_version_bare_command_and_subcommand_help(capsys):
 
 
 def test_warmup_prints_a_line_per_kernel_when_not_a_terminal(capsys, monkeypatch):
-    from tileops import native, warmup
+    from tileops.runtime import native
+    from tileops.compile import warmup
 
     monkeypatch.setattr(warmup, "_compile", lambda job: None)  # the steps, not the compiles
     monkeypatch.setattr(native, "build", lambda progress=None: None)

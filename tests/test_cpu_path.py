@@ -15,7 +15,7 @@ import torch
 import tileops.rope.builtin as builtin
 from tests.references import inv_freq_and_amplitude, reference, rotate
 from tileops import BUILTIN
-from tileops.generate import C_FLAGS, c_flags
+from tileops.compile.build import C_FLAGS, c_flags
 from tileops.rope import RoPEFwdOp
 from tileops.testing import tolerance
 

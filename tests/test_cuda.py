@@ -58,9 +58,9 @@ def test_strided_and_offset_views_cuda():
 
 def test_every_element_written_cuda():
     """Each schedule, run straight into NaN-filled outputs for x and a key (GQA head counts)."""
-    from tileops.generate import compile_kernel, device_backend
+    from tileops.compile.build import compile_kernel, device_backend
     from tileops.kernels.rope import RopeKernelSpec
-    from tileops.launch import raw_kernel
+    from tileops.compile.entry import raw_kernel
     from tileops.rope.tables import RopeTables
 
     dev = torch.device("cuda")
@@ -134,11 +134,11 @@ def test_sequence_op_position_out_of_range_cuda(bad):
 
 
 def test_decode_many_calls_no_recompile():
-    from tileops import generate
+    from tileops.compile import build
 
     op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=64)
     op(torch.randn(1, 8, 128, device="cuda", dtype=torch.float16), torch.zeros(1, dtype=torch.int32, device="cuda"))
-    before = generate.stats.kernels
+    before = build.stats.kernels
     for t in range(1, 40):
         x = torch.randn(t, 8, 128, device="cuda", dtype=torch.float16)
         pos = torch.randint(0, 4096, (t,), device="cuda", dtype=torch.int32)
@@ -146,7 +146,7 @@ def test_decode_many_calls_no_recompile():
         ref = reference("RoPENeoxPositionIdsFwdOp", {"max_position": 4096, "rotary_dim": 64},
                         {"x": x.cpu(), "position_ids": pos.cpu()})
         assert (out.double().cpu() - ref).abs().max().item() < 4e-3
-    assert generate.stats.kernels == before
+    assert build.stats.kernels == before
 
 
 def test_wide_heads_and_large_batches_run(gen):

@@ -56,8 +56,8 @@ def test_strict_mode_and_check_on_the_cpu():
     op = RoPENeoxPositionIdsFwdOp(10)
     x = torch.randn(3, 2, 8)
     with tileops.strict():
-        assert tileops.errors.is_strict()
+        assert tileops.runtime.errors.is_strict()
         with pytest.raises(ValueError, match=r"position_ids\[2\] = 10"):
             op(x, torch.tensor([0, 1, 10]))
-    assert not tileops.errors.is_strict()
+    assert not tileops.runtime.errors.is_strict()
     op.check()  # nothing pending

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.references import reference
-from tileops import launch
+from tileops.compile import entry
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
 
 
@@ -112,13 +112,13 @@ def test_launcher_without_a_compiler_or_a_writable_cache(tmp_path, monkeypatch):
     """No C compiler: the trampoline is not built, and plain ctypes serves (None, no error)."""
     monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(launch, "_trampolines", {})
-    monkeypatch.setattr(launch.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    assert launch._trampoline(["void*", "int32_t"]) is None
+    monkeypatch.setattr(entry, "_trampolines", {})
+    monkeypatch.setattr(entry.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert entry._trampoline(["void*", "int32_t"]) is None
     # a cache directory that cannot be created (under a file): built in the temp directory instead
     monkeypatch.delenv("CC")
-    monkeypatch.setattr(launch, "_trampolines", {})
+    monkeypatch.setattr(entry, "_trampolines", {})
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
-    assert launch._trampoline(["void*", "int32_t"]) is not None
+    assert entry._trampoline(["void*", "int32_t"]) is not None
     assert list((tmp_path / "tmp").glob("tileops-launch-*/trampoline-*.so"))

@@ -28,7 +28,7 @@ Cost and knobs:
 * ``TILEOPS_FUZZ_DEVICE=cuda`` runs the specs on the GPU (``python -m pytest -m slow tests/test_fuzz.py``
   with ``TILEOPS_FUZZ_EXAMPLES=2000`` is issue 12's GPU fuzz run). There head_dim comes from
   ``GPU_HEAD_DIMS`` and the rotary width from three choices, and every kernel those draws can need
-  is compiled first, in parallel processes (:func:`tileops.warmup.compile_jobs`): nvcc takes
+  is compiled first, in parallel processes (:func:`tileops.compile.warmup.compile_jobs`): nvcc takes
   seconds a kernel, the examples themselves milliseconds.
 * ``max_position`` is drawn up to the manifest's cap, 2**24 (``2**28 // rotary_dim`` by default).
 
@@ -261,7 +261,7 @@ def _gpu_kernels():
     """On a GPU, every kernel the draws can need, compiled first in parallel (see the module doc)."""
     if DEVICE == "cpu":
         return
-    from tileops.warmup import compile_jobs, op_kernel_jobs
+    from tileops.compile.warmup import compile_jobs, op_kernel_jobs
 
     jobs = []
     for name, m in REGISTRY.items():

@@ -12,41 +12,42 @@ import pytest
 import torch
 
 from tests.references import reference
-from tileops import BUILTIN, generate
+from tileops import BUILTIN
+from tileops.compile import build
 from tileops.rope import RoPEFwdOp
 
 
 def test_fifty_lengths_one_compile(gen):
     op = RoPEFwdOp(rope_layout="interleaved", input_layout="2d", base=500.0, target=BUILTIN)
     op(torch.randn(1, 3, 2, 36, generator=gen))  # compile (or load) this specialization once
-    before = generate.stats.kernels
+    before = build.stats.kernels
     for length in range(1, 51):
         x = torch.randn(2, length, 3, 36, generator=gen)
         out = op(x)
         ref = reference("RoPEFwdOp", {"rope_layout": "interleaved", "input_layout": "2d", "base": 500.0}, {"x": x})
         assert (out.double() - ref).abs().max().item() < 1e-5
-    assert generate.stats.kernels == before, "a new length compiled a new kernel"
+    assert build.stats.kernels == before, "a new length compiled a new kernel"
     assert len(op._impls) == 1, "a new length built a new implementation"
 
 
 def test_new_dtype_and_head_dim_compile_once_each(gen):
-    generate.clear_memory_cache()
+    build.clear_memory_cache()
     op = RoPEFwdOp(input_layout="1d", target=BUILTIN)
-    before = generate.stats.kernels
+    before = build.stats.kernels
     for _ in range(3):
         for dtype in (torch.float16, torch.float32):
             for d in (34, 38):
                 op(torch.randn(5, d, generator=gen).to(dtype))
-    assert generate.stats.kernels - before == 4
+    assert build.stats.kernels - before == 4
 
 
 def test_threads_first_call_compile_once(gen):
-    generate.clear_memory_cache()
+    build.clear_memory_cache()
     op = RoPEFwdOp(input_layout="2d", target=BUILTIN)
     xs = [torch.randn(1, 9 + i, 3, 42, generator=gen) for i in range(8)]
     outs: list = [None] * 8
     errors: list = []
-    before = generate.stats.kernels
+    before = build.stats.kernels
     start = threading.Barrier(8)
 
     def work(i: int) -> None:
@@ -62,7 +63,7 @@ def test_threads_first_call_compile_once(gen):
     for t in threads:
         t.join()
     assert not errors, errors
-    assert generate.stats.kernels - before == 1
+    assert build.stats.kernels - before == 1
     for x, out in zip(xs, outs):
         ref = reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": x})
         assert (out.double() - ref).abs().max().item() < 1e-5

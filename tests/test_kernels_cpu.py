@@ -58,9 +58,9 @@ def test_position_ids_partial(dtype, pos_dtype, gen):
 
 def test_every_element_written(gen):
     """Run the compiled kernel directly into NaN-filled outputs (x and a key): no element may stay NaN."""
-    from tileops.generate import compile_kernel
+    from tileops.compile.build import compile_kernel
     from tileops.kernels.rope import RopeKernelSpec
-    from tileops.launch import raw_kernel
+    from tileops.compile.entry import raw_kernel
     from tileops.rope.tables import RopeTables
 
     spec = RopeKernelSpec(dtype="float32", head_dim=96, rot=96, pairing="interleaved", backend="c")

@@ -1,4 +1,4 @@
-"""The lean CUDA build (tileops/cubuild.py): TileLang lowers, tileops compiles the device code to a cubin
+"""The lean CUDA build (tileops/cuda_build.py): TileLang lowers, tileops compiles the device code to a cubin
 (NVRTC or ``nvcc -cubin``) and the launcher with the system C++ compiler.
 
 The CPU tests build real libraries (no GPU needed: nothing touches CUDA until a launch) and check
@@ -15,17 +15,17 @@ import shutil
 import pytest
 import torch
 
-from tileops import cubuild, generate
+from tileops.compile import cuda_build, build
 from tileops.kernels.rope import RopeKernelSpec
 
 
 def _toolchain() -> str | None:
     """Why the lean build cannot run here, or None."""
     try:
-        home = cubuild._cuda_home()
-    except cubuild.Unsupported as e:
+        home = cuda_build._cuda_home()
+    except cuda_build.Unsupported as e:
         return str(e)
-    if cubuild.nvrtc_path() is None and not os.path.exists(os.path.join(home, "bin", "nvcc")):
+    if cuda_build.nvrtc_path() is None and not os.path.exists(os.path.join(home, "bin", "nvcc")):
         return "neither NVRTC nor nvcc"
     if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
         return "no C++ compiler"
@@ -50,9 +50,9 @@ extern "C" __global__ void k(half_t* __restrict__ X, int n) { X[0] = (half_t)((f
 
 
 def test_device_source_replaces_tilelangs_includes():
-    src = cubuild.device_source(TL_SOURCE)
+    src = cuda_build.device_source(TL_SOURCE)
     assert "tl_templates" not in src and "cuda.h" not in src and "_MSC_VER" not in src
-    assert src.startswith(cubuild.DEVICE_PRELUDE)
+    assert src.startswith(cuda_build.DEVICE_PRELUDE)
     assert "struct __align__(2) half_t" in src and "extern \"C\" __global__ void k(" in src
 
 
@@ -60,16 +60,16 @@ def test_device_source_replaces_tilelangs_includes():
                                          ("__device__ void f() { tl::fence(); }\n", "tl::"),
                                          ("__device__ fp8_e4_t g;\n", "fp8_e4_t")])
 def test_device_source_refuses_what_the_prelude_lacks(extra, what):
-    with pytest.raises(cubuild.Unsupported, match=what):
-        cubuild.device_source(TL_SOURCE + extra)
+    with pytest.raises(cuda_build.Unsupported, match=what):
+        cuda_build.device_source(TL_SOURCE + extra)
 
 
 def test_kernel_params_types():
     decl = ('extern "C" __global__ void __launch_bounds__(128, 1) k(const half_t* __restrict__ X, '
             'float* __restrict__ Y, int B, int64_t xs, unsigned int u, float f)')
-    assert cubuild._kernel_params(decl) == ["void*", "void*", "int", "int64_t", "unsigned int", "float"]
-    with pytest.raises(cubuild.Unsupported, match="CUtensorMap"):
-        cubuild._kernel_params('__global__ void k(const __grid_constant__ CUtensorMap desc)')
+    assert cuda_build._kernel_params(decl) == ["void*", "void*", "int", "int64_t", "unsigned int", "float"]
+    with pytest.raises(cuda_build.Unsupported, match="CUtensorMap"):
+        cuda_build._kernel_params('__global__ void k(const __grid_constant__ CUtensorMap desc)')
 
 
 SPECS = [
@@ -83,7 +83,7 @@ SPECS = [
 @needs_toolchain
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.dtype}-{s.head_dim}-{s.positions}-{s.transposed}")
 def test_lean_library_builds_and_its_record_matches_the_call(spec, tmp_path):
-    lean = cubuild.build(generate._prim_func("rope", spec), "sm_90", generate.PASS_CONFIGS, out_dir=str(tmp_path))
+    lean = cuda_build.build(build._prim_func("rope", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
     # the parameters in the builder's order (spec.args), then the dynamic extents
     assert len(lean.record["args"]) == len(spec.args) + len(lean.record["extents"])
     tensors = [n for n in spec.args if n in ("X", "Y", "K", "KY", "TD", "P", "ERR")]
@@ -103,12 +103,12 @@ def test_lean_library_builds_and_its_record_matches_the_call(spec, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gets")
 def test_lean_library_without_a_gpu_fails_to_load_with_a_message(tmp_path):
     spec = SPECS[0]
-    lean = cubuild.build(generate._prim_func("rope", spec), "sm_90", generate.PASS_CONFIGS, out_dir=str(tmp_path))
+    lean = cuda_build.build(build._prim_func("rope", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
     lib = ctypes.CDLL(lean.libpath)
     lib.get_last_error.restype = ctypes.c_char_p
     assert lib.load() == -1
     assert b"loading the kernel's cubin failed" in lib.get_last_error()
-    from tileops.launch import raw_kernel_from
+    from tileops.compile.entry import raw_kernel_from
 
     with pytest.raises(RuntimeError, match="cubin failed"):
         raw_kernel_from(lib, lean.record, torch.device("cuda", 0), spec.args)
@@ -119,21 +119,21 @@ def test_load_or_build_indexes_a_lean_build_under_its_own_key(tmp_path, monkeypa
     monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TILELANG_DISABLE_CACHE", raising=False)
     spec = SPECS[1]
-    monkeypatch.setattr(generate, "compile_kernel", lambda *a: pytest.fail("TileLang's build was used"))
-    generate.clear_memory_cache()
-    lib, record = generate._load_or_build("rope", spec, "cuda", "sm_90")
-    lean_key = generate._index_key("rope", spec, "cuda", "sm_90", lean=True)
-    assert lean_key != generate._index_key("rope", spec, "cuda", "sm_90")
+    monkeypatch.setattr(build, "compile_kernel", lambda *a: pytest.fail("TileLang's build was used"))
+    build.clear_memory_cache()
+    lib, record = build._load_or_build("rope", spec, "cuda", "sm_90")
+    lean_key = build._index_key("rope", spec, "cuda", "sm_90", lean=True)
+    assert lean_key != build._index_key("rope", spec, "cuda", "sm_90")
     assert sorted(os.listdir(tmp_path / "kernels")) == [lean_key + ".json", lean_key + ".so"]
-    before = generate.stats.loads
-    again, record2 = generate._load_or_build("rope", spec, "cuda", "sm_90")  # a later process: from the index
-    assert generate.stats.loads == before + 1 and record2["args"] == record["args"]
+    before = build.stats.loads
+    again, record2 = build._load_or_build("rope", spec, "cuda", "sm_90")  # a later process: from the index
+    assert build.stats.loads == before + 1 and record2["args"] == record["args"]
 
 
-@pytest.mark.parametrize("failure", [cubuild.Unsupported("a template"), RuntimeError("nvrtc: boom")])
+@pytest.mark.parametrize("failure", [cuda_build.Unsupported("a template"), RuntimeError("nvrtc: boom")])
 def test_a_kernel_the_lean_build_cannot_make_is_built_by_tilelang(failure, tmp_path, monkeypatch):
     monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(generate, "_lean_warned", False)
+    monkeypatch.setattr(build, "_lean_warned", False)
 
     def refuse(*a, **k):
         raise failure
@@ -144,26 +144,26 @@ def test_a_kernel_the_lean_build_cannot_make_is_built_by_tilelang(failure, tmp_p
     class Kernel:
         adapter = Adapter()
 
-    monkeypatch.setattr(cubuild, "build", refuse)  # lowering now,
-    monkeypatch.setattr(cubuild, "compile_sources", refuse)  # and the sources shipped lowered
-    monkeypatch.setattr(generate, "_prim_func", lambda *a: None)
-    monkeypatch.setattr(generate, "compile_kernel", lambda *a: Kernel())
-    import tileops.launch
+    monkeypatch.setattr(cuda_build, "build", refuse)  # lowering now,
+    monkeypatch.setattr(cuda_build, "compile_sources", refuse)  # and the sources shipped lowered
+    monkeypatch.setattr(build, "_prim_func", lambda *a: None)
+    monkeypatch.setattr(build, "compile_kernel", lambda *a: Kernel())
+    import tileops.compile.entry
 
-    monkeypatch.setattr(tileops.launch, "kernel_record", lambda k: {"args": [], "extents": []})
+    monkeypatch.setattr(tileops.compile.entry, "kernel_record", lambda k: {"args": [], "extents": []})
     if isinstance(failure, RuntimeError):
         with pytest.warns(RuntimeWarning, match="lean CUDA build failed.*nvrtc: boom"):
-            lib, _ = generate._load_or_build("rope", SPECS[0], "cuda", "sm_90")
+            lib, _ = build._load_or_build("rope", SPECS[0], "cuda", "sm_90")
     else:
-        lib, _ = generate._load_or_build("rope", SPECS[0], "cuda", "sm_90")
+        lib, _ = build._load_or_build("rope", SPECS[0], "cuda", "sm_90")
     assert lib == "the TileLang library"
 
 
 def test_lean_build_off_by_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEOPS_LEAN_BUILD", "0")
     monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cubuild, "build", lambda *a, **k: pytest.fail("the lean build was tried"))
-    monkeypatch.setattr(cubuild, "compile_sources", lambda *a, **k: pytest.fail("the lean build was tried"))
+    monkeypatch.setattr(cuda_build, "build", lambda *a, **k: pytest.fail("the lean build was tried"))
+    monkeypatch.setattr(cuda_build, "compile_sources", lambda *a, **k: pytest.fail("the lean build was tried"))
 
     class Adapter:
         lib, libpath = "tl", None
@@ -171,11 +171,11 @@ def test_lean_build_off_by_environment(tmp_path, monkeypatch):
     class Kernel:
         adapter = Adapter()
 
-    import tileops.launch
+    import tileops.compile.entry
 
-    monkeypatch.setattr(generate, "compile_kernel", lambda *a: Kernel())
-    monkeypatch.setattr(tileops.launch, "kernel_record", lambda k: {"args": [], "extents": []})
-    assert generate._load_or_build("rope", SPECS[0], "cuda", "sm_90")[0] == "tl"
+    monkeypatch.setattr(build, "compile_kernel", lambda *a: Kernel())
+    monkeypatch.setattr(tileops.compile.entry, "kernel_record", lambda k: {"args": [], "extents": []})
+    assert build._load_or_build("rope", SPECS[0], "cuda", "sm_90")[0] == "tl"
 
 
 # ------------------------------------------------------------------------------------- on a GPU
@@ -202,14 +202,14 @@ def _bind_and_run(k, spec, x, out, key, kout, td, pos=None, err=None):
     RopeKernelSpec(dtype="float16", head_dim=64, rot=64, head_lanes=1, tokens_per_thread=2, positions="int32"),
 ], ids=lambda s: f"{s.dtype}-{s.head_dim}-{s.rot}-{s.pairing}-{s.positions}")
 def test_lean_and_tilelang_builds_agree_bit_for_bit_cuda(spec):
-    from tileops.launch import kernel_record, raw_kernel, raw_kernel_from
+    from tileops.compile.entry import kernel_record, raw_kernel, raw_kernel_from
     from tileops.rope.tables import RopeTables
 
     dev = torch.device("cuda")
-    tl_kernel = generate.compile_kernel("rope", spec, "cuda", generate.device_backend(dev)[1])
-    lean = cubuild.build(generate._prim_func("rope", spec), generate.device_backend(dev)[1], generate.PASS_CONFIGS)
+    tl_kernel = build.compile_kernel("rope", spec, "cuda", build.device_backend(dev)[1])
+    lean = cuda_build.build(build._prim_func("rope", spec), build.device_backend(dev)[1], build.PASS_CONFIGS)
     assert lean.record == kernel_record(tl_kernel)  # the same arguments in the same order
-    ours = raw_kernel_from(generate._init_library(lean.libpath), lean.record, dev, spec.args)
+    ours = raw_kernel_from(build._init_library(lean.libpath), lean.record, dev, spec.args)
     theirs = raw_kernel(tl_kernel, dev, spec.args)
     dt = getattr(torch, spec.dtype)
     x = torch.randn(2, 77, 6, spec.head_dim, device=dev).to(dt)

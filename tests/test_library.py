@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tileops
-from tileops.library import pack
+from tileops.runtime.library import pack
 from tileops.manifest import registry
 from tileops.workloads import make_inputs, op_class
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from tests.test_lean_build import needs_toolchain
-from tileops import cubuild, generate, lowered
-from tileops.warmup import kernel_jobs
+from tileops.compile import cuda_build, build, lowered
+from tileops.compile.warmup import kernel_jobs
 
 
 def _jobs():
@@ -19,18 +19,18 @@ def _jobs():
 
 
 def test_the_shipped_file_has_every_warmup_kernel_under_its_current_key():
-    """Fails after a change to a kernel builder, its helpers, tileops/cubuild.py, the pass configs or
+    """Fails after a change to a kernel builder, its helpers, tileops/cuda_build.py, the pass configs or
     TileLang's version until ``tileops lowered`` is run again (the old keys no longer match)."""
     stale = [repr(j[1]) for j in _jobs()
-             if lowered.lookup(generate._index_key(*j, lean=True), "sm_90") is None]
+             if lowered.lookup(build._index_key(*j, lean=True), "sm_90") is None]
     assert not stale, f"{len(stale)} kernels missing from {lowered.path('sm_90')} (run `tileops lowered`): {stale[:2]}"
 
 
 @pytest.mark.parametrize("i", [0, 57, 131, -1])
 def test_shipped_sources_are_what_lowering_gives_now(i):
     job = _jobs()[i]
-    shipped = lowered.lookup(generate._index_key(*job, lean=True), "sm_90")
-    fresh = cubuild.lower_sources(generate._prim_func(job[0], job[1]), "sm_90", generate.PASS_CONFIGS)
+    shipped = lowered.lookup(build._index_key(*job, lean=True), "sm_90")
+    fresh = cuda_build.lower_sources(build._prim_func(job[0], job[1]), "sm_90", build.PASS_CONFIGS)
     assert shipped == fresh
 
 
@@ -50,12 +50,12 @@ def test_an_unreadable_or_foreign_file_means_lowering(tmp_path, monkeypatch):
 
 COLD = """
 import json, sys
-from tileops import generate
-from tileops.warmup import kernel_jobs
+from tileops.compile import build
+from tileops.compile.warmup import kernel_jobs
 job = [j for j in kernel_jobs(["RoPEFwdOp"], "sm_90") if j[2] == "cuda"][0]
-lib, record = generate._load_or_build(*job)
-print(json.dumps({"tilelang": "tilelang" in sys.modules, "lean": generate.stats.lean,
-                  "shipped": generate.stats.shipped, "args": len(record["args"])}))
+lib, record = build._load_or_build(*job)
+print(json.dumps({"tilelang": "tilelang" in sys.modules, "lean": build.stats.lean,
+                  "shipped": build.stats.shipped, "args": len(record["args"])}))
 """
 
 

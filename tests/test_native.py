@@ -19,7 +19,7 @@ import torch
 import tileops
 from tests.paths import both, can_build, native_module, python_path
 from tests.references import reference
-from tileops import errors, native
+from tileops.runtime import errors, native
 from tileops.rope import Phi3LongRoPEFwdOp, RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
 from tileops.testing import tolerance
 
@@ -301,7 +301,7 @@ _PROBE = """
 import logging, sys, torch
 logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(name)s %(message)s")
 logging.getLogger("tilelang").setLevel(logging.ERROR)
-from tileops import native
+from tileops.runtime import native
 from tileops.rope import RoPEFwdOp
 op = RoPEFwdOp(input_layout="2d")
 native.wait()
@@ -339,7 +339,7 @@ def test_a_cached_build_loads_without_building_and_a_damaged_one_is_rebuilt(tmp_
     built = native.library_path()
     cache = tmp_path / "cache"
     env = {"TILEOPS_CACHE_DIR": str(cache)}
-    target = Path(_run("from tileops import native; print(native.library_path())", env).stdout.strip())
+    target = Path(_run("from tileops.runtime import native; print(native.library_path())", env).stdout.strip())
     assert target.name == Path(built).name  # the key does not depend on the cache's place
     target.parent.mkdir(parents=True)
     shutil.copy(built, target)
@@ -412,7 +412,7 @@ def test_an_op_is_garbage_collected_with_its_native_plans_and_tracker(gen):
     gc.collect()
     assert ref() is None, "the op (or a cycle through its native objects) was kept alive"
     with pytest.raises(RuntimeError, match="names no live op"):
-        tileops.library.lookup(handle)
+        tileops.runtime.library.lookup(handle)
 
 
 class _FakeDriver:
@@ -543,7 +543,7 @@ def test_a_short_lived_process_never_starts_the_compiler(tmp_path):
     """Without a cached build, the build starts only at the process's BUILD_AFTER-th eager call: a
     script of a few calls neither waits for nor leaves behind a compiler run."""
     code = ("import torch\n"
-            "from tileops import native\n"
+            "from tileops.runtime import native\n"
             "from tileops.rope import RoPEFwdOp\n"
             "op = RoPEFwdOp()\n"
             "x = torch.randn(3, 16)\n"

@@ -232,7 +232,7 @@ def test_cuda_graph_replays_follow_the_length(gen):
 def test_warmup_builds_the_state_kernel_for_dynamic_ntk_only():
     """``tileops warmup`` and ``op.compile`` build the state kernel a call launches, for each position
     dtype and for calls without positions, on CUDA and the C backend; other ops launch none."""
-    from tileops.warmup import op_kernel_jobs
+    from tileops.compile.warmup import op_kernel_jobs
 
     for arch in ("sm_90", "c"):
         jobs = op_kernel_jobs("RoPEDynamicNTKFwdOp", {"input_layout": "2d", "rotary_dim": 24}, {"head_dim": 64},
@@ -248,7 +248,7 @@ def test_warmup_builds_the_state_kernel_for_dynamic_ntk_only():
 def test_the_state_kernel_takes_integers_only(positions, tmp_path):
     """Every argument is a pointer or an integer (doubles as their bits), so the launcher's integer
     trampoline serves it as it serves the RoPE kernel (a double would fall back to ctypes, ~4 us a call)."""
-    from tileops import cubuild, generate
+    from tileops.compile import cuda_build, build
     from tileops.kernels.ntk import NtkTablesSpec
 
     from tests.test_lean_build import _toolchain
@@ -256,7 +256,7 @@ def test_the_state_kernel_takes_integers_only(positions, tmp_path):
     if _toolchain() is not None:
         pytest.skip(f"lean build: {_toolchain()}")
     spec = NtkTablesSpec(128, positions=positions)
-    lean = cubuild.build(generate._prim_func("ntk", spec), "sm_90", generate.PASS_CONFIGS, out_dir=str(tmp_path))
+    lean = cuda_build.build(build._prim_func("ntk", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
     assert len(lean.record["args"]) == len(spec.args) + len(lean.record["extents"])
     assert set(lean.record["args"]) <= {"void*", "int32_t", "int64_t"}, lean.record["args"]
     assert "__syncthreads" in lean.device_source and "cos(" in lean.device_source

@@ -11,7 +11,7 @@ import torch
 import tileops
 from tests.paths import both, native_module, python_path
 from tests.references import reference, reference_grad
-from tileops import errors
+from tileops.runtime import errors
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
 
 pytestmark = pytest.mark.cuda
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(params=["native", "python"])
 def path(request):
-    """Each test so marked runs on the native path (tileops.native) and on the Python one."""
+    """Each test so marked runs on the native path (tileops.runtime.native) and on the Python one."""
     if request.param == "python":
         with python_path():
             yield "python"

@@ -28,12 +28,12 @@ def test_compile_ahead_then_a_new_process_loads_without_tilelang(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "4"  # forward and backward, positions int32 and int64
     first = ("import sys, torch\n"
-             "from tileops import generate\n"
+             "from tileops.compile import build\n"
              "from tileops.rope import RoPENeoxPositionIdsFwdOp\n"
              "op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=32)\n"
              "x = torch.randn(5, 3, 48)\n"
              "out = op(x, torch.tensor([0, 1, 7, 4095, 2], dtype=torch.int32))\n"
-             "print(bool(torch.isfinite(out).all()), generate.stats.compiles, generate.stats.loads, 'tilelang' in sys.modules)\n")
+             "print(bool(torch.isfinite(out).all()), build.stats.compiles, build.stats.loads, 'tilelang' in sys.modules)\n")
     warm = subprocess.run([sys.executable, "-c", first], env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert warm.returncode == 0, warm.stderr[-2000:]
     assert warm.stdout.split() == ["True", "0", "1", "False"], warm.stdout
@@ -70,7 +70,7 @@ def test_warmup_builds_the_head_major_kernel_for_2d_ops_only():
     """A long head-major 2d view (HF's [B, H, S, D] through a transpose) is served on CUDA by a kernel
     of its own schedule: ``tileops warmup`` and ``op.compile`` build it beside the usual one, for 2d
     ops only (a packed or 1d op never takes it), and never for the CPU."""
-    from tileops.warmup import op_kernel_jobs
+    from tileops.compile.warmup import op_kernel_jobs
 
     jobs = op_kernel_jobs("RoPEFwdOp", {"input_layout": "2d"}, {"head_dim": 128}, ["bfloat16"], "sm_90",
                           with_inputs=[])
@@ -92,7 +92,7 @@ def test_warmup_builds_the_head_major_kernel_for_2d_ops_only():
 @pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_compile_from_a_script_without_a_main_guard(tmp_path):
     """``op.compile(..., jobs=2)`` pasted into a plain script: the workers are ``python -m
-    tileops.warmup``, so they never re-run the script (a spawned pool did, and died with
+    tileops.compile.warmup``, so they never re-run the script (a spawned pool did, and died with
     BrokenProcessPool). With ``TILEOPS_PROGRESS=1`` and stderr a pipe, one plain line per kernel."""
     script = tmp_path / "no_guard.py"
     script.write_text("from tileops.rope import RoPENeoxPositionIdsFwdOp\n"
@@ -114,7 +114,7 @@ def test_compile_from_a_script_without_a_main_guard(tmp_path):
 
 @pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_map_jobs_runs_a_worker_per_job_and_names_a_failing_one():
-    from tileops.warmup import map_jobs
+    from tileops.compile.warmup import map_jobs
 
     assert map_jobs(os.path.basename, ["/a/x", "/b/y", "/c/z"], jobs=2, progress=False) == ["x", "y", "z"]
     with pytest.raises(RuntimeError, match=r"TypeError"):
@@ -177,7 +177,7 @@ def test_a_first_call_that_compiles_says_so_once_and_a_load_says_nothing(tmp_pat
 def test_tilelang_memory_cache_hint_alone_is_filtered():
     import logging
 
-    import tileops.generate  # noqa: F401 - installs the filter
+    import tileops.compile.build  # noqa: F401 - installs the filter
 
     log = logging.getLogger("tilelang.cache.kernel_cache")
     hint = logging.LogRecord(log.name, logging.WARNING, __file__, 1, "Found kernel '%s' in memory cache. For better "

@@ -16,8 +16,9 @@ from .families import extend_path
 
 __path__ = extend_path(__path__, "tileops")  # noqa: F821 - a package's own __path__
 
-from . import errors, rope  # noqa: E402
-from .errors import strict  # noqa: E402
+from . import rope  # noqa: E402
+from .runtime import errors  # noqa: E402
+from .runtime.errors import strict  # noqa: E402
 from .targets import BUILTIN, Target, register_target, target_names  # noqa: E402
 
 __version__ = "0.1.0"

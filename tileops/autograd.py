@@ -108,7 +108,7 @@ def _copy_into(op: Any, result: Any, outs: Mapping[str, Any]) -> Any:
 
 def backward_of(op: Any, impl: Any, grads: tuple, tensors: Mapping[str, Any]) -> tuple:
     """The gradients of the ``backward.wrt`` inputs that are given, from the outputs' gradients
-    (for :mod:`tileops.library`, whose backward is an op of its own)."""
+    (for :mod:`tileops.runtime.library`, whose backward is an op of its own)."""
     wrt = tuple(w for w in op.manifest.backward.wrt if tensors.get(w) is not None)
     if is_kernel_set(impl):
         return tuple(impl.backward(impl.prepare(tensors), grads, {k: v for k, v in tensors.items() if k not in wrt}))

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence
 
 from .progress import Progress
 from .testing import TOLERANCES
-from .warmup import arch_problem, default_arch
+from .compile.warmup import arch_problem, default_arch
 
 __all__ = ["main"]
 
@@ -95,7 +95,7 @@ def _op_and_call(name: str, label: str | None, device: str = "cpu"):
     import torch
 
     from .manifest import get
-    from .op import CallSpec
+    from .manifest import CallSpec
     from .workloads import case_dims, case_params, index_dtype, op_class
 
     m = get(name)
@@ -109,7 +109,7 @@ def _op_and_call(name: str, label: str | None, device: str = "cpu"):
 
 
 def cmd_emit(args: argparse.Namespace) -> int:
-    from .generate import emit_source
+    from .compile.build import emit_source
 
     try:
         m, case, op, call = _op_and_call(args.op, args.case)
@@ -130,8 +130,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
-    from . import native
-    from .warmup import warmup
+    from .runtime import native
+    from .compile.warmup import warmup
 
     arch = args.arch or default_arch()
     problem = arch_problem(arch, build=True)
@@ -244,7 +244,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_lowered(args: argparse.Namespace) -> int:
-    from . import lowered
+    from .compile import lowered
 
     problem = arch_problem(args.arch, cpu=False)  # lowering only: no GPU, no CUDA toolkit
     if problem:
@@ -261,7 +261,7 @@ def cmd_lowered(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _no_compile_lines() -> Iterator[None]:
     """Within: no "tileops: compiled ..." lines (a command that reports its own progress)."""
-    from .generate import compile_log
+    from .compile.build import compile_log
 
     level = compile_log.level
     compile_log.setLevel(logging.WARNING)

@@ -11,47 +11,22 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 
-from . import errors, library, native
+from .runtime import errors, library, native
 from . import manifest as _manifest
 from .autograd import backward_of, grad_needed, run_differentiable
 from .manifest import ExprError, OpManifest
+from .manifest.call import DTYPE_NAMES, DTYPES, CallSpec
 from .targets import Target, TargetError, check_target_arg, resolve_target
 
-__all__ = ["Op", "CallSpec", "DTYPES"]
+__all__ = ["Op"]
 
-#: dtype names as manifests write them
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _is_compiling = torch.compiler.is_compiling
-_log = logging.getLogger("tileops.native")
+_log = logging.getLogger("tileops.runtime.native")
 _native_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class CallSpec:
-    """What a call specializes on: the device, each input's dtype, and the dims the manifest's
-    ``kernel.specialize`` lists (head_dim for RoPE); every other dim is dynamic."""
-
-    device: torch.device
-    dtypes: tuple[tuple[str, str], ...]  # (input name, dtype name)
-    dims: tuple[tuple[str, int], ...]
-
-    def dtype(self, name: str) -> str:
-        return dict(self.dtypes)[name]
-
-    def dim(self, name: str) -> int:
-        return dict(self.dims)[name]
-
-    @property
-    def position_dtype(self) -> str | None:
-        """The dtype name of ``position_ids`` when the call passes them, else None."""
-        return dict(self.dtypes).get("position_ids")
 
 
 class Op:
@@ -64,7 +39,7 @@ class Op:
 
     #: the manifest's op name; defaults to the class name
     op_name: str = ""
-    #: the native extension's ``Dispatch.run`` for this op once it is loaded (:mod:`tileops.native`)
+    #: the native extension's ``Dispatch.run`` for this op once it is loaded (:mod:`tileops.runtime.native`)
     _native_run: Any = None
 
     def _setup(self, params: Mapping[str, Any], target: Any) -> None:
@@ -163,7 +138,7 @@ class Op:
     def _call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
         """Run the op: eagerly, or as a ``torch.library`` custom op while ``torch.compile`` traces.
 
-        An eager call goes to the native plans first (:mod:`tileops.native`), which serve a call
+        An eager call goes to the native plans first (:mod:`tileops.runtime.native`), which serve a call
         whose signature was seen before and return ``NotImplemented`` for any other."""
         if _is_compiling():
             return self._traced_call(tensors, outs or {})
@@ -171,7 +146,7 @@ class Op:
 
     def _eager(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
         """An eager call: the native plans first, then :meth:`_eager_call`. The custom ops of
-        :mod:`tileops.library` run their calls here too, so a compiled graph's call costs the
+        :mod:`tileops.runtime.library` run their calls here too, so a compiled graph's call costs the
         native path's host time, not the Python checks' (a patched HF model's compiled decode
         makes one such call per layer and step)."""
         run = self._native_run
@@ -182,7 +157,7 @@ class Op:
         return self._eager_call(tensors, outs)
 
     def _traced_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> Any:
-        """The call as one of :mod:`tileops.library`'s custom ops: inputs and outputs as lists in the
+        """The call as one of :mod:`tileops.runtime.library`'s custom ops: inputs and outputs as lists in the
         manifest's order. With any output given, every output the call produces is passed to
         ``apply_out`` (those not given as new tensors), so the result is what the eager call returns."""
         inputs, names = library.pack(self, tensors)
@@ -211,7 +186,7 @@ class Op:
 
     # ----------------------------------------------------------------------------- errors
     def _calls(self) -> Any:
-        """This op's calls whose position errors are not judged yet (see :mod:`tileops.errors`)."""
+        """This op's calls whose position errors are not judged yet (see :mod:`tileops.runtime.errors`)."""
         calls = self.__dict__.get("_tracker")
         if calls is None:
             with _native_lock:  # one tracker, and the native dispatch (if any) told of it
@@ -250,7 +225,7 @@ class Op:
                 default every combination. Integer inputs (positions) are compiled for each of their dtypes.
             backward: Also the backward kernels (default True).
             jobs: Processes compiling at once; 1 compiles in this process. The processes run
-                ``python -m tileops.warmup``, not the calling script: no ``__main__`` guard is needed.
+                ``python -m tileops.compile.warmup``, not the calling script: no ``__main__`` guard is needed.
             progress: One step per kernel on stderr (a tqdm bar on a terminal): True shows it, False
                 hides it; None (default) shows it when stderr is a terminal, unless
                 ``TILEOPS_PROGRESS=0`` (:mod:`tileops.progress`).
@@ -266,9 +241,9 @@ class Op:
                 e.g. an odd ``head_dim``), a dtype the op does not take, an unknown optional input, or a failed
                 compile.
         """
-        from .generate import device_backend
+        from .compile.build import device_backend
         from .targets import BUILTIN
-        from .warmup import compile_jobs, op_kernel_jobs
+        from .compile.warmup import compile_jobs, op_kernel_jobs
 
         m = self.manifest
         want = set(m.kernel.specialize)
@@ -464,7 +439,7 @@ class Op:
             if not isinstance(t, torch.Tensor):
                 none = " or None" if spec.optional else ""
                 raise TypeError(f"{m.name}: {spec.name}: expected a torch.Tensor{none}, got {type(t).__name__}")
-            dname = _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
+            dname = DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
             if dname not in spec.dtypes:
                 raise TypeError(f"{m.name}: {spec.name}: expected dtype {', '.join(spec.dtypes)}, got {dname}")
             dtypes.append((spec.name, dname))

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from .manifest import Case, OpManifest, TensorSpec
-from .op import DTYPES
+from .manifest import DTYPES
 
 __all__ = ["Workload", "index_dtype", "case_params", "case_dims", "make_inputs", "workload", "op_class", "bytes_moved"]
 

@@ -18,7 +18,7 @@ How it plugs in (the least a model's code is touched, in the manner of Liger's
 Nothing is shared between calls: the tag travels with the tensor, and there is no context variable
 or other per-thread state, so concurrent eager calls cannot see each other's positions, and
 ``torch.compile`` traces all of it (Dynamo follows a Python attribute set on a tensor it made, and
-:mod:`tileops.library` gives it the op as a custom op): a patched model compiles into the graphs an
+:mod:`tileops.runtime.library` gives it the op as a custom op): a patched model compiles into the graphs an
 unpatched one does, with no graph break and no recompile of its own.
 
 ``unpatch`` deletes the instance attributes and, when the last patched model of a modeling module

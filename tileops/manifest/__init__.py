@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 
+from .call import DTYPE_NAMES, DTYPES, CallSpec
 from .expr import Expr, ExprError, parse_expr
 from .loader import ManifestError, load_file, load_files, manifest_files, packaged_files
 from .schema import SCHEMA, Case, KernelSpec, OpManifest, ParamSpec, Rule, TensorSpec
 
 __all__ = [
-    "Expr", "ExprError", "parse_expr", "ManifestError", "load_file", "load_files", "packaged_files", "manifest_files",
+    "CallSpec", "DTYPES", "DTYPE_NAMES", "Expr", "ExprError", "parse_expr", "ManifestError", "load_file", "load_files", "packaged_files", "manifest_files",
     "SCHEMA", "Case", "KernelSpec", "OpManifest", "ParamSpec", "Rule", "TensorSpec", "registry", "get",
 ]
 

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from ..errors import words_for
-from ..generate import device_backend, load_kernel
-from ..op import DTYPES as DTYPE, _disjoint
+from ..runtime.errors import words_for
+from ..compile.build import device_backend, load_kernel
+from ..manifest import DTYPES as DTYPE
+from ..op import _disjoint
 from .tables import DIGITS, LO
 
 __all__ = ["implement", "kernel_spec", "kernel_specs", "helper_kernels", "RopeKernels", "TRANSPOSED_MIN_TOKENS",
@@ -214,7 +215,7 @@ class RopeKernels:
 
     def _words(self) -> Any:
         """The device's error words: looked up each time, since which implementation serves them
-        changes when the native extension is loaded (:func:`tileops.errors.words_for`)."""
+        changes when the native extension is loaded (:func:`tileops.runtime.errors.words_for`)."""
         return words_for(self.device)
 
     def _source(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -282,7 +283,7 @@ class RopeKernels:
             a[put["P"]], a[put["limit"]] = position_ids.data_ptr(), self.limit
             self._put_position_strides(a, put, position_ids)
             # a position out of range reads as 0 (nothing is indexed out of bounds) and the kernel
-            # writes this call's tag into its error word: reported without a host sync (tileops.errors)
+            # writes this call's tag into its error word: reported without a host sync (tileops.runtime.errors)
             self.op._calls().launch(kernel, a, put["ERR"], put["tag"], position_ids, self._words(), stream)
         else:
             kernel.launch(a, stream)
@@ -449,7 +450,7 @@ class RopeKernels:
 
     def native_plan(self, native: Any, tensors: dict, outs: dict) -> Any:
         """The native extension's ``Plan`` for every later call shaped like this one: the same
-        launch and per-call checks as :meth:`plan`, in C++ (:mod:`tileops.native`); or None."""
+        launch and per-call checks as :meth:`plan`, in C++ (:mod:`tileops.runtime.native`); or None."""
         parts = self._plan_parts(tensors, outs)
         if parts is None:
             return None

@@ -76,7 +76,7 @@ class DynamicNtkTables:
 
     def __init__(self, state: torch.Tensor, rot: int, device: torch.device, base: float, factor: float,
                  max_position_embeddings: int, limit: int):
-        from tileops.generate import device_backend
+        from tileops.compile.build import device_backend
         from tileops.kernels.ntk import DIGITS as KDIGITS, LO as KLO, NtkTablesSpec
 
         if (KLO, KDIGITS) != (LO, DIGITS):
@@ -96,7 +96,7 @@ class DynamicNtkTables:
     def _launcher(self, positions: str | None) -> tuple[Any, array.array, dict[str, int]]:
         got = self._launchers.get(positions)
         if got is None:
-            from tileops.generate import load_kernel
+            from tileops.compile.build import load_kernel
             from tileops.kernels.ntk import NtkTablesSpec
 
             spec = NtkTablesSpec(self.rot, positions=positions, backend=self.backend)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tileops.generate import device_backend, load_kernel
+from tileops.compile.build import device_backend, load_kernel
 
 __all__ = ["implement", "kernel_spec", "ScaleKernels"]
 

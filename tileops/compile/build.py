@@ -6,8 +6,8 @@ leaves that setting, and TileLang's logging, as the process has them). Threads t
 same kernel at once wait on one lock per key: one compile, one result for all.
 
 The ops launch kernels through :func:`load_kernel`, which also keeps an index of its own under
-``tileops.launch.cache_root()/kernels``: per kernel, a copy of its compiled library and a record of
-its arguments (:func:`tileops.launch.kernel_record`), keyed by the builder, the spec, the backend,
+``tileops.compile.entry.cache_root()/kernels``: per kernel, a copy of its compiled library and a record of
+its arguments (:func:`tileops.compile.entry.kernel_record`), keyed by the builder, the spec, the backend,
 the arch, the sources of the builder module and of the kernels' helper modules, TileLang's
 version and the pass configs. A later process
 loads the library from there with ctypes, without importing TileLang (1-1.5 s) or re-tracing the
@@ -45,7 +45,7 @@ __all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "st
 
 @dataclass
 class CompileStats:
-    """How many kernels this process built (``compiles``, of which ``lean`` by :mod:`tileops.cubuild`)
+    """How many kernels this process built (``compiles``, of which ``lean`` by :mod:`tileops.compile.cuda_build`)
     and how long that took in all, and how many it loaded from tileops' own index without TileLang
     (``loads``)."""
 
@@ -53,7 +53,7 @@ class CompileStats:
     seconds: float = 0.0
     loads: int = 0
     lean: int = 0
-    #: of the lean builds, those compiled from sources shipped lowered (:mod:`tileops.lowered`)
+    #: of the lean builds, those compiled from sources shipped lowered (:mod:`tileops.compile.lowered`)
     shipped: int = 0
 
     @property
@@ -167,7 +167,7 @@ def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
 
             t0 = time.perf_counter()
             with _own_compile():
-                # the Cython backend exposes the library's C entry point, which tileops.launch calls directly
+                # the Cython backend exposes the library's C entry point, which tileops.compile.entry calls directly
                 kernel = tilelang.compile(_prim_func(builder, spec), target=_tvm_target(backend, arch),
                                           execution_backend="cython", pass_configs=PASS_CONFIGS,
                                           compile_flags=list(c_flags()) if backend == "c" else None)
@@ -184,7 +184,7 @@ _loaded: dict[Hashable, tuple[Any, dict[str, Any]]] = {}
 
 
 def _index_dir() -> str:
-    from .launch import cache_root
+    from .entry import cache_root
 
     return os.path.join(cache_root(), "kernels")
 
@@ -217,14 +217,14 @@ def _tilelang_version() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _lean_digest() -> str:
-    """A digest of :mod:`tileops.cubuild`'s source: a lean build's index entries depend on it."""
-    from .launch import file_sha256
+    """A digest of :mod:`tileops.compile.cuda_build`'s source: a lean build's index entries depend on it."""
+    from .entry import file_sha256
 
-    return file_sha256(os.path.join(os.path.dirname(__file__), "cubuild.py"))
+    return file_sha256(os.path.join(os.path.dirname(__file__), "cuda_build.py"))
 
 
 def _index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = False) -> str:
-    """The index entry of a kernel built TileLang's way, or (``lean``) by :mod:`tileops.cubuild`."""
+    """The index entry of a kernel built TileLang's way, or (``lean``) by :mod:`tileops.compile.cuda_build`."""
     how = ("lean", _lean_digest()) if lean else "tilelang"
     text = repr((_INDEX_FORMAT, builder, spec, backend, arch, _builder_digest(builder), _tilelang_version(),
                  sorted(PASS_CONFIGS.items()), platform.machine(), how) + ((c_flags(),) if backend == "c" else ()))
@@ -251,7 +251,7 @@ def _from_index(key: str) -> tuple[Any, dict[str, Any]] | None:
     except (OSError, ValueError) as e:
         warnings.warn(f"tileops: kernel index entry {base}.json is unreadable ({e}); rebuilding it", RuntimeWarning)
         return None
-    from .launch import file_sha256
+    from .entry import file_sha256
 
     try:
         if file_sha256(base + ".so") != record.get("sha256"):
@@ -266,7 +266,7 @@ def _to_index(key: str, src: str | None, record: dict[str, Any]) -> None:
     """Keep the library at ``src`` and its launch ``record`` in the index (atomically: another
     process sees the whole entry or none); an unwritable index is skipped (the kernel is still
     served from memory)."""
-    from .launch import file_sha256
+    from .entry import file_sha256
 
     if not src or not os.path.exists(src):
         return
@@ -287,10 +287,10 @@ def _to_index(key: str, src: str | None, record: dict[str, Any]) -> None:
 
 def load_kernel(builder: str, spec: Any, backend: str, arch: str, device: torch.device,
                 param_names: tuple[str, ...] = (), op_name: str = "") -> Any:
-    """The launchable kernel (:class:`tileops.launch.RawKernel`) for ``spec`` on ``device``: from
+    """The launchable kernel (:class:`tileops.compile.entry.RawKernel`) for ``spec`` on ``device``: from
     memory, else from tileops' index (no TileLang import), else compiled by TileLang and indexed.
     A compile logs one INFO line on ``tileops.compile`` saying what (``op_name``'s kernel) and how long."""
-    from .launch import raw_kernel_from
+    from .entry import raw_kernel_from
 
     key = (builder, spec, backend, arch)
     got = _loaded.get(key)
@@ -371,10 +371,10 @@ def _load_or_build(builder: str, spec: Any, backend: str, arch: str) -> tuple[An
 
 def _obtain(builder: str, spec: Any, backend: str, arch: str) -> tuple[tuple[Any, dict[str, Any]], bool]:
     """((library, record), whether it was compiled now rather than loaded from the index)."""
-    from . import cubuild
-    from .launch import kernel_record
+    from . import cuda_build
+    from .entry import kernel_record
 
-    lean = backend == "cuda" and cubuild.enabled()
+    lean = backend == "cuda" and cuda_build.enabled()
     keys = ([_index_key(builder, spec, backend, arch, lean=True)] if lean else [])
     keys.append(_index_key(builder, spec, backend, arch))
     use_disk = os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0")  # the disk cache is not turned off
@@ -399,24 +399,24 @@ _lean_warned = False
 
 
 def _lean_build(builder: str, spec: Any, arch: str, key: str) -> Any:
-    """The kernel built by :mod:`tileops.cubuild` (None: build it TileLang's way): from the sources
-    shipped lowered (:mod:`tileops.lowered`, no TileLang import) when they have ``key``, else lowered
-    now (the caller has checked :func:`tileops.cubuild.enabled`). A kernel that build does not serve
+    """The kernel built by :mod:`tileops.compile.cuda_build` (None: build it TileLang's way): from the sources
+    shipped lowered (:mod:`tileops.compile.lowered`, no TileLang import) when they have ``key``, else lowered
+    now (the caller has checked :func:`tileops.compile.cuda_build.enabled`). A kernel that build does not serve
     is a debug line; a compiler failing on one it should serve warns once per process."""
     global _lean_warned
-    from . import cubuild, lowered
+    from . import cuda_build, lowered
 
     t0 = time.perf_counter()
     try:
         shipped = lowered.lookup(key, arch)
         if shipped is not None:
-            lean = cubuild.compile_sources(shipped, arch)
+            lean = cuda_build.compile_sources(shipped, arch)
         else:
             import tilelang  # noqa: F401 - before the kernel module, as compile_kernel does
 
             with _own_compile():
-                lean = cubuild.build(_prim_func(builder, spec), arch, PASS_CONFIGS)
-    except cubuild.Unsupported as e:
+                lean = cuda_build.build(_prim_func(builder, spec), arch, PASS_CONFIGS)
+    except cuda_build.Unsupported as e:
         _log.debug("tileops: %s built by TileLang (%s)", spec, e)
         return None
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
@@ -453,7 +453,7 @@ def index_kernel(builder: str, spec: Any, backend: str, arch: str) -> bool:
     return _obtain(builder, spec, backend, arch)[1]
 
 
-_log = logging.getLogger("tileops.generate")
+_log = logging.getLogger("tileops.compile.build")
 
 
 class _MemoryCacheHint(logging.Filter):

@@ -5,7 +5,7 @@ the forward kernel and, where the manifest declares a backward, the backward ker
 arch; several compiles run at once in separate processes (nvcc is single-threaded), and each lands
 in the on-disk kernel cache, from which a later process's first call loads it.
 
-The processes are fresh interpreters running ``python -m tileops.warmup``, fed jobs through a pipe
+The processes are fresh interpreters running ``python -m tileops.compile.warmup``, fed jobs through a pipe
 (:func:`map_jobs`), not a ``multiprocessing`` pool: a spawned pool's workers re-import the caller's
 ``__main__``, so ``op.compile(...)`` in a script without an ``if __name__ == "__main__":`` guard
 ran the script again in every worker and died with ``BrokenProcessPool``.
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Mapping
 __all__ = ["kernel_jobs", "op_kernel_jobs", "compile_jobs", "warmup", "map_jobs", "default_arch", "arch_problem"]
 
 #: the lowest CUDA arch tileops builds for: the lean build's prelude converts bfloat16 with sm_80
-#: instructions (:mod:`tileops.cubuild`), and TileLang's own nvcc build, the fallback, links against
+#: instructions (:mod:`tileops.compile.cuda_build`), and TileLang's own nvcc build, the fallback, links against
 #: ``libcuda``, which a machine without the driver lacks (``tileops warmup --arch sm_75`` there
 #: printed 99 ``cannot find -lcuda`` in 12 minutes)
 MIN_SM = 80
@@ -64,17 +64,17 @@ def arch_problem(arch: str, cpu: bool = True, build: bool = False) -> str | None
         return (f"expected sm_XX with XX >= {MIN_SM} (bfloat16 conversions and the lean build need sm_80), "
                 f"got {arch!r}")
     if build:
-        from . import cubuild
+        from . import cuda_build
 
         try:
-            libs = cubuild._toolkit_dirs("lib")
+            libs = cuda_build._toolkit_dirs("lib")
             if not any(os.path.exists(os.path.join(d, "libcudart_static.a")) for d in libs):
-                raise cubuild.Unsupported(f"no libcudart_static.a in {', '.join(libs) or 'the CUDA toolkit'}")
-            if cubuild.nvrtc_path() is None and not os.path.exists(os.path.join(cubuild._cuda_home(), "bin", "nvcc")):
-                raise cubuild.Unsupported("neither NVRTC nor nvcc found")
+                raise cuda_build.Unsupported(f"no libcudart_static.a in {', '.join(libs) or 'the CUDA toolkit'}")
+            if cuda_build.nvrtc_path() is None and not os.path.exists(os.path.join(cuda_build._cuda_home(), "bin", "nvcc")):
+                raise cuda_build.Unsupported("neither NVRTC nor nvcc found")
             if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
-                raise cubuild.Unsupported("no C++ compiler ($CXX, c++, g++)")
-        except cubuild.Unsupported as e:
+                raise cuda_build.Unsupported("no C++ compiler ($CXX, c++, g++)")
+        except cuda_build.Unsupported as e:
             return f"building for {arch} needs the CUDA toolkit, and here: {e} (the CPU's kernels: --arch c)"
     return None
 
@@ -82,8 +82,8 @@ def arch_problem(arch: str, cpu: bool = True, build: bool = False) -> str | None
 def kernel_jobs(names: Iterable[str] | None, arch: str) -> list[tuple[str, Any, str, str]]:
     """``(builder, spec, backend, arch)`` for every case x dtype (x direction) of the ops ``names``
     (all when None), without duplicates, in manifest order."""
-    from .manifest import registry
-    from .workloads import case_dims, case_params
+    from ..manifest import registry
+    from ..workloads import case_dims, case_params
 
     reg = registry()
     unknown = sorted(set(names or ()) - set(reg))
@@ -109,9 +109,9 @@ def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int]
     their workload dtype, or each of their dtypes with ``every_index_dtype``."""
     import torch
 
-    from .manifest import registry
-    from .op import CallSpec
-    from .workloads import index_dtype, op_class
+    from ..manifest import registry
+    from ..manifest import CallSpec
+    from ..workloads import index_dtype, op_class
 
     backend = "c" if arch == "c" else "cuda"
     device = torch.device("cpu" if backend == "c" else "cuda")
@@ -146,7 +146,7 @@ def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int]
 
 def _compile(job: tuple[str, Any, str, str]) -> str | None:
     """Compile one kernel; None, or the first line of what went wrong."""
-    from .generate import index_kernel
+    from .build import index_kernel
 
     try:
         index_kernel(*job)
@@ -167,7 +167,7 @@ def warmup(names: Iterable[str] | None = None, arch: str = "sm_90", jobs: int | 
 
 def _job_label(job: Any) -> str:
     """A kernel job in a few words, for a progress line."""
-    from .generate import kernel_label
+    from .build import kernel_label
 
     if isinstance(job, tuple) and len(job) == 4:
         builder, spec, _, arch = job
@@ -182,9 +182,9 @@ def map_jobs(fn: Callable[[Any], Any], todo: list[Any], jobs: int | None = None,
     module-level function of an importable module, ``todo`` picklable.
 
     Workers are fresh interpreters (no CUDA context or TileLang state inherited) started as
-    ``python -m tileops.warmup``, so they import tileops and never the caller's ``__main__``.
+    ``python -m tileops.compile.warmup``, so they import tileops and never the caller's ``__main__``.
     """
-    from .progress import Progress, wanted
+    from ..progress import Progress, wanted
 
     results: list[Any] = [None] * len(todo)
     workers = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
@@ -202,7 +202,7 @@ def map_jobs(fn: Callable[[Any], Any], todo: list[Any], jobs: int | None = None,
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
 
         def drive() -> None:
-            proc = subprocess.Popen([sys.executable, "-m", "tileops.warmup"], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", "tileops.compile.warmup"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, env=env)
             assert proc.stdin is not None and proc.stdout is not None
             try:

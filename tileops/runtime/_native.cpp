@@ -301,7 +301,7 @@ PyType_Slot Pool_slots[] = {{Py_tp_new, (void*)Pool_new},
                             {Py_tp_dealloc, (void*)Pool_dealloc},
                             {Py_tp_methods, Pool_methods},
                             {Py_tp_getset, Pool_getset},
-                            {Py_tp_doc, (void*)"A device's pool of error words (see tileops.errors.ErrorWords)."},
+                            {Py_tp_doc, (void*)"A device's pool of error words (see tileops.runtime.errors.ErrorWords)."},
                             {0, nullptr}};
 PyType_Spec Pool_spec = {"tileops._tileops_native.Pool", sizeof(Pool), 0, Py_TPFLAGS_DEFAULT, Pool_slots};
 
@@ -732,7 +732,7 @@ PyType_Slot Tracker_slots[] = {{Py_tp_new, (void*)Tracker_new},
                                {Py_tp_methods, Tracker_methods},
                                {Py_tp_getset, Tracker_getset},
                                {Py_tp_doc, (void*)"One op's calls whose positions are not judged yet (see "
-                                                  "tileops.errors.Tracker)."},
+                                                  "tileops.runtime.errors.Tracker)."},
                                {0, nullptr}};
 PyType_Spec Tracker_spec = {"tileops._tileops_native.Tracker", sizeof(Tracker), 0,
                             Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, Tracker_slots};
@@ -1502,7 +1502,7 @@ PyObject* is_plain(PyObject*, PyObject* o) {  // what encode_tensor accepts (for
 
 PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
-     "The constants and objects of tileops.errors this module mirrors."},
+     "The constants and objects of tileops.runtime.errors this module mirrors."},
     {"set_driver", (PyCFunction)set_driver, METH_VARARGS,
      "set_driver(cuEventRecord, cuStreamIsCapturing, cuEventQuery, cuEventSynchronize, "
      "cuThreadExchangeStreamCaptureMode): the driver's addresses."},

@@ -2,9 +2,9 @@
 
 A cold first call spends most of its time in TileLang before any compiler runs: importing it (1-3 s)
 and lowering the kernel (0.5-1.7 s on the H200's host, ``benchmarks/NOTES.md``). What lowering gives
-the lean build (:class:`tileops.cubuild.Sources`: the device source, the launcher's source, the launch
+the lean build (:class:`tileops.compile.cuda_build.Sources`: the device source, the launcher's source, the launch
 record) depends only on the kernel's spec, the builder's source, TileLang's version, the pass configs
-and :mod:`tileops.cubuild` itself, which is what the lean build's index key digests. So those sources
+and :mod:`tileops.compile.cuda_build` itself, which is what the lean build's index key digests. So those sources
 are generated ahead, for every kernel ``tileops warmup`` would build, and shipped in
 ``kernels/lowered/<arch>.json.xz``; a cold first call of one of those kernels compiles the shipped
 sources (NVRTC and the C++ compiler, about half a second) without importing TileLang. A kernel not in
@@ -54,8 +54,8 @@ def _pack(arch: str) -> dict[str, Any]:
 
 
 def lookup(key: str, arch: str) -> Any:
-    """The shipped :class:`tileops.cubuild.Sources` of the kernel whose lean index key is ``key``, or None."""
-    from .cubuild import Sources
+    """The shipped :class:`tileops.compile.cuda_build.Sources` of the kernel whose lean index key is ``key``, or None."""
+    from .cuda_build import Sources
 
     entry = _pack(arch).get(key)
     if not isinstance(entry, dict):
@@ -69,14 +69,14 @@ def lookup(key: str, arch: str) -> Any:
 def _lower(job: tuple[str, Any, str, str]) -> tuple[str, dict[str, Any] | None]:
     import logging
 
-    from . import cubuild, generate
+    from . import build, cuda_build
 
     logging.getLogger("tilelang").setLevel(logging.ERROR)
     builder, spec, backend, arch = job
-    key = generate._index_key(builder, spec, backend, arch, lean=True)
+    key = build._index_key(builder, spec, backend, arch, lean=True)
     try:
-        src = cubuild.lower_sources(generate._prim_func(builder, spec), arch, generate.PASS_CONFIGS)
-    except cubuild.Unsupported:
+        src = cuda_build.lower_sources(build._prim_func(builder, spec), arch, build.PASS_CONFIGS)
+    except cuda_build.Unsupported:
         return key, None
     return key, {"spec": repr(spec), "device": src.device, "host": src.host, "record": src.record, "name": src.name}
 

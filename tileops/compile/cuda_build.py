@@ -19,10 +19,10 @@ This module builds the same library in two cheap steps:
   runtime.
 
 The library exports what TileLang's does (``init``, ``call``, ``get_last_error``), so
-:mod:`tileops.launch` and the kernel index (:mod:`tileops.generate`) treat both alike. A kernel this
+:mod:`tileops.compile.entry` and the kernel index (:mod:`tileops.compile.build`) treat both alike. A kernel this
 build cannot serve (a template it does not provide, dynamic shared memory, clusters, cooperative
 launch, TMA descriptors, an L2 persistence window) raises :class:`Unsupported`, and
-:mod:`tileops.generate` builds it TileLang's way. ``TILEOPS_LEAN_BUILD=0`` turns this build off;
+:mod:`tileops.compile.build` builds it TileLang's way. ``TILEOPS_LEAN_BUILD=0`` turns this build off;
 ``TILEOPS_NVRTC`` names the NVRTC library to use.
 """
 
@@ -45,7 +45,7 @@ from typing import Any
 __all__ = ["Unsupported", "LeanLibrary", "Sources", "enabled", "build", "lower_sources", "compile_sources",
            "device_source", "nvrtc_path"]
 
-_log = logging.getLogger("tileops.cubuild")
+_log = logging.getLogger("tileops.compile.cuda_build")
 
 
 class Unsupported(Exception):
@@ -381,7 +381,7 @@ def _cubin_array(blob: bytes) -> str:
 
 @dataclass
 class LeanLibrary:
-    """A library the lean build wrote: its path, its launch record (:func:`tileops.launch.kernel_record`'s
+    """A library the lean build wrote: its path, its launch record (:func:`tileops.compile.entry.kernel_record`'s
     form), the device source, and which compiler made the cubin."""
 
     libpath: str
@@ -417,7 +417,7 @@ def _record(func: Any, dyn: list[tuple[str, str]]) -> dict[str, Any]:
 class Sources:
     """What lowering a kernel gives the lean build: the device source (prelude included), the host
     launcher's source (without the prelude and cubin :func:`compile_sources` adds), the launch record
-    and the kernel's name. Plain data: :mod:`tileops.lowered` keeps these for kernels shipped lowered."""
+    and the kernel's name. Plain data: :mod:`tileops.compile.lowered` keeps these for kernels shipped lowered."""
 
     device: str
     host: str

@@ -4,15 +4,15 @@ A call whose signature was seen before costs, through the Python plan, 3-4x the 
 torch elementwise op: the signature tuple, the plan closure and the error tracker are Python. The
 extension does that work in C++: it reads each tensor's metadata through the PyTorch C API, looks
 the call's plan up by it, allocates the outputs not given (ATen's ``empty_like``), fills the
-kernel's argument array and calls the launch trampoline (:mod:`tileops.launch`); the error words
-and the per-call tracking of positions (:mod:`tileops.errors`) live there too, and the Python path
+kernel's argument array and calls the launch trampoline (:mod:`tileops.compile.entry`); the error words
+and the per-call tracking of positions (:mod:`tileops.runtime.errors`) live there too, and the Python path
 uses the same tracker when the extension is loaded. Any call it cannot serve exactly as the Python
 path would (the first call of a signature, an input that requires grad, a tensor subclass, a
 misaligned pointer, an overlap) goes to the Python path.
 
 The extension is compiled once per (torch version, Python ABI, source) with the system C++
 compiler (``$CXX``, else ``c++``) against the installed torch's headers, and cached under
-:func:`tileops.launch.cache_root` (``native/``), atomically, with a checksum: a damaged file is
+:func:`tileops.compile.entry.cache_root` (``native/``), atomically, with a checksum: a damaged file is
 rebuilt. Compiling takes tens of seconds, so the first use never waits for it: :func:`start`
 (called when an op is constructed) loads a cached build at once; without one, the build starts in a
 background thread once the process has made ``BUILD_AFTER`` (200) eager calls, so that a short
@@ -22,7 +22,7 @@ ahead of time; :func:`build` builds and loads it synchronously (tests).
 
 ``TILEOPS_NATIVE=0`` in the environment keeps every call on the Python path (read at each
 :func:`start`, i.e. effectively at the first op's construction). Without a compiler or torch's
-headers the Python path serves, silently (a debug line on the ``tileops.native`` logger).
+headers the Python path serves, silently (a debug line on the ``tileops.runtime.native`` logger).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any, Iterator
 
 __all__ = ["module", "start", "build", "wait", "enabled", "status", "library_path", "disabled", "SOURCE"]
 
-_log = logging.getLogger("tileops.native")
+_log = logging.getLogger("tileops.runtime.native")
 
 #: the extension's source, shipped with the package
 SOURCE = Path(__file__).with_name("_native.cpp")
@@ -101,7 +101,7 @@ def _key() -> str:
 
 def library_path() -> str:
     """Where the build for this torch, Python and source is cached."""
-    from .launch import cache_root
+    from ..compile.entry import cache_root
 
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     return os.path.join(cache_root(), "native", f"{_NAME}-{_key()}{suffix}")
@@ -109,7 +109,7 @@ def library_path() -> str:
 
 def _intact(path: str) -> bool:
     """Whether ``path`` and its checksum file exist and agree."""
-    from .launch import file_sha256
+    from ..compile.entry import file_sha256
 
     try:
         with open(path + ".sha256") as f:
@@ -121,7 +121,7 @@ def _intact(path: str) -> bool:
 
 def _compile(path: str) -> None:
     """Compile the extension into ``path`` (atomically: a temporary file, then a rename)."""
-    from .launch import file_sha256
+    from ..compile.entry import file_sha256
 
     include, lib = _torch_paths()
     py_include = sysconfig.get_paths()["include"]
@@ -175,7 +175,7 @@ def _build_and_load(wait_for_others: bool = True, progress: bool = False) -> Any
     """The extension: loaded from the cache, else built (under a lock file, so that two processes
     do not build it at once; the second loads the first's; a line on stderr before and after the
     compile with ``progress``) and loaded. Raises OSError/ImportError."""
-    from .progress import task
+    from ..progress import task
 
     path = library_path()
     if not _intact(path):
@@ -279,7 +279,7 @@ def build(progress: bool | None = None) -> Any:
     """Build (if not cached) and load the extension now, in this thread; returns :data:`module`, or
     None when it cannot be built (the reason is in :func:`status`). For ``tileops warmup`` and tests;
     ``progress`` as :func:`tileops.progress.wanted` (a line before and after a compile)."""
-    from .progress import wanted
+    from ..progress import wanted
 
     global _status
     if module is not None:
@@ -315,7 +315,7 @@ def disabled() -> Iterator[None]:
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m tileops.native``: build (if needed) and load; print where and how long."""
+    """``python -m tileops.runtime.native``: build (if needed) and load; print where and how long."""
     t0 = time.perf_counter()
     mod = build(progress=True)
     print(f"{status()}: {library_path()} ({time.perf_counter() - t0:.1f} s)")
