@@ -35,7 +35,7 @@ def steps() -> None:
     from tileops.compile.entry import raw_kernel_from
 
     spec = RopeKernelSpec(**SPEC)
-    func = build._prim_func("rope", spec)
+    func = build.prim_func("rope", spec)
     t3 = time.perf_counter()
     lean = cuda_build.build(func, "sm_90", build.PASS_CONFIGS)
     t4 = time.perf_counter()
@@ -59,7 +59,7 @@ def launch(rounds: int = 22, calls: int = 500) -> None:
     dev = torch.device("cuda")
     spec = RopeKernelSpec(dtype="float32", head_dim=64, rot=64, head_lanes=8)
     theirs = raw_kernel(build.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
-    lean = cuda_build.build(build._prim_func("rope", spec), "sm_90", build.PASS_CONFIGS)
+    lean = cuda_build.build(build.prim_func("rope", spec), "sm_90", build.PASS_CONFIGS)
     ours = raw_kernel_from(build._init_library(lean.libpath), lean.record, dev, spec.args)
     x = torch.randn(1, 16, 8, 64, device=dev)
     y = torch.empty_like(x)

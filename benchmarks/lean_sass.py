@@ -32,14 +32,13 @@ def _sass(path: str) -> list[str]:
 def compare(job: tuple) -> tuple[str, str]:
     """(the spec, "same" or what differs) for one warmup job."""
     import tilelang
-    from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
     from tvm import transform
     from tvm.target import Target
 
-    from tileops.compile import cuda_build, build
+    from tileops.compile import cuda_build, build, tilelang_api
 
     builder, spec, _, arch = job
-    func = build._prim_func(builder, spec)
+    func = build.prim_func(builder, spec)
     target = Target({"kind": "cuda", "arch": arch})
     with transform.PassContext(opt_level=3, config=build.PASS_CONFIGS), target:
         full = tilelang.lower(func, target=target).kernel_source
@@ -52,10 +51,10 @@ def compare(job: tuple) -> tuple[str, str]:
             f.write(full)
         num = arch.removeprefix("sm_")
         # TileLang's flags (tilelang/jit/adapter/libgen.py), device code only
-        cmd = [os.path.join(cuda_build._cuda_home(), "bin", "nvcc"), "-cubin", "-std=c++20", "-w", "-Xcudafe",
+        cmd = [os.path.join(cuda_build.cuda_home(), "bin", "nvcc"), "-cubin", "-std=c++20", "-w", "-Xcudafe",
                "--diag_suppress=177", "-lineinfo", "-gencode", f"arch=compute_{num},code={arch}",
-               os.path.join(d, "full.cu"), "-o", os.path.join(d, "full.cubin"), f"-I{TILELANG_TEMPLATE_PATH}",
-               f"-I{CUTLASS_INCLUDE_DIR}"]
+               os.path.join(d, "full.cu"), "-o", os.path.join(d, "full.cubin"),
+               *[f"-I{inc}" for inc in tilelang_api.template_include_dirs()]]
         subprocess.run(cmd, check=True, capture_output=True)
         blob, how = cuda_build.cubin(lean, arch, "kernel")
         with open(os.path.join(d, "lean.cubin"), "wb") as f:

@@ -10,9 +10,14 @@ file: a module ``kernels/<name>.py`` that defines, at module level,
   ``{key: (low, high, "what it is")}`` (each value an integer in ``[low, high]``). ``tileops check``
   validates manifests against it, and tests/test_manifest_check.py checks it against ``Spec``.
 
-Importing this package is cheap: builders are found by reading their source (nothing is executed), so ``BUILDERS``, ``STATIC`` and ``SPECS`` need no TileLang; :func:`get_builder` and
-:func:`get_spec` import a builder's module when a kernel is generated. A module without a
-module-level ``build`` (a helper such as :mod:`tileops.kernels.storage`) is not a builder.
+Importing this package is cheap: builders are found by reading their source (nothing is executed),
+so ``BUILDERS``, ``STATIC`` and ``SPECS`` need no TileLang; :func:`get_builder` and :func:`get_spec`
+import a builder's module, which imports no TileLang either: its ``build`` does, when
+:func:`tileops.compile.build.prim_func` calls it (having made TileLang importable first). A module
+without a module-level ``build`` (a helper such as :mod:`tileops.kernels.storage`) is not a builder.
+
+This package imports nothing of tileops but :mod:`tileops.families`: the manifests name builders, the
+compile layer builds them (``tests/test_layers.py``).
 """
 
 from __future__ import annotations
@@ -84,10 +89,7 @@ BUILDERS, STATIC, SPECS, HELPERS = _discover()
 
 
 def _load(target: str) -> Any:
-    """``module:attr`` inside this package; TileLang is made importable first (its cache directory)."""
-    from tileops.compile.build import ensure_tilelang_importable
-
-    ensure_tilelang_importable()
+    """``module:attr`` inside this package."""
     module, attr = target.split(":")
     return getattr(importlib.import_module(f"{__name__}.{module}"), attr)
 

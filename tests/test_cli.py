@@ -77,9 +77,9 @@ def test_demo_device_is_checked(capsys):
 
 
 def test_lowered_refuses_an_arch_the_lean_build_lacks_and_bad_jobs(capsys, monkeypatch):
-    from tileops.compile import lowered
+    from tileops.compile import warmup
 
-    monkeypatch.setattr(lowered, "write", lambda *a, **k: (_ for _ in ()).throw(AssertionError("wrote")))
+    monkeypatch.setattr(warmup, "write_lowered", lambda *a, **k: (_ for _ in ()).throw(AssertionError("wrote")))
     for argv, what in ((["lowered", "--arch", "sm_75"], "--arch: expected sm_XX with XX >= 80"),
                        (["lowered", "--arch", "c"], "--arch: expected sm_XX"),
                        (["lowered", "--jobs", "0"], "--jobs: expected a positive number, got 0")):
@@ -91,11 +91,11 @@ def test_lowered_refuses_an_arch_the_lean_build_lacks_and_bad_jobs(capsys, monke
 def test_arch_is_refused_at_once_naming_the_flag_by_every_subcommand(capsys, monkeypatch):
     """sm_75 ran 12 minutes of ``cannot find -lcuda`` in ``warmup`` on a machine without a GPU; now
     every ``--arch`` goes through one check before anything is compiled or lowered."""
-    from tileops.compile import lowered, warmup
+    from tileops.compile import warmup
 
     boom = lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran"))  # noqa: E731
     monkeypatch.setattr(warmup, "warmup", boom)
-    monkeypatch.setattr(lowered, "write", boom)
+    monkeypatch.setattr(warmup, "write_lowered", boom)
     monkeypatch.setattr("tileops.compile.build.emit_source", boom)
     for cmd in (["warmup"], ["emit", "RoPEFwdOp"], ["lowered"]):
         for arch, what in (("sm_75", "expected sm_XX with XX >= 80"), ("sm90", "expected sm_XX"),
@@ -113,7 +113,7 @@ def test_warmup_refuses_a_cuda_arch_without_the_toolkit(capsys, monkeypatch):
     def no_toolkit(*a):
         raise cuda_build.Unsupported("no CUDA toolkit found (CUDA_HOME, nvcc on PATH, /usr/local/cuda)")
 
-    monkeypatch.setattr(cuda_build, "_cuda_home", no_toolkit)
+    monkeypatch.setattr(cuda_build, "cuda_home", no_toolkit)
     monkeypatch.setattr(cuda_build, "_toolkit_dirs", no_toolkit)
     assert main(["warmup", "--arch", "sm_90"]) == 2
     err = capsys.readouterr().err

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 
 import pytest
 import torch
@@ -22,13 +21,9 @@ from tileops.kernels.rope import RopeKernelSpec
 def _toolchain() -> str | None:
     """Why the lean build cannot run here, or None."""
     try:
-        home = cuda_build._cuda_home()
+        cuda_build.check_toolchain()
     except cuda_build.Unsupported as e:
         return str(e)
-    if cuda_build.nvrtc_path() is None and not os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return "neither NVRTC nor nvcc"
-    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
-        return "no C++ compiler"
     return None
 
 
@@ -83,7 +78,7 @@ SPECS = [
 @needs_toolchain
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.dtype}-{s.head_dim}-{s.positions}-{s.transposed}")
 def test_lean_library_builds_and_its_record_matches_the_call(spec, tmp_path):
-    lean = cuda_build.build(build._prim_func("rope", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
+    lean = cuda_build.build(build.prim_func("rope", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
     # the parameters in the builder's order (spec.args), then the dynamic extents
     assert len(lean.record["args"]) == len(spec.args) + len(lean.record["extents"])
     tensors = [n for n in spec.args if n in ("X", "Y", "K", "KY", "TD", "P", "ERR")]
@@ -103,7 +98,7 @@ def test_lean_library_builds_and_its_record_matches_the_call(spec, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gets")
 def test_lean_library_without_a_gpu_fails_to_load_with_a_message(tmp_path):
     spec = SPECS[0]
-    lean = cuda_build.build(build._prim_func("rope", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
+    lean = cuda_build.build(build.prim_func("rope", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
     lib = ctypes.CDLL(lean.libpath)
     lib.get_last_error.restype = ctypes.c_char_p
     assert lib.load() == -1
@@ -122,8 +117,8 @@ def test_load_or_build_indexes_a_lean_build_under_its_own_key(tmp_path, monkeypa
     monkeypatch.setattr(build, "compile_kernel", lambda *a: pytest.fail("TileLang's build was used"))
     build.clear_memory_cache()
     lib, record = build._load_or_build("rope", spec, "cuda", "sm_90")
-    lean_key = build._index_key("rope", spec, "cuda", "sm_90", lean=True)
-    assert lean_key != build._index_key("rope", spec, "cuda", "sm_90")
+    lean_key = build.index_key("rope", spec, "cuda", "sm_90", lean=True)
+    assert lean_key != build.index_key("rope", spec, "cuda", "sm_90")
     assert sorted(os.listdir(tmp_path / "kernels")) == [lean_key + ".json", lean_key + ".so"]
     before = build.stats.loads
     again, record2 = build._load_or_build("rope", spec, "cuda", "sm_90")  # a later process: from the index
@@ -146,7 +141,7 @@ def test_a_kernel_the_lean_build_cannot_make_is_built_by_tilelang(failure, tmp_p
 
     monkeypatch.setattr(cuda_build, "build", refuse)  # lowering now,
     monkeypatch.setattr(cuda_build, "compile_sources", refuse)  # and the sources shipped lowered
-    monkeypatch.setattr(build, "_prim_func", lambda *a: None)
+    monkeypatch.setattr(build, "prim_func", lambda *a: None)
     monkeypatch.setattr(build, "compile_kernel", lambda *a: Kernel())
     import tileops.compile.entry
 
@@ -207,7 +202,7 @@ def test_lean_and_tilelang_builds_agree_bit_for_bit_cuda(spec):
 
     dev = torch.device("cuda")
     tl_kernel = build.compile_kernel("rope", spec, "cuda", build.device_backend(dev)[1])
-    lean = cuda_build.build(build._prim_func("rope", spec), build.device_backend(dev)[1], build.PASS_CONFIGS)
+    lean = cuda_build.build(build.prim_func("rope", spec), build.device_backend(dev)[1], build.PASS_CONFIGS)
     assert lean.record == kernel_record(tl_kernel)  # the same arguments in the same order
     ours = raw_kernel_from(build._init_library(lean.libpath), lean.record, dev, spec.args)
     theirs = raw_kernel(tl_kernel, dev, spec.args)

@@ -256,7 +256,7 @@ def test_the_state_kernel_takes_integers_only(positions, tmp_path):
     if _toolchain() is not None:
         pytest.skip(f"lean build: {_toolchain()}")
     spec = NtkTablesSpec(128, positions=positions)
-    lean = cuda_build.build(build._prim_func("ntk", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
+    lean = cuda_build.build(build.prim_func("ntk", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
     assert len(lean.record["args"]) == len(spec.args) + len(lean.record["extents"])
     assert set(lean.record["args"]) <= {"void*", "int32_t", "int64_t"}, lean.record["args"]
     assert "__syncthreads" in lean.device_source and "cos(" in lean.device_source

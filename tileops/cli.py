@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from . import cli_coverage
+from .compile.warmup import arch_problem, default_arch
 from .progress import Progress
 from .testing import TOLERANCES
-from .compile.warmup import arch_problem, default_arch
 
 __all__ = ["main"]
 
@@ -92,20 +93,18 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _op_and_call(name: str, label: str | None, device: str = "cpu"):
+    """(manifest, case, op, the call specialization of the case's first dtype) for ``tileops emit``;
+    the op is constructed so that the case's params are checked as a user's would be."""
     import torch
 
-    from .manifest import get
-    from .manifest import CallSpec
-    from .workloads import case_dims, case_params, index_dtype, op_class
+    from .manifest import call_specs, case_dims, case_params, get
+    from .workloads import op_class
 
     m = get(name)
     case = m.case(label) if label else m.cases[0]
-    params = case_params(m, case)
-    op = op_class(name)(**params)
-    dims = case_dims(m, case)
-    dtypes = [(t.name, index_dtype(t) if t.range is not None else case.dtypes[0]) for t in m.inputs
-              if not t.optional or t.name in case.with_inputs]
-    return m, case, op, CallSpec(torch.device(device), tuple(dtypes), tuple(sorted(dims.items())))
+    op = op_class(name)(**case_params(m, case))
+    call = call_specs(m, case_dims(m, case), case.dtypes[:1], torch.device(device), case.with_inputs)[0]
+    return m, case, op, call
 
 
 def cmd_emit(args: argparse.Namespace) -> int:
@@ -123,9 +122,9 @@ def cmd_emit(args: argparse.Namespace) -> int:
         return 2
     backend = "c" if arch == "c" else "cuda"
     family = importlib.import_module(f"tileops.{m.family}.builtin")
-    spec = family.kernel_spec(op, call, backend)
+    builder, spec = family.kernel_specs(m, op.params, call, backend, backward=False)[0]  # the forward kernel
     print(f"// {m.name} case {case.label}, {arch}: {spec}")
-    print(emit_source(m.kernel.builder, spec, backend, arch))
+    print(emit_source(builder, spec, backend, arch))
     return 0
 
 
@@ -244,7 +243,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_lowered(args: argparse.Namespace) -> int:
-    from .compile import lowered
+    from .compile.warmup import write_lowered
 
     problem = arch_problem(args.arch, cpu=False)  # lowering only: no GPU, no CUDA toolkit
     if problem:
@@ -253,7 +252,7 @@ def cmd_lowered(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         print(f"tileops lowered: --jobs: expected a positive number, got {args.jobs}", file=sys.stderr)
         return 2
-    out, n, skipped = lowered.write(args.arch, jobs=args.jobs, progress=True)
+    out, n, skipped = write_lowered(args.arch, jobs=args.jobs, progress=True)
     print(f"{out}: {n} kernels lowered for {args.arch}" + (f" ({skipped} not served by the lean build)" if skipped else ""))
     return 0
 
@@ -335,7 +334,7 @@ def parser() -> argparse.ArgumentParser:
                  "Run every op's first case, compare it with a float64 reference and print the error, the first "
                  "call's time (a compile when the kernel is not cached) and the median call time.")
     p.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
-    importlib.import_module("tileops.cli_coverage").register(sub)
+    cli_coverage.register(sub)
     return top
 
 

@@ -44,12 +44,11 @@ def coverage_rows(registry: Mapping[str, Any]) -> tuple[list[str], list[tuple[st
 def cmd_coverage(args: argparse.Namespace) -> int:
     import torch
 
-    from .cli import _manifests
-    from .manifest import ManifestError
+    from .manifest import ManifestError, load_files, registry
     from .workloads import SHORT
 
     try:
-        reg = _manifests(args.files)
+        reg = load_files(args.files) if args.files else registry()
     except ManifestError as e:
         print(str(e), file=sys.stderr)
         return 1

@@ -20,12 +20,9 @@ import importlib.util
 import importlib.metadata
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .op import Op
 
 __all__ = [
     "BUILTIN", "ENTRY_POINT_GROUP", "Target", "FamilyTarget", "register_target", "get_target",
@@ -50,7 +47,8 @@ class Target:
     """Base class of a set of kernels.
 
     Subclasses set `name` and implement `implement(op, spec)`, which returns a callable taking the
-    op's input tensors as keywords; `claims(device)` says whether the target wants to serve a device
+    op's input tensors as keywords (``op`` is a :class:`tileops.op.Op`; this module, which the op
+    imports, does not import it back); `claims(device)` says whether the target wants to serve a device
     when ops are built with `target=None` (default: never).
     """
 
@@ -63,7 +61,7 @@ class Target:
     def supports(self, op_name: str, family: str, device: torch.device) -> bool:
         return True
 
-    def implement(self, op: "Op", spec: Any) -> Callable[..., Any]:
+    def implement(self, op: Any, spec: Any) -> Callable[..., Any]:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -82,7 +80,7 @@ class FamilyTarget(Target):
     def supports(self, op_name: str, family: str, device: torch.device) -> bool:
         return family in self.families
 
-    def implement(self, op: "Op", spec: Any) -> Callable[..., Any]:
+    def implement(self, op: Any, spec: Any) -> Callable[..., Any]:
         family = op.manifest.family
         if family not in self.families:
             raise TargetError(f"{op.name}: target: {self.name!r} has no kernels for the {family!r} family; "

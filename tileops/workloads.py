@@ -1,19 +1,19 @@
 """Workloads from manifest cases: the params, dims and random inputs of one case.
 
 The demo, the generated tests and the benchmarks all build their inputs here, so a case means the
-same thing everywhere.
+same thing everywhere. A case's params and dims are read by :mod:`tileops.manifest.cases` (what
+``tileops warmup`` compiles for, too), whose functions this module re-exports.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-from .manifest import Case, OpManifest, TensorSpec
-from .manifest import DTYPES
+from .manifest import DTYPES, Case, OpManifest
+from .manifest.cases import case_dims, case_params, index_dtype, passes
 
 __all__ = ["Workload", "index_dtype", "case_params", "case_dims", "make_inputs", "workload", "op_class", "bytes_moved"]
 
@@ -41,38 +41,6 @@ def op_class(name: str) -> type:
     return ops()[name]
 
 
-def index_dtype(t: TensorSpec) -> str:
-    """The dtype workloads give an integer input: int64 where allowed, else its first dtype."""
-    return "int64" if "int64" in t.dtypes else t.dtypes[0]
-
-
-def case_params(m: OpManifest, case: Case) -> dict[str, Any]:
-    return m.defaults() | dict(case.params)
-
-
-def case_dims(m: OpManifest, case: Case, shrink: bool = False) -> dict[str, int]:
-    """The case's dims; with ``shrink``, halved along ``cpu_shrink.dims`` until the largest input fits."""
-    dims = dict(case.dims)
-    if not shrink or m.cpu_shrink is None:
-        return dims
-    params = case_params(m, case)
-
-    def elements() -> int:
-        return max(math.prod(dims[d] for d in t.shape_for(params)) for t in m.inputs if _passed(t, case))
-
-    order = list(m.cpu_shrink.dims)
-    while elements() > m.cpu_shrink.max_elements and any(dims.get(d, 1) > 1 for d in order):
-        d = max((d for d in order if dims.get(d, 1) > 1), key=lambda d: dims[d])
-        dims[d] = max(1, dims[d] // 2)
-    return dims
-
-
-def _passed(t: TensorSpec, case: Case | None, every: bool = False) -> bool:
-    """Whether a workload of ``case`` passes input ``t``: every required one, and the optional ones
-    the case lists under ``with`` (all of them with ``every``)."""
-    return every or not t.optional or (case is not None and t.name in case.with_inputs)
-
-
 def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, int], dtype: str,
                 device: torch.device | str = "cpu", generator: torch.Generator | None = None,
                 case: Case | None = None, every: bool = False) -> dict[str, torch.Tensor]:
@@ -81,7 +49,7 @@ def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, int
     env = dict(params) | dict(dims)
     out: dict[str, torch.Tensor] = {}
     for t in m.inputs:
-        if not _passed(t, case, every):
+        if not passes(t, case, every):
             continue
         shape = [dims[d] for d in t.shape_for(params)]
         if t.range is not None:

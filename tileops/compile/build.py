@@ -30,7 +30,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -39,8 +38,10 @@ from typing import Any, Hashable, Iterator
 
 import torch
 
-__all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "stats", "CompileStats",
-           "ensure_tilelang_importable"]
+from . import tilelang_api
+
+__all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "stats", "CompileStats", "index_key",
+           "prim_func", "index_kernel", "kernel_label", "PASS_CONFIGS"]
 
 
 @dataclass
@@ -100,34 +101,6 @@ def c_flags() -> tuple[str, ...]:
     return flags
 
 
-_cache_checked = False
-
-
-def ensure_tilelang_importable() -> None:
-    """Before TileLang is first imported: its kernel cache directory must be writable, or importing
-    it fails (it creates the directory at import). When it is not, warn once and point TileLang at a
-    private temporary directory with its disk cache off: kernels are then kept in memory only, for
-    this process. Nothing changes when TileLang is already imported or the directory is usable."""
-    global _cache_checked
-    if _cache_checked or "tilelang" in sys.modules:
-        _cache_checked = True
-        return
-    _cache_checked = True
-    where = os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
-    try:
-        os.makedirs(where, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=where, prefix=".tileops-write-test-"):
-            pass
-        return
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-    warnings.warn(f"tileops: TileLang's kernel cache directory {where} is not writable ({reason}); kernels are "
-                  f"compiled and kept in memory only, for this process. Set TILELANG_CACHE_DIR to a writable "
-                  f"directory to keep them on disk.", RuntimeWarning, stacklevel=3)
-    os.environ["TILELANG_CACHE_DIR"] = tempfile.mkdtemp(prefix="tileops-tilelang-")
-    os.environ["TILELANG_DISABLE_CACHE"] = "1"
-
-
 def device_backend(device: torch.device) -> tuple[str, str]:
     """(backend, arch) for a device: ("cuda", "sm_90") for an H100/H200, ("c", "c") for the CPU."""
     if device.type == "cuda":
@@ -146,9 +119,11 @@ def _tvm_target(backend: str, arch: str):
     return tvm_target.Target({"kind": "cuda", "arch": arch})
 
 
-def _prim_func(builder: str, spec: Any):
+def prim_func(builder: str, spec: Any) -> Any:
+    """The ``T.prim_func`` of builder ``builder`` for ``spec`` (TileLang is imported, as the builder needs)."""
     from tileops.kernels import get_builder
 
+    tilelang_api.load()
     return get_builder(builder)(spec)
 
 
@@ -163,12 +138,11 @@ def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
     with lock:
         kernel = _cache.get(key)
         if kernel is None:
-            import tilelang
-
+            tilelang = tilelang_api.load()
             t0 = time.perf_counter()
             with _own_compile():
                 # the Cython backend exposes the library's C entry point, which tileops.compile.entry calls directly
-                kernel = tilelang.compile(_prim_func(builder, spec), target=_tvm_target(backend, arch),
+                kernel = tilelang.compile(prim_func(builder, spec), target=_tvm_target(backend, arch),
                                           execution_backend="cython", pass_configs=PASS_CONFIGS,
                                           compile_flags=list(c_flags()) if backend == "c" else None)
             stats.seconds += time.perf_counter() - t0
@@ -210,9 +184,7 @@ def _tilelang_version() -> str:
     try:
         return importlib.metadata.version("tilelang")
     except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source checkout of TileLang
-        import tilelang
-
-        return str(getattr(tilelang, "__version__", "unknown"))
+        return str(getattr(tilelang_api.load(), "__version__", "unknown"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,7 +195,7 @@ def _lean_digest() -> str:
     return file_sha256(os.path.join(os.path.dirname(__file__), "cuda_build.py"))
 
 
-def _index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = False) -> str:
+def index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = False) -> str:
     """The index entry of a kernel built TileLang's way, or (``lean``) by :mod:`tileops.compile.cuda_build`."""
     how = ("lean", _lean_digest()) if lean else "tilelang"
     text = repr((_INDEX_FORMAT, builder, spec, backend, arch, _builder_digest(builder), _tilelang_version(),
@@ -375,8 +347,8 @@ def _obtain(builder: str, spec: Any, backend: str, arch: str) -> tuple[tuple[Any
     from .entry import kernel_record
 
     lean = backend == "cuda" and cuda_build.enabled()
-    keys = ([_index_key(builder, spec, backend, arch, lean=True)] if lean else [])
-    keys.append(_index_key(builder, spec, backend, arch))
+    keys = ([index_key(builder, spec, backend, arch, lean=True)] if lean else [])
+    keys.append(index_key(builder, spec, backend, arch))
     use_disk = os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0")  # the disk cache is not turned off
     if use_disk:
         for key in keys:  # a lean build first; a kernel that build does not serve is TileLang's
@@ -391,8 +363,8 @@ def _obtain(builder: str, spec: Any, backend: str, arch: str) -> tuple[tuple[Any
     kernel = compile_kernel(builder, spec, backend, arch)
     record = kernel_record(kernel)
     if use_disk:
-        _to_index(keys[-1], getattr(kernel.adapter, "libpath", None), record)
-    return (kernel.adapter.lib, record), True
+        _to_index(keys[-1], tilelang_api.library_path(kernel), record)
+    return (tilelang_api.library(kernel), record), True
 
 
 _lean_warned = False
@@ -412,10 +384,8 @@ def _lean_build(builder: str, spec: Any, arch: str, key: str) -> Any:
         if shipped is not None:
             lean = cuda_build.compile_sources(shipped, arch)
         else:
-            import tilelang  # noqa: F401 - before the kernel module, as compile_kernel does
-
             with _own_compile():
-                lean = cuda_build.build(_prim_func(builder, spec), arch, PASS_CONFIGS)
+                lean = cuda_build.build(prim_func(builder, spec), arch, PASS_CONFIGS)
     except cuda_build.Unsupported as e:
         _log.debug("tileops: %s built by TileLang (%s)", spec, e)
         return None
@@ -464,11 +434,11 @@ class _MemoryCacheHint(logging.Filter):
     and the advice is about TileLang's API, not the user's code. Everything else that logger says passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith("Found kernel '%s' in memory cache"))
+        return not (isinstance(record.msg, str) and record.msg.startswith(tilelang_api.MEMORY_CACHE_HINT))
 
 
 #: on that logger alone (it need not exist yet: TileLang's ``getLogger`` returns this same object)
-_tilelang_cache_log = logging.getLogger("tilelang.cache.kernel_cache")
+_tilelang_cache_log = logging.getLogger(tilelang_api.KERNEL_CACHE_LOGGER)
 if not any(isinstance(f, _MemoryCacheHint) for f in _tilelang_cache_log.filters):
     _tilelang_cache_log.addFilter(_MemoryCacheHint())
 
@@ -512,9 +482,8 @@ def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
 
     Needs no GPU: CUDA source is produced by lowering only.
     """
-    import tilelang
-
-    func = _prim_func(builder, spec)
+    tilelang = tilelang_api.load()
+    func = prim_func(builder, spec)
     with _own_compile():
         if backend == "c":
             return tilelang.compile(func, target="c", pass_configs=PASS_CONFIGS,

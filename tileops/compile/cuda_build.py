@@ -42,14 +42,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import tilelang_api
+
 __all__ = ["Unsupported", "LeanLibrary", "Sources", "enabled", "build", "lower_sources", "compile_sources",
-           "device_source", "nvrtc_path"]
+           "device_source", "nvrtc_path", "cuda_home", "check_toolchain", "MIN_SM"]
 
 _log = logging.getLogger("tileops.compile.cuda_build")
 
 
 class Unsupported(Exception):
     """The lean build cannot serve this kernel (the reason is the message); build it TileLang's way."""
+
+
+#: the lowest CUDA arch tileops builds for: the device prelude converts bfloat16 with sm_80
+#: instructions (:data:`DEVICE_PRELUDE`), and TileLang's own nvcc build, the fallback, links against
+#: ``libcuda``, which a machine without the driver lacks (``tileops warmup --arch sm_75`` there
+#: printed 99 ``cannot find -lcuda`` in 12 minutes)
+MIN_SM = 80
 
 
 def enabled() -> bool:
@@ -119,7 +128,7 @@ def device_source(kernel_source: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- toolchain
-def _cuda_home() -> str:
+def cuda_home() -> str:
     """The CUDA toolkit: ``CUDA_HOME`` or ``CUDA_PATH``, else the one ``nvcc`` on PATH belongs to,
     else ``/usr/local/cuda``; the first that has ``include/cuda_runtime_api.h``."""
     cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
@@ -134,10 +143,31 @@ def _cuda_home() -> str:
 
 
 def _toolkit_dirs(sub: str) -> list[str]:
-    home = _cuda_home()
+    home = cuda_home()
     dirs = [os.path.join(home, sub), os.path.join(home, "lib64" if sub == "lib" else sub)]
     dirs += sorted(glob.glob(os.path.join(home, "targets", "*", sub)))
     return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def _host_toolchain() -> tuple[list[str], list[str], str]:
+    """(the toolkit's include dirs, its library dirs, the C++ compiler) the host launcher is built
+    with; raises :class:`Unsupported` naming what is missing."""
+    libdirs = _toolkit_dirs("lib")
+    if not any(os.path.exists(os.path.join(d, "libcudart_static.a")) for d in libdirs):
+        raise Unsupported(f"no libcudart_static.a in {', '.join(libdirs) or 'the CUDA toolkit'}")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise Unsupported("no C++ compiler ($CXX, c++, g++)")
+    return _toolkit_dirs("include"), libdirs, cxx
+
+
+def check_toolchain() -> None:
+    """Raise :class:`Unsupported`, naming what is missing, unless this machine has what the lean build
+    compiles with: the CUDA toolkit's headers and static runtime, NVRTC or nvcc, and a C++ compiler.
+    No GPU and no driver are needed (the libraries link CUDA's static runtime, not ``libcuda``)."""
+    _host_toolchain()
+    if nvrtc_path() is None and not os.path.exists(os.path.join(cuda_home(), "bin", "nvcc")):
+        raise Unsupported("neither NVRTC nor nvcc found")
 
 
 def nvrtc_path() -> str | None:
@@ -222,7 +252,7 @@ def _nvcc_cubin(source: str, arch: str, workdir: str) -> bytes:
     with open(src, "w") as f:
         f.write(source)
     num = arch.removeprefix("sm_")
-    cmd = [os.path.join(_cuda_home(), "bin", "nvcc"), "-cubin", "-std=c++17", "-w", "-lineinfo", "-gencode",
+    cmd = [os.path.join(cuda_home(), "bin", "nvcc"), "-cubin", "-std=c++17", "-w", "-lineinfo", "-gencode",
            f"arch=compute_{num},code={arch}", src, "-o", out]
     ret = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if ret.returncode != 0:
@@ -281,10 +311,7 @@ def _kernel_params(declaration: str) -> list[str]:
 
 
 def _wrapper_class() -> type:
-    from tilelang.jit.adapter.utils import match_declare_kernel
-    from tilelang.jit.adapter.wrapper import TLCUDASourceWrapper
-
-    class LeanWrapper(TLCUDASourceWrapper):
+    class LeanWrapper(tilelang_api.cuda_source_wrapper()):
         """TileLang's CUDA launcher generator, launching a kernel of the embedded cubin."""
 
         def parse_source_information(self) -> None:
@@ -340,7 +367,7 @@ def _wrapper_class() -> type:
         def get_kernel_launch_code(self, function_name, grid_str, block_str, smem_str, call_args, cluster_dims):
             if cluster_dims is not None:
                 raise Unsupported(f"{function_name} is a cluster launch")
-            at = match_declare_kernel(self.source, function_name + "(")
+            at = tilelang_api.match_declare_kernel(self.source, function_name + "(")
             types = _kernel_params(self.get_declaration(self.source[at:]))
             args = [a.strip() for a in call_args.split(",")] if call_args.strip() else []
             if len(args) != len(types) or not all(_IDENT.match(a) for a in args):
@@ -427,14 +454,14 @@ class Sources:
 
 def _check_arch(arch: str) -> None:
     num = arch.removeprefix("sm_")
-    if not num.isdigit() or int(num) < 80:
-        raise Unsupported(f"arch {arch}: the prelude's bf16 conversion needs sm_80 or later")
+    if not num.isdigit() or int(num) < MIN_SM:
+        raise Unsupported(f"arch {arch}: the prelude's bf16 conversion needs sm_{MIN_SM} or later")
 
 
 def lower_sources(func: Any, arch: str, pass_configs: dict[str, Any]) -> Sources:
     """Lower ``func`` (a TileLang prim_func) for ``arch`` with TileLang and generate the lean build's
     sources; raises :class:`Unsupported` when this build cannot serve the kernel."""
-    import tilelang
+    tilelang = tilelang_api.load()
     from tilelang import tvm
     from tvm import transform
     from tvm.target import Target
@@ -466,13 +493,7 @@ def compile_sources(src: Sources, arch: str, out_dir: str | None = None) -> Lean
     lib = os.path.join(out_dir, "kernel.so")
     with open(host, "w") as f:
         f.write(HOST_PRELUDE + _cubin_array(blob) + src.host)
-    inc = _toolkit_dirs("include")
-    libdirs = _toolkit_dirs("lib")
-    if not any(os.path.exists(os.path.join(d, "libcudart_static.a")) for d in libdirs):
-        raise Unsupported("no libcudart_static.a in the CUDA toolkit")
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise Unsupported("no C++ compiler for the host launcher ($CXX, c++)")
+    inc, libdirs, cxx = _host_toolchain()
     cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", host, "-o", lib, *[f"-I{d}" for d in inc],
            *[f"-L{d}" for d in libdirs], "-lcudart_static", "-ldl", "-lpthread", "-lrt"]
     ret = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -265,13 +265,14 @@ def kernel_record(kernel: Any) -> dict[str, Any]:
     plain data: ``args``, the C type of each parameter then of each dynamic extent, and
     ``extents``, the extents' names. With it, :func:`raw_kernel_from` launches the kernel's library
     in a later process without TileLang (:mod:`tileops.compile.build` keeps records on disk)."""
-    adapter = kernel.adapter
-    dyn = getattr(adapter, "dynamic_symbolic_map", None)
-    if getattr(adapter, "lib", None) is None or dyn is None:
+    from .tilelang_api import compiled_parts
+
+    lib, params, dyn = compiled_parts(kernel)
+    if lib is None or dyn is None:
         raise RuntimeError("tileops needs TileLang's Cython execution backend (the kernel has no C entry point)")
     if any(ref_kind != 0 for ref_kind, *_ in dyn.values()):
         raise RuntimeError("a dynamic stride in a tileops kernel: not supported by the launcher")
-    args = [_TYPE_NAMES[_CTYPES[p.torch_dtype()] if p.is_scalar() else ctypes.c_void_p] for p in adapter.params]
+    args = [_TYPE_NAMES[_CTYPES[dtype] if dtype is not None else ctypes.c_void_p] for dtype in params]
     args += ["int64_t" if str(v.dtype) == "int64" else "int32_t" for v in dyn]
     return {"args": args, "extents": [str(v) for v in dyn]}
 
@@ -282,7 +283,9 @@ def raw_kernel(kernel: Any, device: torch.device, param_names: tuple[str, ...] =
     ``param_names`` names the kernel's parameters in order (the builder's spec knows them), so
     arguments can be bound by name with :meth:`RawKernel.bind`.
     """
-    return raw_kernel_from(kernel.adapter.lib, kernel_record(kernel), device, param_names)
+    from .tilelang_api import library
+
+    return raw_kernel_from(library(kernel), kernel_record(kernel), device, param_names)
 
 
 def _load_device_code(lib: Any) -> None:

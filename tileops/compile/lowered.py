@@ -11,7 +11,8 @@ sources (NVRTC and the C++ compiler, about half a second) without importing Tile
 the file, or a file left behind by a change to the kernels (its keys no longer match), is lowered by
 TileLang as before: the file can make a first call faster, never different.
 
-``tileops lowered --write`` regenerates the file (``tests/test_lowered.py`` fails when it is stale).
+``tileops lowered`` regenerates the file (:func:`tileops.compile.warmup.write_lowered` lowers the
+kernels, :func:`write` writes them; ``tests/test_lowered.py`` fails when the file is stale).
 """
 
 from __future__ import annotations
@@ -66,31 +67,9 @@ def lookup(key: str, arch: str) -> Any:
         return None
 
 
-def _lower(job: tuple[str, Any, str, str]) -> tuple[str, dict[str, Any] | None]:
-    import logging
-
-    from . import build, cuda_build
-
-    logging.getLogger("tilelang").setLevel(logging.ERROR)
-    builder, spec, backend, arch = job
-    key = build._index_key(builder, spec, backend, arch, lean=True)
-    try:
-        src = cuda_build.lower_sources(build._prim_func(builder, spec), arch, build.PASS_CONFIGS)
-    except cuda_build.Unsupported:
-        return key, None
-    return key, {"spec": repr(spec), "device": src.device, "host": src.host, "record": src.record, "name": src.name}
-
-
-def write(arch: str = "sm_90", jobs: int | None = None, names: Any = None,
-          progress: bool | None = None) -> tuple[Path, int, int]:
-    """Lower every kernel of ``tileops warmup``'s list for ``arch`` (``jobs`` processes, ``progress``
-    as :func:`tileops.progress.wanted`) and write the file; returns (its path, kernels written,
-    kernels the lean build does not serve)."""
-    from .warmup import kernel_jobs, map_jobs
-
-    todo = [j for j in kernel_jobs(names, arch) if j[2] == "cuda"]
-    results = map_jobs(_lower, todo, jobs, progress=progress, what="lowering kernels")
-    kernels = {k: v for k, v in sorted(results) if v is not None}
+def write(arch: str, kernels: dict[str, dict[str, Any]]) -> Path:
+    """Write the file for ``arch`` holding ``kernels`` (lean index key -> the sources :func:`lookup`
+    reads), atomically, and forget the copy read before; returns its path."""
     out = path(arch)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -99,4 +78,4 @@ def write(arch: str = "sm_90", jobs: int | None = None, names: Any = None,
     os.replace(tmp, out)
     with _lock:
         _packs.pop(arch, None)
-    return out, len(kernels), len(results) - len(kernels)
+    return out

@@ -3,7 +3,14 @@
 ``tileops warmup`` compiles, for every manifest case and dtype it lists (or only the ops named),
 the forward kernel and, where the manifest declares a backward, the backward kernel, for one device
 arch; several compiles run at once in separate processes (nvcc is single-threaded), and each lands
-in the on-disk kernel cache, from which a later process's first call loads it.
+in the on-disk kernel cache, from which a later process's first call loads it. ``tileops lowered``
+lowers the same list and writes the sources tileops ships (:func:`write_lowered`,
+:mod:`tileops.compile.lowered`).
+
+Which kernels an op needs is the op's family's to say, not an op's: the family's BUILTIN module
+(``tileops.<family>.builtin``, found by the manifest's family) defines
+``kernel_specs(manifest, params, call, backend, backward=True)``, every ``(builder, spec)`` a call
+of one specialization (:class:`tileops.manifest.CallSpec`) may launch. Nothing here constructs an op.
 
 The processes are fresh interpreters running ``python -m tileops.compile.warmup``, fed jobs through a pipe
 (:func:`map_jobs`), not a ``multiprocessing`` pool: a spawned pool's workers re-import the caller's
@@ -15,24 +22,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import importlib
-import itertools
 import logging
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-__all__ = ["kernel_jobs", "op_kernel_jobs", "compile_jobs", "warmup", "map_jobs", "default_arch", "arch_problem"]
+from . import cuda_build, lowered
+from .cuda_build import MIN_SM
 
-#: the lowest CUDA arch tileops builds for: the lean build's prelude converts bfloat16 with sm_80
-#: instructions (:mod:`tileops.compile.cuda_build`), and TileLang's own nvcc build, the fallback, links against
-#: ``libcuda``, which a machine without the driver lacks (``tileops warmup --arch sm_75`` there
-#: printed 99 ``cannot find -lcuda`` in 12 minutes)
-MIN_SM = 80
+__all__ = ["kernel_jobs", "op_kernel_jobs", "compile_jobs", "warmup", "write_lowered", "map_jobs", "default_arch",
+           "arch_problem"]
 
 
 def default_arch() -> str:
@@ -64,16 +68,8 @@ def arch_problem(arch: str, cpu: bool = True, build: bool = False) -> str | None
         return (f"expected sm_XX with XX >= {MIN_SM} (bfloat16 conversions and the lean build need sm_80), "
                 f"got {arch!r}")
     if build:
-        from . import cuda_build
-
         try:
-            libs = cuda_build._toolkit_dirs("lib")
-            if not any(os.path.exists(os.path.join(d, "libcudart_static.a")) for d in libs):
-                raise cuda_build.Unsupported(f"no libcudart_static.a in {', '.join(libs) or 'the CUDA toolkit'}")
-            if cuda_build.nvrtc_path() is None and not os.path.exists(os.path.join(cuda_build._cuda_home(), "bin", "nvcc")):
-                raise cuda_build.Unsupported("neither NVRTC nor nvcc found")
-            if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
-                raise cuda_build.Unsupported("no C++ compiler ($CXX, c++, g++)")
+            cuda_build.check_toolchain()
         except cuda_build.Unsupported as e:
             return f"building for {arch} needs the CUDA toolkit, and here: {e} (the CPU's kernels: --arch c)"
     return None
@@ -82,8 +78,7 @@ def arch_problem(arch: str, cpu: bool = True, build: bool = False) -> str | None
 def kernel_jobs(names: Iterable[str] | None, arch: str) -> list[tuple[str, Any, str, str]]:
     """``(builder, spec, backend, arch)`` for every case x dtype (x direction) of the ops ``names``
     (all when None), without duplicates, in manifest order."""
-    from ..manifest import registry
-    from ..workloads import case_dims, case_params
+    from ..manifest import case_dims, case_params, registry
 
     reg = registry()
     unknown = sorted(set(names or ()) - set(reg))
@@ -102,45 +97,25 @@ def kernel_jobs(names: Iterable[str] | None, arch: str) -> list[tuple[str, Any, 
 def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int], dtypes: Iterable[str], arch: str,
                    with_inputs: Iterable[str] | None = None, every_index_dtype: bool = False,
                    backward: bool = True) -> list[tuple[str, Any, str, str]]:
-    """The kernel jobs of op ``name`` built with ``params``, for calls with ``dims`` (at least those
-    the manifest's ``kernel.specialize`` names) in each of ``dtypes``: forward and, where the
-    manifest declares one and ``backward`` is true, backward. Optional inputs are the
-    ``with_inputs`` given, or (None) every combination of present and absent; integer inputs take
-    their workload dtype, or each of their dtypes with ``every_index_dtype``."""
+    """The kernel jobs of op ``name`` built with ``params`` (the manifest's defaults fill the rest),
+    for calls with ``dims`` (at least those the manifest's ``kernel.specialize`` names) in each of
+    ``dtypes``: forward and, where the manifest declares one and ``backward`` is true, backward.
+    Optional inputs are the ``with_inputs`` given, or (None) every combination of present and
+    absent; integer inputs take their workload dtype, or each of their dtypes with
+    ``every_index_dtype`` (:func:`tileops.manifest.call_specs`). The family's ``kernel_specs``
+    names the kernels of each call."""
     import torch
 
-    from ..manifest import registry
-    from ..manifest import CallSpec
-    from ..workloads import index_dtype, op_class
+    from ..manifest import call_specs, registry
 
     backend = "c" if arch == "c" else "cuda"
-    device = torch.device("cpu" if backend == "c" else "cuda")
     m = registry()[name]
-    family = importlib.import_module(f"tileops.{m.family}.builtin")
-    op = op_class(name)(**params)
-    static = tuple(sorted((d, dims[d]) for d in m.kernel.specialize))
-    optional = [t.name for t in m.inputs if t.optional]
-    if with_inputs is not None:
-        present_sets = [set(with_inputs)]
-    else:
-        present_sets = [{n for n, on in zip(optional, bits) if on}
-                        for bits in itertools.product((False, True), repeat=len(optional))]
+    specs = importlib.import_module(f"tileops.{m.family}.builtin").kernel_specs
+    params = {**m.defaults(), **params}
     jobs: list[tuple[str, Any, str, str]] = []
-    for dtype in dtypes:
-        for present in present_sets:
-            given = [t for t in m.inputs if not t.optional or t.name in present]
-            choices = [[(t.name, d) for d in (t.dtypes if every_index_dtype else [index_dtype(t)])]
-                       if t.range is not None else [(t.name, dtype)] for t in given]
-            for combo in itertools.product(*choices):
-                call = CallSpec(device, tuple(combo), static)
-                helpers = getattr(family, "helper_kernels", None)  # kernels a call launches besides its own
-                jobs += [(b, spec, backend, arch) for b, spec in (helpers(op, call, backend) if helpers else [])]
-                for inverse in (False, True) if m.backward and backward else (False,):
-                    # a family may serve some views by other kernels (rope: long head-major 2d views)
-                    specs = getattr(family, "kernel_specs", None)
-                    for spec in (specs(op, call, backend, inverse=inverse) if specs else
-                                 [family.kernel_spec(op, call, backend, inverse=inverse)]):
-                        jobs.append((m.kernel.builder, spec, backend, arch))
+    for call in call_specs(m, dims, dtypes, torch.device("cpu" if backend == "c" else "cuda"), with_inputs,
+                           every_index_dtype):
+        jobs += [(builder, spec, backend, arch) for builder, spec in specs(m, params, call, backend, backward)]
     return list(dict.fromkeys(jobs))
 
 
@@ -163,6 +138,33 @@ def warmup(names: Iterable[str] | None = None, arch: str = "sm_90", jobs: int | 
     Returns ``(kernels, seconds, failures)``, ``failures`` a list of ``(spec, error line)``.
     """
     return compile_jobs(kernel_jobs(names, arch), jobs, progress)
+
+
+def _lower(job: tuple[str, Any, str, str]) -> tuple[str, dict[str, Any] | None]:
+    """Lower one kernel for the lean build: its lean index key, and its sources as
+    :mod:`tileops.compile.lowered` keeps them (None: a kernel the lean build does not serve)."""
+    from .build import PASS_CONFIGS, index_key, prim_func
+
+    logging.getLogger("tilelang").setLevel(logging.ERROR)
+    builder, spec, backend, arch = job
+    key = index_key(builder, spec, backend, arch, lean=True)
+    try:
+        src = cuda_build.lower_sources(prim_func(builder, spec), arch, PASS_CONFIGS)
+    except cuda_build.Unsupported:
+        return key, None
+    return key, {"spec": repr(spec), "device": src.device, "host": src.host, "record": src.record, "name": src.name}
+
+
+def write_lowered(arch: str = "sm_90", jobs: int | None = None, names: Any = None,
+                  progress: bool | None = None) -> tuple[Path, int, int]:
+    """Lower every CUDA kernel of :func:`kernel_jobs` for ``arch`` (``jobs`` processes, ``progress``
+    as :func:`tileops.progress.wanted`) and write the file tileops ships
+    (:func:`tileops.compile.lowered.write`); returns (its path, kernels written, kernels the lean
+    build does not serve)."""
+    todo = [j for j in kernel_jobs(names, arch) if j[2] == "cuda"]
+    results = map_jobs(_lower, todo, jobs, progress=progress, what="lowering kernels")
+    kernels = {k: v for k, v in sorted(results) if v is not None}
+    return lowered.write(arch, kernels), len(kernels), len(results) - len(kernels)
 
 
 def _job_label(job: Any) -> str:

@@ -20,10 +20,10 @@ from ..runtime.errors import words_for
 from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
 from ..op import _disjoint
+from . import hooks
 from .tables import DIGITS, LO
 
-__all__ = ["implement", "kernel_spec", "kernel_specs", "helper_kernels", "RopeKernels", "TRANSPOSED_MIN_TOKENS",
-           "CPU_WIDEN_FP16_MIN"]
+__all__ = ["implement", "kernel_spec", "kernel_specs", "RopeKernels", "TRANSPOSED_MIN_TOKENS", "CPU_WIDEN_FP16_MIN"]
 
 #: a 2d view of at least this many tokens (B x S) whose head stride exceeds its token stride (HF's
 #: ``[B, H, S, D]`` through a transpose) is served on CUDA by the kernel made for head-major views
@@ -43,40 +43,50 @@ TRANSPOSED_MIN_TOKENS = 8192
 CPU_WIDEN_FP16_MIN = 16384
 
 
-def kernel_specs(op: Any, call: Any, backend: str, inverse: bool = False) -> list[Any]:
-    """Every kernel spec that may serve ``op`` for one call specialization, by the views it gets
-    (what ``tileops warmup`` and ``op.compile`` build ahead)."""
-    specs = [kernel_spec(op, call, backend, inverse)]
-    if backend == "cuda" and op.layout == "2d":
-        specs.append(kernel_spec(op, call, backend, inverse, transposed=True))
-    return specs
+def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
+    """Every ``(builder, spec)`` a call of one specialization (``call``, a
+    :class:`tileops.manifest.CallSpec`) of the op ``manifest`` describes, built with ``params``, may
+    launch on ``backend``: what ``tileops warmup`` and ``op.compile`` build ahead, without
+    constructing the op. The first is the RoPE kernel of a forward call on the usual views (what
+    ``tileops emit`` prints); then the kernel for long head-major 2d views on CUDA
+    (:data:`TRANSPOSED_MIN_TOKENS`), the same for the backward (``backward`` and the manifest
+    declares one), and the kernels a forward call launches besides: dynamic NTK's state kernel."""
+    cls = getattr(hooks, manifest.hooks)
+    out = []
+    for inverse in (False, True) if backward and manifest.backward else (False,):
+        for transposed in (False, True) if backend == "cuda" and cls.layout_of(params) == "2d" else (False,):
+            out.append((manifest.kernel.builder, kernel_spec(cls, manifest, params, call, backend, inverse, transposed)))
+    if hasattr(cls, "device_tables"):  # tables that depend on the call's positions: built by a kernel
+        from tileops.kernels import get_spec
+
+        rot = cls.rotated_width_of(params, call.dim("head_dim"))
+        out.append(("ntk", get_spec("ntk")(rot, positions=call.position_dtype, backend=backend)))
+    return out
 
 
-def helper_kernels(op: Any, call: Any, backend: str) -> list[tuple[str, Any]]:
-    """``(builder, spec)`` of the kernels besides the RoPE kernel that a forward call of ``op``
-    launches (what ``tileops warmup`` and ``op.compile`` build too): dynamic NTK's state kernel."""
-    if not hasattr(op, "device_tables"):
-        return []
-    from tileops.kernels import get_spec
-
-    return [("ntk", get_spec("ntk")(op.rotated_width(call.dim("head_dim")), positions=call.position_dtype,
-                                    backend=backend))]
-
-
-def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False, transposed: bool = False) -> Any:
-    """The :class:`kernels.rope.RopeKernelSpec` serving ``op`` for one call specialization
-    (``transposed``: the kernel for long head-major 2d views, see :data:`TRANSPOSED_MIN_TOKENS`)."""
+def kernel_spec(cls: type, manifest: Any, params: Any, call: Any, backend: str, inverse: bool = False,
+                transposed: bool = False) -> Any:
+    """The :class:`kernels.rope.RopeKernelSpec` serving an op of hook class ``cls`` (the op's class,
+    or the class its manifest's ``hooks:`` names) built with ``params``, for one call
+    specialization (``transposed``: the kernel for long head-major 2d views, see
+    :data:`TRANSPOSED_MIN_TOKENS`)."""
     from tileops.kernels import get_spec
 
     RopeKernelSpec = get_spec("rope")
     # a static choice is one value, or a map from input layout to value (schedules differ by layout)
     # keyed by the input_layout choices the manifest spells (MRoPE's "packed" is the "ids" layout)
-    key = op.params.get("input_layout", op.layout)
-    static = {k: (v[key] if isinstance(v, dict) else v) for k, v in op.manifest.kernel.static.items()}
+    key = params.get("input_layout", cls.layout_of(params))
+    static = {k: (v[key] if isinstance(v, dict) else v) for k, v in manifest.kernel.static.items()}
     head_dim = call.dim("head_dim")
-    return RopeKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=op.rotated_width(head_dim),
-                          pairing=op.pairing, positions=call.position_dtype, inverse=inverse, backend=backend,
-                          transposed=transposed, **static, **op.kernel_fields(call.position_dtype))
+    return RopeKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=cls.rotated_width_of(params, head_dim),
+                          pairing=cls.pairing_of(params), positions=call.position_dtype, inverse=inverse,
+                          backend=backend, transposed=transposed, **static,
+                          **cls.kernel_fields_of(params, call.position_dtype))
+
+
+def _spec_for(op: Any, call: Any, backend: str, inverse: bool = False, transposed: bool = False) -> Any:
+    """:func:`kernel_spec` for ``op`` itself."""
+    return kernel_spec(type(op), op.manifest, op.params, call, backend, inverse, transposed)
 
 
 class RopeKernels:
@@ -87,7 +97,7 @@ class RopeKernels:
         self.spec = spec
         self.device = spec.device
         self.backend, self.arch = device_backend(self.device)
-        self.kspec = kernel_spec(op, spec, self.backend)
+        self.kspec = _spec_for(op, spec, self.backend)
         self._kernels: dict[tuple[bool, bool], Any] = {}
         self._wide_kernels: dict[tuple[bool, bool], Any] = {}  # fp32 kernels of an fp16 spec (widens)
         self._kernel(False)  # compile the forward now: the first call pays for it, not a later one
@@ -109,7 +119,7 @@ class RopeKernels:
         k = kernels.get((inverse, transposed))
         if k is None:
             kspec = (self.kspec if not (inverse or transposed)
-                     else kernel_spec(self.op, self.spec, self.backend, inverse=inverse, transposed=transposed))
+                     else _spec_for(self.op, self.spec, self.backend, inverse=inverse, transposed=transposed))
             if wide:
                 kspec = dataclasses.replace(kspec, dtype="float32")
             k = kernels[inverse, transposed] = load_kernel(

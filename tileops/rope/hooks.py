@@ -25,17 +25,53 @@ __all__ = ["RoPEHooks", "Base", "NeoxPositionIds", "Llama31", "YaRN", "LongRoPE"
 
 
 class RoPEHooks(Op):
-    """What every RoPE op shares: frequencies -> tables -> one kernel builder."""
+    """What every RoPE op shares: frequencies -> tables -> one kernel builder.
 
-    pairing = "neox"
+    What decides the op's kernels (its layout, pairing, rotated width and extra kernel fields) is a
+    function of the params alone, defined per class (``layout_of``, ``pairing_of``,
+    ``rotated_width_of``, ``kernel_fields_of``), so that :func:`tileops.rope.builtin.kernel_specs`
+    names an op's kernels from its manifest and params without constructing it (``tileops warmup``);
+    the op reads the same through :attr:`layout`, :attr:`pairing`, :meth:`rotated_width` and
+    :meth:`kernel_fields`."""
+
+    @classmethod
+    def layout_of(cls, params: Any) -> str:
+        """The layout ops of this class with ``params`` see x in: ``"1d"``, ``"2d"`` or ``"ids"``."""
+        return params["input_layout"]
+
+    @classmethod
+    def pairing_of(cls, params: Any) -> str:
+        """``"neox"`` (pairs ``(i, i + R/2)``) or ``"interleaved"`` (pairs ``(2i, 2i + 1)``)."""
+        return "neox"
+
+    @classmethod
+    def rotated_width_of(cls, params: Any, head_dim: int) -> int:
+        """How many leading columns of a head of ``head_dim`` rotate (the rest are copied)."""
+        return head_dim
+
+    @classmethod
+    def kernel_fields_of(cls, params: Any, positions: str | None) -> dict[str, Any]:
+        """Fields of the kernel spec beyond the family's common ones, for a call whose
+        ``position_ids`` have dtype ``positions`` (None when not given); most ops have none."""
+        return {}
 
     @property
     def layout(self) -> str:
         """``"1d"``, ``"2d"`` or ``"ids"`` (position ids)."""
-        return self.params["input_layout"]
+        return self.layout_of(self.params)
+
+    @property
+    def pairing(self) -> str:
+        """``"neox"`` or ``"interleaved"``."""
+        return self.pairing_of(self.params)
 
     def rotated_width(self, head_dim: int) -> int:
-        return head_dim
+        """How many leading columns of a head of ``head_dim`` rotate."""
+        return self.rotated_width_of(self.params, head_dim)
+
+    def kernel_fields(self, positions: str | None) -> dict[str, Any]:
+        """:meth:`kernel_fields_of` this op's params."""
+        return self.kernel_fields_of(self.params, positions)
 
     def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
         """float64 inverse frequencies ``(rot // 2,)`` and the amplitude applied to cos and sin."""
@@ -59,11 +95,6 @@ class RoPEHooks(Op):
     def position_limit(self) -> int:
         """Positions must lie in ``[0, position_limit())``: 2^24, what the digit tables cover."""
         return MAX_POSITION
-
-    def kernel_fields(self, positions: str | None) -> dict[str, Any]:
-        """Fields of the kernel spec beyond the family's common ones, for a call whose
-        ``position_ids`` have dtype ``positions`` (None when not given); most ops have none."""
-        return {}
 
     def angles(self, positions: torch.Tensor, inv_freq: torch.Tensor, given: bool) -> torch.Tensor:
         """float64 angles ``[..., R/2]`` at ``positions`` (the call's ``position_ids`` when
@@ -96,24 +127,25 @@ class RoPEHooks(Op):
 class Base(RoPEHooks):
     """``RoPEFwdOp``: base frequencies; ``rope_layout`` picks the pairing."""
 
-    @property
-    def pairing(self) -> str:  # type: ignore[override]
-        return self.params["rope_layout"]
+    @classmethod
+    def pairing_of(cls, params: Any) -> str:
+        return params["rope_layout"]
 
 
 class _PartialRotary(RoPEHooks):
     """Neox pairing on the first ``rotary_dim`` columns; the rest are copied unchanged."""
 
-    def rotated_width(self, head_dim: int) -> int:
-        rd = self.params["rotary_dim"]
+    @classmethod
+    def rotated_width_of(cls, params: Any, head_dim: int) -> int:
+        rd = params["rotary_dim"]
         return head_dim if rd is None else rd
 
 
 class NeoxPositionIds(_PartialRotary):
     """``RoPENeoxPositionIdsFwdOp``: packed tokens, positions in ``[0, max_position)``."""
 
-    @property
-    def layout(self) -> str:
+    @classmethod
+    def layout_of(cls, params: Any) -> str:
         return "ids"
 
     def position_limit(self) -> int:
@@ -132,9 +164,9 @@ class Llama31(RoPEHooks):
 class YaRN(RoPEHooks):
     """``YaRNFwdOp``: YaRN's ramp between kept and interpolated frequencies, and its amplitude."""
 
-    @property
-    def pairing(self) -> str:  # type: ignore[override]
-        return self.params["rope_layout"]
+    @classmethod
+    def pairing_of(cls, params: Any) -> str:
+        return params["rope_layout"]
 
     def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
         p = self.params
@@ -278,9 +310,9 @@ class MRoPE(RoPEHooks):
     """``MRoPEFwdOp``: three position streams, each pair taking the angle of the stream its section
     gives it (consecutive for Qwen2-VL / Qwen2.5-VL, interleaved for Qwen3-VL); base frequencies."""
 
-    @property
-    def layout(self) -> str:
-        return "ids" if self.params["input_layout"] == "packed" else self.params["input_layout"]
+    @classmethod
+    def layout_of(cls, params: Any) -> str:
+        return "ids" if params["input_layout"] == "packed" else params["input_layout"]
 
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
         params = super()._check_params(params)
@@ -301,11 +333,12 @@ class MRoPE(RoPEHooks):
             raise ValueError(f"{self.name}: position_ids: expected [3, tokens] positions with "
                              f"input_layout='packed' (packed sequences have positions of their own), got None")
 
-    def kernel_fields(self, positions: str | None) -> dict[str, Any]:
+    @classmethod
+    def kernel_fields_of(cls, params: Any, positions: str | None) -> dict[str, Any]:
         # without position_ids every stream is the sequence index: plain RoPE, the plain kernel
         if positions is None:
             return {}
-        return {"mrope_section": self.params["mrope_section"], "mrope_interleaved": self.params["mrope_interleaved"]}
+        return {"mrope_section": tuple(params["mrope_section"]), "mrope_interleaved": params["mrope_interleaved"]}
 
     def streams(self) -> torch.Tensor:
         """The stream of each pair (:func:`tileops.rope.freqs.mrope_streams`), int64 on the CPU."""

@@ -13,15 +13,17 @@ import torch
 
 from tileops.compile.build import device_backend, load_kernel
 
-__all__ = ["implement", "kernel_spec", "ScaleKernels"]
+__all__ = ["implement", "kernel_specs", "ScaleKernels"]
 
 
-def kernel_spec(op: Any, call: Any, backend: str, inverse: bool = False) -> Any:
-    """The :class:`kernels.scale.Spec` serving ``op`` for one call specialization (the backward,
-    ``inverse``, is the same kernel)."""
+def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
+    """Every ``(builder, spec)`` a call of one specialization may launch (what ``tileops warmup``
+    builds ahead): one :class:`kernels.scale.Spec`, forward and backward alike (the backward is the
+    same kernel); ``c`` is a runtime argument, so ``params`` change nothing."""
     from tileops.kernels import get_spec
 
-    return get_spec("scale")(dtype=call.dtype("x"), backend=backend, **op.manifest.kernel.static)
+    builder = manifest.kernel.builder
+    return [(builder, get_spec(builder)(dtype=call.dtype("x"), backend=backend, **manifest.kernel.static))]
 
 
 class ScaleKernels:
@@ -29,7 +31,7 @@ class ScaleKernels:
 
     def __init__(self, op: Any, spec: Any):
         backend, arch = device_backend(spec.device)
-        kspec = kernel_spec(op, spec, backend)
+        (_, kspec), = kernel_specs(op.manifest, op.params, spec, backend)
         # compiled once, then loaded from tileops' index by later processes (no TileLang import there)
         self.kernel = load_kernel(op.manifest.kernel.builder, kspec, backend, arch, spec.device, kspec.args)
         self.factor = op.factor
