@@ -67,10 +67,9 @@ def launch(rounds: int = 22, calls: int = 500) -> None:
     st = list(x.stride()[:3])
 
     def args(k):
-        return array.array("q", k.bind(X=x.data_ptr(), Y=y.data_ptr(), K=x.data_ptr(), KY=y.data_ptr(),
-                                       TD=td.data_ptr(), B=1, S=16, H=8, HK=0, xsb=st[0], xss=st[1], xsh=st[2],
-                                       ysb=st[0], yss=st[1], ysh=st[2], ksb=0, kss=0, ksh=0, kysb=0, kyss=0,
-                                       kysh=0, NX=0, NY=0, NK=0, NKY=0))
+        return array.array("q", k.bind(**dict.fromkeys(k.arg_names, 0) | dict(  # what a call does not set is 0
+            X=x.data_ptr(), Y=y.data_ptr(), K=x.data_ptr(), KY=y.data_ptr(), TD=td.data_ptr(), B=1, S=16, H=8,
+            HK=0, xsb=st[0], xss=st[1], xsh=st[2], ysb=st[0], yss=st[1], ysh=st[2])))
 
     runs = {"TileLang's build": (theirs, args(theirs)), "lean build": (ours, args(ours))}
     stream = torch.cuda.current_stream().cuda_stream

@@ -118,10 +118,10 @@ def main() -> int:
             st = [v // u for v in (S * H * D, H * D, D)]  # contiguous [B, S, H, D], in units of u
 
             def launch(i, k=k, st=st):
-                k(*k.bind(X=xs[i].data_ptr(), Y=ys[i].data_ptr(), K=xs[i].data_ptr(), KY=ys[i].data_ptr(),
-                          TD=td.data_ptr(), B=B, S=S, H=H, HK=0, xsb=st[0], xss=st[1], xsh=st[2], ysb=st[0],
-                          yss=st[1], ysh=st[2], ksb=0, kss=0, ksh=0, kysb=0, kyss=0, kysh=0,
-                          NX=0, NY=0, NK=0, NKY=0, **extra))
+                k(*k.bind(**dict.fromkeys(k.arg_names, 0) | dict(  # what a call does not set is 0
+                    X=xs[i].data_ptr(), Y=ys[i].data_ptr(), K=xs[i].data_ptr(), KY=ys[i].data_ptr(),
+                    TD=td.data_ptr(), B=B, S=S, H=H, HK=0, xsb=st[0], xss=st[1], xsh=st[2], ysb=st[0],
+                    yss=st[1], ysh=st[2], **extra)))
 
             t = gpu_time(launch, n)[0] * 1e-6
             results.append((t, cfg))
@@ -162,10 +162,10 @@ def tune_hf(w, quick: bool, rate: float) -> None:
 
         def launch(i, k=k, qst=qst, kst=kst):
             q, kk = qs[i].data_ptr(), ks[i].data_ptr()
-            k(*k.bind(X=q, Y=q, K=kk, KY=kk, TD=td.data_ptr(), B=B, S=S, H=H, HK=HK,
-                      xsb=qst[0], xss=qst[1], xsh=qst[2], ysb=qst[0], yss=qst[1], ysh=qst[2],
-                      ksb=kst[0], kss=kst[1], ksh=kst[2], kysb=kst[0], kyss=kst[1], kysh=kst[2],
-                      NX=0, NY=0, NK=0, NKY=0))
+            k(*k.bind(**dict.fromkeys(k.arg_names, 0) | dict(
+                X=q, Y=q, K=kk, KY=kk, TD=td.data_ptr(), B=B, S=S, H=H, HK=HK,
+                xsb=qst[0], xss=qst[1], xsh=qst[2], ysb=qst[0], yss=qst[1], ysh=qst[2],
+                ksb=kst[0], kss=kst[1], ksh=kst[2], kysb=kst[0], kyss=kst[1], kysh=kst[2])))
 
         results.append((gpu_time(launch, n)[0], cfg))
     results.sort(key=lambda r: r[0])

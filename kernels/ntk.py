@@ -50,7 +50,9 @@ STATIC = {
 LO = 256
 DIGITS = 3
 
-#: the generated function's parameters, in order (``P`` to ``limit`` only with positions, ``seq`` only without)
+#: the generated function's parameters, in order, the same for every spec: one ``T.prim_func`` per
+#: backend. A kernel with positions never reads ``seq``, one without reads none of ``P`` to ``limit``
+#: (the launcher passes 0 for what a call does not set)
 ARGS = ("TD", "ST", "STAMP", "P", "B", "S", "psb", "pss", "limit", "seq",
         "base_bits", "factor_bits", "mpe_bits", "power_bits")
 
@@ -86,10 +88,8 @@ class NtkTablesSpec:
 
     @property
     def args(self) -> tuple[str, ...]:
-        """The generated function's parameter names, in order."""
-        if self.positions is None:
-            return tuple(a for a in ARGS if a not in ("P", "B", "S", "psb", "pss", "limit"))
-        return tuple(a for a in ARGS if a != "seq")
+        """The generated function's parameter names, in order (:data:`ARGS`, whatever the spec)."""
+        return ARGS
 
 
 def _tl() -> Any:
@@ -135,7 +135,7 @@ def _entry_macro(spec: NtkTablesSpec):
 
 
 def build(spec: NtkTablesSpec):
-    """The ``T.prim_func`` for ``spec``; its parameters are ``spec.args``. ``TD[3, 256, 2, R/2]`` fp32,
+    """The ``T.prim_func`` for ``spec``; its parameters are :data:`ARGS`. ``TD[3, 256, 2, R/2]`` fp32,
     ``ST[1]`` and ``STAMP[spec.blocks]`` float64, ``P`` flat positions (element ``(b, s)`` at
     ``b * psb + s * pss``, ``B x S`` of them)."""
     _tl()
@@ -163,31 +163,27 @@ def _build_c(spec: NtkTablesSpec):
                 entry(TD, e, cached, base_bits, factor_bits, mpe_bits, power_bits)
             STAMP[0] = cached
 
-    if spec.positions is None:
-        @T.prim_func
-        def ntk_c(TD: sig["TD"], ST: sig["ST"], STAMP: sig["STAMP"], seq: T.int64, base_bits: T.int64,
-                  factor_bits: T.int64, mpe_bits: T.int64, power_bits: T.int64):
-            with T.Kernel(1, threads=1) as _:
-                rebuild(TD, ST, STAMP, T.cast(seq, "float64"), base_bits, factor_bits, mpe_bits, power_bits, True)
-        return ntk_c
-
     @T.prim_func
-    def ntk_ids_c(TD: sig["TD"], ST: sig["ST"], STAMP: sig["STAMP"], P: sig["P"], B: T.int32, S: T.int32,
-                  psb: T.int64, pss: T.int64, limit: T.int64, base_bits: T.int64, factor_bits: T.int64,
-                  mpe_bits: T.int64, power_bits: T.int64):
+    def ntk_c(TD: sig["TD"], ST: sig["ST"], STAMP: sig["STAMP"], P: sig["P"], B: T.int32, S: T.int32, psb: T.int64,
+              pss: T.int64, limit: T.int64, seq: T.int64, base_bits: T.int64, factor_bits: T.int64,
+              mpe_bits: T.int64, power_bits: T.int64):
         with T.Kernel(1, threads=1) as _:
-            top = T.alloc_var("int64")
-            bad = T.alloc_var("int32")
-            top = -1
-            bad = 0
-            for b in T.serial(B):
-                for s in T.serial(S):
-                    p = T.cast(P[T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
-                    top = T.max(top, p)
-                    if p < 0 or p >= limit:
-                        bad = 1
-            rebuild(TD, ST, STAMP, T.cast(top + 1, "float64"), base_bits, factor_bits, mpe_bits, power_bits, bad == 0)
-    return ntk_ids_c
+            if spec.positions is None:  # decided here, while the function is built: one body or the other
+                rebuild(TD, ST, STAMP, T.cast(seq, "float64"), base_bits, factor_bits, mpe_bits, power_bits, True)
+            else:
+                top = T.alloc_var("int64")
+                bad = T.alloc_var("int32")
+                top = -1
+                bad = 0
+                for b in T.serial(B):
+                    for s in T.serial(S):
+                        p = T.cast(P[T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
+                        top = T.max(top, p)
+                        if p < 0 or p >= limit:
+                            bad = 1
+                rebuild(TD, ST, STAMP, T.cast(top + 1, "float64"), base_bits, factor_bits, mpe_bits, power_bits,
+                        bad == 0)
+    return ntk_c
 
 
 def _build_cuda(spec: NtkTablesSpec):
@@ -212,50 +208,44 @@ def _build_cuda(spec: NtkTablesSpec):
             if tx == 0:
                 STAMP[bx] = cached
 
-    if spec.positions is None:
-        @T.prim_func
-        def ntk_cuda(TD: sig["TD"], ST: sig["ST"], STAMP: sig["STAMP"], seq: T.int64, base_bits: T.int64,
-                     factor_bits: T.int64, mpe_bits: T.int64, power_bits: T.int64):
-            with T.Kernel(spec.blocks, threads=threads) as bx:
-                tx = T.get_thread_binding()
-                rebuild(TD, ST, STAMP, T.cast(seq, "float64"), base_bits, factor_bits, mpe_bits, power_bits, True,
-                        bx, tx)
-        return ntk_cuda
-
     @T.prim_func
-    def ntk_ids_cuda(TD: sig["TD"], ST: sig["ST"], STAMP: sig["STAMP"], P: sig["P"], B: T.int32, S: T.int32,
-                     psb: T.int64, pss: T.int64, limit: T.int64, base_bits: T.int64, factor_bits: T.int64,
-                     mpe_bits: T.int64, power_bits: T.int64):
+    def ntk_cuda(TD: sig["TD"], ST: sig["ST"], STAMP: sig["STAMP"], P: sig["P"], B: T.int32, S: T.int32,
+                 psb: T.int64, pss: T.int64, limit: T.int64, seq: T.int64, base_bits: T.int64, factor_bits: T.int64,
+                 mpe_bits: T.int64, power_bits: T.int64):
         with T.Kernel(spec.blocks, threads=threads) as bx:
             tx = T.get_thread_binding()
-            # static shared memory: the lean build (tileops.compile.cuda_build) takes no dynamic shared memory
-            top = T.alloc_shared((threads,), "int64", scope="shared")
-            bad = T.alloc_shared((threads,), "int32", scope="shared")
-            mine = T.alloc_var("int64")
-            wrong = T.alloc_var("int32")
-            mine = -1
-            wrong = 0
-            # every block reduces all positions (64 KB of int64 for 8k tokens, from L2 after the first
-            # block): cheaper than a second launch or a grid-wide barrier. Rows by (b, s), no 64-bit
-            # division per position.
-            for b in T.serial(B):
-                for r in T.serial(T.ceildiv(S - tx, threads)):
-                    p = T.cast(P[T.cast(b, "int64") * psb + T.cast(tx + r * threads, "int64") * pss], "int64")
-                    mine = T.max(mine, p)
-                    if p < 0 or p >= limit:
-                        wrong = 1
-            top[tx] = mine
-            bad[tx] = wrong
-            T.sync_threads()
-            for lvl in T.unroll(levels):
-                step = T.shift_right(threads, lvl + 1)
-                if tx < step:
-                    top[tx] = T.max(top[tx], top[tx + step])
-                    bad[tx] = T.max(bad[tx], bad[tx + step])
+            if spec.positions is None:  # decided here, while the function is built: one body or the other
+                rebuild(TD, ST, STAMP, T.cast(seq, "float64"), base_bits, factor_bits, mpe_bits, power_bits, True,
+                        bx, tx)
+            else:
+                # static shared memory: the lean build (tileops.compile.cuda_build) takes no dynamic shared memory
+                top = T.alloc_shared((threads,), "int64", scope="shared")
+                bad = T.alloc_shared((threads,), "int32", scope="shared")
+                mine = T.alloc_var("int64")
+                wrong = T.alloc_var("int32")
+                mine = -1
+                wrong = 0
+                # every block reduces all positions (64 KB of int64 for 8k tokens, from L2 after the first
+                # block): cheaper than a second launch or a grid-wide barrier. Rows by (b, s), no 64-bit
+                # division per position.
+                for b in T.serial(B):
+                    for r in T.serial(T.ceildiv(S - tx, threads)):
+                        p = T.cast(P[T.cast(b, "int64") * psb + T.cast(tx + r * threads, "int64") * pss], "int64")
+                        mine = T.max(mine, p)
+                        if p < 0 or p >= limit:
+                            wrong = 1
+                top[tx] = mine
+                bad[tx] = wrong
                 T.sync_threads()
-            rebuild(TD, ST, STAMP, T.cast(top[0] + 1, "float64"), base_bits, factor_bits, mpe_bits, power_bits,
-                    bad[0] == 0, bx, tx)
-    return ntk_ids_cuda
+                for lvl in T.unroll(levels):
+                    step = T.shift_right(threads, lvl + 1)
+                    if tx < step:
+                        top[tx] = T.max(top[tx], top[tx + step])
+                        bad[tx] = T.max(bad[tx], bad[tx + step])
+                    T.sync_threads()
+                rebuild(TD, ST, STAMP, T.cast(top[0] + 1, "float64"), base_bits, factor_bits, mpe_bits, power_bits,
+                        bad[0] == 0, bx, tx)
+    return ntk_cuda
 
 
 Spec = NtkTablesSpec

@@ -90,13 +90,14 @@ _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 MAX_BLOCK_THREADS = 1024
 MAX_GRID_Y = 65535
 
-#: the generated function's parameters, in order (``P``, ``ERR``, the position strides and ``limit``
-#: only with positions). The launcher binds arguments by these names.
+#: the generated function's parameters, in order, the same for every spec: one ``T.prim_func`` per
+#: backend. A kernel without positions reads none of ``P``, ``ERR``, ``psb``, ``pss``, ``psc``,
+#: ``limit``, ``tag`` (its body is that of a function without them), one without ``mrope_section``
+#: never reads ``psc`` (the stride between the three position streams); the launcher binds arguments
+#: by these names and passes 0 for those a call does not set.
 ARGS = ("X", "Y", "K", "KY", "TD", "P", "ERR", "B", "S", "H", "HK",
         "xsb", "xss", "xsh", "ysb", "yss", "ysh", "ksb", "kss", "ksh", "kysb", "kyss", "kysh",
-        "psb", "pss", "limit", "tag")
-#: with ``mrope_section``: the stride between the three position streams, after ``pss``
-MROPE_ARGS = ARGS[:ARGS.index("pss") + 1] + ("psc",) + ARGS[ARGS.index("pss") + 1:]
+        "psb", "pss", "psc", "limit", "tag")
 
 
 @dataclass(frozen=True)
@@ -196,10 +197,8 @@ class RopeKernelSpec:
 
     @property
     def args(self) -> tuple[str, ...]:
-        """The generated function's parameter names, in order."""
-        if self.positions is None:
-            return tuple(a for a in ARGS if a not in ("P", "ERR", "psb", "pss", "limit", "tag"))
-        return ARGS if self.mrope_section is None else MROPE_ARGS
+        """The generated function's parameter names, in order (:data:`ARGS`, whatever the spec)."""
+        return ARGS
 
 
 def _pick(spec: RopeKernelSpec, j, pt, ph, pw):
@@ -217,13 +216,14 @@ def _pick(spec: RopeKernelSpec, j, pt, ph, pw):
 
 
 def build_rope(spec: RopeKernelSpec):
-    """The ``T.prim_func`` for ``spec``; its parameters are ``spec.args``.
+    """The ``T.prim_func`` for ``spec``; its parameters are :data:`ARGS`.
 
     ``X``, ``Y``, ``K``, ``KY`` are flat buffers of the element type addressed through the strides
-    that follow, in units of ``spec.stride_unit`` elements; ``TD[3, 256, 2, R/2]`` the fp32 digit tables; with positions ``P`` (flat,
-    int32/int64, element ``(b, s)`` at ``b * psb + s * pss``), ``ERR[1]`` (int32, set to ``tag`` when a
-    position lies outside ``[0, limit)``; that position reads as 0, so no table is ever indexed out
-    of bounds), ``limit`` and ``tag``.
+    that follow, in units of ``spec.stride_unit`` elements; ``TD[3, 256, 2, R/2]`` the fp32 digit
+    tables; with positions ``P`` (flat, int32/int64, element ``(b, s)`` at ``b * psb + s * pss``, plus
+    ``stream * psc`` with MRoPE), ``ERR[1]`` (int32, set to ``tag`` when a position lies outside
+    ``[0, limit)``; that position reads as 0, so no table is ever indexed out of bounds), ``limit``
+    and ``tag``; without positions these are not read (``P`` is then declared int32).
     """
     _tl()
     if spec.backend == "cuda":
@@ -344,38 +344,15 @@ def _build_c(spec: RopeKernelSpec):
             else:
                 one_head(K, KY, _offset(b, s, h - H, ksb, kss, ksh), _offset(b, s, h - H, kysb, kyss, kysh), cst)
 
-    if mrope:
-        @T.prim_func
-        def rope_mrope_c(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"],
-                         ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
-                         xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
-                         ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
-                         psb: T.int64, pss: T.int64, psc: T.int64, limit: T.int64, tag: T.int32):
-            with T.Kernel(S, B, threads=1) as (bs, bb):
-                body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                     kysh, psb, pss, psc, limit, tag, bb, bs)
-        return rope_mrope_c
-
-    if by_ids:
-        @T.prim_func
-        def rope_ids_c(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"],
-                       ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
-                       xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
-                       ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
-                       psb: T.int64, pss: T.int64, limit: T.int64, tag: T.int32):
-            with T.Kernel(S, B, threads=1) as (bs, bb):
-                body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                     kysh, psb, pss, 0, limit, tag, bb, bs)
-        return rope_ids_c
-
     @T.prim_func
-    def rope_c(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"],
+    def rope_c(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"], ERR: sig["ERR"],
                B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
                xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
-               ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64):
+               ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
+               psb: T.int64, pss: T.int64, psc: T.int64, limit: T.int64, tag: T.int32):
         with T.Kernel(S, B, threads=1) as (bs, bb):
-            body(X, Y, K, KY, TD, None, None, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
-                 kysh, 0, 0, 0, 0, 0, bb, bs)
+            body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
+                 kysh, psb, pss, psc, limit, tag, bb, bs)
     return rope_c
 
 
@@ -559,44 +536,17 @@ def _build_cuda(spec: RopeKernelSpec):
                       kysh, psb, pss, psc, limit, tag, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya,
                       yb)
 
-    if mrope:
-        @T.prim_func
-        def rope_mrope_cuda(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"],
-                            ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
-                            xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
-                            ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
-                            psb: T.int64, pss: T.int64, psc: T.int64, limit: T.int64, tag: T.int32):
-            with T.Kernel(T.ceildiv(S, GROUP), T.min(B, MAX_GRID_Y), T.ceildiv(B, MAX_GRID_Y),
-                          threads=threads) as (bx, by, bz):
-                if bz * MAX_GRID_Y + by < B:
-                    body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
-                         kyss, kysh, psb, pss, psc, limit, tag, bx, bz * MAX_GRID_Y + by)
-        return rope_mrope_cuda
-
-    if by_ids:
-        @T.prim_func
-        def rope_ids_cuda(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"],
-                          ERR: sig["ERR"], B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
-                          xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
-                          ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
-                          psb: T.int64, pss: T.int64, limit: T.int64, tag: T.int32):
-            with T.Kernel(T.ceildiv(S, GROUP), T.min(B, MAX_GRID_Y), T.ceildiv(B, MAX_GRID_Y),
-                          threads=threads) as (bx, by, bz):
-                if bz * MAX_GRID_Y + by < B:
-                    body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
-                         kyss, kysh, psb, pss, 0, limit, tag, bx, bz * MAX_GRID_Y + by)
-        return rope_ids_cuda
-
     @T.prim_func
-    def rope_cuda(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"],
+    def rope_cuda(X: sig["X"], Y: sig["Y"], K: sig["K"], KY: sig["KY"], TD: sig["TD"], P: sig["P"], ERR: sig["ERR"],
                   B: T.int32, S: T.int32, H: T.int32, HK: T.int32,
                   xsb: T.int64, xss: T.int64, xsh: T.int64, ysb: T.int64, yss: T.int64, ysh: T.int64,
-                  ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64):
+                  ksb: T.int64, kss: T.int64, ksh: T.int64, kysb: T.int64, kyss: T.int64, kysh: T.int64,
+                  psb: T.int64, pss: T.int64, psc: T.int64, limit: T.int64, tag: T.int32):
         with T.Kernel(T.ceildiv(S, GROUP), T.min(B, MAX_GRID_Y), T.ceildiv(B, MAX_GRID_Y),
                       threads=threads) as (bx, by, bz):
             if bz * MAX_GRID_Y + by < B:
-                body(X, Y, K, KY, TD, None, None, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb,
-                     kyss, kysh, 0, 0, 0, 0, 0, bx, bz * MAX_GRID_Y + by)
+                body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss,
+                     kysh, psb, pss, psc, limit, tag, bx, bz * MAX_GRID_Y + by)
     return rope_cuda
 
 

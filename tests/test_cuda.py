@@ -78,10 +78,11 @@ def test_every_element_written_cuda():
         td = RopeTables(inv, 1.0).on(dev)
         u = spec.stride_unit
         st = [[v // u for v in t.stride()[:3]] for t in (x, out, key, kout)]
-        k(*k.bind(X=x.data_ptr(), Y=out.data_ptr(), K=key.data_ptr(), KY=kout.data_ptr(), TD=td.data_ptr(),
-                  B=3, S=37, H=5, HK=2, xsb=st[0][0], xss=st[0][1], xsh=st[0][2], ysb=st[1][0], yss=st[1][1],
-                  ysh=st[1][2], ksb=st[2][0], kss=st[2][1], ksh=st[2][2], kysb=st[3][0], kyss=st[3][1],
-                  kysh=st[3][2], NX=0, NY=0, NK=0, NKY=0))
+        k(*k.bind(**dict.fromkeys(k.arg_names, 0) | dict(  # no positions: P to tag unread, 0
+            X=x.data_ptr(), Y=out.data_ptr(), K=key.data_ptr(), KY=kout.data_ptr(), TD=td.data_ptr(),
+            B=3, S=37, H=5, HK=2, xsb=st[0][0], xss=st[0][1], xsh=st[0][2], ysb=st[1][0], yss=st[1][1],
+            ysh=st[1][2], ksb=st[2][0], kss=st[2][1], ksh=st[2][2], kysb=st[3][0], kyss=st[3][1],
+            kysh=st[3][2], NX=0, NY=0, NK=0, NKY=0)))
         assert not out.isnan().any() and not kout.isnan().any(), (pairing, d, dtype)
         for got, src in ((out, x), (kout, key)):
             ref = reference("RoPEFwdOp", {"rope_layout": pairing, "input_layout": "2d"}, {"x": src.cpu()})

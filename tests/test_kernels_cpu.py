@@ -72,10 +72,13 @@ def test_every_element_written(gen):
     td = RopeTables(inv, 1.0).on(torch.device("cpu"))
     st = lambda t: dict(zip("bsh", t.stride()[:3]))  # noqa: E731
     a, b, c, d = st(x), st(out), st(k), st(kout)
-    kernel(*kernel.bind(X=x.data_ptr(), Y=out.data_ptr(), K=k.data_ptr(), KY=kout.data_ptr(), TD=td.data_ptr(),
-                        B=3, S=37, H=5, HK=2, xsb=a["b"], xss=a["s"], xsh=a["h"], ysb=b["b"], yss=b["s"],
-                        ysh=b["h"], ksb=c["b"], kss=c["s"], ksh=c["h"], kysb=d["b"], kyss=d["s"], kysh=d["h"],
-                        NX=x.numel(), NY=out.numel(), NK=k.numel(), NKY=kout.numel()))
+    # the position arguments (P to tag) are parameters of every RoPE kernel; one without positions
+    # never reads them, and takes 0 as the launcher's slots give
+    kernel(*kernel.bind(**dict.fromkeys(kernel.arg_names, 0) | dict(
+        X=x.data_ptr(), Y=out.data_ptr(), K=k.data_ptr(), KY=kout.data_ptr(), TD=td.data_ptr(),
+        B=3, S=37, H=5, HK=2, xsb=a["b"], xss=a["s"], xsh=a["h"], ysb=b["b"], yss=b["s"],
+        ysh=b["h"], ksb=c["b"], kss=c["s"], ksh=c["h"], kysb=d["b"], kyss=d["s"], kysh=d["h"],
+        NX=x.numel(), NY=out.numel(), NK=k.numel(), NKY=kout.numel())))
     assert not out.isnan().any() and not kout.isnan().any()
     params = {"rope_layout": "interleaved", "input_layout": "2d"}
     assert_close(out, reference("RoPEFwdOp", params, {"x": x}))
@@ -129,3 +132,37 @@ def test_empty_sequence():
     op = RoPEFwdOp(input_layout="2d", target=BUILTIN)
     out = op(torch.randn(2, 0, 4, 64))
     assert out.shape == (2, 0, 4, 64)
+
+
+def test_one_prim_func_per_backend_whose_parameters_are_every_argument():
+    """kernels/rope.py and kernels/ntk.py write one ``T.prim_func`` per backend: its parameters are
+    the builder's whole ``ARGS`` whatever the spec, and a kernel that does not use some (the position
+    arguments without positions, ``psc`` without MRoPE, ``seq`` with positions) does not read them:
+    the generated kernel takes only what it reads, as the three functions per backend it replaces did."""
+    import re
+
+    from tileops.compile.build import emit_source, prim_func
+    from tileops.kernels import ntk, rope
+
+    def params(builder, spec):
+        return [p.name.removesuffix("_handle") for p in prim_func(builder, spec).params]
+
+    for backend in ("c", "cuda"):
+        arch = "c" if backend == "c" else "sm_90"
+        plain = rope.RopeKernelSpec("float32", 64, 64, backend=backend)
+        ids = rope.RopeKernelSpec("float32", 64, 64, positions="int32", backend=backend)
+        mrope = rope.RopeKernelSpec("float32", 64, 64, positions="int64", mrope_section=(8, 12, 12), backend=backend)
+        for spec in (plain, ids, mrope):
+            assert params("rope", spec) == list(rope.ARGS) == list(spec.args), spec
+            assert prim_func("rope", spec).attrs["global_symbol"] == f"rope_{backend}"
+        for spec in (ntk.NtkTablesSpec(64, backend=backend), ntk.NtkTablesSpec(64, positions="int64", backend=backend)):
+            assert params("ntk", spec) == list(ntk.ARGS) == list(spec.args), spec
+        read = {}
+        for name, builder, spec in (("plain", "rope", plain), ("ids", "rope", ids),
+                                    ("ntk-ids", "ntk", ntk.NtkTablesSpec(64, positions="int64", backend=backend))):
+            src = emit_source(builder, spec, backend, arch)
+            decl = re.search(rf"{builder}_{backend}_kernel\(([^)]*)\)", src).group(1)
+            read[name] = {p.split()[-1].lstrip("*") for p in decl.split(",")}
+        assert not read["plain"] & {"P", "ERR", "psb", "pss", "psc", "limit", "tag"}, read["plain"]
+        assert {"P", "ERR", "psb", "pss", "limit", "tag"} <= read["ids"] and "psc" not in read["ids"], read["ids"]
+        assert "seq" not in read["ntk-ids"] and "P" in read["ntk-ids"], read["ntk-ids"]

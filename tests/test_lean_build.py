@@ -185,7 +185,7 @@ def _bind_and_run(k, spec, x, out, key, kout, td, pos=None, err=None):
                 B=x.shape[0], S=x.shape[1], H=x.shape[2], HK=key.shape[2], xsb=st[0][0], xss=st[0][1],
                 xsh=st[0][2], ysb=st[1][0], yss=st[1][1], ysh=st[1][2], ksb=st[2][0], kss=st[2][1],
                 ksh=st[2][2], kysb=st[3][0], kyss=st[3][1], kysh=st[3][2], NX=0, NY=0, NK=0, NKY=0, **extra)
-    k(*k.bind(**{n: v for n, v in args.items() if n in k.arg_names}))
+    k(*k.bind(**dict.fromkeys(k.arg_names, 0) | {n: v for n, v in args.items() if n in k.arg_names}))
 
 
 @pytest.mark.cuda

@@ -220,6 +220,27 @@ def test_the_generated_tests_run_it(family: Path):
         assert any(p.endswith("-cuda]") for p in gen)
 
 
+WARMUP = """
+import json
+from tileops.compile import warmup
+from tileops.manifest import get
+jobs = warmup.kernel_jobs(["ScaleFwdOp"], "sm_90")
+n, _, failures = warmup.warmup(["ScaleFwdOp"], "c", jobs=1)
+print(json.dumps({"cuda": sorted({(b, s.dtype, s.threads) for b, s, _, _ in jobs}), "c": n, "failures": failures,
+                  "dtypes": list(get("ScaleFwdOp").inputs[0].dtypes),
+                  "threads": get("ScaleFwdOp").kernel.static["threads"]}))
+"""
+
+
+def test_warmup_learns_its_kernels_from_the_family(family: Path):
+    """``tileops warmup`` (and ``op.compile``) name a family's kernels through its
+    ``builtin.kernel_specs``, found by the manifest's family: no op is constructed, nothing in tileops
+    names the family. One scale kernel per dtype (``c`` is an argument), built for the CPU here."""
+    got = json.loads(_run([sys.executable, "-c", WARMUP], family).stdout.strip().splitlines()[-1])
+    assert got["cuda"] == [["scale", d, got["threads"]] for d in sorted(got["dtypes"])], got
+    assert got["c"] == len(got["dtypes"]) and not got["failures"], got
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_its_cuda_source_compiles(family: Path, tmp_path: Path):
     src = _tileops("emit", "ScaleFwdOp", "--case", "2d-odd", "--arch", "sm_90", family=family).stdout

@@ -89,6 +89,31 @@ def test_warmup_builds_the_head_major_kernel_for_2d_ops_only():
                                                           ["float16"], "c")} == {False}
 
 
+def test_warmup_learns_the_kernels_without_constructing_an_op(monkeypatch):
+    """``tileops warmup``'s list comes from each family's ``kernel_specs`` (manifest, params, call):
+    no op is made, and the kernels a constructed op loads for a call are among those listed for it."""
+    import torch
+
+    from tileops.compile.warmup import kernel_jobs
+    from tileops.manifest import call_specs, case_dims, case_params, registry
+    from tileops.op import Op
+    from tileops.rope import builtin
+    from tileops.workloads import op_class
+
+    with monkeypatch.context() as m:
+        m.setattr(Op, "_setup", lambda *a, **k: (_ for _ in ()).throw(AssertionError("warmup constructed an op")))
+        jobs = {arch: set(kernel_jobs(None, arch)) for arch in ("sm_90", "c")}
+    assert len(jobs["sm_90"]) > 100 and len(jobs["c"]) > 50
+    for name, man in registry().items():
+        case = man.cases[-1]
+        op = op_class(name)(**case_params(man, case))
+        for arch, backend, device in (("sm_90", "cuda", "cuda"), ("c", "c", "cpu")):
+            for call in call_specs(man, case_dims(man, case), case.dtypes, torch.device(device), case.with_inputs):
+                for inverse in (False, True):  # what RopeKernels loads for this call, from the op itself
+                    spec = builtin._spec_for(op, call, backend, inverse=inverse)
+                    assert (man.kernel.builder, spec, backend, arch) in jobs[arch], (name, case.label, spec)
+
+
 @pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_compile_from_a_script_without_a_main_guard(tmp_path):
     """``op.compile(..., jobs=2)`` pasted into a plain script: the workers are ``python -m
