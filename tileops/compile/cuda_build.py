@@ -12,8 +12,9 @@ This module builds the same library in two cheap steps:
   ``bfloat16_t``, which are CUDA's own ``__half`` and ``__nv_bfloat16`` here, converted to and
   from ``float`` with the same round-to-nearest), compiled to a cubin in process by NVRTC (or by
   ``nvcc -cubin`` where NVRTC is not found);
-* **host code** -- TileLang's own launcher generator (its CUDA source wrapper, so the grid, block
-  and argument order are exactly TileLang's), told to launch through the runtime's library API
+* **host code** -- TileLang's own launcher generator (its CUDA source wrapper, a private class
+  looked up in :mod:`tileops.compile.tilelang_api`, so the grid, block and argument order are
+  exactly TileLang's), told to launch through the runtime's library API
   (``cudaLibraryLoadData`` on the embedded cubin, ``cudaLaunchKernelExC``) instead of a kernel
   symbol nvcc registers, compiled by the system C++ compiler against CUDA's C headers and static
   runtime.
