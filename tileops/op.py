@@ -308,10 +308,11 @@ class Op:
                 self._fast[sig] = entry
                 if entry[1] is not None and entry[1].late:
                     self._late[id(entry[1])] = entry[1]
-        if sig is not None:
-            rt.add(tensors, outs, entry[1])  # the native runtime serves the next such call (Python: no-op)
-        if rt.has_pending():
-            rt.reap()  # an earlier call's bad position, found without waiting (raised before this call runs)
+        if self._native_run is not None:  # (the Python runtime keeps no bindings, and defers nothing)
+            if sig is not None:
+                rt.add(tensors, outs, entry[1])  # the next such call is served without Python
+            if rt.has_pending():
+                rt.reap()  # an earlier call's bad value, found without waiting (raised before this call runs)
         impl, b = entry
         if b is not None and not (torch.is_grad_enabled() and self._needs_grad(tensors)):
             result = rt.execute(b, tensors, outs)

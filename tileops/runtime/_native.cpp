@@ -30,7 +30,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/Exceptions.h>
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -124,7 +124,7 @@ struct Config {  // set once by tileops/runtime/library.py (GIL held), before an
   PyObject* when_now = nullptr;  // the `when` words of tileops.runtime.errors
   PyObject* when_earlier = nullptr;
   PyObject* when_graph = nullptr;
-  PyObject* raise_bad = nullptr;  // (handle, position tensor, when) -> raises the op's error
+  PyObject* raise_bad = nullptr;  // (handle, the checked tensor, when) -> raises the op's error
   PyObject* disjoint = nullptr;  // tileops.runtime.memory.disjoint
   PyObject* late = nullptr;  // (handle, binding key, inputs) -> tensors of the late-bound slots
   PyObject* apply = nullptr;  // the general path of each custom op: (handle, ...) as its schema
@@ -167,7 +167,7 @@ struct Pool {
   int take() {
     std::lock_guard<std::mutex> g(mu);
     if (free_list.empty()) {
-      if (n_chunks == kMaxChunks) throw std::runtime_error("tileops: too many calls pending their position check");
+      if (n_chunks == kMaxChunks) throw std::runtime_error("tileops: too many calls pending their value check");
       const Driver* d = driver.load();
       auto opts = at::TensorOptions().dtype(at::kInt);
       if (index >= 0 && (d == nullptr || d->pinned)) opts = opts.pinned_memory(true);
@@ -232,6 +232,7 @@ struct BindingData {
   std::vector<Ptr> ptrs;
   Mode mode[kMaxTensors] = {};
   int like[kMaxTensors] = {};
+  std::vector<int64_t> strides[kMaxTensors];  // a new output's (empty_like's for this signature)
   std::vector<Pair> pairs;
   std::vector<int> late;  // slots whose tensor Python picks per call
   int64_t late_key = 0;  // the binding's key for tileops.runtime.library.late
@@ -306,6 +307,7 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
   b->n_in = (int)attr_i64(pb, "inputs");
   Ref outputs(PyObject_GetAttrString(pb, "outputs"));
   Ref likes(PyObject_GetAttrString(pb, "likes"));
+  Ref strides(PyObject_GetAttrString(pb, "strides"));
   Py_ssize_t n_out = PySequence_Size(outputs.p);
   if (n_out < 0) throw_python();
   b->n_out = (int)n_out;
@@ -319,6 +321,12 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
       throw std::invalid_argument("tileops: Binding: an output's mode or like input is out of range");
     b->mode[j] = (Mode)mode;
     b->like[j] = (int)like;
+    if (mode == NEW) {
+      Ref st(PySequence_GetItem(strides.p, j));
+      Ref fast(PySequence_Fast(st.p, "strides"));
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i)
+        b->strides[j].push_back(as_i64(PySequence_Fast_GET_ITEM(fast.p, i)));
+    }
   }
   int n = b->n_in + b->n_out, nargs = (int)b->tmpl.size();
   auto slot_ok = [&](int64_t s) { return s >= 0 && s < nargs; };
@@ -389,7 +397,7 @@ struct Pending {
   Pool* pool;
   int word;
   int32_t tag;
-  at::Tensor pos;
+  at::Tensor values;
   void* event;
 };
 struct StreamCalls {
@@ -401,7 +409,7 @@ struct GraphWord {
   Pool* pool;
   int word;
   int32_t tag;
-  at::Tensor pos;
+  at::Tensor values;
 };
 struct Key {
   int64_t v[kMaxKey];
@@ -450,12 +458,12 @@ std::unordered_map<int64_t, std::weak_ptr<Core>>& registry() {  // handle -> op,
   return *r;
 }
 
-[[noreturn]] void raise_bad(const Core& core, const at::Tensor& pos, PyObject* when) {
+[[noreturn]] void raise_bad(const Core& core, const at::Tensor& values, PyObject* when) {
   Gil g;
   Ref handle(PyLong_FromLongLong((long long)core.handle));
-  Ref p(THPVariable_Wrap(pos));
+  Ref p(THPVariable_Wrap(values));
   Ref r(PyObject_CallFunctionObjArgs(cfg.raise_bad, handle.p, p.p, when, nullptr));
-  PyErr_SetString(PyExc_RuntimeError, "tileops: a position was out of range");  // raise_bad always raises
+  PyErr_SetString(PyExc_RuntimeError, "tileops: a checked value was out of range");  // raise_bad always raises
   throw_python();
 }
 
@@ -498,7 +506,7 @@ void reap(const Core& core, bool wait) {
                                  " failed with CUDA error " + std::to_string(rc));
       bool bad = *c.pool->word(c.word) == c.tag;
       c.pool->give_back(c.word);  // only after reading it
-      if (bad) failed = std::move(c.pos);
+      if (bad) failed = std::move(c.values);
       sc.calls.pop_front();
       if (bad) break;  // one error per bad call: later calls stay pending, for the next report
     }
@@ -516,7 +524,7 @@ void check(Core& core) {  // op.check(): wait for this thread's calls, then judg
   {
     std::lock_guard<std::mutex> g(core.mu);
     for (auto& w : core.graph) {
-      if (!bad.defined() && *w.pool->word(w.word) == w.tag) bad = w.pos;
+      if (!bad.defined() && *w.pool->word(w.word) == w.tag) bad = w.values;
       *w.pool->word(w.word) = 0;
     }
   }
@@ -594,7 +602,7 @@ int32_t run_kernel(const BindingData& b, int64_t* args, void* stream, void* even
 
 // a launch whose kernel checks an input's values: judged now (CPU, strict mode), with a graph, or later
 void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& b, int64_t* args,
-             const at::Tensor& pos, void* stream) {
+             const at::Tensor& values, void* stream) {
   Pool& pool = pool_for(b.device);
   int w = pool.take();
   int32_t tag = next_tag();
@@ -611,7 +619,7 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
     bool bad = rc == 0 && *pool.word(w) == tag;
     pool.give_back(w);  // only after reading it: another call may take it at once
     check_rc(b, rc);
-    if (bad) raise_bad(core, pos, cfg.when_now);
+    if (bad) raise_bad(core, values, cfg.when_now);
     return;
   }
   const Driver& d = need_driver();
@@ -627,7 +635,7 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
   }
   if (rc == cfg.rc_capturing) {  // replays write the word: op.check() reads and clears it
     std::lock_guard<std::mutex> g(core.mu);
-    core.graph.push_back({&pool, w, tag, pos});
+    core.graph.push_back({&pool, w, tag, values});
     return;
   }
   if (is_strict()) {
@@ -639,10 +647,10 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
     if (r != 0) throw std::runtime_error("tileops: cuEventSynchronize failed with CUDA error " + std::to_string(r));
     bool bad = *pool.word(w) == tag;
     pool.give_back(w);
-    if (bad) raise_bad(core, pos, cfg.when_now);
+    if (bad) raise_bad(core, values, cfg.when_now);
     return;
   }
-  queue_pending(core, owner, pool, stream, Pending{&pool, w, tag, pos, ev});
+  queue_pending(core, owner, pool, stream, Pending{&pool, w, tag, values, ev});
 }
 
 // the exact overlap test (tileops.runtime.memory.disjoint) of pair k, remembered by the offset
@@ -716,7 +724,9 @@ bool serve(Core& core, const std::shared_ptr<Core>& owner, BindingData& b, at::T
   // from here on the call is served: what fails raises
   for (int j = 0; j < b.n_out; ++j)
     if (b.mode[j] == NEW) {
-      t[n_in + j] = at::empty_like(t[b.like[j]]);
+      const at::Tensor& like = t[b.like[j]];
+      if ((int64_t)b.strides[j].size() != like.dim()) throw std::runtime_error("tileops: Binding.strides");
+      t[n_in + j] = at::empty_strided(like.sizes(), b.strides[j], like.options());
       ptr[n_in + j] = (int64_t)(intptr_t)t[n_in + j].data_ptr();
     }
   int64_t args[kMaxArgs];
@@ -891,7 +901,7 @@ PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
         Py_RETURN_NOTIMPLEMENTED;
       }
   }
-  if (has_pending(c)) reap(c, false);  // an earlier call's bad position, raised before this call runs
+  if (has_pending(c)) reap(c, false);  // an earlier call's bad value, raised before this call runs
   if (!serve(c, d->core, *b, t)) {
     c.misses.fetch_add(1, std::memory_order_relaxed);
     Py_RETURN_NOTIMPLEMENTED;
@@ -978,11 +988,11 @@ PyObject* Dispatch_stats(Dispatch* d, PyObject*) {
                        "misses", (unsigned long long)c.misses.load(), "graph_words", (Py_ssize_t)graph);
 }
 
-// _track(launch, position_ids, stream, device): a tracked CUDA launch with `launch` standing in for
+// _track(launch, values, stream, device): a tracked CUDA launch with `launch` standing in for
 // the kernel (RawKernel.launch's signature), for tests that fake the driver on a machine without a GPU
 PyObject* Dispatch_track(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  if (n != 4 || !THPVariable_Check(a[1])) throw std::invalid_argument("_track(launch, position_ids, stream, device)");
+  if (n != 4 || !THPVariable_Check(a[1])) throw std::invalid_argument("_track(launch, values, stream, device)");
   BindingData b;
   b.tmpl.assign(2, 0);
   b.device = (int)as_i64(a[3]);
@@ -1085,7 +1095,7 @@ std::shared_ptr<Core> core_of(int64_t handle) {
   return c;
 }
 
-// the given inputs by the names a custom op passes ("x,position_ids"): into t by manifest index
+// the given inputs by the names a custom op passes ("a,b"): into t by manifest index
 bool place(const Core& c, at::TensorList inputs, c10::string_view names, at::Tensor* t) {
   size_t at = 0, given = 0;
   while (at <= names.size() && !names.empty()) {

@@ -55,6 +55,9 @@ class Binding:
     #: each output's mode (ABSENT, NEW, IN_PLACE, GIVEN) and its like input (an input's index)
     outputs: tuple[int, ...]
     likes: tuple[int, ...]
+    #: a new output's strides (those ``torch.empty_like`` gives its like input of this signature;
+    #: allocated with them directly, one dispatch fewer), else ()
+    strides: tuple[tuple[int, ...], ...] = ()
     #: ``(tensor, span, tensor, span)``: pairs that must not share memory, spans in bytes
     pairs: tuple[tuple[int, int, int, int], ...] = ()
     #: ``(slot, fn)``: ``fn(inputs)`` (input name -> tensor or None) returns a tensor whose pointer
@@ -101,10 +104,11 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
     names = (*ins, *(o.name for o in manifest.outputs))
     at = {n: i for i, n in enumerate(names)}
     likes = tuple(ins.index(o.like) for o in manifest.outputs)
-    modes = []
+    modes, strides = [], []
     for o in manifest.outputs:
         src, dst = tensors.get(o.like), outs.get(o.name)
         modes.append(ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN)
+        strides.append(torch.empty_like(src).stride() if modes[-1] == NEW else ())
     slot, kinds = kernel.slot, kernel.arg_types
     template = array.array("q", bytes(8 * len(kernel.arg_names)))
     for name, value in args.items():
@@ -118,7 +122,7 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
             ptrs.append((i, slot[arg], max(1, align.get(tensor, 1))))
     check = (at[checked[0]], slot[checked[1]], slot[checked[2]]) if checked and tensors.get(checked[0]) is not None \
         else (-1, -1, -1)
-    return Binding(kernel, template, names, len(ins), tuple(ptrs), tuple(modes), likes,
+    return Binding(kernel, template, names, len(ins), tuple(ptrs), tuple(modes), likes, tuple(strides),
                    late=tuple((slot[a], fn) for a, fn in (late or {}).items()),
                    checked=check[0], word_slot=check[1], tag_slot=check[2], keep=tuple(keep))
 

@@ -1,8 +1,9 @@
-"""Position errors reported without a host synchronisation.
+"""Errors in the values a kernel checks on the device (RoPE's positions), reported without a host
+synchronisation: the one error tracker of every family.
 
-A kernel that reads positions clamps one outside its range (it reads position 0, so nothing is
-indexed out of bounds) and writes the call's *tag*, a 31-bit number unique to that call, into an
-error word of its own. The words live in pinned host memory that the GPU writes directly (mapped
+A kernel that checks an input's values (a binding's ``checked`` input) clamps one outside its
+range (RoPE reads position 0, so nothing is indexed out of bounds) and writes the call's *tag*, a
+31-bit number unique to that call, into an error word of its own. The words live in pinned host memory that the GPU writes directly (mapped
 through unified addressing), so no copy follows the kernel. Right after the kernel a CUDA event is
 recorded on the same stream (in the same C call as the launch); nothing waits. The call is then
 *pending*:
@@ -10,7 +11,7 @@ recorded on the same stream (in the same C call as the launch); nothing waits. T
 * at the next call of the same op from the same thread, on the same device and stream, every
   pending call whose event has completed is judged (``cuEventQuery`` does not block; calls on one
   stream complete in order, so judging stops at the first unfinished one): a word holding its tag
-  raises the ``ValueError`` naming the index and value of the bad position, before that next call
+  raises the op's ``ValueError`` naming the index and value of the bad one, before that next call
   runs;
 * ``op.check()`` waits for this thread's pending calls of the op (releasing the GIL while it waits)
   and reports them;
@@ -20,10 +21,10 @@ recorded on the same stream (in the same C call as the launch); nothing waits. T
   ``with tileops.strict():``) every call waits for its own kernel and raises at once, at the cost
   of that synchronisation.
 
-A bad position is therefore reported at the first call of the op that starts after the GPU has run
+A bad value is therefore reported at the first call of the op that starts after the GPU has run
 the bad call, or at ``op.check()``; a call queued behind it cannot know yet without waiting.
 
-On the CPU the kernels run synchronously, so a bad position is reported at the call itself.
+On the CPU the kernels run synchronously, so a bad value is reported at the call itself.
 
 The state is per call, kept per (thread, device, stream): threads and streams that share an op
 never see each other's errors. Words come from a per-device pool that grows in chunks and never
@@ -36,7 +37,7 @@ them, so the next replay is judged alone.
 
 The tracker that defers is the native extension's (:mod:`tileops.runtime.native`), the one
 implementation. Without the extension (``TILEOPS_NATIVE=0``, no compiler) nothing is deferred:
-:class:`tileops.runtime.executor.PythonRuntime` judges a call that reads positions at the call
+:class:`tileops.runtime.executor.PythonRuntime` judges a call that checks values at the call
 itself, on a GPU by waiting for that call's kernel (what strict mode does), and keeps the words of
 captured calls for ``op.check()`` as above; :class:`Words` is its pool.
 """
@@ -80,8 +81,8 @@ _strict = _StrictLocal()
 
 @contextlib.contextmanager
 def strict(enabled: bool = True) -> Iterator[None]:
-    """Within this block (on this thread), every call that takes positions reports a bad one at
-    the call itself, waiting for its kernel to do so."""
+    """Within this block (on this thread), every call whose kernel checks values (RoPE's positions)
+    reports a bad one at the call itself, waiting for its kernel to do so."""
     mod = native.module
     if mod is not None:  # the extension's tracker reads its own thread-local flag
         before = mod.set_strict(int(bool(enabled)))

@@ -93,7 +93,8 @@ class PythonRuntime:
                 return NotImplemented  # the general path names the overlap
         for j, mode in enumerate(b.outputs):  # from here on the call is served
             if mode == NEW:
-                ts[n_in + j] = torch.empty_like(ts[b.likes[j]])
+                like = ts[b.likes[j]]
+                ts[n_in + j] = torch.empty_strided(like.shape, b.strides[j], dtype=like.dtype, device=like.device)
         args = b.template[:]
         for i, slot, _ in b.pointers:
             args[slot] = ts[i].data_ptr()

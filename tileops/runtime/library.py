@@ -6,10 +6,9 @@ the launch. Three custom ops serve every op of every family; what their lists ho
 op's manifest:
 
 * ``tileops::apply(SymInt handle, Tensor[] inputs, str names) -> Tensor[]``: the given inputs in
-  the manifest's order, ``names`` theirs, comma-separated (``"x,position_ids"``; an optional input
-  not given is left out); returns the new outputs whose ``like`` input is given, in the manifest's
-  order (for RoPE ``[out]`` or ``[out, key_out]``). Differentiable: its backward is
-  ``tileops::apply_backward`` (for RoPE one launch of the inverse rotation for every gradient);
+  the manifest's order, ``names`` theirs, comma-separated (an optional input not given is left
+  out); returns the new outputs whose ``like`` input is given, in the manifest's order.
+  Differentiable: its backward is ``tileops::apply_backward`` (the family's backward kernels);
 * ``tileops::apply_out(SymInt handle, Tensor[] inputs, str names, Tensor(a3!)[] outs) -> ()``:
   ``out=`` and in place: ``outs`` holds one tensor per output whose ``like`` input is given, with
   exact ``mutates_args``.
@@ -61,10 +60,10 @@ def lookup(handle: int) -> Any:
     return op
 
 
-def raise_bad(handle: int, position_ids: torch.Tensor, when: str) -> None:
-    """Raise the error of a call whose kernel found a value of ``position_ids`` out of range (the
-    runtime's tracker calls this; ``when`` is one of :mod:`tileops.runtime.errors`' words)."""
-    lookup(handle)._raise_bad_position(position_ids, when)
+def raise_bad(handle: int, values: torch.Tensor, when: str) -> None:
+    """Raise the error of a call whose kernel found a value of its checked input ``values`` out of
+    range (the runtime's tracker calls this; ``when`` is one of :mod:`tileops.runtime.errors`' words)."""
+    lookup(handle)._raise_bad_position(values, when)
 
 
 def late(handle: int, key: int, inputs: tuple) -> list[torch.Tensor]:
@@ -130,7 +129,7 @@ def _apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.T
 def _gradient_layouts(op: Any, tensors: dict, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """For each gradient ``apply_backward`` returns, the tensor it is laid out like (``empty_like``):
     the gradient of the output like its input, as the kernels write it, not the input (in a compiled
-    training step they differ: k's gradient from attention is ``[b, h, s, d]``, the op's key input a
+    training step they differ: an attention's gradient is ``[b, h, s, d]`` where the op's input was a
     ``[b, s, h, d]`` view)."""
     like = {o.like: g for o, g in zip(produced(op, tensors), grads)}
     return [like.get(w, tensors[w]) for w in op.manifest.backward.wrt if tensors.get(w) is not None]
@@ -145,7 +144,7 @@ def _apply_backward_fake(handle: int, grads: list[torch.Tensor], inputs: list[to
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
     handle, tensors, names = inputs
     ctx.handle, ctx.names = handle, names
-    # every input: for the shapes, the kernel choice and what the backward reads (positions)
+    # every input: for the shapes, the kernel choice and what the backward reads (inputs not differentiated)
     ctx.save_for_backward(*tensors)
 
 
