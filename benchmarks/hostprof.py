@@ -2,8 +2,8 @@
 
 Prints what each layer between ``op(...)`` and the launch costs (``benchmarks/host.py``: the full
 call, ``forward``, ``Op._call`` with the argument dicts built outside, the native dispatch alone,
-and on the Python path ``Op._eager_call``), beside the bare torch ops; with ``--profile``, a
-cProfile of many Python-path calls (the profiler inflates Python-level costs: read it for the
+and on the Python runtime ``Op._eager_call``), beside the bare torch ops; with ``--profile``, a
+cProfile of many Python-runtime calls (the profiler inflates Python-level costs: read it for the
 distribution, not the totals)."""
 
 from __future__ import annotations
@@ -29,20 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     for name, us in host.layers(device):
         print(f"{us:8.2f} us  {name}")
     if args.profile:
-        specs, _ = host.cases(device)
-        with host.python_path():
-            for name, make, _ in specs[:2]:
-                fn = make()
+        specs, _, _ = host.cases(device)
+        for name, make, _ in specs[:2]:
+            fn = make(host.on_python)
+            fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(5000):
                 fn()
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(5000):
-                    fn()
-                prof.disable()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                print(f"--- {name} (Python path): cProfile of 5000 calls")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            prof.disable()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            print(f"--- {name} (Python runtime): cProfile of 5000 calls")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     return 0
 
 

@@ -101,7 +101,8 @@ def graph(rounds: int = 3) -> None:
     with tempfile.TemporaryDirectory() as d:
         for _ in range(rounds):
             for lean in ("1", "0"):
-                env = {**os.environ, "TILEOPS_LEAN_BUILD": lean, "TILEOPS_CACHE_DIR": os.path.join(d, lean)}
+                env = {**os.environ, "TILEOPS_LEAN_BUILD": lean, "TILEOPS_CACHE_DIR": os.path.join(d, lean),
+                       "TILEOPS_NATIVE": "0"}  # a fresh cache: an import would build the native runtime first
                 out = subprocess.run([sys.executable, "-c", GRAPH], env=env, capture_output=True, text=True, check=True)
                 name = "lean build" if lean == "1" else "TileLang's build"
                 print(f"{name}: graph us per call {out.stdout.strip().splitlines()[-1].replace('|', '; eager us')}")

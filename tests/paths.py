@@ -1,47 +1,39 @@
-"""The two paths of an eager call, for tests that run both: the native extension's
-(:mod:`tileops.runtime.native`) and the Python one (what ``TILEOPS_NATIVE=0`` or a machine without a
-compiler gets)."""
+"""The two runtimes of an eager call, for tests that run both in one process: the native
+extension's (:mod:`tileops.runtime.native`, loaded when tileops is imported; ``conftest.py`` builds
+it before the tests start) and the Python one (:class:`tileops.runtime.executor.PythonRuntime`, what
+``TILEOPS_NATIVE=0`` or a machine without a compiler gets), which an op is given explicitly."""
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-import torch
 
-from tileops.runtime import native
+from tileops.runtime import executor, native
 
-__all__ = ["can_build", "native_module", "python_path", "both"]
-
-
-def can_build() -> bool:
-    """Whether the extension should build here: a C++ compiler, torch's headers, not switched off."""
-    include = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "autograd" / "python_variable.h"
-    return native.enabled() and shutil.which(os.environ.get("CXX", "c++")) is not None and include.exists()
+__all__ = ["native_module", "on_python", "both"]
 
 
 def native_module() -> Any:
-    mod = native.build()
-    if mod is None:
-        pytest.skip(f"no native extension here: {native.status()}")
-    return mod
+    """The loaded extension, or the test is skipped."""
+    if native.module is None:
+        pytest.skip(f"no native runtime in this process: {native.status()}")
+    return native.module
 
 
-#: ops made inside use the Python path (as with TILEOPS_NATIVE=0, or with no compiler)
-python_path = native.disabled
+def on_python(op: Any) -> Any:
+    """``op``, served by the Python runtime from now on (as without the extension)."""
+    op._use_runtime(executor.PythonRuntime(op._handle))
+    return op
 
 
-def both(scenario: Callable[[str], Any]) -> tuple[Any, Any]:
-    """``scenario(path)`` run on the Python path, then on the native one (whose op must have been
-    served natively: ``scenario`` returns ``(result, ops)``)."""
-    with python_path():
-        py, py_ops = scenario("python")
-    assert all(op._dispatch is None for op in py_ops)
+def both(scenario: Callable[[Callable[[Any], Any]], Any]) -> tuple[Any, Any]:
+    """``scenario(on)`` run on the Python runtime, then on the native one: it passes every op it
+    makes through ``on`` and returns ``(result, ops)``; each native op must have served calls
+    natively."""
+    py, py_ops = scenario(on_python)
+    assert all(isinstance(op._runtime, executor.PythonRuntime) for op in py_ops)
     native_module()
-    nat, ops = scenario("native")
-    assert all(op._dispatch is not None and op._dispatch.stats()["hits"] > 0 for op in ops), \
-        [op._dispatch and op._dispatch.stats() for op in ops]
+    nat, ops = scenario(lambda op: op)
+    assert all(op._runtime.stats()["hits"] > 0 for op in ops), [op._runtime.stats() for op in ops]
     return py, nat

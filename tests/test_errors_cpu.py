@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -14,12 +15,12 @@ from tileops.rope import RoPENeoxPositionIdsFwdOp
 
 @pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_threads_sharing_an_op_see_only_their_own_errors():
-    """Four threads, two with a bad position in every call, on both paths (tests/paths.py)."""
+    """Four threads, two with a bad position in every call, on both runtimes (tests/paths.py)."""
     x = torch.randn(23, 4, 32)
     good = torch.randint(0, 1000, (23,))
 
-    def scenario(path: str) -> tuple[dict, list]:
-        op = RoPENeoxPositionIdsFwdOp(1000)
+    def scenario(on: Callable[[Any], Any]) -> tuple[dict, list]:
+        op = on(RoPENeoxPositionIdsFwdOp(1000))
         want = op(x, good)
         op(x, good)
         counts = {"good_raised": 0, "good_wrong": 0, "bad_raised": 0, "bad_silent": 0}

@@ -201,6 +201,56 @@ def test_builtin_and_torch_serve_it_on_the_cpu(family: Path):
     assert warm.stdout.split() == ["False"], warm.stdout
 
 
+_FAST = textwrap.dedent('''
+    import json, sys
+    import torch
+    from tileops.runtime import native
+    from tileops.scale import ScaleFwdOp
+
+    device = sys.argv[1]
+    assert native.module is not None, native.status()
+    op = ScaleFwdOp(c=0.5)  # a factor of 0.5 rounds nothing: results compare exactly
+    for shape in ((1000,), (4096,)):
+        x = torch.randn(shape, device=device)
+        for _ in range(3):
+            assert torch.equal(op(x), x * 0.5)
+        o = torch.full_like(x, float("nan"))
+        for _ in range(2):
+            assert op(x, out=o) is o and torch.equal(o, x * 0.5)
+        y = x.clone()
+        for _ in range(2):
+            assert op(y, out=y) is y
+        assert torch.equal(y, x * 0.25)
+    h = op._handle
+    x = torch.randn(1000, device=device)
+    assert torch.equal(torch.ops.tileops.apply.default(h, [x], "x")[0], x * 0.5)  # as a compiled graph calls it
+    print(json.dumps(op._runtime.stats()))
+''')
+
+
+def _fast_path(family: Path, device: str) -> None:
+    """ScaleFwdOp's repeated eager calls (new output, out=, in place; two lengths) and a custom-op
+    call are served by the native runtime, which has no code of the family's: only the family's
+    binding (tileops/scale/builtin.py) says what its kernel takes."""
+    proc = _run([sys.executable, "-c", _FAST, device], family)
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    # per length: 3 new-output calls, 2 out=, 2 in place; the first of each signature binds it
+    assert stats["hits"] == 2 * (2 + 1 + 1) + 1 and stats["misses"] == 2 * 3, stats
+
+
+def test_its_eager_calls_take_the_native_fast_path(family: Path):
+    from tileops.runtime import native
+
+    if native.module is None:
+        pytest.skip(f"no native runtime here: {native.status()}")
+    _fast_path(family, "cpu")
+
+
+@pytest.mark.cuda
+def test_its_eager_calls_take_the_native_fast_path_on_cuda(family: Path):
+    _fast_path(family, "cuda")
+
+
 def test_the_generated_tests_run_it(family: Path):
     """tests/test_generated.py and tests/test_bad_inputs.py, unchanged, collect and pass its items."""
     proc = _run([sys.executable, "-m", "pytest", "-q", "-rA", "-n", "0", "-p", "no:cacheprovider", "-k", "ScaleFwdOp",

@@ -1,5 +1,7 @@
 """Serving-grade calls on a GPU: no host sync for positions, per-call errors across threads and
-streams, CUDA graphs, torch.compile, opcheck and several GPUs (skipped without CUDA)."""
+streams, CUDA graphs, torch.compile, opcheck and several GPUs (skipped without CUDA). Tests taking
+``on`` run on the native runtime and on the Python one (``TILEOPS_NATIVE=0``), which judges a call
+that reads positions at the call itself instead of deferring it (tileops/runtime/errors.py)."""
 
 from __future__ import annotations
 
@@ -9,30 +11,42 @@ import pytest
 import torch
 
 import tileops
-from tests.paths import both, native_module, python_path
+from tests.paths import both, native_module, on_python
 from tests.references import reference, reference_grad
-from tileops.runtime import errors
 from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
 
 pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(params=["native", "python"])
-def path(request):
-    """Each test so marked runs on the native path (tileops.runtime.native) and on the Python one."""
+def on(request):
+    """Each test so marked runs on the native runtime (tileops.runtime.native) and on the Python
+    one: every op it makes passes through ``on``."""
     if request.param == "python":
-        with python_path():
-            yield "python"
-    else:
-        native_module()
-        yield "native"
+        return on_python
+    native_module()
+    return lambda op: op
 
 
 def _close(got, ref, tol=4e-3):
     return bool(((got.double().cpu() - ref).abs() <= tol + tol * ref.abs()).all())
 
 
-def test_bad_position_reported_at_the_next_call_or_check_without_sync(path):
+def test_python_runtime_judges_a_bad_position_at_the_call():
+    op = on_python(RoPENeoxPositionIdsFwdOp(4096))
+    x = torch.randn(64, 8, 128, device="cuda", dtype=torch.float16)
+    good = torch.randint(0, 4096, (64,), device="cuda")
+    bad = good.clone()
+    bad[17] = 4096
+    with pytest.raises(ValueError, match=r"position_ids\[17\] = 4096$"):
+        op(x, bad)  # it waited for its own kernel
+    ref = reference("RoPENeoxPositionIdsFwdOp", {"max_position": 4096}, {"x": x.cpu(), "position_ids": good.cpu()})
+    assert _close(op(x, good), ref)
+    op.check()
+
+
+def test_bad_position_reported_at_the_next_call_or_check_without_sync():
+    native_module()
     op = RoPENeoxPositionIdsFwdOp(4096)
     x = torch.randn(64, 8, 128, device="cuda", dtype=torch.float16)
     bad = torch.randint(0, 4096, (64,), device="cuda")
@@ -53,9 +67,10 @@ def test_bad_position_reported_at_the_next_call_or_check_without_sync(path):
         op(x, bad)
 
 
-def test_a_call_without_positions_reports_an_earlier_bad_one(path):
-    """As Op._eager_call judges the op's pending calls before any call, the native path does too,
+def test_a_call_without_positions_reports_an_earlier_bad_one():
+    """As Op._eager_call judges the op's pending calls before any call, the native runtime does too,
     whatever the new call's signature (here: no positions, another shape)."""
+    native_module()
     op = RoPEFwdOp(input_layout="2d")
     x = torch.randn(1, 16, 4, 64, device="cuda")
     pos = torch.randint(0, 4096, (16,), device="cuda")
@@ -69,12 +84,11 @@ def test_a_call_without_positions_reports_an_earlier_bad_one(path):
         op(x)
     op(x)
     op.check()
-    if path == "native":
-        assert op._dispatch.stats()["hits"] >= 3
+    assert op._runtime.stats()["hits"] >= 3
 
 
-def test_threads_and_streams_see_only_their_own_errors(path):
-    op = YaRNFwdOp(input_layout="2d", scale=4.0)
+def test_threads_and_streams_see_only_their_own_errors(on):
+    op = on(YaRNFwdOp(input_layout="2d", scale=4.0))
     x = torch.randn(2, 33, 4, 64, device="cuda")
     ref_pos = torch.randint(0, 2**20, (2, 33), device="cuda")
     want = op(x, position_ids=ref_pos)
@@ -115,12 +129,15 @@ def test_threads_and_streams_see_only_their_own_errors(path):
     for t in threads:
         t.join()
     assert errors["good"] == 0 and errors["wrong"] == 0, errors
+    if on is on_python:  # each bad call raises at the call itself
+        assert errors["bad"] == 120 and errors["launched_bad"] == 0, errors
+        return
     # every bad call that ran is reported exactly once: at a later call of its thread, or at check()
     assert errors["bad"] == errors["launched_bad"] > 0, errors
 
 
-def test_cuda_graph_replays_new_data_and_positions_with_key_and_out(path):
-    op = RoPEFwdOp(input_layout="2d")
+def test_cuda_graph_replays_new_data_and_positions_with_key_and_out(on):
+    op = on(RoPEFwdOp(input_layout="2d"))
     q = torch.randn(1, 32, 32, 128, device="cuda", dtype=torch.bfloat16)  # decode: 32 tokens
     k = torch.randn(1, 32, 8, 128, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, 8192, (32,), device="cuda")
@@ -157,7 +174,7 @@ def test_cuda_graph_replays_new_data_and_positions_with_key_and_out(path):
     op.check()  # cleared: the next replay is judged alone
 
 
-def test_every_op_captures_in_a_graph(path):
+def test_every_op_captures_in_a_graph(on):
     for name, cls in tileops.ops().items():
         m = tileops.manifest.get(name)
         params = {p.name: p.default for p in m.params if p.has_default}
@@ -167,7 +184,7 @@ def test_every_op_captures_in_a_graph(path):
             params["input_layout"] = "2d"
         if name == "MRoPEFwdOp":
             params["mrope_section"] = (8, 12, 12)  # the 32 pairs of head_dim 64
-        op = cls(**params)
+        op = on(cls(**params))
         if name == "RoPENeoxPositionIdsFwdOp":
             x, pos = torch.randn(16, 4, 64, device="cuda"), torch.randint(0, 4096, (16,), device="cuda")
             call = lambda: op(x, pos, out=out)  # noqa: E731
@@ -213,8 +230,8 @@ def test_opcheck_and_compile_on_cuda():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_one_op_on_two_gpus_from_two_threads(path):
-    op = RoPEFwdOp(input_layout="2d")
+def test_one_op_on_two_gpus_from_two_threads(on):
+    op = on(RoPEFwdOp(input_layout="2d"))
     results = {}
 
     def run(dev: int) -> None:
@@ -237,7 +254,7 @@ def test_one_op_on_two_gpus_from_two_threads(path):
     assert results == {0: True, 1: True}
 
 
-def test_native_and_python_paths_agree_on_cuda_bit_for_bit():
+def test_native_and_python_runtimes_agree_on_cuda_bit_for_bit():
     """The serving calls, out=, in place, a fused qkv buffer and a view 4 bytes off a 16-byte
     boundary (the plan refuses it, the Python path copies), three times each, both ways."""
     T, Hq, Hk, D = 32, 32, 8, 128
@@ -249,9 +266,9 @@ def test_native_and_python_paths_agree_on_cuda_bit_for_bit():
               "kh": torch.randn(1, Hk, T, D, device="cuda", generator=g),
               "qkv": torch.randn(T, (Hq + 2 * Hk) * D, device="cuda", dtype=torch.float16, generator=g)}
 
-    def scenario(path):
-        ids = RoPENeoxPositionIdsFwdOp(1 << 20)
-        hf = RoPEFwdOp(input_layout="2d")
+    def scenario(on):
+        ids = on(RoPENeoxPositionIdsFwdOp(1 << 20))
+        hf = on(RoPEFwdOp(input_layout="2d"))
         got = []
         for _ in range(3):
             v = {n: t.clone() for n, t in inputs.items()}
@@ -281,38 +298,12 @@ def test_native_and_python_paths_agree_on_cuda_bit_for_bit():
     assert torch.isnan(nat[6][0]), "the fallback wrote outside out"
 
 
-def test_a_pending_python_path_call_is_reported_after_the_switch_to_native():
-    """An op's bad call queued on the Python path (its Python tracker holds it), then the native
-    extension arrives (a background build finishing): the next call, now native, reports it first."""
-    native_module()
-    x = torch.randn(64, 8, 128, device="cuda", dtype=torch.float16)
-    good = torch.randint(0, 4096, (64,), device="cuda")
-    bad = good.clone()
-    bad[5] = 4096
-    with python_path():
-        op = RoPENeoxPositionIdsFwdOp(4096)
-        op(x, good)
-        op(x, bad)
-        assert isinstance(op._calls(), errors.Tracker) and op._calls().has_pending()
-    torch.cuda.synchronize()
-    with pytest.raises(ValueError, match=r"position_ids\[5\] = 4096 \(reported for an earlier call"):
-        op(x, good)
-    assert isinstance(op._calls().legacy, errors.Tracker)
-    want = op(x, good)
-    op(x, bad)  # native now: pending in the native tracker
-    with pytest.raises(ValueError, match=r"position_ids\[5\] = 4096"):
-        op.check()
-    assert op._dispatch.stats()["hits"] >= 2
-    ref = reference("RoPENeoxPositionIdsFwdOp", {"max_position": 4096}, {"x": x.cpu(), "position_ids": good.cpu()})
-    assert _close(want, ref)
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_native_path_launches_on_the_tensors_gpu_not_the_current_one(path):
+def test_launches_on_the_tensors_gpu_not_the_current_one(on):
     """Tensors on cuda:1 while cuda:0 is current: the launch switches device (and back), on the
     stream current on cuda:1; errors come back from there too."""
     torch.cuda.set_device(0)
-    op = RoPEFwdOp(input_layout="2d")
+    op = on(RoPEFwdOp(input_layout="2d"))
     for _ in range(3):
         x = torch.randn(2, 33, 4, 64, device="cuda:1")
         pos = torch.randint(0, 5000, (2, 33), device="cuda:1")
@@ -321,15 +312,15 @@ def test_native_path_launches_on_the_tensors_gpu_not_the_current_one(path):
         ref = reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": x.cpu(), "position_ids": pos.cpu()})
         assert _close(out, ref)
     pos[1, 2] = -1
-    op(x, position_ids=pos)
     with pytest.raises(ValueError, match=r"position_ids\[1, 2\] = -1"):
+        op(x, position_ids=pos)  # the Python runtime: at the call; the native one: at check()
         op.check()
-    if path == "native":
-        assert op._dispatch.stats()["hits"] >= 2
+    if on is not on_python:
+        assert op._runtime.stats()["hits"] >= 2
 
 
 @pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 128), (torch.float32, 64)])
-def test_long_head_major_views_take_their_kernel(path, dtype, D):
+def test_long_head_major_views_take_their_kernel(on, dtype, D):
     """q and k of HF's [B, H, S, D] through transposes, long enough for the kernel made for
     head-major views (kernels/rope.py, ``transposed``): new outputs, NaN-filled given outputs and in
     place, with and without positions, each call repeated so the plan (Python or native) runs too;
@@ -337,7 +328,7 @@ def test_long_head_major_views_take_their_kernel(path, dtype, D):
     from tileops.rope.builtin import TRANSPOSED_MIN_TOKENS
 
     S = TRANSPOSED_MIN_TOKENS + 3
-    op = RoPEFwdOp(input_layout="2d")
+    op = on(RoPEFwdOp(input_layout="2d"))
     q = torch.randn(1, 4, S, D, device="cuda", dtype=dtype)
     k = torch.randn(1, 2, S, D, device="cuda", dtype=dtype)
     pos = torch.randint(0, 2**20, (1, S), device="cuda")

@@ -14,7 +14,8 @@ from tileops.rope import RoPENeoxPositionIdsFwdOp
 
 
 def _env(tmp_path) -> dict:
-    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "TILEOPS_CACHE_DIR": str(tmp_path / "tileops")}
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "TILEOPS_CACHE_DIR": str(tmp_path / "tileops"),
+           "TILEOPS_NATIVE": "0"}  # on a machine with a GPU, an import with a fresh cache builds the native runtime
     env.pop("TILELANG_DISABLE_CACHE", None)
     return env
 
@@ -125,7 +126,7 @@ def test_compile_from_a_script_without_a_main_guard(tmp_path):
                       "op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=32)\n"
                       "print(op.compile(head_dim=48, dtypes=['float32'], with_inputs=[], device='cpu', jobs=2,\n"
                       "                 backward=False))\n")
-    env = {**os.environ, "TILEOPS_CACHE_DIR": str(tmp_path / "tileops"), "TILEOPS_PROGRESS": "1"}
+    env = {**os.environ, "TILEOPS_CACHE_DIR": str(tmp_path / "tileops"), "TILEOPS_PROGRESS": "1", "TILEOPS_NATIVE": "0"}
     env.pop("TILELANG_DISABLE_CACHE", None)  # TileLang's own disk cache may serve: the point is the workers
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
@@ -182,7 +183,7 @@ def test_a_first_call_that_compiles_says_so_once_and_a_load_says_nothing(tmp_pat
             "op = RoPEFwdOp(rope_layout='neox', input_layout='2d')\n"
             "op(torch.randn(1, 4, 2, 64))\n"
             "op(torch.randn(1, 9, 2, 64))\n")
-    env = {**os.environ, "TILEOPS_CACHE_DIR": str(tmp_path / "tileops")}
+    env = {**os.environ, "TILEOPS_CACHE_DIR": str(tmp_path / "tileops"), "TILEOPS_NATIVE": "0"}
     env.pop("TILELANG_DISABLE_CACHE", None)
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]

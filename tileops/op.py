@@ -8,14 +8,14 @@ what came.
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 from typing import Any, Callable, Mapping
 
 import torch
 
-from .runtime import errors, library, native
+from .runtime import executor, library
+from .runtime.binding import Binding, with_overlap_checks
+from .runtime.memory import disjoint, same_view
 from . import manifest as _manifest
 from .autograd import backward_of, grad_needed, run_differentiable
 from .manifest import ExprError, OpManifest
@@ -25,8 +25,6 @@ from .targets import Target, TargetError, check_target_arg, resolve_target
 __all__ = ["Op"]
 
 _is_compiling = torch.compiler.is_compiling
-_log = logging.getLogger("tileops.runtime.native")
-_native_lock = threading.Lock()
 
 
 class Op:
@@ -39,8 +37,14 @@ class Op:
 
     #: the manifest's op name; defaults to the class name
     op_name: str = ""
-    #: the native extension's ``Dispatch.run`` for this op once it is loaded (:mod:`tileops.runtime.native`)
+    #: the native runtime's ``run`` for this op (None: the Python runtime, :mod:`tileops.runtime.executor`)
     _native_run: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get("forward")
+        if forward is not None:  # op(...) runs forward directly: one Python frame (0.6 µs) less per call
+            cls.__call__ = forward  # type: ignore[method-assign]
 
     def _setup(self, params: Mapping[str, Any], target: Any) -> None:
         self.manifest: OpManifest = _manifest.get(self.op_name or type(self).__name__)
@@ -50,12 +54,21 @@ class Op:
         self._fixed_target: Target | None = check_target_arg(target, self.name)
         self._served_by: str | None = self._fixed_target.name if self._fixed_target else None
         self._impls: dict[CallSpec, Callable[..., Any]] = {}
-        self._fast: dict[tuple, tuple[Any, Any]] = {}
+        #: call signature -> (implementation, its Binding or None): see _eager_call
+        self._fast: dict[tuple, tuple[Any, Binding | None]] = {}
+        #: the bindings with late-bound slots, by id (tileops.runtime.library.late finds them)
+        self._late: dict[int, Binding] = {}
         self._like = {o.name: o.like for o in self.manifest.outputs}
-        self._dispatch: Any = None  # the native extension's plans for this op (see _native_plan)
         #: this op's name in the torch.library custom ops (a traced call passes it)
         self._handle: int = library.register(self)
-        native.start()  # loads the cached extension (without one, it is built after 200 eager calls)
+        self._use_runtime(executor.new_runtime(self._handle, self.manifest))
+
+    def _use_runtime(self, runtime: Any) -> None:
+        """Serve the calls through ``runtime`` (:mod:`tileops.runtime.executor`; tests and benchmarks
+        give an op the Python runtime beside the native one this way)."""
+        self._forget_plans()
+        self._runtime = runtime
+        self._native_run = None if isinstance(runtime, executor.PythonRuntime) else runtime.run
 
     # ----------------------------------------------------------------------------- params
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -138,17 +151,10 @@ class Op:
     def _call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
         """Run the op: eagerly, or as a ``torch.library`` custom op while ``torch.compile`` traces.
 
-        An eager call goes to the native plans first (:mod:`tileops.runtime.native`), which serve a call
-        whose signature was seen before and return ``NotImplemented`` for any other."""
+        An eager call goes to the native runtime first (:mod:`tileops.runtime.native`), which serves a
+        call whose signature was bound before and returns ``NotImplemented`` for any other."""
         if _is_compiling():
             return self._traced_call(tensors, outs or {})
-        return self._eager(tensors, outs)
-
-    def _eager(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
-        """An eager call: the native plans first, then :meth:`_eager_call`. The custom ops of
-        :mod:`tileops.runtime.library` run their calls here too, so a compiled graph's call costs the
-        native path's host time, not the Python checks' (a patched HF model's compiled decode
-        makes one such call per layer and step)."""
         run = self._native_run
         if run is not None:
             result = run(tensors, outs)
@@ -185,18 +191,6 @@ class Op:
         return impl
 
     # ----------------------------------------------------------------------------- errors
-    def _calls(self) -> Any:
-        """This op's calls whose position errors are not judged yet (see :mod:`tileops.runtime.errors`)."""
-        calls = self.__dict__.get("_tracker")
-        if calls is None:
-            with _native_lock:  # one tracker, and the native dispatch (if any) told of it
-                calls = self.__dict__.get("_tracker")
-                if calls is None:
-                    calls = self._tracker = errors.new_tracker(self._raise_bad_position)
-                    if self._dispatch is not None:
-                        self._dispatch.tracker = calls  # judged before every native call, as _eager_call does
-        return calls
-
     def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:  # pragma: no cover
         raise ValueError(f"{self.name}: position_ids: a position is out of range ({when or 'this call'})")
 
@@ -205,9 +199,7 @@ class Op:
         among them (each bad call is reported once: call again for the next); also judges the calls
         captured in CUDA graphs (synchronise after a replay first), and clears their error words for
         the next replay. Returns None when every position was valid."""
-        calls = self.__dict__.get("_tracker")
-        if calls is not None:
-            calls.check()
+        self._runtime.check()
 
     def compile(self, *, dtypes: "tuple[str, ...] | list[str] | None" = None, device: "str | torch.device | None" = None,
                 with_inputs: "tuple[str, ...] | list[str] | None" = None, backward: bool = True,
@@ -289,20 +281,17 @@ class Op:
 
         The checks depend only on each argument's shape, strides, dtype and device and on which
         outputs are given (and which are their input itself, in place): a call whose *signature*
-        was seen before skips them, and runs the implementation's plan for it, when it has one
-        (:meth:`tileops.rope.builtin.RopeKernels.plan`), which checks only what pointers decide.
+        was seen before skips them, and runs the implementation's :class:`tileops.runtime.binding.Binding`
+        for it, when it has one (its ``binding(tensors, outs)``), which checks only what pointers
+        decide. The runtime keeps the binding too, and serves the next such call without Python.
         """
         outs = outs or {}
-        nat = native.module
-        if nat is None:
-            native.python_call()  # the extension is built once a process has made enough calls
-        elif self._dispatch is None:
-            self._go_native(nat)
         try:
             sig = self._signature(tensors, outs)
             entry = self._fast.get(sig)
         except (AttributeError, TypeError):  # not a tensor: the full check names the argument
             sig, entry = None, None
+        rt = self._runtime
         checked = entry is None
         if entry is None:
             spec = self._check_call(tensors)
@@ -310,69 +299,38 @@ class Op:
             if given:  # before the implementation is made, which may compile a kernel for seconds
                 self._check_outs(tensors, given)
             impl = self._impl_for(spec)
-            plan = getattr(impl, "plan", None)
-            entry = (impl, plan(tensors, given) if plan is not None else None)
+            make = getattr(impl, "binding", None) if sig is not None else None
+            b = make(tensors, given) if make is not None else None
+            entry = (impl, with_overlap_checks(b, tensors, given) if b is not None else None)
             if sig is not None:
-                if len(self._fast) > 4096:  # many distinct shapes: keep the cache bounded
-                    self._fast.clear()
+                if len(self._fast) > 4096:  # many distinct shapes: keep the tables bounded
+                    self._forget_plans()
                 self._fast[sig] = entry
-        if sig is not None and nat is not None:
-            self._native_plan(nat, entry, tensors, outs)
-        calls = self.__dict__.get("_tracker")
-        if calls is not None and calls.has_pending():
-            calls.reap()  # an earlier call's bad position, found without waiting (raised before this call runs)
-        impl, plan = entry
-        if plan is not None and not (torch.is_grad_enabled() and self._needs_grad(tensors)):
-            result = plan(tensors, outs)
+                if entry[1] is not None and entry[1].late:
+                    self._late[id(entry[1])] = entry[1]
+        if self._native_run is not None:  # (the Python runtime keeps no bindings, and defers nothing)
+            if sig is not None:
+                rt.add(tensors, outs, entry[1])  # the next such call is served without Python
+            if rt.has_pending():
+                rt.reap()  # an earlier call's bad value, found without waiting (raised before this call runs)
+        impl, b = entry
+        if b is not None and not (torch.is_grad_enabled() and self._needs_grad(tensors)):
+            result = rt.execute(b, tensors, outs)
             if result is not NotImplemented:
                 return result
-            checked = False  # pointers the plan cannot serve: check this call in full
+            checked = False  # pointers the binding cannot serve: check this call in full
         given = {k: v for k, v in outs.items() if v is not None}
         if given and not checked:
             self._check_outs(tensors, given)
         return run_differentiable(self, impl, tensors, given)
 
-    def _go_native(self, nat: Any) -> None:
-        """Switch this op to the native extension, loaded after the op was made: its plans, and a
-        native tracker that judges the Python tracker's pending calls first (its ``legacy``)."""
-        with _native_lock:
-            if self._dispatch is not None:
-                return
-            tracker = self.__dict__.get("_tracker")
-            if tracker is not None and not isinstance(tracker, nat.Tracker):
-                tracker = errors.new_tracker(self._raise_bad_position)
-                tracker.legacy = self._tracker
-                self._tracker = tracker
-            self._fast.clear()  # Python plans made before hold the Python pool of error words
-            inputs = tuple(t.name for t in self.manifest.inputs)
-            outputs = tuple(o.name for o in self.manifest.outputs)
-            d = nat.Dispatch(inputs, outputs, tuple(inputs.index(o.like) for o in self.manifest.outputs))
-            d.tracker = tracker
-            self._dispatch = d
-            self._native_run = d.run
-
-    def _native_plan(self, nat: Any, entry: tuple, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> None:
-        """Give the native dispatch a plan for calls shaped like this one (whose signature the caller
-        has checked), unless it knows the signature already; None, remembered too, when the Python
-        path has no plan for it either, or the implementation makes no native plans."""
-        d = self._dispatch
-        if d is None or d.lookup(tensors, outs) is not False:
-            return  # known, or no native plan can serve such a call (e.g. a tensor subclass)
-        impl, plan = entry
-        make = getattr(impl, "native_plan", None) if plan is not None else None
-        made = None
-        if make is not None:
-            try:
-                made = make(nat, tensors, {k: v for k, v in outs.items() if v is not None})
-            except Exception as e:  # noqa: BLE001 - the Python path serves this signature
-                _log.debug("tileops: %s: no native plan (%s: %s)", self.name, type(e).__name__, e)
-        d.add(tensors, outs, made)
-
     def _forget_plans(self) -> None:
-        """Drop every launch plan (Python and native); the next call of each signature makes new ones."""
+        """Drop every binding (the op's and its runtime's); the next call of each signature binds again."""
         self._fast.clear()
-        if self._dispatch is not None:
-            self._dispatch.clear()
+        self._late.clear()
+        runtime = self.__dict__.get("_runtime")
+        if runtime is not None:
+            runtime.clear()
 
     @staticmethod
     def _needs_grad(tensors: Mapping[str, Any]) -> bool:
@@ -420,9 +378,9 @@ class Op:
             others = [(n, t) for n, t in tensors.items() if isinstance(t, torch.Tensor)]
             others += [(n, t) for n, t in outs.items() if n != spec.name and isinstance(t, torch.Tensor)]
             for name, t in others:
-                if name == spec.like and _same_view(o, t):
+                if name == spec.like and same_view(o, t):
                     continue  # in place
-                if not _disjoint(o, t):
+                if not disjoint(o, t):
                     raise ValueError(f"{m.name}: {spec.name}: overlaps {name} in memory; an output may be its "
                                      f"own input exactly (in place) or memory no other argument uses")
 
@@ -486,37 +444,6 @@ class Op:
     def __repr__(self) -> str:
         shown = ", ".join(f"{k}={_short(v)}" for k, v in self.params.items())
         return f"{self.name}({shown}, target={self._target_arg!r})"
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype)
-
-
-def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether no element of ``a`` shares memory with ``b`` (conservative: False when unsure).
-
-    Besides tensors whose byte ranges do not meet, this accepts views that interleave with the same
-    strides, such as the q, k and v column blocks of one fused ``[tokens, (Hq + 2 Hkv) * D]`` buffer:
-    within one period of the outermost stride each occupies its own band of columns.
-    """
-    if a.numel() == 0 or b.numel() == 0:
-        return True
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return True
-
-    def span(t: torch.Tensor, skip: int = 0) -> int:  # bytes from the first to past the last element
-        return (1 + sum((n - 1) * st for n, st in list(zip(t.shape, t.stride()))[skip:])) * t.element_size()
-
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    if a0 + span(a) <= b0 or b0 + span(b) <= a0:
-        return True
-    if a.dim() < 2 or a.stride() != b.stride() or a.element_size() != b.element_size() or a.shape[0] != b.shape[0]:
-        return False
-    period = a.stride(0) * a.element_size()  # bytes between rows of the outermost dim
-    sa, sb = span(a, 1), span(b, 1)
-    r = (b0 - a0) % period if period else 0
-    return period > 0 and sa <= period and r >= sa and r + sb <= period
 
 
 def _short(v: Any) -> str:

@@ -9,10 +9,12 @@ is the calling convention TileLang's own Cython wrapper uses.
 Converting ~30 arguments through ctypes costs 3-4 µs per call, about half of what a whole torch
 elementwise op costs on the host. So each kernel signature also gets a small C *trampoline*,
 compiled once with the system C compiler and cached on disk: it takes one ``int64`` array holding
-every argument, casts each to its exact C type and calls the entry point, then (for a call whose
-completion is tracked, :mod:`tileops.runtime.errors`) records a CUDA event on the same stream, unless the
-stream is being captured into a graph. One ctypes call with six arguments replaces thirty. Without a C compiler the launcher falls back to plain
-ctypes, which is correct and slower.
+every argument (a float as its IEEE bits), casts each to its exact C type and calls the entry
+point, then (for a call whose completion is tracked, :mod:`tileops.runtime.errors`) records a CUDA
+event on the same stream, unless the stream is being captured into a graph. One call with six
+arguments replaces thirty; the native runtime (:mod:`tileops.runtime.native`) calls it by its
+address, without Python. Without a C compiler the launcher falls back to plain ctypes, which is
+correct and slower.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import struct
 import subprocess
 import tempfile
 import threading
@@ -30,14 +33,16 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["RawKernel", "raw_kernel", "raw_kernel_from", "kernel_record", "cache_root", "build_c_library"]
+__all__ = ["RawKernel", "raw_kernel", "raw_kernel_from", "kernel_record", "cache_root", "build_c_library",
+           "encode_arg", "RECORD_FAILED", "CAPTURING"]
 
 _log = logging.getLogger("tileops.compile.entry")
 
 _CTYPES = {torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64, torch.float32: ctypes.c_float,
            torch.float64: ctypes.c_double}
 #: C type of each ctypes argument type the trampoline can pass from an int64 slot
-_C_TYPES = {ctypes.c_void_p: "void*", ctypes.c_int32: "int32_t", ctypes.c_int64: "int64_t"}
+_C_TYPES = {ctypes.c_void_p: "void*", ctypes.c_int32: "int32_t", ctypes.c_int64: "int64_t", ctypes.c_float: "float",
+            ctypes.c_double: "double"}
 
 
 def cache_root() -> str:
@@ -82,6 +87,11 @@ class RawKernel:
         return self.param_names + self.extent_names
 
     @property
+    def arg_types(self) -> tuple[str, ...]:
+        """The C type of each of :attr:`arg_names` (``void*``, ``int32_t``, ``int64_t``, ``float``, ``double``)."""
+        return tuple(_TYPE_NAMES[t] for t in self.call.argtypes[:-1])
+
+    @property
     def slot(self) -> dict[str, int]:
         """Argument name -> its index in the positional list :meth:`slots` makes."""
         return self._slots[0]
@@ -108,11 +118,11 @@ class RawKernel:
 
     def __call__(self, *args: Any) -> None:
         """Launch with ``args`` = params then extents (the stream is added here); raises on failure."""
-        self.launch(list(args), self.stream())
+        self.launch([encode_arg(t, v) for t, v in zip(self.arg_types, args)], self.stream())
 
     def launch(self, args: "list[int] | array.array", stream: int, record: int = 0, event: int = 0,
                capturing: int = 0) -> bool:
-        """Launch with ``args`` (params then extents, all integers) on the raw ``stream``.
+        """Launch with ``args`` (params then extents, all integers: see :func:`encode_arg`) on the raw ``stream``.
 
         With ``event``, the call's completion is tracked: the event is recorded on the stream right
         after the kernel with ``record`` (``cuEventRecord``'s address), unless the stream is being
@@ -123,40 +133,56 @@ class RawKernel:
                 rc = self._launch(args, stream, record, event, capturing)
         else:
             rc = self._launch(args, stream, record, event, capturing)
-        if rc == 0 or rc == _CAPTURING:
-            return rc == _CAPTURING
-        self._fail(rc)
-        return False  # not reached
-
-    def _fail(self, rc: int) -> None:
-        """Raise the error of a launch that returned ``rc`` (the native path calls this too)."""
-        if rc == _RECORD_FAILED:
+        if rc == 0 or rc == CAPTURING:
+            return rc == CAPTURING
+        if rc == RECORD_FAILED:  # the native runtime raises these two errors alike
             raise RuntimeError("tileops: recording the CUDA event after a kernel failed")
         raise RuntimeError(f"TileLang kernel failed: {self.lib.get_last_error().decode('utf-8', 'replace')}")
 
     @property
-    def addresses(self) -> tuple[int, int]:
-        """(the trampoline's address, the entry point's): what a native plan calls; (0, 0) without
-        a trampoline."""
+    def addresses(self) -> tuple[int, int, int]:
+        """(the trampoline's address, the entry point's, the library's ``get_last_error``'s): what
+        the native runtime calls; the trampoline's is 0 without one (it then calls :meth:`launch`)."""
+        error = ctypes.cast(self.lib.get_last_error, ctypes.c_void_p).value or 0
         if self.packed is None:
-            return 0, 0
-        return ctypes.cast(self.packed, ctypes.c_void_p).value or 0, self._entry
+            return 0, self._entry, error
+        return ctypes.cast(self.packed, ctypes.c_void_p).value or 0, self._entry, error
 
     def _launch(self, args: Any, stream: int, record: int, event: int, capturing: int) -> int:
         if self.packed is not None:
             a = args if isinstance(args, array.array) else array.array("q", args)
             return self.packed(self._entry, a.buffer_info()[0], stream, record, event, capturing)
         cap = bool(event) and _stream_capturing(capturing, stream)  # the same steps, through ctypes
-        rc = self.call(*args, stream)
+        rc = self.call(*(_decode(t, v) for t, v in zip(self.arg_types, args)), stream)
         if rc != 0 or not event:
             return rc
         if cap:
-            return _CAPTURING
-        return _RECORD_FAILED if _c_fn(record, 2)(event, stream) != 0 else 0
+            return CAPTURING
+        return RECORD_FAILED if _c_fn(record, 2)(event, stream) != 0 else 0
 
 
-_RECORD_FAILED = 0x7FFFFFF0
-_CAPTURING = 0x7FFFFFF1
+#: what a launch returns besides the entry point's own codes: the event could not be recorded; the
+#: stream was being captured into a graph (the kernel was captured, no event recorded)
+RECORD_FAILED = 0x7FFFFFF0
+CAPTURING = 0x7FFFFFF1
+
+
+def encode_arg(kind: str, value: Any) -> int:
+    """An argument of C type ``kind`` as the int64 a launch takes (a float as its IEEE bits)."""
+    if kind == "float":
+        return struct.unpack("<i", struct.pack("<f", value))[0]
+    if kind == "double":
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return int(value)
+
+
+def _decode(kind: str, value: int) -> Any:
+    """An int64 argument as ctypes takes it: a float's IEEE bits back to the float."""
+    if kind == "float":
+        return struct.unpack("<f", struct.pack("<i", value))[0]
+    if kind == "double":
+        return struct.unpack("<d", struct.pack("<q", value))[0]
+    return value
 _c_fns: dict[tuple[int, int], Any] = {}
 
 
@@ -180,10 +206,14 @@ _trampoline_lock = threading.Lock()
 
 def _trampoline_source(ctypes_args: list[str]) -> str:
     params = ", ".join(ctypes_args + ["void*"])
-    casts = [f"({t})(intptr_t)a[{i}]" if t == "void*" else f"({t})a[{i}]" for i, t in enumerate(ctypes_args)]
+    cast = {"void*": "(void*)(intptr_t)a[{}]", "float": "f32(a[{}])", "double": "f64(a[{}])"}
+    casts = [cast.get(t, f"({t})a[{{}}]").format(i) for i, t in enumerate(ctypes_args)]
     return (
         "#include <stdint.h>\n"
+        "#include <string.h>\n"
         "/* generated by tileops.compile.entry: one kernel signature's packed-argument trampoline */\n"
+        "static inline float f32(int64_t v) { int32_t b = (int32_t)v; float f; memcpy(&f, &b, 4); return f; }\n"
+        "static inline double f64(int64_t v) { double d; memcpy(&d, &v, 8); return d; }\n"
         f"typedef int32_t (*entry_t)({params});\n"
         "typedef int (*fn2_t)(void*, void*);\n"
         "int32_t tileops_launch(void* f, const int64_t* a, void* stream, void* record, void* event,\n"
@@ -195,8 +225,8 @@ def _trampoline_source(ctypes_args: list[str]) -> str:
         "  }\n"
         f"  int32_t rc = ((entry_t)f)({', '.join(casts + ['stream'])});\n"
         "  if (rc != 0 || !event) return rc;\n"
-        f"  if (cap) return {_CAPTURING};\n"
-        f"  if (((fn2_t)record)(event, stream) != 0) return {_RECORD_FAILED};\n"
+        f"  if (cap) return {CAPTURING};\n"
+        f"  if (((fn2_t)record)(event, stream) != 0) return {RECORD_FAILED};\n"
         "  return 0;\n"
         "}\n"
     )

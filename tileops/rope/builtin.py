@@ -6,20 +6,23 @@ come: x, the output and positions are passed as pointers and strides, so a trans
 view is rotated where it lies. The one fallback: a view whose last dim is not contiguous, or (on
 CUDA) whose pointer or strides are not multiples of 16 bytes, is copied to a dense tensor first,
 because the kernel moves 16 bytes per access.
+
+What a call's views mean to the kernel is said once, in :meth:`RopeKernels._binding` (a
+:class:`tileops.runtime.binding.Binding`): the runtime keeps it per call signature and runs later
+calls from it (:meth:`RopeKernels.binding`), and the general path (:meth:`RopeKernels.run`) binds
+the tensors it launches with, copies included, through the same code and the same executor.
 """
 
 from __future__ import annotations
 
-import array
 import dataclasses
 from typing import Any
 
 import torch
 
-from ..runtime.errors import words_for
 from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
-from ..op import _disjoint
+from ..runtime.binding import Binding, bind
 from . import hooks
 from .tables import DIGITS, LO
 
@@ -108,6 +111,7 @@ class RopeKernels:
         self.tables = op._tables(rot)
         self._stacked: torch.Tensor | None = None  # every set, for a choice made on the device
         self.limit = op.position_limit()
+        self._bindings: dict[tuple, Binding] = {}  # the general path's, by what they depend on
         from tileops.kernels.rope import DIGITS as KDIGITS, LO as KLO
 
         if (KLO, KDIGITS) != (LO, DIGITS):
@@ -213,20 +217,11 @@ class RopeKernels:
             return (*self._position_strides_of(position_ids[0]), position_ids.stride(0))
         return self._position_strides_of(position_ids)
 
-    def _put_position_strides(self, a: Any, put: dict, position_ids: torch.Tensor) -> None:
-        for name, stride in zip(("psb", "pss", "psc"), self._position_strides(position_ids)):
-            a[put[name]] = stride
-
     @staticmethod
     def _position_strides_of(position_ids: torch.Tensor) -> tuple[int, int]:
         if position_ids.dim() == 2:
             return (position_ids.stride(0) if position_ids.shape[0] > 1 else 0), position_ids.stride(1)
         return 0, position_ids.stride(0)
-
-    def _words(self) -> Any:
-        """The device's error words: looked up each time, since which implementation serves them
-        changes when the native extension is loaded (:func:`tileops.runtime.errors.words_for`)."""
-        return words_for(self.device)
 
     def _source(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         """``t`` where the kernel can read it, and its view; the one fallback is a dense copy."""
@@ -260,43 +255,32 @@ class RopeKernels:
         if self.widens(x, key):
             return self._run_wide(x, position_ids, tables, inverse, key, out, key_out)
         src_x, vx = self._source(x)
-        y, out, vy = self._dest(x, out)
+        y, out, _ = self._dest(x, out)
         if src_x is not x and y is x:  # in place through the fallback: the kernel writes the buffer
             y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            vy = self._view4(y)
-        ky = None
+        src_k = ky = None
         if key is not None:
-            src_k, vk = self._source(key)
-            ky, key_out, vky = self._dest(key, key_out)
+            src_k, _ = self._source(key)
+            ky, key_out, _ = self._dest(key, key_out)
             if src_k is not key and ky is key:
                 ky = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-                vky = self._view4(ky)
         if x.numel() == 0 and (key is None or key.numel() == 0):
             return out, key_out
-        u = self.unit
         kernel = self._kernel(inverse, self._head_major(vx), wide=x.dtype != DTYPE[self.kspec.dtype])
-        a = kernel.slots()
-        put = kernel.slot
-        a[put["X"]], a[put["Y"]], a[put["TD"]] = src_x.data_ptr(), y.data_ptr(), tables.data_ptr()
-        a[put["B"]], a[put["S"]] = vx[0], vx[1]
-        a[put["H"]] = vx[2] if x.numel() else 0
-        a[put["xsb"]], a[put["xss"]], a[put["xsh"]] = vx[3] // u, vx[4] // u, vx[5] // u
-        a[put["ysb"]], a[put["yss"]], a[put["ysh"]] = vy[3] // u, vy[4] // u, vy[5] // u
-        if key is not None and key.numel():
-            a[put["K"]], a[put["KY"]], a[put["HK"]] = src_k.data_ptr(), ky.data_ptr(), vk[2]
-            a[put["ksb"]], a[put["kss"]], a[put["ksh"]] = vk[3] // u, vk[4] // u, vk[5] // u
-            a[put["kysb"]], a[put["kyss"]], a[put["kysh"]] = vky[3] // u, vky[4] // u, vky[5] // u
-        else:
-            a[put["K"]] = a[put["KY"]] = 0  # HK = 0: the key loop never runs
-        stream = kernel.stream()
-        if position_ids is not None:
-            a[put["P"]], a[put["limit"]] = position_ids.data_ptr(), self.limit
-            self._put_position_strides(a, put, position_ids)
-            # a position out of range reads as 0 (nothing is indexed out of bounds) and the kernel
-            # writes this call's tag into its error word: reported without a host sync (tileops.runtime.errors)
-            self.op._calls().launch(kernel, a, put["ERR"], put["tag"], position_ids, self._words(), stream)
-        else:
-            kernel.launch(a, stream)
+        launch = {"x": src_x, "position_ids": position_ids, "key": src_k}
+        writes = {"out": y, "key_out": ky}
+        # the same views with the op's fixed tables bind the same way: bound once
+        cached = len(self.tables) == 1 and tables is self.tables[0].on(self.device)
+        k = (id(kernel), *(None if t is None else (t.shape, t.stride(), t.dtype) for t in (*launch.values(), y, ky)),
+             y is src_x, ky is not None and ky is src_k) if cached else ()
+        b = self._bindings.get(k) if cached else None
+        if b is None:
+            b = self._binding(kernel, launch, writes, {**launch, **writes}, tables)
+            if cached:
+                if len(self._bindings) > 256:
+                    self._bindings.clear()
+                self._bindings[k] = b
+        self.op._runtime.execute(b, launch, writes)
         if y is not out:
             out.copy_(y)
         if key is not None and ky is not key_out:
@@ -319,178 +303,53 @@ class RopeKernels:
             key_out = kyw.to(key.dtype) if key_out is None else key_out.copy_(kyw)
         return out, key_out
 
-    # ------------------------------------------------------------------------------ fast path
-    def _plan_parts(self, tensors: dict, outs: dict) -> dict | None:
-        """What every later call shaped like this one shares (for :meth:`plan` and
-        :meth:`native_plan`), or None when such calls get no plan.
-
-        :meth:`tileops.op.Op._eager_call` keys plans by each argument's shape, strides, dtype and
-        device and by which outputs are given (and which are their own input, in place), and has
-        checked all of that once. What can still differ between such calls is checked per call:
-        pointer alignment and, for given outputs, that they overlap nothing (by byte ranges,
-        falling back to the exact test only when the ranges meet). Shapes that need a copy
-        fallback, and empty tensors, get no plan.
-        """
-        x, pos, key = tensors["x"], tensors.get("position_ids"), tensors.get("key")
-        out, key_out = outs.get("out"), outs.get("key_out")
-        if x.numel() == 0 or (key is not None and key.numel() == 0) or self.widens(x, key):
-            return None  # (widened calls take the general path: its conversions dwarf the Python)
+    # ------------------------------------------------------------------------------ bindings
+    def _binding(self, kernel: Any, tensors: dict, outs: dict, views: dict, tables: torch.Tensor | None) -> Binding:
+        """The :class:`tileops.runtime.binding.Binding` of ``kernel`` for these inputs and outputs
+        (``outs``: a tensor, the input itself for in place, or None for a new one); ``views``: the
+        tensor each name is seen as (a new output's strides are those of ``torch.empty_like``);
+        ``tables`` fixed, or None: picked per call (:meth:`tables_for`)."""
         u = self.unit
-        kernel = self._kernel(False, self._head_major(self._view4(x)))
-        a = kernel.slots()
-        put = kernel.slot
-        roles = [("X", x), ("Y", out if out is not None else torch.empty_like(x))]
-        if key is not None:
-            roles += [("K", key), ("KY", key_out if key_out is not None else torch.empty_like(key))]
-        for role, t in roles:
-            v = self._view4(t)
-            if not self._strides_fit(t, v):
-                return None
-            low = role.lower()
-            a[put[low + "sb"]], a[put[low + "ss"]], a[put[low + "sh"]] = v[3] // u, v[4] // u, v[5] // u
-        vx = self._view4(x)
-        a[put["B"]], a[put["S"]], a[put["H"]] = vx[0], vx[1], vx[2]
-        a[put["HK"]] = self._view4(key)[2] if key is not None else 0  # heads as the kernel sees them (1 in 1d)
+        x, key, pos = views["x"], views["key"], views["position_ids"]
+        vx, vy = self._view4(x), self._view4(views["out"])
+        args = {"B": vx[0], "S": vx[1], "H": vx[2] if x.numel() else 0,
+                "xsb": vx[3] // u, "xss": vx[4] // u, "xsh": vx[5] // u, "ysb": vy[3] // u, "yss": vy[4] // u,
+                "ysh": vy[5] // u}
+        if key is not None and key.numel():  # else HK = 0: the key loop never runs
+            vk, vky = self._view4(key), self._view4(views["key_out"])
+            args.update(HK=vk[2], ksb=vk[3] // u, kss=vk[4] // u, ksh=vk[5] // u, kysb=vky[3] // u,
+                        kyss=vky[4] // u, kysh=vky[5] // u)
         if pos is not None:
-            a[put["limit"]] = self.limit
-            self._put_position_strides(a, put, pos)
+            args["limit"] = self.limit
+            args.update(zip(("psb", "pss", "psc"), self._position_strides(pos)))
+        align = u * x.element_size()
+        late, keep = {}, ()
+        if tables is None:
+            late["TD"] = lambda named: self.tables_for(named["x"], named["position_ids"])  # picked on the device
+        else:
+            args["TD"], keep = tables.data_ptr(), (tables,)
+        return bind(kernel, self.op.manifest, tensors, outs, args=args, late=late, keep=keep,
+                    pointers={"X": "x", "Y": "out", "K": "key", "KY": "key_out", "P": "position_ids"},
+                    align={"x": align, "out": align, "key": align, "key_out": align},
+                    # a position out of range is read as 0 (nothing is indexed out of bounds) and the
+                    # kernel writes the call's tag into its error word: reported without a host sync
+                    checked=("position_ids", "ERR", "tag"))
+
+    def binding(self, tensors: dict, outs: dict) -> Binding | None:
+        """The binding of every later call shaped like this one, or None (such calls take the
+        general path: views that need a copy, empty tensors, widened fp16)."""
+        x, key = tensors["x"], tensors.get("key")
+        if x.numel() == 0 or (key is not None and key.numel() == 0) or self.widens(x, key):
+            return None
+        views = dict(tensors)
+        for name, like in (("out", "x"), ("key_out", "key")):
+            src = tensors.get(like)
+            views[name] = None if src is None else outs[name] if outs.get(name) is not None else torch.empty_like(src)
+        if not all(t is None or self._strides_fit(t, self._view4(t)) for n, t in views.items() if n != "position_ids"):
+            return None
         single = len(self.tables) == 1 and not hasattr(self.op, "device_tables")
-        if single:
-            a[put["TD"]] = self.tables[0].on(self.device).data_ptr()
-        # pairs of (output, other) that must not overlap: by name, with each one's byte span
-        given = {n: t for n, t in (("out", out), ("key_out", key_out)) if t is not None}
-        names = {"x": x, "position_ids": pos, "key": key, **given}
-        spans = {n: _span(t) for n, t in names.items() if t is not None}
-        own = {"out": "x", "key_out": "key"}
-        pairs_seen: set[frozenset] = set()
-        pairs = []
-        for o in given:
-            for n in spans:
-                if n == o or (n == own[o] and names[o] is names[n]) or frozenset((o, n)) in pairs_seen:
-                    continue
-                pairs_seen.add(frozenset((o, n)))
-                pairs.append((o, spans[o], n, spans[n]))
-        return {"kernel": kernel, "template": array.array("q", a), "slot": put, "align": u * x.element_size(),
-                "x_in_place": out is not None and out is x, "k_in_place": key_out is not None and key_out is key,
-                "pairs": pairs, "single": single, "has_key": key is not None, "has_pos": pos is not None,
-                "words": self._words() if pos is not None else None}
-
-    def plan(self, tensors: dict, outs: dict) -> Any:
-        """A lean launcher for every later call shaped like this one (see :meth:`_plan_parts`), or
-        None. A call that fails the per-call checks returns ``NotImplemented`` and takes the
-        general path, which copies or raises as it must."""
-        parts = self._plan_parts(tensors, outs)
-        if parts is None:
-            return None
-        kernel, template, put, align = parts["kernel"], parts["template"], parts["slot"], parts["align"]
-        iX, iY, iK, iKY, iP, iTD = (put.get(n) for n in ("X", "Y", "K", "KY", "P", "TD"))
-        check_align = align > 1
-        x_in_place, k_in_place, pairs, single = parts["x_in_place"], parts["k_in_place"], parts["pairs"], parts["single"]
-        disjoint_at: dict[tuple[str, str, int], bool] = {}  # interleaved views checked exactly, by offset
-        calls = self.op._calls
-        words = parts["words"]
-        stream_of = torch._C._cuda_getCurrentRawStream if self.device.type == "cuda" else None
-        index = kernel.device_index
-        tables_for = self.tables_for
-        empty_like = torch.empty_like
-        has_key, has_pos = parts["has_key"], parts["has_pos"]
-        iERR, itag = put.get("ERR"), put.get("tag")
-
-        def run(tensors: dict, outs: dict) -> Any:
-            x = tensors["x"]
-            args = template[:]
-            args[iX] = xp = x.data_ptr()
-            if x_in_place:
-                y, yp = x, xp
-            else:
-                y = outs.get("out")
-                if y is None:
-                    y = empty_like(x)
-                yp = y.data_ptr()
-            args[iY] = yp
-            if check_align and (xp | yp) % align:
-                return NotImplemented
-            if has_key:
-                k = tensors["key"]
-                args[iK] = kp = k.data_ptr()
-                if k_in_place:
-                    ky, kyp = k, kp
-                else:
-                    ky = outs.get("key_out")
-                    if ky is None:
-                        ky = empty_like(k)
-                    kyp = ky.data_ptr()
-                args[iKY] = kyp
-                if check_align and (kp | kyp) % align:
-                    return NotImplemented
-            p = tensors["position_ids"] if has_pos else None
-            if pairs:
-                ptr = {"x": xp, "out": yp}
-                if has_key:
-                    ptr["key"], ptr["key_out"] = kp, kyp
-                if p is not None:
-                    ptr["position_ids"] = p.data_ptr()
-                t = None
-                for n0, s0, n1, s1 in pairs:
-                    a0, a1 = ptr[n0], ptr[n1]
-                    if a0 + s0 <= a1 or a1 + s1 <= a0:
-                        continue
-                    t = t or {**tensors, **outs}
-                    # the exact test; its answer depends on the offset alone when one storage holds both
-                    shared = t[n0].untyped_storage().data_ptr() == t[n1].untyped_storage().data_ptr()
-                    ok = disjoint_at.get((n0, n1, a1 - a0)) if shared else None
-                    if ok is None:
-                        ok = _disjoint(t[n0], t[n1])
-                        if shared:
-                            disjoint_at[(n0, n1, a1 - a0)] = ok
-                    if not ok:
-                        return NotImplemented  # the general path names the overlap
-            if not single:
-                td = tables_for(x, p)  # picked on the device; alive until launched
-                args[iTD] = td.data_ptr()
-            stream = stream_of(index) if stream_of is not None else 0
-            if p is not None:
-                args[iP] = p.data_ptr()
-                calls().launch(kernel, args, iERR, itag, p, words, stream)
-            else:
-                kernel.launch(args, stream)
-            return (y, ky) if has_key else y
-
-        return run
-
-    def native_plan(self, native: Any, tensors: dict, outs: dict) -> Any:
-        """The native extension's ``Plan`` for every later call shaped like this one: the same
-        launch and per-call checks as :meth:`plan`, in C++ (:mod:`tileops.runtime.native`); or None."""
-        parts = self._plan_parts(tensors, outs)
-        if parts is None:
-            return None
-        kernel = parts["kernel"]
-        packed, entry = kernel.addresses
-        if not packed:
-            return None
-        put = parts["slot"]
-        roles = {"x": 0, "position_ids": 1, "key": 2, "out": 3, "key_out": 4}
-        inputs = [t.name for t in self.op.manifest.inputs]
-        outputs = [o.name for o in self.op.manifest.outputs]
-        at = {f"at_{n}": (inputs.index(n) if n in inputs and tensors.get(n) is not None else -1)
-              for n in ("x", "position_ids", "key")}
-        at.update({f"at_{n}": (outputs.index(n) if n in outputs else -1) for n in ("out", "key_out")})
-        cuda = self.device.type == "cuda"
-        return native.Plan({
-            "template": parts["template"], **at,
-            **{n: (put[n] if n in put else -1) for n in ("X", "Y", "K", "KY", "P", "TD", "ERR", "tag")},
-            "x_in_place": parts["x_in_place"], "k_in_place": parts["k_in_place"], "align": parts["align"],
-            "pairs": [(roles[o], so, roles[n], sn) for o, so, n, sn in parts["pairs"]], "disjoint": _disjoint,
-            "tables_for": None if parts["single"] else self.tables_for, "kernel": kernel, "packed": packed,
-            "entry": entry, "device_index": kernel.device_index if cuda else -1,
-            "raw_stream": torch._C._cuda_getCurrentRawStream if cuda else None,
-            "tracker": self.op._calls() if parts["has_pos"] else None, "pool": parts["words"],
-        })
-
-
-def _span(t: torch.Tensor) -> int:
-    """Bytes from ``t``'s first element to just past its last."""
-    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+        kernel = self._kernel(False, self._head_major(self._view4(x)))
+        return self._binding(kernel, tensors, outs, views, self.tables[0].on(self.device) if single else None)
 
 
 def implement(op: Any, spec: Any) -> RopeKernels:

@@ -1,1135 +1,416 @@
-// tileops' native fast path for repeated eager calls (built and loaded by tileops/native.py).
+// tileops' native runtime (built and loaded by tileops/runtime/native.py).
 //
-// What it holds, each mirroring a Python object that stays the reference implementation for
-// machines without a compiler (tileops/errors.py, tileops/op.py, tileops/rope/builtin.py):
+//   Binding   one call signature's launch, made by a family through tileops/runtime/binding.py: the
+//             kernel's argument array with every shape, stride and scalar filled, and where each
+//             tensor's pointer goes. Names no family's tensors: tensors are numbered as the op's
+//             manifest lists them (inputs, then outputs).
+//   serve     the executor: per call only what the pointers decide (alignment, overlap of the
+//             outputs written into), new outputs allocated, one trampoline call (compile/entry.py).
+//   Tracker   the one deferred error tracker (tileops/runtime/errors.py): per (thread, device,
+//             stream) pending calls judged without blocking at the op's next call, strict mode,
+//             the words of graph-captured calls kept for op.check().
+//   Dispatch  one op's bindings by signature (what Op._signature reads, plus the dispatch key set,
+//             so a tensor subclass, a functorch wrapper or a fake tensor never matches), and the
+//             Python-facing calls: run (a repeated eager call), execute (the general path's
+//             binding), add, check, reap.
+//   tileops::apply, apply_out, apply_backward   the custom ops for torch.compile, with C++ kernels
+//             that serve a known signature through the same executor and call the Python general
+//             path for anything else.
 //
-//   Pool      a device's error words (errors.ErrorWords): int32 words in pinned host memory that
-//             kernels write, a CUDA event per word, a free list;
-//   Tracker   one op's calls that read positions and are not judged yet (errors.Tracker): per
-//             (thread, pool, stream) lists judged in order without blocking, strict mode, the
-//             words of graph-captured calls kept for op.check();
-//   Plan      one call signature's launch (RopeKernels.plan's closure): per call only what the
-//             pointers decide (alignment, overlap of given outputs), then one trampoline call;
-//   Dispatch  one op's plans keyed by what Op._signature reads (each tensor's shape, strides,
-//             dtype, device, and which outputs are given or in place), plus the tensor's dispatch
-//             key set, so a tensor subclass, a functorch wrapper or a fake tensor never matches.
-//
-// Anything a plan cannot serve returns NotImplemented before it has touched anything, and the
-// Python path takes the call (it checks, copies or raises as it must). Every Python object here
-// is used with the GIL held; the GIL is released only around the kernel launch itself. CUDA is
-// reached only through driver function addresses handed over from Python, so no CUDA header is
-// needed; the current device is read and set through c10's device guard interface.
+// A call the executor cannot serve exactly as the general path would is refused before anything
+// is allocated, launched or called: the Python path then checks, copies or raises. The executor
+// runs with or without the GIL (the custom ops' kernels run without it): what it shares between
+// threads is under mutexes, each thread's pending calls are its own, and the GIL is taken only to
+// call Python and released around every launch and every wait on the GPU. CUDA is reached through
+// c10's device guard interface and driver function addresses handed over from Python, so no CUDA
+// header is needed.
 
 #include <Python.h>
+#include <torch/library.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <ATen/ops/empty_like_ops.h>
+#include <torch/csrc/Exceptions.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <exception>
+#include <deque>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace {
 
-// ------------------------------------------------------------------------------ configuration
-typedef int32_t (*packed_t)(void*, const int64_t*, void*, void*, void*, void*);
-typedef int (*cu_event_t)(void*);
-typedef int (*cu_exchange_t)(int*);
+using packed_t = int32_t (*)(void*, const int64_t*, void*, void*, void*, void*);
+using cu_event_t = int (*)(void*);
+using cu_exchange_t = int (*)(int*);
+using last_error_t = const char* (*)();
 
 constexpr int kNotReady = 600;  // CUDA_ERROR_NOT_READY
+constexpr int kMaxTensors = 8;  // inputs and outputs of one op
 constexpr int kMaxDims = 8;
 constexpr size_t kMaxKey = 256;
 constexpr size_t kMaxArgs = 128;
-constexpr size_t kMaxPlans = 4096;  // as Op._fast: many distinct shapes clear the table
+constexpr int kChunk = 4096;  // error words per chunk of a pool (16 KiB)
+constexpr int kMaxChunks = 4096;
+enum Mode : int8_t { ABSENT = 0, NEW = 1, IN_PLACE = 2, GIVEN = 3 };  // as tileops/runtime/binding.py
 
-struct Config {
-  int32_t rc_record_failed = 0, rc_capturing = 0;
-  PyObject* when_earlier = nullptr;  // the `when` strings of errors.Tracker
-  PyObject* when_graph = nullptr;
-  PyObject* when_now = nullptr;
-  PyObject* strict_local = nullptr;  // errors._strict
-  PyObject* errors_module = nullptr;  // errors._ENV_STRICT is read from it
-  PyObject* py_tracker = nullptr;  // errors.Tracker, for calls on a pool made before this module
-  void* record = nullptr;  // cuEventRecord
-  void* capturing = nullptr;  // cuStreamIsCapturing
-  cu_event_t query = nullptr, synchronize = nullptr;
-  cu_exchange_t exchange = nullptr;
-} cfg;
-
-PyObject *s_on, *s_env_strict, *s_state, *s_has_pending, *s_reap, *s_check, *s_launch, *s_fail, *s_wait;
-std::atomic<uint64_t> tags{0};
-std::atomic<uint64_t> tracker_ids{0};
-
-int32_t next_tag() { return (int32_t)((tags.fetch_add(1) + 1) % 0x7FFFFFFF + 1); }
-
-bool is_strict() {
-  PyObject* on = PyObject_GetAttr(cfg.strict_local, s_on);
-  if (on == nullptr) {
-    PyErr_Clear();
-    on = Py_NewRef(Py_None);
-  }
-  PyObject* v = on;
-  if (on == Py_None) {
-    Py_DECREF(on);
-    v = PyObject_GetAttr(cfg.errors_module, s_env_strict);
-    if (v == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-  }
-  int r = PyObject_IsTrue(v);
-  Py_DECREF(v);
-  if (r < 0) {
-    PyErr_Clear();
-    return false;
-  }
-  return r == 1;
-}
-
-int event_query(void* ev) {  // with this thread's capture mode relaxed, as errors._QUERY_SOURCE
-  int mode = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
-  cfg.exchange(&mode);
-  int rc = cfg.query(ev);
-  cfg.exchange(&mode);
-  return rc;
-}
-
-PyObject* as_long(int64_t v) { return PyLong_FromLongLong((long long)v); }
-
-bool get_i64(PyObject* o, int64_t* out) {
-  long long v = PyLong_AsLongLong(o);
-  if (v == -1 && PyErr_Occurred()) return false;
-  *out = (int64_t)v;
-  return true;
-}
-
-// tp_dealloc of a GC type: untrack, drop references (clear), destroy the C++ members, free
-template <class T, int (*clear)(T*)>
-void gc_dealloc(PyObject* self) {
-  PyTypeObject* tp = Py_TYPE(self);
-  PyObject_GC_UnTrack(self);
-  clear((T*)self);
-  ((T*)self)->~T();
-  tp->tp_free(self);
-  Py_DECREF(tp);
-}
-
-template <class T>
-T* alloc_object(PyTypeObject* type) {
-  PyObject* self = type->tp_alloc(type, 0);
-  if (self == nullptr) return nullptr;
-  PyObject head = *self;  // constructing the C++ members must leave the header tp_alloc set
-  T* t = new (self) T();
-  *(PyObject*)t = head;
-  return t;
-}
-
-// ------------------------------------------------------------------------------ Pool
-struct Pool {
-  PyObject_HEAD
-  bool cuda = false;
-  int index = -1;
-  int chunk = 0;
-  std::vector<int64_t> bases;
-  std::vector<int64_t> events;
-  std::vector<int32_t> free_list;
-  PyObject* grow = nullptr;  // () -> (owner, base address)
-  PyObject* make_event = nullptr;  // () -> (owner, raw event)
-  PyObject* owners = nullptr;  // list: the buffers and events the addresses belong to
-  PyObject* device = nullptr;
-};
-PyTypeObject* PoolType = nullptr;
-
-int pool_grow(Pool* p) {
-  PyObject* r = PyObject_CallNoArgs(p->grow);
-  if (r == nullptr) return -1;
-  int64_t base;
-  if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !get_i64(PyTuple_GET_ITEM(r, 1), &base)) {
-    Py_DECREF(r);
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "tileops: Pool.grow must return (owner, address)");
-    return -1;
-  }
-  if (PyList_Append(p->owners, PyTuple_GET_ITEM(r, 0)) < 0) {
-    Py_DECREF(r);
-    return -1;
-  }
-  Py_DECREF(r);
-  int first = (int)p->bases.size() * p->chunk;
-  p->bases.push_back(base);
-  p->events.resize(p->events.size() + p->chunk, 0);
-  for (int i = first + p->chunk - 1; i >= first; --i) p->free_list.push_back(i);
-  return 0;
-}
-
-int pool_take(Pool* p) {
-  while (p->free_list.empty()) {
-    if (pool_grow(p) < 0) return -1;
-  }
-  int i = p->free_list.back();
-  p->free_list.pop_back();
-  return i;
-}
-
-inline void pool_give_back(Pool* p, int i) { p->free_list.push_back(i); }
-inline int64_t pool_address(Pool* p, int i) { return p->bases[i / p->chunk] + 4 * (int64_t)(i % p->chunk); }
-inline int32_t pool_read(Pool* p, int i) { return *(volatile int32_t*)(intptr_t)pool_address(p, i); }
-inline void pool_clear(Pool* p, int i) { *(volatile int32_t*)(intptr_t)pool_address(p, i) = 0; }
-
-int64_t pool_event(Pool* p, int i) {  // 0 with an exception set on failure
-  if (p->events[i] == 0) {
-    PyObject* r = PyObject_CallNoArgs(p->make_event);
-    if (r == nullptr) return 0;
-    int64_t ev;
-    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2 || !get_i64(PyTuple_GET_ITEM(r, 1), &ev) ||
-        PyList_Append(p->owners, PyTuple_GET_ITEM(r, 0)) < 0) {
-      Py_DECREF(r);
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "tileops: Pool.make_event must return (owner, handle)");
-      return 0;
-    }
-    Py_DECREF(r);
-    p->events[i] = ev;
-  }
-  return p->events[i];
-}
-
-bool pool_index(Pool* p, PyObject* arg, int* out) {
-  long i = PyLong_AsLong(arg);
-  if (i == -1 && PyErr_Occurred()) return false;
-  if (i < 0 || (size_t)i >= p->events.size()) {
-    PyErr_Format(PyExc_IndexError, "tileops: error word %ld out of range", i);
-    return false;
-  }
-  *out = (int)i;
-  return true;
-}
-
-PyObject* Pool_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
-  static const char* names[] = {"device", "cuda", "index", "chunk", "grow", "make_event", nullptr};
-  PyObject *device, *grow, *make_event;
-  int cuda, index, chunk;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OpiiOO", (char**)names, &device, &cuda, &index, &chunk, &grow,
-                                   &make_event))
-    return nullptr;
-  if (chunk <= 0) {
-    PyErr_SetString(PyExc_ValueError, "tileops: chunk must be positive");
-    return nullptr;
-  }
-  Pool* p = alloc_object<Pool>(type);
-  if (p == nullptr) return nullptr;
-  p->cuda = cuda;
-  p->index = index;
-  p->chunk = chunk;
-  p->device = Py_NewRef(device);
-  p->grow = Py_NewRef(grow);
-  p->make_event = Py_NewRef(make_event);
-  p->owners = PyList_New(0);
-  if (p->owners == nullptr || pool_grow(p) < 0) {
-    Py_DECREF(p);
-    return nullptr;
-  }
-  return (PyObject*)p;
-}
-
-void Pool_dealloc(Pool* p) {
-  PyTypeObject* tp = Py_TYPE(p);
-  Py_XDECREF(p->device);
-  Py_XDECREF(p->grow);
-  Py_XDECREF(p->make_event);
-  Py_XDECREF(p->owners);
-  p->~Pool();
-  tp->tp_free((PyObject*)p);
-  Py_DECREF(tp);
-}
-
-PyObject* Pool_take(Pool* p, PyObject*) {
-  int i = pool_take(p);
-  return i < 0 ? nullptr : PyLong_FromLong(i);
-}
-PyObject* Pool_give_back(Pool* p, PyObject* arg) {
-  int i;
-  if (!pool_index(p, arg, &i)) return nullptr;
-  pool_give_back(p, i);
-  Py_RETURN_NONE;
-}
-PyObject* Pool_address(Pool* p, PyObject* arg) {
-  int i;
-  return pool_index(p, arg, &i) ? as_long(pool_address(p, i)) : nullptr;
-}
-PyObject* Pool_read(Pool* p, PyObject* arg) {
-  int i;
-  return pool_index(p, arg, &i) ? PyLong_FromLong(pool_read(p, i)) : nullptr;
-}
-PyObject* Pool_clear(Pool* p, PyObject* arg) {
-  int i;
-  if (!pool_index(p, arg, &i)) return nullptr;
-  pool_clear(p, i);
-  Py_RETURN_NONE;
-}
-PyObject* Pool_event(Pool* p, PyObject* arg) {
-  int i;
-  if (!pool_index(p, arg, &i)) return nullptr;
-  int64_t ev = pool_event(p, i);
-  return ev == 0 ? nullptr : as_long(ev);
-}
-PyObject* Pool_get_cuda(Pool* p, void*) { return PyBool_FromLong(p->cuda); }
-PyObject* Pool_get_index(Pool* p, void*) { return PyLong_FromLong(p->index); }
-PyObject* Pool_get_device(Pool* p, void*) { return Py_NewRef(p->device); }
-PyObject* Pool_get_free(Pool* p, void*) { return PyLong_FromSsize_t((Py_ssize_t)p->free_list.size()); }
-PyObject* Pool_get_size(Pool* p, void*) { return PyLong_FromSsize_t((Py_ssize_t)p->events.size()); }
-
-PyMethodDef Pool_methods[] = {
-    {"take", (PyCFunction)Pool_take, METH_NOARGS, "A free word."},
-    {"give_back", (PyCFunction)Pool_give_back, METH_O, "Return a judged word."},
-    {"address", (PyCFunction)Pool_address, METH_O, "The word's address, as the kernel writes it."},
-    {"read", (PyCFunction)Pool_read, METH_O, "The word's value."},
-    {"clear", (PyCFunction)Pool_clear, METH_O, "Set the word to 0."},
-    {"event", (PyCFunction)Pool_event, METH_O, "The word's CUDA event (made at its first use)."},
-    {nullptr, nullptr, 0, nullptr}};
-PyGetSetDef Pool_getset[] = {
-    {"cuda", (getter)Pool_get_cuda, nullptr, nullptr, nullptr},
-    {"index", (getter)Pool_get_index, nullptr, nullptr, nullptr},
-    {"device", (getter)Pool_get_device, nullptr, nullptr, nullptr},
-    {"free", (getter)Pool_get_free, nullptr, "words not in use", nullptr},
-    {"size", (getter)Pool_get_size, nullptr, "words in all", nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr}};
-PyType_Slot Pool_slots[] = {{Py_tp_new, (void*)Pool_new},
-                            {Py_tp_dealloc, (void*)Pool_dealloc},
-                            {Py_tp_methods, Pool_methods},
-                            {Py_tp_getset, Pool_getset},
-                            {Py_tp_doc, (void*)"A device's pool of error words (see tileops.runtime.errors.ErrorWords)."},
-                            {0, nullptr}};
-PyType_Spec Pool_spec = {"tileops._tileops_native.Pool", sizeof(Pool), 0, Py_TPFLAGS_DEFAULT, Pool_slots};
-
-// ------------------------------------------------------------------------------ Tracker
-struct Pending {
-  Pool* pool;  // strong
-  int word;
-  int32_t tag;
-  PyObject* pos;  // strong
-  int64_t event;
+// ------------------------------------------------------------------------------ Python, the GIL
+struct Gil {  // held within the scope (a no-op re-entry when it already is)
+  PyGILState_STATE s;
+  Gil() : s(PyGILState_Ensure()) {}
+  ~Gil() { PyGILState_Release(s); }
+  Gil(const Gil&) = delete;
+  Gil& operator=(const Gil&) = delete;
 };
 
-struct StreamCalls {
-  Pool* pool;  // borrowed (a Pending holds a reference)
-  int64_t stream;
-  std::vector<Pending> calls;
-  size_t head = 0;  // calls before it are judged
+struct NoGil {  // released within the scope when this thread holds it
+  PyThreadState* s;
+  NoGil() : s(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~NoGil() {
+    if (s != nullptr) PyEval_RestoreThread(s);
+  }
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
 };
 
-// one thread's pending calls of one tracker: kept in the tracker's threading.local, so they go
-// with the thread (or the tracker) as errors.Tracker's do
-struct ThreadState {
-  PyObject_HEAD
-  std::vector<StreamCalls> streams;  // in the order they were first used, like the Python dict
-  bool legacy_clear = false;  // this thread has nothing left in the tracker's legacy (Python) one
-};
-PyTypeObject* ThreadStateType = nullptr;
-
-void release_pending(Pending& c) {
-  Py_XDECREF(c.pos);
-  Py_XDECREF((PyObject*)c.pool);
-  c.pos = nullptr;
-  c.pool = nullptr;
+// the Python error just set, as an exception: the GIL is held here; torch's boundaries restore it
+[[noreturn]] void throw_python() {
+  python_error e;
+  e.persist();
+  throw std::move(e);
 }
 
-void ThreadState_dealloc(ThreadState* t) {
-  // the thread (or the tracker) is gone: its unjudged words are never given back (a stream may
-  // still write them), as when errors.Tracker's thread-local dict goes
-  PyTypeObject* tp = Py_TYPE(t);
-  for (auto& s : t->streams)
-    for (size_t i = s.head; i < s.calls.size(); ++i) release_pending(s.calls[i]);
-  t->~ThreadState();
-  tp->tp_free((PyObject*)t);
-  Py_DECREF(tp);
-}
-PyType_Slot ThreadState_slots[] = {{Py_tp_dealloc, (void*)ThreadState_dealloc}, {0, nullptr}};
-PyType_Spec ThreadState_spec = {"tileops._tileops_native.ThreadState", sizeof(ThreadState), 0, Py_TPFLAGS_DEFAULT,
-                                ThreadState_slots};
-
-struct GraphWord {
-  Pool* pool;  // strong
-  int word;
-  int32_t tag;
-  PyObject* pos;  // strong
-};
-
-struct Tracker {
-  PyObject_HEAD
-  uint64_t id = 0;
-  PyObject* raise_bad = nullptr;  // (position_ids, when) -> raises
-  PyObject* local = nullptr;  // a threading.local whose class has state = None
-  PyObject* legacy = nullptr;  // an errors.Tracker holding calls made before this one existed, or None
-  std::vector<GraphWord> graph;
-};
-PyTypeObject* TrackerType = nullptr;
-
-thread_local uint64_t tl_tracker = 0;  // a one-entry cache of this thread's state of one tracker
-thread_local ThreadState* tl_state = nullptr;  // borrowed: the tracker's threading.local owns it
-
-// this thread's state (borrowed), or nullptr (no exception) when it has none and !create
-ThreadState* thread_state(Tracker* tr, bool create) {
-  if (tr->id != 0 && tl_tracker == tr->id) return tl_state;
-  if (tr->local == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "tileops: a cleared tracker was used");
-    return nullptr;
-  }
-  PyObject* st = PyObject_GetAttr(tr->local, s_state);
-  if (st == nullptr) return nullptr;
-  if (st == Py_None) {
-    Py_DECREF(st);
-    if (!create) return nullptr;
-    ThreadState* t = alloc_object<ThreadState>(ThreadStateType);
-    if (t == nullptr) return nullptr;
-    int rc = PyObject_SetAttr(tr->local, s_state, (PyObject*)t);
-    Py_DECREF(t);  // the local holds it
-    if (rc < 0) return nullptr;
-    st = Py_NewRef((PyObject*)t);
-  }
-  Py_DECREF(st);  // still held by the local
-  tl_tracker = tr->id;
-  tl_state = (ThreadState*)st;
-  return tl_state;
-}
-
-PyObject* raise_bad(Tracker* tr, PyObject* pos, PyObject* when) {
-  if (tr->raise_bad == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "tileops: a cleared tracker was used");
-    return nullptr;
-  }
-  PyObject* r = PyObject_CallFunctionObjArgs(tr->raise_bad, pos, when, nullptr);
-  if (r == nullptr) return nullptr;
-  Py_DECREF(r);
-  Py_RETURN_NONE;
-}
-
-PyObject* legacy_tracker(Tracker* tr) {  // borrowed; made on first need
-  if (tr->legacy == Py_None) {
-    PyObject* t = PyObject_CallOneArg(cfg.py_tracker, tr->raise_bad);
-    if (t == nullptr) return nullptr;
-    Py_SETREF(tr->legacy, t);
-  }
-  return tr->legacy;
-}
-
-// judge this thread's finished calls (all with `wait`); 0, or -1 with the exception set
-int tracker_reap(Tracker* tr, bool wait) {
-  ThreadState* ts = thread_state(tr, false);
-  if (ts == nullptr && PyErr_Occurred()) return -1;
-  if (tr->legacy != nullptr && tr->legacy != Py_None && !(ts != nullptr && ts->legacy_clear)) {
-    PyObject* has = PyObject_CallMethodNoArgs(tr->legacy, s_has_pending);
-    if (has == nullptr) return -1;
-    int h = PyObject_IsTrue(has);
-    Py_DECREF(has);
-    if (h < 0) return -1;
-    if (h) {
-      PyObject* r = PyObject_CallMethodObjArgs(tr->legacy, s_reap, wait ? Py_True : Py_False, nullptr);
-      if (r == nullptr) return -1;
-      Py_DECREF(r);
-    } else {
-      if (ts == nullptr && (ts = thread_state(tr, true)) == nullptr) return -1;
-      ts->legacy_clear = true;
-    }
-  }
-  if (ts == nullptr || ts->streams.empty()) return 0;
-  PyObject* failed = nullptr;
-  int err = 0;
-  for (size_t s = 0; s < ts->streams.size();) {
-    StreamCalls& sc = ts->streams[s];
-    while (sc.head < sc.calls.size()) {  // in order: stop at the first unfinished
-      Pending& c = sc.calls[sc.head];
-      int rc = wait ? cfg.synchronize((void*)(intptr_t)c.event) : event_query((void*)(intptr_t)c.event);
-      if (!wait && rc == kNotReady) break;
-      if (rc != 0) {
-        PyErr_Format(PyExc_RuntimeError, "tileops: %s failed with CUDA error %d",
-                     wait ? "cuEventSynchronize" : "cuEventQuery", rc);
-        err = -1;
-        break;
-      }
-      bool bad = pool_read(c.pool, c.word) == c.tag;
-      pool_give_back(c.pool, c.word);  // only after reading it
-      if (bad) failed = Py_NewRef(c.pos);
-      release_pending(c);
-      ++sc.head;
-      if (bad) break;  // one error per bad call: later calls stay pending, for the next report
-    }
-    if (sc.head == sc.calls.size()) {
-      ts->streams.erase(ts->streams.begin() + s);
-    } else {
-      if (sc.head) {
-        sc.calls.erase(sc.calls.begin(), sc.calls.begin() + sc.head);
-        sc.head = 0;
-      }
-      ++s;
-    }
-    if (err || failed != nullptr) break;
-  }
-  if (err) {
-    Py_XDECREF(failed);
-    return -1;
-  }
-  if (failed != nullptr) {
-    PyObject* r = raise_bad(tr, failed, cfg.when_earlier);
-    Py_DECREF(failed);
-    if (r == nullptr) return -1;
-    Py_DECREF(r);
-  }
-  return 0;
-}
-
-// whether this thread has calls to judge (its own, or in the legacy tracker); never raises: when
-// it cannot tell, it says yes and the reap that follows reports what went wrong
-bool tracker_has_pending(Tracker* tr) {
-  ThreadState* ts = thread_state(tr, false);
-  if (ts == nullptr && PyErr_Occurred()) {
-    PyErr_Clear();
-    return true;
-  }
-  if (ts != nullptr && !ts->streams.empty()) return true;
-  if (tr->legacy == nullptr || tr->legacy == Py_None || (ts != nullptr && ts->legacy_clear)) return false;
-  PyObject* has = PyObject_CallMethodNoArgs(tr->legacy, s_has_pending);
-  int h = has != nullptr ? PyObject_IsTrue(has) : -1;
-  Py_XDECREF(has);
-  if (h != 0) {
-    PyErr_Clear();
-    return true;
-  }
-  if (ts == nullptr && (ts = thread_state(tr, true)) == nullptr) {
-    PyErr_Clear();
-    return false;
-  }
-  ts->legacy_clear = true;  // until a call of this thread goes to the legacy tracker again
-  return false;
-}
-
-// How a tracked call's kernel is launched: returns 0 (ran), 1 (ran while the stream was being
-// captured: no event recorded) or -1 (an exception is set; the kernel did not run, or failed).
-struct Launcher {
-  virtual int run(int64_t stream, void* record, void* event, void* capturing) = 0;
-  virtual ~Launcher() = default;
-};
-
-// After the launch of a call that took `word` and `tag` from `pool`: judged now (CPU, strict
-// mode), with a graph, or later (errors.Tracker.launch)
-PyObject* tracked_launch(Tracker* tr, Pool* pool, int word, int32_t tag, PyObject* pos, int64_t stream,
-                         Launcher& launch) {
-  if (!pool->cuda) {  // the kernel runs synchronously: judge the call now
-    int r = launch.run(0, nullptr, nullptr, nullptr);
-    bool bad = r >= 0 && pool_read(pool, word) == tag;
-    pool_give_back(pool, word);  // only after reading it: another call may take it at once
-    if (r < 0) return nullptr;
-    if (bad) return raise_bad(tr, pos, cfg.when_now);
-    Py_RETURN_NONE;
-  }
-  int64_t event = pool_event(pool, word);
-  if (event == 0) {
-    pool_give_back(pool, word);
-    return nullptr;
-  }
-  int r = launch.run(stream, cfg.record, (void*)(intptr_t)event, cfg.capturing);
-  if (r < 0) {
-    pool_give_back(pool, word);
-    return nullptr;
-  }
-  if (r == 1) {  // replays write the word: op.check() reads and clears it
-    Py_INCREF(pool);
-    Py_INCREF(pos);
-    tr->graph.push_back({pool, word, tag, pos});
-    Py_RETURN_NONE;
-  }
-  if (is_strict()) {
-    int rc = cfg.synchronize((void*)(intptr_t)event);
-    if (rc != 0) return PyErr_Format(PyExc_RuntimeError, "tileops: cuEventSynchronize failed with CUDA error %d", rc);
-    bool bad = pool_read(pool, word) == tag;
-    pool_give_back(pool, word);
-    if (bad) return raise_bad(tr, pos, cfg.when_now);
-    Py_RETURN_NONE;
-  }
-  ThreadState* ts = thread_state(tr, true);
-  if (ts == nullptr) return nullptr;  // the word stays taken: the stream may write it
-  StreamCalls* sc = nullptr;
-  for (auto& s : ts->streams)
-    if (s.pool == pool && s.stream == stream) {
-      sc = &s;
-      break;
-    }
-  if (sc == nullptr) {
-    ts->streams.push_back(StreamCalls{pool, stream, {}, 0});
-    sc = &ts->streams.back();
-  }
-  Py_INCREF(pool);
-  Py_INCREF(pos);
-  sc->calls.push_back({pool, word, tag, pos, event});
-  Py_RETURN_NONE;
-}
-
-// Tracker.launch(kernel, args, err_slot, tag_slot, position_ids, pool, stream): the Python
-// path's launch (errors.Tracker.launch's signature): kernel.launch(args, ...) does the launch
-struct PyLauncher : Launcher {
-  PyObject* kernel;
-  PyObject* args;
-  int run(int64_t stream, void* record, void* event, void* capturing) override {
-    PyObject* r;
-    if (event == nullptr) {
-      PyObject* zero = PyLong_FromLong(0);
-      r = zero ? PyObject_CallMethodObjArgs(kernel, s_launch, args, zero, nullptr) : nullptr;
-      Py_XDECREF(zero);
-    } else {
-      PyObject* st = as_long(stream);
-      PyObject* rec = PyLong_FromVoidPtr(record);
-      PyObject* ev = PyLong_FromVoidPtr(event);
-      PyObject* cap = PyLong_FromVoidPtr(capturing);
-      r = (st && rec && ev && cap) ? PyObject_CallMethodObjArgs(kernel, s_launch, args, st, rec, ev, cap, nullptr)
-                                   : nullptr;
-      Py_XDECREF(st);
-      Py_XDECREF(rec);
-      Py_XDECREF(ev);
-      Py_XDECREF(cap);
-    }
-    if (r == nullptr) return -1;
-    int captured = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    return captured < 0 ? -1 : captured;
-  }
-};
-
-PyObject* Tracker_launch(Tracker* tr, PyObject* const* a, Py_ssize_t n) {
-  if (n != 7) {
-    PyErr_SetString(PyExc_TypeError,
-                    "Tracker.launch(kernel, args, err_slot, tag_slot, position_ids, pool, stream)");
-    return nullptr;
-  }
-  if (!PyObject_TypeCheck(a[5], PoolType)) {  // a pool of the Python implementation: its calls
-    PyObject* leg = legacy_tracker(tr);  // are followed by a Python tracker this one judges first
-    if (leg == nullptr) return nullptr;
-    ThreadState* ts = thread_state(tr, true);
-    if (ts == nullptr) return nullptr;
-    ts->legacy_clear = false;
-    PyObject* m = PyObject_GetAttr(leg, s_launch);
-    if (m == nullptr) return nullptr;
-    PyObject* r = PyObject_Vectorcall(m, a, (size_t)n, nullptr);
-    Py_DECREF(m);
-    return r;
-  }
-  Pool* pool = (Pool*)a[5];
-  int64_t stream;
-  if (!get_i64(a[6], &stream)) return nullptr;
-  int word = pool_take(pool);
-  if (word < 0) return nullptr;
-  int32_t tag = next_tag();
-  PyObject* addr = as_long(pool_address(pool, word));
-  PyObject* tg = PyLong_FromLong(tag);
-  if (addr == nullptr || tg == nullptr || PyObject_SetItem(a[1], a[2], addr) < 0 ||
-      PyObject_SetItem(a[1], a[3], tg) < 0) {
-    Py_XDECREF(addr);
-    Py_XDECREF(tg);
-    pool_give_back(pool, word);
-    return nullptr;
-  }
-  Py_DECREF(addr);
-  Py_DECREF(tg);
-  PyLauncher launch;
-  launch.kernel = a[0];
-  launch.args = a[1];
-  return tracked_launch(tr, pool, word, tag, a[4], stream, launch);
-}
-
-PyObject* Tracker_reap(Tracker* tr, PyObject* const* a, Py_ssize_t n) {
-  int wait = 0;
-  if (n > 1) {
-    PyErr_SetString(PyExc_TypeError, "Tracker.reap(wait=False)");
-    return nullptr;
-  }
-  if (n == 1 && (wait = PyObject_IsTrue(a[0])) < 0) return nullptr;
-  if (tracker_reap(tr, wait) < 0) return nullptr;
-  Py_RETURN_NONE;
-}
-
-PyObject* Tracker_has_pending(Tracker* tr, PyObject*) { return PyBool_FromLong(tracker_has_pending(tr)); }
-
-PyObject* Tracker_check(Tracker* tr, PyObject*) {
-  if (tr->legacy != Py_None) {
-    PyObject* r = PyObject_CallMethodNoArgs(tr->legacy, s_check);
-    if (r == nullptr) return nullptr;
-    Py_DECREF(r);
-  }
-  if (tracker_reap(tr, true) < 0) return nullptr;
-  PyObject* bad = nullptr;
-  for (auto& g : tr->graph) {  // no Python runs in this loop: the list cannot change under it
-    if (bad == nullptr && pool_read(g.pool, g.word) == g.tag) bad = Py_NewRef(g.pos);
-    pool_clear(g.pool, g.word);
-  }
-  if (bad == nullptr) Py_RETURN_NONE;
-  PyObject* r = raise_bad(tr, bad, cfg.when_graph);
-  Py_DECREF(bad);
+PyObject* checked(PyObject* r) {
+  if (r == nullptr) throw_python();
   return r;
 }
 
-PyObject* Tracker_get_legacy(Tracker* tr, void*) { return Py_NewRef(tr->legacy); }
-int Tracker_set_legacy(Tracker* tr, PyObject* v, void*) {
-  if (v == nullptr) v = Py_None;
-  Py_INCREF(v);
-  Py_SETREF(tr->legacy, v);
-  return 0;
-}
-PyObject* Tracker_get_graph_words(Tracker* tr, void*) { return PyLong_FromSsize_t((Py_ssize_t)tr->graph.size()); }
+struct Ref {  // a new reference, released with the scope (the GIL held)
+  PyObject* p;
+  explicit Ref(PyObject* o) : p(checked(o)) {}
+  ~Ref() { Py_XDECREF(p); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+};
 
-PyObject* Tracker_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
-  static const char* names[] = {"raise_bad", "local", nullptr};
-  PyObject *rb, *local;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", (char**)names, &rb, &local)) return nullptr;
-  Tracker* tr = alloc_object<Tracker>(type);
-  if (tr == nullptr) return nullptr;
-  tr->id = tracker_ids.fetch_add(1) + 1;
-  tr->raise_bad = Py_NewRef(rb);
-  tr->local = Py_NewRef(local);
-  tr->legacy = Py_NewRef(Py_None);
-  return (PyObject*)tr;
+int64_t as_i64(PyObject* o) {
+  long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) throw_python();
+  return (int64_t)v;
 }
 
-int Tracker_traverse(Tracker* tr, visitproc visit, void* arg) {
-  Py_VISIT(Py_TYPE(tr));
-  Py_VISIT(tr->raise_bad);
-  Py_VISIT(tr->local);
-  Py_VISIT(tr->legacy);
-  for (auto& g : tr->graph) Py_VISIT(g.pos);
-  return 0;
+// ------------------------------------------------------------------------------ configuration
+struct Driver {  // cuEventRecord, cuStreamIsCapturing, cuEventQuery, cuEventSynchronize, the capture mode
+  void* record;
+  void* capturing;
+  cu_event_t query;
+  cu_event_t synchronize;
+  cu_exchange_t exchange;
+  PyObject* make_event;  // (device index) -> raw event handle, made by torch (the owner kept in Python)
+  bool pinned;  // error words in pinned memory (false only for tests that fake the driver on a CPU)
+};
+std::atomic<const Driver*> driver{nullptr};  // replaced, never freed: a launch may be reading the old one
+
+struct Config {  // set once by tileops/runtime/library.py (GIL held), before any op exists
+  int32_t rc_record_failed = 0, rc_capturing = 0;
+  bool env_strict = false;
+  PyObject* when_now = nullptr;  // the `when` words of tileops.runtime.errors
+  PyObject* when_earlier = nullptr;
+  PyObject* when_graph = nullptr;
+  PyObject* raise_bad = nullptr;  // (handle, the checked tensor, when) -> raises the op's error
+  PyObject* disjoint = nullptr;  // tileops.runtime.memory.disjoint
+  PyObject* late = nullptr;  // (handle, binding key, inputs) -> tensors of the late-bound slots
+  PyObject* apply = nullptr;  // the general path of each custom op: (handle, ...) as its schema
+  PyObject* apply_out = nullptr;
+  PyObject* apply_backward = nullptr;
+  PyObject* apply_grad = nullptr;  // tileops::apply under autograd: (handle, inputs, names) -> outputs
+} cfg;
+std::atomic<bool> configured{false};
+
+thread_local int tl_strict = -1;  // tileops.strict(): -1 unset (TILEOPS_STRICT decides)
+bool is_strict() { return tl_strict < 0 ? cfg.env_strict : tl_strict > 0; }
+
+std::atomic<uint64_t> tags{0};
+int32_t next_tag() { return (int32_t)((tags.fetch_add(1, std::memory_order_relaxed) + 1) % 0x7FFFFFFF + 1); }
+
+const Driver& need_driver() {
+  const Driver* d = driver.load();
+  if (d == nullptr) throw std::runtime_error("tileops: the CUDA driver functions were not handed to the native runtime");
+  return *d;
 }
 
-int Tracker_clear(Tracker* tr) {
-  tr->id = 0;  // no thread's cached state is found for it any more
-  Py_CLEAR(tr->raise_bad);
-  Py_CLEAR(tr->local);
-  Py_CLEAR(tr->legacy);
-  for (auto& g : tr->graph) {
-    Py_CLEAR(g.pos);
-    Py_CLEAR(g.pool);
+// ------------------------------------------------------------------------------ error words
+// A device's words: int32 that kernels write (pinned host memory mapped on the GPU), each with a
+// CUDA event made at its first use. Chunks are never freed nor moved, so a word's address is
+// stable; the free list is under the mutex, and a taken word is its taker's alone.
+struct Pool {
+  struct Chunk {
+    at::Tensor buf;
+    int32_t* base = nullptr;
+    void* events[kChunk] = {};
+  };
+  std::mutex mu;
+  int index;  // CUDA device, or -1 (the CPU)
+  std::array<Chunk*, kMaxChunks> chunks{};
+  int n_chunks = 0;
+  std::vector<int> free_list;
+
+  explicit Pool(int i) : index(i) {}
+
+  int take() {
+    std::lock_guard<std::mutex> g(mu);
+    if (free_list.empty()) {
+      if (n_chunks == kMaxChunks) throw std::runtime_error("tileops: too many calls pending their value check");
+      const Driver* d = driver.load();
+      auto opts = at::TensorOptions().dtype(at::kInt);
+      if (index >= 0 && (d == nullptr || d->pinned)) opts = opts.pinned_memory(true);
+      auto* c = new Chunk();
+      c->buf = at::zeros({kChunk}, opts);
+      c->base = c->buf.data_ptr<int32_t>();
+      int first = n_chunks * kChunk;
+      chunks[n_chunks++] = c;
+      for (int i = first + kChunk - 1; i >= first; --i) free_list.push_back(i);
+    }
+    int i = free_list.back();
+    free_list.pop_back();
+    return i;
   }
-  tr->graph.clear();
-  return 0;
+  void give_back(int i) {
+    std::lock_guard<std::mutex> g(mu);
+    free_list.push_back(i);
+  }
+  volatile int32_t* word(int i) const { return chunks[i / kChunk]->base + i % kChunk; }
+  void* event(int i, const Driver& d) {  // the word's event, made at its first use (by its taker)
+    void*& ev = chunks[i / kChunk]->events[i % kChunk];
+    if (ev == nullptr) {
+      Gil g;
+      Ref idx(PyLong_FromLong(index));
+      Ref r(PyObject_CallOneArg(d.make_event, idx.p));
+      ev = PyLong_AsVoidPtr(r.p);
+      if (ev == nullptr) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "tileops: make_event returned no event");
+        throw_python();
+      }
+    }
+    return ev;
+  }
+};
+
+Pool& pool_for(int index) {
+  static std::mutex mu;
+  static std::unordered_map<int, Pool*> pools;  // one per device, for the process's life
+  std::lock_guard<std::mutex> g(mu);
+  Pool*& p = pools[index];
+  if (p == nullptr) p = new Pool(index);
+  return *p;
 }
 
-PyMethodDef Tracker_methods[] = {
-    {"launch", (PyCFunction)(void (*)(void))Tracker_launch, METH_FASTCALL,
-     "launch(kernel, args, err_slot, tag_slot, position_ids, pool, stream): as errors.Tracker.launch."},
-    {"reap", (PyCFunction)(void (*)(void))Tracker_reap, METH_FASTCALL, "reap(wait=False): as errors.Tracker.reap."},
-    {"has_pending", (PyCFunction)Tracker_has_pending, METH_NOARGS, "Whether this thread has calls to judge."},
-    {"check", (PyCFunction)Tracker_check, METH_NOARGS, "As errors.Tracker.check."},
-    {nullptr, nullptr, 0, nullptr}};
-PyGetSetDef Tracker_getset[] = {
-    {"legacy", (getter)Tracker_get_legacy, (setter)Tracker_set_legacy,
-     "an errors.Tracker whose calls are judged before this one's", nullptr},
-    {"graph_words", (getter)Tracker_get_graph_words, nullptr, "words kept for graph replays", nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr}};
-PyType_Slot Tracker_slots[] = {{Py_tp_new, (void*)Tracker_new},
-                               {Py_tp_dealloc, (void*)gc_dealloc<Tracker, Tracker_clear>},
-                               {Py_tp_traverse, (void*)Tracker_traverse},
-                               {Py_tp_clear, (void*)Tracker_clear},
-                               {Py_tp_methods, Tracker_methods},
-                               {Py_tp_getset, Tracker_getset},
-                               {Py_tp_doc, (void*)"One op's calls whose positions are not judged yet (see "
-                                                  "tileops.runtime.errors.Tracker)."},
-                               {0, nullptr}};
-PyType_Spec Tracker_spec = {"tileops._tileops_native.Tracker", sizeof(Tracker), 0,
-                            Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, Tracker_slots};
-
-// ------------------------------------------------------------------------------ Plan
-// roles of the tensors a plan reads: x, position_ids, key (inputs), out, key_out (outputs)
-enum Role { X = 0, P = 1, K = 2, Y = 3, KY = 4, NROLES = 5 };
-
-struct OverlapPair {
-  int r0;
-  int64_t s0;  // bytes from the first element to past the last
-  int r1;
-  int64_t s1;
-};
-
-struct Disjoint {
-  int pair;
-  int64_t offset;
-  bool ok;
-};
-
-struct Plan {
-  PyObject_HEAD
+// ------------------------------------------------------------------------------ Binding
+struct BindingData {
+  struct Ptr {
+    int t, slot;
+    uint64_t align;
+  };
+  struct Pair {
+    int a, b;
+    int64_t sa, sb;  // byte spans
+  };
   std::vector<int64_t> tmpl;
-  int at[NROLES];  // where each role's tensor is: index into the inputs (X, P, K) or outputs (Y, KY), or -1
-  int iX, iY, iK, iKY, iP, iTD, iERR, itag;  // kernel argument slots, -1 when absent
-  bool x_in_place = false, k_in_place = false;
-  uint64_t align = 1;
-  std::vector<OverlapPair> pairs;
-  std::vector<Disjoint> disjoint;  // the exact test's answers by offset (one storage only)
-  PyObject* disjoint_fn = nullptr;  // tileops.op._disjoint
-  PyObject* tables_for = nullptr;  // (x, position_ids) -> tables, or None (fixed in the template)
-  PyObject* kernel = nullptr;  // the RawKernel: kernel._fail(rc) raises for a failed launch
   packed_t packed = nullptr;
   void* entry = nullptr;
-  int device_index = -1;  // CUDA device, or -1 on the CPU
-  PyObject* raw_stream = nullptr;  // torch._C._cuda_getCurrentRawStream (CUDA)
-  PyObject* device_arg = nullptr;  // its argument
-  Tracker* tracker = nullptr;  // with positions
-  Pool* pool = nullptr;
-};
-PyTypeObject* PlanType = nullptr;
-
-int dict_int(PyObject* d, const char* name, int64_t* out) {
-  PyObject* v = PyDict_GetItemString(d, name);
-  if (v == nullptr) {
-    PyErr_Format(PyExc_KeyError, "tileops: Plan: missing %s", name);
-    return -1;
-  }
-  return get_i64(v, out) ? 0 : -1;
-}
-
-int dict_slot(PyObject* d, const char* name, int* out) {
-  int64_t v;
-  if (dict_int(d, name, &v) < 0) return -1;
-  *out = (int)v;
-  return 0;
-}
-
-PyObject* dict_obj(PyObject* d, const char* name) {  // new reference
-  PyObject* v = PyDict_GetItemString(d, name);
-  if (v == nullptr) {
-    PyErr_Format(PyExc_KeyError, "tileops: Plan: missing %s", name);
-    return nullptr;
-  }
-  return Py_NewRef(v);
-}
-
-PyObject* Plan_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
-  PyObject* d;
-  if (!PyArg_ParseTuple(args, "O!", &PyDict_Type, &d)) return nullptr;
-  Plan* p = alloc_object<Plan>(type);
-  if (p == nullptr) return nullptr;
-  auto fail = [&]() -> PyObject* {
-    Py_DECREF(p);
-    return nullptr;
-  };
-  PyObject* tmpl = PyDict_GetItemString(d, "template");
-  Py_buffer view;
-  if (tmpl == nullptr || PyObject_GetBuffer(tmpl, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "tileops: Plan: missing template");
-    return fail();
-  }
-  bool ok = view.itemsize == 8 && view.format != nullptr && (std::strcmp(view.format, "q") == 0 ||
-                                                             std::strcmp(view.format, "l") == 0);
-  if (ok) {
-    const int64_t* v = (const int64_t*)view.buf;
-    p->tmpl.assign(v, v + view.len / 8);
-  }
-  PyBuffer_Release(&view);
-  if (!ok || p->tmpl.size() > kMaxArgs) {
-    PyErr_SetString(PyExc_TypeError, "tileops: Plan: template must be an int64 array of at most 128 items");
-    return fail();
-  }
-  const char* at_names[NROLES] = {"at_x", "at_position_ids", "at_key", "at_out", "at_key_out"};
-  for (int r = 0; r < NROLES; ++r)
-    if (dict_slot(d, at_names[r], &p->at[r]) < 0) return fail();
-  if (dict_slot(d, "X", &p->iX) < 0 || dict_slot(d, "Y", &p->iY) < 0 || dict_slot(d, "K", &p->iK) < 0 ||
-      dict_slot(d, "KY", &p->iKY) < 0 || dict_slot(d, "P", &p->iP) < 0 || dict_slot(d, "TD", &p->iTD) < 0 ||
-      dict_slot(d, "ERR", &p->iERR) < 0 || dict_slot(d, "tag", &p->itag) < 0 ||
-      dict_slot(d, "device_index", &p->device_index) < 0)
-    return fail();
-  int slots[] = {p->iX, p->iY, p->iK, p->iKY, p->iP, p->iTD, p->iERR, p->itag};
-  for (int s : slots)
-    if (s < -1 || s >= (int)p->tmpl.size()) {
-      PyErr_SetString(PyExc_ValueError, "tileops: Plan: a slot outside the template");
-      return fail();
-    }
-  int64_t v;
-  if (dict_int(d, "x_in_place", &v) < 0) return fail();
-  p->x_in_place = v != 0;
-  if (dict_int(d, "k_in_place", &v) < 0) return fail();
-  p->k_in_place = v != 0;
-  if (dict_int(d, "align", &v) < 0) return fail();
-  p->align = v > 1 ? (uint64_t)v : 1;
-  int64_t packed, entry;
-  if (dict_int(d, "packed", &packed) < 0 || dict_int(d, "entry", &entry) < 0) return fail();
-  if (packed == 0 || entry == 0) {
-    PyErr_SetString(PyExc_ValueError, "tileops: Plan: no packed launcher");
-    return fail();
-  }
-  p->packed = (packed_t)(intptr_t)packed;
-  p->entry = (void*)(intptr_t)entry;
-  PyObject* pairs = PyDict_GetItemString(d, "pairs");
-  if (pairs == nullptr || !PyList_Check(pairs)) {
-    PyErr_SetString(PyExc_TypeError, "tileops: Plan: pairs must be a list");
-    return fail();
-  }
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); ++i) {
-    OverlapPair op;
-    long long s0, s1;
-    if (!PyArg_ParseTuple(PyList_GET_ITEM(pairs, i), "iLiL", &op.r0, &s0, &op.r1, &s1)) return fail();
-    if (op.r0 < 0 || op.r0 >= NROLES || op.r1 < 0 || op.r1 >= NROLES) {
-      PyErr_SetString(PyExc_ValueError, "tileops: Plan: a pair names an unknown role");
-      return fail();
-    }
-    op.s0 = s0;
-    op.s1 = s1;
-    p->pairs.push_back(op);
-  }
-  if ((p->disjoint_fn = dict_obj(d, "disjoint")) == nullptr || (p->tables_for = dict_obj(d, "tables_for")) == nullptr ||
-      (p->kernel = dict_obj(d, "kernel")) == nullptr || (p->raw_stream = dict_obj(d, "raw_stream")) == nullptr)
-    return fail();
-  PyObject* tr = PyDict_GetItemString(d, "tracker");
-  PyObject* pool = PyDict_GetItemString(d, "pool");
-  if (tr == nullptr || pool == nullptr) {
-    PyErr_SetString(PyExc_KeyError, "tileops: Plan: missing tracker or pool");
-    return fail();
-  }
-  if (p->at[P] >= 0) {
-    if (!PyObject_TypeCheck(tr, TrackerType) || !PyObject_TypeCheck(pool, PoolType) || p->iP < 0 || p->iERR < 0 ||
-        p->itag < 0) {
-      PyErr_SetString(PyExc_TypeError, "tileops: Plan: positions need a native Tracker and Pool and their slots");
-      return fail();
-    }
-    p->tracker = (Tracker*)Py_NewRef(tr);
-    p->pool = (Pool*)Py_NewRef(pool);
-  }
-  if (p->iX < 0 || p->iY < 0 || (p->at[K] >= 0 && (p->iK < 0 || p->iKY < 0)) ||
-      (p->tables_for != Py_None && p->iTD < 0)) {
-    PyErr_SetString(PyExc_ValueError, "tileops: Plan: a tensor without its slot");
-    return fail();
-  }
-  p->device_arg = PyLong_FromLong(p->device_index);
-  if (p->device_arg == nullptr) return fail();
-  if (p->device_index >= 0 && p->raw_stream == Py_None) {
-    PyErr_SetString(PyExc_ValueError, "tileops: Plan: a CUDA plan needs raw_stream");
-    return fail();
-  }
-  return (PyObject*)p;
-}
-
-int Plan_traverse(Plan* p, visitproc visit, void* arg) {
-  Py_VISIT(Py_TYPE(p));
-  Py_VISIT(p->disjoint_fn);
-  Py_VISIT(p->tables_for);
-  Py_VISIT(p->kernel);
-  Py_VISIT(p->raw_stream);
-  Py_VISIT((PyObject*)p->tracker);
-  Py_VISIT((PyObject*)p->pool);
-  return 0;
-}
-
-int Plan_clear(Plan* p) {
-  Py_CLEAR(p->disjoint_fn);
-  Py_CLEAR(p->tables_for);
-  Py_CLEAR(p->kernel);
-  Py_CLEAR(p->raw_stream);
-  Py_CLEAR(p->device_arg);
-  Py_CLEAR(p->tracker);
-  Py_CLEAR(p->pool);
-  return 0;
-}
-
-PyType_Slot Plan_slots[] = {{Py_tp_new, (void*)Plan_new},
-                            {Py_tp_dealloc, (void*)gc_dealloc<Plan, Plan_clear>},
-                            {Py_tp_traverse, (void*)Plan_traverse},
-                            {Py_tp_clear, (void*)Plan_clear},
-                            {Py_tp_doc, (void*)"One call signature's launch (see RopeKernels.native_plan)."},
-                            {0, nullptr}};
-PyType_Spec Plan_spec = {"tileops._tileops_native.Plan", sizeof(Plan), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-                         Plan_slots};
-
-// the launch of a plan's call: the trampoline, on the plan's device, without the GIL
-struct PlanLauncher : Launcher {
-  Plan* p;
-  const int64_t* args;
-  int run(int64_t stream, void* record, void* event, void* capturing) override {
-    int32_t rc = 0;
-    bool failed_guard = false;
-    Py_BEGIN_ALLOW_THREADS;
-    try {
-      if (p->device_index >= 0) {  // the C entry point launches on the current device
-        const c10::impl::DeviceGuardImplInterface* g = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-        c10::Device cur = g->getDevice();
-        if (cur.index() != p->device_index) {
-          g->setDevice(c10::Device(c10::DeviceType::CUDA, (c10::DeviceIndex)p->device_index));
-          rc = p->packed(p->entry, args, (void*)(intptr_t)stream, record, event, capturing);
-          g->uncheckedSetDevice(cur);
-        } else {
-          rc = p->packed(p->entry, args, (void*)(intptr_t)stream, record, event, capturing);
-        }
-      } else {
-        rc = p->packed(p->entry, args, (void*)(intptr_t)stream, record, event, capturing);
-      }
-    } catch (...) {
-      failed_guard = true;
-    }
-    Py_END_ALLOW_THREADS;
-    if (failed_guard) {
-      PyErr_SetString(PyExc_RuntimeError, "tileops: setting the CUDA device for a launch failed");
-      return -1;
-    }
-    if (rc == 0) return 0;
-    if (rc == cfg.rc_capturing) return 1;
-    PyObject* code = PyLong_FromLong(rc);  // kernel._fail(rc) raises the Python path's error
-    PyObject* r = code ? PyObject_CallMethodOneArg(p->kernel, s_fail, code) : nullptr;
-    Py_XDECREF(code);
-    Py_XDECREF(r);
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_RuntimeError, "tileops: launch failed (%d)", rc);
-    return -1;
-  }
-};
-
-inline int64_t ptr_of(const at::Tensor& t) { return (int64_t)(intptr_t)t.data_ptr(); }
-
-// run plan p on the call's tensors: in = x, position_ids, key as the Dispatch orders them; out =
-// out, key_out. Returns a new reference, NotImplemented (nothing was done), or nullptr (raised)
-PyObject* plan_run(Plan* p, PyObject* const* in, PyObject* const* out) {
-  int64_t args[kMaxArgs];
-  std::memcpy(args, p->tmpl.data(), p->tmpl.size() * sizeof(int64_t));
-  PyObject* obj[NROLES] = {in[p->at[X]], p->at[P] >= 0 ? in[p->at[P]] : Py_None,
-                           p->at[K] >= 0 ? in[p->at[K]] : Py_None, out[p->at[Y]],
-                           p->at[K] >= 0 ? out[p->at[KY]] : Py_None};
-  int64_t ptr[NROLES] = {0, 0, 0, 0, 0};
-  at::Tensor y_new, ky_new, tables;
-  try {
-    // an input and its output (in place, given, or new like torch.empty_like): their pointers,
-    // and whether both are aligned as the kernel needs
-    auto pair = [&](int src, int dst, bool in_place, at::Tensor& fresh) {
-      const at::Tensor& t = THPVariable_Unpack(obj[src]);
-      ptr[src] = ptr_of(t);
-      if (in_place) {
-        ptr[dst] = ptr[src];
-      } else if (obj[dst] != Py_None) {
-        ptr[dst] = ptr_of(THPVariable_Unpack(obj[dst]));
-      } else {
-        fresh = at::_ops::empty_like::call(t, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
-        ptr[dst] = ptr_of(fresh);
-      }
-      return p->align <= 1 || ((uint64_t)(ptr[src] | ptr[dst]) % p->align) == 0;
-    };
-    if (!pair(X, Y, p->x_in_place, y_new)) Py_RETURN_NOTIMPLEMENTED;
-    args[p->iX] = ptr[X];
-    args[p->iY] = ptr[Y];
-    if (obj[K] != Py_None) {
-      if (!pair(K, KY, p->k_in_place, ky_new)) Py_RETURN_NOTIMPLEMENTED;
-      args[p->iK] = ptr[K];
-      args[p->iKY] = ptr[KY];
-    }
-    if (obj[P] != Py_None) ptr[P] = ptr_of(THPVariable_Unpack(obj[P]));
-    for (size_t i = 0; i < p->pairs.size(); ++i) {  // given outputs against the others, by bytes
-      const OverlapPair& pr = p->pairs[i];
-      int64_t a0 = ptr[pr.r0], a1 = ptr[pr.r1];
-      if (a0 + pr.s0 <= a1 || a1 + pr.s1 <= a0) continue;
-      // the ranges meet: the exact test (tileops.op._disjoint), remembered by offset when the
-      // two share one storage (what it then decides depends on the offset alone)
-      const at::Tensor& t0 = THPVariable_Unpack(obj[pr.r0]);
-      const at::Tensor& t1 = THPVariable_Unpack(obj[pr.r1]);
-      bool shared = t0.storage().data() == t1.storage().data();
-      int known = -1;
-      if (shared)
-        for (const Disjoint& dj : p->disjoint)
-          if (dj.pair == (int)i && dj.offset == a1 - a0) {
-            known = dj.ok;
-            break;
-          }
-      if (known < 0) {
-        PyObject* r = PyObject_CallFunctionObjArgs(p->disjoint_fn, obj[pr.r0], obj[pr.r1], nullptr);
-        if (r == nullptr) {
-          PyErr_Clear();
-          Py_RETURN_NOTIMPLEMENTED;
-        }
-        known = PyObject_IsTrue(r);
-        Py_DECREF(r);
-        if (known < 0) {
-          PyErr_Clear();
-          Py_RETURN_NOTIMPLEMENTED;
-        }
-        if (shared && p->disjoint.size() < 64) p->disjoint.push_back({(int)i, a1 - a0, known == 1});
-      }
-      if (!known) Py_RETURN_NOTIMPLEMENTED;  // the Python path names the overlap
-    }
-  } catch (const std::exception&) {
-    Py_RETURN_NOTIMPLEMENTED;  // e.g. a tensor without storage: the Python path says what it is
-  }
-  // from here on the call is served: what fails raises
-  if (p->tables_for != Py_None) {  // picked on the device; kept alive until launched
-    PyObject* td = PyObject_CallFunctionObjArgs(p->tables_for, obj[X], obj[P], nullptr);
-    if (td == nullptr) return nullptr;
-    if (!THPVariable_Check(td)) {
-      Py_DECREF(td);
-      PyErr_SetString(PyExc_TypeError, "tileops: tables_for must return a tensor");
-      return nullptr;
-    }
-    tables = THPVariable_Unpack(td);
-    Py_DECREF(td);
-    args[p->iTD] = ptr_of(tables);
-  }
-  int64_t stream = 0;
-  if (p->device_index >= 0) {
-    PyObject* s = PyObject_CallOneArg(p->raw_stream, p->device_arg);
-    if (s == nullptr) return nullptr;
-    bool ok = get_i64(s, &stream);
-    Py_DECREF(s);
-    if (!ok) return nullptr;
-  }
-  PlanLauncher launch;
-  launch.p = p;
-  launch.args = args;
-  if (obj[P] != Py_None) {
-    args[p->iP] = ptr[P];
-    int word = pool_take(p->pool);
-    if (word < 0) return nullptr;
-    int32_t tag = next_tag();
-    args[p->iERR] = pool_address(p->pool, word);
-    args[p->itag] = tag;
-    PyObject* r = tracked_launch(p->tracker, p->pool, word, tag, obj[P], stream, launch);
-    if (r == nullptr) return nullptr;
-    Py_DECREF(r);
-  } else if (launch.run(stream, nullptr, nullptr, nullptr) < 0) {
-    return nullptr;
-  }
-  auto result = [&](at::Tensor& fresh, bool in_place, int src, int dst) {
-    return fresh.defined() ? THPVariable_Wrap(std::move(fresh)) : Py_NewRef(in_place ? obj[src] : obj[dst]);
-  };
-  PyObject* y = result(y_new, p->x_in_place, X, Y);
-  if (obj[K] == Py_None || y == nullptr) return y;
-  PyObject* ky = result(ky_new, p->k_in_place, K, KY);
-  if (ky == nullptr) {
-    Py_DECREF(y);
-    return nullptr;
-  }
-  PyObject* t = PyTuple_Pack(2, y, ky);
-  Py_DECREF(y);
-  Py_DECREF(ky);
-  return t;
-}
-
-// ------------------------------------------------------------------------------ Dispatch
-constexpr int kMaxIn = 4, kMaxOut = 2;
-
-struct Entry {
-  std::vector<int64_t> key;
-  PyObject* plan;  // strong; None: this signature has no native plan (the Python path serves it)
-};
-
-struct Dispatch {
-  PyObject_HEAD
+  last_error_t last_error = nullptr;
+  PyObject* launch_py = nullptr;  // RawKernel.launch: the launch without a trampoline (no C compiler)
+  int device = -1;
   int n_in = 0, n_out = 0;
-  PyObject* in_names[kMaxIn] = {};
-  PyObject* out_names[kMaxOut] = {};
-  int like[kMaxOut] = {};  // each output's input, by index into the inputs
-  std::unordered_map<uint64_t, std::vector<Entry>> table;
-  size_t count = 0;
-  uint64_t hits = 0, misses = 0;
-  PyObject* tracker = nullptr;  // the op's tracker once it has one (Op._calls sets it)
+  std::vector<Ptr> ptrs;
+  Mode mode[kMaxTensors] = {};
+  int like[kMaxTensors] = {};
+  std::vector<int64_t> strides[kMaxTensors];  // a new output's (empty_like's for this signature)
+  std::vector<Pair> pairs;
+  std::vector<int> late;  // slots whose tensor Python picks per call
+  int64_t late_key = 0;  // the binding's key for tileops.runtime.library.late
+  int checked = -1, word_slot = -1, tag_slot = -1;
+  std::vector<at::Tensor> keep;  // tensors whose addresses tmpl holds
+  std::mutex memo_mu;  // the exact overlap test's answers by (pair, offset)
+  std::vector<std::array<int64_t, 3>> memo;
+
+  BindingData() = default;
+  BindingData(const BindingData&) = delete;
+  BindingData& operator=(const BindingData&) = delete;
+  ~BindingData() {
+    if (launch_py != nullptr && Py_IsInitialized()) {  // the last holder may be a call without the GIL
+      Gil g;
+      Py_DECREF(launch_py);
+    }
+  }
 };
-PyTypeObject* DispatchType = nullptr;
 
-const c10::DispatchKeySet kPlainKeys({c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::ADInplaceOrView,
-                                      c10::DispatchKey::AutogradCPU, c10::DispatchKey::AutogradCUDA,
-                                      c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA});
+struct BindingObject {  // the Python handle of a BindingData (cached on its tileops Binding as _native)
+  PyObject_HEAD
+  std::shared_ptr<BindingData> b;
+};
+PyTypeObject* BindingType = nullptr;
 
-// A call's key: for each input and output what Op._signature reads, and the dispatch key set.
-// Returns 1 (the key is in `k`), 0 (not a call a plan can serve: a tensor subclass, more than
-// kMaxDims dims, dispatch keys beyond a plain CPU/CUDA tensor's, an unknown name, ...).
+std::vector<std::array<int64_t, 4>> int_rows(PyObject* seq, size_t width, const char* what) {
+  Ref fast(PySequence_Fast(seq, what));
+  std::vector<std::array<int64_t, 4>> rows;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i) {
+    Ref row(PySequence_Fast(PySequence_Fast_GET_ITEM(fast.p, i), what));
+    if ((size_t)PySequence_Fast_GET_SIZE(row.p) < width) {
+      PyErr_Format(PyExc_TypeError, "tileops: Binding.%s: rows of %zu", what, width);
+      throw_python();
+    }
+    std::array<int64_t, 4> r{};
+    for (size_t k = 0; k < width; ++k) {
+      PyObject* v = PySequence_Fast_GET_ITEM(row.p, k);
+      r[k] = PyLong_Check(v) ? as_i64(v) : 0;  // late rows: (slot, fn)
+    }
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+int64_t attr_i64(PyObject* o, const char* name) {
+  Ref v(PyObject_GetAttrString(o, name));
+  return v.p == Py_None ? -1 : as_i64(v.p);
+}
+
+// A BindingData from a tileops.runtime.binding.Binding (the GIL held)
+std::shared_ptr<BindingData> binding_from(PyObject* pb) {
+  auto b = std::make_shared<BindingData>();
+  {
+    Ref tmpl(PyObject_GetAttrString(pb, "template"));
+    Py_buffer view;
+    if (PyObject_GetBuffer(tmpl.p, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) throw_python();
+    bool ok = view.itemsize == 8 && view.format != nullptr &&
+              (std::strcmp(view.format, "q") == 0 || std::strcmp(view.format, "l") == 0);
+    if (ok) b->tmpl.assign((const int64_t*)view.buf, (const int64_t*)view.buf + view.len / 8);
+    PyBuffer_Release(&view);
+    if (!ok || b->tmpl.size() > kMaxArgs) throw std::invalid_argument("tileops: Binding.template: int64, at most 128");
+  }
+  Ref kernel(PyObject_GetAttrString(pb, "kernel"));
+  Ref addresses(PyObject_GetAttrString(kernel.p, "addresses"));  // (trampoline, entry, get_last_error)
+  if (!PyTuple_Check(addresses.p) || PyTuple_GET_SIZE(addresses.p) != 3)
+    throw std::invalid_argument("tileops: RawKernel.addresses: (trampoline, entry, last error)");
+  b->packed = (packed_t)(intptr_t)as_i64(PyTuple_GET_ITEM(addresses.p, 0));
+  b->entry = (void*)(intptr_t)as_i64(PyTuple_GET_ITEM(addresses.p, 1));
+  b->last_error = (last_error_t)(intptr_t)as_i64(PyTuple_GET_ITEM(addresses.p, 2));
+  if (b->packed == nullptr) b->launch_py = checked(PyObject_GetAttrString(kernel.p, "launch"));
+  b->device = (int)attr_i64(kernel.p, "device_index");
+  b->n_in = (int)attr_i64(pb, "inputs");
+  Ref outputs(PyObject_GetAttrString(pb, "outputs"));
+  Ref likes(PyObject_GetAttrString(pb, "likes"));
+  Ref strides(PyObject_GetAttrString(pb, "strides"));
+  Py_ssize_t n_out = PySequence_Size(outputs.p);
+  if (n_out < 0) throw_python();
+  b->n_out = (int)n_out;
+  if (b->n_in < 1 || b->n_in + b->n_out > kMaxTensors || PySequence_Size(likes.p) != n_out)
+    throw std::invalid_argument("tileops: Binding: 1 to 8 tensors, one like per output");
+  for (Py_ssize_t j = 0; j < n_out; ++j) {
+    Ref m(PySequence_GetItem(outputs.p, j));
+    Ref l(PySequence_GetItem(likes.p, j));
+    int64_t mode = as_i64(m.p), like = as_i64(l.p);
+    if (mode < ABSENT || mode > GIVEN || like < 0 || like >= b->n_in)
+      throw std::invalid_argument("tileops: Binding: an output's mode or like input is out of range");
+    b->mode[j] = (Mode)mode;
+    b->like[j] = (int)like;
+    if (mode == NEW) {
+      Ref st(PySequence_GetItem(strides.p, j));
+      Ref fast(PySequence_Fast(st.p, "strides"));
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i)
+        b->strides[j].push_back(as_i64(PySequence_Fast_GET_ITEM(fast.p, i)));
+    }
+  }
+  int n = b->n_in + b->n_out, nargs = (int)b->tmpl.size();
+  auto slot_ok = [&](int64_t s) { return s >= 0 && s < nargs; };
+  Ref ptrs(PyObject_GetAttrString(pb, "pointers"));
+  for (auto& r : int_rows(ptrs.p, 3, "pointers")) {
+    if (r[0] < 0 || r[0] >= n || !slot_ok(r[1]) || r[2] < 1) throw std::invalid_argument("tileops: Binding.pointers");
+    b->ptrs.push_back({(int)r[0], (int)r[1], (uint64_t)r[2]});
+  }
+  Ref pairs(PyObject_GetAttrString(pb, "pairs"));
+  for (auto& r : int_rows(pairs.p, 4, "pairs")) {
+    if (r[0] < 0 || r[0] >= n || r[2] < 0 || r[2] >= n) throw std::invalid_argument("tileops: Binding.pairs");
+    b->pairs.push_back({(int)r[0], (int)r[2], r[1], r[3]});
+  }
+  Ref late(PyObject_GetAttrString(pb, "late"));
+  for (auto& r : int_rows(late.p, 2, "late")) {
+    if (!slot_ok(r[0])) throw std::invalid_argument("tileops: Binding.late");
+    b->late.push_back((int)r[0]);
+  }
+  b->late_key = (int64_t)(intptr_t)pb;  // tileops.runtime.library.late finds the Binding by id()
+  b->checked = (int)attr_i64(pb, "checked");
+  b->word_slot = (int)attr_i64(pb, "word_slot");
+  b->tag_slot = (int)attr_i64(pb, "tag_slot");
+  if (b->checked >= b->n_in || (b->checked >= 0 && (!slot_ok(b->word_slot) || !slot_ok(b->tag_slot))))
+    throw std::invalid_argument("tileops: Binding.checked");
+  Ref keep(PyObject_GetAttrString(pb, "keep"));
+  Ref keep_fast(PySequence_Fast(keep.p, "keep"));
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(keep_fast.p); ++i) {
+    PyObject* t = PySequence_Fast_GET_ITEM(keep_fast.p, i);
+    if (!THPVariable_Check(t)) throw std::invalid_argument("tileops: Binding.keep holds tensors");
+    b->keep.push_back(THPVariable_Unpack(t));
+  }
+  return b;
+}
+
+// the BindingObject of a tileops Binding, made once and kept on it (the GIL held); borrowed
+BindingObject* native_binding(PyObject* pb) {
+  static PyObject* name = PyUnicode_InternFromString("_native");
+  PyObject* got = PyObject_GenericGetDict(pb, nullptr);
+  if (got == nullptr) throw_python();
+  PyObject* nb = PyDict_GetItemWithError(got, name);  // borrowed, held by the dict
+  Py_DECREF(got);
+  if (nb != nullptr) return (BindingObject*)nb;
+  if (PyErr_Occurred()) throw_python();
+  auto data = binding_from(pb);
+  auto* o = PyObject_New(BindingObject, BindingType);
+  if (o == nullptr) throw_python();
+  new (&o->b) std::shared_ptr<BindingData>(std::move(data));
+  int rc = PyObject_GenericSetAttr(pb, name, (PyObject*)o);  // a frozen dataclass: set past its __setattr__
+  Py_DECREF(o);
+  if (rc < 0) throw_python();
+  return o;  // alive: held by pb's __dict__
+}
+
+void Binding_dealloc(BindingObject* o) {
+  PyTypeObject* tp = Py_TYPE(o);
+  o->b.~shared_ptr<BindingData>();
+  tp->tp_free((PyObject*)o);
+  Py_DECREF(tp);
+}
+PyType_Slot Binding_slots[] = {{Py_tp_dealloc, (void*)Binding_dealloc},
+                               {Py_tp_doc, (void*)"A Binding as the native executor reads it."},
+                               {0, nullptr}};
+PyType_Spec Binding_spec = {"tileops._tileops_native.NativeBinding", sizeof(BindingObject), 0, Py_TPFLAGS_DEFAULT,
+                            Binding_slots};
+
+// ------------------------------------------------------------------------------ one op
+struct Pending {
+  Pool* pool;
+  int word;
+  int32_t tag;
+  at::Tensor values;
+  void* event;
+};
+struct StreamCalls {
+  Pool* pool;
+  void* stream;
+  std::deque<Pending> calls;  // in launch order: judged in order, stopping at the first unfinished
+};
+struct GraphWord {
+  Pool* pool;
+  int word;
+  int32_t tag;
+  at::Tensor values;
+};
 struct Key {
   int64_t v[kMaxKey];
   size_t n = 0;
@@ -1139,16 +420,345 @@ struct Key {
     return true;
   }
 };
+struct Entry {
+  std::vector<int64_t> key;
+  std::shared_ptr<BindingData> b;  // null: this signature has no binding (the general path serves it)
+};
 
-bool encode_tensor(Key& k, PyObject* o) {
-  if (!THPVariable_CheckExact(o)) return false;
-  const at::Tensor& t = THPVariable_Unpack(o);
+struct Core {
+  uint64_t id;
+  int64_t handle;
+  int n_in, n_out;
+  int like[kMaxTensors];
+  std::vector<std::string> names;  // the inputs', then the outputs'
+  std::mutex mu;  // table, graph
+  std::unordered_map<uint64_t, std::vector<Entry>> table;
+  size_t count = 0;
+  std::vector<GraphWord> graph;
+  std::atomic<uint64_t> hits{0}, misses{0};
+};
+
+std::atomic<uint64_t> core_ids{0};
+
+struct ThreadCalls {
+  std::weak_ptr<Core> owner;
+  std::vector<StreamCalls> streams;  // in the order first used
+};
+
+// this thread's pending calls, by op: they go with the thread (a word not judged is never reused,
+// as a stream may still write it)
+std::unordered_map<uint64_t, ThreadCalls>& thread_calls() {
+  thread_local std::unordered_map<uint64_t, ThreadCalls> calls;
+  return calls;
+}
+
+std::mutex registry_mu;
+std::unordered_map<int64_t, std::weak_ptr<Core>>& registry() {  // handle -> op, for the custom ops
+  static auto* r = new std::unordered_map<int64_t, std::weak_ptr<Core>>();
+  return *r;
+}
+
+[[noreturn]] void raise_bad(const Core& core, const at::Tensor& values, PyObject* when) {
+  Gil g;
+  Ref handle(PyLong_FromLongLong((long long)core.handle));
+  Ref p(THPVariable_Wrap(values));
+  Ref r(PyObject_CallFunctionObjArgs(cfg.raise_bad, handle.p, p.p, when, nullptr));
+  PyErr_SetString(PyExc_RuntimeError, "tileops: a checked value was out of range");  // raise_bad always raises
+  throw_python();
+}
+
+bool has_pending(const Core& core) {
+  auto& m = thread_calls();
+  auto it = m.find(core.id);
+  return it != m.end() && !it->second.streams.empty();
+}
+
+int event_query(const Driver& d, void* ev) {  // safe while another thread captures a graph
+  int mode = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+  d.exchange(&mode);
+  int rc = d.query(ev);
+  d.exchange(&mode);
+  return rc;
+}
+
+// judge this thread's finished calls of the op (all of them with `wait`); raises for the first bad one
+void reap(const Core& core, bool wait) {
+  auto& m = thread_calls();
+  auto it = m.find(core.id);
+  if (it == m.end() || it->second.streams.empty()) return;
+  auto& streams = it->second.streams;
+  const Driver& d = need_driver();  // pending calls are CUDA calls
+  at::Tensor failed;
+  for (size_t s = 0; s < streams.size() && !failed.defined();) {
+    StreamCalls& sc = streams[s];
+    while (!sc.calls.empty()) {
+      Pending& c = sc.calls.front();
+      int rc;
+      if (wait) {
+        NoGil released;
+        rc = d.synchronize(c.event);
+      } else {
+        rc = event_query(d, c.event);
+      }
+      if (!wait && rc == kNotReady) break;
+      if (rc != 0)
+        throw std::runtime_error(std::string("tileops: ") + (wait ? "cuEventSynchronize" : "cuEventQuery") +
+                                 " failed with CUDA error " + std::to_string(rc));
+      bool bad = *c.pool->word(c.word) == c.tag;
+      c.pool->give_back(c.word);  // only after reading it
+      if (bad) failed = std::move(c.values);
+      sc.calls.pop_front();
+      if (bad) break;  // one error per bad call: later calls stay pending, for the next report
+    }
+    if (sc.calls.empty())
+      streams.erase(streams.begin() + (std::ptrdiff_t)s);
+    else
+      ++s;
+  }
+  if (failed.defined()) raise_bad(core, failed, cfg.when_earlier);
+}
+
+void check(Core& core) {  // op.check(): wait for this thread's calls, then judge and clear the graph's words
+  reap(core, true);
+  at::Tensor bad;
+  {
+    std::lock_guard<std::mutex> g(core.mu);
+    for (auto& w : core.graph) {
+      if (!bad.defined() && *w.pool->word(w.word) == w.tag) bad = w.values;
+      *w.pool->word(w.word) = 0;
+    }
+  }
+  if (bad.defined()) raise_bad(core, bad, cfg.when_graph);
+}
+
+void queue_pending(Core& core, std::shared_ptr<Core> owner, Pool& pool, void* stream, Pending p) {
+  auto& m = thread_calls();
+  auto it = m.find(core.id);
+  if (it == m.end()) {
+    for (auto e = m.begin(); e != m.end();) e = e->second.owner.expired() ? m.erase(e) : std::next(e);
+    it = m.emplace(core.id, ThreadCalls{owner, {}}).first;
+  }
+  for (auto& s : it->second.streams)
+    if (s.pool == &pool && s.stream == stream) {
+      s.calls.push_back(std::move(p));
+      return;
+    }
+  it->second.streams.push_back(StreamCalls{&pool, stream, {}});
+  it->second.streams.back().calls.push_back(std::move(p));
+}
+
+// ------------------------------------------------------------------------------ the executor
+struct DeviceScope {  // the binding's CUDA device current during the launch (the entry point uses it)
+  const c10::impl::DeviceGuardImplInterface* g = nullptr;
+  c10::Device prev{c10::DeviceType::CPU};
+  explicit DeviceScope(int index) {
+    if (index < 0) return;
+    auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    prev = impl->getDevice();
+    if (prev.index() != index) {
+      impl->setDevice(c10::Device(c10::DeviceType::CUDA, (c10::DeviceIndex)index));
+      g = impl;
+    }
+  }
+  ~DeviceScope() {
+    if (g != nullptr) g->uncheckedSetDevice(prev);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+};
+
+void* current_stream(int index) {
+  if (index < 0) return nullptr;
+  auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return impl->getStreamNativeHandle(impl->getStream(c10::Device(c10::DeviceType::CUDA, (c10::DeviceIndex)index)));
+}
+
+void check_rc(const BindingData& b, int32_t rc) {
+  if (rc == 0 || rc == cfg.rc_capturing) return;
+  if (rc == cfg.rc_record_failed) throw std::runtime_error("tileops: recording the CUDA event after a kernel failed");
+  const char* msg = b.last_error != nullptr ? b.last_error() : "unknown error";
+  throw std::runtime_error(std::string("TileLang kernel failed: ") + (msg != nullptr ? msg : ""));
+}
+
+// the kernel queued (run, on the CPU): the entry point's return code, or rc_capturing
+int32_t run_kernel(const BindingData& b, int64_t* args, void* stream, void* event) {
+  const Driver* d = event != nullptr ? &need_driver() : nullptr;
+  void* record = d != nullptr ? d->record : nullptr;
+  void* capturing = d != nullptr ? d->capturing : nullptr;
+  if (b.packed != nullptr) {
+    NoGil released;
+    return b.packed(b.entry, args, stream, record, event, capturing);
+  }
+  Gil g;  // no trampoline: the kernel's own launch through ctypes (raises as the Python path does)
+  Ref list(PyList_New((Py_ssize_t)b.tmpl.size()));
+  for (size_t i = 0; i < b.tmpl.size(); ++i) PyList_SET_ITEM(list.p, (Py_ssize_t)i, checked(PyLong_FromLongLong(args[i])));
+  Ref st(PyLong_FromVoidPtr(stream)), rec(PyLong_FromVoidPtr(record)), ev(PyLong_FromVoidPtr(event)),
+      cap(PyLong_FromVoidPtr(capturing));
+  Ref r(PyObject_CallFunctionObjArgs(b.launch_py, list.p, st.p, rec.p, ev.p, cap.p, nullptr));
+  int captured = PyObject_IsTrue(r.p);
+  if (captured < 0) throw_python();
+  return captured ? cfg.rc_capturing : 0;
+}
+
+// a launch whose kernel checks an input's values: judged now (CPU, strict mode), with a graph, or later
+void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& b, int64_t* args,
+             const at::Tensor& values, void* stream) {
+  Pool& pool = pool_for(b.device);
+  int w = pool.take();
+  int32_t tag = next_tag();
+  args[b.word_slot] = (int64_t)(intptr_t)pool.word(w);
+  args[b.tag_slot] = tag;
+  if (b.device < 0) {  // the kernel runs synchronously: judged now
+    int32_t rc;
+    try {
+      rc = run_kernel(b, args, nullptr, nullptr);
+    } catch (...) {
+      pool.give_back(w);
+      throw;
+    }
+    bool bad = rc == 0 && *pool.word(w) == tag;
+    pool.give_back(w);  // only after reading it: another call may take it at once
+    check_rc(b, rc);
+    if (bad) raise_bad(core, values, cfg.when_now);
+    return;
+  }
+  const Driver& d = need_driver();
+  int32_t rc;
+  void* ev = nullptr;
+  try {
+    ev = pool.event(w, d);
+    rc = run_kernel(b, args, stream, ev);
+    check_rc(b, rc);
+  } catch (...) {
+    pool.give_back(w);
+    throw;
+  }
+  if (rc == cfg.rc_capturing) {  // replays write the word: op.check() reads and clears it
+    std::lock_guard<std::mutex> g(core.mu);
+    core.graph.push_back({&pool, w, tag, values});
+    return;
+  }
+  if (is_strict()) {
+    int r;
+    {
+      NoGil released;
+      r = d.synchronize(ev);
+    }
+    if (r != 0) throw std::runtime_error("tileops: cuEventSynchronize failed with CUDA error " + std::to_string(r));
+    bool bad = *pool.word(w) == tag;
+    pool.give_back(w);
+    if (bad) raise_bad(core, values, cfg.when_now);
+    return;
+  }
+  queue_pending(core, owner, pool, stream, Pending{&pool, w, tag, values, ev});
+}
+
+// the exact overlap test (tileops.runtime.memory.disjoint) of pair k, remembered by the offset
+// when both tensors share one storage (what it decides then depends on the offset alone)
+bool exactly_disjoint(BindingData& b, int k, const at::Tensor& x, const at::Tensor& y, int64_t offset) {
+  bool shared = x.storage().data() == y.storage().data();
+  if (shared) {
+    std::lock_guard<std::mutex> g(b.memo_mu);
+    for (auto& m : b.memo)
+      if (m[0] == k && m[1] == offset) return m[2] != 0;
+  }
+  int ok;
+  {
+    Gil g;
+    PyObject* px = THPVariable_Wrap(x);
+    PyObject* py = THPVariable_Wrap(y);
+    PyObject* r = px && py ? PyObject_CallFunctionObjArgs(cfg.disjoint, px, py, nullptr) : nullptr;
+    ok = r != nullptr ? PyObject_IsTrue(r) : -1;
+    Py_XDECREF(r);
+    Py_XDECREF(px);
+    Py_XDECREF(py);
+    if (ok < 0) {
+      PyErr_Clear();  // refused: the general path says what is wrong
+      return false;
+    }
+  }
+  if (shared) {
+    std::lock_guard<std::mutex> g(b.memo_mu);
+    if (b.memo.size() < 64) b.memo.push_back({k, offset, ok});
+  }
+  return ok == 1;
+}
+
+std::vector<at::Tensor> late_tensors(const Core& core, const BindingData& b, const at::Tensor* t) {
+  Gil g;
+  Ref inputs(PyTuple_New(b.n_in));
+  for (int i = 0; i < b.n_in; ++i)
+    PyTuple_SET_ITEM(inputs.p, i, t[i].defined() ? checked(THPVariable_Wrap(t[i])) : Py_NewRef(Py_None));
+  Ref handle(PyLong_FromLongLong((long long)core.handle));
+  Ref key(PyLong_FromLongLong((long long)b.late_key));
+  Ref r(PyObject_CallFunctionObjArgs(cfg.late, handle.p, key.p, inputs.p, nullptr));
+  Ref fast(PySequence_Fast(r.p, "late"));
+  if ((size_t)PySequence_Fast_GET_SIZE(fast.p) != b.late.size())
+    throw std::runtime_error("tileops: a late-bound slot got no tensor");
+  std::vector<at::Tensor> got;
+  for (size_t i = 0; i < b.late.size(); ++i) {
+    PyObject* o = PySequence_Fast_GET_ITEM(fast.p, i);
+    if (!THPVariable_Check(o)) throw std::runtime_error("tileops: a late-bound slot got no tensor");
+    got.push_back(THPVariable_Unpack(o));
+  }
+  return got;
+}
+
+// Serve a call of binding b on t (inputs, then outputs; undefined: not given): false when the
+// pointers refuse it (nothing done); on success the outputs are in t; throws on failure.
+bool serve(Core& core, const std::shared_ptr<Core>& owner, BindingData& b, at::Tensor* t) {
+  const int n_in = b.n_in, n = b.n_in + b.n_out;
+  for (int j = 0; j < b.n_out; ++j)
+    if (b.mode[j] == IN_PLACE) t[n_in + j] = t[b.like[j]];
+  int64_t ptr[kMaxTensors] = {};
+  for (int i = 0; i < n; ++i)
+    if (t[i].defined()) ptr[i] = (int64_t)(intptr_t)t[i].data_ptr();
+  for (auto& p : b.ptrs)
+    if (t[p.t].defined() && (uint64_t)ptr[p.t] % p.align) return false;
+  for (size_t k = 0; k < b.pairs.size(); ++k) {  // the outputs written into, against the others
+    auto& pr = b.pairs[k];
+    int64_t a0 = ptr[pr.a], a1 = ptr[pr.b];
+    if (a0 + pr.sa <= a1 || a1 + pr.sb <= a0) continue;
+    if (!exactly_disjoint(b, (int)k, t[pr.a], t[pr.b], a1 - a0)) return false;
+  }
+  // from here on the call is served: what fails raises
+  for (int j = 0; j < b.n_out; ++j)
+    if (b.mode[j] == NEW) {
+      const at::Tensor& like = t[b.like[j]];
+      if ((int64_t)b.strides[j].size() != like.dim()) throw std::runtime_error("tileops: Binding.strides");
+      t[n_in + j] = at::empty_strided(like.sizes(), b.strides[j], like.options());
+      ptr[n_in + j] = (int64_t)(intptr_t)t[n_in + j].data_ptr();
+    }
+  int64_t args[kMaxArgs];
+  std::memcpy(args, b.tmpl.data(), b.tmpl.size() * sizeof(int64_t));
+  for (auto& p : b.ptrs) args[p.slot] = ptr[p.t];
+  std::vector<at::Tensor> late;  // alive until the kernel is queued
+  if (!b.late.empty()) {
+    late = late_tensors(core, b, t);
+    for (size_t i = 0; i < late.size(); ++i) args[b.late[i]] = (int64_t)(intptr_t)late[i].data_ptr();
+  }
+  DeviceScope scope(b.device);
+  void* stream = current_stream(b.device);
+  if (b.checked >= 0)
+    tracked(core, owner, b, args, t[b.checked], stream);
+  else
+    check_rc(b, run_kernel(b, args, stream, nullptr));
+  return true;
+}
+
+// ------------------------------------------------------------------------------ signatures
+const c10::DispatchKeySet kPlainKeys({c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::ADInplaceOrView,
+                                      c10::DispatchKey::AutogradCPU, c10::DispatchKey::AutogradCUDA,
+                                      c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA});
+
+// what Op._signature reads of a tensor, and its dispatch key set; false: no binding serves it
+bool encode(Key& k, const at::Tensor& t) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   c10::DispatchKeySet ks = impl->key_set();
   if ((ks - kPlainKeys).highestFunctionalityKey() != c10::DispatchKey::Undefined) return false;
   if (impl->layout() != c10::kStrided) return false;
   int64_t dim = impl->dim();
-  if (dim > kMaxDims || k.n + 5 + 2 * dim > kMaxKey) return false;
+  if (dim > kMaxDims || k.n + 5 + 2 * (size_t)dim > kMaxKey) return false;
   c10::Device dev = impl->device();
   k.push(1);
   k.push((int64_t)impl->dtype().toScalarType());
@@ -1161,45 +771,14 @@ bool encode_tensor(Key& k, PyObject* o) {
   return true;
 }
 
-// gather the call's tensors by name and encode them; false: a plan cannot serve this call
-bool gather(Dispatch* d, PyObject* tensors, PyObject* outs, PyObject** in, PyObject** out, Key& k) {
-  if (!PyDict_CheckExact(tensors) || PyDict_GET_SIZE(tensors) != d->n_in) return false;
-  for (int i = 0; i < d->n_in; ++i) {
-    in[i] = PyDict_GetItemWithError(tensors, d->in_names[i]);  // borrowed
-    if (in[i] == nullptr) return false;
-  }
-  Py_ssize_t found = 0;
-  bool has_outs = outs != Py_None && outs != nullptr;
-  if (has_outs && !PyDict_CheckExact(outs)) return false;
-  for (int i = 0; i < d->n_out; ++i) {
-    out[i] = has_outs ? PyDict_GetItemWithError(outs, d->out_names[i]) : nullptr;
-    if (out[i] == nullptr) {
-      if (PyErr_Occurred()) return false;
-      out[i] = Py_None;  // not passed: not given
-    } else {
-      ++found;
-    }
-  }
-  if (has_outs && found != PyDict_GET_SIZE(outs)) return false;  // a name the op does not have
-  try {
-    for (int i = 0; i < d->n_in; ++i) {
-      if (in[i] == Py_None) {
-        if (!k.push(0)) return false;
-      } else if (!encode_tensor(k, in[i])) {
-        return false;
-      }
-    }
-    for (int i = 0; i < d->n_out; ++i) {
-      if (out[i] == Py_None) {
-        if (!k.push(0)) return false;
-      } else if (out[i] == in[d->like[i]]) {
-        if (!k.push(2)) return false;  // in place
-      } else if (!encode_tensor(k, out[i])) {
-        return false;
-      }
-    }
-  } catch (const std::exception&) {
-    return false;
+// the key of a call whose tensors are t; false: no binding serves it
+bool key_of(const Core& core, const at::Tensor* t, Key& k) {
+  for (int i = 0; i < core.n_in; ++i)
+    if (!(t[i].defined() ? encode(k, t[i]) : k.push(0))) return false;
+  for (int j = 0; j < core.n_out; ++j) {
+    const at::Tensor& o = t[core.n_in + j];
+    bool ok = !o.defined() ? k.push(0) : o.is_same(t[core.like[j]]) ? k.push(2) : encode(k, o);  // 2: in place
+    if (!ok) return false;
   }
   return true;
 }
@@ -1214,69 +793,122 @@ uint64_t hash_key(const Key& k) {
   return h;
 }
 
-Entry* find(Dispatch* d, const Key& k, uint64_t h) {
-  auto it = d->table.find(h);
-  if (it == d->table.end()) return nullptr;
-  for (Entry& e : it->second)
-    if (e.key.size() == k.n && std::memcmp(e.key.data(), k.v, k.n * sizeof(int64_t)) == 0) return &e;
-  return nullptr;
+// the binding of a key: (found, binding), the binding null for a signature known to have none
+std::pair<bool, std::shared_ptr<BindingData>> find(Core& core, const Key& k) {
+  uint64_t h = hash_key(k);
+  std::lock_guard<std::mutex> g(core.mu);
+  auto it = core.table.find(h);
+  if (it != core.table.end())
+    for (Entry& e : it->second)
+      if (e.key.size() == k.n && std::memcmp(e.key.data(), k.v, k.n * sizeof(int64_t)) == 0) return {true, e.b};
+  return {false, nullptr};
 }
 
-// what Op._eager_call does before a call runs: the op's finished calls judged (its tracker is
-// native, or, if the op was given a Python one, called through Python)
-int reap_op(PyObject* tracker) {
-  if (PyObject_TypeCheck(tracker, TrackerType)) {
-    Tracker* tr = (Tracker*)tracker;
-    return tracker_has_pending(tr) ? tracker_reap(tr, false) : 0;
+void add(Core& core, const Key& k, std::shared_ptr<BindingData> b) {
+  uint64_t h = hash_key(k);
+  std::lock_guard<std::mutex> g(core.mu);
+  for (Entry& e : core.table[h])
+    if (e.key.size() == k.n && std::memcmp(e.key.data(), k.v, k.n * sizeof(int64_t)) == 0) {
+      e.b = std::move(b);
+      return;
+    }
+  core.table[h].push_back(Entry{std::vector<int64_t>(k.v, k.v + k.n), std::move(b)});
+  ++core.count;
+}
+
+// ------------------------------------------------------------------------------ Dispatch
+struct Dispatch {
+  PyObject_HEAD
+  std::shared_ptr<Core> core;
+  PyObject* names[kMaxTensors];  // interned: the dicts of an eager call are keyed by them
+};
+PyTypeObject* DispatchType = nullptr;
+
+// the call's tensors from its dicts (by the manifest's names) into t, and its Python objects into
+// obj; false: not a call a signature's binding can serve (a name the op lacks; unless `any`, a
+// tensor subclass)
+bool gather(Dispatch* d, PyObject* tensors, PyObject* outs, PyObject** obj, at::Tensor* t, bool any = false) {
+  const Core& c = *d->core;
+  if (!PyDict_CheckExact(tensors) || PyDict_GET_SIZE(tensors) != c.n_in) return false;
+  bool has_outs = outs != nullptr && outs != Py_None;
+  if (has_outs && !PyDict_CheckExact(outs)) return false;
+  Py_ssize_t found = 0;
+  for (int i = 0; i < c.n_in + c.n_out; ++i) {
+    bool output = i >= c.n_in;
+    PyObject* o = output ? (has_outs ? PyDict_GetItemWithError(outs, d->names[i]) : nullptr)
+                         : PyDict_GetItemWithError(tensors, d->names[i]);
+    if (o == nullptr) {
+      if (PyErr_Occurred() || !output) {
+        PyErr_Clear();
+        return false;
+      }
+      o = Py_None;  // an output not passed: not given
+    } else if (output) {
+      ++found;
+    }
+    obj[i] = o;
+    if (o != Py_None) {
+      if (!(any ? THPVariable_Check(o) : THPVariable_CheckExact(o))) return false;
+      t[i] = THPVariable_Unpack(o);
+    }
   }
-  PyObject* has = PyObject_CallMethodNoArgs(tracker, s_has_pending);
-  if (has == nullptr) return -1;
-  int h = PyObject_IsTrue(has);
-  Py_DECREF(has);
-  if (h <= 0) return h;
-  PyObject* r = PyObject_CallMethodNoArgs(tracker, s_reap);
-  Py_XDECREF(r);
-  return r == nullptr ? -1 : 0;
+  return !has_outs || found == PyDict_GET_SIZE(outs);  // else a name the op does not have
 }
 
-PyObject* dispatch_run(Dispatch* d, PyObject* tensors, PyObject* outs) {
-  PyObject *in[kMaxIn], *out[kMaxOut];
+PyObject* result(const Core& c, const BindingData& b, at::Tensor* t, PyObject* const* obj) {
+  PyObject* got[kMaxTensors];
+  int n = 0;
+  for (int j = 0; j < c.n_out; ++j) {
+    int k = c.n_in + j;
+    if (b.mode[j] == ABSENT) continue;
+    got[n] = b.mode[j] == NEW ? THPVariable_Wrap(std::move(t[k]))
+                              : Py_NewRef(b.mode[j] == IN_PLACE ? obj[b.like[j]] : obj[k]);
+    if (got[n] == nullptr) {
+      while (n > 0) Py_DECREF(got[--n]);
+      return nullptr;
+    }
+    ++n;
+  }
+  if (n == 1) return got[0];
+  PyObject* tup = PyTuple_New(n);
+  for (int i = 0; i < n; ++i) {
+    if (tup != nullptr)
+      PyTuple_SET_ITEM(tup, i, got[i]);
+    else
+      Py_DECREF(got[i]);
+  }
+  return tup;
+}
+
+// run(tensors, outs=None): a repeated eager call served, or NotImplemented (nothing done)
+PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (n < 1 || n > 2) throw std::invalid_argument("run(tensors, outs=None)");
+  Core& c = *d->core;
+  PyObject* obj[kMaxTensors];
+  at::Tensor t[kMaxTensors];
   Key k;
-  if (!gather(d, tensors, outs, in, out, k)) {
-    PyErr_Clear();
-    ++d->misses;
+  std::shared_ptr<BindingData> b;
+  if (gather(d, a[0], n == 2 ? a[1] : Py_None, obj, t) && key_of(c, t, k)) b = find(c, k).second;
+  if (b == nullptr) {
+    c.misses.fetch_add(1, std::memory_order_relaxed);
     Py_RETURN_NOTIMPLEMENTED;
   }
-  Entry* e = find(d, k, hash_key(k));
-  if (e == nullptr || e->plan == Py_None) {
-    ++d->misses;
-    Py_RETURN_NOTIMPLEMENTED;
-  }
-  if (c10::GradMode::is_enabled()) {  // autograd must see this call: the Python path records it
-    for (int i = 0; i < d->n_in; ++i)
-      if (in[i] != Py_None && THPVariable_Unpack(in[i]).requires_grad()) {
-        ++d->misses;
+  if (c10::GradMode::is_enabled()) {  // autograd must see this call: the general path records it
+    for (int i = 0; i < c.n_in; ++i)
+      if (t[i].defined() && t[i].requires_grad()) {
+        c.misses.fetch_add(1, std::memory_order_relaxed);
         Py_RETURN_NOTIMPLEMENTED;
       }
   }
-  Plan* p = (Plan*)Py_NewRef(e->plan);  // held: Python code run by the plan may clear the table
-  if (d->tracker != nullptr && reap_op(d->tracker) < 0) {
-    Py_DECREF(p);  // an earlier call's bad position (of any signature), raised before this call runs
-    return nullptr;
+  if (has_pending(c)) reap(c, false);  // an earlier call's bad value, raised before this call runs
+  if (!serve(c, d->core, *b, t)) {
+    c.misses.fetch_add(1, std::memory_order_relaxed);
+    Py_RETURN_NOTIMPLEMENTED;
   }
-  PyObject* r = plan_run(p, in, out);
-  Py_DECREF(p);
-  if (r == Py_NotImplemented) ++d->misses; else ++d->hits;
-  return r;
-}
-
-// run(tensors, outs=None): what Op._call calls (a METH_FASTCALL method: no argument tuple)
-PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
-  if (n < 1 || n > 2) {
-    PyErr_SetString(PyExc_TypeError, "run(tensors, outs=None)");
-    return nullptr;
-  }
-  return dispatch_run(d, a[0], n == 2 ? a[1] : Py_None);
+  c.hits.fetch_add(1, std::memory_order_relaxed);
+  return result(c, *b, t, obj);
+  END_HANDLE_TH_ERRORS
 }
 
 PyObject* Dispatch_call(Dispatch* d, PyObject* args, PyObject* kw) {
@@ -1287,231 +919,416 @@ PyObject* Dispatch_call(Dispatch* d, PyObject* args, PyObject* kw) {
   return Dispatch_run(d, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args));
 }
 
-// lookup(tensors, outs): None when no plan can serve such a call, else whether one is known
-PyObject* Dispatch_lookup(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
-  if (n != 2) {
-    PyErr_SetString(PyExc_TypeError, "lookup(tensors, outs)");
-    return nullptr;
-  }
-  PyObject *in[kMaxIn], *out[kMaxOut];
-  Key k;
-  if (!gather(d, a[0], a[1], in, out, k)) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
-  return PyBool_FromLong(find(d, k, hash_key(k)) != nullptr);
+// execute(binding, tensors, outs): the general path's launch, on the tensors it launches with
+PyObject* Dispatch_execute(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (n != 3) throw std::invalid_argument("execute(binding, tensors, outs)");
+  std::shared_ptr<BindingData> b = native_binding(a[0])->b;
+  PyObject* obj[kMaxTensors];
+  at::Tensor t[kMaxTensors];
+  if (!gather(d, a[1], a[2], obj, t, true)) throw std::invalid_argument("tileops: execute: tensors the op does not take");
+  if (!serve(*d->core, d->core, *b, t)) Py_RETURN_NOTIMPLEMENTED;
+  return result(*d->core, *b, t, obj);
+  END_HANDLE_TH_ERRORS
 }
 
-// add(tensors, outs, plan): the plan (or None) for calls shaped like this one; False if no plan
-// can serve such calls
+// add(tensors, outs, binding | None): the binding of calls shaped like this one (False if none can serve them)
 PyObject* Dispatch_add(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
-  if (n != 3 || (a[2] != Py_None && !PyObject_TypeCheck(a[2], PlanType))) {
-    PyErr_SetString(PyExc_TypeError, "add(tensors, outs, plan: Plan | None)");
-    return nullptr;
-  }
-  PyObject *in[kMaxIn], *out[kMaxOut];
+  HANDLE_TH_ERRORS
+  if (n != 3) throw std::invalid_argument("add(tensors, outs, binding)");
+  PyObject* obj[kMaxTensors];
+  at::Tensor t[kMaxTensors];
   Key k;
-  if (!gather(d, a[0], a[1], in, out, k)) {
-    PyErr_Clear();
-    Py_RETURN_FALSE;
+  if (!gather(d, a[0], a[1], obj, t) || !key_of(*d->core, t, k)) Py_RETURN_FALSE;
+  if (a[2] == Py_None) {
+    if (!find(*d->core, k).first) add(*d->core, k, nullptr);
+  } else {
+    std::shared_ptr<BindingData> b = native_binding(a[2])->b;
+    if (find(*d->core, k).second != b) add(*d->core, k, std::move(b));
   }
-  uint64_t h = hash_key(k);
-  Entry* e = find(d, k, h);
-  if (e != nullptr) {
-    Py_INCREF(a[2]);
-    Py_SETREF(e->plan, a[2]);
-    Py_RETURN_TRUE;
-  }
-  if (d->count >= kMaxPlans) {  // many distinct shapes: keep the table bounded
-    std::unordered_map<uint64_t, std::vector<Entry>> old;
-    old.swap(d->table);
-    d->count = 0;
-    for (auto& kv : old)
-      for (Entry& x : kv.second) Py_DECREF(x.plan);
-  }
-  d->table[h].push_back(Entry{std::vector<int64_t>(k.v, k.v + k.n), Py_NewRef(a[2])});
-  ++d->count;
   Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
 }
 
-void dispatch_clear_table(Dispatch* d) {
-  std::unordered_map<uint64_t, std::vector<Entry>> old;
-  old.swap(d->table);  // decrefs below may run Python code that uses this table
-  d->count = 0;
-  for (auto& kv : old)
-    for (Entry& x : kv.second) Py_CLEAR(x.plan);
-}
-
-PyObject* Dispatch_clear_m(Dispatch* d, PyObject*) {
-  dispatch_clear_table(d);
+PyObject* Dispatch_reap(Dispatch* d, PyObject*) {
+  HANDLE_TH_ERRORS
+  reap(*d->core, false);
   Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* Dispatch_has_pending(Dispatch* d, PyObject*) { return PyBool_FromLong(has_pending(*d->core)); }
+
+PyObject* Dispatch_check(Dispatch* d, PyObject*) {
+  HANDLE_TH_ERRORS
+  check(*d->core);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* Dispatch_clear(Dispatch* d, PyObject*) {
+  std::unordered_map<uint64_t, std::vector<Entry>> old;
+  {
+    std::lock_guard<std::mutex> g(d->core->mu);
+    old.swap(d->core->table);
+    d->core->count = 0;
+  }
+  Py_RETURN_NONE;  // `old` goes here, outside the lock (a binding's last holder takes the GIL)
 }
 
 PyObject* Dispatch_stats(Dispatch* d, PyObject*) {
-  return Py_BuildValue("{s:n,s:K,s:K}", "plans", (Py_ssize_t)d->count, "hits", (unsigned long long)d->hits, "misses",
-                       (unsigned long long)d->misses);
+  Core& c = *d->core;
+  size_t plans, graph;
+  {
+    std::lock_guard<std::mutex> g(c.mu);
+    plans = c.count;
+    graph = c.graph.size();
+  }
+  return Py_BuildValue("{s:n,s:K,s:K,s:n}", "plans", (Py_ssize_t)plans, "hits", (unsigned long long)c.hits.load(),
+                       "misses", (unsigned long long)c.misses.load(), "graph_words", (Py_ssize_t)graph);
 }
 
-Py_ssize_t Dispatch_len(Dispatch* d) { return (Py_ssize_t)d->count; }
-
-PyObject* Dispatch_get_tracker(Dispatch* d, void*) { return Py_NewRef(d->tracker ? d->tracker : Py_None); }
-int Dispatch_set_tracker(Dispatch* d, PyObject* v, void*) {
-  Py_XINCREF(v == Py_None ? nullptr : v);
-  Py_XSETREF(d->tracker, v == Py_None ? nullptr : v);
-  return 0;
+// _track(launch, values, stream, device): a tracked CUDA launch with `launch` standing in for
+// the kernel (RawKernel.launch's signature), for tests that fake the driver on a machine without a GPU
+PyObject* Dispatch_track(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
+  if (n != 4 || !THPVariable_Check(a[1])) throw std::invalid_argument("_track(launch, values, stream, device)");
+  BindingData b;
+  b.tmpl.assign(2, 0);
+  b.device = (int)as_i64(a[3]);
+  b.word_slot = 0;
+  b.tag_slot = 1;
+  b.launch_py = Py_NewRef(a[0]);
+  int64_t args[2] = {0, 0};
+  tracked(*d->core, d->core, b, args, THPVariable_Unpack(a[1]), (void*)(intptr_t)as_i64(a[2]));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
-PyGetSetDef Dispatch_getset[] = {
-    {"tracker", (getter)Dispatch_get_tracker, (setter)Dispatch_set_tracker,
-     "the op's tracker: judged before every call it serves, as Op._eager_call does", nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyObject* Dispatch_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
-  static const char* names[] = {"inputs", "outputs", "likes", nullptr};
-  PyObject *ins, *outs_, *likes;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "O!O!O!", (char**)names, &PyTuple_Type, &ins, &PyTuple_Type, &outs_,
-                                   &PyTuple_Type, &likes))
+  HANDLE_TH_ERRORS
+  static const char* kwlist[] = {"handle", "inputs", "outputs", "likes", nullptr};
+  long long handle;
+  PyObject *ins, *outs, *likes;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "LO!O!O!", (char**)kwlist, &handle, &PyTuple_Type, &ins, &PyTuple_Type,
+                                   &outs, &PyTuple_Type, &likes))
     return nullptr;
-  Py_ssize_t ni = PyTuple_GET_SIZE(ins), no = PyTuple_GET_SIZE(outs_);
-  if (ni < 1 || ni > kMaxIn || no > kMaxOut || PyTuple_GET_SIZE(likes) != no) {
-    PyErr_SetString(PyExc_ValueError, "tileops: Dispatch: 1-4 inputs, at most 2 outputs, a like per output");
-    return nullptr;
+  Py_ssize_t ni = PyTuple_GET_SIZE(ins), no = PyTuple_GET_SIZE(outs);
+  if (ni < 1 || ni + no > kMaxTensors || PyTuple_GET_SIZE(likes) != no)
+    throw std::invalid_argument("tileops: Dispatch: 1 to 8 inputs and outputs, a like per output");
+  auto core = std::make_shared<Core>();
+  core->id = core_ids.fetch_add(1) + 1;
+  core->handle = handle;
+  core->n_in = (int)ni;
+  core->n_out = (int)no;
+  for (Py_ssize_t j = 0; j < no; ++j) {
+    int64_t l = as_i64(PyTuple_GET_ITEM(likes, j));
+    if (l < 0 || l >= ni) throw std::invalid_argument("tileops: Dispatch: likes index the inputs");
+    core->like[j] = (int)l;
   }
-  Dispatch* d = alloc_object<Dispatch>(type);
+  auto* d = (Dispatch*)type->tp_alloc(type, 0);
   if (d == nullptr) return nullptr;
-  d->n_in = (int)ni;
-  d->n_out = (int)no;
-  for (Py_ssize_t i = 0; i < ni; ++i) {
-    PyObject* s = PyTuple_GET_ITEM(ins, i);
+  new (&d->core) std::shared_ptr<Core>(core);
+  for (Py_ssize_t i = 0; i < ni + no; ++i) {
+    PyObject* s = i < ni ? PyTuple_GET_ITEM(ins, i) : PyTuple_GET_ITEM(outs, i - ni);
     if (!PyUnicode_Check(s)) {
       Py_DECREF(d);
-      PyErr_SetString(PyExc_TypeError, "tileops: Dispatch: input names are str");
-      return nullptr;
+      throw std::invalid_argument("tileops: Dispatch: names are str");
     }
-    d->in_names[i] = Py_NewRef(s);
+    Py_INCREF(s);
+    PyUnicode_InternInPlace(&s);
+    d->names[i] = s;
+    core->names.emplace_back(PyUnicode_AsUTF8(s));
   }
-  for (Py_ssize_t i = 0; i < no; ++i) {
-    PyObject* s = PyTuple_GET_ITEM(outs_, i);
-    long l = PyLong_AsLong(PyTuple_GET_ITEM(likes, i));
-    if (!PyUnicode_Check(s) || l < 0 || l >= ni) {
-      Py_DECREF(d);
-      PyErr_Clear();
-      PyErr_SetString(PyExc_ValueError, "tileops: Dispatch: output names are str, likes index the inputs");
-      return nullptr;
-    }
-    d->out_names[i] = Py_NewRef(s);
-    d->like[i] = (int)l;
+  {
+    std::lock_guard<std::mutex> g(registry_mu);
+    registry()[handle] = core;
   }
   return (PyObject*)d;
+  END_HANDLE_TH_ERRORS
 }
 
-int Dispatch_traverse(Dispatch* d, visitproc visit, void* arg) {
-  Py_VISIT(Py_TYPE(d));
-  Py_VISIT(d->tracker);
-  for (auto& kv : d->table)
-    for (Entry& e : kv.second) Py_VISIT(e.plan);
-  return 0;
-}
-
-int Dispatch_clear(Dispatch* d) {
-  dispatch_clear_table(d);
-  Py_CLEAR(d->tracker);
-  return 0;
-}
-
-int Dispatch_release(Dispatch* d) {  // everything, names too: for dealloc only
-  Dispatch_clear(d);
-  for (auto& s : d->in_names) Py_CLEAR(s);
-  for (auto& s : d->out_names) Py_CLEAR(s);
-  return 0;
+void Dispatch_dealloc(Dispatch* d) {
+  PyTypeObject* tp = Py_TYPE(d);
+  if (d->core) {
+    for (size_t i = 0; i < d->core->names.size(); ++i) Py_XDECREF(d->names[i]);
+    Dispatch_clear(d, nullptr);
+    std::lock_guard<std::mutex> g(registry_mu);
+    auto it = registry().find(d->core->handle);
+    if (it != registry().end() && it->second.lock() == d->core) registry().erase(it);
+  }
+  d->core.~shared_ptr<Core>();
+  tp->tp_free((PyObject*)d);
+  Py_DECREF(tp);
 }
 
 PyMethodDef Dispatch_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Dispatch_run, METH_FASTCALL,
-     "run(tensors, outs=None): the call's result, or NotImplemented when no plan serves it."},
-    {"lookup", (PyCFunction)(void (*)(void))Dispatch_lookup, METH_FASTCALL,
-     "lookup(tensors, outs): None when no plan can serve such a call, else whether one is known."},
+     "run(tensors, outs=None): the call's result, or NotImplemented when no binding serves it."},
+    {"execute", (PyCFunction)(void (*)(void))Dispatch_execute, METH_FASTCALL,
+     "execute(binding, tensors, outs): run a Binding on these tensors (NotImplemented when refused)."},
     {"add", (PyCFunction)(void (*)(void))Dispatch_add, METH_FASTCALL,
-     "add(tensors, outs, plan): the plan (or None) for calls shaped like this one."},
-    {"clear", (PyCFunction)Dispatch_clear_m, METH_NOARGS, "Forget every plan."},
-    {"stats", (PyCFunction)Dispatch_stats, METH_NOARGS, "Plans known, calls served, calls passed on."},
+     "add(tensors, outs, binding): the Binding (or None) of calls shaped like this one."},
+    {"reap", (PyCFunction)Dispatch_reap, METH_NOARGS, "Judge this thread's finished calls (raises for a bad one)."},
+    {"has_pending", (PyCFunction)Dispatch_has_pending, METH_NOARGS, "Whether this thread has calls to judge."},
+    {"check", (PyCFunction)Dispatch_check, METH_NOARGS, "op.check(): wait, judge, and judge the graphs' words."},
+    {"clear", (PyCFunction)Dispatch_clear, METH_NOARGS, "Forget every binding."},
+    {"stats", (PyCFunction)Dispatch_stats, METH_NOARGS, "Bindings known, calls served, calls passed on."},
+    {"_track", (PyCFunction)(void (*)(void))Dispatch_track, METH_FASTCALL, "A tracked launch (tests)."},
     {nullptr, nullptr, 0, nullptr}};
 PyType_Slot Dispatch_slots[] = {{Py_tp_new, (void*)Dispatch_new},
-                                {Py_tp_dealloc, (void*)gc_dealloc<Dispatch, Dispatch_release>},
-                                {Py_tp_traverse, (void*)Dispatch_traverse},
-                                {Py_tp_clear, (void*)Dispatch_clear},
+                                {Py_tp_dealloc, (void*)Dispatch_dealloc},
                                 {Py_tp_call, (void*)Dispatch_call},
                                 {Py_tp_methods, Dispatch_methods},
-                                {Py_tp_getset, Dispatch_getset},
-                                {Py_mp_length, (void*)Dispatch_len},
-                                {Py_tp_doc, (void*)"One op's native plans: dispatch(tensors, outs) runs the call "
-                                                   "or returns NotImplemented."},
+                                {Py_tp_doc, (void*)"One op's bindings, executor and error tracker."},
                                 {0, nullptr}};
-PyType_Spec Dispatch_spec = {"tileops._tileops_native.Dispatch", sizeof(Dispatch), 0,
-                             Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, Dispatch_slots};
+PyType_Spec Dispatch_spec = {"tileops._tileops_native.Dispatch", sizeof(Dispatch), 0, Py_TPFLAGS_DEFAULT,
+                             Dispatch_slots};
+
+// ------------------------------------------------------------------------------ the custom ops
+std::shared_ptr<Core> core_of(int64_t handle) {
+  if (!configured.load()) throw std::runtime_error("tileops: the native runtime is not configured");
+  std::lock_guard<std::mutex> g(registry_mu);
+  auto it = registry().find(handle);
+  std::shared_ptr<Core> c = it != registry().end() ? it->second.lock() : nullptr;
+  if (c == nullptr) throw std::runtime_error("tileops: op handle " + std::to_string(handle) + " names no live op");
+  return c;
+}
+
+// the given inputs by the names a custom op passes ("a,b"): into t by manifest index
+bool place(const Core& c, at::TensorList inputs, c10::string_view names, at::Tensor* t) {
+  size_t at = 0, given = 0;
+  while (at <= names.size() && !names.empty()) {
+    size_t end = names.find(',', at);
+    if (end == c10::string_view::npos) end = names.size();
+    c10::string_view name = names.substr(at, end - at);
+    int i = 0;
+    while (i < c.n_in && c10::string_view(c.names[i]) != name) ++i;
+    if (i == c.n_in || given >= inputs.size() || t[i].defined()) return false;
+    t[i] = inputs[given++];
+    at = end + 1;
+  }
+  return given == inputs.size();
+}
+
+PyObject* tensor_list(at::TensorList ts) {  // new reference (the GIL held)
+  PyObject* l = checked(PyList_New((Py_ssize_t)ts.size()));
+  for (size_t i = 0; i < ts.size(); ++i) {
+    PyObject* o = THPVariable_Wrap(ts[i]);
+    if (o == nullptr) {
+      Py_DECREF(l);
+      throw_python();
+    }
+    PyList_SET_ITEM(l, (Py_ssize_t)i, o);
+  }
+  return l;
+}
+
+std::vector<at::Tensor> tensors_of(PyObject* seq) {
+  Ref fast(PySequence_Fast(seq, "tileops: expected a list of tensors"));
+  std::vector<at::Tensor> got;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i) {
+    PyObject* o = PySequence_Fast_GET_ITEM(fast.p, i);
+    if (!THPVariable_Check(o)) throw std::runtime_error("tileops: expected a list of tensors");
+    got.push_back(THPVariable_Unpack(o));
+  }
+  return got;
+}
+
+// the Python general path of a custom op: fn(handle, *lists, names, *after) as its schema -> a list
+// of tensors, or None
+std::vector<at::Tensor> python_path(PyObject* fn, int64_t handle, std::initializer_list<at::TensorList> lists,
+                                    c10::string_view names, std::initializer_list<at::TensorList> after = {}) {
+  Gil g;
+  Ref h(PyLong_FromLongLong((long long)handle));
+  Ref args(PyTuple_New((Py_ssize_t)(lists.size() + after.size()) + 2));
+  PyTuple_SET_ITEM(args.p, 0, Py_NewRef(h.p));
+  Py_ssize_t i = 1;
+  for (auto l : lists) PyTuple_SET_ITEM(args.p, i++, tensor_list(l));
+  PyTuple_SET_ITEM(args.p, i++, checked(PyUnicode_FromStringAndSize(names.data(), (Py_ssize_t)names.size())));
+  for (auto l : after) PyTuple_SET_ITEM(args.p, i++, tensor_list(l));
+  Ref r(PyObject_Call(fn, args.p, nullptr));
+  return r.p == Py_None ? std::vector<at::Tensor>() : tensors_of(r.p);
+}
+
+// a known signature served natively: t holds the inputs (and the outputs written into)
+bool serve_op(const std::shared_ptr<Core>& core, at::Tensor* t, std::shared_ptr<BindingData>& b) {
+  Key k;
+  if (!key_of(*core, t, k)) return false;
+  b = find(*core, k).second;
+  if (b == nullptr) return false;
+  if (has_pending(*core)) reap(*core, false);
+  if (!serve(*core, core, *b, t)) return false;
+  core->hits.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+std::vector<at::Tensor> apply_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_view names) {
+  int64_t h = handle.expect_int();
+  auto core = core_of(h);
+  at::Tensor t[kMaxTensors];
+  std::shared_ptr<BindingData> b;
+  if (place(*core, inputs, names, t) && serve_op(core, t, b)) {
+    std::vector<at::Tensor> got;
+    for (int j = 0; j < core->n_out; ++j)
+      if (b->mode[j] != ABSENT) got.push_back(std::move(t[core->n_in + j]));
+    return got;
+  }
+  core->misses.fetch_add(1, std::memory_order_relaxed);
+  return python_path(cfg.apply, h, {inputs}, names);
+}
+
+void apply_out_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_view names, at::TensorList outs) {
+  int64_t h = handle.expect_int();
+  auto core = core_of(h);
+  at::Tensor t[kMaxTensors];
+  std::shared_ptr<BindingData> b;
+  bool placed = place(*core, inputs, names, t);
+  size_t k = 0;  // one tensor per output whose like input is given, in the manifest's order
+  for (int j = 0; placed && j < core->n_out; ++j)
+    if (t[core->like[j]].defined()) {
+      if (k == outs.size()) placed = false;
+      else t[core->n_in + j] = outs[k++];
+    }
+  if (placed && k == outs.size() && serve_op(core, t, b)) return;
+  core->misses.fetch_add(1, std::memory_order_relaxed);
+  python_path(cfg.apply_out, h, {inputs}, names, {outs});
+}
+
+std::vector<at::Tensor> apply_backward_kernel(c10::SymInt handle, at::TensorList grads, at::TensorList inputs,
+                                              c10::string_view names) {
+  return python_path(cfg.apply_backward, handle.expect_int(), {grads, inputs}, names);
+}
+
+bool any_requires_grad(std::initializer_list<at::TensorList> lists) {
+  if (!c10::GradMode::is_enabled()) return false;
+  for (auto l : lists)
+    for (const auto& t : l)
+      if (t.requires_grad()) return true;
+  return false;
+}
+
+// autograd: a call that needs none goes below autograd in C++; one that does, to Python's
+// autograd.Function around the op (tileops/runtime/library.py)
+std::vector<at::Tensor> apply_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_view names) {
+  if (any_requires_grad({inputs})) return python_path(cfg.apply_grad, handle.expect_int(), {inputs}, names);
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tileops::apply", "").typed<decltype(apply_kernel)>();
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(std::move(handle), inputs, names);
+}
+
+void apply_out_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_view names, at::TensorList outs) {
+  TORCH_CHECK(!any_requires_grad({inputs, outs}), "tileops::apply_out: outputs given while an input requires grad "
+              "(autograd does not follow writes into given tensors)");
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tileops::apply_out", "").typed<decltype(apply_out_kernel)>();
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.call(std::move(handle), inputs, names, outs);
+  }
+  for (const auto& o : outs) o.unsafeGetTensorImpl()->bump_version();  // as an in-place aten op does
+}
+
+std::vector<at::Tensor> apply_backward_autograd(c10::SymInt handle, at::TensorList grads, at::TensorList inputs,
+                                                c10::string_view names) {
+  TORCH_CHECK(!any_requires_grad({grads}), "tileops::apply_backward: a gradient of the gradient (double backward) "
+              "is not supported; the backward kernel is not itself differentiable");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tileops::apply_backward", "")
+                       .typed<decltype(apply_backward_kernel)>();
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(std::move(handle), grads, inputs, names);
+}
 
 // ------------------------------------------------------------------------------ module
 PyObject* configure(PyObject*, PyObject* args, PyObject* kw) {
-  static const char* names[] = {"rc_record_failed", "rc_capturing", "when_now", "when_earlier", "when_graph",
-                                "strict_local", "errors_module", "py_tracker", nullptr};
-  int rf, rcap;
-  PyObject *now, *earlier, *graph, *sl, *em, *pt;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iiUUUOOO", (char**)names, &rf, &rcap, &now, &earlier, &graph, &sl, &em,
-                                   &pt))
+  static const char* kwlist[] = {"rc_record_failed", "rc_capturing", "env_strict", "when_now", "when_earlier",
+                                 "when_graph", "raise_bad", "disjoint", "late", "apply", "apply_out",
+                                 "apply_backward", "apply_grad", nullptr};
+  int rf, rcap, strict;
+  PyObject *now, *earlier, *graph, *rb, *dj, *late, *ap, *ao, *ab, *ag;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOO", (char**)kwlist, &rf, &rcap, &strict, &now, &earlier,
+                                   &graph, &rb, &dj, &late, &ap, &ao, &ab, &ag))
     return nullptr;
+  if (configured.load()) {
+    PyErr_SetString(PyExc_RuntimeError, "tileops: the native runtime is configured once");
+    return nullptr;
+  }
   cfg.rc_record_failed = rf;
   cfg.rc_capturing = rcap;
-  Py_XSETREF(cfg.when_now, Py_NewRef(now));
-  Py_XSETREF(cfg.when_earlier, Py_NewRef(earlier));
-  Py_XSETREF(cfg.when_graph, Py_NewRef(graph));
-  Py_XSETREF(cfg.strict_local, Py_NewRef(sl));
-  Py_XSETREF(cfg.errors_module, Py_NewRef(em));
-  Py_XSETREF(cfg.py_tracker, Py_NewRef(pt));
+  cfg.env_strict = strict != 0;
+  std::pair<PyObject**, PyObject*> given[] = {{&cfg.when_now, now}, {&cfg.when_earlier, earlier},
+                                               {&cfg.when_graph, graph}, {&cfg.raise_bad, rb}, {&cfg.disjoint, dj},
+                                               {&cfg.late, late}, {&cfg.apply, ap}, {&cfg.apply_out, ao},
+                                               {&cfg.apply_backward, ab}, {&cfg.apply_grad, ag}};
+  for (auto& [slot, v] : given) *slot = Py_NewRef(v);  // held for the process's life
+  configured.store(true);
   Py_RETURN_NONE;
 }
 
-PyObject* set_driver(PyObject*, PyObject* args) {  // returns the addresses it replaces
+// set_driver(record, capturing, query, synchronize, exchange, make_event, pinned=True): returns the
+// ones it replaces (all 0 and None: none)
+PyObject* set_driver(PyObject*, PyObject* args) {
   unsigned long long rec, cap, q, sync, ex;
-  if (!PyArg_ParseTuple(args, "KKKKK", &rec, &cap, &q, &sync, &ex)) return nullptr;
-  bool none = !rec && !cap && !q && !sync && !ex;  // all 0: unset (tests that fake the driver restore so)
-  if (!none && (!rec || !cap || !q || !sync || !ex)) {
+  PyObject* make_event;
+  int pinned = 1;
+  if (!PyArg_ParseTuple(args, "KKKKKO|p", &rec, &cap, &q, &sync, &ex, &make_event, &pinned)) return nullptr;
+  const Driver* old = driver.load();
+  PyObject* was = old == nullptr ? Py_BuildValue("(KKKKKO)", 0ull, 0ull, 0ull, 0ull, 0ull, Py_None)
+                                 : Py_BuildValue("(KKKKKOO)", (unsigned long long)(uintptr_t)old->record,
+                                                 (unsigned long long)(uintptr_t)old->capturing,
+                                                 (unsigned long long)(uintptr_t)old->query,
+                                                 (unsigned long long)(uintptr_t)old->synchronize,
+                                                 (unsigned long long)(uintptr_t)old->exchange, old->make_event,
+                                                 old->pinned ? Py_True : Py_False);
+  if (!rec && !cap && !q && !sync && !ex) {
+    driver.store(nullptr);
+    return was;
+  }
+  if (!rec || !cap || !q || !sync || !ex || make_event == Py_None) {
+    Py_XDECREF(was);
     PyErr_SetString(PyExc_ValueError, "tileops: set_driver: a null address");
     return nullptr;
   }
-  PyObject* old = Py_BuildValue("(KKKKK)", (unsigned long long)(uintptr_t)cfg.record,
-                                (unsigned long long)(uintptr_t)cfg.capturing, (unsigned long long)(uintptr_t)cfg.query,
-                                (unsigned long long)(uintptr_t)cfg.synchronize,
-                                (unsigned long long)(uintptr_t)cfg.exchange);
-  cfg.record = (void*)(uintptr_t)rec;
-  cfg.capturing = (void*)(uintptr_t)cap;
-  cfg.query = (cu_event_t)(uintptr_t)q;
-  cfg.synchronize = (cu_event_t)(uintptr_t)sync;
-  cfg.exchange = (cu_exchange_t)(uintptr_t)ex;
-  return old;
+  driver.store(new Driver{(void*)(uintptr_t)rec, (void*)(uintptr_t)cap, (cu_event_t)(uintptr_t)q,
+                          (cu_event_t)(uintptr_t)sync, (cu_exchange_t)(uintptr_t)ex, Py_NewRef(make_event),
+                          pinned != 0});  // the old one stays: a launch may still read it
+  return was;
 }
 
-PyObject* has_driver(PyObject*, PyObject*) { return PyBool_FromLong(cfg.record != nullptr); }
+PyObject* has_driver(PyObject*, PyObject*) { return PyBool_FromLong(driver.load() != nullptr); }
 
-PyObject* is_plain(PyObject*, PyObject* o) {  // what encode_tensor accepts (for tests)
+PyObject* set_strict(PyObject*, PyObject* v) {  // returns the previous value (-1: unset)
+  long s = PyLong_AsLong(v);
+  if (s == -1 && PyErr_Occurred()) return nullptr;
+  long before = tl_strict;
+  tl_strict = s < 0 ? -1 : s > 0;
+  return PyLong_FromLong(before);
+}
+
+PyObject* strict_now(PyObject*, PyObject*) { return PyBool_FromLong(is_strict()); }
+
+PyObject* is_plain(PyObject*, PyObject* o) {  // whether a binding could serve this tensor (for tests)
+  if (!THPVariable_CheckExact(o)) Py_RETURN_FALSE;
   Key k;
-  try {
-    return PyBool_FromLong(encode_tensor(k, o));
-  } catch (const std::exception&) {
-    Py_RETURN_FALSE;
-  }
+  return PyBool_FromLong(encode(k, THPVariable_Unpack(o)));
 }
 
 PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_VARARGS | METH_KEYWORDS,
-     "The constants and objects of tileops.runtime.errors this module mirrors."},
+     "The constants and callbacks of tileops.runtime (once, by tileops/runtime/library.py)."},
     {"set_driver", (PyCFunction)set_driver, METH_VARARGS,
      "set_driver(cuEventRecord, cuStreamIsCapturing, cuEventQuery, cuEventSynchronize, "
-     "cuThreadExchangeStreamCaptureMode): the driver's addresses."},
+     "cuThreadExchangeStreamCaptureMode, make_event, pinned=True): the driver's addresses."},
     {"has_driver", (PyCFunction)has_driver, METH_NOARGS, "Whether set_driver was called."},
-    {"is_plain", (PyCFunction)is_plain, METH_O, "Whether a plan could serve this tensor (a plain tensor)."},
+    {"set_strict", (PyCFunction)set_strict, METH_O, "This thread's strict mode (1, 0, -1 unset); returns the old."},
+    {"is_strict", (PyCFunction)strict_now, METH_NOARGS, "Whether this thread's calls are judged at the call."},
+    {"is_plain", (PyCFunction)is_plain, METH_O, "Whether a binding could serve this tensor (a plain tensor)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_tileops_native",
-                          "tileops' native fast path (see tileops/native.py).", -1, module_methods};
+                          "tileops' native runtime (see tileops/runtime/native.py).", -1, module_methods,
+                          nullptr, nullptr, nullptr, nullptr};
 
 bool add_type(PyObject* m, PyType_Spec* spec, PyTypeObject** out, const char* name) {
   PyObject* t = PyType_FromSpec(spec);
@@ -1523,19 +1340,34 @@ bool add_type(PyObject* m, PyType_Spec* spec, PyTypeObject** out, const char* na
 
 }  // namespace
 
+TORCH_LIBRARY(tileops, m) {
+  m.def("apply(SymInt handle, Tensor[] inputs, str names) -> Tensor[]");
+  m.def("apply_out(SymInt handle, Tensor[] inputs, str names, Tensor(a3!)[] outs) -> ()");
+  m.def("apply_backward(SymInt handle, Tensor[] grads, Tensor[] inputs, str names) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(tileops, CPU, m) {
+  m.impl("apply", TORCH_FN(apply_kernel));
+  m.impl("apply_out", TORCH_FN(apply_out_kernel));
+  m.impl("apply_backward", TORCH_FN(apply_backward_kernel));
+}
+
+TORCH_LIBRARY_IMPL(tileops, CUDA, m) {
+  m.impl("apply", TORCH_FN(apply_kernel));
+  m.impl("apply_out", TORCH_FN(apply_out_kernel));
+  m.impl("apply_backward", TORCH_FN(apply_backward_kernel));
+}
+
+TORCH_LIBRARY_IMPL(tileops, Autograd, m) {
+  m.impl("apply", TORCH_FN(apply_autograd));
+  m.impl("apply_out", TORCH_FN(apply_out_autograd));
+  m.impl("apply_backward", TORCH_FN(apply_backward_autograd));
+}
+
 PyMODINIT_FUNC PyInit__tileops_native(void) {
-  struct {
-    PyObject** s;
-    const char* v;
-  } strs[] = {{&s_on, "on"},           {&s_env_strict, "_ENV_STRICT"}, {&s_state, "state"},
-              {&s_has_pending, "has_pending"}, {&s_reap, "reap"},      {&s_check, "check"},
-              {&s_launch, "launch"},   {&s_fail, "_fail"},              {&s_wait, "wait"}};
-  for (auto& s : strs)
-    if ((*s.s = PyUnicode_InternFromString(s.v)) == nullptr) return nullptr;
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
-  if (!add_type(m, &Pool_spec, &PoolType, "Pool") || !add_type(m, &ThreadState_spec, &ThreadStateType, "ThreadState") ||
-      !add_type(m, &Tracker_spec, &TrackerType, "Tracker") || !add_type(m, &Plan_spec, &PlanType, "Plan") ||
+  if (!add_type(m, &Binding_spec, &BindingType, "NativeBinding") ||
       !add_type(m, &Dispatch_spec, &DispatchType, "Dispatch")) {
     Py_DECREF(m);
     return nullptr;

@@ -1,23 +1,27 @@
 """The ops as ``torch.library`` custom ops, for ``torch.compile`` (and anything else that traces).
 
-Eager calls go straight to the kernels (a custom op's dispatch costs host time that a 3 µs kernel
-cannot afford); while ``torch.compile`` traces, :meth:`tileops.op.Op._call` routes a call here
-instead, so Dynamo sees one opaque op with a fake (meta) implementation, never the ctypes launch.
-Three custom ops serve every op of every family; what their lists hold comes from the op's manifest:
+Eager calls go straight to the runtime; while ``torch.compile`` traces, :meth:`tileops.op.Op._call`
+routes a call here instead, so Dynamo sees one opaque op with a fake (meta) implementation, never
+the launch. Three custom ops serve every op of every family; what their lists hold comes from the
+op's manifest:
 
-* ``tileops::apply(int handle, Tensor[] inputs, str names) -> Tensor[]``: the given inputs in the
-  manifest's order, ``names`` theirs, comma-separated (``"x,position_ids"``; an optional input not
-  given is left out); returns the new outputs whose ``like`` input is given, in the manifest's
-  order (for RoPE ``[out]`` or ``[out, key_out]``). Differentiable through
-  ``register_autograd``, whose backward is ``tileops::apply_backward`` (for RoPE one launch of the
-  inverse rotation for every gradient);
-* ``tileops::apply_out(int handle, Tensor[] inputs, str names, Tensor(a!)[] outs) -> ()``: ``out=`` and in
-  place: ``outs`` holds one tensor per output whose ``like`` input is given, with exact
-  ``mutates_args``.
+* ``tileops::apply(SymInt handle, Tensor[] inputs, str names) -> Tensor[]``: the given inputs in
+  the manifest's order, ``names`` theirs, comma-separated (an optional input not given is left
+  out); returns the new outputs whose ``like`` input is given, in the manifest's order.
+  Differentiable: its backward is ``tileops::apply_backward`` (the family's backward kernels);
+* ``tileops::apply_out(SymInt handle, Tensor[] inputs, str names, Tensor(a3!)[] outs) -> ()``:
+  ``out=`` and in place: ``outs`` holds one tensor per output whose ``like`` input is given, with
+  exact ``mutates_args``.
 
 ``handle`` names the op object (its parameters and compiled kernels), registered at construction
 and forgotten when the op is garbage collected. It is the same int on every call of one op, so a
 compiled graph specializes on it and on nothing else: new lengths do not recompile.
+
+With the native runtime loaded (:mod:`tileops.runtime.native`) the three ops are the extension's:
+C++ kernels serve a call whose signature the op has bound before without any Python (a compiled
+graph's call costs what an aten op's does), and call the general path below for anything else;
+autograd is C++ for a call that needs none, :class:`_Apply` for one that does. Without it, they are
+Python custom ops with the same schemas, bodies and backward. Either way the fakes are the ones here.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["register", "lookup", "apply", "apply_out"]
+from ..compile import entry
+from . import errors, memory, native
+
+__all__ = ["register", "lookup", "pack", "produced", "raise_bad", "late"]
 
 _ops: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
@@ -51,6 +58,20 @@ def lookup(handle: int) -> Any:
     if op is None:
         raise RuntimeError(f"tileops: op handle {handle} names no live op (the op was garbage collected)")
     return op
+
+
+def raise_bad(handle: int, values: torch.Tensor, when: str) -> None:
+    """Raise the error of a call whose kernel found a value of its checked input ``values`` out of
+    range (the runtime's tracker calls this; ``when`` is one of :mod:`tileops.runtime.errors`' words)."""
+    lookup(handle)._raise_bad_position(values, when)
+
+
+def late(handle: int, key: int, inputs: tuple) -> list[torch.Tensor]:
+    """The tensors of a binding's late-bound slots for one call (the native executor calls this;
+    ``key`` is the binding's ``id``, kept by the op while the runtime may use it)."""
+    b = lookup(handle)._late[key]
+    named = dict(zip(b.names, inputs))
+    return [fn(named) for _, fn in b.late]
 
 
 def pack(op: Any, tensors: dict) -> tuple[list[torch.Tensor], str]:
@@ -75,24 +96,22 @@ def produced(op: Any, tensors: dict) -> list:
     return [o for o in op.manifest.outputs if tensors.get(o.like) is not None]
 
 
-@torch.library.custom_op("tileops::apply", mutates_args=())
-def apply(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
+# ------------------------------------------------------------------ the general path of each op
+def _apply(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
     op = lookup(handle)
     with torch.no_grad():  # autograd is registered on this op, not traced through its body
-        out = op._eager(_inputs(op, inputs, names), {})
+        out = op._eager_call(_inputs(op, inputs, names), {})
     return list(out) if isinstance(out, tuple) else [out]
 
 
-@apply.register_fake
 def _apply_fake(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
     op = lookup(handle)
     tensors = _inputs(op, inputs, names)
     return [torch.empty_like(tensors[o.like]) for o in produced(op, tensors)]
 
 
-@torch.library.custom_op("tileops::apply_backward", mutates_args=())
-def apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
-                   names: str) -> list[torch.Tensor]:
+def _apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
+                    names: str) -> list[torch.Tensor]:
     """Gradients of the inputs ``backward.wrt`` names that are given, in that order, from the outputs'."""
     op = lookup(handle)
     tensors = _inputs(op, inputs, names)
@@ -110,13 +129,12 @@ def apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.Te
 def _gradient_layouts(op: Any, tensors: dict, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """For each gradient ``apply_backward`` returns, the tensor it is laid out like (``empty_like``):
     the gradient of the output like its input, as the kernels write it, not the input (in a compiled
-    training step they differ: k's gradient from attention is ``[b, h, s, d]``, the op's key input a
+    training step they differ: an attention's gradient is ``[b, h, s, d]`` where the op's input was a
     ``[b, s, h, d]`` view)."""
     like = {o.like: g for o, g in zip(produced(op, tensors), grads)}
     return [like.get(w, tensors[w]) for w in op.manifest.backward.wrt if tensors.get(w) is not None]
 
 
-@apply_backward.register_fake
 def _apply_backward_fake(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
                          names: str) -> list[torch.Tensor]:
     op = lookup(handle)
@@ -126,7 +144,7 @@ def _apply_backward_fake(handle: int, grads: list[torch.Tensor], inputs: list[to
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
     handle, tensors, names = inputs
     ctx.handle, ctx.names = handle, names
-    # every input: for the shapes, the kernel choice and what the backward reads (positions)
+    # every input: for the shapes, the kernel choice and what the backward reads (inputs not differentiated)
     ctx.save_for_backward(*tensors)
 
 
@@ -140,16 +158,51 @@ def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
     return None, [got.get(n) for n in ctx.names.split(",")], None
 
 
-apply.register_autograd(_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("tileops::apply_out", mutates_args=("outs",))
-def apply_out(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
+def _apply_out(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
     op = lookup(handle)
     tensors = _inputs(op, inputs, names)
-    op._eager(tensors, {o.name: t for o, t in zip(produced(op, tensors), outs)})
+    op._eager_call(tensors, {o.name: t for o, t in zip(produced(op, tensors), outs)})
 
 
-@apply_out.register_fake
 def _apply_out_fake(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
     return None
+
+
+class _Apply(torch.autograd.Function):
+    """``tileops::apply`` where an input requires grad, with the native ops (whose C++ autograd
+    kernel calls :func:`_apply_grad`): the same context and backward as the Python op's."""
+
+    @staticmethod
+    def forward(handle: int, names: str, *inputs: torch.Tensor) -> tuple:  # type: ignore[override]
+        return tuple(torch.ops.tileops.apply.default(handle, list(inputs), names))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        handle, names, *tensors = inputs
+        _setup_context(ctx, (handle, tensors, names), output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:  # type: ignore[override]
+        _, got, _ = _backward(ctx, list(grads))
+        return (None, None, *got)
+
+
+def _apply_grad(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
+    return list(_Apply.apply(handle, names, *inputs))
+
+
+if native.module is None:
+    apply = torch.library.custom_op("tileops::apply", mutates_args=())(_apply)
+    apply.register_autograd(_backward, setup_context=_setup_context)
+    apply_out = torch.library.custom_op("tileops::apply_out", mutates_args=("outs",))(_apply_out)
+    apply_backward = torch.library.custom_op("tileops::apply_backward", mutates_args=())(_apply_backward)
+else:  # defined by the extension: its kernels call these bodies for what they do not serve
+    native.module.configure(
+        rc_record_failed=entry.RECORD_FAILED, rc_capturing=entry.CAPTURING, env_strict=errors.ENV_STRICT,
+        when_now=errors.WHEN_NOW, when_earlier=errors.WHEN_EARLIER, when_graph=errors.WHEN_GRAPH,
+        raise_bad=raise_bad, disjoint=memory.disjoint, late=late, apply=_apply, apply_out=_apply_out,
+        apply_backward=_apply_backward, apply_grad=_apply_grad)
+    if torch.version.cuda is not None and torch.cuda.device_count() > 0:  # NVML: no CUDA initialised
+        native.module.set_driver(*errors.driver_addresses(), errors.make_event)
+for _name, _fake in (("apply", _apply_fake), ("apply_out", _apply_out_fake), ("apply_backward", _apply_backward_fake)):
+    torch.library.register_fake(f"tileops::{_name}", _fake)

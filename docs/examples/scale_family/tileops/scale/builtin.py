@@ -3,6 +3,11 @@
 The kernel reads and writes flat contiguous buffers: a strided ``x`` is copied to a dense tensor
 first, and an ``out=`` that is not contiguous is written through a dense buffer. The backward is the
 same kernel applied to the output's gradient.
+
+How a call's tensors meet the kernel's parameters is said once, in :meth:`ScaleKernels._binding`
+(a :class:`tileops.runtime.binding.Binding`): the runtime keeps it per call signature and serves a
+repeated eager call from it without Python (:meth:`ScaleKernels.binding`), and the general path
+launches through it too.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any
 import torch
 
 from tileops.compile.build import device_backend, load_kernel
+from tileops.runtime.binding import Binding, bind
 
 __all__ = ["implement", "kernel_specs", "ScaleKernels"]
 
@@ -34,13 +40,27 @@ class ScaleKernels:
         (_, kspec), = kernel_specs(op.manifest, op.params, spec, backend)
         # compiled once, then loaded from tileops' index by later processes (no TileLang import there)
         self.kernel = load_kernel(op.manifest.kernel.builder, kspec, backend, arch, spec.device, kspec.args)
+        self.op = op
         self.factor = op.factor
+
+    def _binding(self, tensors: dict, outs: dict) -> Binding:
+        """``X`` and ``Y`` are the data pointers of ``x`` and ``out``; ``c`` the factor, ``N`` the length."""
+        return bind(self.kernel, self.op.manifest, tensors, outs, args={"c": self.factor, "N": tensors["x"].numel()},
+                    pointers={"X": "x", "Y": "out"})
+
+    def binding(self, tensors: dict, outs: dict) -> Binding | None:
+        """The binding of every later call shaped like this one: contiguous ``x`` and ``out`` (a new
+        output of a contiguous ``x`` is contiguous); None for others, which take :meth:`run`."""
+        x, out = tensors["x"], outs.get("out")
+        if x.numel() == 0 or not x.is_contiguous() or (out is not None and not out.is_contiguous()):
+            return None
+        return self._binding(tensors, outs)
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         src = x.contiguous()
         y = out if out is not None and out.is_contiguous() else torch.empty_like(src)
         if src.numel():
-            self.kernel(src.data_ptr(), y.data_ptr(), self.factor, src.numel())
+            self.op._runtime.execute(self._binding({"x": src}, {"out": y}), {"x": src}, {"out": y})
         if out is not None and y is not out:
             out.copy_(y)
             return out

@@ -1,0 +1,152 @@
+"""A kernel launch described once per call signature: the :class:`Binding`.
+
+A family (its kernel set) knows what a call's views mean to its kernel; the runtime knows nothing
+of that. So the family computes, once per signature (every tensor's shape, strides, dtype and
+device, and which outputs are given or in place), a :class:`Binding` with :func:`bind`: the kernel's
+whole argument array with every shape, stride and scalar filled, and where each tensor's pointer
+goes. A later call shaped the same way only reads its pointers into a copy of that array: the C++
+executor of :mod:`tileops.runtime.native` does it without Python, :class:`tileops.runtime.executor.PythonRuntime`
+where the extension is absent. The family's general path (the first call of a signature, views it
+must copy first, gradients) binds the tensors it actually launches with through the same
+:func:`bind` and runs the same executor.
+
+Tensors are numbered as the op's manifest lists them: the inputs, then the outputs. Per call the
+executor checks what the pointers alone decide (alignment; the overlap of given outputs with the
+other arguments by byte spans, then exactly where the spans meet) and refuses the call, before it
+has allocated, launched or called Python, when either fails: the general path then copies or raises.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..compile.entry import encode_arg
+from .memory import span
+
+__all__ = ["Binding", "bind", "with_overlap_checks", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
+
+#: how a call gets each output: its ``like`` input not given (no output), a new tensor allocated per
+#: call as ``torch.empty_like(<like input>)``, the like input itself (in place), or a tensor the call gives
+ABSENT, NEW, IN_PLACE, GIVEN = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, eq=False)
+class Binding:
+    """One call signature's launch: everything but the pointers, which each call brings.
+
+    ``template`` holds every argument of the kernel's C entry point (:class:`tileops.compile.entry.RawKernel`:
+    its parameters, then the dynamic extents) as int64 (a pointer as its address, a float as its bits).
+    """
+
+    #: the :class:`tileops.compile.entry.RawKernel` launched
+    kernel: Any
+    template: array.array
+    #: the op's input names then output names (tensor ``i`` of a call is the one named ``names[i]``)
+    names: tuple[str, ...]
+    #: how many of ``names`` are inputs
+    inputs: int
+    #: ``(tensor, slot, alignment in bytes)``: the tensor's data pointer goes into ``template[slot]``
+    pointers: tuple[tuple[int, int, int], ...]
+    #: each output's mode (ABSENT, NEW, IN_PLACE, GIVEN) and its like input (an input's index)
+    outputs: tuple[int, ...]
+    likes: tuple[int, ...]
+    #: a new output's strides (those ``torch.empty_like`` gives its like input of this signature;
+    #: allocated with them directly, one dispatch fewer), else ()
+    strides: tuple[tuple[int, ...], ...] = ()
+    #: ``(tensor, span, tensor, span)``: pairs that must not share memory, spans in bytes
+    pairs: tuple[tuple[int, int, int, int], ...] = ()
+    #: ``(slot, fn)``: ``fn(inputs)`` (input name -> tensor or None) returns a tensor whose pointer
+    #: goes into the slot (chosen per call, e.g. on the device); kept alive until the kernel is queued
+    late: tuple[tuple[int, Callable[[dict], torch.Tensor]], ...] = ()
+    #: the input whose values the kernel checks, writing the call's tag into the error word when one
+    #: is out of range (:mod:`tileops.runtime.errors`); -1: the call is not tracked
+    checked: int = -1
+    word_slot: int = -1
+    tag_slot: int = -1
+    #: tensors whose addresses ``template`` holds (kept alive with it)
+    keep: tuple[torch.Tensor, ...] = ()
+    #: the exact overlap test's answers, by (pair, offset) (one storage: the offset alone decides)
+    memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def produced(self) -> tuple[int, ...]:
+        """The outputs a call returns (those whose like input is given), by output index."""
+        return tuple(j for j, mode in enumerate(self.outputs) if mode != ABSENT)
+
+
+def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[str, Any], *,
+         args: Mapping[str, Any], pointers: Mapping[str, str], align: Mapping[str, int] | None = None,
+         late: Mapping[str, Callable[[dict], torch.Tensor]] | None = None,
+         checked: tuple[str, str, str] | None = None, keep: tuple[torch.Tensor, ...] = ()) -> Binding:
+    """The :class:`Binding` of ``kernel`` for calls shaped like this one.
+
+    Args:
+        kernel: The :class:`tileops.compile.entry.RawKernel` to launch.
+        manifest: The op's manifest (its inputs and outputs, each output's ``like`` input).
+        tensors: Input name -> the tensor launched with (None: not given).
+        outs: Output name -> the tensor written (given), the like input itself (in place), or None
+            (a new tensor per call, ``torch.empty_like`` of the like input).
+        args: Kernel argument name -> its value (shapes, strides, scalars); the others are 0.
+        pointers: Kernel argument name -> the input or output whose data pointer it takes.
+        align: Input or output name -> the alignment in bytes its pointer needs (default 1).
+        late: Kernel argument name -> ``fn(inputs)``, a tensor chosen per call from the call's
+            inputs (by name).
+        checked: ``(input, word argument, tag argument)`` for a kernel that checks the input's
+            values and reports a bad one through an error word, or None.
+        keep: Tensors whose addresses ``args`` holds.
+    """
+    ins = [t.name for t in manifest.inputs]
+    names = (*ins, *(o.name for o in manifest.outputs))
+    at = {n: i for i, n in enumerate(names)}
+    likes = tuple(ins.index(o.like) for o in manifest.outputs)
+    modes, strides = [], []
+    for o in manifest.outputs:
+        src, dst = tensors.get(o.like), outs.get(o.name)
+        modes.append(ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN)
+        strides.append(torch.empty_like(src).stride() if modes[-1] == NEW else ())
+    slot, kinds = kernel.slot, kernel.arg_types
+    template = array.array("q", bytes(8 * len(kernel.arg_names)))
+    for name, value in args.items():
+        template[slot[name]] = encode_arg(kinds[slot[name]], value)
+    align = align or {}
+    ptrs = []
+    for arg, tensor in pointers.items():
+        i = at[tensor]
+        present = tensors.get(tensor) is not None if i < len(ins) else modes[i - len(ins)] != ABSENT
+        if present:
+            ptrs.append((i, slot[arg], max(1, align.get(tensor, 1))))
+    check = (at[checked[0]], slot[checked[1]], slot[checked[2]]) if checked and tensors.get(checked[0]) is not None \
+        else (-1, -1, -1)
+    return Binding(kernel, template, names, len(ins), tuple(ptrs), tuple(modes), likes, tuple(strides),
+                   late=tuple((slot[a], fn) for a, fn in (late or {}).items()),
+                   checked=check[0], word_slot=check[1], tag_slot=check[2], keep=tuple(keep))
+
+
+def with_overlap_checks(binding: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> Binding:
+    """``binding`` with the pairs a later call of this signature must check: each output it writes
+    into (given, or in place) against every other tensor of the call, but for an in-place output
+    and its own input; spans from this call's shapes and strides, which the signature fixes."""
+    names, n_in = binding.names, binding.inputs
+    present = {i: tensors.get(n) for i, n in enumerate(names[:n_in])}
+    for j, mode in enumerate(binding.outputs):
+        if mode in (IN_PLACE, GIVEN):
+            present[n_in + j] = outs.get(names[n_in + j])
+    have = {i: t for i, t in present.items() if t is not None}
+    pairs, seen = [], set()
+    for j, mode in enumerate(binding.outputs):
+        o = n_in + j
+        if o not in have:
+            continue
+        for i, t in have.items():
+            own = i == binding.likes[j] and mode == IN_PLACE
+            if i == o or own or frozenset((o, i)) in seen:
+                continue
+            seen.add(frozenset((o, i)))
+            pairs.append((o, span(have[o]), i, span(t)))
+    return dataclasses.replace(binding, pairs=tuple(pairs), memo={})
+

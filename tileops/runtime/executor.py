@@ -1,0 +1,156 @@
+"""One op's launches: the runtime object an op makes at construction (:func:`new_runtime`).
+
+With the native extension loaded (:mod:`tileops.runtime.native`) it is the extension's
+``Dispatch``: the op's bindings by call signature, served from C++ (``run``), the same executor for
+the general path's bindings (``execute``), and the deferred error tracker. Without it, a
+:class:`PythonRuntime`: the same executor in Python, and errors judged at the call (see
+:mod:`tileops.runtime.errors`). Both have the same methods:
+
+* ``execute(binding, tensors, outs)``: run a :class:`tileops.runtime.binding.Binding` on a call's
+  tensors (input name -> tensor, output name -> tensor or None); returns what the op returns (its
+  produced outputs: one tensor, or a tuple), or ``NotImplemented``, having done nothing, when the
+  pointers refuse it (alignment, overlap);
+* ``add(tensors, outs, binding)``: the binding (or None) of calls shaped like this one, for ``run``;
+* ``run(tensors, outs)``: a call served from the bindings ``add`` gave, or ``NotImplemented``
+  (the Python runtime serves none: :meth:`tileops.op.Op._eager_call` looks its bindings up itself);
+* ``has_pending()``, ``reap()``, ``check()``: this thread's calls not judged yet;
+* ``clear()``: forget every binding; ``stats()``: bindings known, calls served and passed on.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+import torch
+
+from . import errors, library, native
+from .binding import IN_PLACE, NEW, Binding
+from .memory import disjoint
+
+__all__ = ["new_runtime", "PythonRuntime"]
+
+
+def new_runtime(handle: int, manifest: Any, use_native: bool = True) -> Any:
+    """The runtime of the op registered as ``handle`` (:func:`tileops.runtime.library.register`):
+    the extension's when it is loaded (and ``use_native``), else a :class:`PythonRuntime`."""
+    mod = native.module
+    if mod is None or not use_native:
+        return PythonRuntime(handle)
+    ins = tuple(t.name for t in manifest.inputs)
+    return mod.Dispatch(handle, ins, tuple(o.name for o in manifest.outputs),
+                        tuple(ins.index(o.like) for o in manifest.outputs))
+
+
+class PythonRuntime:
+    """The executor and error words without the extension (see the module's doc)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+        self._graph: list[tuple[Any, int, int, torch.Tensor]] = []  # words of captured calls
+        self._lock = threading.Lock()
+
+    def run(self, tensors: Mapping[str, Any], outs: Any = None) -> Any:
+        return NotImplemented
+
+    def add(self, tensors: Any, outs: Any, binding: Any) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"plans": 0, "hits": 0, "misses": 0}
+
+    def has_pending(self) -> bool:
+        return False  # every call was judged at the call
+
+    def reap(self) -> None:
+        pass
+
+    def execute(self, b: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None) -> Any:
+        n_in = b.inputs
+        ts = [tensors.get(n) for n in b.names[:n_in]]
+        ts += [outs.get(n) if outs else None for n in b.names[n_in:]]
+        for j, mode in enumerate(b.outputs):
+            if mode == IN_PLACE:
+                ts[n_in + j] = ts[b.likes[j]]
+        ptr = [t.data_ptr() if t is not None else 0 for t in ts]
+        for i, _, a in b.pointers:
+            if ptr[i] % a and ts[i] is not None:
+                return NotImplemented
+        for k, (i, si, j, sj) in enumerate(b.pairs):
+            a0, a1 = ptr[i], ptr[j]
+            if a0 + si <= a1 or a1 + sj <= a0:
+                continue  # the byte spans do not meet; else the exact test, remembered by offset
+            shared = ts[i].untyped_storage().data_ptr() == ts[j].untyped_storage().data_ptr()
+            ok = b.memo.get((k, a1 - a0)) if shared else None
+            if ok is None:
+                ok = disjoint(ts[i], ts[j])
+                if shared and len(b.memo) < 64:
+                    b.memo[(k, a1 - a0)] = ok
+            if not ok:
+                return NotImplemented  # the general path names the overlap
+        for j, mode in enumerate(b.outputs):  # from here on the call is served
+            if mode == NEW:
+                like = ts[b.likes[j]]
+                ts[n_in + j] = torch.empty_strided(like.shape, b.strides[j], dtype=like.dtype, device=like.device)
+        args = b.template[:]
+        for i, slot, _ in b.pointers:
+            args[slot] = ts[i].data_ptr()
+        if b.late:
+            named = dict(zip(b.names[:n_in], ts[:n_in]))
+            keep = [fn(named) for _, fn in b.late]  # alive until the kernel is queued
+            for (slot, _), t in zip(b.late, keep):
+                args[slot] = t.data_ptr()
+        self._launch(b, args, ts)
+        got = [ts[n_in + j] for j in b.produced]
+        return got[0] if len(got) == 1 else tuple(got)
+
+    def _launch(self, b: Binding, args: Any, ts: list) -> None:
+        kernel = b.kernel
+        if b.checked < 0:
+            kernel.launch(args, kernel.stream())
+            return
+        pos = ts[b.checked]
+        words = errors.words_for(pos.device)
+        w = words.take()
+        tag = errors.next_tag()
+        args[b.word_slot], args[b.tag_slot] = words.address(w), tag
+        if not words.cuda:  # the kernel runs synchronously: judged now
+            try:
+                kernel.launch(args, 0)
+                bad = words.read(w) == tag
+            finally:
+                words.give_back(w)  # only after reading it: another call may take it at once
+            if bad:
+                library.raise_bad(self.handle, pos, errors.WHEN_NOW)
+            return
+        with torch.cuda.device(kernel.device_index):
+            capturing = torch.cuda.is_current_stream_capturing()
+            try:
+                kernel.launch(args, kernel.stream())
+            except BaseException:
+                words.give_back(w)
+                raise
+            if capturing:  # replays write the word: check() reads and clears it
+                with self._lock:
+                    self._graph.append((words, w, tag, pos))
+                return
+            torch.cuda.current_stream().synchronize()  # without the extension nothing is deferred
+        bad = words.read(w) == tag
+        words.give_back(w)
+        if bad:
+            library.raise_bad(self.handle, pos, errors.WHEN_NOW)
+
+    def check(self) -> None:
+        """Judge (and clear) the words of calls captured in CUDA graphs; every other call was judged."""
+        bad = None
+        with self._lock:
+            graph = list(self._graph)
+        for words, w, tag, pos in graph:
+            if bad is None and words.read(w) == tag:
+                bad = pos
+            words.clear(w)
+        if bad is not None:
+            library.raise_bad(self.handle, bad, errors.WHEN_GRAPH)

@@ -1,0 +1,46 @@
+"""Where tensors lie in memory: whether two may share bytes, and the spans a launch checks per call.
+
+The ops refuse an output that overlaps another argument (except its own input exactly: in place),
+at the first call of a signature (:meth:`tileops.op.Op._check_outs`) and, from the pointers alone,
+at every later call (:mod:`tileops.runtime.binding`: each pair's byte spans, then :func:`disjoint`
+only when the spans meet).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["disjoint", "same_view", "span"]
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements in the same order (an output that is its input)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+def span(t: torch.Tensor, skip: int = 0) -> int:
+    """Bytes from ``t``'s first element to just past its last (over the dims from ``skip`` on)."""
+    return (1 + sum((n - 1) * st for n, st in list(zip(t.shape, t.stride()))[skip:])) * t.element_size()
+
+
+def disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether no element of ``a`` shares memory with ``b`` (conservative: False when unsure).
+
+    Besides tensors whose byte ranges do not meet, this accepts views that interleave with the same
+    strides, such as the q, k and v column blocks of one fused ``[tokens, (Hq + 2 Hkv) * D]`` buffer:
+    within one period of the outermost stride each occupies its own band of columns.
+    """
+    if a.numel() == 0 or b.numel() == 0:
+        return True
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    if a0 + span(a) <= b0 or b0 + span(b) <= a0:
+        return True
+    if a.dim() < 2 or a.stride() != b.stride() or a.element_size() != b.element_size() or a.shape[0] != b.shape[0]:
+        return False
+    period = a.stride(0) * a.element_size()  # bytes between rows of the outermost dim
+    sa, sb = span(a, 1), span(b, 1)
+    r = (b0 - a0) % period if period else 0
+    return period > 0 and sa <= period and r >= sa and r + sb <= period
