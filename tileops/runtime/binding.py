@@ -72,11 +72,11 @@ class Binding:
     keep: tuple[torch.Tensor, ...] = ()
     #: the exact overlap test's answers, by (pair, offset) (one storage: the offset alone decides)
     memo: dict = field(default_factory=dict, repr=False)
+    #: the outputs a call returns (those whose like input is given), by output index
+    produced: tuple[int, ...] = field(init=False, repr=False)
 
-    @property
-    def produced(self) -> tuple[int, ...]:
-        """The outputs a call returns (those whose like input is given), by output index."""
-        return tuple(j for j, mode in enumerate(self.outputs) if mode != ABSENT)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "produced", tuple(j for j, mode in enumerate(self.outputs) if mode != ABSENT))
 
 
 def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[str, Any], *,

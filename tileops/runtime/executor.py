@@ -75,12 +75,15 @@ class PythonRuntime:
         for j, mode in enumerate(b.outputs):
             if mode == IN_PLACE:
                 ts[n_in + j] = ts[b.likes[j]]
-        ptr = [t.data_ptr() if t is not None else 0 for t in ts]
+        ptr = {}
         for i, _, a in b.pointers:
-            if ptr[i] % a and ts[i] is not None:
-                return NotImplemented
+            t = ts[i]
+            if t is not None:
+                p = ptr[i] = t.data_ptr()
+                if p % a:
+                    return NotImplemented
         for k, (i, si, j, sj) in enumerate(b.pairs):
-            a0, a1 = ptr[i], ptr[j]
+            a0, a1 = ts[i].data_ptr(), ts[j].data_ptr()
             if a0 + si <= a1 or a1 + sj <= a0:
                 continue  # the byte spans do not meet; else the exact test, remembered by offset
             shared = ts[i].untyped_storage().data_ptr() == ts[j].untyped_storage().data_ptr()
@@ -94,18 +97,20 @@ class PythonRuntime:
         for j, mode in enumerate(b.outputs):  # from here on the call is served
             if mode == NEW:
                 like = ts[b.likes[j]]
-                ts[n_in + j] = torch.empty_strided(like.shape, b.strides[j], dtype=like.dtype, device=like.device)
+                t = ts[n_in + j] = torch.empty_strided(like.shape, b.strides[j], dtype=like.dtype, device=like.device)
+                ptr[n_in + j] = t.data_ptr()
         args = b.template[:]
         for i, slot, _ in b.pointers:
-            args[slot] = ts[i].data_ptr()
+            args[slot] = ptr[i]
         if b.late:
             named = dict(zip(b.names[:n_in], ts[:n_in]))
             keep = [fn(named) for _, fn in b.late]  # alive until the kernel is queued
             for (slot, _), t in zip(b.late, keep):
                 args[slot] = t.data_ptr()
         self._launch(b, args, ts)
-        got = [ts[n_in + j] for j in b.produced]
-        return got[0] if len(got) == 1 else tuple(got)
+        if len(b.produced) == 1:
+            return ts[n_in + b.produced[0]]
+        return tuple(ts[n_in + j] for j in b.produced)
 
     def _launch(self, b: Binding, args: Any, ts: list) -> None:
         kernel = b.kernel
