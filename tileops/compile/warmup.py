@@ -200,8 +200,10 @@ def map_jobs(fn: Callable[[Any], Any], todo: list[Any], jobs: int | None = None,
         lock = threading.Lock()
         order = iter(range(len(todo)))
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this tileops imports from
+        # the folder this tileops package imports from (tileops/compile/warmup.py: three levels up)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        env["TILEOPS_NATIVE"] = "0"  # workers only compile kernels: none may build or load the runtime
 
         def drive() -> None:
             proc = subprocess.Popen([sys.executable, "-m", "tileops.compile.warmup"], stdin=subprocess.PIPE,

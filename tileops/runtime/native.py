@@ -117,19 +117,23 @@ def build(progress: bool | None = None) -> str:
         try:
             if _intact(path):
                 return path
-            for stale in (path, path + ".sha256", os.path.join(directory, "lock")):  # a builder that died
+            for stale in (path, path + ".sha256", path + ".failed", os.path.join(directory, "lock")):  # a builder that died
                 if os.path.exists(stale):
                     os.unlink(stale)
             with task("compiling the native runtime (tileops/runtime/_native.cpp, 20-40 s)", wanted(progress)):
                 t0 = time.perf_counter()
                 r = subprocess.run([sys.executable, "-c", _BUILD, _NAME, str(SOURCE), directory, *FLAGS],
                                    capture_output=True, text=True, timeout=1200)
-            log = (r.stdout or "") + (r.stderr or "")
-            with open(os.path.join(directory, "build.log"), "w") as f:
-                f.write(log)
-            if r.returncode != 0 or not os.path.exists(path):
-                lines = [ln for ln in log.splitlines() if ln.strip()]
-                raise OSError(f"building the native runtime failed: {' / '.join(lines[-3:])}")
+                log = (r.stdout or "") + (r.stderr or "")
+                with open(os.path.join(directory, "build.log"), "w") as f:
+                    f.write(log)
+                if r.returncode != 0 or not os.path.exists(path):
+                    errors = [ln for ln in log.splitlines() if "error" in ln.lower()]
+                    lines = errors[:3] or [ln for ln in log.splitlines() if ln.strip()][-3:]
+                    with open(path + ".failed", "w") as f:  # imports do not retry it: only an explicit build
+                        f.write(log)
+                    raise OSError(f"building the native runtime failed (log: {directory}/build.log): "
+                                  f"{' / '.join(lines)}")
             _log.debug("tileops: built %s in %.1f s", path, time.perf_counter() - t0)
             tmp = f"{path}.sha256.{os.getpid()}"
             with open(tmp, "w") as f:
@@ -164,6 +168,9 @@ def _load_at_import() -> None:
     try:
         path = library_path()
         if not _intact(path):
+            if os.path.exists(path + ".failed"):  # this source failed to build here: `tileops warmup` retries
+                _status = f"failed: an earlier build failed (see {os.path.dirname(path)}/build.log)"
+                return
             if not _has_gpu():
                 _status = "not built"
                 return
