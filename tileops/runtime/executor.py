@@ -75,15 +75,12 @@ class PythonRuntime:
         for j, mode in enumerate(b.outputs):
             if mode == IN_PLACE:
                 ts[n_in + j] = ts[b.likes[j]]
-        ptr = {}
+        ptr = [0 if t is None else t.data_ptr() for t in ts]
         for i, _, a in b.pointers:
-            t = ts[i]
-            if t is not None:
-                p = ptr[i] = t.data_ptr()
-                if p % a:
-                    return NotImplemented
+            if ptr[i] % a:
+                return NotImplemented
         for k, (i, si, j, sj) in enumerate(b.pairs):
-            a0, a1 = ts[i].data_ptr(), ts[j].data_ptr()
+            a0, a1 = ptr[i], ptr[j]
             if a0 + si <= a1 or a1 + sj <= a0:
                 continue  # the byte spans do not meet; else the exact test, remembered by offset
             shared = ts[i].untyped_storage().data_ptr() == ts[j].untyped_storage().data_ptr()
