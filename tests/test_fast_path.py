@@ -102,7 +102,7 @@ def test_packed_launcher_matches_plain_ctypes(gen):
     assert kernel.packed is not None, "no packed launcher although a C compiler is here"
     want = op(x)
     impl._kernels[False, False] = dataclasses.replace(kernel, packed=None)
-    op._forget_plans()  # bindings (the op's and its runtime's) hold the kernel they were made with
+    op._forget_bindings()  # bindings (the op's and its runtime's) hold the kernel they were made with
     got = op(x)
     assert torch.equal(got, want)
     assert_close(got, reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": x}))

@@ -131,6 +131,7 @@ struct Config {  // set once by tileops/runtime/library.py (GIL held), before an
   PyObject* apply_out = nullptr;
   PyObject* apply_backward = nullptr;
   PyObject* apply_grad = nullptr;  // tileops::apply under autograd: (handle, inputs, names) -> outputs
+  PyObject* apply_backward_grad = nullptr;  // apply_backward under autograd (create_graph=True)
 } cfg;
 std::atomic<bool> configured{false};
 
@@ -978,13 +979,13 @@ PyObject* Dispatch_clear(Dispatch* d, PyObject*) {
 
 PyObject* Dispatch_stats(Dispatch* d, PyObject*) {
   Core& c = *d->core;
-  size_t plans, graph;
+  size_t bindings, graph;
   {
     std::lock_guard<std::mutex> g(c.mu);
-    plans = c.count;
+    bindings = c.count;
     graph = c.graph.size();
   }
-  return Py_BuildValue("{s:n,s:K,s:K,s:n}", "plans", (Py_ssize_t)plans, "hits", (unsigned long long)c.hits.load(),
+  return Py_BuildValue("{s:n,s:K,s:K,s:n}", "bindings", (Py_ssize_t)bindings, "hits", (unsigned long long)c.hits.load(),
                        "misses", (unsigned long long)c.misses.load(), "graph_words", (Py_ssize_t)graph);
 }
 
@@ -1231,8 +1232,8 @@ void apply_out_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_v
 
 std::vector<at::Tensor> apply_backward_autograd(c10::SymInt handle, at::TensorList grads, at::TensorList inputs,
                                                 c10::string_view names) {
-  TORCH_CHECK(!any_requires_grad({grads}), "tileops::apply_backward: a gradient of the gradient (double backward) "
-              "is not supported; the backward kernel is not itself differentiable");
+  if (any_requires_grad({grads, inputs}))  // create_graph=True: results that raise only when differentiated
+    return python_path(cfg.apply_backward_grad, handle.expect_int(), {grads, inputs}, names);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("tileops::apply_backward", "")
                        .typed<decltype(apply_backward_kernel)>();
@@ -1244,11 +1245,11 @@ std::vector<at::Tensor> apply_backward_autograd(c10::SymInt handle, at::TensorLi
 PyObject* configure(PyObject*, PyObject* args, PyObject* kw) {
   static const char* kwlist[] = {"rc_record_failed", "rc_capturing", "env_strict", "when_now", "when_earlier",
                                  "when_graph", "raise_bad", "disjoint", "late", "apply", "apply_out",
-                                 "apply_backward", "apply_grad", nullptr};
+                                 "apply_backward", "apply_grad", "apply_backward_grad", nullptr};
   int rf, rcap, strict;
-  PyObject *now, *earlier, *graph, *rb, *dj, *late, *ap, *ao, *ab, *ag;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOO", (char**)kwlist, &rf, &rcap, &strict, &now, &earlier,
-                                   &graph, &rb, &dj, &late, &ap, &ao, &ab, &ag))
+  PyObject *now, *earlier, *graph, *rb, *dj, *late, *ap, *ao, *ab, *ag, *abg;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOOO", (char**)kwlist, &rf, &rcap, &strict, &now, &earlier,
+                                   &graph, &rb, &dj, &late, &ap, &ao, &ab, &ag, &abg))
     return nullptr;
   if (configured.load()) {
     PyErr_SetString(PyExc_RuntimeError, "tileops: the native runtime is configured once");
@@ -1260,7 +1261,8 @@ PyObject* configure(PyObject*, PyObject* args, PyObject* kw) {
   std::pair<PyObject**, PyObject*> given[] = {{&cfg.when_now, now}, {&cfg.when_earlier, earlier},
                                                {&cfg.when_graph, graph}, {&cfg.raise_bad, rb}, {&cfg.disjoint, dj},
                                                {&cfg.late, late}, {&cfg.apply, ap}, {&cfg.apply_out, ao},
-                                               {&cfg.apply_backward, ab}, {&cfg.apply_grad, ag}};
+                                               {&cfg.apply_backward, ab}, {&cfg.apply_grad, ag},
+                                               {&cfg.apply_backward_grad, abg}};
   for (auto& [slot, v] : given) *slot = Py_NewRef(v);  // held for the process's life
   configured.store(true);
   Py_RETURN_NONE;

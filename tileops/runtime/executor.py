@@ -60,7 +60,7 @@ class PythonRuntime:
         pass
 
     def stats(self) -> dict:
-        return {"plans": 0, "hits": 0, "misses": 0}
+        return {"bindings": 0, "hits": 0, "misses": 0, "graph_words": len(self._graph)}
 
     def has_pending(self) -> bool:
         return False  # every call was judged at the call
