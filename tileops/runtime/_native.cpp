@@ -912,14 +912,6 @@ PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* Dispatch_call(Dispatch* d, PyObject* args, PyObject* kw) {
-  if (kw != nullptr && PyDict_GET_SIZE(kw)) {
-    PyErr_SetString(PyExc_TypeError, "Dispatch(tensors, outs=None) takes no keywords");
-    return nullptr;
-  }
-  return Dispatch_run(d, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args));
-}
-
 // execute(binding, tensors, outs): the general path's launch, on the tensors it launches with
 PyObject* Dispatch_execute(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
@@ -1079,7 +1071,6 @@ PyMethodDef Dispatch_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 PyType_Slot Dispatch_slots[] = {{Py_tp_new, (void*)Dispatch_new},
                                 {Py_tp_dealloc, (void*)Dispatch_dealloc},
-                                {Py_tp_call, (void*)Dispatch_call},
                                 {Py_tp_methods, Dispatch_methods},
                                 {Py_tp_doc, (void*)"One op's bindings, executor and error tracker."},
                                 {0, nullptr}};
@@ -1298,8 +1289,6 @@ PyObject* set_driver(PyObject*, PyObject* args) {
   return was;
 }
 
-PyObject* has_driver(PyObject*, PyObject*) { return PyBool_FromLong(driver.load() != nullptr); }
-
 PyObject* set_strict(PyObject*, PyObject* v) {  // returns the previous value (-1: unset)
   long s = PyLong_AsLong(v);
   if (s == -1 && PyErr_Occurred()) return nullptr;
@@ -1322,7 +1311,6 @@ PyMethodDef module_methods[] = {
     {"set_driver", (PyCFunction)set_driver, METH_VARARGS,
      "set_driver(cuEventRecord, cuStreamIsCapturing, cuEventQuery, cuEventSynchronize, "
      "cuThreadExchangeStreamCaptureMode, make_event, pinned=True): the driver's addresses."},
-    {"has_driver", (PyCFunction)has_driver, METH_NOARGS, "Whether set_driver was called."},
     {"set_strict", (PyCFunction)set_strict, METH_O, "This thread's strict mode (1, 0, -1 unset); returns the old."},
     {"is_strict", (PyCFunction)strict_now, METH_NOARGS, "Whether this thread's calls are judged at the call."},
     {"is_plain", (PyCFunction)is_plain, METH_O, "Whether a binding could serve this tensor (a plain tensor)."},
