@@ -1,5 +1,5 @@
-"""The per-signature launch plan (the eager fast path) and the packed-argument launcher, on the
-CPU's BUILTIN kernels: a repeated call skips the signature checks but never what its pointers
+"""The per-signature binding (the eager fast path, tileops/runtime/binding.py) and the
+packed-argument launcher, on the CPU's BUILTIN kernels: a repeated call skips the signature checks but never what its pointers
 decide (overlap, alignment), and every path gives the float64 reference's answer."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_packed_launcher_matches_plain_ctypes(gen):
     assert kernel.packed is not None, "no packed launcher although a C compiler is here"
     want = op(x)
     impl._kernels[False, False] = dataclasses.replace(kernel, packed=None)
-    op._forget_plans()  # plans (Python and native) hold the kernel they were made with
+    op._forget_bindings()  # bindings (the op's and its runtime's) hold the kernel they were made with
     got = op(x)
     assert torch.equal(got, want)
     assert_close(got, reference("RoPEFwdOp", {"input_layout": "2d"}, {"x": x}))

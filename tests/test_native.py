@@ -284,6 +284,21 @@ def test_the_custom_ops_serve_a_bound_signature_in_cpp(gen):
         torch.ops.tileops.apply.default(10**9, [x], "x")
 
 
+def test_the_custom_op_is_differentiable_once_and_refuses_a_second_derivative(gen):
+    """tileops::apply with an input that requires grad (its C++ autograd kernel hands the call to
+    library._Apply): the gradient is the eager call's, also with create_graph=True, and
+    differentiating that gradient raises (the backward kernel is not itself differentiable)."""
+    native_module()
+    op = RoPEFwdOp(input_layout="2d")
+    x = torch.randn(1, 5, 2, 32, generator=gen, requires_grad=True)
+    (y,) = torch.ops.tileops.apply.default(op._handle, [x], "x")
+    (want,) = torch.autograd.grad(op(x).square().sum(), x)
+    (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    assert torch.equal(g, want)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
+
+
 def test_custom_op_calls_from_threads_without_the_gil_count_every_call(gen):
     """torch releases the GIL around an op call: four threads calling tileops::apply at once run
     the executor concurrently; every call is served right and counted once."""

@@ -66,7 +66,7 @@ class Op:
     def _use_runtime(self, runtime: Any) -> None:
         """Serve the calls through ``runtime`` (:mod:`tileops.runtime.executor`; tests and benchmarks
         give an op the Python runtime beside the native one this way)."""
-        self._forget_plans()
+        self._forget_bindings()
         self._runtime = runtime
         self._native_run = None if isinstance(runtime, executor.PythonRuntime) else runtime.run
 
@@ -304,7 +304,7 @@ class Op:
             entry = (impl, with_overlap_checks(b, tensors, given) if b is not None else None)
             if sig is not None:
                 if len(self._fast) > 4096:  # many distinct shapes: keep the tables bounded
-                    self._forget_plans()
+                    self._forget_bindings()
                 self._fast[sig] = entry
                 if entry[1] is not None and entry[1].late:
                     self._late[id(entry[1])] = entry[1]
@@ -324,7 +324,7 @@ class Op:
             self._check_outs(tensors, given)
         return run_differentiable(self, impl, tensors, given)
 
-    def _forget_plans(self) -> None:
+    def _forget_bindings(self) -> None:
         """Drop every binding (the op's and its runtime's); the next call of each signature binds again."""
         self._fast.clear()
         self._late.clear()

@@ -132,6 +132,7 @@ struct Config {  // set once by tileops/runtime/library.py (GIL held), before an
   PyObject* apply_out = nullptr;
   PyObject* apply_backward = nullptr;
   PyObject* apply_grad = nullptr;  // tileops::apply under autograd: (handle, inputs, names) -> outputs
+  PyObject* apply_backward_grad = nullptr;  // apply_backward under autograd (create_graph=True)
 } cfg;
 std::atomic<bool> configured{false};
 
@@ -912,14 +913,6 @@ PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
-PyObject* Dispatch_call(Dispatch* d, PyObject* args, PyObject* kw) {
-  if (kw != nullptr && PyDict_GET_SIZE(kw)) {
-    PyErr_SetString(PyExc_TypeError, "Dispatch(tensors, outs=None) takes no keywords");
-    return nullptr;
-  }
-  return Dispatch_run(d, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args));
-}
-
 // execute(binding, tensors, outs): the general path's launch, on the tensors it launches with
 PyObject* Dispatch_execute(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
@@ -979,13 +972,13 @@ PyObject* Dispatch_clear(Dispatch* d, PyObject*) {
 
 PyObject* Dispatch_stats(Dispatch* d, PyObject*) {
   Core& c = *d->core;
-  size_t plans, graph;
+  size_t bindings, graph;
   {
     std::lock_guard<std::mutex> g(c.mu);
-    plans = c.count;
+    bindings = c.count;
     graph = c.graph.size();
   }
-  return Py_BuildValue("{s:n,s:K,s:K,s:n}", "plans", (Py_ssize_t)plans, "hits", (unsigned long long)c.hits.load(),
+  return Py_BuildValue("{s:n,s:K,s:K,s:n}", "bindings", (Py_ssize_t)bindings, "hits", (unsigned long long)c.hits.load(),
                        "misses", (unsigned long long)c.misses.load(), "graph_words", (Py_ssize_t)graph);
 }
 
@@ -1079,7 +1072,6 @@ PyMethodDef Dispatch_methods[] = {
     {nullptr, nullptr, 0, nullptr}};
 PyType_Slot Dispatch_slots[] = {{Py_tp_new, (void*)Dispatch_new},
                                 {Py_tp_dealloc, (void*)Dispatch_dealloc},
-                                {Py_tp_call, (void*)Dispatch_call},
                                 {Py_tp_methods, Dispatch_methods},
                                 {Py_tp_doc, (void*)"One op's bindings, executor and error tracker."},
                                 {0, nullptr}};
@@ -1232,8 +1224,8 @@ void apply_out_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_v
 
 std::vector<at::Tensor> apply_backward_autograd(c10::SymInt handle, at::TensorList grads, at::TensorList inputs,
                                                 c10::string_view names) {
-  TORCH_CHECK(!any_requires_grad({grads}), "tileops::apply_backward: a gradient of the gradient (double backward) "
-              "is not supported; the backward kernel is not itself differentiable");
+  if (any_requires_grad({grads, inputs}))  // create_graph=True: results that raise only when differentiated
+    return python_path(cfg.apply_backward_grad, handle.expect_int(), {grads, inputs}, names);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("tileops::apply_backward", "")
                        .typed<decltype(apply_backward_kernel)>();
@@ -1245,11 +1237,11 @@ std::vector<at::Tensor> apply_backward_autograd(c10::SymInt handle, at::TensorLi
 PyObject* configure(PyObject*, PyObject* args, PyObject* kw) {
   static const char* kwlist[] = {"rc_record_failed", "rc_capturing", "env_strict", "when_now", "when_earlier",
                                  "when_graph", "raise_bad", "disjoint", "late", "apply", "apply_out",
-                                 "apply_backward", "apply_grad", nullptr};
+                                 "apply_backward", "apply_grad", "apply_backward_grad", nullptr};
   int rf, rcap, strict;
-  PyObject *now, *earlier, *graph, *rb, *dj, *late, *ap, *ao, *ab, *ag;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOO", (char**)kwlist, &rf, &rcap, &strict, &now, &earlier,
-                                   &graph, &rb, &dj, &late, &ap, &ao, &ab, &ag))
+  PyObject *now, *earlier, *graph, *rb, *dj, *late, *ap, *ao, *ab, *ag, *abg;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOOO", (char**)kwlist, &rf, &rcap, &strict, &now, &earlier,
+                                   &graph, &rb, &dj, &late, &ap, &ao, &ab, &ag, &abg))
     return nullptr;
   if (configured.load()) {
     PyErr_SetString(PyExc_RuntimeError, "tileops: the native runtime is configured once");
@@ -1261,7 +1253,8 @@ PyObject* configure(PyObject*, PyObject* args, PyObject* kw) {
   std::pair<PyObject**, PyObject*> given[] = {{&cfg.when_now, now}, {&cfg.when_earlier, earlier},
                                                {&cfg.when_graph, graph}, {&cfg.raise_bad, rb}, {&cfg.disjoint, dj},
                                                {&cfg.late, late}, {&cfg.apply, ap}, {&cfg.apply_out, ao},
-                                               {&cfg.apply_backward, ab}, {&cfg.apply_grad, ag}};
+                                               {&cfg.apply_backward, ab}, {&cfg.apply_grad, ag},
+                                               {&cfg.apply_backward_grad, abg}};
   for (auto& [slot, v] : given) *slot = Py_NewRef(v);  // held for the process's life
   configured.store(true);
   Py_RETURN_NONE;
@@ -1297,8 +1290,6 @@ PyObject* set_driver(PyObject*, PyObject* args) {
   return was;
 }
 
-PyObject* has_driver(PyObject*, PyObject*) { return PyBool_FromLong(driver.load() != nullptr); }
-
 PyObject* set_strict(PyObject*, PyObject* v) {  // returns the previous value (-1: unset)
   long s = PyLong_AsLong(v);
   if (s == -1 && PyErr_Occurred()) return nullptr;
@@ -1321,7 +1312,6 @@ PyMethodDef module_methods[] = {
     {"set_driver", (PyCFunction)set_driver, METH_VARARGS,
      "set_driver(cuEventRecord, cuStreamIsCapturing, cuEventQuery, cuEventSynchronize, "
      "cuThreadExchangeStreamCaptureMode, make_event, pinned=True): the driver's addresses."},
-    {"has_driver", (PyCFunction)has_driver, METH_NOARGS, "Whether set_driver was called."},
     {"set_strict", (PyCFunction)set_strict, METH_O, "This thread's strict mode (1, 0, -1 unset); returns the old."},
     {"is_strict", (PyCFunction)strict_now, METH_NOARGS, "Whether this thread's calls are judged at the call."},
     {"is_plain", (PyCFunction)is_plain, METH_O, "Whether a binding could serve this tensor (a plain tensor)."},

@@ -4,17 +4,19 @@ With the native extension loaded (:mod:`tileops.runtime.native`) it is the exten
 ``Dispatch``: the op's bindings by call signature, served from C++ (``run``), the same executor for
 the general path's bindings (``execute``), and the deferred error tracker. Without it, a
 :class:`PythonRuntime`: the same executor in Python, and errors judged at the call (see
-:mod:`tileops.runtime.errors`). Both have the same methods:
+:mod:`tileops.runtime.errors`). Both have
 
 * ``execute(binding, tensors, outs)``: run a :class:`tileops.runtime.binding.Binding` on a call's
   tensors (input name -> tensor, output name -> tensor or None); returns what the op returns (its
   produced outputs: one tensor, or a tuple), or ``NotImplemented``, having done nothing, when the
   pointers refuse it (alignment, overlap);
-* ``add(tensors, outs, binding)``: the binding (or None) of calls shaped like this one, for ``run``;
-* ``run(tensors, outs)``: a call served from the bindings ``add`` gave, or ``NotImplemented``
-  (the Python runtime serves none: :meth:`tileops.op.Op._eager_call` looks its bindings up itself);
-* ``has_pending()``, ``reap()``, ``check()``: this thread's calls not judged yet;
-* ``clear()``: forget every binding; ``stats()``: bindings known, calls served and passed on.
+* ``check()``: judge this thread's calls (waiting for them) and the words of captured calls;
+* ``clear()``: forget every binding; ``stats()``: bindings known, calls served and passed on;
+
+and the native one also ``add(tensors, outs, binding)`` (the binding, or None, of calls shaped like
+this one), ``run(tensors, outs)`` (a call served from them, or ``NotImplemented``), and
+``has_pending()`` and ``reap()`` (this thread's calls not judged yet, judged without waiting). The
+Python runtime keeps no bindings: :meth:`tileops.op.Op._eager_call` looks them up itself.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from .memory import disjoint
 __all__ = ["new_runtime", "PythonRuntime"]
 
 
-def new_runtime(handle: int, manifest: Any, use_native: bool = True) -> Any:
+def new_runtime(handle: int, manifest: Any) -> Any:
     """The runtime of the op registered as ``handle`` (:func:`tileops.runtime.library.register`):
-    the extension's when it is loaded (and ``use_native``), else a :class:`PythonRuntime`."""
+    the extension's when it is loaded, else a :class:`PythonRuntime`."""
     mod = native.module
-    if mod is None or not use_native:
+    if mod is None:
         return PythonRuntime(handle)
     ins = tuple(t.name for t in manifest.inputs)
     return mod.Dispatch(handle, ins, tuple(o.name for o in manifest.outputs),
@@ -50,23 +52,11 @@ class PythonRuntime:
         self._graph: list[tuple[Any, int, int, torch.Tensor]] = []  # words of captured calls
         self._lock = threading.Lock()
 
-    def run(self, tensors: Mapping[str, Any], outs: Any = None) -> Any:
-        return NotImplemented
-
-    def add(self, tensors: Any, outs: Any, binding: Any) -> None:
-        pass
-
     def clear(self) -> None:
         pass
 
     def stats(self) -> dict:
-        return {"plans": 0, "hits": 0, "misses": 0}
-
-    def has_pending(self) -> bool:
-        return False  # every call was judged at the call
-
-    def reap(self) -> None:
-        pass
+        return {"bindings": 0, "hits": 0, "misses": 0, "graph_words": len(self._graph)}
 
     def execute(self, b: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None) -> Any:
         n_in = b.inputs
@@ -75,15 +65,12 @@ class PythonRuntime:
         for j, mode in enumerate(b.outputs):
             if mode == IN_PLACE:
                 ts[n_in + j] = ts[b.likes[j]]
-        ptr = {}
+        ptr = [0 if t is None else t.data_ptr() for t in ts]
         for i, _, a in b.pointers:
-            t = ts[i]
-            if t is not None:
-                p = ptr[i] = t.data_ptr()
-                if p % a:
-                    return NotImplemented
+            if ptr[i] % a:
+                return NotImplemented
         for k, (i, si, j, sj) in enumerate(b.pairs):
-            a0, a1 = ts[i].data_ptr(), ts[j].data_ptr()
+            a0, a1 = ptr[i], ptr[j]
             if a0 + si <= a1 or a1 + sj <= a0:
                 continue  # the byte spans do not meet; else the exact test, remembered by offset
             shared = ts[i].untyped_storage().data_ptr() == ts[j].untyped_storage().data_ptr()

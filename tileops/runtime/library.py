@@ -191,6 +191,19 @@ def _apply_grad(handle: int, inputs: list[torch.Tensor], names: str) -> list[tor
     return list(_Apply.apply(handle, names, *inputs))
 
 
+def _apply_backward_grad(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
+                         names: str) -> list[torch.Tensor]:
+    """``tileops::apply_backward`` where autograd records it (``create_graph=True``), with the native
+    ops: as the Python op (which has no backward formula) does, the gradients come back and raise
+    only when differentiated."""
+    with torch._C._AutoDispatchBelowAutograd():
+        got = torch.ops.tileops.apply_backward.default(handle, grads, inputs, names)
+    fail = torch._C._functions.DelayedError(f"{lookup(handle).name}: double backward (a gradient of the "
+                                            f"gradient) is not supported", len(got))
+    out = fail(*[g.detach().requires_grad_(True) for g in got])
+    return list(out) if isinstance(out, tuple) else [out]
+
+
 if native.module is None:
     apply = torch.library.custom_op("tileops::apply", mutates_args=())(_apply)
     apply.register_autograd(_backward, setup_context=_setup_context)
@@ -201,7 +214,7 @@ else:  # defined by the extension: its kernels call these bodies for what they d
         rc_record_failed=entry.RECORD_FAILED, rc_capturing=entry.CAPTURING, env_strict=errors.ENV_STRICT,
         when_now=errors.WHEN_NOW, when_earlier=errors.WHEN_EARLIER, when_graph=errors.WHEN_GRAPH,
         raise_bad=raise_bad, disjoint=memory.disjoint, late=late, apply=_apply, apply_out=_apply_out,
-        apply_backward=_apply_backward, apply_grad=_apply_grad)
+        apply_backward=_apply_backward, apply_grad=_apply_grad, apply_backward_grad=_apply_backward_grad)
     if torch.version.cuda is not None and torch.cuda.device_count() > 0:  # NVML: no CUDA initialised
         native.module.set_driver(*errors.driver_addresses(), errors.make_event)
 for _name, _fake in (("apply", _apply_fake), ("apply_out", _apply_out_fake), ("apply_backward", _apply_backward_fake)):
