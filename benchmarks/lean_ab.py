@@ -31,10 +31,10 @@ def steps() -> None:
 
     t2 = time.perf_counter()
     from tileops.compile import cuda_build, build
-    from tileops.kernels.rope import RopeKernelSpec
+    from tileops.kernels.rope import RoPEKernelSpec
     from tileops.compile.entry import raw_kernel_from
 
-    spec = RopeKernelSpec(**SPEC)
+    spec = RoPEKernelSpec(**SPEC)
     func = build.prim_func("rope", spec)
     t3 = time.perf_counter()
     lean = cuda_build.build(func, "sm_90", build.PASS_CONFIGS)
@@ -52,18 +52,18 @@ def launch(rounds: int = 22, calls: int = 500) -> None:
     import torch
 
     from tileops.compile import cuda_build, build
-    from tileops.kernels.rope import RopeKernelSpec
+    from tileops.kernels.rope import RoPEKernelSpec
     from tileops.compile.entry import raw_kernel, raw_kernel_from
-    from tileops.rope.tables import RopeTables
+    from tileops.rope.tables import RoPETables
 
     dev = torch.device("cuda")
-    spec = RopeKernelSpec(dtype="float32", head_dim=64, rot=64, head_lanes=8)
+    spec = RoPEKernelSpec(dtype="float32", head_dim=64, rot=64, head_lanes=8)
     theirs = raw_kernel(build.compile_kernel("rope", spec, "cuda", "sm_90"), dev, spec.args)
     lean = cuda_build.build(build.prim_func("rope", spec), "sm_90", build.PASS_CONFIGS)
     ours = raw_kernel_from(build._init_library(lean.libpath), lean.record, dev, spec.args)
     x = torch.randn(1, 16, 8, 64, device=dev)
     y = torch.empty_like(x)
-    td = RopeTables(10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64), 1.0).on(dev)
+    td = RoPETables(10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64), 1.0).on(dev)
     st = list(x.stride()[:3])
 
     def args(k):

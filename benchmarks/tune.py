@@ -19,9 +19,9 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from tileops.compile import build
-from tileops.kernels.rope import RopeKernelSpec
+from tileops.kernels.rope import RoPEKernelSpec
 from tileops.compile.entry import raw_kernel
-from tileops.rope.tables import RopeTables
+from tileops.rope.tables import RoPETables
 
 # (name, dtype, layout, B, S, H, D, rot, pairing, positions)
 WORKLOADS = [
@@ -59,18 +59,18 @@ def configs(layout: str, quick: bool):
             itertools.product((128,) if quick else (128, 256, 512), (4, 8) if quick else (2, 4, 8), (1, 2))]
 
 
-def spec_of(w, cfg) -> RopeKernelSpec:
+def spec_of(w, cfg) -> RoPEKernelSpec:
     _, dtype, _, _, _, _, D, rot, pairing, positions = w
-    return RopeKernelSpec(dtype=dtype, head_dim=D, rot=rot, pairing=pairing, positions=positions,
+    return RoPEKernelSpec(dtype=dtype, head_dim=D, rot=rot, pairing=pairing, positions=positions,
                           backend="cuda", **cfg)
 
 
-def hf_spec(w, cfg) -> RopeKernelSpec:
+def hf_spec(w, cfg) -> RoPEKernelSpec:
     _, dtype, _, _, _, _, D = w
-    return RopeKernelSpec(dtype=dtype, head_dim=D, rot=D, pairing="neox", positions=None, backend="cuda", **cfg)
+    return RoPEKernelSpec(dtype=dtype, head_dim=D, rot=D, pairing="neox", positions=None, backend="cuda", **cfg)
 
 
-def _compile(spec: RopeKernelSpec) -> str:
+def _compile(spec: RoPEKernelSpec) -> str:
     build.compile_kernel("rope", spec, "cuda", "sm_90")
     return str(spec)
 
@@ -102,7 +102,7 @@ def main() -> int:
         ys = [torch.empty_like(x) for x in xs]
         x = xs[0]
         inv = 10000.0 ** (-torch.arange(0, rot, 2, dtype=torch.float64) / rot)
-        td = RopeTables(inv, 1.0).on(dev)
+        td = RoPETables(inv, 1.0).on(dev)
         nbytes = 2 * x.numel() * x.element_size()
         extra = {}
         if positions:
@@ -148,7 +148,7 @@ def tune_hf(w, quick: bool, rate: float) -> None:
     qs = [torch.randn(B, H, S, D, device=dev).to(dt) for _ in range(n)]
     ks = [torch.randn(B, HK, S, D, device=dev).to(dt) for _ in range(n)]
     inv = 10000.0 ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
-    td = RopeTables(inv, 1.0).on(dev)
+    td = RoPETables(inv, 1.0).on(dev)
     floor = one / rate
     copy = same_bytes_copy_us(one)
     results = []

@@ -63,12 +63,12 @@ from .storage import load_f32, storage_dtype, to_storage
 #: constants here are read without TileLang, so a process that loads cached kernels never imports it
 T: Any = None
 
-__all__ = ["RopeKernelSpec", "build_rope", "build", "Spec", "STATIC", "LO", "DIGITS", "MAX_POSITION", "ARGS",
+__all__ = ["RoPEKernelSpec", "build_rope", "build", "Spec", "STATIC", "LO", "DIGITS", "MAX_POSITION", "ARGS",
            "MAX_BLOCK_THREADS", "MAX_GRID_Y"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
 #: without importing the module): key -> (low, high, what it is). Every other field of
-#: :class:`RopeKernelSpec` the op derives from the call.
+#: :class:`RoPEKernelSpec` the op derives from the call.
 STATIC = {
     "threads": (32, 1024, "target threads per block (CUDA)"),
     "head_lanes": (1, 64, "threads that split one token's heads (CUDA)"),
@@ -101,7 +101,7 @@ ARGS = ("X", "Y", "K", "KY", "TD", "P", "ERR", "B", "S", "H", "HK",
 
 
 @dataclass(frozen=True)
-class RopeKernelSpec:
+class RoPEKernelSpec:
     """Everything a RoPE kernel is compiled for; two equal specs share one compiled kernel."""
 
     dtype: str  # float16 | bfloat16 | float32
@@ -201,7 +201,7 @@ class RopeKernelSpec:
         return ARGS
 
 
-def _pick(spec: RopeKernelSpec, j, pt, ph, pw):
+def _pick(spec: RoPEKernelSpec, j, pt, ph, pw):
     """The position pair ``j`` (a TIR expression) rotates by: that of stream 0 (temporal, ``pt``), 1
     (height, ``ph``) or 2 (width, ``pw``). Consecutive sections (Qwen2-VL, Qwen2.5-VL): the first
     ``section[0]`` pairs take stream 0, the next ``section[1]`` stream 1, the rest stream 2.
@@ -215,7 +215,7 @@ def _pick(spec: RopeKernelSpec, j, pt, ph, pw):
     return T.if_then_else(j < s0, pt, T.if_then_else(j < s0 + s1, ph, pw))
 
 
-def build_rope(spec: RopeKernelSpec):
+def build_rope(spec: RoPEKernelSpec):
     """The ``T.prim_func`` for ``spec``; its parameters are :data:`ARGS`.
 
     ``X``, ``Y``, ``K``, ``KY`` are flat buffers of the element type addressed through the strides
@@ -265,7 +265,7 @@ def _position_body(by_ids, P, ERR, psb, pss, limit, tag, b, s, stream=None, psc=
     return p
 
 
-def _pair_index(spec: RopeKernelSpec, j):
+def _pair_index(spec: RoPEKernelSpec, j):
     """Element indices (first, second) of pair ``j`` within a head."""
     if spec.pairing == "neox":
         return j, j + spec.rot // 2
@@ -277,7 +277,7 @@ def _offset(b, s, h, sb, ss, sh, unit: int = 1):
     return (T.cast(b, "int64") * sb + T.cast(s, "int64") * ss + T.cast(h, "int64") * sh) * unit
 
 
-def _signature(spec: RopeKernelSpec, storage: str):
+def _signature(spec: RoPEKernelSpec, storage: str):
     """Buffer declarations shared by both backends (flat extents are dynamic)."""
     half = spec.rot // 2
     NX, NY, NK, NKY, NP = T.dynamic("NX, NY, NK, NKY, NP")
@@ -288,7 +288,7 @@ def _signature(spec: RopeKernelSpec, storage: str):
     )
 
 
-def _build_c(spec: RopeKernelSpec):
+def _build_c(spec: RoPEKernelSpec):
     D, R, half = spec.head_dim, spec.rot, spec.rot // 2
     storage = storage_dtype(spec.dtype, "c")
     dt = spec.dtype
@@ -366,7 +366,7 @@ template <typename T> __device__ __forceinline__ void tileops_st16(T* dst, const
 """
 
 
-def _build_cuda(spec: RopeKernelSpec):
+def _build_cuda(spec: RoPEKernelSpec):
     D, R, half = spec.head_dim, spec.rot, spec.rot // 2
     dt = spec.dtype
     V = spec.vec
@@ -552,4 +552,4 @@ def _build_cuda(spec: RopeKernelSpec):
 
 #: the names :mod:`tileops.kernels` looks up in a builder module
 build = build_rope
-Spec = RopeKernelSpec
+Spec = RoPEKernelSpec

@@ -2,7 +2,7 @@
 
 ``target=None`` on a CPU tensor is BUILTIN's C kernel; an fp16 call of at least
 ``CPU_WIDEN_FP16_MIN`` elements (x and key together) runs the fp32 kernel on fp32 copies and rounds
-back (``RopeKernels.widens``). Both ways are compared with the float64 references
+back (``RoPEKernels.widens``). Both ways are compared with the float64 references
 (``tests/references.py``) and with each other bit for bit, forward and backward, with positions, a
 key, ``out=`` and in place. No timing is asserted here: the numbers are ``benchmarks/cpu.py``'s.
 """
@@ -51,7 +51,7 @@ def test_rule_picks(dtype, shape, key_heads, widened):
     x = torch.zeros(shape, dtype=dtype)
     key = torch.zeros(*shape[:2], key_heads, shape[3], dtype=dtype) if key_heads else None
     impl = _impl(op, x=x, **({"key": key} if key is not None else {}))
-    assert isinstance(impl, builtin.RopeKernels)
+    assert isinstance(impl, builtin.RoPEKernels)
     assert impl.widens(x, key) is widened
     assert op.serving_target == BUILTIN  # what target=None resolved to, whichever way the kernel runs
 

@@ -59,23 +59,23 @@ def test_strided_and_offset_views_cuda():
 def test_every_element_written_cuda():
     """Each schedule, run straight into NaN-filled outputs for x and a key (GQA head counts)."""
     from tileops.compile.build import compile_kernel, device_backend
-    from tileops.kernels.rope import RopeKernelSpec
+    from tileops.kernels.rope import RoPEKernelSpec
     from tileops.compile.entry import raw_kernel
-    from tileops.rope.tables import RopeTables
+    from tileops.rope.tables import RoPETables
 
     dev = torch.device("cuda")
     backend, arch = device_backend(dev)
     cases = (("neox", 80, "float16", {}), ("interleaved", 96, "bfloat16", {}), ("neox", 92, "float32", {}),
              ("interleaved", 64, "float16", {"tokens_per_thread": 4}))
     for pairing, d, dtype, extra in cases:
-        spec = RopeKernelSpec(dtype=dtype, head_dim=d, rot=d, pairing=pairing, backend=backend, head_lanes=8,
+        spec = RoPEKernelSpec(dtype=dtype, head_dim=d, rot=d, pairing=pairing, backend=backend, head_lanes=8,
                               **extra)
         k = raw_kernel(compile_kernel("rope", spec, backend, arch), dev, spec.args)
         x = torch.randn(3, 37, 5, d, device=dev).to(getattr(torch, dtype))
         key = torch.randn(3, 37, 2, d, device=dev).to(getattr(torch, dtype))
         out, kout = torch.full_like(x, float("nan")), torch.full_like(key, float("nan"))
         inv = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        td = RopeTables(inv, 1.0).on(dev)
+        td = RoPETables(inv, 1.0).on(dev)
         u = spec.stride_unit
         st = [[v // u for v in t.stride()[:3]] for t in (x, out, key, kout)]
         k(*k.bind(**dict.fromkeys(k.arg_names, 0) | dict(  # no positions: P to tag unread, 0

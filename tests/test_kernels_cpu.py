@@ -59,17 +59,17 @@ def test_position_ids_partial(dtype, pos_dtype, gen):
 def test_every_element_written(gen):
     """Run the compiled kernel directly into NaN-filled outputs (x and a key): no element may stay NaN."""
     from tileops.compile.build import compile_kernel
-    from tileops.kernels.rope import RopeKernelSpec
+    from tileops.kernels.rope import RoPEKernelSpec
     from tileops.compile.entry import raw_kernel
-    from tileops.rope.tables import RopeTables
+    from tileops.rope.tables import RoPETables
 
-    spec = RopeKernelSpec(dtype="float32", head_dim=96, rot=96, pairing="interleaved", backend="c")
+    spec = RoPEKernelSpec(dtype="float32", head_dim=96, rot=96, pairing="interleaved", backend="c")
     kernel = raw_kernel(compile_kernel("rope", spec, "c", "c"), torch.device("cpu"), spec.args)
     x = torch.randn(3, 37, 5, 96, generator=gen)
     k = torch.randn(3, 37, 2, 96, generator=gen)
     out, kout = torch.full_like(x, float("nan")), torch.full_like(k, float("nan"))
     inv = 10000.0 ** (-torch.arange(0, 96, 2, dtype=torch.float64) / 96)
-    td = RopeTables(inv, 1.0).on(torch.device("cpu"))
+    td = RoPETables(inv, 1.0).on(torch.device("cpu"))
     st = lambda t: dict(zip("bsh", t.stride()[:3]))  # noqa: E731
     a, b, c, d = st(x), st(out), st(k), st(kout)
     # the position arguments (P to tag) are parameters of every RoPE kernel; one without positions
@@ -115,14 +115,14 @@ def test_non_contiguous_and_unaligned_inputs(gen):
 def test_block_threads_fit_every_allowed_head():
     """Every head_dim the manifests allow (even, at most 1024), every rotated width and dtype: the
     CUDA block stays within 1024 threads, however narrow the vector gets."""
-    from tileops.kernels.rope import MAX_BLOCK_THREADS, RopeKernelSpec
+    from tileops.kernels.rope import MAX_BLOCK_THREADS, RoPEKernelSpec
 
     worst = 0
     for dtype in ("float16", "bfloat16", "float32"):
         for head_dim in range(2, 1025, 2):
             for rot in {head_dim, 2, max(2, head_dim // 2 // 2 * 2), 98 if head_dim >= 98 else head_dim}:
                 for head_lanes in (1, 8, 64):
-                    k = RopeKernelSpec(dtype=dtype, head_dim=head_dim, rot=rot, head_lanes=head_lanes)
+                    k = RoPEKernelSpec(dtype=dtype, head_dim=head_dim, rot=rot, head_lanes=head_lanes)
                     assert 1 <= k.block_threads <= MAX_BLOCK_THREADS, (dtype, head_dim, rot, head_lanes)
                     worst = max(worst, k._lanes * head_lanes)
     assert worst > MAX_BLOCK_THREADS  # the clamp was needed: fp32 head_dim 1022 at 8 lanes is 4088
@@ -149,9 +149,9 @@ def test_one_prim_func_per_backend_whose_parameters_are_every_argument():
 
     for backend in ("c", "cuda"):
         arch = "c" if backend == "c" else "sm_90"
-        plain = rope.RopeKernelSpec("float32", 64, 64, backend=backend)
-        ids = rope.RopeKernelSpec("float32", 64, 64, positions="int32", backend=backend)
-        mrope = rope.RopeKernelSpec("float32", 64, 64, positions="int64", mrope_section=(8, 12, 12), backend=backend)
+        plain = rope.RoPEKernelSpec("float32", 64, 64, backend=backend)
+        ids = rope.RoPEKernelSpec("float32", 64, 64, positions="int32", backend=backend)
+        mrope = rope.RoPEKernelSpec("float32", 64, 64, positions="int64", mrope_section=(8, 12, 12), backend=backend)
         for spec in (plain, ids, mrope):
             assert params("rope", spec) == list(rope.ARGS) == list(spec.args), spec
             assert prim_func("rope", spec).attrs["global_symbol"] == f"rope_{backend}"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tileops.compile import cuda_build, build
-from tileops.kernels.rope import RopeKernelSpec
+from tileops.kernels.rope import RoPEKernelSpec
 
 
 def _toolchain() -> str | None:
@@ -68,10 +68,10 @@ def test_kernel_params_types():
 
 
 SPECS = [
-    RopeKernelSpec(dtype="float16", head_dim=128, rot=128, head_lanes=8),
-    RopeKernelSpec(dtype="bfloat16", head_dim=96, rot=64, pairing="interleaved", positions="int64", inverse=True),
-    RopeKernelSpec(dtype="float32", head_dim=128, rot=128, positions="int32", mrope_section=(16, 24, 24)),
-    RopeKernelSpec(dtype="bfloat16", head_dim=128, rot=128, transposed=True),
+    RoPEKernelSpec(dtype="float16", head_dim=128, rot=128, head_lanes=8),
+    RoPEKernelSpec(dtype="bfloat16", head_dim=96, rot=64, pairing="interleaved", positions="int64", inverse=True),
+    RoPEKernelSpec(dtype="float32", head_dim=128, rot=128, positions="int32", mrope_section=(16, 24, 24)),
+    RoPEKernelSpec(dtype="bfloat16", head_dim=128, rot=128, transposed=True),
 ]
 
 
@@ -190,15 +190,15 @@ def _bind_and_run(k, spec, x, out, key, kout, td, pos=None, err=None):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("spec", [
-    RopeKernelSpec(dtype="float16", head_dim=128, rot=128, head_lanes=8),
-    RopeKernelSpec(dtype="bfloat16", head_dim=80, rot=80, pairing="interleaved", head_lanes=8, inverse=True),
-    RopeKernelSpec(dtype="float32", head_dim=96, rot=48, head_lanes=8),
-    RopeKernelSpec(dtype="bfloat16", head_dim=128, rot=64, head_lanes=8, positions="int64"),
-    RopeKernelSpec(dtype="float16", head_dim=64, rot=64, head_lanes=1, tokens_per_thread=2, positions="int32"),
+    RoPEKernelSpec(dtype="float16", head_dim=128, rot=128, head_lanes=8),
+    RoPEKernelSpec(dtype="bfloat16", head_dim=80, rot=80, pairing="interleaved", head_lanes=8, inverse=True),
+    RoPEKernelSpec(dtype="float32", head_dim=96, rot=48, head_lanes=8),
+    RoPEKernelSpec(dtype="bfloat16", head_dim=128, rot=64, head_lanes=8, positions="int64"),
+    RoPEKernelSpec(dtype="float16", head_dim=64, rot=64, head_lanes=1, tokens_per_thread=2, positions="int32"),
 ], ids=lambda s: f"{s.dtype}-{s.head_dim}-{s.rot}-{s.pairing}-{s.positions}")
 def test_lean_and_tilelang_builds_agree_bit_for_bit_cuda(spec):
     from tileops.compile.entry import kernel_record, raw_kernel, raw_kernel_from
-    from tileops.rope.tables import RopeTables
+    from tileops.rope.tables import RoPETables
 
     dev = torch.device("cuda")
     tl_kernel = build.compile_kernel("rope", spec, "cuda", build.device_backend(dev)[1])
@@ -210,7 +210,7 @@ def test_lean_and_tilelang_builds_agree_bit_for_bit_cuda(spec):
     x = torch.randn(2, 77, 6, spec.head_dim, device=dev).to(dt)
     key = torch.randn(2, 77, 2, spec.head_dim, device=dev).to(dt)
     inv = 10000.0 ** (-torch.arange(0, spec.rot, 2, dtype=torch.float64) / spec.rot)
-    td = RopeTables(inv, 1.0).on(dev)
+    td = RoPETables(inv, 1.0).on(dev)
     pos = torch.randint(0, 1 << 20, (2, 77), device=dev, dtype=getattr(torch, spec.positions or "int64"))
     results = []
     for k in (ours, theirs):

@@ -110,7 +110,7 @@ def test_warmup_learns_the_kernels_without_constructing_an_op(monkeypatch):
         op = op_class(name)(**case_params(man, case))
         for arch, backend, device in (("sm_90", "cuda", "cuda"), ("c", "c", "cpu")):
             for call in call_specs(man, case_dims(man, case), case.dtypes, torch.device(device), case.with_inputs):
-                for inverse in (False, True):  # what RopeKernels loads for this call, from the op itself
+                for inverse in (False, True):  # what RoPEKernels loads for this call, from the op itself
                     spec = builtin._spec_for(op, call, backend, inverse=inverse)
                     assert (man.kernel.builder, spec, backend, arch) in jobs[arch], (name, case.label, spec)
 

@@ -7,9 +7,9 @@ view is rotated where it lies. The one fallback: a view whose last dim is not co
 CUDA) whose pointer or strides are not multiples of 16 bytes, is copied to a dense tensor first,
 because the kernel moves 16 bytes per access.
 
-What a call's views mean to the kernel is said once, in :meth:`RopeKernels._binding` (a
+What a call's views mean to the kernel is said once, in :meth:`RoPEKernels._binding` (a
 :class:`tileops.runtime.binding.Binding`): the runtime keeps it per call signature and runs later
-calls from it (:meth:`RopeKernels.binding`), and the general path (:meth:`RopeKernels.run`) binds
+calls from it (:meth:`RoPEKernels.binding`), and the general path (:meth:`RoPEKernels.run`) binds
 the tensors it launches with, copies included, through the same code and the same executor.
 """
 
@@ -26,17 +26,17 @@ from ..runtime.binding import Binding, bind
 from . import hooks
 from .tables import DIGITS, LO
 
-__all__ = ["implement", "kernel_spec", "kernel_specs", "RopeKernels", "TRANSPOSED_MIN_TOKENS", "CPU_WIDEN_FP16_MIN"]
+__all__ = ["implement", "kernel_spec", "kernel_specs", "RoPEKernels", "TRANSPOSED_MIN_TOKENS", "CPU_WIDEN_FP16_MIN"]
 
 #: a 2d view of at least this many tokens (B x S) whose head stride exceeds its token stride (HF's
 #: ``[B, H, S, D]`` through a transpose) is served on CUDA by the kernel made for head-major views
-#: (``RopeKernelSpec.transposed``); a shorter one keeps the usual schedule, whose many head lanes
+#: (``RoPEKernelSpec.transposed``); a shorter one keeps the usual schedule, whose many head lanes
 #: are what a few tokens need (H200: decode-size q+k on such views 4.7 us with 8 head lanes, 11.9
 #: us with 2; 8192 tokens 46.7 us with 8, 44.3 us with 2)
 TRANSPOSED_MIN_TOKENS = 8192
 
 #: fp16 on the CPU: from this many elements of x (and key) a call converts them to fp32 with torch,
-#: rotates the copies into new fp32 tensors with the fp32 C kernel (:meth:`RopeKernels._run_wide`)
+#: rotates the copies into new fp32 tensors with the fp32 C kernel (:meth:`RoPEKernels._run_wide`)
 #: and rounds the result back into the output.
 #: The same bits as the fp16 kernel: that kernel also widens each element exactly, computes in fp32
 #: in the same order and rounds to nearest even, which is what ``copy_`` into fp16 does. The fp16
@@ -69,19 +69,19 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
 
 def kernel_spec(cls: type, manifest: Any, params: Any, call: Any, backend: str, inverse: bool = False,
                 transposed: bool = False) -> Any:
-    """The :class:`kernels.rope.RopeKernelSpec` serving an op of hook class ``cls`` (the op's class,
+    """The :class:`kernels.rope.RoPEKernelSpec` serving an op of hook class ``cls`` (the op's class,
     or the class its manifest's ``hooks:`` names) built with ``params``, for one call
     specialization (``transposed``: the kernel for long head-major 2d views, see
     :data:`TRANSPOSED_MIN_TOKENS`)."""
     from tileops.kernels import get_spec
 
-    RopeKernelSpec = get_spec("rope")
+    RoPEKernelSpec = get_spec("rope")
     # a static choice is one value, or a map from input layout to value (schedules differ by layout)
     # keyed by the input_layout choices the manifest spells (MRoPE's "packed" is the "ids" layout)
     key = params.get("input_layout", cls.layout_of(params))
     static = {k: (v[key] if isinstance(v, dict) else v) for k, v in manifest.kernel.static.items()}
     head_dim = call.dim("head_dim")
-    return RopeKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=cls.rotated_width_of(params, head_dim),
+    return RoPEKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=cls.rotated_width_of(params, head_dim),
                           pairing=cls.pairing_of(params), positions=call.position_dtype, inverse=inverse,
                           backend=backend, transposed=transposed, **static,
                           **cls.kernel_fields_of(params, call.position_dtype))
@@ -92,7 +92,7 @@ def _spec_for(op: Any, call: Any, backend: str, inverse: bool = False, transpose
     return kernel_spec(type(op), op.manifest, op.params, call, backend, inverse, transposed)
 
 
-class RopeKernels:
+class RoPEKernels:
     """The kernels of one op specialization, and how a call's tensors are handed to them."""
 
     def __init__(self, op: Any, spec: Any):
@@ -352,6 +352,6 @@ class RopeKernels:
         return self._binding(kernel, tensors, outs, views, self.tables[0].on(self.device) if single else None)
 
 
-def implement(op: Any, spec: Any) -> RopeKernels:
-    return RopeKernels(op, spec)
+def implement(op: Any, spec: Any) -> RoPEKernels:
+    return RoPEKernels(op, spec)
 

@@ -15,7 +15,7 @@ import torch
 
 from ..op import Op
 from . import freqs
-from .tables import DIGITS, LO, DynamicNtkTables, RopeTables
+from .tables import DIGITS, LO, DynamicNTKTables, RoPETables
 
 #: positions the digit tables cover: [0, 2^24)
 MAX_POSITION = LO**DIGITS
@@ -101,12 +101,12 @@ class RoPEHooks(Op):
         ``given``, else ``0 .. seq_len - 1``), for the ``torch`` target and the demo's reference."""
         return positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
 
-    def _tables(self, rot: int) -> list[RopeTables]:
+    def _tables(self, rot: int) -> list[RoPETables]:
         # kept on the op (not in a class-level cache), so tables go when the op goes
         cache = self.__dict__.setdefault("_table_cache", {})
         t = cache.get(rot)
         if t is None:
-            t = cache[rot] = [RopeTables(inv, amp) for inv, amp in self.table_choices(rot)]
+            t = cache[rot] = [RoPETables(inv, amp) for inv, amp in self.table_choices(rot)]
         return t
 
     def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:
@@ -124,7 +124,7 @@ class RoPEHooks(Op):
                          + (f" ({when})" if when else ""))
 
 
-class Base(RoPEHooks):
+class RoPEFwdHooks(RoPEHooks):
     """``RoPEFwdOp``: base frequencies; ``rope_layout`` picks the pairing."""
 
     @classmethod
@@ -141,7 +141,7 @@ class _PartialRotary(RoPEHooks):
         return head_dim if rd is None else rd
 
 
-class NeoxPositionIds(_PartialRotary):
+class RoPENeoxPositionIdsFwdHooks(_PartialRotary):
     """``RoPENeoxPositionIdsFwdOp``: packed tokens, positions in ``[0, max_position)``."""
 
     @classmethod
@@ -152,7 +152,7 @@ class NeoxPositionIds(_PartialRotary):
         return self.params["max_position"]
 
 
-class Llama31(RoPEHooks):
+class RoPELlama31FwdHooks(RoPEHooks):
     """``RoPELlama31FwdOp``: Llama 3.1's banded frequency scaling."""
 
     def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
@@ -161,7 +161,7 @@ class Llama31(RoPEHooks):
                                       p["high_freq_factor"], p["original_max_position"]), 1.0
 
 
-class YaRN(RoPEHooks):
+class YaRNFwdHooks(RoPEHooks):
     """``YaRNFwdOp``: YaRN's ramp between kept and interpolated frequencies, and its amplitude."""
 
     @classmethod
@@ -175,7 +175,7 @@ class YaRN(RoPEHooks):
         return inv, freqs.yarn_amplitude(p["scale"], p["attn_factor"])
 
 
-class LongRoPE(RoPEHooks):
+class LongRoPEFwdHooks(RoPEHooks):
     """``LongRoPEFwdOp``: one set of per-frequency divisors and LongRoPE's amplitude."""
 
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +197,7 @@ class LongRoPE(RoPEHooks):
                 freqs.longrope_amplitude(p["max_position_embeddings"], p["original_max_position_embeddings"]))
 
 
-class Linear(_PartialRotary):
+class RoPELinearFwdHooks(_PartialRotary):
     """``RoPELinearFwdOp``: positions divided by ``factor`` (HF ``linear``), partial rotary."""
 
     def frequencies(self, rot: int) -> tuple[torch.Tensor, float]:
@@ -205,7 +205,7 @@ class Linear(_PartialRotary):
         return freqs.base_inv_freq(p["base"], rot) / p["factor"], 1.0
 
 
-class Phi3LongRoPE(_PartialRotary):
+class Phi3LongRoPEFwdHooks(_PartialRotary):
     """``Phi3LongRoPEFwdOp``: HF's longrope, short or long factors picked per call on the device."""
 
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -248,7 +248,7 @@ class Phi3LongRoPE(_PartialRotary):
         return (position_ids.max() + 1 > omp).long()
 
 
-class DynamicNTK(_PartialRotary):
+class RoPEDynamicNTKFwdHooks(_PartialRotary):
     """``RoPEDynamicNTKFwdOp``: HF's dynamic NTK scaling, its length state kept on the device.
 
     Once per call, the state is updated on the device, with no host read: by :meth:`device_tables`
@@ -294,19 +294,19 @@ class DynamicNTK(_PartialRotary):
                       device: torch.device) -> torch.Tensor:
         """The digit tables for this call (``[DIGITS, LO, 2, rot // 2]`` fp32 on ``device``), after
         updating the cached length as :meth:`dynamic_inv_freq` does, in one launch
-        (:class:`tileops.rope.tables.DynamicNtkTables`). The tables are the op's, rewritten in place
+        (:class:`tileops.rope.tables.DynamicNTKTables`). The tables are the op's, rewritten in place
         by a later call that changes the length: a caller keeping them past that copies them."""
         holders = self.__dict__.setdefault("_ntk_tables", {})
         t = holders.get((device, rot))
         if t is None:
             p = self.params
-            t = holders.setdefault((device, rot), DynamicNtkTables(
+            t = holders.setdefault((device, rot), DynamicNTKTables(
                 self._state(device), rot, device, p["base"], p["factor"], p["max_position_embeddings"],
                 self.position_limit()))
         return t.update(position_ids, seq_len)
 
 
-class MRoPE(RoPEHooks):
+class MRoPEFwdHooks(RoPEHooks):
     """``MRoPEFwdOp``: three position streams, each pair taking the angle of the stream its section
     gives it (consecutive for Qwen2-VL / Qwen2.5-VL, interleaved for Qwen3-VL); base frequencies."""
 

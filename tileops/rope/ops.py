@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 
-class LongRoPEFwdOp(hooks.LongRoPE):
+class LongRoPEFwdOp(hooks.LongRoPEFwdHooks):
     """RoPE with LongRoPE per-frequency rescaling and amplitude (neox pairing).
 
     ``inv_freq[i] = 1 / (rescale_factors[i] * base^(2i/D))``; with ``scale = max_position_embeddings /
@@ -110,7 +110,7 @@ class LongRoPEFwdOp(hooks.LongRoPE):
             key_out})
 
 
-class MRoPEFwdOp(hooks.MRoPE):
+class MRoPEFwdOp(hooks.MRoPEFwdHooks):
     """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) with three position streams, neox pairing.
 
     Each token has three positions, temporal, height and width: ``position_ids[0]``, ``[1]`` and ``[2]``.
@@ -223,7 +223,7 @@ class MRoPEFwdOp(hooks.MRoPE):
             key_out})
 
 
-class Phi3LongRoPEFwdOp(hooks.Phi3LongRoPE):
+class Phi3LongRoPEFwdOp(hooks.Phi3LongRoPEFwdHooks):
     """HF's longrope (Phi-3) with its short/long factor switch per call, and partial rotary (neox pairing).
 
     ``inv_freq[i] = 1 / (factor_i * base^(2i/D))`` with ``D = rotary_dim`` (default ``head_dim``), where
@@ -335,7 +335,7 @@ class Phi3LongRoPEFwdOp(hooks.Phi3LongRoPE):
             key_out})
 
 
-class RoPEDynamicNTKFwdOp(hooks.DynamicNTK):
+class RoPEDynamicNTKFwdOp(hooks.RoPEDynamicNTKFwdHooks):
     """RoPE with dynamic NTK scaling (HF rope_type dynamic) and partial rotary (neox pairing).
 
     Each call takes ``seq = max(position_ids) + 1`` (``seq_len`` without positions) and updates, on the
@@ -436,7 +436,7 @@ class RoPEDynamicNTKFwdOp(hooks.DynamicNTK):
             key_out})
 
 
-class RoPEFwdOp(hooks.Base):
+class RoPEFwdOp(hooks.RoPEFwdHooks):
     """Rotary position embedding with the base frequencies, neox or interleaved pairing.
 
     Rotates each pair of elements of every head by the angle ``p * base^(-2i/D)``, where ``p`` is the row's
@@ -530,7 +530,7 @@ class RoPEFwdOp(hooks.Base):
             key_out})
 
 
-class RoPELinearFwdOp(hooks.Linear):
+class RoPELinearFwdOp(hooks.RoPELinearFwdHooks):
     """RoPE with linear position interpolation (HF rope_type linear) and partial rotary (neox pairing).
 
     ``inv_freq[i] = base^(-2i/D) / factor`` with ``D = rotary_dim`` (default ``head_dim``): position ``p``
@@ -627,7 +627,7 @@ class RoPELinearFwdOp(hooks.Linear):
             key_out})
 
 
-class RoPELlama31FwdOp(hooks.Llama31):
+class RoPELlama31FwdOp(hooks.RoPELlama31FwdHooks):
     """RoPE with Llama 3.1 frequency scaling (neox pairing).
 
     With ``wavelen = 2π / inv_freq``, ``low_wl = original_max_position / low_freq_factor`` and ``high_wl =
@@ -719,7 +719,7 @@ class RoPELlama31FwdOp(hooks.Llama31):
             key_out})
 
 
-class RoPENeoxPositionIdsFwdOp(hooks.NeoxPositionIds):
+class RoPENeoxPositionIdsFwdOp(hooks.RoPENeoxPositionIdsFwdHooks):
     """RoPE on packed tokens at explicit positions, neox pairing, with partial rotary.
 
     For token ``t`` at position ``p = position_ids[t]``, the first ``rotary_dim`` columns of every head rotate
@@ -802,7 +802,7 @@ class RoPENeoxPositionIdsFwdOp(hooks.NeoxPositionIds):
             key_out})
 
 
-class YaRNFwdOp(hooks.YaRN):
+class YaRNFwdOp(hooks.YaRNFwdHooks):
     """RoPE with YaRN frequency interpolation and attention scaling; neox or interleaved pairing.
 
     ``correction_dim(r) = D ln(original_max_position / (2π r)) / (2 ln base)``; pairs below ``low =

@@ -8,7 +8,7 @@ rad (0.06 rad at p = 1e6).
 
 The tables do not depend on the positions a call passes: built once per device (0.4 MB for a
 rotated width of 128), they are never grown, reallocated or copied at call time. Dynamic NTK's
-depend on its cached length: :class:`DynamicNtkTables` keeps them on the device and has a kernel
+depend on its cached length: :class:`DynamicNTKTables` keeps them on the device and has a kernel
 (``kernels/ntk.py``) rewrite them there when a call changes that length.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RopeTables", "DynamicNtkTables", "digit_tables"]
+__all__ = ["RoPETables", "DynamicNTKTables", "digit_tables"]
 
 #: rows per digit table and the number of digits: positions below 256^3 = 2^24
 LO = 256
@@ -41,7 +41,7 @@ def digit_tables(inv_freq: torch.Tensor, amplitude: float) -> torch.Tensor:
     return torch.stack(out).to(torch.float32).contiguous()
 
 
-class RopeTables:
+class RoPETables:
     """The digit tables of one frequency vector, one copy per device, built at first use."""
 
     def __init__(self, inv_freq: torch.Tensor, amplitude: float):
@@ -62,7 +62,7 @@ class RopeTables:
         return t
 
 
-class DynamicNtkTables:
+class DynamicNTKTables:
     """Dynamic NTK's digit tables for one rotated width on one device, and the launch that keeps
     them and the op's cached length current: ``kernels/ntk.py``, one small kernel per call in the
     call's stream, ahead of the RoPE kernel. It updates the length (a float64 tensor on the device,
