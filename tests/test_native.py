@@ -388,6 +388,34 @@ def test_off_switch_no_cached_build_and_no_compiler_mean_the_python_runtime_sile
     assert "STATUS not built False False" in r.stdout
 
 
+_FAKE_GPU = """
+import torch
+torch.version.cuda = torch.version.cuda or "12.8"
+torch.cuda.device_count = lambda: 1  # what an import sees on a machine with a GPU
+from tileops.runtime import native
+print("STATUS", native.status())
+"""
+
+
+@pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
+def test_an_import_on_a_gpu_machine_builds_says_so_and_after_a_failure_does_not_retry(tmp_path):
+    """The first import on a machine with a GPU (faked here) builds the extension, with a line on
+    stderr before and after; with a compiler that fails, it says so, runs without the extension,
+    and the next import does not try again (``python -m tileops.runtime.native`` does)."""
+    env = {"TILEOPS_CACHE_DIR": str(tmp_path / "cache"), "CXX": "false"}
+    first = subprocess.run([sys.executable, "-c", _FAKE_GPU], capture_output=True, text=True, cwd=ROOT,
+                           env=_env(env), timeout=900)
+    assert first.returncode == 0, first.stderr
+    lines = [ln for ln in first.stderr.splitlines() if "compiling the native runtime" in ln]
+    assert len(lines) == 2 and lines[0].endswith("...") and ": failed in " in lines[1], first.stderr
+    assert "STATUS failed: building the native runtime failed" in first.stdout, first.stdout
+    assert list((tmp_path / "cache" / "native").glob("*/build.failed"))
+    again = subprocess.run([sys.executable, "-c", _FAKE_GPU], capture_output=True, text=True, cwd=ROOT,
+                           env=_env(env), timeout=900)
+    assert "compiling" not in again.stderr and "STATUS failed: an earlier build did" in again.stdout, \
+        again.stdout + again.stderr
+
+
 @pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
 def test_a_cached_build_loads_at_import_and_a_damaged_one_is_rebuilt_once(tmp_path):
     """A new process loads the cached build when it imports tileops, before any op exists (with no

@@ -27,6 +27,7 @@ Python custom ops with the same schemas, bodies and backward. Either way the fak
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import weakref
 from typing import Any
@@ -215,7 +216,10 @@ else:  # defined by the extension: its kernels call these bodies for what they d
         when_now=errors.WHEN_NOW, when_earlier=errors.WHEN_EARLIER, when_graph=errors.WHEN_GRAPH,
         raise_bad=raise_bad, disjoint=memory.disjoint, late=late, apply=_apply, apply_out=_apply_out,
         apply_backward=_apply_backward, apply_grad=_apply_grad, apply_backward_grad=_apply_backward_grad)
-    if torch.version.cuda is not None and torch.cuda.device_count() > 0:  # NVML: no CUDA initialised
-        native.module.set_driver(*errors.driver_addresses(), errors.make_event)
+    try:
+        if torch.version.cuda is not None and torch.cuda.device_count() > 0:  # NVML: no CUDA initialised
+            native.module.set_driver(*errors.driver_addresses(), errors.make_event)
+    except OSError as e:  # no libcuda.so.1 to load: no CUDA tensor can exist either
+        logging.getLogger("tileops.runtime.native").debug("tileops: no CUDA driver: %s", e)
 for _name, _fake in (("apply", _apply_fake), ("apply_out", _apply_out_fake), ("apply_backward", _apply_backward_fake)):
     torch.library.register_fake(f"tileops::{_name}", _fake)

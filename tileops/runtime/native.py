@@ -11,7 +11,8 @@ warnings on) into ``native/<key>/`` under :func:`tileops.compile.entry.cache_roo
 torch's version and build, Python's ABI, the flags and the source, with a checksum beside the
 library (a damaged file is never loaded). The build is made by ``tileops warmup``, by
 ``python -m tileops.runtime.native``, or by the first import on a machine with a CUDA GPU (a line on
-stderr says so, and how long it took; 20-40 s). A machine without a GPU never builds at import (a
+stderr says so, and how long it took; 20-40 s; after a failed build, an import does not try
+again: ``build.failed`` beside it says why). A machine without a GPU never builds at import (a
 CPU test run, or a process started with a fresh ``TILEOPS_CACHE_DIR``, pays no compile): it loads
 a cached build, or runs without the extension. The extension is never loaded later in a process,
 so every op of a process is served the same way from its first call.
@@ -117,9 +118,10 @@ def build(progress: bool | None = None) -> str:
         try:
             if _intact(path):
                 return path
-            for stale in (path, path + ".sha256", path + ".failed", os.path.join(directory, "lock")):  # a builder that died
+            for stale in (path, path + ".sha256", os.path.join(directory, "lock")):  # a builder that died
                 if os.path.exists(stale):
                     os.unlink(stale)
+            failed = os.path.join(directory, "build.failed")  # an import does not try again (build() does)
             with task("compiling the native runtime (tileops/runtime/_native.cpp, 20-40 s)", wanted(progress)):
                 t0 = time.perf_counter()
                 r = subprocess.run([sys.executable, "-c", _BUILD, _NAME, str(SOURCE), directory, *FLAGS],
@@ -128,12 +130,12 @@ def build(progress: bool | None = None) -> str:
                 with open(os.path.join(directory, "build.log"), "w") as f:
                     f.write(log)
                 if r.returncode != 0 or not os.path.exists(path):
-                    errors = [ln for ln in log.splitlines() if "error" in ln.lower()]
-                    lines = errors[:3] or [ln for ln in log.splitlines() if ln.strip()][-3:]
-                    with open(path + ".failed", "w") as f:  # imports do not retry it: only an explicit build
-                        f.write(log)
-                    raise OSError(f"building the native runtime failed (log: {directory}/build.log): "
-                                  f"{' / '.join(lines)}")
+                    lines = [ln for ln in log.splitlines() if ln.strip()]
+                    with open(failed, "w") as f:
+                        f.write("\n".join(lines[-20:]) + "\n")
+                    raise OSError(f"building the native runtime failed: {' / '.join(lines[-3:])}")
+            if os.path.exists(failed):
+                os.unlink(failed)
             _log.debug("tileops: built %s in %.1f s", path, time.perf_counter() - t0)
             tmp = f"{path}.sha256.{os.getpid()}"
             with open(tmp, "w") as f:
@@ -168,11 +170,12 @@ def _load_at_import() -> None:
     try:
         path = library_path()
         if not _intact(path):
-            if os.path.exists(path + ".failed"):  # this source failed to build here: `tileops warmup` retries
-                _status = f"failed: an earlier build failed (see {os.path.dirname(path)}/build.log)"
-                return
             if not _has_gpu():
                 _status = "not built"
+                return
+            failed = os.path.join(os.path.dirname(path), "build.failed")
+            if os.path.exists(failed):  # a build for this torch and source failed: not again at each import
+                _status = f"failed: an earlier build did (see {failed}; python -m tileops.runtime.native retries)"
                 return
             build(progress=True)
         module, _status = _load(path), "loaded"
