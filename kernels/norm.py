@@ -45,15 +45,17 @@ Two schedules from one description:
 
 * ``cuda``: SIMT, 16-byte accesses (the host checks every pointer and stride is a multiple of
   ``vec`` elements; strides are taken in units of ``vec``). A row is held in registers, in its own
-  dtype, between the reduction and the scale: x is read once. ``hidden <= warp_max_hidden``: one
-  row per group of ``lanes <= 32`` lanes of a warp (a head of 128 bf16 is 16 vectors: 16 lanes,
-  two rows per warp), reduced with ``__shfl_xor_sync`` alone. Wider rows: one row per block of
-  ``lanes`` threads (``vectors_per_thread`` vectors each), warp shuffles then the warps' sums through
-  shared memory, summed by every thread in the same order (so every thread holds the same bits).
-  The backward runs ``G`` blocks over the rows in a fixed stride and keeps each thread's
-  weight-gradient columns in registers across its rows.
-* ``c``: TileLang's C backend has no threads: plain loops per row, arithmetic in fp32, the row
-  kept in a local fp32 array between passes.
+  dtype, between the reduction and the scale: x is read once. A row that 32 lanes hold at
+  ``vectors_per_thread`` vectors each takes a group of ``lanes <= 32`` lanes of a warp (a head of
+  128 bf16 is 16 vectors: 16 lanes, two rows a warp), reduced with ``__shfl_xor_sync`` alone. A
+  wider row takes a block of ``lanes`` threads, ``vectors_per_thread`` vectors each: warp shuffles,
+  then the warps' sums through shared memory, added by every thread in the same order (so every
+  thread holds the same bits). The backward runs ``G`` blocks over the rows in a fixed stride,
+  loads each next row while it reduces the current one, and keeps each thread's weight-gradient
+  columns in registers across its rows. Every kernel asks nvcc for at most 64 registers a thread
+  (``_RESIDENT_THREADS``).
+* ``c``: TileLang's C backend has no threads: plain loops per row, fp32 arithmetic (row sums in
+  float64, see "Row sums" below), the row kept in a local fp32 array between passes.
 """
 
 
@@ -77,8 +79,6 @@ STATIC = {
                                   "schedule; sets the block size (CUDA)"),
     "bwd_vectors_per_thread": (1, 16, "the same for the backward, whose threads also hold dy and the weight "
                                       "gradient's column sums (CUDA)"),
-    "warp_max_hidden": (32, 4096, "the widest row served by the row-per-warp schedule; a wider row takes a "
-                                  "block (CUDA)"),
 }
 
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -86,6 +86,12 @@ _KINDS = ("fwd", "bwd", "wsum")
 #: threads that split one column's partial rows in the ``wsum`` kernel (CUDA): 32 columns x 8 slices
 WSUM_SLICES = 8
 _WSUM_COLS = 32
+#: CUDA: threads an SM should hold at once (half of an H100/H200's 2048): the kernels ask nvcc for
+#: 64 registers a thread at most (the backward took 70, the fp32-weight forward 80, left alone: one
+#: block of 512 threads, or 3 of 256, an SM). A row-per-block forward of 128 threads holds 64 bytes
+#: of x a thread in flight: 64 KB an SM at 1024 threads, past the ~30 KB an H200 needs
+#: (4.8 TB/s / 132 SMs x ~0.8 us of latency).
+_RESIDENT_THREADS = 1024
 #: at most this many vectors per thread in the row-per-block schedule's knobs
 _MAX_VECTORS = 16
 #: at most this many bytes of a row per thread (CUDA): 16 vectors of 16 bytes, 64 registers of x
@@ -127,8 +133,7 @@ class NormKernelSpec:
     backend: str = "cuda"  # cuda | c
     threads: int = 256  # cuda: threads per block of the row-per-warp schedule
     vectors_per_thread: int = 4  # cuda: forward, row-per-block schedule
-    bwd_vectors_per_thread: int = 2  # cuda: backward, row-per-block schedule
-    warp_max_hidden: int = 1024  # cuda: rows up to this wide take a warp (or part of one), wider a block
+    bwd_vectors_per_thread: int = 1  # cuda: backward, row-per-block schedule
 
     def __post_init__(self) -> None:
         def one_of(name: str, value: Any, choices: tuple) -> None:
@@ -203,18 +208,24 @@ class NormKernelSpec:
         return -(-self.nvec // lanes) * self.vec * _ELEM_BYTES[self.dtype]
 
     @property
+    def _per_thread(self) -> int:
+        """CUDA: the vectors a thread may hold: the knob of this kind."""
+        return self.bwd_vectors_per_thread if self.kind == "bwd" else self.vectors_per_thread
+
+    @property
     def per_warp(self) -> bool:
-        """CUDA: whether a row takes (part of) a warp rather than a block: up to ``warp_max_hidden``
-        elements, and at most ``_MAX_THREAD_BYTES`` a lane."""
-        return self.hidden <= self.warp_max_hidden and self._thread_bytes(32) <= _MAX_THREAD_BYTES
+        """CUDA: whether a row takes (part of) a warp rather than a block: when 32 lanes hold it at
+        ``vectors_per_thread`` vectors each (``bwd_vectors_per_thread`` for the backward, whose lanes
+        also hold dy, the next row and the gradient's column sums): up to 1024 bf16 forward, 256
+        backward."""
+        return self.nvec <= 32 * self._per_thread
 
     @property
     def lanes(self) -> int:
         """CUDA: threads that share one row (a power of two)."""
         if self.per_warp:
             return min(32, _pow2_at_least(self.nvec))
-        per = self.bwd_vectors_per_thread if self.kind == "bwd" else self.vectors_per_thread
-        return min(_MAX_BLOCK_THREADS, max(32, _pow2_at_least(-(-self.nvec // per))))
+        return min(_MAX_BLOCK_THREADS, max(32, _pow2_at_least(-(-self.nvec // self._per_thread))))
 
     @property
     def vectors(self) -> int:
@@ -275,8 +286,14 @@ def _tl() -> Any:
 # ------------------------------------------------------------------------------ shared pieces
 # A lane's shuffle partner: a plain CUDA helper rather than T.shfl_xor, whose generated mask is cast
 # to ``uint``, a name NVRTC (the lean build, tileops.compile.cuda_build) does not define.
+# 16-byte stores through st.global.cg: a local bf16 vector filled element by element and stored as a
+# plain uint4 became four 4-byte stores (``st.global.v2.u16`` x 4 in the PTX for sm_90, head_dim 128),
+# as kernels/rope.py saw; .cg also keeps the streamed outputs out of L1, which holds the weight.
 _CUDA_HELPERS = """
 __device__ __forceinline__ float tileops_xor_lane(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+template <typename T> __device__ __forceinline__ void tileops_st16(T* dst, const T* src) {
+  __stcg(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(src));
+}
 """
 
 
@@ -415,6 +432,9 @@ class _Cuda:
         self.warps = self.TPB // 32
         self.full = spec.nvec % self.L == 0  # every lane's every vector lies inside the row
         self.sh = min(self.L, 32)  # lanes one shuffle butterfly spans
+        # __launch_bounds__(TPB, min_blocks): nvcc keeps to 65536 / _RESIDENT_THREADS = 64 registers a
+        # thread, so that blocks of _RESIDENT_THREADS threads in all fit an SM (see _RESIDENT_THREADS)
+        self.min_blocks = max(1, _RESIDENT_THREADS // self.TPB)
         self.log_sh = self.sh.bit_length() - 1
 
     def ok(self, live, lane, j):
@@ -449,6 +469,24 @@ class _Cuda:
 
         return allsum
 
+    def store_macro(self, dtype: str):
+        V, e = self.V, _ELEM_BYTES[dtype]
+        chunk, n = 16 // e, (V * e) // 16 if (V * e) % 16 == 0 else 0
+
+        @T.macro
+        def store(buf, off, vals, at):
+            """``buf[off : off + V] = vals[at : at + V]``: 16-byte ``tileops_st16`` stores where the
+            vector is whole 16-byte chunks, else a vectorized loop."""
+            if n:
+                for q in T.unroll(n):
+                    T.call_extern("handle", "tileops_st16", T.address_of(buf[off + q * chunk]),
+                                  T.address_of(vals[at + q * chunk]))
+            else:
+                for v in T.vectorized(V):
+                    buf[off + v] = vals[at + v]
+
+        return store
+
     def mean_macro(self, allsum):
         spec, NV, V, H = self.spec, self.NV, self.V, self.spec.hidden
         layer = spec.norm == "layer"
@@ -482,11 +520,13 @@ def _fwd_cuda(spec: NormKernelSpec):
     layer = spec.norm == "layer"
     allsum = k.allsum_macro()
     row_mean = k.mean_macro(allsum)
+    store_x, store_y = k.store_macro(spec.dtype), k.store_macro(spec.y_dtype)
 
     @T.macro
     def body(X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits):
         with T.Kernel(T.ceildiv(M, RPB), threads=TPB) as bx:
             T.import_source(_CUDA_HELPERS)
+            T.annotate_min_blocks_per_sm(k.min_blocks)
             tx = T.get_thread_binding()
             lane = tx % L
             row = bx * RPB + tx // L
@@ -509,8 +549,7 @@ def _fwd_cuda(spec: NormKernelSpec):
                             rr[v] = R[_row_offset(row, NH, rst, rsh) * V + c + v]
                         for v in T.unroll(V):
                             xr[j * V + v] = T.cast(T.cast(xr[j * V + v], "float32") + T.cast(rr[v], "float32"), dt)
-                        for v in T.vectorized(V):
-                            RO[_row_offset(row, NH, rost, rosh) * V + c + v] = xr[j * V + v]
+                        store_x(RO, _row_offset(row, NH, rost, rosh) * V + c, xr, j * V)
                     if has_w:
                         for v in T.vectorized(V):
                             wr[j * V + v] = W[c + v]
@@ -539,8 +578,7 @@ def _fwd_cuda(spec: NormKernelSpec):
                         if spec.bias is not None:
                             n = n + T.cast(br[j * V + v], "float32")
                         yr[v] = T.cast(n, ydt)
-                    for v in T.vectorized(V):
-                        Y[yo + k.col(lane, j) + v] = yr[v]
+                    store_y(Y, yo + k.col(lane, j), yr, 0)
 
     return body
 
@@ -628,6 +666,11 @@ def _bwd_c(spec: NormKernelSpec, st: dict[str, str]):
     return body
 
 
+def _warp_slot(wide: bool, tx):
+    """The partial row of a thread within its block: its warp's (row-per-warp), else the block's one."""
+    return 0 if wide else tx // 32
+
+
 def _bwd_cuda(spec: NormKernelSpec):
     """Block ``g`` of ``G`` takes row groups ``g, g + G, ...`` (``rows_per_block`` rows each); each
     thread keeps the weight (bias) gradient of its columns in registers across them, and writes them
@@ -641,19 +684,35 @@ def _bwd_cuda(spec: NormKernelSpec):
     has_b = spec.bias is not None
     allsum = k.allsum_macro()
     row_mean = k.mean_macro(allsum)
+    store_x, store_y = k.store_macro(spec.dtype), k.store_macro(spec.y_dtype)
     # row slots of one warp (row-per-warp schedule), whose column sums are merged by shuffles
     slots_per_warp = 32 // L if not k.wide else 1
     K = 3 if layer else 2  # values each row reduces after the mean
     PPB = spec.partials_per_block
 
     @T.macro
+    def load_row(X, DY, xn, gn, row, M, NH, xst, xsh, dyst, dysh, lane):
+        """x and dy of ``row`` (when it exists) into ``xn``, ``gn``."""
+        xo = _row_offset(row, NH, xst, xsh) * V
+        dyo = _row_offset(row, NH, dyst, dysh) * V
+        for j in T.unroll(NV):
+            if k.ok(row < M, lane, j):
+                for v in T.vectorized(V):
+                    xn[j * V + v] = X[xo + k.col(lane, j) + v]
+                for v in T.vectorized(V):
+                    gn[j * V + v] = DY[dyo + k.col(lane, j) + v]
+
+    @T.macro
     def body(X, DY, DRO, W, DX, DWP, DBP, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits):
         with T.Kernel(G, threads=TPB) as g:
             T.import_source(_CUDA_HELPERS)
+            T.annotate_min_blocks_per_sm(k.min_blocks)
             tx = T.get_thread_binding()
             lane = tx % L
             xr = T.alloc_local((NV * V,), dt)
             gr = T.alloc_local((NV * V,), ydt)
+            xn = T.alloc_local((NV * V,), dt)
+            gn = T.alloc_local((NV * V,), ydt)
             dr = T.alloc_local((V,), dt)
             xo_ = T.alloc_local((V,), dt)
             wr = T.alloc_local((NV * V,), wdt)
@@ -670,18 +729,18 @@ def _bwd_cuda(spec: NormKernelSpec):
                     if k.ok(True, lane, j):
                         for v in T.vectorized(V):
                             wr[j * V + v] = W[k.col(lane, j) + v]
-            # row groups g, g + G, ...: ceil((groups - g) / G) of them; groups - g + G - 1 >= 0 as g < G
+            # row groups g, g + G, ...: ceil((groups - g) / G) of them; groups - g + G - 1 >= 0 as g < G.
+            # Each iteration first issues the loads of its next row into xn, gn, so that they are in
+            # flight while this row is reduced and written (without, a block's loads and its two
+            # barriers alternate, and the 2 blocks an SM holds keep about 16 KB of loads in flight).
+            load_row(X, DY, xn, gn, g * RPB + tx // L, M, NH, xst, xsh, dyst, dysh, lane)
             for it in T.serial(T.truncdiv(T.ceildiv(M, RPB) - g + G - 1, G)):
                 row = (g + it * G) * RPB + tx // L
                 live = row < M
-                xo = _row_offset(row, NH, xst, xsh) * V
-                dyo = _row_offset(row, NH, dyst, dysh) * V
-                for j in T.unroll(NV):
-                    if k.ok(live, lane, j):
-                        for v in T.vectorized(V):
-                            xr[j * V + v] = X[xo + k.col(lane, j) + v]
-                        for v in T.vectorized(V):
-                            gr[j * V + v] = DY[dyo + k.col(lane, j) + v]
+                for i in T.unroll(NV * V):
+                    xr[i] = xn[i]
+                    gr[i] = gn[i]
+                load_row(X, DY, xn, gn, row + G * RPB, M, NH, xst, xsh, dyst, dysh, lane)
                 mean = row_mean(xr, acc, red, tx, live, lane)
                 # acc: sum f^2, sum dn * f, and for LayerNorm sum dn (f = x - mean, dn = dy * (offset + w))
                 for i in T.unroll(K):
@@ -725,8 +784,7 @@ def _bwd_cuda(spec: NormKernelSpec):
                                 dwa[j * V + v] = dwa[j * V + v] + gy * n
                             if has_b:
                                 dba[j * V + v] = dba[j * V + v] + gy
-                        for v in T.vectorized(V):
-                            DX[dxo + c + v] = xo_[v]
+                        store_x(DX, dxo + c, xo_, 0)
                 if k.wide:
                     T.sync_threads()  # the next row's sums reuse the shared slots
             # a warp's row slots hold sums of the same columns: merge them, in a fixed butterfly
@@ -736,8 +794,8 @@ def _bwd_cuda(spec: NormKernelSpec):
                         dwa[i] = dwa[i] + T.call_extern("float32", "tileops_xor_lane", dwa[i], L << d)
                     if has_b:
                         dba[i] = dba[i] + T.call_extern("float32", "tileops_xor_lane", dba[i], L << d)
-            if tx % 32 < L:
-                p = T.cast(g * PPB + tx // 32, "int64") * H
+            if tx % 32 < L:  # row-per-warp: lane group 0 of each warp writes the warp's partial row
+                p = T.cast(g * PPB + _warp_slot(k.wide, tx), "int64") * H
                 for j in T.unroll(NV):
                     if k.ok(True, lane, j):
                         for v in T.vectorized(V):

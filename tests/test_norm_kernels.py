@@ -1,36 +1,61 @@
-"""The norm family's TileLang kernels (``kernels/norm.py``), driven directly on the CPU (C backend).
+"""The norm family's TileLang kernels (``kernels/norm.py``), driven directly on the CPU.
 
-Each kernel is built with :func:`tileops.compile.build.load_kernel` and called through its C entry
-point with arguments bound by name, as the runtime will. Outputs (and the weight-gradient partial
-buffers) are NaN-filled before every launch, so an element a kernel fails to write cannot pass.
-References: float64 math (tight tolerances for fp32), and Hugging Face's RMSNorm modules as they
-compute (bf16/fp16: the same bits on at least 99.9% of elements, one ulp elsewhere), both from
-``tests/norm_references.py``, which shares no code with the kernels. The CUDA schedules are only
-lowered here (no GPU): their source must be emitted, accepted by the lean build, and use 16-byte
-accesses.
+Two ways to run a kernel, and most tests take both (``backend``):
+
+* ``c``: the C backend, built with :func:`tileops.compile.build.load_kernel` and called through
+  its C entry point with arguments bound by name, as the runtime will;
+* ``cuda``: the CUDA schedule's generated source, run on the CPU by ``tests/cuda_on_cpu.py`` (one
+  OS thread per CUDA thread, real barriers and warp shuffles): its indexing, predicates,
+  reductions and the backward's prefetch are checked without a GPU. Not its speed, and not the
+  GPU's approximate ``rsqrtf``.
+
+Outputs (and the weight-gradient partial buffers) are NaN-filled before every launch, so an element
+a kernel fails to write cannot pass. References: float64 math (tight tolerances for fp32), and
+Hugging Face's RMSNorm modules as they compute (bf16/fp16: the same bits on at least 99.9% of
+elements), both from ``tests/norm_references.py``, which shares no code with the kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
+from tests import cuda_on_cpu
 from tests import norm_references as ref
-from tileops.compile.build import load_kernel
+from tileops.compile.build import emit_source, load_kernel
 from tileops.kernels import get_spec
 
 CPU = torch.device("cpu")
 NAN = float("nan")
+#: "cuda" runs the CUDA source on the CPU; its id is not "cuda", the keyword conftest.py skips without a GPU
+BACKENDS = ["c", pytest.param("cuda", id="cuda_on_cpu",
+                              marks=pytest.mark.skipif(not cuda_on_cpu.available(), reason="no g++"))]
 
 
-def spec(**fields):
-    return get_spec("norm")(backend="c", **fields)
+def spec(backend="c", **fields):
+    return get_spec("norm")(backend=backend, **fields)
 
 
-def kernel(s):
-    return load_kernel("norm", s, "c", "c", CPU, s.args)
+@functools.lru_cache(maxsize=None)
+def _emulated(s):
+    return cuda_on_cpu.CudaOnCpu(emit_source("norm", s, "cuda", "sm_90"))
+
+
+def launch(s, grid: int, **args) -> None:
+    """Run kernel ``s`` on ``grid`` blocks (CUDA) with ``args`` by name; pointers as ints, strides
+    in elements (divided here into the kernel's unit, which must divide them)."""
+    unit = s.stride_unit
+    for name in [n for n in args if n.endswith(("st", "sh")) and n not in ("NH",)]:
+        assert args[name] % unit == 0, (name, args[name], unit)
+        args[name] //= unit
+    if s.backend == "cuda":
+        _emulated(s).launch(grid, s.block_threads, **args)
+        return
+    k = load_kernel("norm", s, "c", "c", CPU, s.args)
+    k(*k.bind(**args, **dict.fromkeys(k.extent_names, 0)))
 
 
 def eps_bits(eps: float) -> int:
@@ -43,9 +68,11 @@ def ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def rows(t: torch.Tensor) -> tuple[int, int, int, int]:
+def rows(t: torch.Tensor | None) -> tuple[int, int, int, int]:
     """(M, NH, row stride, head stride) of ``t`` seen as rows of its last dim: ``[M, H]`` or
-    ``[T, NH, H]`` (M = T * NH), in elements (the C backend's unit)."""
+    ``[T, NH, H]`` (M = T * NH), in elements; zeros for None."""
+    if t is None:
+        return 0, 0, 0, 0
     assert t.stride(-1) == 1
     if t.dim() == 2:
         return t.shape[0], 1, t.stride(0), 0
@@ -60,23 +87,21 @@ def nan_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 def fwd(s, x, w=None, b=None, r=None, *, y=None, ro=None, eps=1e-6):
     """Run the forward kernel ``s``; returns (y, h). ``y``/``ro`` given: written in place (they may
     be ``x``/``r`` themselves); else new NaN-filled tensors."""
-    k = kernel(s)
     y = nan_like(x, getattr(torch, s.y_dtype)) if y is None else y
     if s.residual and ro is None:
         ro = nan_like(x)
     M, NH, xst, xsh = rows(x)
     _, _, yst, ysh = rows(y)
-    _, _, rst, rsh = rows(r) if r is not None else (0, 0, 0, 0)
-    _, _, rost, rosh = rows(ro) if ro is not None else (0, 0, 0, 0)
-    k(*k.bind(X=ptr(x), R=ptr(r), W=ptr(w), B=ptr(b), Y=ptr(y), RO=ptr(ro), M=M, NH=NH, xst=xst, xsh=xsh,
-              rst=rst, rsh=rsh, yst=yst, ysh=ysh, rost=rost, rosh=rosh, eps_bits=eps_bits(eps),
-              **dict.fromkeys(k.extent_names, 0)))
+    _, _, rst, rsh = rows(r)
+    _, _, rost, rosh = rows(ro)
+    launch(s, -(-M // s.rows_per_block), X=ptr(x), R=ptr(r), W=ptr(w), B=ptr(b), Y=ptr(y), RO=ptr(ro), M=M,
+           NH=NH, xst=xst, xsh=xsh, rst=rst, rsh=rsh, yst=yst, ysh=ysh, rost=rost, rosh=rosh,
+           eps_bits=eps_bits(eps))
     return y, ro
 
 
 def bwd(s, x, dy, w=None, dro=None, *, blocks=5, eps=1e-6):
     """Run the backward kernel ``s`` on ``blocks`` blocks, then the wsum kernel; returns (dx, dw, db)."""
-    k = kernel(s)
     dx = nan_like(x)
     P = blocks * s.partials_per_block
     dwp = torch.full((P, s.hidden), NAN) if s.weight else None
@@ -84,17 +109,17 @@ def bwd(s, x, dy, w=None, dro=None, *, blocks=5, eps=1e-6):
     M, NH, xst, xsh = rows(x)
     _, _, dyst, dysh = rows(dy)
     _, _, dxst, dxsh = rows(dx)
-    _, _, drost, drosh = rows(dro) if dro is not None else (0, 0, 0, 0)
-    k(*k.bind(X=ptr(x), DY=ptr(dy), DRO=ptr(dro), W=ptr(w), DX=ptr(dx), DWP=ptr(dwp), DBP=ptr(dbp), M=M, NH=NH,
-              G=blocks, xst=xst, xsh=xsh, dyst=dyst, dysh=dysh, drost=drost, drosh=drosh, dxst=dxst, dxsh=dxsh,
-              eps_bits=eps_bits(eps), **dict.fromkeys(k.extent_names, 0)))
+    _, _, drost, drosh = rows(dro)
+    launch(s, blocks, X=ptr(x), DY=ptr(dy), DRO=ptr(dro), W=ptr(w), DX=ptr(dx), DWP=ptr(dwp), DBP=ptr(dbp), M=M,
+           NH=NH, G=blocks, xst=xst, xsh=xsh, dyst=dyst, dysh=dysh, drost=drost, drosh=drosh, dxst=dxst,
+           dxsh=dxsh, eps_bits=eps_bits(eps))
     dw = db = None
     if s.weight or s.bias:
-        ws = spec(kind="wsum", hidden=s.hidden, weight=s.weight, bias=s.bias, norm=s.norm, rounding=s.rounding)
-        kw = kernel(ws)
+        ws = spec(s.backend, kind="wsum", hidden=s.hidden, weight=s.weight, bias=s.bias, norm=s.norm,
+                  rounding=s.rounding)
         dw = torch.full((s.hidden,), NAN, dtype=getattr(torch, s.weight)) if s.weight else None
         db = torch.full((s.hidden,), NAN, dtype=getattr(torch, s.bias)) if s.bias else None
-        kw(*kw.bind(DWP=ptr(dwp), DBP=ptr(dbp), DW=ptr(dw), DB=ptr(db), P=P, **dict.fromkeys(kw.extent_names, 0)))
+        launch(ws, -(-s.hidden // 32), DWP=ptr(dwp), DBP=ptr(dbp), DW=ptr(dw), DB=ptr(db), P=P)
     return dx, dw, db
 
 
@@ -159,8 +184,9 @@ def test_cuda_layout_fits_every_hidden_size():
 
 # ----------------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("hidden", [64, 184, 4096])
-def test_rms_fp32_against_float64(hidden, gen):
-    s = spec(kind="fwd", hidden=hidden, dtype="float32", weight="float32")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rms_fp32_against_float64(hidden, backend, gen):
+    s = spec(backend, kind="fwd", hidden=hidden, dtype="float32", weight="float32")
     w = torch.randn(hidden, generator=gen)
     for m in (1, 7, 423):
         x = torch.randn(m, hidden, generator=gen) * 3
@@ -170,10 +196,11 @@ def test_rms_fp32_against_float64(hidden, gen):
 
 @pytest.mark.parametrize("style,dtype,hidden", [("llama", torch.bfloat16, 4096), ("llama", torch.float16, 64),
                                                 ("gemma", torch.bfloat16, 184), ("olmo2", torch.bfloat16, 64)])
-def test_rms_matches_hf_module_bits(style, dtype, hidden, gen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rms_matches_hf_module_bits(style, dtype, hidden, backend, gen):
     rounding = "llama" if style == "llama" else "fp32"
     offset = 1.0 if style == "gemma" else 0.0
-    s = spec(kind="fwd", hidden=hidden, dtype=str(dtype).split(".")[1], weight=str(dtype).split(".")[1],
+    s = spec(backend, kind="fwd", hidden=hidden, dtype=str(dtype).split(".")[1], weight=str(dtype).split(".")[1],
              rounding=rounding, offset=offset)
     w = (torch.randn(hidden, generator=gen) * 0.5 + (0.0 if style == "gemma" else 1.0)).to(dtype)
     for m in (1, 7, 423):
@@ -198,10 +225,11 @@ def test_hf_references_are_the_modules(style, gen):
 
 
 @pytest.mark.parametrize("out", ["float32", "bfloat16"])
-def test_fp32_weight_with_bf16_x(out, gen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_weight_with_bf16_x(out, backend, gen):
     """Mixed precision: an fp32 weight. HF's LlamaRMSNorm then returns fp32 (torch promotes
     ``fp32 * bf16``): ``out_dtype="float32"`` is that tensor; ``bfloat16`` rounds it once more."""
-    s = spec(kind="fwd", hidden=184, dtype="bfloat16", weight="float32", out_dtype=out)
+    s = spec(backend, kind="fwd", hidden=184, dtype="bfloat16", weight="float32", out_dtype=out)
     w = torch.randn(184, generator=gen) * 0.3 + 1
     x = torch.randn(423, 184, generator=gen).to(torch.bfloat16)
     y, _ = fwd(s, x, w)
@@ -212,15 +240,16 @@ def test_fp32_weight_with_bf16_x(out, gen):
         return
     same = (y == want).double().mean().item()
     assert same >= 0.999, same
-    # elsewhere the normalised value rounded to the neighbouring bf16: 2^-8 relative at most
-    assert_close(y, want.double(), rtol=2.0**-8, atol=0)
+    # elsewhere the normalised value rounded to the neighbouring bf16: 2^-7 relative at most
+    assert_close(y, want.double(), rtol=2.0**-7, atol=0)
 
 
-def test_per_head_slice_of_fused_qkv_in_place(gen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_head_slice_of_fused_qkv_in_place(backend, gen):
     """Qwen3's q_norm on the q slice of a fused qkv buffer: rows = tokens x heads, a token stride of
     (q + 2 kv heads) x head_dim, written in place; k and v untouched."""
     T, HQ, HK, D = 37, 6, 2, 128
-    s = spec(kind="fwd", hidden=D, dtype="bfloat16", weight="bfloat16")
+    s = spec(backend, kind="fwd", hidden=D, dtype="bfloat16", weight="bfloat16")
     qkv = (torch.randn(T, (HQ + 2 * HK) * D, generator=gen) * 2).to(torch.bfloat16)
     before = qkv.clone()
     q = qkv[:, :HQ * D].view(T, HQ, D)
@@ -237,9 +266,10 @@ def test_per_head_slice_of_fused_qkv_in_place(gen):
     assert_hf_bits(y, ref.hf_rms_norm(k.contiguous(), w, 1e-6, "llama"), "strided heads", rounds=2)
 
 
-def test_residual_add_in_place(gen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_residual_add_in_place(backend, gen):
     """vLLM's fused_add_rms_norm: h = x + residual in bf16 written over the residual, norm(h) over x."""
-    s = spec(kind="fwd", hidden=64, dtype="bfloat16", weight="bfloat16", residual=True)
+    s = spec(backend, kind="fwd", hidden=64, dtype="bfloat16", weight="bfloat16", residual=True)
     w = (torch.randn(64, generator=gen) * 0.2 + 1).to(torch.bfloat16)
     for m in (1, 7, 423):
         x = (torch.randn(m, 64, generator=gen) * 2).to(torch.bfloat16)
@@ -259,10 +289,11 @@ def test_residual_add_in_place(gen):
 
 
 @pytest.mark.parametrize("affine", ["weight+bias", "none"])
-def test_layer_norm_fp32_against_float64(affine, gen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_norm_fp32_against_float64(affine, backend, gen):
     hidden = 184 if affine == "weight+bias" else 64
     wb = affine == "weight+bias"
-    s = spec(kind="fwd", hidden=hidden, dtype="float32", norm="layer", rounding="fp32",
+    s = spec(backend, kind="fwd", hidden=hidden, dtype="float32", norm="layer", rounding="fp32",
              weight="float32" if wb else None, bias="float32" if wb else None)
     w = torch.randn(hidden, generator=gen) if wb else None
     b = torch.randn(hidden, generator=gen) if wb else None
@@ -272,10 +303,11 @@ def test_layer_norm_fp32_against_float64(affine, gen):
         assert_close(y, ref.layer_norm(x, w, b, 1e-5), rtol=1e-5, atol=2e-6, what=f"rows {m}")
 
 
-def test_layer_norm_bf16_residual_within_one_ulp(gen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_norm_bf16_residual_within_one_ulp(backend, gen):
     """bf16 LayerNorm of x + residual: fp32 arithmetic rounded once, so within one bf16 ulp of the
     float64 result of the same h; h itself is torch's bf16 sum."""
-    s = spec(kind="fwd", hidden=64, dtype="bfloat16", norm="layer", rounding="fp32", weight="bfloat16",
+    s = spec(backend, kind="fwd", hidden=64, dtype="bfloat16", norm="layer", rounding="fp32", weight="bfloat16",
              bias="bfloat16", residual=True)
     w = torch.randn(64, generator=gen).to(torch.bfloat16)
     b = torch.randn(64, generator=gen).to(torch.bfloat16)
@@ -291,10 +323,11 @@ def _rms64(offset):
     return lambda x, w: ref.rms_norm(x, w, 1e-6, offset)
 
 
-def test_rms_backward_residual_fp32(gen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rms_backward_residual_fp32(backend, gen):
     """dx (which is also the residual's gradient: the upstream gradient of h is added) and dweight
     against float64 autograd; the weight gradient is the same bits for the same block count."""
-    s = spec(kind="bwd", hidden=184, dtype="float32", weight="float32", residual=True)
+    s = spec(backend, kind="bwd", hidden=184, dtype="float32", weight="float32", residual=True)
     w = torch.randn(184, generator=gen) * 0.3 + 1
     for m in (1, 7, 423):
         h = torch.randn(m, 184, generator=gen) * 2
@@ -310,8 +343,9 @@ def test_rms_backward_residual_fp32(gen):
     assert_close(one_block, gw, rtol=1e-4, atol=1e-5, what="dw, one block")
 
 
-def test_gemma_backward_offset_fp32(gen):
-    s = spec(kind="bwd", hidden=64, dtype="float32", weight="float32", rounding="fp32", offset=1.0)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gemma_backward_offset_fp32(backend, gen):
+    s = spec(backend, kind="bwd", hidden=64, dtype="float32", weight="float32", rounding="fp32", offset=1.0)
     w = torch.randn(64, generator=gen) * 0.3
     x = torch.randn(7, 9, 64, generator=gen) * 2  # [T, heads, D] per-head rows
     dy = torch.randn(7, 9, 64, generator=gen)
@@ -322,10 +356,11 @@ def test_gemma_backward_offset_fp32(gen):
 
 
 @pytest.mark.parametrize("affine", ["weight+bias", "none"])
-def test_layer_norm_backward_fp32(affine, gen):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_norm_backward_fp32(affine, backend, gen):
     wb = affine == "weight+bias"
     hidden = 184 if wb else 64
-    s = spec(kind="bwd", hidden=hidden, dtype="float32", norm="layer", rounding="fp32",
+    s = spec(backend, kind="bwd", hidden=hidden, dtype="float32", norm="layer", rounding="fp32",
              weight="float32" if wb else None, bias="float32" if wb else None)
     w = torch.randn(hidden, generator=gen) if wb else None
     b = torch.randn(hidden, generator=gen) if wb else None
@@ -342,12 +377,14 @@ def test_layer_norm_backward_fp32(affine, gen):
             assert dw is None and db is None
 
 
-def test_bf16_weight_gradient_over_65536_rows(gen):
+@pytest.mark.parametrize("backend", ["c", pytest.param("cuda", id="cuda_on_cpu", marks=[
+    pytest.mark.slow, pytest.mark.skipif(not cuda_on_cpu.available(), reason="no g++")])])  # emulated: 45 s
+def test_bf16_weight_gradient_over_65536_rows(backend, gen):
     """The weight gradient of 65,536 bf16 rows, summed on the device in fp32 partials, within 1e-2
     relative of the float64 sum. x has column means and dy a mean, so each column's sum is large
     (not a cancellation whose relative error would say nothing)."""
     M, H = 65536, 256
-    s = spec(kind="bwd", hidden=H, dtype="bfloat16", weight="bfloat16")
+    s = spec(backend, kind="bwd", hidden=H, dtype="bfloat16", weight="bfloat16")
     w = (torch.randn(H, generator=gen) * 0.2 + 1).to(torch.bfloat16)
     mu = (torch.rand(H, generator=gen) + 1) * (torch.randint(0, 2, (H,), generator=gen) * 2 - 1)  # |mu| in [1, 2)
     x = (torch.randn(M, H, generator=gen) + mu).to(torch.bfloat16)
