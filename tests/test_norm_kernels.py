@@ -183,7 +183,9 @@ def test_cuda_layout_fits_every_hidden_size():
 
 
 # ----------------------------------------------------------------------------------- forward
-@pytest.mark.parametrize("hidden", [64, 184, 4096])
+# 64: 16 lanes, two rows a warp; 184: 46 vectors over 32 lanes (a lane's second vector is past the
+# row for some); 1030: a block of 256 threads, 515 two-element vectors; 4096: a block, every lane full
+@pytest.mark.parametrize("hidden", [64, 184, 1030, 4096])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rms_fp32_against_float64(hidden, backend, gen):
     s = spec(backend, kind="fwd", hidden=hidden, dtype="float32", weight="float32")
