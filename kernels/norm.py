@@ -328,11 +328,6 @@ def _centered(spec: NormKernelSpec, value, mean):
     return value - mean if spec.norm == "layer" else value
 
 
-def _scale(spec: NormKernelSpec) -> "tuple[bool, bool]":
-    """(whether y is multiplied by a weight, whether ``offset`` is added to it)."""
-    return spec.weight is not None, spec.offset != 0.0
-
-
 def _wterm(spec: NormKernelSpec, w):
     """``offset + w`` in fp32 (``w`` already fp32)."""
     return w + T.float32(spec.offset) if spec.offset != 0.0 else w
@@ -378,7 +373,7 @@ def _fwd(spec: NormKernelSpec):
 
 def _fwd_c(spec: NormKernelSpec, st: dict[str, str]):
     H, dt, ydt = spec.hidden, spec.dtype, spec.y_dtype
-    has_w, _ = _scale(spec)
+    has_w = spec.weight is not None
     layer = spec.norm == "layer"
 
     @T.macro
@@ -516,7 +511,7 @@ def _fwd_cuda(spec: NormKernelSpec):
     V, NV, L, TPB, RPB = k.V, k.NV, k.L, k.TPB, k.RPB
     dt, ydt, H = spec.dtype, spec.y_dtype, spec.hidden
     wdt, bdt = spec.weight or "float32", spec.bias or "float32"
-    has_w, _ = _scale(spec)
+    has_w = spec.weight is not None
     layer = spec.norm == "layer"
     allsum = k.allsum_macro()
     row_mean = k.mean_macro(allsum)
@@ -608,7 +603,7 @@ def _bwd_c(spec: NormKernelSpec, st: dict[str, str]):
     partial row ``g`` directly."""
     H, dt, ydt = spec.hidden, spec.dtype, spec.y_dtype
     wdt = spec.weight or "float32"
-    has_w, _ = _scale(spec)
+    has_w = spec.weight is not None
     layer = spec.norm == "layer"
 
     @T.macro
@@ -679,7 +674,7 @@ def _bwd_cuda(spec: NormKernelSpec):
     V, NV, L, TPB, RPB = k.V, k.NV, k.L, k.TPB, k.RPB
     dt, ydt, H = spec.dtype, spec.y_dtype, spec.hidden
     wdt = spec.weight or "float32"
-    has_w, _ = _scale(spec)
+    has_w = spec.weight is not None
     layer = spec.norm == "layer"
     has_b = spec.bias is not None
     allsum = k.allsum_macro()
