@@ -1,0 +1,876 @@
+"""RMSNorm and LayerNorm as TileLang tile programs: forward, backward and the weight-gradient sum.
+
+One builder serves the whole ``norm`` family; a spec's ``kind`` picks the program:
+
+* ``fwd``: ``y = norm(x)``, optionally of ``h = x + residual`` (rounded to the input dtype, as
+  vLLM's ``fused_add_rms_norm`` and HF's decoder layers compute it), writing ``h`` too;
+* ``bwd``: ``dx`` from ``dy`` (plus the gradient that reached ``h``, with a residual: ``dx`` is
+  then also the residual's gradient), and per-block partial sums of the weight and bias gradients
+  in fp32, ``DWP[p, :]``, one row ``p`` per block (per warp in the row-per-warp schedule);
+* ``wsum``: ``dw[c] = sum_p DWP[p, c]`` (and ``db``), the partials summed in a fixed order. The
+  host fixes the number of blocks ``G`` from the row count alone, so the gradient is deterministic:
+  the same rows give the same bits, run after run.
+
+Rounding (``rounding``, RMSNorm). HF's modules differ in where they round, and a bf16 model's
+output depends on it:
+
+* ``llama`` (LlamaRMSNorm, Mistral, Qwen2/3, Phi-3): fp32 variance, ``n = x * rsqrt(var + eps)``
+  in fp32, ``n`` rounded to the input dtype, then ``y = n * w`` (the exact product of two 16-bit
+  floats fits fp32, so computing it in fp32 and rounding once to the output dtype is torch's
+  ``bf16 * bf16``; an fp32 weight makes torch's product, and so HF's output, fp32: ``out_dtype``);
+* ``fp32`` (Gemma 1/2/3 with ``offset=1``, Olmo2, and every LayerNorm): ``y = n * (offset + w)``
+  with ``offset + w`` and the product in fp32, rounded once to the output dtype.
+
+The backward differentiates what was computed: with ``llama`` the weight's gradient sums
+``dy * round(n)``, as autograd does through HF's module; the rounding itself passes gradients
+unchanged. ``rstd`` is recomputed from ``x`` (the backward reads ``x`` anyway): the forward writes
+nothing but ``y`` and ``h``.
+
+Layout. A row is ``hidden`` contiguous elements; row ``r`` of a tensor lies at ``t * st + h * sh``
+with ``t = r // NH``, ``h = r % NH``: ``[rows, hidden]`` is ``NH = 1``; per-head norm of a
+``[tokens, heads, head_dim]`` view (the q slice of a fused qkv buffer, whose token stride is not
+``heads * head_dim``) is ``NH = heads`` with the view's two strides; ``[batch, seq, hidden]``
+sliced along seq is ``NH = seq``. Every tensor has its own two strides, so an output may be a new
+tensor, a given ``out=`` or an input itself: in place is safe because each element is read before
+it is written, by the thread that writes it. ``M`` (rows), ``NH``, ``G`` and the strides are
+runtime scalars; ``hidden`` is compiled in. ``eps`` is a runtime scalar too, passed as the bits of
+the fp32 value torch adds (``variance + eps`` rounds eps to fp32), so that no float travels through
+the launcher's integer slots and TileLang's C backend, which prints float constants with 7 digits,
+never rounds it (``torch.finfo(torch.float32).eps`` is not 7 digits).
+
+Absent tensors (no residual, weight or bias) keep their parameters, which the kernel never reads:
+the launcher passes 0. The spec's ``residual``, ``weight`` and ``bias`` say which are used.
+
+Two schedules from one description:
+
+* ``cuda``: SIMT, 16-byte accesses (the host checks every pointer and stride is a multiple of
+  ``vec`` elements; strides are taken in units of ``vec``). A row is held in registers, in its own
+  dtype, between the reduction and the scale: x is read once. A row that 32 lanes hold at
+  ``vectors_per_thread`` vectors each takes a group of ``lanes <= 32`` lanes of a warp (a head of
+  128 bf16 is 16 vectors: 16 lanes, two rows a warp), reduced with ``__shfl_xor_sync`` alone. A
+  wider row takes a block of ``lanes`` threads, ``vectors_per_thread`` vectors each: warp shuffles,
+  then the warps' sums through shared memory, added by every thread in the same order (so every
+  thread holds the same bits). The backward runs ``G`` blocks over the rows in a fixed stride,
+  loads each next row while it reduces the current one, and keeps each thread's weight-gradient
+  columns in registers across its rows. Every kernel asks nvcc for at most 64 registers a thread
+  (``_RESIDENT_THREADS``).
+* ``c``: TileLang's C backend has no threads: plain loops per row, fp32 arithmetic (row sums in
+  float64, see "Row sums" below), the row kept in a local fp32 array between passes.
+"""
+
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from .storage import load_f32, storage_dtype, to_storage
+
+#: ``tilelang.language``, imported when a kernel is first built (:func:`_tl`)
+T: Any = None
+
+__all__ = ["NormKernelSpec", "build_norm", "build", "Spec", "STATIC", "FWD_ARGS", "BWD_ARGS", "WSUM_ARGS",
+           "eps_bits", "WSUM_SLICES"]
+
+#: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
+#: without importing the module). Every other field of :class:`NormKernelSpec` the op derives from the call.
+STATIC = {
+    "threads": (32, 1024, "threads per block of the row-per-warp schedule, a power of two (CUDA)"),
+    "vectors_per_thread": (1, 16, "16-byte vectors of a row each thread holds in the forward's row-per-block "
+                                  "schedule; sets the block size (CUDA)"),
+    "bwd_vectors_per_thread": (1, 16, "the same for the backward, whose threads also hold dy and the weight "
+                                      "gradient's column sums (CUDA)"),
+}
+
+_ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_KINDS = ("fwd", "bwd", "wsum")
+#: threads that split one column's partial rows in the ``wsum`` kernel (CUDA): 32 columns x 8 slices
+WSUM_SLICES = 8
+_WSUM_COLS = 32
+#: CUDA: threads an SM should hold at once (half of an H100/H200's 2048): the kernels ask nvcc for
+#: 64 registers a thread at most (the backward took 70, the fp32-weight forward 80, left alone: one
+#: block of 512 threads, or 3 of 256, an SM). A row-per-block forward of 128 threads holds 64 bytes
+#: of x a thread in flight: 64 KB an SM at 1024 threads, past the ~30 KB an H200 needs
+#: (4.8 TB/s / 132 SMs x ~0.8 us of latency).
+_RESIDENT_THREADS = 1024
+#: at most this many vectors per thread in the row-per-block schedule's knobs
+_MAX_VECTORS = 16
+#: at most this many bytes of a row per thread (CUDA): 16 vectors of 16 bytes, 64 registers of x
+_MAX_THREAD_BYTES = 256
+_MAX_BLOCK_THREADS = 1024
+
+#: the generated functions' parameters, in order, per kind. The launcher binds arguments by these
+#: names; a tensor the spec does not use is passed as 0.
+FWD_ARGS = ("X", "R", "W", "B", "Y", "RO", "M", "NH", "xst", "xsh", "rst", "rsh", "yst", "ysh", "rost", "rosh",
+            "eps_bits")
+BWD_ARGS = ("X", "DY", "DRO", "W", "DX", "DWP", "DBP", "M", "NH", "G", "xst", "xsh", "dyst", "dysh", "drost",
+            "drosh", "dxst", "dxsh", "eps_bits")
+WSUM_ARGS = ("DWP", "DBP", "DW", "DB", "P")
+
+
+def eps_bits(eps: float) -> int:
+    """The ``eps_bits`` argument for ``eps``: the bits of ``float32(eps)``, as a signed int32."""
+    return struct.unpack("<i", struct.pack("<f", eps))[0]
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class NormKernelSpec:
+    """Everything a norm kernel is compiled for; two equal specs share one compiled kernel."""
+
+    kind: str  # fwd | bwd | wsum
+    hidden: int  # elements of a row (the normalised dim), compiled in
+    dtype: str = "bfloat16"  # x, residual, h, dx (float16 | bfloat16 | float32)
+    weight: "str | None" = None  # the weight's dtype, None without a weight
+    bias: "str | None" = None  # the bias's dtype (LayerNorm), None without a bias
+    out_dtype: "str | None" = None  # y's (and so dy's) dtype; None: ``dtype``
+    norm: str = "rms"  # rms | layer
+    rounding: str = "llama"  # llama | fp32 (see the module's docstring); LayerNorm: fp32
+    offset: float = 0.0  # RMSNorm scales by ``offset + w`` (Gemma: 1.0), computed in fp32
+    residual: bool = False  # fwd: h = x + residual, written to RO; bwd: DRO added to dx
+    backend: str = "cuda"  # cuda | c
+    threads: int = 256  # cuda: threads per block of the row-per-warp schedule
+    vectors_per_thread: int = 4  # cuda: forward, row-per-block schedule
+    bwd_vectors_per_thread: int = 1  # cuda: backward, row-per-block schedule
+
+    def __post_init__(self) -> None:
+        def one_of(name: str, value: Any, choices: tuple) -> None:
+            if value not in choices:
+                raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+
+        one_of("kind", self.kind, _KINDS)
+        one_of("dtype", self.dtype, tuple(_ELEM_BYTES))
+        one_of("weight", self.weight, (None, *_ELEM_BYTES))
+        one_of("bias", self.bias, (None, *_ELEM_BYTES))
+        one_of("out_dtype", self.out_dtype, (None, *_ELEM_BYTES))
+        one_of("norm", self.norm, ("rms", "layer"))
+        one_of("rounding", self.rounding, ("llama", "fp32"))
+        one_of("backend", self.backend, ("cuda", "c"))
+        if type(self.hidden) is not int or self.hidden < 1:
+            raise ValueError(f"hidden: expected a positive int, got {self.hidden!r}")
+        if self.norm == "layer" and self.rounding != "fp32":
+            raise ValueError(f"rounding: LayerNorm computes in fp32 and rounds once; expected 'fp32', got "
+                             f"{self.rounding!r}")
+        if self.bias is not None and self.norm != "layer":
+            raise ValueError("bias: expected None for RMSNorm (only LayerNorm has a bias)")
+        if self.offset != 0.0 and (self.norm != "rms" or self.weight is None):
+            raise ValueError(f"offset: expected 0.0 without an RMSNorm weight, got {self.offset!r}")
+        # compiled in as a float constant: it must survive fp32 and the C backend's 7-digit printing
+        if (self.offset != struct.unpack("<f", struct.pack("<f", self.offset))[0]
+                or float(f"{self.offset:.6e}") != self.offset):
+            raise ValueError(f"offset: expected a value exact in fp32 and in 7 digits (0.0, 1.0, 0.5 ...), got "
+                             f"{self.offset!r}")
+        if self.kind == "wsum" and self.weight is None and self.bias is None:
+            raise ValueError("weight, bias: a wsum kernel sums a weight or a bias gradient; both are None")
+        if self.kind == "wsum" and self.residual:
+            raise ValueError("residual: expected False for a wsum kernel")
+        if self.threads < 32 or self.threads > _MAX_BLOCK_THREADS or self.threads & (self.threads - 1):
+            raise ValueError(f"threads: expected a power of two in [32, 1024], got {self.threads}")
+        for name in ("vectors_per_thread", "bwd_vectors_per_thread"):
+            if not 1 <= getattr(self, name) <= _MAX_VECTORS:
+                raise ValueError(f"{name}: expected an int in [1, {_MAX_VECTORS}], got {getattr(self, name)}")
+        if self.backend == "cuda" and self._thread_bytes(self.lanes) > _MAX_THREAD_BYTES:
+            limit = _MAX_THREAD_BYTES * _MAX_BLOCK_THREADS // _ELEM_BYTES[self.dtype]
+            raise ValueError(f"hidden: a {self.dtype} row of {self.hidden} elements puts "
+                             f"{self._thread_bytes(self.lanes)} bytes in each of 1024 threads; at most "
+                             f"{_MAX_THREAD_BYTES} (hidden <= {limit} when it divides by 16 bytes)")
+
+    # ------------------------------------------------------------------------ derived layout
+    @property
+    def y_dtype(self) -> str:
+        """The output's dtype (and the incoming gradient's): ``out_dtype``, else ``dtype``."""
+        return self.out_dtype or self.dtype
+
+    @property
+    def vec(self) -> int:
+        """Elements per 16-byte access of x, shrunk until it divides ``hidden``."""
+        v = 16 // _ELEM_BYTES[self.dtype]
+        while v > 1 and self.hidden % v:
+            v //= 2
+        return v
+
+    @property
+    def stride_unit(self) -> int:
+        """The unit of the row strides the kernel takes: ``vec`` elements on CUDA (so that the
+        compiler can prove every row starts on a vector boundary and keep 16-byte accesses; the
+        host checks each stride and pointer divides), one element on the C backend."""
+        return self.vec if self.backend == "cuda" else 1
+
+    @property
+    def nvec(self) -> int:
+        """Vectors in a row."""
+        return self.hidden // self.vec
+
+    def _thread_bytes(self, lanes: int) -> int:
+        """Bytes of x each of ``lanes`` threads holds."""
+        return -(-self.nvec // lanes) * self.vec * _ELEM_BYTES[self.dtype]
+
+    @property
+    def _per_thread(self) -> int:
+        """CUDA: the vectors a thread may hold: the knob of this kind."""
+        return self.bwd_vectors_per_thread if self.kind == "bwd" else self.vectors_per_thread
+
+    @property
+    def per_warp(self) -> bool:
+        """CUDA: whether a row takes (part of) a warp rather than a block: when 32 lanes hold it at
+        ``vectors_per_thread`` vectors each (``bwd_vectors_per_thread`` for the backward, whose lanes
+        also hold dy, the next row and the gradient's column sums): up to 1024 bf16 forward, 256
+        backward."""
+        return self.nvec <= 32 * self._per_thread
+
+    @property
+    def lanes(self) -> int:
+        """CUDA: threads that share one row (a power of two)."""
+        if self.per_warp:
+            return min(32, _pow2_at_least(self.nvec))
+        return min(_MAX_BLOCK_THREADS, max(32, _pow2_at_least(-(-self.nvec // self._per_thread))))
+
+    @property
+    def vectors(self) -> int:
+        """CUDA: vectors of a row each thread holds (the last may lie past the row for some lanes)."""
+        return -(-self.nvec // self.lanes)
+
+    @property
+    def block_threads(self) -> int:
+        """CUDA: threads of one block."""
+        if self.kind == "wsum":
+            return _WSUM_COLS * WSUM_SLICES
+        return max(self.threads, self.lanes) if self.per_warp else self.lanes
+
+    @property
+    def rows_per_block(self) -> int:
+        """CUDA: rows one block handles at a time."""
+        return self.block_threads // self.lanes
+
+    @property
+    def partials_per_block(self) -> int:
+        """Rows of ``DWP``/``DBP`` one backward block writes: one per warp in the row-per-warp CUDA
+        schedule (a warp's row slots are summed by shuffles first), else one. A backward launched on
+        ``G`` blocks needs ``G * partials_per_block`` partial rows, and ``wsum`` sums them all."""
+        if self.backend == "cuda" and self.per_warp:
+            return self.block_threads // 32
+        return 1
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The generated function's parameter names, in order."""
+        return {"fwd": FWD_ARGS, "bwd": BWD_ARGS, "wsum": WSUM_ARGS}[self.kind]
+
+
+def build_norm(spec: NormKernelSpec):
+    """The ``T.prim_func`` for ``spec``; its parameters are ``spec.args``.
+
+    ``X``, ``R``, ``Y``, ``RO``, ``DY``, ``DRO``, ``DX`` are flat buffers of their element type
+    addressed through the two row strides that follow them (units of ``spec.stride_unit``);
+    ``W``, ``B`` are ``[hidden]``; ``DWP``, ``DBP`` flat fp32 buffers of ``[P, hidden]`` partial rows;
+    ``DW``, ``DB`` ``[hidden]`` in the weight's and bias's dtypes.
+    """
+    _tl()
+    if spec.kind == "wsum":
+        return _wsum(spec)
+    return (_fwd if spec.kind == "fwd" else _bwd)(spec)
+
+
+def _tl() -> Any:
+    """Import TileLang's language (once); returns it."""
+    global T
+    if T is None:
+        import tilelang.language as tl
+
+        T = tl
+    return T
+
+
+# ------------------------------------------------------------------------------ shared pieces
+# A lane's shuffle partner: a plain CUDA helper rather than T.shfl_xor, whose generated mask is cast
+# to ``uint``, a name NVRTC (the lean build, tileops.compile.cuda_build) does not define.
+# 16-byte stores through st.global.cg: a local bf16 vector filled element by element and stored as a
+# plain uint4 became four 4-byte stores (``st.global.v2.u16`` x 4 in the PTX for sm_90, head_dim 128),
+# as kernels/rope.py saw; .cg also keeps the streamed outputs out of L1, which holds the weight.
+_CUDA_HELPERS = """
+__device__ __forceinline__ float tileops_xor_lane(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+template <typename T> __device__ __forceinline__ void tileops_st16(T* dst, const T* src) {
+  __stcg(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(src));
+}
+"""
+
+
+def _storages(spec: NormKernelSpec) -> dict[str, str]:
+    """Buffer element type of each tensor role on the spec's backend."""
+    s = lambda dt: storage_dtype(dt, spec.backend)  # noqa: E731
+    return {"x": s(spec.dtype), "y": s(spec.y_dtype), "w": s(spec.weight or "float32"),
+            "b": s(spec.bias or "float32")}
+
+
+def _round(value, dtype: str, backend: str):
+    """An fp32 value rounded to ``dtype`` (to nearest even) and widened back to fp32: the ``llama``
+    rounding of the normalised value, and ``h = x + residual`` in the input dtype. bf16 on the C
+    backend by hand (it has no bf16 type): keep the top 16 bits, rounded."""
+    if dtype == "float32":
+        return value
+    if dtype == "bfloat16" and backend == "c":
+        u = T.reinterpret(value, "uint32")
+        r = u + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(u, T.uint32(16)), T.uint32(1))
+        return T.reinterpret(T.bitwise_and(r, T.uint32(0xFFFF0000)), "float32")
+    return T.cast(T.cast(value, dtype), "float32")
+
+
+def _row_offset(row, NH, st, sh):
+    """Offset of row ``row`` (``t = row // NH``, ``h = row % NH``) from its two strides, in the
+    strides' unit. Truncating division: both are non-negative, and floor division costs sign fixes."""
+    return T.cast(T.truncdiv(row, NH), "int64") * st + T.cast(T.truncmod(row, NH), "int64") * sh
+
+
+def _centered(spec: NormKernelSpec, value, mean):
+    """``value - mean`` for LayerNorm; ``value`` for RMSNorm."""
+    return value - mean if spec.norm == "layer" else value
+
+
+def _wterm(spec: NormKernelSpec, w):
+    """``offset + w`` in fp32 (``w`` already fp32)."""
+    return w + T.float32(spec.offset) if spec.offset != 0.0 else w
+
+
+def _weighted(spec: NormKernelSpec, value, w):
+    """``value * (offset + w)`` with a weight, ``value`` without (``w`` already fp32)."""
+    return value * _wterm(spec, w) if spec.weight is not None else value
+
+
+def _flat(*tensors: str):
+    """The dynamic extents of flat buffers, one per tensor, named ``N<tensor>`` (the launcher passes
+    them after the parameters; the kernels never read them)."""
+    got = T.dynamic(", ".join(f"N{t}" for t in tensors))
+    return got if len(tensors) > 1 else (got,)
+
+
+# ------------------------------------------------------------------------------------ forward
+def _fwd(spec: NormKernelSpec):
+    st = _storages(spec)
+    H = spec.hidden
+    NX, NR, NY, NRO = _flat("X", "R", "Y", "RO")
+    sig = dict(X=T.Tensor((NX,), st["x"]), R=T.Tensor((NR,), st["x"]), W=T.Tensor((H,), st["w"]),
+               B=T.Tensor((H,), st["b"]), Y=T.Tensor((NY,), st["y"]), RO=T.Tensor((NRO,), st["x"]))
+    body = _fwd_cuda(spec) if spec.backend == "cuda" else _fwd_c(spec, st)
+
+    @T.prim_func
+    def norm_fwd(X: sig["X"], R: sig["R"], W: sig["W"], B: sig["B"], Y: sig["Y"], RO: sig["RO"],
+                 M: T.int32, NH: T.int32, xst: T.int64, xsh: T.int64, rst: T.int64, rsh: T.int64,
+                 yst: T.int64, ysh: T.int64, rost: T.int64, rosh: T.int64, eps_bits: T.int32):
+        body(X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits)
+
+    return norm_fwd
+
+
+# Row sums. The C schedule adds each row's values (squares, products, elements) in float64 and
+# rounds the mean to fp32 once: a sequential fp32 sum of 4096 squares is off by about
+# sqrt(4096) * 2^-24 = 4e-6 relative, which put 0.17% of Llama-rounded bf16 outputs (7 x 4096) on
+# the neighbouring value of HF's (torch's vectorized pairwise sum is far closer to exact). Every
+# product itself stays fp32, as torch computes ``h.pow(2)``. The CUDA schedule adds at most
+# ``_MAX_THREAD_BYTES`` of a row per thread in sequence, then a tree across lanes.
+
+
+def _fwd_c(spec: NormKernelSpec, st: dict[str, str]):
+    H, dt, ydt = spec.hidden, spec.dtype, spec.y_dtype
+    has_w = spec.weight is not None
+    layer = spec.norm == "layer"
+
+    @T.macro
+    def body(X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits):
+        with T.Kernel(M, threads=1) as row:
+            f = T.alloc_local((H,), "float32")
+            acc = T.alloc_local((2,), "float64")  # row sums: see "Row sums" above _fwd_c
+            xo = _row_offset(row, NH, xst, xsh)
+            for c in T.serial(H):
+                if spec.residual:
+                    hv = _round(load_f32(X, xo + c, st["x"], dt)
+                                + load_f32(R, _row_offset(row, NH, rst, rsh) + c, st["x"], dt), dt, "c")
+                    RO[_row_offset(row, NH, rost, rosh) + c] = to_storage(hv, st["x"], dt)
+                    f[c] = hv
+                else:
+                    f[c] = load_f32(X, xo + c, st["x"], dt)
+            eps = T.reinterpret(eps_bits, "float32")
+            acc[0] = T.float64(0)
+            acc[1] = T.float64(0)
+            if layer:
+                for c in T.serial(H):
+                    acc[0] = acc[0] + T.cast(f[c], "float64")
+                for c in T.serial(H):
+                    f[c] = f[c] - T.cast(acc[0] / T.float64(H), "float32")
+            for c in T.serial(H):
+                acc[1] = acc[1] + T.cast(f[c] * f[c], "float64")
+            rstd = T.float32(1) / T.sqrt(T.cast(acc[1] / T.float64(H), "float32") + eps)
+            yo = _row_offset(row, NH, yst, ysh)
+            for c in T.serial(H):
+                n = f[c] * rstd
+                if spec.rounding == "llama":
+                    n = _round(n, dt, "c")
+                if has_w:
+                    n = n * _wterm(spec, load_f32(W, c, st["w"], spec.weight))
+                if spec.bias is not None:
+                    n = n + load_f32(B, c, st["b"], spec.bias)
+                Y[yo + c] = to_storage(n, st["y"], ydt)
+
+    return body
+
+
+class _Cuda:
+    """The CUDA schedule's constants for one spec, and the macros its programs share: a row's
+    vectors, the predicate of each, and the all-reduce across the lanes of a row."""
+
+    def __init__(self, spec: NormKernelSpec):
+        self.spec = spec
+        self.V, self.NV, self.L = spec.vec, spec.vectors, spec.lanes
+        self.TPB, self.RPB = spec.block_threads, spec.rows_per_block
+        self.wide = not spec.per_warp
+        self.warps = self.TPB // 32
+        self.full = spec.nvec % self.L == 0  # every lane's every vector lies inside the row
+        self.sh = min(self.L, 32)  # lanes one shuffle butterfly spans
+        # __launch_bounds__(TPB, min_blocks): nvcc keeps to 65536 / _RESIDENT_THREADS = 64 registers a
+        # thread, so that blocks of _RESIDENT_THREADS threads in all fit an SM (see _RESIDENT_THREADS)
+        self.min_blocks = max(1, _RESIDENT_THREADS // self.TPB)
+        self.log_sh = self.sh.bit_length() - 1
+
+    def ok(self, live, lane, j):
+        """Whether vector ``j`` of a lane exists: its row is live and it lies inside the row."""
+        if self.full:
+            return live
+        return T.And(live, j * self.L + lane < self.spec.nvec)
+
+    def col(self, lane, j):
+        """First element of vector ``j`` of a lane within its row."""
+        return (j * self.L + lane) * self.V
+
+    def allsum_macro(self):
+        L, wide, warps, sh, log_sh = self.L, self.wide, self.warps, self.sh, self.log_sh
+
+        @T.macro
+        def allsum(acc, k, red, stage, tx):
+            """``acc[0:k]`` summed over the lanes of a row; every lane ends with the same bits (an xor
+            butterfly adds the same two values on both sides; the warps' sums are added in order)."""
+            for d in T.unroll(log_sh):
+                for i in T.unroll(k):
+                    acc[i] = acc[i] + T.call_extern("float32", "tileops_xor_lane", acc[i], T.shift_right(sh, d + 1))
+            if wide:
+                if tx % 32 == 0:
+                    for i in T.unroll(k):
+                        red[stage, i, tx // 32] = acc[i]
+                T.sync_threads()
+                for i in T.unroll(k):
+                    acc[i] = T.float32(0)
+                    for w in T.unroll(warps):
+                        acc[i] = acc[i] + red[stage, i, w]
+
+        return allsum
+
+    def store_macro(self, dtype: str):
+        V, e = self.V, _ELEM_BYTES[dtype]
+        chunk, n = 16 // e, (V * e) // 16 if (V * e) % 16 == 0 else 0
+
+        @T.macro
+        def store(buf, off, vals, at):
+            """``buf[off : off + V] = vals[at : at + V]``: 16-byte ``tileops_st16`` stores where the
+            vector is whole 16-byte chunks, else a vectorized loop."""
+            if n:
+                for q in T.unroll(n):
+                    T.call_extern("handle", "tileops_st16", T.address_of(buf[off + q * chunk]),
+                                  T.address_of(vals[at + q * chunk]))
+            else:
+                for v in T.vectorized(V):
+                    buf[off + v] = vals[at + v]
+
+        return store
+
+    def mean_macro(self, allsum):
+        spec, NV, V, H = self.spec, self.NV, self.V, self.spec.hidden
+        layer = spec.norm == "layer"
+        ok = self.ok
+
+        @T.macro
+        def row_mean(xr, acc, red, tx, live, lane):
+            """The mean of the row in ``xr`` for LayerNorm, the same bits in every lane (through
+            ``acc[0]`` and shared stage 1); 0 for RMSNorm, which never reads it."""
+            mean = T.alloc_var("float32")
+            mean = T.float32(0)
+            if layer:
+                acc[0] = T.float32(0)
+                for j in T.unroll(NV):
+                    if ok(live, lane, j):
+                        for v in T.unroll(V):
+                            acc[0] = acc[0] + T.cast(xr[j * V + v], "float32")
+                allsum(acc, 1, red, 1, tx)
+                mean = acc[0] / T.float32(H)
+            return mean
+
+        return row_mean
+
+
+def _fwd_cuda(spec: NormKernelSpec):
+    k = _Cuda(spec)
+    V, NV, L, TPB, RPB = k.V, k.NV, k.L, k.TPB, k.RPB
+    dt, ydt, H = spec.dtype, spec.y_dtype, spec.hidden
+    wdt, bdt = spec.weight or "float32", spec.bias or "float32"
+    has_w = spec.weight is not None
+    layer = spec.norm == "layer"
+    allsum = k.allsum_macro()
+    row_mean = k.mean_macro(allsum)
+    store_x, store_y = k.store_macro(spec.dtype), k.store_macro(spec.y_dtype)
+
+    @T.macro
+    def body(X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits):
+        with T.Kernel(T.ceildiv(M, RPB), threads=TPB) as bx:
+            T.import_source(_CUDA_HELPERS)
+            T.annotate_min_blocks_per_sm(k.min_blocks)
+            tx = T.get_thread_binding()
+            lane = tx % L
+            row = bx * RPB + tx // L
+            live = row < M
+            xr = T.alloc_local((NV * V,), dt)
+            rr = T.alloc_local((V,), dt)
+            wr = T.alloc_local((NV * V,), wdt)
+            br = T.alloc_local((NV * V,), bdt)
+            yr = T.alloc_local((V,), ydt)
+            acc = T.alloc_local((1,), "float32")
+            red = T.alloc_shared((2, 1, k.warps), "float32", scope="shared")
+            xo = _row_offset(row, NH, xst, xsh) * V
+            for j in T.unroll(NV):
+                if k.ok(live, lane, j):
+                    c = k.col(lane, j)
+                    for v in T.vectorized(V):
+                        xr[j * V + v] = X[xo + c + v]
+                    if spec.residual:
+                        for v in T.vectorized(V):
+                            rr[v] = R[_row_offset(row, NH, rst, rsh) * V + c + v]
+                        for v in T.unroll(V):
+                            xr[j * V + v] = T.cast(T.cast(xr[j * V + v], "float32") + T.cast(rr[v], "float32"), dt)
+                        store_x(RO, _row_offset(row, NH, rost, rosh) * V + c, xr, j * V)
+                    if has_w:
+                        for v in T.vectorized(V):
+                            wr[j * V + v] = W[c + v]
+                    if spec.bias is not None:
+                        for v in T.vectorized(V):
+                            br[j * V + v] = B[c + v]
+            eps = T.reinterpret(eps_bits, "float32")
+            mean = row_mean(xr, acc, red, tx, live, lane)
+            acc[0] = T.float32(0)
+            for j in T.unroll(NV):
+                if k.ok(live, lane, j):
+                    for v in T.unroll(V):
+                        f = _centered(spec, T.cast(xr[j * V + v], "float32"), mean)
+                        acc[0] = acc[0] + f * f
+            allsum(acc, 1, red, 0, tx)
+            rstd = T.rsqrt(acc[0] / T.float32(H) + eps)
+            yo = _row_offset(row, NH, yst, ysh) * V
+            for j in T.unroll(NV):
+                if k.ok(live, lane, j):
+                    for v in T.unroll(V):
+                        n = _centered(spec, T.cast(xr[j * V + v], "float32"), mean) * rstd
+                        if spec.rounding == "llama":
+                            n = _round(n, dt, "cuda")
+                        if has_w:
+                            n = n * _wterm(spec, T.cast(wr[j * V + v], "float32"))
+                        if spec.bias is not None:
+                            n = n + T.cast(br[j * V + v], "float32")
+                        yr[v] = T.cast(n, ydt)
+                    store_y(Y, yo + k.col(lane, j), yr, 0)
+
+    return body
+
+
+# ----------------------------------------------------------------------------------- backward
+def _bwd(spec: NormKernelSpec):
+    st = _storages(spec)
+    H = spec.hidden
+    NX, NDY, NDRO, NDX, NP = _flat("X", "DY", "DRO", "DX", "P")
+    sig = dict(X=T.Tensor((NX,), st["x"]), DY=T.Tensor((NDY,), st["y"]), DRO=T.Tensor((NDRO,), st["x"]),
+               W=T.Tensor((H,), st["w"]), DX=T.Tensor((NDX,), st["x"]), DWP=T.Tensor((NP,), "float32"),
+               DBP=T.Tensor((NP,), "float32"))
+    body = _bwd_cuda(spec) if spec.backend == "cuda" else _bwd_c(spec, st)
+
+    @T.prim_func
+    def norm_bwd(X: sig["X"], DY: sig["DY"], DRO: sig["DRO"], W: sig["W"], DX: sig["DX"], DWP: sig["DWP"],
+                 DBP: sig["DBP"], M: T.int32, NH: T.int32, G: T.int32, xst: T.int64, xsh: T.int64,
+                 dyst: T.int64, dysh: T.int64, drost: T.int64, drosh: T.int64, dxst: T.int64, dxsh: T.int64,
+                 eps_bits: T.int32):
+        body(X, DY, DRO, W, DX, DWP, DBP, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits)
+
+    return norm_bwd
+
+
+def _bwd_c(spec: NormKernelSpec, st: dict[str, str]):
+    """Block ``g`` of ``G`` takes rows ``g, g + G, ...`` and sums its weight (bias) gradient into
+    partial row ``g`` directly."""
+    H, dt, ydt = spec.hidden, spec.dtype, spec.y_dtype
+    wdt = spec.weight or "float32"
+    has_w = spec.weight is not None
+    layer = spec.norm == "layer"
+
+    @T.macro
+    def body(X, DY, DRO, W, DX, DWP, DBP, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits):
+        with T.Kernel(G, threads=1) as g:
+            f = T.alloc_local((H,), "float32")  # x (minus the mean)
+            dn = T.alloc_local((H,), "float32")  # dy times the weight term
+            acc = T.alloc_local((4,), "float64")  # row sums: see "Row sums" above _fwd_c
+            eps = T.reinterpret(eps_bits, "float32")
+            for c in T.serial(H):
+                if has_w:
+                    DWP[T.cast(g, "int64") * H + c] = T.float32(0)
+                if spec.bias is not None:
+                    DBP[T.cast(g, "int64") * H + c] = T.float32(0)
+            for it in T.serial(T.truncdiv(M - g + G - 1, G)):  # ceil((M - g) / G); M - g + G - 1 >= 0
+                row = g + it * G
+                xo = _row_offset(row, NH, xst, xsh)
+                dyo = _row_offset(row, NH, dyst, dysh)
+                acc[3] = T.float64(0)
+                for c in T.serial(H):
+                    f[c] = load_f32(X, xo + c, st["x"], dt)
+                    dn[c] = _weighted(spec, load_f32(DY, dyo + c, st["y"], ydt), load_f32(W, c, st["w"], wdt))
+                    acc[3] = acc[3] + T.cast(f[c], "float64")
+                if layer:
+                    for c in T.serial(H):
+                        f[c] = f[c] - T.cast(acc[3] / T.float64(H), "float32")
+                # acc: sum f^2, sum dn * f, and for LayerNorm sum dn (f = x - mean, dn = dy * (offset + w))
+                for i in T.serial(3):
+                    acc[i] = T.float64(0)
+                for c in T.serial(H):
+                    acc[0] = acc[0] + T.cast(f[c] * f[c], "float64")
+                    acc[1] = acc[1] + T.cast(dn[c] * f[c], "float64")
+                    if layer:
+                        acc[2] = acc[2] + T.cast(dn[c], "float64")
+                rstd = T.float32(1) / T.sqrt(T.cast(acc[0] / T.float64(H), "float32") + eps)
+                b = T.cast(acc[1] / T.float64(H), "float32") * rstd * rstd
+                a = T.cast(acc[2] / T.float64(H), "float32")
+                dxo = _row_offset(row, NH, dxst, dxsh)
+                p = T.cast(g, "int64") * H
+                for c in T.serial(H):
+                    # dx = rstd * (dn - mean(dn) - n * mean(dn * n)), n = f * rstd; mean(dn) for LayerNorm
+                    d = rstd * (_centered(spec, dn[c], a) - f[c] * b)
+                    if spec.residual:
+                        d = d + load_f32(DRO, _row_offset(row, NH, drost, drosh) + c, st["x"], dt)
+                    DX[dxo + c] = to_storage(d, st["x"], dt)
+                    gy = load_f32(DY, dyo + c, st["y"], ydt)
+                    if has_w:
+                        n = f[c] * rstd
+                        if spec.rounding == "llama":
+                            n = _round(n, dt, "c")
+                        DWP[p + c] = DWP[p + c] + gy * n
+                    if spec.bias is not None:
+                        DBP[p + c] = DBP[p + c] + gy
+
+    return body
+
+
+def _warp_slot(wide: bool, tx):
+    """The partial row of a thread within its block: its warp's (row-per-warp), else the block's one."""
+    return 0 if wide else tx // 32
+
+
+def _bwd_cuda(spec: NormKernelSpec):
+    """Block ``g`` of ``G`` takes row groups ``g, g + G, ...`` (``rows_per_block`` rows each); each
+    thread keeps the weight (bias) gradient of its columns in registers across them, and writes them
+    once to its block's (warp's) partial row."""
+    k = _Cuda(spec)
+    V, NV, L, TPB, RPB = k.V, k.NV, k.L, k.TPB, k.RPB
+    dt, ydt, H = spec.dtype, spec.y_dtype, spec.hidden
+    wdt = spec.weight or "float32"
+    has_w = spec.weight is not None
+    layer = spec.norm == "layer"
+    has_b = spec.bias is not None
+    allsum = k.allsum_macro()
+    row_mean = k.mean_macro(allsum)
+    store_x, store_y = k.store_macro(spec.dtype), k.store_macro(spec.y_dtype)
+    # row slots of one warp (row-per-warp schedule), whose column sums are merged by shuffles
+    slots_per_warp = 32 // L if not k.wide else 1
+    K = 3 if layer else 2  # values each row reduces after the mean
+    PPB = spec.partials_per_block
+
+    @T.macro
+    def load_row(X, DY, xn, gn, row, M, NH, xst, xsh, dyst, dysh, lane):
+        """x and dy of ``row`` (when it exists) into ``xn``, ``gn``."""
+        xo = _row_offset(row, NH, xst, xsh) * V
+        dyo = _row_offset(row, NH, dyst, dysh) * V
+        for j in T.unroll(NV):
+            if k.ok(row < M, lane, j):
+                for v in T.vectorized(V):
+                    xn[j * V + v] = X[xo + k.col(lane, j) + v]
+                for v in T.vectorized(V):
+                    gn[j * V + v] = DY[dyo + k.col(lane, j) + v]
+
+    @T.macro
+    def body(X, DY, DRO, W, DX, DWP, DBP, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits):
+        with T.Kernel(G, threads=TPB) as g:
+            T.import_source(_CUDA_HELPERS)
+            T.annotate_min_blocks_per_sm(k.min_blocks)
+            tx = T.get_thread_binding()
+            lane = tx % L
+            xr = T.alloc_local((NV * V,), dt)
+            gr = T.alloc_local((NV * V,), ydt)
+            xn = T.alloc_local((NV * V,), dt)
+            gn = T.alloc_local((NV * V,), ydt)
+            dr = T.alloc_local((V,), dt)
+            xo_ = T.alloc_local((V,), dt)
+            wr = T.alloc_local((NV * V,), wdt)
+            dwa = T.alloc_local((NV * V,), "float32")
+            dba = T.alloc_local((NV * V,), "float32")
+            acc = T.alloc_local((3,), "float32")
+            red = T.alloc_shared((2, 3, k.warps), "float32", scope="shared")
+            eps = T.reinterpret(eps_bits, "float32")
+            for i in T.unroll(NV * V):
+                dwa[i] = T.float32(0)
+                dba[i] = T.float32(0)
+            if has_w:
+                for j in T.unroll(NV):
+                    if k.ok(True, lane, j):
+                        for v in T.vectorized(V):
+                            wr[j * V + v] = W[k.col(lane, j) + v]
+            # row groups g, g + G, ...: ceil((groups - g) / G) of them; groups - g + G - 1 >= 0 as g < G.
+            # Each iteration first issues the loads of its next row into xn, gn, so that they are in
+            # flight while this row is reduced and written (without, a block's loads and its two
+            # barriers alternate, and the 2 blocks an SM holds keep about 16 KB of loads in flight).
+            load_row(X, DY, xn, gn, g * RPB + tx // L, M, NH, xst, xsh, dyst, dysh, lane)
+            for it in T.serial(T.truncdiv(T.ceildiv(M, RPB) - g + G - 1, G)):
+                row = (g + it * G) * RPB + tx // L
+                live = row < M
+                for i in T.unroll(NV * V):
+                    xr[i] = xn[i]
+                    gr[i] = gn[i]
+                load_row(X, DY, xn, gn, row + G * RPB, M, NH, xst, xsh, dyst, dysh, lane)
+                mean = row_mean(xr, acc, red, tx, live, lane)
+                # acc: sum f^2, sum dn * f, and for LayerNorm sum dn (f = x - mean, dn = dy * (offset + w))
+                for i in T.unroll(K):
+                    acc[i] = T.float32(0)
+                for j in T.unroll(NV):
+                    if k.ok(live, lane, j):
+                        for v in T.unroll(V):
+                            f = _centered(spec, T.cast(xr[j * V + v], "float32"), mean)
+                            dn = _weighted(spec, T.cast(gr[j * V + v], "float32"), T.cast(wr[j * V + v], "float32"))
+                            acc[0] = acc[0] + f * f
+                            acc[1] = acc[1] + dn * f
+                            if layer:
+                                acc[2] = acc[2] + dn
+                allsum(acc, K, red, 0, tx)
+                rstd = T.rsqrt(acc[0] / T.float32(H) + eps)
+                b = acc[1] * rstd * rstd / T.float32(H)
+                a = T.alloc_var("float32")
+                a = T.float32(0)
+                if layer:
+                    a = acc[2] / T.float32(H)
+                dxo = _row_offset(row, NH, dxst, dxsh) * V
+                for j in T.unroll(NV):
+                    if k.ok(live, lane, j):
+                        c = k.col(lane, j)
+                        if spec.residual:
+                            for v in T.vectorized(V):
+                                dr[v] = DRO[_row_offset(row, NH, drost, drosh) * V + c + v]
+                        for v in T.unroll(V):
+                            f = _centered(spec, T.cast(xr[j * V + v], "float32"), mean)
+                            gy = T.cast(gr[j * V + v], "float32")
+                            dn = _weighted(spec, gy, T.cast(wr[j * V + v], "float32"))
+                            # dx = rstd * (dn - mean(dn) - n * mean(dn * n)), n = f * rstd; mean(dn) for LayerNorm
+                            d = rstd * (_centered(spec, dn, a) - f * b)
+                            if spec.residual:
+                                d = d + T.cast(dr[v], "float32")
+                            xo_[v] = T.cast(d, dt)
+                            if has_w:
+                                n = f * rstd
+                                if spec.rounding == "llama":
+                                    n = _round(n, dt, "cuda")
+                                dwa[j * V + v] = dwa[j * V + v] + gy * n
+                            if has_b:
+                                dba[j * V + v] = dba[j * V + v] + gy
+                        store_x(DX, dxo + c, xo_, 0)
+                if k.wide:
+                    T.sync_threads()  # the next row's sums reuse the shared slots
+            # a warp's row slots hold sums of the same columns: merge them, in a fixed butterfly
+            for d in T.unroll(slots_per_warp.bit_length() - 1):
+                for i in T.unroll(NV * V):
+                    if has_w:
+                        dwa[i] = dwa[i] + T.call_extern("float32", "tileops_xor_lane", dwa[i], L << d)
+                    if has_b:
+                        dba[i] = dba[i] + T.call_extern("float32", "tileops_xor_lane", dba[i], L << d)
+            if tx % 32 < L:  # row-per-warp: lane group 0 of each warp writes the warp's partial row
+                p = T.cast(g * PPB + _warp_slot(k.wide, tx), "int64") * H
+                for j in T.unroll(NV):
+                    if k.ok(True, lane, j):
+                        for v in T.vectorized(V):
+                            if has_w:
+                                DWP[p + k.col(lane, j) + v] = dwa[j * V + v]
+                        for v in T.vectorized(V):
+                            if has_b:
+                                DBP[p + k.col(lane, j) + v] = dba[j * V + v]
+
+    return body
+
+
+# ------------------------------------------------------------------------------- weight sum
+def _wsum(spec: NormKernelSpec):
+    H = spec.hidden
+    wst = storage_dtype(spec.weight or "float32", spec.backend)
+    bst = storage_dtype(spec.bias or "float32", spec.backend)
+    NP, = _flat("P")
+    sig = dict(DWP=T.Tensor((NP,), "float32"), DBP=T.Tensor((NP,), "float32"), DW=T.Tensor((H,), wst),
+               DB=T.Tensor((H,), bst))
+    has_w, has_b = spec.weight is not None, spec.bias is not None
+    wdt, bdt = spec.weight or "float32", spec.bias or "float32"
+
+    if spec.backend == "c":
+        @T.macro
+        def body(DWP, DBP, DW, DB, P):
+            with T.Kernel(1, threads=1) as _:
+                acc = T.alloc_local((2,), "float32")
+                for c in T.serial(H):
+                    acc[0] = T.float32(0)
+                    acc[1] = T.float32(0)
+                    for p in T.serial(P):
+                        if has_w:
+                            acc[0] = acc[0] + DWP[T.cast(p, "int64") * H + c]
+                        if has_b:
+                            acc[1] = acc[1] + DBP[T.cast(p, "int64") * H + c]
+                    if has_w:
+                        DW[c] = to_storage(acc[0], wst, wdt)
+                    if has_b:
+                        DB[c] = to_storage(acc[1], bst, bdt)
+    else:
+        S, C = WSUM_SLICES, _WSUM_COLS
+
+        @T.macro
+        def body(DWP, DBP, DW, DB, P):
+            # thread (s, c): partial rows s, s + S, ... of column c, then the S sums added in order
+            with T.Kernel(T.ceildiv(H, C), threads=S * C) as bx:
+                tx = T.get_thread_binding()
+                col = bx * C + tx % C
+                s = tx // C
+                red = T.alloc_shared((2, S, C), "float32", scope="shared")
+                acc = T.alloc_local((2,), "float32")
+                acc[0] = T.float32(0)
+                acc[1] = T.float32(0)
+                if col < H:
+                    for i in T.serial(T.ceildiv(P - s, S)):
+                        p = T.cast(s + i * S, "int64")
+                        if has_w:
+                            acc[0] = acc[0] + DWP[p * H + col]
+                        if has_b:
+                            acc[1] = acc[1] + DBP[p * H + col]
+                red[0, s, tx % C] = acc[0]
+                red[1, s, tx % C] = acc[1]
+                T.sync_threads()
+                if s == 0 and col < H:
+                    for q in T.unroll(1, S):
+                        acc[0] = acc[0] + red[0, q, tx % C]
+                        acc[1] = acc[1] + red[1, q, tx % C]
+                    if has_w:
+                        DW[col] = T.cast(acc[0], wdt)
+                    if has_b:
+                        DB[col] = T.cast(acc[1], bdt)
+
+    @T.prim_func
+    def norm_wsum(DWP: sig["DWP"], DBP: sig["DBP"], DW: sig["DW"], DB: sig["DB"], P: T.int32):
+        body(DWP, DBP, DW, DB, P)
+
+    return norm_wsum
+
+
+#: the names :mod:`tileops.kernels` looks up in a builder module
+build = build_norm
+Spec = NormKernelSpec
