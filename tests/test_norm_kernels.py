@@ -317,7 +317,14 @@ def test_layer_norm_bf16_residual_within_one_ulp(backend, gen):
     r = torch.randn(3, 141, 64, generator=gen).to(torch.bfloat16)
     y, h = fwd(s, x, w, b, r=r, eps=1e-5)
     assert torch.equal(h, x + r)
-    assert ref.ulps_apart(y, ref.layer_norm(h, w, b, 1e-5).to(torch.bfloat16)).max().item() <= 1
+    exact = ref.layer_norm(h, w, b, 1e-5)
+    apart = ref.ulps_apart(y, exact.to(torch.bfloat16))
+    # n * w + b in fp32 is within about 2^-23 (|n * w| + |b|) of the float64 value; where the bias
+    # cancels the product to far below that (about 1 element in 10^4 per run), the one rounding can
+    # land several bf16 ulps of the tiny result away, still within that absolute error.
+    scale = (ref.layer_norm(h, w, None, 1e-5).abs() + b.double().abs()) * 2.0**-22
+    near = (y.double() - exact).abs() <= scale + exact.abs() * 2.0**-8
+    assert bool(((apart <= 1) | near).all()), f"{int(((apart > 1) & ~near).sum())} elements off"
 
 
 # ---------------------------------------------------------------------------------- backward
