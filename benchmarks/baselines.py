@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["make_baseline", "liger_baseline"]
+__all__ = ["make_baseline", "liger_baseline", "functional_baseline"]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -96,13 +96,18 @@ def _mrope_baseline(op: Any, inputs: dict[str, torch.Tensor], inv: torch.Tensor,
     return (lambda x, pos, k, c, s: (_rope_neox(x, c, s), _rope_neox(k, c, s))), (x, pos, key, c, s)
 
 
-def liger_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., Any], tuple] | None:
-    """Liger's ``liger_rotary_pos_emb`` on the same data, where it fits (neox, 2d); else None.
+def liger_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., Any], tuple, int] | None:
+    """``(function, args, calls)``: Liger-Kernel's kernel for ``op`` on the same data where one fits,
+    moving the bytes of ``calls`` op calls; else None.
 
-    Liger rotates q and k together in [batch, heads, seq, head_dim]; we hand it x as q and as k
-    (transposed views made contiguous outside the timed region), so it moves twice the bytes of one
-    op call: its time is halved when compared.
+    RoPE: ``liger_rotary_pos_emb`` (neox, 2d) rotates q and k together in [batch, heads, seq,
+    head_dim]; we hand it x as q and as k (transposed views made contiguous outside the timed
+    region), so it moves the bytes of two op calls. Norm: ``LigerRMSNormFunction`` (its ``llama`` or
+    ``gemma`` casting mode, the one that rounds as the op does), ``LigerFusedAddRMSNormFunction`` with
+    a residual, ``LigerLayerNormFunction`` with a weight and a bias: one call's bytes.
     """
+    if op.manifest.family == "norm":
+        return _liger_norm(op, inputs)
     if op.manifest.family != "rope" or op.layout != "2d" or op.pairing != "neox" or op.name == "MRoPEFwdOp":
         return None
     try:
@@ -114,4 +119,61 @@ def liger_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[.
     k = q.clone()
     cos = c[:, 0, :][None].to(x.dtype).contiguous()
     sin = s[:, 0, :][None].to(x.dtype).contiguous()
-    return (lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)), (q, k, cos, sin)
+    return (lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)), (q, k, cos, sin), 2
+
+
+def _norm_rounding(op: Any) -> str:
+    """The op's rounding form: its ``rounding`` param, else ``llama`` without an offset, ``fp32`` with one."""
+    r = op.params.get("rounding")
+    return r or ("llama" if not op.params.get("offset") else "fp32")
+
+
+def _liger_norm(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., Any], tuple, int] | None:
+    x, w, r = inputs["x"], inputs.get("weight"), inputs.get("residual")
+    eps = op.params["eps"]
+    try:
+        if op.name == "LayerNormFwdOp":
+            if w is None or inputs.get("bias") is None or r is not None:
+                return None
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+            return (lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, eps)), (x, w, inputs["bias"]), 1
+        if w is None or op.params.get("out_dtype"):
+            return None
+        mode = "llama" if _norm_rounding(op) == "llama" else "gemma"
+        offset = float(op.params.get("offset") or 0.0)
+        if r is None:
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            return (lambda x, w: LigerRMSNormFunction.apply(x, w, eps, offset, mode, False)), (x, w), 1
+        from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+
+        return (lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, eps, offset, mode, False)), (x, r, w), 1
+    except ImportError:
+        return None
+
+
+def functional_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., Any], tuple] | None:
+    """``(function, args)``: PyTorch's own fused kernel for ``op``, where it has one: for the norm family
+    ``torch.nn.functional.rms_norm`` / ``layer_norm`` (after ``x + residual`` with a residual), which
+    a user would call instead of a module's Python; else None."""
+    if op.manifest.family != "norm":
+        return None
+    x, w, r = inputs["x"], inputs.get("weight"), inputs.get("residual")
+    eps, shape = op.params["eps"], (x.shape[-1],)
+    if op.name == "LayerNormFwdOp":
+        norm = lambda h, w, b: torch.nn.functional.layer_norm(h, shape, w, b, eps)  # noqa: E731
+        b = inputs.get("bias")
+    else:
+        if op.params.get("offset"):  # no offset in F.rms_norm: (1 + w) would be a second kernel
+            return None
+        norm = lambda h, w, b: torch.nn.functional.rms_norm(h, shape, w, eps)  # noqa: E731
+        b = None
+    if r is None:
+        return (lambda x, w, b: norm(x, w, b)), (x, w, b)
+
+    def fused(x: torch.Tensor, w: Any, b: Any, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x + r
+        return norm(h, w, b), h
+
+    return fused, (x, w, b, r)

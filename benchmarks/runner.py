@@ -30,7 +30,7 @@ from tileops.manifest import registry
 from tileops.workloads import bytes_moved, op_class, workload
 
 from . import plots
-from .baselines import liger_baseline, make_baseline
+from .baselines import functional_baseline, liger_baseline, make_baseline
 from .timing import copy_rate, gpu_time, rotation, same_bytes_copy_us
 
 HERE = Path(__file__).resolve().parent
@@ -116,15 +116,19 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
         liger = None
         lg = liger_baseline(op, w.inputs)
         if lg is not None:
-            lfn, largs = lg
-            lsets = [liger_baseline(op, x)[1] for x in sets[: max(2, n // 2)]]  # q and k: twice the bytes
+            lfn, _, calls = lg
+            lsets = [liger_baseline(op, x)[1] for x in sets[: max(2, n // calls)]]
             t = gpu_time(lambda i: lfn(*lsets[i]), len(lsets))
-            liger = tuple(v / 2 for v in t)  # it rotates q and k: two op calls' worth of bytes
+            liger = tuple(v / calls for v in t)  # RoPE: it rotates q and k, two op calls' worth of bytes
+        fn_time = None
+        if functional_baseline(op, w.inputs) is not None:
+            fsets = [functional_baseline(op, x) for x in sets]
+            fn_time = gpu_time(lambda i: fsets[i][0](*fsets[i][1]), n)
         row = {
             "op": m.name, "family": m.family, "direction": "forward", "case": case.label, "dtype": dtype,
             "shape": [list(t.shape) for t in w.inputs.values()], "bytes": nbytes,
             "floor_us": nbytes / (ceiling * 1e9) * 1e6,
-            "ours_us": ours, "eager_us": eager, "compile_us": compiled, "liger_us": liger,
+            "ours_us": ours, "eager_us": eager, "compile_us": compiled, "liger_us": liger, "fn_us": fn_time,
             "gbps": nbytes / (ours[0] * 1e-6) / 1e9,
             "first_call_s": first_call,
         }
@@ -183,10 +187,11 @@ def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base
         compiled = (float("nan"),) * 3
     liger = None
     lg = liger_baseline(op, sets[0])
-    if lg is not None:  # Liger's backward rotates the gradients of q and k: two op calls' worth of bytes
+    if lg is not None:  # RoPE: Liger's backward rotates the gradients of q and k, two op calls' worth of bytes
         try:
-            lsets = [liger_baseline(op, x)[1] for x in sets[: max(2, n // 2)]]
-            liger = tuple(v / 2 for v in _grad_timer(lg[0], lsets, len(lsets), (0, 1)))
+            calls = lg[2]
+            lsets = [liger_baseline(op, x)[1] for x in sets[: max(2, n // calls)]]
+            liger = tuple(v / calls for v in _grad_timer(lg[0], lsets, len(lsets), (0, 1)))
         except Exception as e:  # noqa: BLE001 - Liger is optional; its backward is timed where it runs
             print(f"liger backward failed on {case.label}: {e}", file=sys.stderr)
     row = {"op": m.name, "family": m.family, "direction": "backward",
@@ -231,16 +236,18 @@ def markdown(result: dict[str, Any]) -> str:
               f"{u['copy_gbps']:.0f} GB/s (`python -m benchmarks --splice`)." for u in meta.get("updated", [])]
     lines += ["",
              "| op | case | dtype | MB | floor us | ours us (p20-p80) | GB/s | % copy | same-bytes copy us "
-             "| % same-bytes copy | eager us | compile us | liger us | x eager | x compile | x liger |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| % same-bytes copy | eager us | compile us | liger us | torch fn us | x eager | x compile | x liger "
+             "| x torch fn |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        o, e, c, lg = r["ours_us"], r["eager_us"], r["compile_us"], r["liger_us"]
+        o, e, c, lg, fn = r["ours_us"], r["eager_us"], r["compile_us"], r["liger_us"], r.get("fn_us")
         lig = f"{lg[0]:.1f}" if lg else "-"
         xl = f"{lg[0] / o[0]:.2f}" if lg else "-"
         lines.append(f"| {r['op']} | {r['case']} | {r['dtype']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} "
                      f"| {o[0]:.1f} ({o[1]:.1f}-{o[2]:.1f}) | {r['gbps']:.0f} | {r['pct_copy']:.0f} "
                      f"| {r.get('copy_us', float('nan')):.1f} | {r.get('pct_same_copy', float('nan')):.0f} | {e[0]:.1f} "
-                     f"| {c[0]:.1f} | {lig} | {e[0] / o[0]:.1f} | {c[0] / o[0]:.2f} | {xl} |")
+                     f"| {c[0]:.1f} | {lig} | {f'{fn[0]:.1f}' if fn else '-'} | {e[0] / o[0]:.1f} | {c[0] / o[0]:.2f} "
+                     f"| {xl} | {f'{fn[0] / o[0]:.2f}' if fn else '-'} |")
     small = [r for r in result["rows"] if "host_us" in r]
     if small:
         lines += ["", "| op | case | host us / call (GPU idle) | end to end us / call |", "|---|---|---|---|"]
