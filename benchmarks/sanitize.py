@@ -55,33 +55,34 @@ Call = tuple[str, Callable[[], None]]
 
 
 def _case_calls() -> Iterator[Call]:
-    """Every case of every op, forward and backward, on its first dtype (shrunk inputs)."""
+    """Every case of every op of every family, forward and backward, on its first dtype (shrunk
+    inputs), against the family's float64 reference (``tests/family_references.py``)."""
+    from tests import family_references as fam
     from tileops.manifest import registry
     from tileops.workloads import op_class, workload
 
-    reference, reference_grad, _ = _refs()
     for name, m in sorted(registry().items()):
         for case in m.cases:
             def run(name=name, m=m, case=case) -> None:
                 g = torch.Generator().manual_seed(hash((name, case.label)) & 0xFFFF)
                 w = workload(m, case, case.dtypes[0], DEV, shrink=True, generator=g)
                 op = op_class(name)(**w.params)
-                cpu = {k: v.cpu() for k, v in w.inputs.items()}
+                cpu = {k: v.cpu() for k, v in w.inputs.items() if v is not None}
                 res = op(**w.inputs)
-                outs = res if isinstance(res, tuple) else (res,)
-                likes = [o.like for o in m.outputs if o.like in w.inputs]
-                for like, out in zip(likes, outs):
-                    _close(out, reference(name, w.params, {**cpu, "x": cpu[like]}), f"{name} {case.label} {like}")
+                wants = fam.outputs(m, w.params, cpu)
+                outs = dict(zip(wants, res if isinstance(res, tuple) else (res,)))
+                for o, want in wants.items():
+                    _close(outs[o], want, f"{name} {case.label} {o}")
                 if m.backward:
-                    wrt = [n for n in m.backward.wrt if n in w.inputs]
+                    wrt = [n for n in m.backward.wrt if w.inputs.get(n) is not None]
                     leaves = {n: w.inputs[n].detach().clone().requires_grad_(True) for n in wrt}
-                    outs = op(**{**w.inputs, **leaves})
-                    outs = outs if isinstance(outs, tuple) else (outs,)
-                    gs = [torch.randn(o.shape, generator=g).to(o.dtype).to(DEV) for o in outs]
-                    grads = torch.autograd.grad(outs, [leaves[n] for n in wrt], gs)
-                    for n, gr in zip(wrt, grads):
-                        gout = gs[likes.index(n)].cpu()
-                        _close(gr, reference_grad(name, w.params, {**cpu, "x": cpu[n]}, gout), f"{name} {case.label} d{n}")
+                    res = op(**{**w.inputs, **leaves})
+                    res = res if isinstance(res, tuple) else (res,)
+                    gs = [torch.randn(o.shape, generator=g).to(o.dtype).to(DEV) for o in res]
+                    got = torch.autograd.grad(res, [leaves[n] for n in wrt], gs)
+                    want = fam.grads(m, w.params, cpu, wrt, dict(zip(outs, (x.cpu() for x in gs))))
+                    for n, gr in zip(wrt, got):
+                        _close(gr, want[n], f"{name} {case.label} d{n}")
                 op.check()
             yield f"{name} {case.label}", run
 
