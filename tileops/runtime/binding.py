@@ -25,7 +25,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..compile.entry import encode_arg
 from .memory import span
 
 __all__ = ["Binding", "bind", "with_overlap_checks", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
@@ -82,7 +81,8 @@ class Binding:
 def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[str, Any], *,
          args: Mapping[str, Any], pointers: Mapping[str, str], align: Mapping[str, int] | None = None,
          late: Mapping[str, Callable[[dict], torch.Tensor]] | None = None,
-         checked: tuple[str, str, str] | None = None, keep: tuple[torch.Tensor, ...] = ()) -> Binding:
+         checked: tuple[str, str, str] | None = None, keep: tuple[torch.Tensor, ...] = (),
+         views: Mapping[str, Any] | None = None) -> Binding:
     """The :class:`Binding` of ``kernel`` for calls shaped like this one.
 
     Args:
@@ -99,21 +99,21 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
         checked: ``(input, word argument, tag argument)`` for a kernel that checks the input's
             values and reports a bad one through an error word, or None.
         keep: Tensors whose addresses ``args`` holds.
+        views: Output name -> a tensor laid out as a new output is (the family's own
+            ``torch.empty_like`` of its like input): its strides are every call's. For a new output
+            not in it, one is made here to read them.
     """
     ins = [t.name for t in manifest.inputs]
     names = (*ins, *(o.name for o in manifest.outputs))
     at = {n: i for i, n in enumerate(names)}
     likes = tuple(ins.index(o.like) for o in manifest.outputs)
+    slot, align, views = kernel.slot, align or {}, views or {}
     modes, strides = [], []
     for o in manifest.outputs:
-        src, dst = tensors.get(o.like), outs.get(o.name)
-        modes.append(ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN)
-        strides.append(torch.empty_like(src).stride() if modes[-1] == NEW else ())
-    slot, kinds = kernel.slot, kernel.arg_types
-    template = array.array("q", bytes(8 * len(kernel.arg_names)))
-    for name, value in args.items():
-        template[slot[name]] = encode_arg(kinds[slot[name]], value)
-    align = align or {}
+        src, dst, new = tensors.get(o.like), outs.get(o.name), views.get(o.name)
+        mode = ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN
+        modes.append(mode)
+        strides.append(() if mode != NEW else (torch.empty_like(src) if new is None else new).stride())
     ptrs = []
     for arg, tensor in pointers.items():
         i = at[tensor]
@@ -122,7 +122,7 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
             ptrs.append((i, slot[arg], max(1, align.get(tensor, 1))))
     check = (at[checked[0]], slot[checked[1]], slot[checked[2]]) if checked and tensors.get(checked[0]) is not None \
         else (-1, -1, -1)
-    return Binding(kernel, template, names, len(ins), tuple(ptrs), tuple(modes), likes, tuple(strides),
+    return Binding(kernel, kernel.template(args), names, len(ins), tuple(ptrs), tuple(modes), likes, tuple(strides),
                    late=tuple((slot[a], fn) for a, fn in (late or {}).items()),
                    checked=check[0], word_slot=check[1], tag_slot=check[2], keep=tuple(keep))
 
