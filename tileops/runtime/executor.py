@@ -21,6 +21,7 @@ Python runtime keeps no bindings: :meth:`tileops.op.Op._eager_call` looks them u
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Mapping
 
@@ -105,32 +106,23 @@ class PythonRuntime:
             return
         pos = ts[b.checked]
         words = errors.words_for(pos.device)
-        w = words.take()
-        tag = errors.next_tag()
+        w, tag = words.take(), errors.next_tag()
         args[b.word_slot], args[b.tag_slot] = words.address(w), tag
-        if not words.cuda:  # the kernel runs synchronously: judged now
-            try:
-                kernel.launch(args, 0)
-                bad = words.read(w) == tag
-            finally:
-                words.give_back(w)  # only after reading it: another call may take it at once
-            if bad:
-                library.raise_bad(self.handle, pos, errors.WHEN_NOW)
+        try:
+            with torch.cuda.device(kernel.device_index) if words.cuda else contextlib.nullcontext():
+                kernel.launch(args, kernel.stream())  # on the CPU the kernel has run when this returns
+                capturing = words.cuda and torch.cuda.is_current_stream_capturing()
+        except BaseException:
+            words.give_back(w)
+            raise
+        if capturing:  # replays write the word: check() reads and clears it
+            with self._lock:
+                self._graph.append((words, w, tag, pos))
             return
-        with torch.cuda.device(kernel.device_index):
-            capturing = torch.cuda.is_current_stream_capturing()
-            try:
-                kernel.launch(args, kernel.stream())
-            except BaseException:
-                words.give_back(w)
-                raise
-            if capturing:  # replays write the word: check() reads and clears it
-                with self._lock:
-                    self._graph.append((words, w, tag, pos))
-                return
-            torch.cuda.current_stream().synchronize()  # without the extension nothing is deferred
+        if words.cuda:  # without the extension nothing is deferred: judged now
+            torch.cuda.current_stream(kernel.device_index).synchronize()
         bad = words.read(w) == tag
-        words.give_back(w)
+        words.give_back(w)  # only after reading it: another call may take it at once
         if bad:
             library.raise_bad(self.handle, pos, errors.WHEN_NOW)
 
