@@ -116,6 +116,7 @@ struct Driver {  // cuEventRecord, cuStreamIsCapturing, cuEventQuery, cuEventSyn
   cu_exchange_t exchange;
   PyObject* make_event;  // (device index) -> raw event handle, made by torch (the owner kept in Python)
   bool pinned;  // error words in pinned memory (false only for tests that fake the driver on a CPU)
+  PyObject* given;  // set_driver's arguments (holding make_event): what it returns when this is replaced
 };
 std::atomic<const Driver*> driver{nullptr};  // replaced, never freed: a launch may be reading the old one
 
@@ -279,6 +280,17 @@ std::vector<std::array<int64_t, 4>> int_rows(PyObject* seq, size_t width, const 
   return rows;
 }
 
+std::vector<at::Tensor> tensors_of(PyObject* seq) {
+  Ref fast(PySequence_Fast(seq, "tileops: expected a list of tensors"));
+  std::vector<at::Tensor> got;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i) {
+    PyObject* o = PySequence_Fast_GET_ITEM(fast.p, i);
+    if (!THPVariable_Check(o)) throw std::runtime_error("tileops: expected a list of tensors");
+    got.push_back(THPVariable_Unpack(o));
+  }
+  return got;
+}
+
 int64_t attr_i64(PyObject* o, const char* name) {
   Ref v(PyObject_GetAttrString(o, name));
   return v.p == Py_None ? -1 : as_i64(v.p);
@@ -354,12 +366,7 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
   if (b->checked >= b->n_in || (b->checked >= 0 && (!slot_ok(b->word_slot) || !slot_ok(b->tag_slot))))
     throw std::invalid_argument("tileops: Binding.checked");
   Ref keep(PyObject_GetAttrString(pb, "keep"));
-  Ref keep_fast(PySequence_Fast(keep.p, "keep"));
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(keep_fast.p); ++i) {
-    PyObject* t = PySequence_Fast_GET_ITEM(keep_fast.p, i);
-    if (!THPVariable_Check(t)) throw std::invalid_argument("tileops: Binding.keep holds tensors");
-    b->keep.push_back(THPVariable_Unpack(t));
-  }
+  b->keep = tensors_of(keep.p);
   return b;
 }
 
@@ -395,7 +402,7 @@ PyType_Spec Binding_spec = {"tileops._tileops_native.NativeBinding", sizeof(Bind
                             Binding_slots};
 
 // ------------------------------------------------------------------------------ one op
-struct Pending {
+struct Pending {  // a call whose word is not judged yet (a graph-captured call's: no event)
   Pool* pool;
   int word;
   int32_t tag;
@@ -406,12 +413,6 @@ struct StreamCalls {
   Pool* pool;
   void* stream;
   std::deque<Pending> calls;  // in launch order: judged in order, stopping at the first unfinished
-};
-struct GraphWord {
-  Pool* pool;
-  int word;
-  int32_t tag;
-  at::Tensor values;
 };
 struct Key {
   int64_t v[kMaxKey];
@@ -436,7 +437,7 @@ struct Core {
   std::mutex mu;  // table, graph
   std::unordered_map<uint64_t, std::vector<Entry>> table;
   size_t count = 0;
-  std::vector<GraphWord> graph;
+  std::vector<Pending> graph;
   std::atomic<uint64_t> hits{0}, misses{0};
 };
 
@@ -475,12 +476,23 @@ bool has_pending(const Core& core) {
   return it != m.end() && !it->second.streams.empty();
 }
 
-int event_query(const Driver& d, void* ev) {  // safe while another thread captures a graph
-  int mode = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
-  d.exchange(&mode);
-  int rc = d.query(ev);
-  d.exchange(&mode);
-  return rc;
+// whether event ev has completed: waited for (the GIL released) with `wait`; throws on a CUDA error
+bool finished(const Driver& d, void* ev, bool wait) {
+  int rc;
+  if (wait) {
+    NoGil released;
+    rc = d.synchronize(ev);
+  } else {  // a query in the relaxed capture mode: safe while another thread captures a graph
+    int mode = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+    d.exchange(&mode);
+    rc = d.query(ev);
+    d.exchange(&mode);
+    if (rc == kNotReady) return false;
+  }
+  if (rc != 0)
+    throw std::runtime_error(std::string("tileops: ") + (wait ? "cuEventSynchronize" : "cuEventQuery") +
+                             " failed with CUDA error " + std::to_string(rc));
+  return true;
 }
 
 // judge this thread's finished calls of the op (all of them with `wait`); raises for the first bad one
@@ -495,17 +507,7 @@ void reap(const Core& core, bool wait) {
     StreamCalls& sc = streams[s];
     while (!sc.calls.empty()) {
       Pending& c = sc.calls.front();
-      int rc;
-      if (wait) {
-        NoGil released;
-        rc = d.synchronize(c.event);
-      } else {
-        rc = event_query(d, c.event);
-      }
-      if (!wait && rc == kNotReady) break;
-      if (rc != 0)
-        throw std::runtime_error(std::string("tileops: ") + (wait ? "cuEventSynchronize" : "cuEventQuery") +
-                                 " failed with CUDA error " + std::to_string(rc));
+      if (!finished(d, c.event, wait)) break;
       bool bad = *c.pool->word(c.word) == c.tag;
       c.pool->give_back(c.word);  // only after reading it
       if (bad) failed = std::move(c.values);
@@ -610,25 +612,14 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
   int32_t tag = next_tag();
   args[b.word_slot] = (int64_t)(intptr_t)pool.word(w);
   args[b.tag_slot] = tag;
-  if (b.device < 0) {  // the kernel runs synchronously: judged now
-    int32_t rc;
-    try {
-      rc = run_kernel(b, args, nullptr, nullptr);
-    } catch (...) {
-      pool.give_back(w);
-      throw;
-    }
-    bool bad = rc == 0 && *pool.word(w) == tag;
-    pool.give_back(w);  // only after reading it: another call may take it at once
-    check_rc(b, rc);
-    if (bad) raise_bad(core, values, cfg.when_now);
-    return;
-  }
-  const Driver& d = need_driver();
+  const Driver* d = nullptr;  // none on the CPU, where the kernel runs synchronously
   int32_t rc;
   void* ev = nullptr;
   try {
-    ev = pool.event(w, d);
+    if (b.device >= 0) {
+      d = &need_driver();
+      ev = pool.event(w, *d);
+    }
     rc = run_kernel(b, args, stream, ev);
     check_rc(b, rc);
   } catch (...) {
@@ -637,22 +628,17 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
   }
   if (rc == cfg.rc_capturing) {  // replays write the word: op.check() reads and clears it
     std::lock_guard<std::mutex> g(core.mu);
-    core.graph.push_back({&pool, w, tag, values});
+    core.graph.push_back({&pool, w, tag, values, nullptr});
     return;
   }
-  if (is_strict()) {
-    int r;
-    {
-      NoGil released;
-      r = d.synchronize(ev);
-    }
-    if (r != 0) throw std::runtime_error("tileops: cuEventSynchronize failed with CUDA error " + std::to_string(r));
-    bool bad = *pool.word(w) == tag;
-    pool.give_back(w);
-    if (bad) raise_bad(core, values, cfg.when_now);
+  if (d != nullptr && !is_strict()) {
+    queue_pending(core, owner, pool, stream, Pending{&pool, w, tag, values, ev});
     return;
   }
-  queue_pending(core, owner, pool, stream, Pending{&pool, w, tag, values, ev});
+  if (d != nullptr) finished(*d, ev, true);
+  bool bad = *pool.word(w) == tag;
+  pool.give_back(w);  // only after reading it: another call may take it at once
+  if (bad) raise_bad(core, values, cfg.when_now);
 }
 
 // the exact overlap test (tileops.runtime.memory.disjoint) of pair k, remembered by the offset
@@ -694,15 +680,8 @@ std::vector<at::Tensor> late_tensors(const Core& core, const BindingData& b, con
   Ref handle(PyLong_FromLongLong((long long)core.handle));
   Ref key(PyLong_FromLongLong((long long)b.late_key));
   Ref r(PyObject_CallFunctionObjArgs(cfg.late, handle.p, key.p, inputs.p, nullptr));
-  Ref fast(PySequence_Fast(r.p, "late"));
-  if ((size_t)PySequence_Fast_GET_SIZE(fast.p) != b.late.size())
-    throw std::runtime_error("tileops: a late-bound slot got no tensor");
-  std::vector<at::Tensor> got;
-  for (size_t i = 0; i < b.late.size(); ++i) {
-    PyObject* o = PySequence_Fast_GET_ITEM(fast.p, i);
-    if (!THPVariable_Check(o)) throw std::runtime_error("tileops: a late-bound slot got no tensor");
-    got.push_back(THPVariable_Unpack(o));
-  }
+  std::vector<at::Tensor> got = tensors_of(r.p);
+  if (got.size() != b.late.size()) throw std::runtime_error("tileops: a late-bound slot got no tensor");
   return got;
 }
 
@@ -795,27 +774,52 @@ uint64_t hash_key(const Key& k) {
   return h;
 }
 
-// the binding of a key: (found, binding), the binding null for a signature known to have none
-std::pair<bool, std::shared_ptr<BindingData>> find(Core& core, const Key& k) {
-  uint64_t h = hash_key(k);
-  std::lock_guard<std::mutex> g(core.mu);
-  auto it = core.table.find(h);
+Entry* entry_of(Core& core, const Key& k) {  // the table's entry of a key, or null (core.mu held)
+  auto it = core.table.find(hash_key(k));
   if (it != core.table.end())
     for (Entry& e : it->second)
-      if (e.key.size() == k.n && std::memcmp(e.key.data(), k.v, k.n * sizeof(int64_t)) == 0) return {true, e.b};
-  return {false, nullptr};
+      if (e.key.size() == k.n && std::memcmp(e.key.data(), k.v, k.n * sizeof(int64_t)) == 0) return &e;
+  return nullptr;
+}
+
+// the binding of a key: (found, binding), the binding null for a signature known to have none
+std::pair<bool, std::shared_ptr<BindingData>> find(Core& core, const Key& k) {
+  std::lock_guard<std::mutex> g(core.mu);
+  Entry* e = entry_of(core, k);
+  return {e != nullptr, e != nullptr ? e->b : nullptr};
 }
 
 void add(Core& core, const Key& k, std::shared_ptr<BindingData> b) {
-  uint64_t h = hash_key(k);
   std::lock_guard<std::mutex> g(core.mu);
-  for (Entry& e : core.table[h])
-    if (e.key.size() == k.n && std::memcmp(e.key.data(), k.v, k.n * sizeof(int64_t)) == 0) {
-      e.b = std::move(b);
-      return;
-    }
-  core.table[h].push_back(Entry{std::vector<int64_t>(k.v, k.v + k.n), std::move(b)});
+  if (Entry* e = entry_of(core, k)) {
+    e->b = std::move(b);
+    return;
+  }
+  core.table[hash_key(k)].push_back(Entry{std::vector<int64_t>(k.v, k.v + k.n), std::move(b)});
   ++core.count;
+}
+
+bool any_requires_grad(std::initializer_list<at::TensorList> lists) {
+  if (!c10::GradMode::is_enabled()) return false;
+  for (auto l : lists)
+    for (const auto& t : l)
+      if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+// a call of a known signature served (t: its inputs, and the outputs written into; `ok`: a call a
+// binding may serve), or counted as passed on (false: nothing done)
+bool serve_op(const std::shared_ptr<Core>& core, bool ok, at::Tensor* t, std::shared_ptr<BindingData>& b) {
+  Key k;
+  if (ok && key_of(*core, t, k) && (b = find(*core, k).second) != nullptr) {
+    if (has_pending(*core)) reap(*core, false);  // an earlier call's bad value, raised before this call runs
+    if (serve(*core, core, *b, t)) {
+      core->hits.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  }
+  core->misses.fetch_add(1, std::memory_order_relaxed);
+  return false;
 }
 
 // ------------------------------------------------------------------------------ Dispatch
@@ -886,30 +890,14 @@ PyObject* result(const Core& c, const BindingData& b, at::Tensor* t, PyObject* c
 PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   if (n < 1 || n > 2) throw std::invalid_argument("run(tensors, outs=None)");
-  Core& c = *d->core;
   PyObject* obj[kMaxTensors];
   at::Tensor t[kMaxTensors];
-  Key k;
   std::shared_ptr<BindingData> b;
-  if (gather(d, a[0], n == 2 ? a[1] : Py_None, obj, t) && key_of(c, t, k)) b = find(c, k).second;
-  if (b == nullptr) {
-    c.misses.fetch_add(1, std::memory_order_relaxed);
+  bool plain = gather(d, a[0], n == 2 ? a[1] : Py_None, obj, t);
+  // autograd must see a call that requires grad: the general path records it
+  if (!serve_op(d->core, plain && !any_requires_grad({at::TensorList(t, d->core->n_in)}), t, b))
     Py_RETURN_NOTIMPLEMENTED;
-  }
-  if (c10::GradMode::is_enabled()) {  // autograd must see this call: the general path records it
-    for (int i = 0; i < c.n_in; ++i)
-      if (t[i].defined() && t[i].requires_grad()) {
-        c.misses.fetch_add(1, std::memory_order_relaxed);
-        Py_RETURN_NOTIMPLEMENTED;
-      }
-  }
-  if (has_pending(c)) reap(c, false);  // an earlier call's bad value, raised before this call runs
-  if (!serve(c, d->core, *b, t)) {
-    c.misses.fetch_add(1, std::memory_order_relaxed);
-    Py_RETURN_NOTIMPLEMENTED;
-  }
-  c.hits.fetch_add(1, std::memory_order_relaxed);
-  return result(c, *b, t, obj);
+  return result(*d->core, *b, t, obj);
   END_HANDLE_TH_ERRORS
 }
 
@@ -1117,17 +1105,6 @@ PyObject* tensor_list(at::TensorList ts) {  // new reference (the GIL held)
   return l;
 }
 
-std::vector<at::Tensor> tensors_of(PyObject* seq) {
-  Ref fast(PySequence_Fast(seq, "tileops: expected a list of tensors"));
-  std::vector<at::Tensor> got;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i) {
-    PyObject* o = PySequence_Fast_GET_ITEM(fast.p, i);
-    if (!THPVariable_Check(o)) throw std::runtime_error("tileops: expected a list of tensors");
-    got.push_back(THPVariable_Unpack(o));
-  }
-  return got;
-}
-
 // the Python general path of a custom op: fn(handle, *lists, names, *after) as its schema -> a list
 // of tensors, or None
 std::vector<at::Tensor> python_path(PyObject* fn, int64_t handle, std::initializer_list<at::TensorList> lists,
@@ -1144,31 +1121,17 @@ std::vector<at::Tensor> python_path(PyObject* fn, int64_t handle, std::initializ
   return r.p == Py_None ? std::vector<at::Tensor>() : tensors_of(r.p);
 }
 
-// a known signature served natively: t holds the inputs (and the outputs written into)
-bool serve_op(const std::shared_ptr<Core>& core, at::Tensor* t, std::shared_ptr<BindingData>& b) {
-  Key k;
-  if (!key_of(*core, t, k)) return false;
-  b = find(*core, k).second;
-  if (b == nullptr) return false;
-  if (has_pending(*core)) reap(*core, false);
-  if (!serve(*core, core, *b, t)) return false;
-  core->hits.fetch_add(1, std::memory_order_relaxed);
-  return true;
-}
 
 std::vector<at::Tensor> apply_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_view names) {
   int64_t h = handle.expect_int();
   auto core = core_of(h);
   at::Tensor t[kMaxTensors];
   std::shared_ptr<BindingData> b;
-  if (place(*core, inputs, names, t) && serve_op(core, t, b)) {
-    std::vector<at::Tensor> got;
-    for (int j = 0; j < core->n_out; ++j)
-      if (b->mode[j] != ABSENT) got.push_back(std::move(t[core->n_in + j]));
-    return got;
-  }
-  core->misses.fetch_add(1, std::memory_order_relaxed);
-  return python_path(cfg.apply, h, {inputs}, names);
+  if (!serve_op(core, place(*core, inputs, names, t), t, b)) return python_path(cfg.apply, h, {inputs}, names);
+  std::vector<at::Tensor> got;
+  for (int j = 0; j < core->n_out; ++j)
+    if (b->mode[j] != ABSENT) got.push_back(std::move(t[core->n_in + j]));
+  return got;
 }
 
 void apply_out_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_view names, at::TensorList outs) {
@@ -1183,22 +1146,12 @@ void apply_out_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_vie
       if (k == outs.size()) placed = false;
       else t[core->n_in + j] = outs[k++];
     }
-  if (placed && k == outs.size() && serve_op(core, t, b)) return;
-  core->misses.fetch_add(1, std::memory_order_relaxed);
-  python_path(cfg.apply_out, h, {inputs}, names, {outs});
+  if (!serve_op(core, placed && k == outs.size(), t, b)) python_path(cfg.apply_out, h, {inputs}, names, {outs});
 }
 
 std::vector<at::Tensor> apply_backward_kernel(c10::SymInt handle, at::TensorList grads, at::TensorList inputs,
                                               c10::string_view names) {
   return python_path(cfg.apply_backward, handle.expect_int(), {grads, inputs}, names);
-}
-
-bool any_requires_grad(std::initializer_list<at::TensorList> lists) {
-  if (!c10::GradMode::is_enabled()) return false;
-  for (auto l : lists)
-    for (const auto& t : l)
-      if (t.requires_grad()) return true;
-  return false;
 }
 
 // autograd: a call that needs none goes below autograd in C++; one that does, to Python's
@@ -1238,24 +1191,19 @@ PyObject* configure(PyObject*, PyObject* args, PyObject* kw) {
   static const char* kwlist[] = {"rc_record_failed", "rc_capturing", "env_strict", "when_now", "when_earlier",
                                  "when_graph", "raise_bad", "disjoint", "late", "apply", "apply_out",
                                  "apply_backward", "apply_grad", "apply_backward_grad", nullptr};
-  int rf, rcap, strict;
-  PyObject *now, *earlier, *graph, *rb, *dj, *late, *ap, *ao, *ab, *ag, *abg;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOOO", (char**)kwlist, &rf, &rcap, &strict, &now, &earlier,
-                                   &graph, &rb, &dj, &late, &ap, &ao, &ab, &ag, &abg))
-    return nullptr;
-  if (configured.load()) {
+  if (configured.load()) {  // before parsing: parsing writes into cfg
     PyErr_SetString(PyExc_RuntimeError, "tileops: the native runtime is configured once");
     return nullptr;
   }
-  cfg.rc_record_failed = rf;
-  cfg.rc_capturing = rcap;
+  int strict;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOOO", (char**)kwlist, &cfg.rc_record_failed,
+                                   &cfg.rc_capturing, &strict, &cfg.when_now, &cfg.when_earlier, &cfg.when_graph,
+                                   &cfg.raise_bad, &cfg.disjoint, &cfg.late, &cfg.apply, &cfg.apply_out,
+                                   &cfg.apply_backward, &cfg.apply_grad, &cfg.apply_backward_grad))
+    return nullptr;
   cfg.env_strict = strict != 0;
-  std::pair<PyObject**, PyObject*> given[] = {{&cfg.when_now, now}, {&cfg.when_earlier, earlier},
-                                               {&cfg.when_graph, graph}, {&cfg.raise_bad, rb}, {&cfg.disjoint, dj},
-                                               {&cfg.late, late}, {&cfg.apply, ap}, {&cfg.apply_out, ao},
-                                               {&cfg.apply_backward, ab}, {&cfg.apply_grad, ag},
-                                               {&cfg.apply_backward_grad, abg}};
-  for (auto& [slot, v] : given) *slot = Py_NewRef(v);  // held for the process's life
+  Py_INCREF(args);  // the objects cfg borrows from the arguments: held for the process's life
+  Py_XINCREF(kw);
   configured.store(true);
   Py_RETURN_NONE;
 }
@@ -1267,26 +1215,19 @@ PyObject* set_driver(PyObject*, PyObject* args) {
   PyObject* make_event;
   int pinned = 1;
   if (!PyArg_ParseTuple(args, "KKKKKO|p", &rec, &cap, &q, &sync, &ex, &make_event, &pinned)) return nullptr;
-  const Driver* old = driver.load();
-  PyObject* was = old == nullptr ? Py_BuildValue("(KKKKKO)", 0ull, 0ull, 0ull, 0ull, 0ull, Py_None)
-                                 : Py_BuildValue("(KKKKKOO)", (unsigned long long)(uintptr_t)old->record,
-                                                 (unsigned long long)(uintptr_t)old->capturing,
-                                                 (unsigned long long)(uintptr_t)old->query,
-                                                 (unsigned long long)(uintptr_t)old->synchronize,
-                                                 (unsigned long long)(uintptr_t)old->exchange, old->make_event,
-                                                 old->pinned ? Py_True : Py_False);
-  if (!rec && !cap && !q && !sync && !ex) {
-    driver.store(nullptr);
-    return was;
-  }
-  if (!rec || !cap || !q || !sync || !ex || make_event == Py_None) {
-    Py_XDECREF(was);
+  bool none = !rec && !cap && !q && !sync && !ex;
+  if (!none && (!rec || !cap || !q || !sync || !ex || make_event == Py_None)) {
     PyErr_SetString(PyExc_ValueError, "tileops: set_driver: a null address");
     return nullptr;
   }
-  driver.store(new Driver{(void*)(uintptr_t)rec, (void*)(uintptr_t)cap, (cu_event_t)(uintptr_t)q,
-                          (cu_event_t)(uintptr_t)sync, (cu_exchange_t)(uintptr_t)ex, Py_NewRef(make_event),
-                          pinned != 0});  // the old one stays: a launch may still read it
+  const Driver* old = driver.load();
+  PyObject* was = old != nullptr ? Py_NewRef(old->given)
+                                 : Py_BuildValue("(KKKKKO)", 0ull, 0ull, 0ull, 0ull, 0ull, Py_None);
+  if (was == nullptr) return nullptr;
+  driver.store(none ? nullptr  // the old one stays: a launch may still read it
+                    : new Driver{(void*)(uintptr_t)rec, (void*)(uintptr_t)cap, (cu_event_t)(uintptr_t)q,
+                                 (cu_event_t)(uintptr_t)sync, (cu_exchange_t)(uintptr_t)ex, make_event, pinned != 0,
+                                 Py_NewRef(args)});
   return was;
 }
 
@@ -1337,17 +1278,14 @@ TORCH_LIBRARY(tileops, m) {
   m.def("apply_backward(SymInt handle, Tensor[] grads, Tensor[] inputs, str names) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(tileops, CPU, m) {
+static void backend_kernels(torch::Library& m) {  // the same for CPU and CUDA tensors
   m.impl("apply", TORCH_FN(apply_kernel));
   m.impl("apply_out", TORCH_FN(apply_out_kernel));
   m.impl("apply_backward", TORCH_FN(apply_backward_kernel));
 }
 
-TORCH_LIBRARY_IMPL(tileops, CUDA, m) {
-  m.impl("apply", TORCH_FN(apply_kernel));
-  m.impl("apply_out", TORCH_FN(apply_out_kernel));
-  m.impl("apply_backward", TORCH_FN(apply_backward_kernel));
-}
+TORCH_LIBRARY_IMPL(tileops, CPU, m) { backend_kernels(m); }
+TORCH_LIBRARY_IMPL(tileops, CUDA, m) { backend_kernels(m); }
 
 TORCH_LIBRARY_IMPL(tileops, Autograd, m) {
   m.impl("apply", TORCH_FN(apply_autograd));
