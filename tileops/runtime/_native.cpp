@@ -35,6 +35,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -255,28 +256,24 @@ struct BindingData {
   }
 };
 
-struct BindingObject {  // the Python handle of a BindingData (cached on its tileops Binding as _native)
-  PyObject_HEAD
-  std::shared_ptr<BindingData> b;
-};
-PyTypeObject* BindingType = nullptr;
-
-std::vector<std::array<int64_t, 4>> int_rows(PyObject* seq, size_t width, const char* what) {
+// the ints of a sequence (the GIL held): all, or its first `width` (late rows: (slot, fn))
+std::vector<int64_t> ints_of(PyObject* seq, const char* what, size_t width = 0) {
   Ref fast(PySequence_Fast(seq, what));
-  std::vector<std::array<int64_t, 4>> rows;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i) {
-    Ref row(PySequence_Fast(PySequence_Fast_GET_ITEM(fast.p, i), what));
-    if ((size_t)PySequence_Fast_GET_SIZE(row.p) < width) {
-      PyErr_Format(PyExc_TypeError, "tileops: Binding.%s: rows of %zu", what, width);
-      throw_python();
-    }
-    std::array<int64_t, 4> r{};
-    for (size_t k = 0; k < width; ++k) {
-      PyObject* v = PySequence_Fast_GET_ITEM(row.p, k);
-      r[k] = PyLong_Check(v) ? as_i64(v) : 0;  // late rows: (slot, fn)
-    }
-    rows.push_back(r);
+  size_t n = (size_t)PySequence_Fast_GET_SIZE(fast.p);
+  if (n < width) {
+    PyErr_Format(PyExc_TypeError, "tileops: Binding.%s: rows of %zu", what, width);
+    throw_python();
   }
+  std::vector<int64_t> got;
+  for (size_t i = 0; i < (width > 0 ? width : n); ++i) got.push_back(as_i64(PySequence_Fast_GET_ITEM(fast.p, i)));
+  return got;
+}
+
+std::vector<std::vector<int64_t>> int_rows(PyObject* seq, size_t width, const char* what) {
+  Ref fast(PySequence_Fast(seq, what));
+  std::vector<std::vector<int64_t>> rows;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i)
+    rows.push_back(ints_of(PySequence_Fast_GET_ITEM(fast.p, i), what, width));
   return rows;
 }
 
@@ -310,36 +307,30 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
     if (!ok || b->tmpl.size() > kMaxArgs) throw std::invalid_argument("tileops: Binding.template: int64, at most 128");
   }
   Ref kernel(PyObject_GetAttrString(pb, "kernel"));
-  Ref addresses(PyObject_GetAttrString(kernel.p, "addresses"));  // (trampoline, entry, get_last_error)
-  if (!PyTuple_Check(addresses.p) || PyTuple_GET_SIZE(addresses.p) != 3)
-    throw std::invalid_argument("tileops: RawKernel.addresses: (trampoline, entry, last error)");
-  b->packed = (packed_t)(intptr_t)as_i64(PyTuple_GET_ITEM(addresses.p, 0));
-  b->entry = (void*)(intptr_t)as_i64(PyTuple_GET_ITEM(addresses.p, 1));
-  b->last_error = (last_error_t)(intptr_t)as_i64(PyTuple_GET_ITEM(addresses.p, 2));
+  Ref addresses(PyObject_GetAttrString(kernel.p, "addresses"));
+  std::vector<int64_t> a = ints_of(addresses.p, "addresses");
+  if (a.size() != 3) throw std::invalid_argument("tileops: RawKernel.addresses: (trampoline, entry, last error)");
+  b->packed = (packed_t)(intptr_t)a[0];
+  b->entry = (void*)(intptr_t)a[1];
+  b->last_error = (last_error_t)(intptr_t)a[2];
   if (b->packed == nullptr) b->launch_py = checked(PyObject_GetAttrString(kernel.p, "launch"));
   b->device = (int)attr_i64(kernel.p, "device_index");
   b->n_in = (int)attr_i64(pb, "inputs");
   Ref outputs(PyObject_GetAttrString(pb, "outputs"));
   Ref likes(PyObject_GetAttrString(pb, "likes"));
   Ref strides(PyObject_GetAttrString(pb, "strides"));
-  Py_ssize_t n_out = PySequence_Size(outputs.p);
-  if (n_out < 0) throw_python();
-  b->n_out = (int)n_out;
-  if (b->n_in < 1 || b->n_in + b->n_out > kMaxTensors || PySequence_Size(likes.p) != n_out)
+  std::vector<int64_t> modes = ints_of(outputs.p, "outputs"), like = ints_of(likes.p, "likes");
+  b->n_out = (int)modes.size();
+  if (b->n_in < 1 || b->n_in + b->n_out > kMaxTensors || like.size() != modes.size())
     throw std::invalid_argument("tileops: Binding: 1 to 8 tensors, one like per output");
-  for (Py_ssize_t j = 0; j < n_out; ++j) {
-    Ref m(PySequence_GetItem(outputs.p, j));
-    Ref l(PySequence_GetItem(likes.p, j));
-    int64_t mode = as_i64(m.p), like = as_i64(l.p);
-    if (mode < ABSENT || mode > GIVEN || like < 0 || like >= b->n_in)
+  for (int j = 0; j < b->n_out; ++j) {
+    if (modes[j] < ABSENT || modes[j] > GIVEN || like[j] < 0 || like[j] >= b->n_in)
       throw std::invalid_argument("tileops: Binding: an output's mode or like input is out of range");
-    b->mode[j] = (Mode)mode;
-    b->like[j] = (int)like;
-    if (mode == NEW) {
+    b->mode[j] = (Mode)modes[j];
+    b->like[j] = (int)like[j];
+    if (modes[j] == NEW) {
       Ref st(PySequence_GetItem(strides.p, j));
-      Ref fast(PySequence_Fast(st.p, "strides"));
-      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i)
-        b->strides[j].push_back(as_i64(PySequence_Fast_GET_ITEM(fast.p, i)));
+      b->strides[j] = ints_of(st.p, "strides");
     }
   }
   int n = b->n_in + b->n_out, nargs = (int)b->tmpl.size();
@@ -355,7 +346,7 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
     b->pairs.push_back({(int)r[0], (int)r[2], r[1], r[3]});
   }
   Ref late(PyObject_GetAttrString(pb, "late"));
-  for (auto& r : int_rows(late.p, 2, "late")) {
+  for (auto& r : int_rows(late.p, 1, "late")) {
     if (!slot_ok(r[0])) throw std::invalid_argument("tileops: Binding.late");
     b->late.push_back((int)r[0]);
   }
@@ -370,36 +361,28 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
   return b;
 }
 
-// the BindingObject of a tileops Binding, made once and kept on it (the GIL held); borrowed
-BindingObject* native_binding(PyObject* pb) {
+constexpr const char* kCapsule = "tileops.NativeBinding";
+void drop_binding(PyObject* c) { delete (std::shared_ptr<BindingData>*)PyCapsule_GetPointer(c, kCapsule); }
+
+// the BindingData of a tileops Binding, made once and kept on it as `_native`, a capsule (the GIL held)
+std::shared_ptr<BindingData> native_binding(PyObject* pb) {
   static PyObject* name = PyUnicode_InternFromString("_native");
   PyObject* got = PyObject_GenericGetDict(pb, nullptr);
   if (got == nullptr) throw_python();
   PyObject* nb = PyDict_GetItemWithError(got, name);  // borrowed, held by the dict
   Py_DECREF(got);
-  if (nb != nullptr) return (BindingObject*)nb;
-  if (PyErr_Occurred()) throw_python();
-  auto data = binding_from(pb);
-  auto* o = PyObject_New(BindingObject, BindingType);
-  if (o == nullptr) throw_python();
-  new (&o->b) std::shared_ptr<BindingData>(std::move(data));
-  int rc = PyObject_GenericSetAttr(pb, name, (PyObject*)o);  // a frozen dataclass: set past its __setattr__
-  Py_DECREF(o);
-  if (rc < 0) throw_python();
-  return o;  // alive: held by pb's __dict__
+  if (nb == nullptr && PyErr_Occurred()) throw_python();
+  if (nb == nullptr) {
+    auto* data = new std::shared_ptr<BindingData>(binding_from(pb));
+    nb = PyCapsule_New(data, kCapsule, drop_binding);
+    if (nb == nullptr) delete data;
+    Ref held(nb);
+    if (PyObject_GenericSetAttr(pb, name, nb) < 0) throw_python();  // a frozen dataclass: set past its __setattr__
+  }
+  auto* data = (std::shared_ptr<BindingData>*)PyCapsule_GetPointer(nb, kCapsule);
+  if (data == nullptr) throw_python();
+  return *data;
 }
-
-void Binding_dealloc(BindingObject* o) {
-  PyTypeObject* tp = Py_TYPE(o);
-  o->b.~shared_ptr<BindingData>();
-  tp->tp_free((PyObject*)o);
-  Py_DECREF(tp);
-}
-PyType_Slot Binding_slots[] = {{Py_tp_dealloc, (void*)Binding_dealloc},
-                               {Py_tp_doc, (void*)"A Binding as the native executor reads it."},
-                               {0, nullptr}};
-PyType_Spec Binding_spec = {"tileops._tileops_native.NativeBinding", sizeof(BindingObject), 0, Py_TPFLAGS_DEFAULT,
-                            Binding_slots};
 
 // ------------------------------------------------------------------------------ one op
 struct Pending {  // a call whose word is not judged yet (a graph-captured call's: no event)
@@ -535,20 +518,18 @@ void check(Core& core) {  // op.check(): wait for this thread's calls, then judg
   if (bad.defined()) raise_bad(core, bad, cfg.when_graph);
 }
 
-void queue_pending(Core& core, std::shared_ptr<Core> owner, Pool& pool, void* stream, Pending p) {
+void queue_pending(Core& core, std::shared_ptr<Core> owner, void* stream, Pending p) {
   auto& m = thread_calls();
   auto it = m.find(core.id);
   if (it == m.end()) {
     for (auto e = m.begin(); e != m.end();) e = e->second.owner.expired() ? m.erase(e) : std::next(e);
     it = m.emplace(core.id, ThreadCalls{owner, {}}).first;
   }
-  for (auto& s : it->second.streams)
-    if (s.pool == &pool && s.stream == stream) {
-      s.calls.push_back(std::move(p));
-      return;
-    }
-  it->second.streams.push_back(StreamCalls{&pool, stream, {}});
-  it->second.streams.back().calls.push_back(std::move(p));
+  auto& streams = it->second.streams;
+  auto s = std::find_if(streams.begin(), streams.end(),
+                        [&](const StreamCalls& sc) { return sc.pool == p.pool && sc.stream == stream; });
+  if (s == streams.end()) s = streams.insert(s, StreamCalls{p.pool, stream, {}});
+  s->calls.push_back(std::move(p));
 }
 
 // ------------------------------------------------------------------------------ the executor
@@ -632,7 +613,7 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
     return;
   }
   if (d != nullptr && !is_strict()) {
-    queue_pending(core, owner, pool, stream, Pending{&pool, w, tag, values, ev});
+    queue_pending(core, owner, stream, Pending{&pool, w, tag, values, ev});
     return;
   }
   if (d != nullptr) finished(*d, ev, true);
@@ -828,7 +809,6 @@ struct Dispatch {
   std::shared_ptr<Core> core;
   PyObject* names[kMaxTensors];  // interned: the dicts of an eager call are keyed by them
 };
-PyTypeObject* DispatchType = nullptr;
 
 // the call's tensors from its dicts (by the manifest's names) into t, and its Python objects into
 // obj; false: not a call a signature's binding can serve (a name the op lacks; unless `any`, a
@@ -905,7 +885,7 @@ PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
 PyObject* Dispatch_execute(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   if (n != 3) throw std::invalid_argument("execute(binding, tensors, outs)");
-  std::shared_ptr<BindingData> b = native_binding(a[0])->b;
+  std::shared_ptr<BindingData> b = native_binding(a[0]);
   PyObject* obj[kMaxTensors];
   at::Tensor t[kMaxTensors];
   if (!gather(d, a[1], a[2], obj, t, true)) throw std::invalid_argument("tileops: execute: tensors the op does not take");
@@ -925,7 +905,7 @@ PyObject* Dispatch_add(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   if (a[2] == Py_None) {
     if (!find(*d->core, k).first) add(*d->core, k, nullptr);
   } else {
-    std::shared_ptr<BindingData> b = native_binding(a[2])->b;
+    std::shared_ptr<BindingData> b = native_binding(a[2]);
     if (find(*d->core, k).second != b) add(*d->core, k, std::move(b));
   }
   Py_RETURN_TRUE;
@@ -1262,14 +1242,6 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_tileops_native",
                           "tileops' native runtime (see tileops/runtime/native.py).", -1, module_methods,
                           nullptr, nullptr, nullptr, nullptr};
 
-bool add_type(PyObject* m, PyType_Spec* spec, PyTypeObject** out, const char* name) {
-  PyObject* t = PyType_FromSpec(spec);
-  if (t == nullptr) return false;
-  *out = (PyTypeObject*)t;
-  Py_INCREF(t);  // one reference kept here, one owned by the module
-  return PyModule_AddObject(m, name, t) == 0;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(tileops, m) {
@@ -1295,10 +1267,10 @@ TORCH_LIBRARY_IMPL(tileops, Autograd, m) {
 
 PyMODINIT_FUNC PyInit__tileops_native(void) {
   PyObject* m = PyModule_Create(&module_def);
-  if (m == nullptr) return nullptr;
-  if (!add_type(m, &Binding_spec, &BindingType, "NativeBinding") ||
-      !add_type(m, &Dispatch_spec, &DispatchType, "Dispatch")) {
-    Py_DECREF(m);
+  PyObject* dispatch = m != nullptr ? PyType_FromSpec(&Dispatch_spec) : nullptr;
+  if (dispatch == nullptr || PyModule_AddObject(m, "Dispatch", dispatch) < 0) {
+    Py_XDECREF(dispatch);
+    Py_XDECREF(m);
     return nullptr;
   }
   return m;
