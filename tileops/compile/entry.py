@@ -1,25 +1,23 @@
 """A lean launcher for compiled TileLang kernels.
 
-TileLang's Python adapter validates every tensor on every call (dtype, device, static shapes,
-strides) and spends 60-100 µs of host time doing it, more than a RoPE kernel runs on a GPU. The ops
-have already checked their inputs against the manifest, so they call the library's C entry point
-directly: pointers and scalars in parameter order, then each dynamic extent, then the stream. That
-is the calling convention TileLang's own Cython wrapper uses.
+TileLang's Python adapter validates every tensor on every call and spends 60-100 µs of host time
+doing it, more than a RoPE kernel runs on a GPU. The ops have already checked their inputs against
+the manifest, so they call the library's C entry point directly, as TileLang's own Cython wrapper
+does: pointers and scalars in parameter order, then each dynamic extent, then the stream.
 
-Converting ~30 arguments through ctypes costs 3-4 µs per call, about half of what a whole torch
-elementwise op costs on the host. So each kernel signature also gets a small C *trampoline*,
-compiled once with the system C compiler and cached on disk: it takes one ``int64`` array holding
-every argument (a float as its IEEE bits), casts each to its exact C type and calls the entry
-point, then (for a call whose completion is tracked, :mod:`tileops.runtime.errors`) records a CUDA
-event on the same stream, unless the stream is being captured into a graph. One call with six
-arguments replaces thirty; the native runtime (:mod:`tileops.runtime.native`) calls it by its
-address, without Python. Without a C compiler the launcher falls back to plain ctypes, which is
-correct and slower.
+Converting ~30 arguments through ctypes costs 3-4 µs per call, so each kernel signature also gets
+a small C *trampoline*, compiled once with the system C compiler and cached on disk: it takes one
+``int64`` array of every argument (a float as its IEEE bits), casts each to its C type and calls
+the entry point, then (for a call whose completion is tracked, :mod:`tileops.runtime.errors`)
+records a CUDA event on the same stream unless the stream is being captured into a graph. The
+native runtime (:mod:`tileops.runtime.native`) calls it by its address, without Python. Without a
+C compiler the launcher falls back to plain ctypes: correct, and slower.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -124,10 +122,9 @@ class RawKernel:
         after the kernel with ``record`` (``cuEventRecord``'s address), unless the stream is being
         captured into a CUDA graph, which ``capturing`` (``cuStreamIsCapturing``'s address) tells.
         Returns whether the stream was capturing (then no event was recorded)."""
-        if self.device_index is not None and torch.cuda.current_device() != self.device_index:
-            with torch.cuda.device(self.device_index):  # the C entry point launches on the current device
-                rc = self._launch(args, stream, record, event, capturing)
-        else:
+        # the C entry point launches on the current device
+        switch = self.device_index is not None and torch.cuda.current_device() != self.device_index
+        with torch.cuda.device(self.device_index) if switch else contextlib.nullcontext():
             rc = self._launch(args, stream, record, event, capturing)
         if rc == 0 or rc == CAPTURING:
             return rc == CAPTURING

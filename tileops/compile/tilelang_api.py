@@ -34,7 +34,6 @@ __all__ = ["load", "ensure_importable", "cuda_source_wrapper", "match_declare_ke
            "library", "library_path", "template_include_dirs", "PRIVATE", "WRAPPER_OVERRIDES", "WRAPPER_READS", "KERNEL_CACHE_LOGGER",
            "MEMORY_CACHE_HINT"]
 
-_WRAPPER = "tilelang.jit.adapter.wrapper.TLCUDASourceWrapper"
 #: the methods of TileLang's launcher generator the lean build overrides: a method renamed in
 #: TileLang would leave the override silently unused, and TileLang's own launcher in its place
 WRAPPER_OVERRIDES = ("parse_source_information", "get_cuda_host_adapter_include", "get_stream_type",

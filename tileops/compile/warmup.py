@@ -43,10 +43,9 @@ def default_arch() -> str:
     """The arch ``--arch`` defaults to: this machine's GPU's (``sm_90`` on an H200), else ``c``."""
     import torch
 
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"sm_{major}{minor}"
-    return "c"
+    from .build import device_backend
+
+    return device_backend(torch.device("cuda"))[1] if torch.cuda.is_available() else "c"
 
 
 def arch_problem(arch: str, cpu: bool = True, build: bool = False) -> str | None:

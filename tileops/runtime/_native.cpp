@@ -841,29 +841,19 @@ bool gather(Dispatch* d, PyObject* tensors, PyObject* outs, PyObject** obj, at::
   return !has_outs || found == PyDict_GET_SIZE(outs);  // else a name the op does not have
 }
 
+// what the call returns: its one produced output, or a tuple of them
 PyObject* result(const Core& c, const BindingData& b, at::Tensor* t, PyObject* const* obj) {
-  PyObject* got[kMaxTensors];
-  int n = 0;
-  for (int j = 0; j < c.n_out; ++j) {
+  Py_ssize_t n = 0;
+  for (int j = 0; j < c.n_out; ++j) n += b.mode[j] != ABSENT;
+  Ref got(PyTuple_New(n));
+  for (int j = 0, i = 0; j < c.n_out; ++j) {
     int k = c.n_in + j;
     if (b.mode[j] == ABSENT) continue;
-    got[n] = b.mode[j] == NEW ? THPVariable_Wrap(std::move(t[k]))
-                              : Py_NewRef(b.mode[j] == IN_PLACE ? obj[b.like[j]] : obj[k]);
-    if (got[n] == nullptr) {
-      while (n > 0) Py_DECREF(got[--n]);
-      return nullptr;
-    }
-    ++n;
+    PyObject* o = b.mode[j] == NEW ? THPVariable_Wrap(std::move(t[k]))
+                                   : Py_NewRef(obj[b.mode[j] == IN_PLACE ? b.like[j] : k]);
+    PyTuple_SET_ITEM(got.p, i++, checked(o));
   }
-  if (n == 1) return got[0];
-  PyObject* tup = PyTuple_New(n);
-  for (int i = 0; i < n; ++i) {
-    if (tup != nullptr)
-      PyTuple_SET_ITEM(tup, i, got[i]);
-    else
-      Py_DECREF(got[i]);
-  }
-  return tup;
+  return Py_NewRef(n == 1 ? PyTuple_GET_ITEM(got.p, 0) : got.p);
 }
 
 // run(tensors, outs=None): a repeated eager call served, or NotImplemented (nothing done)
@@ -1073,16 +1063,9 @@ bool place(const Core& c, at::TensorList inputs, c10::string_view names, at::Ten
 }
 
 PyObject* tensor_list(at::TensorList ts) {  // new reference (the GIL held)
-  PyObject* l = checked(PyList_New((Py_ssize_t)ts.size()));
-  for (size_t i = 0; i < ts.size(); ++i) {
-    PyObject* o = THPVariable_Wrap(ts[i]);
-    if (o == nullptr) {
-      Py_DECREF(l);
-      throw_python();
-    }
-    PyList_SET_ITEM(l, (Py_ssize_t)i, o);
-  }
-  return l;
+  Ref l(PyList_New((Py_ssize_t)ts.size()));
+  for (size_t i = 0; i < ts.size(); ++i) PyList_SET_ITEM(l.p, (Py_ssize_t)i, checked(THPVariable_Wrap(ts[i])));
+  return Py_NewRef(l.p);
 }
 
 // the Python general path of a custom op: fn(handle, *lists, names, *after) as its schema -> a list
@@ -1090,9 +1073,8 @@ PyObject* tensor_list(at::TensorList ts) {  // new reference (the GIL held)
 std::vector<at::Tensor> python_path(PyObject* fn, int64_t handle, std::initializer_list<at::TensorList> lists,
                                     c10::string_view names, std::initializer_list<at::TensorList> after = {}) {
   Gil g;
-  Ref h(PyLong_FromLongLong((long long)handle));
   Ref args(PyTuple_New((Py_ssize_t)(lists.size() + after.size()) + 2));
-  PyTuple_SET_ITEM(args.p, 0, Py_NewRef(h.p));
+  PyTuple_SET_ITEM(args.p, 0, checked(PyLong_FromLongLong((long long)handle)));
   Py_ssize_t i = 1;
   for (auto l : lists) PyTuple_SET_ITEM(args.p, i++, tensor_list(l));
   PyTuple_SET_ITEM(args.p, i++, checked(PyUnicode_FromStringAndSize(names.data(), (Py_ssize_t)names.size())));
@@ -1100,7 +1082,6 @@ std::vector<at::Tensor> python_path(PyObject* fn, int64_t handle, std::initializ
   Ref r(PyObject_Call(fn, args.p, nullptr));
   return r.p == Py_None ? std::vector<at::Tensor>() : tensors_of(r.p);
 }
-
 
 std::vector<at::Tensor> apply_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_view names) {
   int64_t h = handle.expect_int();

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -114,44 +113,40 @@ def build(progress: bool | None = None) -> str:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "build.lock"), "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if _intact(path):
-                return path
-            for stale in (path, path + ".sha256", os.path.join(directory, "lock")):  # a builder that died
-                if os.path.exists(stale):
-                    os.unlink(stale)
-            failed = os.path.join(directory, "build.failed")  # an import does not try again (build() does)
-            with task("compiling the native runtime (tileops/runtime/_native.cpp, 20-40 s)", wanted(progress)):
-                t0 = time.perf_counter()
-                r = subprocess.run([sys.executable, "-c", _BUILD, _NAME, str(SOURCE), directory, *FLAGS],
-                                   capture_output=True, text=True, timeout=1200)
-                log = (r.stdout or "") + (r.stderr or "")
-                with open(os.path.join(directory, "build.log"), "w") as f:
-                    f.write(log)
-                if r.returncode != 0 or not os.path.exists(path):
-                    lines = [ln for ln in log.splitlines() if ln.strip()]
-                    with open(failed, "w") as f:
-                        f.write("\n".join(lines[-20:]) + "\n")
-                    raise OSError(f"building the native runtime failed: {' / '.join(lines[-3:])}")
-            if os.path.exists(failed):
-                os.unlink(failed)
-            _log.debug("tileops: built %s in %.1f s", path, time.perf_counter() - t0)
-            tmp = f"{path}.sha256.{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(file_sha256(path) + "\n")
-            os.replace(tmp, path + ".sha256")  # the checksum last: a build is intact once it is there
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _intact(path):
+            return path
+        for stale in (path, path + ".sha256", os.path.join(directory, "lock")):  # a builder that died
+            if os.path.exists(stale):
+                os.unlink(stale)
+        failed = os.path.join(directory, "build.failed")  # an import does not try again (build() does)
+        with task("compiling the native runtime (tileops/runtime/_native.cpp, 20-40 s)", wanted(progress)):
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-c", _BUILD, _NAME, str(SOURCE), directory, *FLAGS],
+                               capture_output=True, text=True, timeout=1200)
+            log = (r.stdout or "") + (r.stderr or "")
+            with open(os.path.join(directory, "build.log"), "w") as f:
+                f.write(log)
+            if r.returncode != 0 or not os.path.exists(path):
+                lines = [ln for ln in log.splitlines() if ln.strip()]
+                with open(failed, "w") as f:
+                    f.write("\n".join(lines[-20:]) + "\n")
+                raise OSError(f"building the native runtime failed: {' / '.join(lines[-3:])}")
+        if os.path.exists(failed):
+            os.unlink(failed)
+        _log.debug("tileops: built %s in %.1f s", path, time.perf_counter() - t0)
+        tmp = f"{path}.sha256.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(file_sha256(path) + "\n")
+        os.replace(tmp, path + ".sha256")  # the checksum last: a build is intact once it is there
     return path
 
 
 def _load(path: str) -> Any:
-    loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
-    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
-    assert spec is not None
+    spec = importlib.util.spec_from_file_location(_NAME, path)  # an extension module, by its suffix
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
+    spec.loader.exec_module(mod)
     return mod
 
 
