@@ -6,13 +6,13 @@ leaves that setting, and TileLang's logging, as the process has them). Threads t
 same kernel at once wait on one lock per key: one compile, one result for all.
 
 The ops launch kernels through :func:`load_kernel`, which also keeps an index of its own under
-``tileops.compile.entry.cache_root()/kernels``: per kernel, a copy of its compiled library and a record of
-its arguments (:func:`tileops.compile.entry.kernel_record`), keyed by the builder, the spec, the backend,
-the arch, the sources of the builder module and of the kernels' helper modules, TileLang's
-version and the pass configs. A later process
-loads the library from there with ctypes, without importing TileLang (1-1.5 s) or re-tracing the
-tile program to find TileLang's own cache entry. A library whose bytes no longer match its record
-(truncated, overwritten) is rebuilt, with a warning.
+``tileops.compile.entry.cache_root()/kernels``: per kernel, a copy of its compiled library and a
+record of its arguments (:func:`tileops.compile.entry.kernel_record`), keyed by the builder, the
+spec, the backend, the arch, the sources of the builder module and of the kernels' helper modules,
+TileLang's version and the pass configs. A later process loads the library from there with ctypes,
+without importing TileLang (1-1.5 s) or re-tracing the tile program to find TileLang's own cache
+entry. A library whose bytes no longer match its record (truncated, overwritten) is rebuilt, with a
+warning.
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ __all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "st
 
 @dataclass
 class CompileStats:
-    """How many kernels this process built (``compiles``, of which ``lean`` by :mod:`tileops.compile.cuda_build`)
-    and how long that took in all, and how many it loaded from tileops' own index without TileLang
-    (``loads``)."""
+    """Kernels this process built (``compiles``, of which ``lean`` by :mod:`tileops.compile.cuda_build`)
+    and their seconds in all, and those it loaded from tileops' own index without TileLang (``loads``)."""
 
     compiles: int = 0
     seconds: float = 0.0
@@ -410,50 +409,36 @@ def index_kernel(builder: str, spec: Any, backend: str, arch: str) -> bool:
     return _obtain(builder, spec, backend, arch)[1]
 
 
-class _MemoryCacheHint(logging.Filter):
-    """Drops one message of TileLang's kernel cache (``tilelang/cache/kernel_cache.py``), the WARNING
+def _memory_cache_hint(record: logging.LogRecord) -> bool:
+    """False for one message of TileLang's kernel cache (``tilelang/cache/kernel_cache.py``), the WARNING
     "Found kernel '%s' in memory cache. For better performance, consider using `@tilelang.jit` ...",
     logged when ``tilelang.compile`` is asked again for a kernel it holds: tileops asks again by design
     (``emit`` and the lean build's lowering trace a kernel anew; tileops' own caches sit in front),
     and the advice is about TileLang's API, not the user's code. Everything else that logger says passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith(tilelang_api.MEMORY_CACHE_HINT))
+    return not (isinstance(record.msg, str) and record.msg.startswith(tilelang_api.MEMORY_CACHE_HINT))
 
 
 #: on that logger alone (it need not exist yet: TileLang's ``getLogger`` returns this same object)
 _tilelang_cache_log = logging.getLogger(tilelang_api.KERNEL_CACHE_LOGGER)
-if not any(isinstance(f, _MemoryCacheHint) for f in _tilelang_cache_log.filters):
-    _tilelang_cache_log.addFilter(_MemoryCacheHint())
-
-
+if _memory_cache_hint not in _tilelang_cache_log.filters:
+    _tilelang_cache_log.addFilter(_memory_cache_hint)
 _compiling = threading.local()
 
 
-class _OwnCompileChatter(logging.Filter):
-    """Drops TileLang's INFO lines (two per compile) logged while *this library* compiles on the
+def _own_compile_chatter(record: logging.LogRecord) -> bool:
+    """False for TileLang's INFO lines (two per compile) logged while *this library* compiles on the
     current thread; everything else TileLang logs, for anyone, passes. ``TILEOPS_VERBOSE=1`` keeps them."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not getattr(_compiling, "on", False)
-
-
-_filter = _OwnCompileChatter()
-
-
-def _quiet() -> None:
-    """Attach the filter to TileLang's handlers (once; the logger's level is left alone)."""
-    if os.environ.get("TILEOPS_VERBOSE"):
-        return
-    for handler in logging.getLogger("tilelang").handlers:
-        if _filter not in handler.filters:
-            handler.addFilter(_filter)
+    return record.levelno >= logging.WARNING or not getattr(_compiling, "on", False)
 
 
 @contextlib.contextmanager
 def _own_compile() -> Iterator[None]:
-    """Within: this thread is compiling for tileops, so TileLang's INFO chatter is dropped."""
-    _quiet()
+    """Within: this thread is compiling for tileops, so TileLang's INFO chatter is dropped (the filter
+    is attached to TileLang's handlers once; the logger's level is left alone)."""
+    if not os.environ.get("TILEOPS_VERBOSE"):
+        for handler in logging.getLogger("tilelang").handlers:
+            if _own_compile_chatter not in handler.filters:
+                handler.addFilter(_own_compile_chatter)
     _compiling.on = True
     try:
         yield

@@ -44,7 +44,7 @@ WRAPPER_READS = ("get_declaration", "get_dynamic_symbolic_set", "prim_func", "fu
                  "lib_code")
 
 #: the logger of TileLang's kernel cache (its module's name), and the start of the message tileops
-#: filters from it (:class:`tileops.compile.build._MemoryCacheHint` says why)
+#: filters from it (:func:`tileops.compile.build._memory_cache_hint` says why)
 KERNEL_CACHE_LOGGER = "tilelang.cache.kernel_cache"
 MEMORY_CACHE_HINT = "Found kernel '%s' in memory cache"
 

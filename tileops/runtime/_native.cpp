@@ -63,23 +63,25 @@ constexpr int kChunk = 4096;  // error words per chunk of a pool (16 KiB)
 constexpr int kMaxChunks = 4096;
 enum Mode : int8_t { ABSENT = 0, NEW = 1, IN_PLACE = 2, GIVEN = 3 };  // as tileops/runtime/binding.py
 
+struct NoCopy {  // what a scope or a binding holds is released once: never copied
+  NoCopy() = default;
+  NoCopy(const NoCopy&) = delete;
+  NoCopy& operator=(const NoCopy&) = delete;
+};
+
 // ------------------------------------------------------------------------------ Python, the GIL
-struct Gil {  // held within the scope (a no-op re-entry when it already is)
+struct Gil : NoCopy {  // held within the scope (a no-op re-entry when it already is)
   PyGILState_STATE s;
   Gil() : s(PyGILState_Ensure()) {}
   ~Gil() { PyGILState_Release(s); }
-  Gil(const Gil&) = delete;
-  Gil& operator=(const Gil&) = delete;
 };
 
-struct NoGil {  // released within the scope when this thread holds it
+struct NoGil : NoCopy {  // released within the scope when this thread holds it
   PyThreadState* s;
   NoGil() : s(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
   ~NoGil() {
     if (s != nullptr) PyEval_RestoreThread(s);
   }
-  NoGil(const NoGil&) = delete;
-  NoGil& operator=(const NoGil&) = delete;
 };
 
 // the Python error just set, as an exception: the GIL is held here; torch's boundaries restore it
@@ -94,12 +96,10 @@ PyObject* checked(PyObject* r) {
   return r;
 }
 
-struct Ref {  // a new reference, released with the scope (the GIL held)
+struct Ref : NoCopy {  // a new reference, released with the scope (the GIL held)
   PyObject* p;
   explicit Ref(PyObject* o) : p(checked(o)) {}
   ~Ref() { Py_XDECREF(p); }
-  Ref(const Ref&) = delete;
-  Ref& operator=(const Ref&) = delete;
 };
 
 int64_t as_i64(PyObject* o) {
@@ -217,7 +217,7 @@ Pool& pool_for(int index) {
 }
 
 // ------------------------------------------------------------------------------ Binding
-struct BindingData {
+struct BindingData : NoCopy {
   struct Ptr {
     int t, slot;
     uint64_t align;
@@ -245,9 +245,6 @@ struct BindingData {
   std::mutex memo_mu;  // the exact overlap test's answers by (pair, offset)
   std::vector<std::array<int64_t, 3>> memo;
 
-  BindingData() = default;
-  BindingData(const BindingData&) = delete;
-  BindingData& operator=(const BindingData&) = delete;
   ~BindingData() {
     if (launch_py != nullptr && Py_IsInitialized()) {  // the last holder may be a call without the GIL
       Gil g;
@@ -533,7 +530,7 @@ void queue_pending(Core& core, std::shared_ptr<Core> owner, void* stream, Pendin
 }
 
 // ------------------------------------------------------------------------------ the executor
-struct DeviceScope {  // the binding's CUDA device current during the launch (the entry point uses it)
+struct DeviceScope : NoCopy {  // the binding's CUDA device current during the launch (the entry point uses it)
   const c10::impl::DeviceGuardImplInterface* g = nullptr;
   c10::Device prev{c10::DeviceType::CPU};
   explicit DeviceScope(int index) {
@@ -548,8 +545,6 @@ struct DeviceScope {  // the binding's CUDA device current during the launch (th
   ~DeviceScope() {
     if (g != nullptr) g->uncheckedSetDevice(prev);
   }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
 };
 
 void* current_stream(int index) {
