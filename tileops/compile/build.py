@@ -324,12 +324,11 @@ def kernel_label(builder: str, spec: Any) -> str:
 def _say_compiled(op_name: str, builder: str, spec: Any, arch: str, seconds: float) -> None:
     if not compile_log.isEnabledFor(logging.INFO):
         return
-    where = _index_dir() if _disk_cache_on() else None
-    if where is not None:
-        home = os.path.expanduser("~")
-        where = "cached in " + ("~" + where[len(home):] if where.startswith(home + os.sep) else where)
+    where, home = _index_dir(), os.path.expanduser("~")
+    where = "~" + where[len(home):] if where.startswith(home + os.sep) else where
     compile_log.info("tileops: compiled %s(%s) for %s in %.1f s (%s)", f"{op_name} " if op_name else "",
-                     kernel_label(builder, spec), arch, seconds, where or "kept in memory only")
+                     kernel_label(builder, spec), arch, seconds,
+                     f"cached in {where}" if _disk_cache_on() else "kept in memory only")
 
 
 def _obtain(builder: str, spec: Any, backend: str, arch: str) -> tuple[tuple[Any, dict[str, Any]], bool]:

@@ -228,9 +228,7 @@ def _trampoline_source(ctypes_args: list[str]) -> str:
 def _trampoline(ctypes_args: list[str]) -> Any:
     """The compiled trampoline for one signature (C type names), or None without a C compiler."""
     key = tuple(ctypes_args)
-    if key in _trampolines:
-        return _trampolines[key]
-    with _trampoline_lock:
+    with _trampoline_lock:  # once per kernel load, not per call
         if key in _trampolines:
             return _trampolines[key]
         fn = None

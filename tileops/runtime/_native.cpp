@@ -1110,24 +1110,26 @@ std::vector<at::Tensor> apply_backward_kernel(c10::SymInt handle, at::TensorList
   return python_path(cfg.apply_backward, handle.expect_int(), {grads, inputs}, names);
 }
 
+// the CPU or CUDA kernel of the custom op `name`, called below autograd (its schema found once)
+template <auto& kernel, typename... Args>
+auto below_autograd(const char* name, Args&&... args) {
+  using Fn = std::remove_reference_t<decltype(kernel)>;
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(std::forward<Args>(args)...);
+}
+
 // autograd: a call that needs none goes below autograd in C++; one that does, to Python's
 // autograd.Function around the op (tileops/runtime/library.py)
 std::vector<at::Tensor> apply_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_view names) {
   if (any_requires_grad({inputs})) return python_path(cfg.apply_grad, handle.expect_int(), {inputs}, names);
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tileops::apply", "").typed<decltype(apply_kernel)>();
-  at::AutoDispatchBelowADInplaceOrView below;
-  return op.call(std::move(handle), inputs, names);
+  return below_autograd<apply_kernel>("tileops::apply", std::move(handle), inputs, names);
 }
 
 void apply_out_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_view names, at::TensorList outs) {
   TORCH_CHECK(!any_requires_grad({inputs, outs}), "tileops::apply_out: outputs given while an input requires grad "
               "(autograd does not follow writes into given tensors)");
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("tileops::apply_out", "").typed<decltype(apply_out_kernel)>();
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    op.call(std::move(handle), inputs, names, outs);
-  }
+  below_autograd<apply_out_kernel>("tileops::apply_out", std::move(handle), inputs, names, outs);
   for (const auto& o : outs) o.unsafeGetTensorImpl()->bump_version();  // as an in-place aten op does
 }
 
@@ -1135,11 +1137,7 @@ std::vector<at::Tensor> apply_backward_autograd(c10::SymInt handle, at::TensorLi
                                                 c10::string_view names) {
   if (any_requires_grad({grads, inputs}))  // create_graph=True: results that raise only when differentiated
     return python_path(cfg.apply_backward_grad, handle.expect_int(), {grads, inputs}, names);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("tileops::apply_backward", "")
-                       .typed<decltype(apply_backward_kernel)>();
-  at::AutoDispatchBelowADInplaceOrView below;
-  return op.call(std::move(handle), grads, inputs, names);
+  return below_autograd<apply_backward_kernel>("tileops::apply_backward", std::move(handle), grads, inputs, names);
 }
 
 // ------------------------------------------------------------------------------ module
