@@ -626,20 +626,17 @@ bool exactly_disjoint(BindingData& b, int k, const at::Tensor& x, const at::Tens
     for (auto& m : b.memo)
       if (m[0] == k && m[1] == offset) return m[2] != 0;
   }
-  int ok;
+  int ok = -1;
   {
     Gil g;
-    PyObject* px = THPVariable_Wrap(x);
-    PyObject* py = THPVariable_Wrap(y);
-    PyObject* r = px && py ? PyObject_CallFunctionObjArgs(cfg.disjoint, px, py, nullptr) : nullptr;
-    ok = r != nullptr ? PyObject_IsTrue(r) : -1;
-    Py_XDECREF(r);
-    Py_XDECREF(px);
-    Py_XDECREF(py);
-    if (ok < 0) {
-      PyErr_Clear();  // refused: the general path says what is wrong
-      return false;
+    try {
+      Ref px(THPVariable_Wrap(x)), py(THPVariable_Wrap(y));
+      Ref r(PyObject_CallFunctionObjArgs(cfg.disjoint, px.p, py.p, nullptr));
+      ok = PyObject_IsTrue(r.p);
+    } catch (const python_error&) {
     }
+    PyErr_Clear();  // an error: refused, the general path says what is wrong
+    if (ok < 0) return false;
   }
   if (shared) {
     std::lock_guard<std::mutex> g(b.memo_mu);
@@ -968,10 +965,10 @@ PyObject* Dispatch_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
   core->handle = handle;
   core->n_in = (int)ni;
   core->n_out = (int)no;
+  std::vector<int64_t> like = ints_of(likes, "likes");
   for (Py_ssize_t j = 0; j < no; ++j) {
-    int64_t l = as_i64(PyTuple_GET_ITEM(likes, j));
-    if (l < 0 || l >= ni) throw std::invalid_argument("tileops: Dispatch: likes index the inputs");
-    core->like[j] = (int)l;
+    if (like[j] < 0 || like[j] >= ni) throw std::invalid_argument("tileops: Dispatch: likes index the inputs");
+    core->like[j] = (int)like[j];
   }
   auto* d = (Dispatch*)type->tp_alloc(type, 0);
   if (d == nullptr) return nullptr;

@@ -1,14 +1,13 @@
 """A kernel launch described once per call signature: the :class:`Binding`.
 
-A family (its kernel set) knows what a call's views mean to its kernel; the runtime knows nothing
-of that. So the family computes, once per signature (every tensor's shape, strides, dtype and
-device, and which outputs are given or in place), a :class:`Binding` with :func:`bind`: the kernel's
-whole argument array with every shape, stride and scalar filled, and where each tensor's pointer
-goes. A later call shaped the same way only reads its pointers into a copy of that array: the C++
-executor of :mod:`tileops.runtime.native` does it without Python, :class:`tileops.runtime.executor.PythonRuntime`
-where the extension is absent. The family's general path (the first call of a signature, views it
-must copy first, gradients) binds the tensors it actually launches with through the same
-:func:`bind` and runs the same executor.
+A family (its kernel set) knows what a call's views mean to its kernel; the runtime knows nothing of
+that. So the family computes with :func:`bind`, once per signature (every tensor's shape, strides,
+dtype and device, and which outputs are given or in place), a :class:`Binding`: the kernel's whole
+argument array with every shape, stride and scalar filled, and where each tensor's pointer goes. A
+later call shaped the same way only reads its pointers into a copy of that array: in the C++ executor
+(:mod:`tileops.runtime.native`) without Python, else in :class:`tileops.runtime.executor.PythonRuntime`.
+The family's general path (a signature's first call, views it must copy, gradients) binds the tensors
+it launches with through the same :func:`bind` and runs the same executor.
 
 Tensors are numbered as the op's manifest lists them: the inputs, then the outputs. Per call the
 executor checks what the pointers alone decide (alignment; the overlap of given outputs with the
@@ -132,21 +131,13 @@ def with_overlap_checks(binding: Binding, tensors: Mapping[str, Any], outs: Mapp
     into (given, or in place) against every other tensor of the call, but for an in-place output
     and its own input; spans from this call's shapes and strides, which the signature fixes."""
     names, n_in = binding.names, binding.inputs
-    present = {i: tensors.get(n) for i, n in enumerate(names[:n_in])}
-    for j, mode in enumerate(binding.outputs):
-        if mode in (IN_PLACE, GIVEN):
-            present[n_in + j] = outs.get(names[n_in + j])
-    have = {i: t for i, t in present.items() if t is not None}
-    pairs, seen = [], set()
-    for j, mode in enumerate(binding.outputs):
-        o = n_in + j
-        if o not in have:
-            continue
-        for i, t in have.items():
-            own = i == binding.likes[j] and mode == IN_PLACE
-            if i == o or own or frozenset((o, i)) in seen:
-                continue
-            seen.add(frozenset((o, i)))
-            pairs.append((o, span(have[o]), i, span(t)))
+    written = [n_in + j for j, mode in enumerate(binding.outputs) if mode in (IN_PLACE, GIVEN)]
+    given = [tensors.get(n) for n in names[:n_in]] + [outs.get(n) for n in names[n_in:]]
+    have = {i: given[i] for i in [*range(n_in), *written] if given[i] is not None}
+    pairs = []
+    for o in (o for o in written if o in have):
+        own = binding.likes[o - n_in] if binding.outputs[o - n_in] == IN_PLACE else None
+        # every other tensor (an output written before this one has its pair already), but its own input
+        pairs += [(o, span(have[o]), i, span(t)) for i, t in have.items() if i != own and not n_in <= i <= o]
     return dataclasses.replace(binding, pairs=tuple(pairs), memo={})
 

@@ -182,7 +182,5 @@ def words_for(device: torch.device) -> Words:
     pool = _pools.get(device)
     if pool is None:
         with _pools_lock:
-            pool = _pools.get(device)
-            if pool is None:
-                pool = _pools[device] = Words(device)
+            pool = _pools.get(device) or _pools.setdefault(device, Words(device))
     return pool

@@ -1,10 +1,9 @@
 """One op's launches: the runtime object an op makes at construction (:func:`new_runtime`).
 
-With the native extension loaded (:mod:`tileops.runtime.native`) it is the extension's
-``Dispatch``: the op's bindings by call signature, served from C++ (``run``), the same executor for
-the general path's bindings (``execute``), and the deferred error tracker. Without it, a
-:class:`PythonRuntime`: the same executor in Python, and errors judged at the call (see
-:mod:`tileops.runtime.errors`). Both have
+With the native extension loaded (:mod:`tileops.runtime.native`) it is the extension's ``Dispatch``:
+the op's bindings by call signature, served from C++ (``run``), the same executor for the general
+path's bindings (``execute``), and the deferred error tracker. Without it, a :class:`PythonRuntime`:
+the same executor in Python, and errors judged at the call (:mod:`tileops.runtime.errors`). Both have
 
 * ``execute(binding, tensors, outs)``: run a :class:`tileops.runtime.binding.Binding` on a call's
   tensors (input name -> tensor, output name -> tensor or None); returns what the op returns (its
