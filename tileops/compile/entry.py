@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 __all__ = ["RawKernel", "raw_kernel", "raw_kernel_from", "kernel_record", "cache_root", "build_c_library",
-           "encode_arg", "RECORD_FAILED", "CAPTURING"]
+           "encode_arg", "RECORD_FAILED", "CAPTURING", "C_TYPES"]
 
 _log = logging.getLogger("tileops.compile.entry")
 
@@ -106,9 +106,8 @@ class RawKernel:
             raise TypeError(f"kernel argument {e.args[0]!r} missing; the kernel takes {list(self.arg_names)}") from None
 
     def stream(self) -> int:
-        if self.device_index is None:
-            return 0
-        return torch._C._cuda_getCurrentRawStream(self.device_index)
+        """The current raw CUDA stream of the kernel's device (0 on the CPU)."""
+        return 0 if self.device_index is None else torch._C._cuda_getCurrentRawStream(self.device_index)
 
     def __call__(self, *args: Any) -> None:
         """Launch with ``args`` = params then extents (the stream is added here); raises on failure."""
@@ -279,7 +278,8 @@ def build_c_library(source: str) -> ctypes.CDLL:
 _RECORD_TYPES = {"void*": ctypes.c_void_p, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
                  "float": ctypes.c_float, "double": ctypes.c_double}
 _TYPE_NAMES = {v: k for k, v in _RECORD_TYPES.items()}
-_DTYPE_NAMES = {torch.int32: "int32_t", torch.int64: "int64_t", torch.float32: "float", torch.float64: "double"}
+#: the C type of a scalar parameter, by its dtype's name
+C_TYPES = {"int32": "int32_t", "int64": "int64_t", "float32": "float", "float64": "double"}
 
 
 def kernel_record(kernel: Any) -> dict[str, Any]:
@@ -294,7 +294,7 @@ def kernel_record(kernel: Any) -> dict[str, Any]:
         raise RuntimeError("tileops needs TileLang's Cython execution backend (the kernel has no C entry point)")
     if any(ref_kind != 0 for ref_kind, *_ in dyn.values()):
         raise RuntimeError("a dynamic stride in a tileops kernel: not supported by the launcher")
-    args = [_DTYPE_NAMES[dtype] if dtype is not None else "void*" for dtype in params]
+    args = [C_TYPES[str(dtype).removeprefix("torch.")] if dtype is not None else "void*" for dtype in params]
     args += ["int64_t" if str(v.dtype) == "int64" else "int32_t" for v in dyn]
     return {"args": args, "extents": [str(v) for v in dyn]}
 
