@@ -110,7 +110,7 @@ def test_lean_library_without_a_gpu_fails_to_load_with_a_message(tmp_path):
 
 
 @needs_toolchain
-def test_load_or_build_indexes_a_lean_build_under_its_own_key(tmp_path, monkeypatch):
+def test_a_lean_build_is_indexed_under_its_own_key(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TILELANG_DISABLE_CACHE", raising=False)
     spec = SPECS[1]
