@@ -69,7 +69,7 @@ def test_threads_first_call_compile_once(gen):
         assert (out.double() - ref).abs().max().item() < 1e-5
 
 
-def _cache_env(tmp_path) -> dict:
+def cache_env(tmp_path) -> dict:
     """Both disk caches in ``tmp_path``: TileLang's, and tileops' index of loadable kernels."""
     env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "TILEOPS_CACHE_DIR": str(tmp_path / "tileops"),
            "TILEOPS_NATIVE": "0"}  # on a machine with a GPU, an import with a fresh cache builds the native runtime
@@ -94,7 +94,7 @@ def test_disk_cache_serves_a_new_process(tmp_path):
         "    raise RuntimeError('built again: the disk cache did not serve the kernel')\n"
         "k.JITKernel._compile_and_create_adapter = refuse\n"
     )
-    env = _cache_env(tmp_path)
+    env = cache_env(tmp_path)
     first = subprocess.run([sys.executable, "-c", first_code], env=env, capture_output=True, text=True, check=True)
     assert any(p.is_file() for p in tmp_path.rglob("*")), "nothing was written to the disk cache"
     warm = subprocess.run([sys.executable, "-c", first_code + "import sys; print('tilelang' in sys.modules)\n"],
@@ -140,7 +140,7 @@ def test_a_damaged_disk_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
     """A cache entry cut short or overwritten (a crash mid-write, a bad disk), in TileLang's cache or
     in tileops' index, is detected, warned about and rebuilt: the same answer, never a crash or a
     wrong result."""
-    env = _cache_env(tmp_path)
+    env = cache_env(tmp_path)
     good = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
     (lib,) = (tmp_path / "tilelang").rglob("kernel_lib.so")
     (index_lib,) = (tmp_path / "tileops" / "kernels").glob("*.so")
@@ -173,7 +173,7 @@ def test_a_damaged_disk_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
 def test_an_unwritable_cache_directory_means_memory_only_with_a_warning(tmp_path):
     (tmp_path / "a-file").write_text("")
     where = tmp_path / "a-file" / "cache"  # cannot be created, even by root
-    env = {**_cache_env(tmp_path), "TILELANG_CACHE_DIR": str(where)}
+    env = {**cache_env(tmp_path), "TILELANG_CACHE_DIR": str(where)}
     two_calls = _PROBE + "print(RoPEFwdOp(input_layout='1d')(torch.ones(5, 46)).sum().item())\n"
     proc = subprocess.run([sys.executable, "-c", two_calls], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -189,12 +189,12 @@ def test_an_unwritable_cache_directory_means_memory_only_with_a_warning(tmp_path
 def test_two_processes_filling_one_cold_cache_at_once(tmp_path):
     """Both compile (or one waits on the other's entry) and both get correct kernels; a third
     process then loads the entry without building."""
-    env = _cache_env(tmp_path)
+    env = cache_env(tmp_path)
     procs = [subprocess.Popen([sys.executable, "-c", _PROBE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-1000:] for o in outs]
-    want = subprocess.run([sys.executable, "-c", _PROBE], env=_cache_env(tmp_path / "alone"),
+    want = subprocess.run([sys.executable, "-c", _PROBE], env=cache_env(tmp_path / "alone"),
                           capture_output=True, text=True, check=True).stdout
     assert [o[0].splitlines()[-1] for o in outs] == [want.strip()] * 2
     no_build = ("import importlib, tilelang\n"

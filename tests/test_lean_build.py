@@ -110,18 +110,18 @@ def test_lean_library_without_a_gpu_fails_to_load_with_a_message(tmp_path):
 
 
 @needs_toolchain
-def test_load_or_build_indexes_a_lean_build_under_its_own_key(tmp_path, monkeypatch):
+def test_a_lean_build_is_indexed_under_its_own_key(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TILELANG_DISABLE_CACHE", raising=False)
     spec = SPECS[1]
     monkeypatch.setattr(build, "compile_kernel", lambda *a: pytest.fail("TileLang's build was used"))
     build.clear_memory_cache()
-    lib, record = build._load_or_build("rope", spec, "cuda", "sm_90")
+    lib, record = build._obtain("rope", spec, "cuda", "sm_90")[0]
     lean_key = build.index_key("rope", spec, "cuda", "sm_90", lean=True)
     assert lean_key != build.index_key("rope", spec, "cuda", "sm_90")
     assert sorted(os.listdir(tmp_path / "kernels")) == [lean_key + ".json", lean_key + ".so"]
     before = build.stats.loads
-    again, record2 = build._load_or_build("rope", spec, "cuda", "sm_90")  # a later process: from the index
+    again, record2 = build._obtain("rope", spec, "cuda", "sm_90")[0]  # a later process: from the index
     assert build.stats.loads == before + 1 and record2["args"] == record["args"]
 
 
@@ -148,9 +148,9 @@ def test_a_kernel_the_lean_build_cannot_make_is_built_by_tilelang(failure, tmp_p
     monkeypatch.setattr(tileops.compile.entry, "kernel_record", lambda k: {"args": [], "extents": []})
     if isinstance(failure, RuntimeError):
         with pytest.warns(RuntimeWarning, match="lean CUDA build failed.*nvrtc: boom"):
-            lib, _ = build._load_or_build("rope", SPECS[0], "cuda", "sm_90")
+            lib, _ = build._obtain("rope", SPECS[0], "cuda", "sm_90")[0]
     else:
-        lib, _ = build._load_or_build("rope", SPECS[0], "cuda", "sm_90")
+        lib, _ = build._obtain("rope", SPECS[0], "cuda", "sm_90")[0]
     assert lib == "the TileLang library"
 
 
@@ -170,7 +170,7 @@ def test_lean_build_off_by_environment(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build, "compile_kernel", lambda *a: Kernel())
     monkeypatch.setattr(tileops.compile.entry, "kernel_record", lambda k: {"args": [], "extents": []})
-    assert build._load_or_build("rope", SPECS[0], "cuda", "sm_90")[0] == "tl"
+    assert build._obtain("rope", SPECS[0], "cuda", "sm_90")[0][0] == "tl"
 
 
 # ------------------------------------------------------------------------------------- on a GPU

@@ -53,7 +53,7 @@ import json, sys
 from tileops.compile import build
 from tileops.compile.warmup import kernel_jobs
 job = [j for j in kernel_jobs(["RoPEFwdOp"], "sm_90") if j[2] == "cuda"][0]
-lib, record = build._load_or_build(*job)
+lib, record = build._obtain(*job)[0]
 print(json.dumps({"tilelang": "tilelang" in sys.modules, "lean": build.stats.lean,
                   "shipped": build.stats.shipped, "args": len(record["args"])}))
 """

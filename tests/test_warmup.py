@@ -10,14 +10,8 @@ import sys
 
 import pytest
 
+from tests.test_generator import cache_env
 from tileops.rope import RoPENeoxPositionIdsFwdOp
-
-
-def _env(tmp_path) -> dict:
-    env = {**os.environ, "TILELANG_CACHE_DIR": str(tmp_path / "tilelang"), "TILEOPS_CACHE_DIR": str(tmp_path / "tileops"),
-           "TILEOPS_NATIVE": "0"}  # on a machine with a GPU, an import with a fresh cache builds the native runtime
-    env.pop("TILELANG_DISABLE_CACHE", None)
-    return env
 
 
 @pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
@@ -25,7 +19,8 @@ def test_compile_ahead_then_a_new_process_loads_without_tilelang(tmp_path):
     aot = ("from tileops.rope import RoPENeoxPositionIdsFwdOp\n"
            "op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=32)\n"
            "print(op.compile(head_dim=48, dtypes=['float32'], with_inputs=[], device='cpu', jobs=2))\n")
-    done = subprocess.run([sys.executable, "-c", aot], env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", aot], env=cache_env(tmp_path), capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == "4"  # forward and backward, positions int32 and int64
     first = ("import sys, torch\n"
@@ -35,7 +30,8 @@ def test_compile_ahead_then_a_new_process_loads_without_tilelang(tmp_path):
              "x = torch.randn(5, 3, 48)\n"
              "out = op(x, torch.tensor([0, 1, 7, 4095, 2], dtype=torch.int32))\n"
              "print(bool(torch.isfinite(out).all()), build.stats.compiles, build.stats.loads, 'tilelang' in sys.modules)\n")
-    warm = subprocess.run([sys.executable, "-c", first], env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    warm = subprocess.run([sys.executable, "-c", first], env=cache_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
     assert warm.returncode == 0, warm.stderr[-2000:]
     assert warm.stdout.split() == ["True", "0", "1", "False"], warm.stdout
 

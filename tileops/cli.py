@@ -128,17 +128,22 @@ def cmd_emit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bad_arch_or_jobs(command: str, problem: str | None, jobs: int | None) -> bool:
+    """Say on stderr what is wrong with ``--arch`` (``problem``, :func:`arch_problem`'s) or ``--jobs``;
+    whether anything is."""
+    if problem:
+        print(f"tileops {command}: --arch: {problem}", file=sys.stderr)
+    elif jobs is not None and jobs < 1:
+        print(f"tileops {command}: --jobs: expected a positive number, got {jobs}", file=sys.stderr)
+    return bool(problem) or (jobs is not None and jobs < 1)
+
+
 def cmd_warmup(args: argparse.Namespace) -> int:
     from .runtime import native
     from .compile.warmup import warmup
 
     arch = args.arch or default_arch()
-    problem = arch_problem(arch, build=True)
-    if problem:
-        print(f"tileops warmup: --arch: {problem}", file=sys.stderr)
-        return 2
-    if args.jobs is not None and args.jobs < 1:
-        print(f"tileops warmup: --jobs: expected a positive number, got {args.jobs}", file=sys.stderr)
+    if _bad_arch_or_jobs("warmup", arch_problem(arch, build=True), args.jobs):
         return 2
     try:
         n, seconds, failures = warmup(args.ops or None, arch, args.jobs, progress=True)
@@ -248,12 +253,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_lowered(args: argparse.Namespace) -> int:
     from .compile.warmup import write_lowered
 
-    problem = arch_problem(args.arch, cpu=False)  # lowering only: no GPU, no CUDA toolkit
-    if problem:
-        print(f"tileops lowered: --arch: {problem}", file=sys.stderr)
-        return 2
-    if args.jobs is not None and args.jobs < 1:
-        print(f"tileops lowered: --jobs: expected a positive number, got {args.jobs}", file=sys.stderr)
+    # lowering only: no GPU, no CUDA toolkit
+    if _bad_arch_or_jobs("lowered", arch_problem(args.arch, cpu=False), args.jobs):
         return 2
     out, n, skipped = write_lowered(args.arch, jobs=args.jobs, progress=True)
     print(f"{out}: {n} kernels lowered for {args.arch}" + (f" ({skipped} not served by the lean build)" if skipped else ""))

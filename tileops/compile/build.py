@@ -6,13 +6,13 @@ leaves that setting, and TileLang's logging, as the process has them). Threads t
 same kernel at once wait on one lock per key: one compile, one result for all.
 
 The ops launch kernels through :func:`load_kernel`, which also keeps an index of its own under
-``tileops.compile.entry.cache_root()/kernels``: per kernel, a copy of its compiled library and a record of
-its arguments (:func:`tileops.compile.entry.kernel_record`), keyed by the builder, the spec, the backend,
-the arch, the sources of the builder module and of the kernels' helper modules, TileLang's
-version and the pass configs. A later process
-loads the library from there with ctypes, without importing TileLang (1-1.5 s) or re-tracing the
-tile program to find TileLang's own cache entry. A library whose bytes no longer match its record
-(truncated, overwritten) is rebuilt, with a warning.
+``tileops.compile.entry.cache_root()/kernels``: per kernel, a copy of its compiled library and a
+record of its arguments (:func:`tileops.compile.entry.kernel_record`), keyed by the builder, the
+spec, the backend, the arch, the sources of the builder module and of the kernels' helper modules,
+TileLang's version and the pass configs. A later process loads the library from there with ctypes,
+without importing TileLang (1-1.5 s) or re-tracing the tile program to find TileLang's own cache
+entry. A library whose bytes no longer match its record (truncated, overwritten) is rebuilt, with a
+warning.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
-from . import tilelang_api
+from . import cuda_build, entry, lowered, tilelang_api
+
+_log = logging.getLogger("tileops.compile.build")
 
 __all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "stats", "CompileStats", "index_key",
            "prim_func", "index_kernel", "kernel_label", "PASS_CONFIGS"]
@@ -46,9 +48,8 @@ __all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "st
 
 @dataclass
 class CompileStats:
-    """How many kernels this process built (``compiles``, of which ``lean`` by :mod:`tileops.compile.cuda_build`)
-    and how long that took in all, and how many it loaded from tileops' own index without TileLang
-    (``loads``)."""
+    """Kernels this process built (``compiles``, of which ``lean`` by :mod:`tileops.compile.cuda_build`)
+    and their seconds in all, and those it loaded from tileops' own index without TileLang (``loads``)."""
 
     compiles: int = 0
     seconds: float = 0.0
@@ -127,28 +128,34 @@ def prim_func(builder: str, spec: Any) -> Any:
     return get_builder(builder)(spec)
 
 
+def _once(cache: dict, key: Hashable, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` once: threads that ask for it at once wait on one lock."""
+    got = cache.get(key)
+    if got is None:
+        with _guard:
+            lock = _locks.setdefault((id(cache), key), threading.Lock())
+        with lock:
+            got = cache.get(key)
+            if got is None:
+                got = cache[key] = make()
+    return got
+
+
 def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
     """The compiled kernel for ``spec``: built once per process (and once per disk cache)."""
-    key = (builder, spec, backend, arch)
-    kernel = _cache.get(key)
-    if kernel is not None:
+    def make() -> Any:
+        tilelang = tilelang_api.load()
+        t0 = time.perf_counter()
+        with _own_compile():
+            # the Cython backend exposes the library's C entry point, which tileops.compile.entry calls directly
+            kernel = tilelang.compile(prim_func(builder, spec), target=_tvm_target(backend, arch),
+                                      execution_backend="cython", pass_configs=PASS_CONFIGS,
+                                      compile_flags=list(c_flags()) if backend == "c" else None)
+        stats.seconds += time.perf_counter() - t0
+        stats.compiles += 1
         return kernel
-    with _guard:
-        lock = _locks.setdefault(key, threading.Lock())
-    with lock:
-        kernel = _cache.get(key)
-        if kernel is None:
-            tilelang = tilelang_api.load()
-            t0 = time.perf_counter()
-            with _own_compile():
-                # the Cython backend exposes the library's C entry point, which tileops.compile.entry calls directly
-                kernel = tilelang.compile(prim_func(builder, spec), target=_tvm_target(backend, arch),
-                                          execution_backend="cython", pass_configs=PASS_CONFIGS,
-                                          compile_flags=list(c_flags()) if backend == "c" else None)
-            stats.seconds += time.perf_counter() - t0
-            stats.compiles += 1
-            _cache[key] = kernel
-    return kernel
+
+    return _once(_cache, (builder, spec, backend, arch), make)
 
 
 # ------------------------------------------------------------------------- tileops' own index
@@ -158,9 +165,12 @@ _loaded: dict[Hashable, tuple[Any, dict[str, Any]]] = {}
 
 
 def _index_dir() -> str:
-    from .entry import cache_root
+    return os.path.join(entry.cache_root(), "kernels")
 
-    return os.path.join(cache_root(), "kernels")
+
+def _disk_cache_on() -> bool:
+    """Whether kernels are kept on disk: TileLang's switch (``TILELANG_DISABLE_CACHE``) turns tileops' index off too."""
+    return os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,9 +200,7 @@ def _tilelang_version() -> str:
 @functools.lru_cache(maxsize=None)
 def _lean_digest() -> str:
     """A digest of :mod:`tileops.compile.cuda_build`'s source: a lean build's index entries depend on it."""
-    from .entry import file_sha256
-
-    return file_sha256(os.path.join(os.path.dirname(__file__), "cuda_build.py"))
+    return entry.file_sha256(os.path.join(os.path.dirname(__file__), "cuda_build.py"))
 
 
 def index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = False) -> str:
@@ -223,10 +231,8 @@ def _from_index(key: str) -> tuple[Any, dict[str, Any]] | None:
     except (OSError, ValueError) as e:
         warnings.warn(f"tileops: kernel index entry {base}.json is unreadable ({e}); rebuilding it", RuntimeWarning)
         return None
-    from .entry import file_sha256
-
     try:
-        if file_sha256(base + ".so") != record.get("sha256"):
+        if entry.file_sha256(base + ".so") != record.get("sha256"):
             raise OSError("its bytes differ from the record")
         return _init_library(base + ".so"), record
     except OSError as e:
@@ -238,8 +244,6 @@ def _to_index(key: str, src: str | None, record: dict[str, Any]) -> None:
     """Keep the library at ``src`` and its launch ``record`` in the index (atomically: another
     process sees the whole entry or none); an unwritable index is skipped (the kernel is still
     served from memory)."""
-    from .entry import file_sha256
-
     if not src or not os.path.exists(src):
         return
     d = _index_dir()
@@ -248,7 +252,7 @@ def _to_index(key: str, src: str | None, record: dict[str, Any]) -> None:
         os.makedirs(d, exist_ok=True)
         tmp = f"{base}.{os.getpid()}.{threading.get_ident()}.tmp"
         shutil.copyfile(src, tmp)
-        record = {**record, "sha256": file_sha256(tmp)}
+        record = {**record, "sha256": entry.file_sha256(tmp)}
         os.replace(tmp, base + ".so")
         with open(tmp, "w") as f:
             json.dump(record, f)
@@ -262,23 +266,15 @@ def load_kernel(builder: str, spec: Any, backend: str, arch: str, device: torch.
     """The launchable kernel (:class:`tileops.compile.entry.RawKernel`) for ``spec`` on ``device``: from
     memory, else from tileops' index (no TileLang import), else compiled by TileLang and indexed.
     A compile logs one INFO line on ``tileops.compile`` saying what (``op_name``'s kernel) and how long."""
-    from .entry import raw_kernel_from
+    def make() -> tuple[Any, dict[str, Any]]:
+        t0 = time.perf_counter()
+        got, compiled = _obtain(builder, spec, backend, arch)
+        if compiled:
+            _say_compiled(op_name, builder, spec, arch, time.perf_counter() - t0)
+        return got
 
-    key = (builder, spec, backend, arch)
-    got = _loaded.get(key)
-    if got is None:
-        with _guard:
-            lock = _locks.setdefault(("load", key), threading.Lock())
-        with lock:
-            got = _loaded.get(key)
-            if got is None:
-                t0 = time.perf_counter()
-                got, compiled = _obtain(builder, spec, backend, arch)
-                if compiled:
-                    _say_compiled(op_name, builder, spec, arch, time.perf_counter() - t0)
-                _loaded[key] = got
-    lib, record = got
-    return raw_kernel_from(lib, record, device, param_names)
+    lib, record = _once(_loaded, (builder, spec, backend, arch), make)
+    return entry.raw_kernel_from(lib, record, device, param_names)
 
 
 # ------------------------------------------------------------------- the "compiled ..." line
@@ -328,28 +324,19 @@ def kernel_label(builder: str, spec: Any) -> str:
 def _say_compiled(op_name: str, builder: str, spec: Any, arch: str, seconds: float) -> None:
     if not compile_log.isEnabledFor(logging.INFO):
         return
-    where = _index_dir() if os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0") else None
-    if where is not None:
-        home = os.path.expanduser("~")
-        where = "cached in " + ("~" + where[len(home):] if where.startswith(home + os.sep) else where)
+    where, home = _index_dir(), os.path.expanduser("~")
+    where = "~" + where[len(home):] if where.startswith(home + os.sep) else where
     compile_log.info("tileops: compiled %s(%s) for %s in %.1f s (%s)", f"{op_name} " if op_name else "",
-                     kernel_label(builder, spec), arch, seconds, where or "kept in memory only")
-
-
-def _load_or_build(builder: str, spec: Any, backend: str, arch: str) -> tuple[Any, dict[str, Any]]:
-    """(library, record): from the index, else compiled (and indexed)."""
-    return _obtain(builder, spec, backend, arch)[0]
+                     kernel_label(builder, spec), arch, seconds,
+                     f"cached in {where}" if _disk_cache_on() else "kept in memory only")
 
 
 def _obtain(builder: str, spec: Any, backend: str, arch: str) -> tuple[tuple[Any, dict[str, Any]], bool]:
-    """((library, record), whether it was compiled now rather than loaded from the index)."""
-    from . import cuda_build
-    from .entry import kernel_record
-
+    """((library, record): from the index, else compiled and indexed; whether it was compiled now)."""
     lean = backend == "cuda" and cuda_build.enabled()
     keys = ([index_key(builder, spec, backend, arch, lean=True)] if lean else [])
     keys.append(index_key(builder, spec, backend, arch))
-    use_disk = os.environ.get("TILELANG_DISABLE_CACHE", "") in ("", "0")  # the disk cache is not turned off
+    use_disk = _disk_cache_on()
     if use_disk:
         for key in keys:  # a lean build first; a kernel that build does not serve is TileLang's
             found = _from_index(key)
@@ -361,7 +348,7 @@ def _obtain(builder: str, spec: Any, backend: str, arch: str) -> tuple[tuple[Any
         if built is not None:
             return _keep_lean(keys[0], built, use_disk), True
     kernel = compile_kernel(builder, spec, backend, arch)
-    record = kernel_record(kernel)
+    record = entry.kernel_record(kernel)
     if use_disk:
         _to_index(keys[-1], tilelang_api.library_path(kernel), record)
     return (tilelang_api.library(kernel), record), True
@@ -376,8 +363,6 @@ def _lean_build(builder: str, spec: Any, arch: str, key: str) -> Any:
     now (the caller has checked :func:`tileops.compile.cuda_build.enabled`). A kernel that build does not serve
     is a debug line; a compiler failing on one it should serve warns once per process."""
     global _lean_warned
-    from . import cuda_build, lowered
-
     t0 = time.perf_counter()
     try:
         shipped = lowered.lookup(key, arch)
@@ -423,53 +408,36 @@ def index_kernel(builder: str, spec: Any, backend: str, arch: str) -> bool:
     return _obtain(builder, spec, backend, arch)[1]
 
 
-_log = logging.getLogger("tileops.compile.build")
-
-
-class _MemoryCacheHint(logging.Filter):
-    """Drops one message of TileLang's kernel cache (``tilelang/cache/kernel_cache.py``), the WARNING
+def _memory_cache_hint(record: logging.LogRecord) -> bool:
+    """False for one message of TileLang's kernel cache (``tilelang/cache/kernel_cache.py``), the WARNING
     "Found kernel '%s' in memory cache. For better performance, consider using `@tilelang.jit` ...",
     logged when ``tilelang.compile`` is asked again for a kernel it holds: tileops asks again by design
     (``emit`` and the lean build's lowering trace a kernel anew; tileops' own caches sit in front),
     and the advice is about TileLang's API, not the user's code. Everything else that logger says passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith(tilelang_api.MEMORY_CACHE_HINT))
+    return not (isinstance(record.msg, str) and record.msg.startswith(tilelang_api.MEMORY_CACHE_HINT))
 
 
 #: on that logger alone (it need not exist yet: TileLang's ``getLogger`` returns this same object)
 _tilelang_cache_log = logging.getLogger(tilelang_api.KERNEL_CACHE_LOGGER)
-if not any(isinstance(f, _MemoryCacheHint) for f in _tilelang_cache_log.filters):
-    _tilelang_cache_log.addFilter(_MemoryCacheHint())
-
-
+if _memory_cache_hint not in _tilelang_cache_log.filters:
+    _tilelang_cache_log.addFilter(_memory_cache_hint)
 _compiling = threading.local()
 
 
-class _OwnCompileChatter(logging.Filter):
-    """Drops TileLang's INFO lines (two per compile) logged while *this library* compiles on the
+def _own_compile_chatter(record: logging.LogRecord) -> bool:
+    """False for TileLang's INFO lines (two per compile) logged while *this library* compiles on the
     current thread; everything else TileLang logs, for anyone, passes. ``TILEOPS_VERBOSE=1`` keeps them."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not getattr(_compiling, "on", False)
-
-
-_filter = _OwnCompileChatter()
-
-
-def _quiet() -> None:
-    """Attach the filter to TileLang's handlers (once; the logger's level is left alone)."""
-    if os.environ.get("TILEOPS_VERBOSE"):
-        return
-    for handler in logging.getLogger("tilelang").handlers:
-        if _filter not in handler.filters:
-            handler.addFilter(_filter)
+    return record.levelno >= logging.WARNING or not getattr(_compiling, "on", False)
 
 
 @contextlib.contextmanager
 def _own_compile() -> Iterator[None]:
-    """Within: this thread is compiling for tileops, so TileLang's INFO chatter is dropped."""
-    _quiet()
+    """Within: this thread is compiling for tileops, so TileLang's INFO chatter is dropped (the filter
+    is attached to TileLang's handlers once; the logger's level is left alone)."""
+    if not os.environ.get("TILEOPS_VERBOSE"):
+        for handler in logging.getLogger("tilelang").handlers:
+            if _own_compile_chatter not in handler.filters:
+                handler.addFilter(_own_compile_chatter)
     _compiling.on = True
     try:
         yield

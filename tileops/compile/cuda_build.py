@@ -1,28 +1,24 @@
 """The lean CUDA build: TileLang lowers a kernel, tileops compiles it.
 
-TileLang's own build (its Cython execution backend) writes one ``.cu`` file with the device kernel
-and a host launcher and runs ``nvcc --shared`` on it. That file includes TileLang's CUDA templates,
-CUTLASS and CUTLASS's host adapter (about 133k lines after preprocessing), so a cold build spends
-4-5 s in nvcc on headers a RoPE kernel never uses (``benchmarks/NOTES.md``, "Start-up").
+TileLang's own build (its Cython execution backend) runs ``nvcc --shared`` on one ``.cu`` file with
+the device kernel and a host launcher, which includes TileLang's CUDA templates, CUTLASS and its
+host adapter (about 133k lines after preprocessing): a cold build spends 4-5 s in nvcc on headers a
+RoPE kernel never uses (``benchmarks/NOTES.md``, "Start-up"). This module builds the same library
+in two cheap steps:
 
-This module builds the same library in two cheap steps:
-
-* **device code** -- TileLang's generated kernel source with its template includes replaced by a
-  short prelude (the only names tileops' kernels take from those templates: ``half_t``,
-  ``bfloat16_t``, which are CUDA's own ``__half`` and ``__nv_bfloat16`` here, converted to and
-  from ``float`` with the same round-to-nearest), compiled to a cubin in process by NVRTC (or by
-  ``nvcc -cubin`` where NVRTC is not found);
-* **host code** -- TileLang's own launcher generator (its CUDA source wrapper, a private class
-  looked up in :mod:`tileops.compile.tilelang_api`, so the grid, block and argument order are
-  exactly TileLang's), told to launch through the runtime's library API
-  (``cudaLibraryLoadData`` on the embedded cubin, ``cudaLaunchKernelExC``) instead of a kernel
-  symbol nvcc registers, compiled by the system C++ compiler against CUDA's C headers and static
-  runtime.
+* **device code**: TileLang's kernel source with its template includes replaced by a short prelude
+  (:data:`DEVICE_PRELUDE`: the only names tileops' kernels take from them, ``half_t`` and
+  ``bfloat16_t``), compiled to a cubin in process by NVRTC (``nvcc -cubin`` where it is not found);
+* **host code**: TileLang's own launcher generator (a private class looked up in
+  :mod:`tileops.compile.tilelang_api`, so the grid, block and argument order are exactly TileLang's),
+  told to launch the embedded cubin through the runtime's library API (``cudaLibraryLoadData``,
+  ``cudaLaunchKernelExC``) instead of a kernel symbol nvcc registers, compiled by the system C++
+  compiler against CUDA's C headers and static runtime.
 
 The library exports what TileLang's does (``init``, ``call``, ``get_last_error``), so
-:mod:`tileops.compile.entry` and the kernel index (:mod:`tileops.compile.build`) treat both alike. A kernel this
-build cannot serve (a template it does not provide, dynamic shared memory, clusters, cooperative
-launch, TMA descriptors, an L2 persistence window) raises :class:`Unsupported`, and
+:mod:`tileops.compile.entry` and :mod:`tileops.compile.build` treat both alike. A kernel this build
+cannot serve (a template it does not provide, dynamic shared memory, clusters, cooperative launch,
+TMA descriptors, an L2 persistence window) raises :class:`Unsupported`, and
 :mod:`tileops.compile.build` builds it TileLang's way. ``TILEOPS_LEAN_BUILD=0`` turns this build off;
 ``TILEOPS_NVRTC`` names the NVRTC library to use.
 """
@@ -43,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import tilelang_api
+from . import entry, tilelang_api
 
 __all__ = ["Unsupported", "LeanLibrary", "Sources", "enabled", "build", "lower_sources", "compile_sources",
            "device_source", "nvrtc_path", "cuda_home", "check_toolchain", "MIN_SM"]
@@ -183,9 +179,8 @@ def nvrtc_path() -> str | None:
             cands += sorted(glob.glob(os.path.join(d, "libnvrtc.so.*[0-9]")))
     except Unsupported:
         pass
-    for p in sys.path:
+    for p in sys.path:  # nvidia/cuda_nvrtc/lib, or where a later wheel puts it
         cands += sorted(glob.glob(os.path.join(p, "nvidia", "*", "lib", "libnvrtc.so.*[0-9]")))
-        cands += sorted(glob.glob(os.path.join(p, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.*[0-9]")))
     cands = [c for c in cands if ".alt." not in os.path.basename(c)]
     return cands[0] if cands else None
 
@@ -198,11 +193,9 @@ def _load_nvrtc() -> Any:
     global _nvrtc
     with _nvrtc_lock:
         if _nvrtc is None:
-            path = nvrtc_path()
-            if path is None:
-                _nvrtc = False
-            else:
-                try:
+            _nvrtc, path = False, nvrtc_path()  # tried once
+            try:
+                if path is not None:
                     # NVRTC opens its builtins library by name: load the one beside it first, so that
                     # a library outside the loader's path (a wheel's) finds its own
                     for b in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*"))):
@@ -212,9 +205,8 @@ def _load_nvrtc() -> Any:
                     lib = ctypes.CDLL(path)
                     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
                     _nvrtc = lib
-                except OSError as e:
-                    _log.debug("tileops: NVRTC at %s not loadable (%s)", path, e)
-                    _nvrtc = False
+            except OSError as e:
+                _log.debug("tileops: NVRTC at %s not loadable (%s)", path, e)
         return _nvrtc or None
 
 
@@ -423,7 +415,7 @@ class LeanLibrary:
 def _record(func: Any, dyn: list[tuple[str, str]]) -> dict[str, Any]:
     """The launch record of ``call``: each parameter's C type (a buffer is ``void*``), then each
     dynamic extent's, in the order the generated ``call`` takes them."""
-    names = {"int32": "int32_t", "int64": "int64_t", "float32": "float", "float64": "double"}
+    names = entry.C_TYPES
     args, taken = [], set()
     for p in func.params:
         if p in func.buffer_map:
@@ -486,10 +478,10 @@ def compile_sources(src: Sources, arch: str, out_dir: str | None = None) -> Lean
     the cubin, then the launcher with it embedded. Needs no TileLang. Raises :class:`Unsupported`
     when a tool is missing, RuntimeError when a compiler fails."""
     _check_arch(arch)
-    t = [time.perf_counter()]
+    t0 = time.perf_counter()
     out_dir = out_dir or tempfile.mkdtemp(prefix="tileops-lean-")
     blob, compiler = cubin(src.device, arch, name=src.name, workdir=out_dir)
-    t.append(time.perf_counter())
+    t1 = time.perf_counter()
     host = os.path.join(out_dir, "host.cpp")
     lib = os.path.join(out_dir, "kernel.so")
     with open(host, "w") as f:
@@ -500,9 +492,8 @@ def compile_sources(src: Sources, arch: str, out_dir: str | None = None) -> Lean
     ret = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if ret.returncode != 0:
         raise RuntimeError(f"host launcher compile failed: {' '.join(cmd)}\n{ret.stderr[-4000:]}")
-    t.append(time.perf_counter())
-    steps = dict(zip(("cubin", "host"), (b - a for a, b in zip(t, t[1:]))))
-    return LeanLibrary(libpath=lib, record=src.record, device_source=src.device, compiler=compiler, seconds=steps)
+    return LeanLibrary(libpath=lib, record=src.record, device_source=src.device, compiler=compiler,
+                       seconds={"cubin": t1 - t0, "host": time.perf_counter() - t1})
 
 
 def build(func: Any, arch: str, pass_configs: dict[str, Any], out_dir: str | None = None) -> LeanLibrary:

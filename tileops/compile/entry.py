@@ -1,25 +1,23 @@
 """A lean launcher for compiled TileLang kernels.
 
-TileLang's Python adapter validates every tensor on every call (dtype, device, static shapes,
-strides) and spends 60-100 µs of host time doing it, more than a RoPE kernel runs on a GPU. The ops
-have already checked their inputs against the manifest, so they call the library's C entry point
-directly: pointers and scalars in parameter order, then each dynamic extent, then the stream. That
-is the calling convention TileLang's own Cython wrapper uses.
+TileLang's Python adapter validates every tensor on every call and spends 60-100 µs of host time
+doing it, more than a RoPE kernel runs on a GPU. The ops have already checked their inputs against
+the manifest, so they call the library's C entry point directly, as TileLang's own Cython wrapper
+does: pointers and scalars in parameter order, then each dynamic extent, then the stream.
 
-Converting ~30 arguments through ctypes costs 3-4 µs per call, about half of what a whole torch
-elementwise op costs on the host. So each kernel signature also gets a small C *trampoline*,
-compiled once with the system C compiler and cached on disk: it takes one ``int64`` array holding
-every argument (a float as its IEEE bits), casts each to its exact C type and calls the entry
-point, then (for a call whose completion is tracked, :mod:`tileops.runtime.errors`) records a CUDA
-event on the same stream, unless the stream is being captured into a graph. One call with six
-arguments replaces thirty; the native runtime (:mod:`tileops.runtime.native`) calls it by its
-address, without Python. Without a C compiler the launcher falls back to plain ctypes, which is
-correct and slower.
+Converting ~30 arguments through ctypes costs 3-4 µs per call, so each kernel signature also gets
+a small C *trampoline*, compiled once with the system C compiler and cached on disk: it takes one
+``int64`` array of every argument (a float as its IEEE bits), casts each to its C type and calls
+the entry point, then (for a call whose completion is tracked, :mod:`tileops.runtime.errors`)
+records a CUDA event on the same stream unless the stream is being captured into a graph. The
+native runtime (:mod:`tileops.runtime.native`) calls it by its address, without Python. Without a
+C compiler the launcher falls back to plain ctypes: correct, and slower.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -29,20 +27,14 @@ import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 __all__ = ["RawKernel", "raw_kernel", "raw_kernel_from", "kernel_record", "cache_root", "build_c_library",
-           "encode_arg", "RECORD_FAILED", "CAPTURING"]
+           "encode_arg", "RECORD_FAILED", "CAPTURING", "C_TYPES"]
 
 _log = logging.getLogger("tileops.compile.entry")
-
-_CTYPES = {torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64, torch.float32: ctypes.c_float,
-           torch.float64: ctypes.c_double}
-#: C type of each ctypes argument type the trampoline can pass from an int64 slot
-_C_TYPES = {ctypes.c_void_p: "void*", ctypes.c_int32: "int32_t", ctypes.c_int64: "int64_t", ctypes.c_float: "float",
-            ctypes.c_double: "double"}
 
 
 def cache_root() -> str:
@@ -73,12 +65,11 @@ class RawKernel:
     param_names: tuple[str, ...] = ()
     #: the trampoline ``(entry, args, stream, record, event, capturing) -> rc`` (None: plain ctypes)
     packed: Any = None
-    _slots: tuple[dict[str, int], tuple[int, ...]] = ({}, ())
-    _entry: int = field(default=0)
+    _slot: dict[str, int] = field(default_factory=dict)
+    _entry: int = 0
 
     def __post_init__(self) -> None:
-        names = self.arg_names
-        object.__setattr__(self, "_slots", ({n: i for i, n in enumerate(names)}, (0,) * len(names)))
+        object.__setattr__(self, "_slot", {n: i for i, n in enumerate(self.arg_names)})
         object.__setattr__(self, "_entry", ctypes.cast(self.call, ctypes.c_void_p).value or 0)
 
     @property
@@ -93,13 +84,16 @@ class RawKernel:
 
     @property
     def slot(self) -> dict[str, int]:
-        """Argument name -> its index in the positional list :meth:`slots` makes."""
-        return self._slots[0]
+        """Argument name -> its index in :meth:`template` (and in :meth:`launch`'s ``args``)."""
+        return self._slot
 
-    def slots(self) -> list[Any]:
-        """A fresh positional argument list to fill by :attr:`slot` (the fast path of :meth:`bind`):
-        every argument 0 to begin with, which is what the unused flat extents of tileops' kernels take."""
-        return list(self._slots[1])
+    def template(self, values: Mapping[str, Any]) -> array.array:
+        """Every argument as :meth:`launch` takes it (see :func:`encode_arg`): ``values`` by name, the
+        others 0, which is what the unused flat extents of tileops' kernels take."""
+        args, kinds = array.array("q", bytes(8 * len(self._slot))), self.arg_types
+        for name, value in values.items():
+            args[self._slot[name]] = encode_arg(kinds[self._slot[name]], value)
+        return args
 
     def bind(self, **values: Any) -> list[Any]:
         """The positional arguments for ``values`` keyed by name; a missing or unknown name raises."""
@@ -112,9 +106,8 @@ class RawKernel:
             raise TypeError(f"kernel argument {e.args[0]!r} missing; the kernel takes {list(self.arg_names)}") from None
 
     def stream(self) -> int:
-        if self.device_index is None:
-            return 0
-        return torch._C._cuda_getCurrentRawStream(self.device_index)
+        """The current raw CUDA stream of the kernel's device (0 on the CPU)."""
+        return 0 if self.device_index is None else torch._C._cuda_getCurrentRawStream(self.device_index)
 
     def __call__(self, *args: Any) -> None:
         """Launch with ``args`` = params then extents (the stream is added here); raises on failure."""
@@ -128,10 +121,9 @@ class RawKernel:
         after the kernel with ``record`` (``cuEventRecord``'s address), unless the stream is being
         captured into a CUDA graph, which ``capturing`` (``cuStreamIsCapturing``'s address) tells.
         Returns whether the stream was capturing (then no event was recorded)."""
-        if self.device_index is not None and torch.cuda.current_device() != self.device_index:
-            with torch.cuda.device(self.device_index):  # the C entry point launches on the current device
-                rc = self._launch(args, stream, record, event, capturing)
-        else:
+        # the C entry point launches on the current device
+        switch = self.device_index is not None and torch.cuda.current_device() != self.device_index
+        with torch.cuda.device(self.device_index) if switch else contextlib.nullcontext():
             rc = self._launch(args, stream, record, event, capturing)
         if rc == 0 or rc == CAPTURING:
             return rc == CAPTURING
@@ -143,10 +135,8 @@ class RawKernel:
     def addresses(self) -> tuple[int, int, int]:
         """(the trampoline's address, the entry point's, the library's ``get_last_error``'s): what
         the native runtime calls; the trampoline's is 0 without one (it then calls :meth:`launch`)."""
-        error = ctypes.cast(self.lib.get_last_error, ctypes.c_void_p).value or 0
-        if self.packed is None:
-            return 0, self._entry, error
-        return ctypes.cast(self.packed, ctypes.c_void_p).value or 0, self._entry, error
+        packed, error = (ctypes.cast(f, ctypes.c_void_p).value or 0 for f in (self.packed, self.lib.get_last_error))
+        return packed, self._entry, error
 
     def _launch(self, args: Any, stream: int, record: int, event: int, capturing: int) -> int:
         if self.packed is not None:
@@ -183,6 +173,8 @@ def _decode(kind: str, value: int) -> Any:
     if kind == "double":
         return struct.unpack("<d", struct.pack("<q", value))[0]
     return value
+
+
 _c_fns: dict[tuple[int, int], Any] = {}
 
 
@@ -235,9 +227,7 @@ def _trampoline_source(ctypes_args: list[str]) -> str:
 def _trampoline(ctypes_args: list[str]) -> Any:
     """The compiled trampoline for one signature (C type names), or None without a C compiler."""
     key = tuple(ctypes_args)
-    if key in _trampolines:
-        return _trampolines[key]
-    with _trampoline_lock:
+    with _trampoline_lock:  # once per kernel load, not per call
         if key in _trampolines:
             return _trampolines[key]
         fn = None
@@ -284,10 +274,12 @@ def build_c_library(source: str) -> ctypes.CDLL:
     raise OSError("no writable directory, or no C compiler, for the launcher")
 
 
-#: C type names of kernel arguments as a kernel record writes them
+#: C type names of kernel arguments as a kernel record writes them (each a type the trampoline passes)
 _RECORD_TYPES = {"void*": ctypes.c_void_p, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
                  "float": ctypes.c_float, "double": ctypes.c_double}
 _TYPE_NAMES = {v: k for k, v in _RECORD_TYPES.items()}
+#: the C type of a scalar parameter, by its dtype's name
+C_TYPES = {"int32": "int32_t", "int64": "int64_t", "float32": "float", "float64": "double"}
 
 
 def kernel_record(kernel: Any) -> dict[str, Any]:
@@ -302,7 +294,7 @@ def kernel_record(kernel: Any) -> dict[str, Any]:
         raise RuntimeError("tileops needs TileLang's Cython execution backend (the kernel has no C entry point)")
     if any(ref_kind != 0 for ref_kind, *_ in dyn.values()):
         raise RuntimeError("a dynamic stride in a tileops kernel: not supported by the launcher")
-    args = [_TYPE_NAMES[_CTYPES[dtype] if dtype is not None else ctypes.c_void_p] for dtype in params]
+    args = [C_TYPES[str(dtype).removeprefix("torch.")] if dtype is not None else "void*" for dtype in params]
     args += ["int64_t" if str(v.dtype) == "int64" else "int32_t" for v in dyn]
     return {"args": args, "extents": [str(v) for v in dyn]}
 
@@ -342,12 +334,9 @@ def raw_kernel_from(lib: Any, record: dict[str, Any], device: torch.device,
     call = lib.call
     call.argtypes = argtypes + [ctypes.c_void_p]
     call.restype = ctypes.c_int32
-    packed = None
-    if all(t in _C_TYPES for t in argtypes):
-        packed = _trampoline([_C_TYPES[t] for t in argtypes])
     index = None
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         _load_device_code(lib)
     return RawKernel(call=call, extent_names=extents, device_index=index, lib=lib,
-                     param_names=tuple(param_names), packed=packed)
+                     param_names=tuple(param_names), packed=_trampoline(list(record["args"])))

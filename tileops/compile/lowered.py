@@ -2,12 +2,12 @@
 
 A cold first call spends most of its time in TileLang before any compiler runs: importing it (1-3 s)
 and lowering the kernel (0.5-1.7 s on the H200's host, ``benchmarks/NOTES.md``). What lowering gives
-the lean build (:class:`tileops.compile.cuda_build.Sources`: the device source, the launcher's source, the launch
-record) depends only on the kernel's spec, the builder's source, TileLang's version, the pass configs
-and :mod:`tileops.compile.cuda_build` itself, which is what the lean build's index key digests. So those sources
-are generated ahead, for every kernel ``tileops warmup`` would build, and shipped in
-``kernels/lowered/<arch>.json.xz``; a cold first call of one of those kernels compiles the shipped
-sources (NVRTC and the C++ compiler, about half a second) without importing TileLang. A kernel not in
+the lean build (:class:`tileops.compile.cuda_build.Sources`: the device source, the launcher's
+source, the launch record) depends only on what the lean build's index key digests: the kernel's
+spec, the builder's source, TileLang's version, the pass configs and :mod:`tileops.compile.cuda_build`
+itself. So those sources are generated ahead, for every kernel ``tileops warmup`` would build, and
+shipped in ``kernels/lowered/<arch>.json.xz``; a cold first call of one of those kernels compiles
+them (NVRTC and the C++ compiler, about half a second) without importing TileLang. A kernel not in
 the file, or a file left behind by a change to the kernels (its keys no longer match), is lowered by
 TileLang as before: the file can make a first call faster, never different.
 

@@ -1,15 +1,14 @@
 """TileLang's internals, behind one door: what tileops takes from TileLang beyond its public API.
 
 tileops calls TileLang's public API where it is used (``tilelang.compile``, ``tilelang.lower``,
-``tilelang.language`` in the kernel builders). What it needs beyond that is looked up here, and
-nowhere else:
+``tilelang.language`` in the kernel builders). What it needs beyond that is looked up here alone:
 
-* the CUDA launcher generator, ``tilelang.jit.adapter.wrapper.TLCUDASourceWrapper``, which the
-  lean build subclasses (:mod:`tileops.compile.cuda_build`): the methods it overrides
-  (:data:`WRAPPER_OVERRIDES`) and the ones and attributes it reads (:data:`WRAPPER_READS`), and
+* the CUDA launcher generator, ``tilelang.jit.adapter.wrapper.TLCUDASourceWrapper``, which the lean
+  build subclasses (:mod:`tileops.compile.cuda_build`): the methods it overrides
+  (:data:`WRAPPER_OVERRIDES`) and those and the attributes it reads (:data:`WRAPPER_READS`), and
   ``match_declare_kernel``, which finds a kernel's declaration in generated source;
-* what a kernel compiled with the Cython execution backend exposes: its loaded library and the
-  library's path, each parameter's type and the dynamic extents (:func:`compiled_parts`, read by
+* what a kernel compiled with the Cython execution backend exposes: its loaded library and its path,
+  each parameter's type and the dynamic extents (:func:`compiled_parts`, read by
   :func:`tileops.compile.entry.kernel_record`);
 * the logger of TileLang's kernel cache and the one message of it that tileops drops
   (:data:`KERNEL_CACHE_LOGGER`, :data:`MEMORY_CACHE_HINT`);
@@ -17,9 +16,9 @@ nowhere else:
   ``benchmarks/lean_sass.py``, which builds a kernel TileLang's way to compare machine code.
 
 :data:`PRIVATE` lists every one of them; ``tests/test_tilelang_api.py`` checks each against the
-installed TileLang and names the one that is gone (pyproject.toml pins TileLang 0.1.15, the version
-they were read from). Importing this module imports no TileLang: each lookup imports it when called,
-through :func:`load`, which first makes sure TileLang's cache directory can be created.
+installed TileLang (0.1.15, pinned in pyproject.toml, the version they were read from). Importing this
+module imports no TileLang: each lookup imports it when called, through :func:`load`, which first
+makes sure TileLang's cache directory can be created.
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ import warnings
 from typing import Any
 
 __all__ = ["load", "ensure_importable", "cuda_source_wrapper", "match_declare_kernel", "compiled_parts",
-           "library", "library_path", "template_include_dirs", "PRIVATE", "WRAPPER_OVERRIDES", "WRAPPER_READS", "KERNEL_CACHE_LOGGER",
-           "MEMORY_CACHE_HINT"]
+           "library", "library_path", "template_include_dirs", "PRIVATE", "WRAPPER_OVERRIDES", "WRAPPER_READS",
+           "KERNEL_CACHE_LOGGER", "MEMORY_CACHE_HINT"]
 
-_WRAPPER = "tilelang.jit.adapter.wrapper.TLCUDASourceWrapper"
 #: the methods of TileLang's launcher generator the lean build overrides: a method renamed in
 #: TileLang would leave the override silently unused, and TileLang's own launcher in its place
 WRAPPER_OVERRIDES = ("parse_source_information", "get_cuda_host_adapter_include", "get_stream_type",
@@ -45,7 +43,7 @@ WRAPPER_READS = ("get_declaration", "get_dynamic_symbolic_set", "prim_func", "fu
                  "lib_code")
 
 #: the logger of TileLang's kernel cache (its module's name), and the start of the message tileops
-#: filters from it (:class:`tileops.compile.build._MemoryCacheHint` says why)
+#: filters from it (:func:`tileops.compile.build._memory_cache_hint` says why)
 KERNEL_CACHE_LOGGER = "tilelang.cache.kernel_cache"
 MEMORY_CACHE_HINT = "Found kernel '%s' in memory cache"
 

@@ -1,11 +1,10 @@
 """Ahead-of-time compilation: build the kernels a server (or a test run) will need, before any data.
 
-``tileops warmup`` compiles, for every manifest case and dtype it lists (or only the ops named),
-the forward kernel and, where the manifest declares a backward, the backward kernel, for one device
-arch; several compiles run at once in separate processes (nvcc is single-threaded), and each lands
-in the on-disk kernel cache, from which a later process's first call loads it. ``tileops lowered``
-lowers the same list and writes the sources tileops ships (:func:`write_lowered`,
-:mod:`tileops.compile.lowered`).
+``tileops warmup`` compiles, for one device arch, the forward kernel of every manifest case and dtype
+(or only the ops named) and, where the manifest declares one, the backward kernel, several at once in
+separate processes (nvcc is single-threaded), into the on-disk kernel cache a later process's first
+call loads from. ``tileops lowered`` lowers the same list and writes the sources tileops ships
+(:func:`write_lowered`, :mod:`tileops.compile.lowered`).
 
 Which kernels an op needs is the op's family's to say, not an op's: the family's BUILTIN module
 (``tileops.<family>.builtin``, found by the manifest's family) defines
@@ -43,10 +42,9 @@ def default_arch() -> str:
     """The arch ``--arch`` defaults to: this machine's GPU's (``sm_90`` on an H200), else ``c``."""
     import torch
 
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"sm_{major}{minor}"
-    return "c"
+    from .build import device_backend
+
+    return device_backend(torch.device("cuda"))[1] if torch.cuda.is_available() else "c"
 
 
 def arch_problem(arch: str, cpu: bool = True, build: bool = False) -> str | None:

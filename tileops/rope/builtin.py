@@ -328,7 +328,7 @@ class RoPEKernels:
             late["TD"] = lambda named: self.tables_for(named["x"], named["position_ids"])  # picked on the device
         else:
             args["TD"], keep = tables.data_ptr(), (tables,)
-        return bind(kernel, self.op.manifest, tensors, outs, args=args, late=late, keep=keep,
+        return bind(kernel, self.op.manifest, tensors, outs, args=args, late=late, keep=keep, views=views,
                     pointers={"X": "x", "Y": "out", "K": "key", "KY": "key_out", "P": "position_ids"},
                     align={"x": align, "out": align, "key": align, "key_out": align},
                     # a position out of range is read as 0 (nothing is indexed out of bounds) and the

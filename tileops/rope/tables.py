@@ -15,11 +15,12 @@ depend on its cached length: :class:`DynamicNTKTables` keeps them on the device 
 from __future__ import annotations
 
 import array
-import struct
 import threading
 from typing import Any
 
 import torch
+
+from ..compile.entry import encode_arg
 
 __all__ = ["RoPETables", "DynamicNTKTables", "digit_tables"]
 
@@ -87,9 +88,9 @@ class DynamicNTKTables:
         # the length each block's share of the tables was built for; NaN: not built yet
         blocks = NtkTablesSpec(rot, backend=self.backend).blocks
         self.stamps = torch.full((blocks,), float("nan"), dtype=torch.float64, device=device)
-        self._doubles = {f"{n}_bits": _bits(v) for n, v in (("base", base), ("factor", factor),
-                                                          ("mpe", float(max_position_embeddings)),
-                                                          ("power", rot / (rot - 2)))}
+        # doubles travel as their bits (the kernel's ``*_bits`` arguments are int64)
+        doubles = {"base": base, "factor": factor, "mpe": max_position_embeddings, "power": rot / (rot - 2)}
+        self._doubles = {f"{n}_bits": encode_arg("double", float(v)) for n, v in doubles.items()}
         self.limit = limit
         self._launchers: dict[str | None, tuple[Any, array.array, dict[str, int]]] = {}
 
@@ -101,14 +102,9 @@ class DynamicNTKTables:
 
             spec = NtkTablesSpec(self.rot, positions=positions, backend=self.backend)
             kernel = load_kernel("ntk", spec, self.backend, self.arch, self.device, spec.args)
-            a, put = kernel.slots(), kernel.slot
-            a[put["TD"]], a[put["ST"]], a[put["STAMP"]] = (self.tables.data_ptr(), self.state.data_ptr(),
-                                                          self.stamps.data_ptr())
-            for name, bits in self._doubles.items():
-                a[put[name]] = bits
-            if positions is not None:
-                a[put["limit"]] = self.limit
-            got = self._launchers[positions] = (kernel, array.array("q", a), put)
+            values = {"TD": self.tables.data_ptr(), "ST": self.state.data_ptr(), "STAMP": self.stamps.data_ptr(),
+                      **self._doubles, **({"limit": self.limit} if positions is not None else {})}
+            got = self._launchers[positions] = (kernel, kernel.template(values), kernel.slot)
         return got
 
     def update(self, position_ids: torch.Tensor | None, seq_len: int) -> torch.Tensor:
@@ -125,18 +121,9 @@ class DynamicNTKTables:
             kernel, template, put = self._launcher(str(position_ids.dtype).replace("torch.", ""))
             a = template[:]
             a[put["P"]] = position_ids.data_ptr()
-            if position_ids.dim() == 2:
-                b = position_ids.shape[0]
-                a[put["B"]], a[put["S"]] = b, position_ids.shape[1]
-                a[put["psb"]], a[put["pss"]] = (position_ids.stride(0) if b > 1 else 0), position_ids.stride(1)
-            else:
-                a[put["B"]], a[put["S"]] = 1, position_ids.shape[0]
-                a[put["psb"]], a[put["pss"]] = 0, position_ids.stride(0)
+            b = position_ids.shape[0] if position_ids.dim() == 2 else 1  # [S], or [B, S]
+            a[put["B"]], a[put["S"]] = b, position_ids.shape[-1]
+            a[put["psb"]], a[put["pss"]] = (position_ids.stride(0) if b > 1 else 0), position_ids.stride(-1)
         kernel.launch(a, kernel.stream())
         return self.tables
 
-
-def _bits(v: float) -> int:
-    """The bits of float64 ``v`` as an int64: how the state kernel takes doubles (its launcher's fast
-    path passes integers only)."""
-    return struct.unpack("<q", struct.pack("<d", float(v)))[0]

@@ -35,6 +35,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -62,23 +63,25 @@ constexpr int kChunk = 4096;  // error words per chunk of a pool (16 KiB)
 constexpr int kMaxChunks = 4096;
 enum Mode : int8_t { ABSENT = 0, NEW = 1, IN_PLACE = 2, GIVEN = 3 };  // as tileops/runtime/binding.py
 
+struct NoCopy {  // what a scope or a binding holds is released once: never copied
+  NoCopy() = default;
+  NoCopy(const NoCopy&) = delete;
+  NoCopy& operator=(const NoCopy&) = delete;
+};
+
 // ------------------------------------------------------------------------------ Python, the GIL
-struct Gil {  // held within the scope (a no-op re-entry when it already is)
+struct Gil : NoCopy {  // held within the scope (a no-op re-entry when it already is)
   PyGILState_STATE s;
   Gil() : s(PyGILState_Ensure()) {}
   ~Gil() { PyGILState_Release(s); }
-  Gil(const Gil&) = delete;
-  Gil& operator=(const Gil&) = delete;
 };
 
-struct NoGil {  // released within the scope when this thread holds it
+struct NoGil : NoCopy {  // released within the scope when this thread holds it
   PyThreadState* s;
   NoGil() : s(PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
   ~NoGil() {
     if (s != nullptr) PyEval_RestoreThread(s);
   }
-  NoGil(const NoGil&) = delete;
-  NoGil& operator=(const NoGil&) = delete;
 };
 
 // the Python error just set, as an exception: the GIL is held here; torch's boundaries restore it
@@ -93,12 +96,10 @@ PyObject* checked(PyObject* r) {
   return r;
 }
 
-struct Ref {  // a new reference, released with the scope (the GIL held)
+struct Ref : NoCopy {  // a new reference, released with the scope (the GIL held)
   PyObject* p;
   explicit Ref(PyObject* o) : p(checked(o)) {}
   ~Ref() { Py_XDECREF(p); }
-  Ref(const Ref&) = delete;
-  Ref& operator=(const Ref&) = delete;
 };
 
 int64_t as_i64(PyObject* o) {
@@ -116,6 +117,7 @@ struct Driver {  // cuEventRecord, cuStreamIsCapturing, cuEventQuery, cuEventSyn
   cu_exchange_t exchange;
   PyObject* make_event;  // (device index) -> raw event handle, made by torch (the owner kept in Python)
   bool pinned;  // error words in pinned memory (false only for tests that fake the driver on a CPU)
+  PyObject* given;  // set_driver's arguments (holding make_event): what it returns when this is replaced
 };
 std::atomic<const Driver*> driver{nullptr};  // replaced, never freed: a launch may be reading the old one
 
@@ -215,7 +217,7 @@ Pool& pool_for(int index) {
 }
 
 // ------------------------------------------------------------------------------ Binding
-struct BindingData {
+struct BindingData : NoCopy {
   struct Ptr {
     int t, slot;
     uint64_t align;
@@ -243,9 +245,6 @@ struct BindingData {
   std::mutex memo_mu;  // the exact overlap test's answers by (pair, offset)
   std::vector<std::array<int64_t, 3>> memo;
 
-  BindingData() = default;
-  BindingData(const BindingData&) = delete;
-  BindingData& operator=(const BindingData&) = delete;
   ~BindingData() {
     if (launch_py != nullptr && Py_IsInitialized()) {  // the last holder may be a call without the GIL
       Gil g;
@@ -254,29 +253,36 @@ struct BindingData {
   }
 };
 
-struct BindingObject {  // the Python handle of a BindingData (cached on its tileops Binding as _native)
-  PyObject_HEAD
-  std::shared_ptr<BindingData> b;
-};
-PyTypeObject* BindingType = nullptr;
-
-std::vector<std::array<int64_t, 4>> int_rows(PyObject* seq, size_t width, const char* what) {
+// the ints of a sequence (the GIL held): all, or its first `width` (late rows: (slot, fn))
+std::vector<int64_t> ints_of(PyObject* seq, const char* what, size_t width = 0) {
   Ref fast(PySequence_Fast(seq, what));
-  std::vector<std::array<int64_t, 4>> rows;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i) {
-    Ref row(PySequence_Fast(PySequence_Fast_GET_ITEM(fast.p, i), what));
-    if ((size_t)PySequence_Fast_GET_SIZE(row.p) < width) {
-      PyErr_Format(PyExc_TypeError, "tileops: Binding.%s: rows of %zu", what, width);
-      throw_python();
-    }
-    std::array<int64_t, 4> r{};
-    for (size_t k = 0; k < width; ++k) {
-      PyObject* v = PySequence_Fast_GET_ITEM(row.p, k);
-      r[k] = PyLong_Check(v) ? as_i64(v) : 0;  // late rows: (slot, fn)
-    }
-    rows.push_back(r);
+  size_t n = (size_t)PySequence_Fast_GET_SIZE(fast.p);
+  if (n < width) {
+    PyErr_Format(PyExc_TypeError, "tileops: Binding.%s: rows of %zu", what, width);
+    throw_python();
   }
+  std::vector<int64_t> got;
+  for (size_t i = 0; i < (width > 0 ? width : n); ++i) got.push_back(as_i64(PySequence_Fast_GET_ITEM(fast.p, i)));
+  return got;
+}
+
+std::vector<std::vector<int64_t>> int_rows(PyObject* seq, size_t width, const char* what) {
+  Ref fast(PySequence_Fast(seq, what));
+  std::vector<std::vector<int64_t>> rows;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i)
+    rows.push_back(ints_of(PySequence_Fast_GET_ITEM(fast.p, i), what, width));
   return rows;
+}
+
+std::vector<at::Tensor> tensors_of(PyObject* seq) {
+  Ref fast(PySequence_Fast(seq, "tileops: expected a list of tensors"));
+  std::vector<at::Tensor> got;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i) {
+    PyObject* o = PySequence_Fast_GET_ITEM(fast.p, i);
+    if (!THPVariable_Check(o)) throw std::runtime_error("tileops: expected a list of tensors");
+    got.push_back(THPVariable_Unpack(o));
+  }
+  return got;
 }
 
 int64_t attr_i64(PyObject* o, const char* name) {
@@ -298,36 +304,30 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
     if (!ok || b->tmpl.size() > kMaxArgs) throw std::invalid_argument("tileops: Binding.template: int64, at most 128");
   }
   Ref kernel(PyObject_GetAttrString(pb, "kernel"));
-  Ref addresses(PyObject_GetAttrString(kernel.p, "addresses"));  // (trampoline, entry, get_last_error)
-  if (!PyTuple_Check(addresses.p) || PyTuple_GET_SIZE(addresses.p) != 3)
-    throw std::invalid_argument("tileops: RawKernel.addresses: (trampoline, entry, last error)");
-  b->packed = (packed_t)(intptr_t)as_i64(PyTuple_GET_ITEM(addresses.p, 0));
-  b->entry = (void*)(intptr_t)as_i64(PyTuple_GET_ITEM(addresses.p, 1));
-  b->last_error = (last_error_t)(intptr_t)as_i64(PyTuple_GET_ITEM(addresses.p, 2));
+  Ref addresses(PyObject_GetAttrString(kernel.p, "addresses"));
+  std::vector<int64_t> a = ints_of(addresses.p, "addresses");
+  if (a.size() != 3) throw std::invalid_argument("tileops: RawKernel.addresses: (trampoline, entry, last error)");
+  b->packed = (packed_t)(intptr_t)a[0];
+  b->entry = (void*)(intptr_t)a[1];
+  b->last_error = (last_error_t)(intptr_t)a[2];
   if (b->packed == nullptr) b->launch_py = checked(PyObject_GetAttrString(kernel.p, "launch"));
   b->device = (int)attr_i64(kernel.p, "device_index");
   b->n_in = (int)attr_i64(pb, "inputs");
   Ref outputs(PyObject_GetAttrString(pb, "outputs"));
   Ref likes(PyObject_GetAttrString(pb, "likes"));
   Ref strides(PyObject_GetAttrString(pb, "strides"));
-  Py_ssize_t n_out = PySequence_Size(outputs.p);
-  if (n_out < 0) throw_python();
-  b->n_out = (int)n_out;
-  if (b->n_in < 1 || b->n_in + b->n_out > kMaxTensors || PySequence_Size(likes.p) != n_out)
+  std::vector<int64_t> modes = ints_of(outputs.p, "outputs"), like = ints_of(likes.p, "likes");
+  b->n_out = (int)modes.size();
+  if (b->n_in < 1 || b->n_in + b->n_out > kMaxTensors || like.size() != modes.size())
     throw std::invalid_argument("tileops: Binding: 1 to 8 tensors, one like per output");
-  for (Py_ssize_t j = 0; j < n_out; ++j) {
-    Ref m(PySequence_GetItem(outputs.p, j));
-    Ref l(PySequence_GetItem(likes.p, j));
-    int64_t mode = as_i64(m.p), like = as_i64(l.p);
-    if (mode < ABSENT || mode > GIVEN || like < 0 || like >= b->n_in)
+  for (int j = 0; j < b->n_out; ++j) {
+    if (modes[j] < ABSENT || modes[j] > GIVEN || like[j] < 0 || like[j] >= b->n_in)
       throw std::invalid_argument("tileops: Binding: an output's mode or like input is out of range");
-    b->mode[j] = (Mode)mode;
-    b->like[j] = (int)like;
-    if (mode == NEW) {
+    b->mode[j] = (Mode)modes[j];
+    b->like[j] = (int)like[j];
+    if (modes[j] == NEW) {
       Ref st(PySequence_GetItem(strides.p, j));
-      Ref fast(PySequence_Fast(st.p, "strides"));
-      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i)
-        b->strides[j].push_back(as_i64(PySequence_Fast_GET_ITEM(fast.p, i)));
+      b->strides[j] = ints_of(st.p, "strides");
     }
   }
   int n = b->n_in + b->n_out, nargs = (int)b->tmpl.size();
@@ -343,7 +343,7 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
     b->pairs.push_back({(int)r[0], (int)r[2], r[1], r[3]});
   }
   Ref late(PyObject_GetAttrString(pb, "late"));
-  for (auto& r : int_rows(late.p, 2, "late")) {
+  for (auto& r : int_rows(late.p, 1, "late")) {
     if (!slot_ok(r[0])) throw std::invalid_argument("tileops: Binding.late");
     b->late.push_back((int)r[0]);
   }
@@ -354,48 +354,35 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
   if (b->checked >= b->n_in || (b->checked >= 0 && (!slot_ok(b->word_slot) || !slot_ok(b->tag_slot))))
     throw std::invalid_argument("tileops: Binding.checked");
   Ref keep(PyObject_GetAttrString(pb, "keep"));
-  Ref keep_fast(PySequence_Fast(keep.p, "keep"));
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(keep_fast.p); ++i) {
-    PyObject* t = PySequence_Fast_GET_ITEM(keep_fast.p, i);
-    if (!THPVariable_Check(t)) throw std::invalid_argument("tileops: Binding.keep holds tensors");
-    b->keep.push_back(THPVariable_Unpack(t));
-  }
+  b->keep = tensors_of(keep.p);
   return b;
 }
 
-// the BindingObject of a tileops Binding, made once and kept on it (the GIL held); borrowed
-BindingObject* native_binding(PyObject* pb) {
+constexpr const char* kCapsule = "tileops.NativeBinding";
+void drop_binding(PyObject* c) { delete (std::shared_ptr<BindingData>*)PyCapsule_GetPointer(c, kCapsule); }
+
+// the BindingData of a tileops Binding, made once and kept on it as `_native`, a capsule (the GIL held)
+std::shared_ptr<BindingData> native_binding(PyObject* pb) {
   static PyObject* name = PyUnicode_InternFromString("_native");
   PyObject* got = PyObject_GenericGetDict(pb, nullptr);
   if (got == nullptr) throw_python();
   PyObject* nb = PyDict_GetItemWithError(got, name);  // borrowed, held by the dict
   Py_DECREF(got);
-  if (nb != nullptr) return (BindingObject*)nb;
-  if (PyErr_Occurred()) throw_python();
-  auto data = binding_from(pb);
-  auto* o = PyObject_New(BindingObject, BindingType);
-  if (o == nullptr) throw_python();
-  new (&o->b) std::shared_ptr<BindingData>(std::move(data));
-  int rc = PyObject_GenericSetAttr(pb, name, (PyObject*)o);  // a frozen dataclass: set past its __setattr__
-  Py_DECREF(o);
-  if (rc < 0) throw_python();
-  return o;  // alive: held by pb's __dict__
+  if (nb == nullptr && PyErr_Occurred()) throw_python();
+  if (nb == nullptr) {
+    auto* data = new std::shared_ptr<BindingData>(binding_from(pb));
+    nb = PyCapsule_New(data, kCapsule, drop_binding);
+    if (nb == nullptr) delete data;
+    Ref held(nb);
+    if (PyObject_GenericSetAttr(pb, name, nb) < 0) throw_python();  // a frozen dataclass: set past its __setattr__
+  }
+  auto* data = (std::shared_ptr<BindingData>*)PyCapsule_GetPointer(nb, kCapsule);
+  if (data == nullptr) throw_python();
+  return *data;
 }
-
-void Binding_dealloc(BindingObject* o) {
-  PyTypeObject* tp = Py_TYPE(o);
-  o->b.~shared_ptr<BindingData>();
-  tp->tp_free((PyObject*)o);
-  Py_DECREF(tp);
-}
-PyType_Slot Binding_slots[] = {{Py_tp_dealloc, (void*)Binding_dealloc},
-                               {Py_tp_doc, (void*)"A Binding as the native executor reads it."},
-                               {0, nullptr}};
-PyType_Spec Binding_spec = {"tileops._tileops_native.NativeBinding", sizeof(BindingObject), 0, Py_TPFLAGS_DEFAULT,
-                            Binding_slots};
 
 // ------------------------------------------------------------------------------ one op
-struct Pending {
+struct Pending {  // a call whose word is not judged yet (a graph-captured call's: no event)
   Pool* pool;
   int word;
   int32_t tag;
@@ -406,12 +393,6 @@ struct StreamCalls {
   Pool* pool;
   void* stream;
   std::deque<Pending> calls;  // in launch order: judged in order, stopping at the first unfinished
-};
-struct GraphWord {
-  Pool* pool;
-  int word;
-  int32_t tag;
-  at::Tensor values;
 };
 struct Key {
   int64_t v[kMaxKey];
@@ -436,7 +417,7 @@ struct Core {
   std::mutex mu;  // table, graph
   std::unordered_map<uint64_t, std::vector<Entry>> table;
   size_t count = 0;
-  std::vector<GraphWord> graph;
+  std::vector<Pending> graph;
   std::atomic<uint64_t> hits{0}, misses{0};
 };
 
@@ -475,12 +456,23 @@ bool has_pending(const Core& core) {
   return it != m.end() && !it->second.streams.empty();
 }
 
-int event_query(const Driver& d, void* ev) {  // safe while another thread captures a graph
-  int mode = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
-  d.exchange(&mode);
-  int rc = d.query(ev);
-  d.exchange(&mode);
-  return rc;
+// whether event ev has completed: waited for (the GIL released) with `wait`; throws on a CUDA error
+bool finished(const Driver& d, void* ev, bool wait) {
+  int rc;
+  if (wait) {
+    NoGil released;
+    rc = d.synchronize(ev);
+  } else {  // a query in the relaxed capture mode: safe while another thread captures a graph
+    int mode = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+    d.exchange(&mode);
+    rc = d.query(ev);
+    d.exchange(&mode);
+    if (rc == kNotReady) return false;
+  }
+  if (rc != 0)
+    throw std::runtime_error(std::string("tileops: ") + (wait ? "cuEventSynchronize" : "cuEventQuery") +
+                             " failed with CUDA error " + std::to_string(rc));
+  return true;
 }
 
 // judge this thread's finished calls of the op (all of them with `wait`); raises for the first bad one
@@ -495,17 +487,7 @@ void reap(const Core& core, bool wait) {
     StreamCalls& sc = streams[s];
     while (!sc.calls.empty()) {
       Pending& c = sc.calls.front();
-      int rc;
-      if (wait) {
-        NoGil released;
-        rc = d.synchronize(c.event);
-      } else {
-        rc = event_query(d, c.event);
-      }
-      if (!wait && rc == kNotReady) break;
-      if (rc != 0)
-        throw std::runtime_error(std::string("tileops: ") + (wait ? "cuEventSynchronize" : "cuEventQuery") +
-                                 " failed with CUDA error " + std::to_string(rc));
+      if (!finished(d, c.event, wait)) break;
       bool bad = *c.pool->word(c.word) == c.tag;
       c.pool->give_back(c.word);  // only after reading it
       if (bad) failed = std::move(c.values);
@@ -533,24 +515,22 @@ void check(Core& core) {  // op.check(): wait for this thread's calls, then judg
   if (bad.defined()) raise_bad(core, bad, cfg.when_graph);
 }
 
-void queue_pending(Core& core, std::shared_ptr<Core> owner, Pool& pool, void* stream, Pending p) {
+void queue_pending(Core& core, std::shared_ptr<Core> owner, void* stream, Pending p) {
   auto& m = thread_calls();
   auto it = m.find(core.id);
   if (it == m.end()) {
     for (auto e = m.begin(); e != m.end();) e = e->second.owner.expired() ? m.erase(e) : std::next(e);
     it = m.emplace(core.id, ThreadCalls{owner, {}}).first;
   }
-  for (auto& s : it->second.streams)
-    if (s.pool == &pool && s.stream == stream) {
-      s.calls.push_back(std::move(p));
-      return;
-    }
-  it->second.streams.push_back(StreamCalls{&pool, stream, {}});
-  it->second.streams.back().calls.push_back(std::move(p));
+  auto& streams = it->second.streams;
+  auto s = std::find_if(streams.begin(), streams.end(),
+                        [&](const StreamCalls& sc) { return sc.pool == p.pool && sc.stream == stream; });
+  if (s == streams.end()) s = streams.insert(s, StreamCalls{p.pool, stream, {}});
+  s->calls.push_back(std::move(p));
 }
 
 // ------------------------------------------------------------------------------ the executor
-struct DeviceScope {  // the binding's CUDA device current during the launch (the entry point uses it)
+struct DeviceScope : NoCopy {  // the binding's CUDA device current during the launch (the entry point uses it)
   const c10::impl::DeviceGuardImplInterface* g = nullptr;
   c10::Device prev{c10::DeviceType::CPU};
   explicit DeviceScope(int index) {
@@ -565,8 +545,6 @@ struct DeviceScope {  // the binding's CUDA device current during the launch (th
   ~DeviceScope() {
     if (g != nullptr) g->uncheckedSetDevice(prev);
   }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
 };
 
 void* current_stream(int index) {
@@ -610,25 +588,14 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
   int32_t tag = next_tag();
   args[b.word_slot] = (int64_t)(intptr_t)pool.word(w);
   args[b.tag_slot] = tag;
-  if (b.device < 0) {  // the kernel runs synchronously: judged now
-    int32_t rc;
-    try {
-      rc = run_kernel(b, args, nullptr, nullptr);
-    } catch (...) {
-      pool.give_back(w);
-      throw;
-    }
-    bool bad = rc == 0 && *pool.word(w) == tag;
-    pool.give_back(w);  // only after reading it: another call may take it at once
-    check_rc(b, rc);
-    if (bad) raise_bad(core, values, cfg.when_now);
-    return;
-  }
-  const Driver& d = need_driver();
+  const Driver* d = nullptr;  // none on the CPU, where the kernel runs synchronously
   int32_t rc;
   void* ev = nullptr;
   try {
-    ev = pool.event(w, d);
+    if (b.device >= 0) {
+      d = &need_driver();
+      ev = pool.event(w, *d);
+    }
     rc = run_kernel(b, args, stream, ev);
     check_rc(b, rc);
   } catch (...) {
@@ -637,22 +604,17 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
   }
   if (rc == cfg.rc_capturing) {  // replays write the word: op.check() reads and clears it
     std::lock_guard<std::mutex> g(core.mu);
-    core.graph.push_back({&pool, w, tag, values});
+    core.graph.push_back({&pool, w, tag, values, nullptr});
     return;
   }
-  if (is_strict()) {
-    int r;
-    {
-      NoGil released;
-      r = d.synchronize(ev);
-    }
-    if (r != 0) throw std::runtime_error("tileops: cuEventSynchronize failed with CUDA error " + std::to_string(r));
-    bool bad = *pool.word(w) == tag;
-    pool.give_back(w);
-    if (bad) raise_bad(core, values, cfg.when_now);
+  if (d != nullptr && !is_strict()) {
+    queue_pending(core, owner, stream, Pending{&pool, w, tag, values, ev});
     return;
   }
-  queue_pending(core, owner, pool, stream, Pending{&pool, w, tag, values, ev});
+  if (d != nullptr) finished(*d, ev, true);
+  bool bad = *pool.word(w) == tag;
+  pool.give_back(w);  // only after reading it: another call may take it at once
+  if (bad) raise_bad(core, values, cfg.when_now);
 }
 
 // the exact overlap test (tileops.runtime.memory.disjoint) of pair k, remembered by the offset
@@ -664,20 +626,17 @@ bool exactly_disjoint(BindingData& b, int k, const at::Tensor& x, const at::Tens
     for (auto& m : b.memo)
       if (m[0] == k && m[1] == offset) return m[2] != 0;
   }
-  int ok;
+  int ok = -1;
   {
     Gil g;
-    PyObject* px = THPVariable_Wrap(x);
-    PyObject* py = THPVariable_Wrap(y);
-    PyObject* r = px && py ? PyObject_CallFunctionObjArgs(cfg.disjoint, px, py, nullptr) : nullptr;
-    ok = r != nullptr ? PyObject_IsTrue(r) : -1;
-    Py_XDECREF(r);
-    Py_XDECREF(px);
-    Py_XDECREF(py);
-    if (ok < 0) {
-      PyErr_Clear();  // refused: the general path says what is wrong
-      return false;
+    try {
+      Ref px(THPVariable_Wrap(x)), py(THPVariable_Wrap(y));
+      Ref r(PyObject_CallFunctionObjArgs(cfg.disjoint, px.p, py.p, nullptr));
+      ok = PyObject_IsTrue(r.p);
+    } catch (const python_error&) {
     }
+    PyErr_Clear();  // an error: refused, the general path says what is wrong
+    if (ok < 0) return false;
   }
   if (shared) {
     std::lock_guard<std::mutex> g(b.memo_mu);
@@ -694,15 +653,8 @@ std::vector<at::Tensor> late_tensors(const Core& core, const BindingData& b, con
   Ref handle(PyLong_FromLongLong((long long)core.handle));
   Ref key(PyLong_FromLongLong((long long)b.late_key));
   Ref r(PyObject_CallFunctionObjArgs(cfg.late, handle.p, key.p, inputs.p, nullptr));
-  Ref fast(PySequence_Fast(r.p, "late"));
-  if ((size_t)PySequence_Fast_GET_SIZE(fast.p) != b.late.size())
-    throw std::runtime_error("tileops: a late-bound slot got no tensor");
-  std::vector<at::Tensor> got;
-  for (size_t i = 0; i < b.late.size(); ++i) {
-    PyObject* o = PySequence_Fast_GET_ITEM(fast.p, i);
-    if (!THPVariable_Check(o)) throw std::runtime_error("tileops: a late-bound slot got no tensor");
-    got.push_back(THPVariable_Unpack(o));
-  }
+  std::vector<at::Tensor> got = tensors_of(r.p);
+  if (got.size() != b.late.size()) throw std::runtime_error("tileops: a late-bound slot got no tensor");
   return got;
 }
 
@@ -795,27 +747,52 @@ uint64_t hash_key(const Key& k) {
   return h;
 }
 
-// the binding of a key: (found, binding), the binding null for a signature known to have none
-std::pair<bool, std::shared_ptr<BindingData>> find(Core& core, const Key& k) {
-  uint64_t h = hash_key(k);
-  std::lock_guard<std::mutex> g(core.mu);
-  auto it = core.table.find(h);
+Entry* entry_of(Core& core, const Key& k) {  // the table's entry of a key, or null (core.mu held)
+  auto it = core.table.find(hash_key(k));
   if (it != core.table.end())
     for (Entry& e : it->second)
-      if (e.key.size() == k.n && std::memcmp(e.key.data(), k.v, k.n * sizeof(int64_t)) == 0) return {true, e.b};
-  return {false, nullptr};
+      if (e.key.size() == k.n && std::memcmp(e.key.data(), k.v, k.n * sizeof(int64_t)) == 0) return &e;
+  return nullptr;
+}
+
+// the binding of a key: (found, binding), the binding null for a signature known to have none
+std::pair<bool, std::shared_ptr<BindingData>> find(Core& core, const Key& k) {
+  std::lock_guard<std::mutex> g(core.mu);
+  Entry* e = entry_of(core, k);
+  return {e != nullptr, e != nullptr ? e->b : nullptr};
 }
 
 void add(Core& core, const Key& k, std::shared_ptr<BindingData> b) {
-  uint64_t h = hash_key(k);
   std::lock_guard<std::mutex> g(core.mu);
-  for (Entry& e : core.table[h])
-    if (e.key.size() == k.n && std::memcmp(e.key.data(), k.v, k.n * sizeof(int64_t)) == 0) {
-      e.b = std::move(b);
-      return;
-    }
-  core.table[h].push_back(Entry{std::vector<int64_t>(k.v, k.v + k.n), std::move(b)});
+  if (Entry* e = entry_of(core, k)) {
+    e->b = std::move(b);
+    return;
+  }
+  core.table[hash_key(k)].push_back(Entry{std::vector<int64_t>(k.v, k.v + k.n), std::move(b)});
   ++core.count;
+}
+
+bool any_requires_grad(std::initializer_list<at::TensorList> lists) {
+  if (!c10::GradMode::is_enabled()) return false;
+  for (auto l : lists)
+    for (const auto& t : l)
+      if (t.defined() && t.requires_grad()) return true;
+  return false;
+}
+
+// a call of a known signature served (t: its inputs, and the outputs written into; `ok`: a call a
+// binding may serve), or counted as passed on (false: nothing done)
+bool serve_op(const std::shared_ptr<Core>& core, bool ok, at::Tensor* t, std::shared_ptr<BindingData>& b) {
+  Key k;
+  if (ok && key_of(*core, t, k) && (b = find(*core, k).second) != nullptr) {
+    if (has_pending(*core)) reap(*core, false);  // an earlier call's bad value, raised before this call runs
+    if (serve(*core, core, *b, t)) {
+      core->hits.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  }
+  core->misses.fetch_add(1, std::memory_order_relaxed);
+  return false;
 }
 
 // ------------------------------------------------------------------------------ Dispatch
@@ -824,7 +801,6 @@ struct Dispatch {
   std::shared_ptr<Core> core;
   PyObject* names[kMaxTensors];  // interned: the dicts of an eager call are keyed by them
 };
-PyTypeObject* DispatchType = nullptr;
 
 // the call's tensors from its dicts (by the manifest's names) into t, and its Python objects into
 // obj; false: not a call a signature's binding can serve (a name the op lacks; unless `any`, a
@@ -857,59 +833,33 @@ bool gather(Dispatch* d, PyObject* tensors, PyObject* outs, PyObject** obj, at::
   return !has_outs || found == PyDict_GET_SIZE(outs);  // else a name the op does not have
 }
 
+// what the call returns: its one produced output, or a tuple of them
 PyObject* result(const Core& c, const BindingData& b, at::Tensor* t, PyObject* const* obj) {
-  PyObject* got[kMaxTensors];
-  int n = 0;
-  for (int j = 0; j < c.n_out; ++j) {
+  Py_ssize_t n = 0;
+  for (int j = 0; j < c.n_out; ++j) n += b.mode[j] != ABSENT;
+  Ref got(PyTuple_New(n));
+  for (int j = 0, i = 0; j < c.n_out; ++j) {
     int k = c.n_in + j;
     if (b.mode[j] == ABSENT) continue;
-    got[n] = b.mode[j] == NEW ? THPVariable_Wrap(std::move(t[k]))
-                              : Py_NewRef(b.mode[j] == IN_PLACE ? obj[b.like[j]] : obj[k]);
-    if (got[n] == nullptr) {
-      while (n > 0) Py_DECREF(got[--n]);
-      return nullptr;
-    }
-    ++n;
+    PyObject* o = b.mode[j] == NEW ? THPVariable_Wrap(std::move(t[k]))
+                                   : Py_NewRef(obj[b.mode[j] == IN_PLACE ? b.like[j] : k]);
+    PyTuple_SET_ITEM(got.p, i++, checked(o));
   }
-  if (n == 1) return got[0];
-  PyObject* tup = PyTuple_New(n);
-  for (int i = 0; i < n; ++i) {
-    if (tup != nullptr)
-      PyTuple_SET_ITEM(tup, i, got[i]);
-    else
-      Py_DECREF(got[i]);
-  }
-  return tup;
+  return Py_NewRef(n == 1 ? PyTuple_GET_ITEM(got.p, 0) : got.p);
 }
 
 // run(tensors, outs=None): a repeated eager call served, or NotImplemented (nothing done)
 PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   if (n < 1 || n > 2) throw std::invalid_argument("run(tensors, outs=None)");
-  Core& c = *d->core;
   PyObject* obj[kMaxTensors];
   at::Tensor t[kMaxTensors];
-  Key k;
   std::shared_ptr<BindingData> b;
-  if (gather(d, a[0], n == 2 ? a[1] : Py_None, obj, t) && key_of(c, t, k)) b = find(c, k).second;
-  if (b == nullptr) {
-    c.misses.fetch_add(1, std::memory_order_relaxed);
+  bool plain = gather(d, a[0], n == 2 ? a[1] : Py_None, obj, t);
+  // autograd must see a call that requires grad: the general path records it
+  if (!serve_op(d->core, plain && !any_requires_grad({at::TensorList(t, d->core->n_in)}), t, b))
     Py_RETURN_NOTIMPLEMENTED;
-  }
-  if (c10::GradMode::is_enabled()) {  // autograd must see this call: the general path records it
-    for (int i = 0; i < c.n_in; ++i)
-      if (t[i].defined() && t[i].requires_grad()) {
-        c.misses.fetch_add(1, std::memory_order_relaxed);
-        Py_RETURN_NOTIMPLEMENTED;
-      }
-  }
-  if (has_pending(c)) reap(c, false);  // an earlier call's bad value, raised before this call runs
-  if (!serve(c, d->core, *b, t)) {
-    c.misses.fetch_add(1, std::memory_order_relaxed);
-    Py_RETURN_NOTIMPLEMENTED;
-  }
-  c.hits.fetch_add(1, std::memory_order_relaxed);
-  return result(c, *b, t, obj);
+  return result(*d->core, *b, t, obj);
   END_HANDLE_TH_ERRORS
 }
 
@@ -917,7 +867,7 @@ PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
 PyObject* Dispatch_execute(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   if (n != 3) throw std::invalid_argument("execute(binding, tensors, outs)");
-  std::shared_ptr<BindingData> b = native_binding(a[0])->b;
+  std::shared_ptr<BindingData> b = native_binding(a[0]);
   PyObject* obj[kMaxTensors];
   at::Tensor t[kMaxTensors];
   if (!gather(d, a[1], a[2], obj, t, true)) throw std::invalid_argument("tileops: execute: tensors the op does not take");
@@ -937,7 +887,7 @@ PyObject* Dispatch_add(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   if (a[2] == Py_None) {
     if (!find(*d->core, k).first) add(*d->core, k, nullptr);
   } else {
-    std::shared_ptr<BindingData> b = native_binding(a[2])->b;
+    std::shared_ptr<BindingData> b = native_binding(a[2]);
     if (find(*d->core, k).second != b) add(*d->core, k, std::move(b));
   }
   Py_RETURN_TRUE;
@@ -1015,10 +965,10 @@ PyObject* Dispatch_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
   core->handle = handle;
   core->n_in = (int)ni;
   core->n_out = (int)no;
+  std::vector<int64_t> like = ints_of(likes, "likes");
   for (Py_ssize_t j = 0; j < no; ++j) {
-    int64_t l = as_i64(PyTuple_GET_ITEM(likes, j));
-    if (l < 0 || l >= ni) throw std::invalid_argument("tileops: Dispatch: likes index the inputs");
-    core->like[j] = (int)l;
+    if (like[j] < 0 || like[j] >= ni) throw std::invalid_argument("tileops: Dispatch: likes index the inputs");
+    core->like[j] = (int)like[j];
   }
   auto* d = (Dispatch*)type->tp_alloc(type, 0);
   if (d == nullptr) return nullptr;
@@ -1105,27 +1055,9 @@ bool place(const Core& c, at::TensorList inputs, c10::string_view names, at::Ten
 }
 
 PyObject* tensor_list(at::TensorList ts) {  // new reference (the GIL held)
-  PyObject* l = checked(PyList_New((Py_ssize_t)ts.size()));
-  for (size_t i = 0; i < ts.size(); ++i) {
-    PyObject* o = THPVariable_Wrap(ts[i]);
-    if (o == nullptr) {
-      Py_DECREF(l);
-      throw_python();
-    }
-    PyList_SET_ITEM(l, (Py_ssize_t)i, o);
-  }
-  return l;
-}
-
-std::vector<at::Tensor> tensors_of(PyObject* seq) {
-  Ref fast(PySequence_Fast(seq, "tileops: expected a list of tensors"));
-  std::vector<at::Tensor> got;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.p); ++i) {
-    PyObject* o = PySequence_Fast_GET_ITEM(fast.p, i);
-    if (!THPVariable_Check(o)) throw std::runtime_error("tileops: expected a list of tensors");
-    got.push_back(THPVariable_Unpack(o));
-  }
-  return got;
+  Ref l(PyList_New((Py_ssize_t)ts.size()));
+  for (size_t i = 0; i < ts.size(); ++i) PyList_SET_ITEM(l.p, (Py_ssize_t)i, checked(THPVariable_Wrap(ts[i])));
+  return Py_NewRef(l.p);
 }
 
 // the Python general path of a custom op: fn(handle, *lists, names, *after) as its schema -> a list
@@ -1133,9 +1065,8 @@ std::vector<at::Tensor> tensors_of(PyObject* seq) {
 std::vector<at::Tensor> python_path(PyObject* fn, int64_t handle, std::initializer_list<at::TensorList> lists,
                                     c10::string_view names, std::initializer_list<at::TensorList> after = {}) {
   Gil g;
-  Ref h(PyLong_FromLongLong((long long)handle));
   Ref args(PyTuple_New((Py_ssize_t)(lists.size() + after.size()) + 2));
-  PyTuple_SET_ITEM(args.p, 0, Py_NewRef(h.p));
+  PyTuple_SET_ITEM(args.p, 0, checked(PyLong_FromLongLong((long long)handle)));
   Py_ssize_t i = 1;
   for (auto l : lists) PyTuple_SET_ITEM(args.p, i++, tensor_list(l));
   PyTuple_SET_ITEM(args.p, i++, checked(PyUnicode_FromStringAndSize(names.data(), (Py_ssize_t)names.size())));
@@ -1144,31 +1075,16 @@ std::vector<at::Tensor> python_path(PyObject* fn, int64_t handle, std::initializ
   return r.p == Py_None ? std::vector<at::Tensor>() : tensors_of(r.p);
 }
 
-// a known signature served natively: t holds the inputs (and the outputs written into)
-bool serve_op(const std::shared_ptr<Core>& core, at::Tensor* t, std::shared_ptr<BindingData>& b) {
-  Key k;
-  if (!key_of(*core, t, k)) return false;
-  b = find(*core, k).second;
-  if (b == nullptr) return false;
-  if (has_pending(*core)) reap(*core, false);
-  if (!serve(*core, core, *b, t)) return false;
-  core->hits.fetch_add(1, std::memory_order_relaxed);
-  return true;
-}
-
 std::vector<at::Tensor> apply_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_view names) {
   int64_t h = handle.expect_int();
   auto core = core_of(h);
   at::Tensor t[kMaxTensors];
   std::shared_ptr<BindingData> b;
-  if (place(*core, inputs, names, t) && serve_op(core, t, b)) {
-    std::vector<at::Tensor> got;
-    for (int j = 0; j < core->n_out; ++j)
-      if (b->mode[j] != ABSENT) got.push_back(std::move(t[core->n_in + j]));
-    return got;
-  }
-  core->misses.fetch_add(1, std::memory_order_relaxed);
-  return python_path(cfg.apply, h, {inputs}, names);
+  if (!serve_op(core, place(*core, inputs, names, t), t, b)) return python_path(cfg.apply, h, {inputs}, names);
+  std::vector<at::Tensor> got;
+  for (int j = 0; j < core->n_out; ++j)
+    if (b->mode[j] != ABSENT) got.push_back(std::move(t[core->n_in + j]));
+  return got;
 }
 
 void apply_out_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_view names, at::TensorList outs) {
@@ -1183,9 +1099,7 @@ void apply_out_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_vie
       if (k == outs.size()) placed = false;
       else t[core->n_in + j] = outs[k++];
     }
-  if (placed && k == outs.size() && serve_op(core, t, b)) return;
-  core->misses.fetch_add(1, std::memory_order_relaxed);
-  python_path(cfg.apply_out, h, {inputs}, names, {outs});
+  if (!serve_op(core, placed && k == outs.size(), t, b)) python_path(cfg.apply_out, h, {inputs}, names, {outs});
 }
 
 std::vector<at::Tensor> apply_backward_kernel(c10::SymInt handle, at::TensorList grads, at::TensorList inputs,
@@ -1193,32 +1107,26 @@ std::vector<at::Tensor> apply_backward_kernel(c10::SymInt handle, at::TensorList
   return python_path(cfg.apply_backward, handle.expect_int(), {grads, inputs}, names);
 }
 
-bool any_requires_grad(std::initializer_list<at::TensorList> lists) {
-  if (!c10::GradMode::is_enabled()) return false;
-  for (auto l : lists)
-    for (const auto& t : l)
-      if (t.requires_grad()) return true;
-  return false;
+// the CPU or CUDA kernel of the custom op `name`, called below autograd (its schema found once)
+template <auto& kernel, typename... Args>
+auto below_autograd(const char* name, Args&&... args) {
+  using Fn = std::remove_reference_t<decltype(kernel)>;
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(std::forward<Args>(args)...);
 }
 
 // autograd: a call that needs none goes below autograd in C++; one that does, to Python's
 // autograd.Function around the op (tileops/runtime/library.py)
 std::vector<at::Tensor> apply_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_view names) {
   if (any_requires_grad({inputs})) return python_path(cfg.apply_grad, handle.expect_int(), {inputs}, names);
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tileops::apply", "").typed<decltype(apply_kernel)>();
-  at::AutoDispatchBelowADInplaceOrView below;
-  return op.call(std::move(handle), inputs, names);
+  return below_autograd<apply_kernel>("tileops::apply", std::move(handle), inputs, names);
 }
 
 void apply_out_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_view names, at::TensorList outs) {
   TORCH_CHECK(!any_requires_grad({inputs, outs}), "tileops::apply_out: outputs given while an input requires grad "
               "(autograd does not follow writes into given tensors)");
-  static auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("tileops::apply_out", "").typed<decltype(apply_out_kernel)>();
-  {
-    at::AutoDispatchBelowADInplaceOrView below;
-    op.call(std::move(handle), inputs, names, outs);
-  }
+  below_autograd<apply_out_kernel>("tileops::apply_out", std::move(handle), inputs, names, outs);
   for (const auto& o : outs) o.unsafeGetTensorImpl()->bump_version();  // as an in-place aten op does
 }
 
@@ -1226,11 +1134,7 @@ std::vector<at::Tensor> apply_backward_autograd(c10::SymInt handle, at::TensorLi
                                                 c10::string_view names) {
   if (any_requires_grad({grads, inputs}))  // create_graph=True: results that raise only when differentiated
     return python_path(cfg.apply_backward_grad, handle.expect_int(), {grads, inputs}, names);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("tileops::apply_backward", "")
-                       .typed<decltype(apply_backward_kernel)>();
-  at::AutoDispatchBelowADInplaceOrView below;
-  return op.call(std::move(handle), grads, inputs, names);
+  return below_autograd<apply_backward_kernel>("tileops::apply_backward", std::move(handle), grads, inputs, names);
 }
 
 // ------------------------------------------------------------------------------ module
@@ -1238,24 +1142,19 @@ PyObject* configure(PyObject*, PyObject* args, PyObject* kw) {
   static const char* kwlist[] = {"rc_record_failed", "rc_capturing", "env_strict", "when_now", "when_earlier",
                                  "when_graph", "raise_bad", "disjoint", "late", "apply", "apply_out",
                                  "apply_backward", "apply_grad", "apply_backward_grad", nullptr};
-  int rf, rcap, strict;
-  PyObject *now, *earlier, *graph, *rb, *dj, *late, *ap, *ao, *ab, *ag, *abg;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOOO", (char**)kwlist, &rf, &rcap, &strict, &now, &earlier,
-                                   &graph, &rb, &dj, &late, &ap, &ao, &ab, &ag, &abg))
-    return nullptr;
-  if (configured.load()) {
+  if (configured.load()) {  // before parsing: parsing writes into cfg
     PyErr_SetString(PyExc_RuntimeError, "tileops: the native runtime is configured once");
     return nullptr;
   }
-  cfg.rc_record_failed = rf;
-  cfg.rc_capturing = rcap;
+  int strict;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOOO", (char**)kwlist, &cfg.rc_record_failed,
+                                   &cfg.rc_capturing, &strict, &cfg.when_now, &cfg.when_earlier, &cfg.when_graph,
+                                   &cfg.raise_bad, &cfg.disjoint, &cfg.late, &cfg.apply, &cfg.apply_out,
+                                   &cfg.apply_backward, &cfg.apply_grad, &cfg.apply_backward_grad))
+    return nullptr;
   cfg.env_strict = strict != 0;
-  std::pair<PyObject**, PyObject*> given[] = {{&cfg.when_now, now}, {&cfg.when_earlier, earlier},
-                                               {&cfg.when_graph, graph}, {&cfg.raise_bad, rb}, {&cfg.disjoint, dj},
-                                               {&cfg.late, late}, {&cfg.apply, ap}, {&cfg.apply_out, ao},
-                                               {&cfg.apply_backward, ab}, {&cfg.apply_grad, ag},
-                                               {&cfg.apply_backward_grad, abg}};
-  for (auto& [slot, v] : given) *slot = Py_NewRef(v);  // held for the process's life
+  Py_INCREF(args);  // the objects cfg borrows from the arguments: held for the process's life
+  Py_XINCREF(kw);
   configured.store(true);
   Py_RETURN_NONE;
 }
@@ -1267,26 +1166,19 @@ PyObject* set_driver(PyObject*, PyObject* args) {
   PyObject* make_event;
   int pinned = 1;
   if (!PyArg_ParseTuple(args, "KKKKKO|p", &rec, &cap, &q, &sync, &ex, &make_event, &pinned)) return nullptr;
-  const Driver* old = driver.load();
-  PyObject* was = old == nullptr ? Py_BuildValue("(KKKKKO)", 0ull, 0ull, 0ull, 0ull, 0ull, Py_None)
-                                 : Py_BuildValue("(KKKKKOO)", (unsigned long long)(uintptr_t)old->record,
-                                                 (unsigned long long)(uintptr_t)old->capturing,
-                                                 (unsigned long long)(uintptr_t)old->query,
-                                                 (unsigned long long)(uintptr_t)old->synchronize,
-                                                 (unsigned long long)(uintptr_t)old->exchange, old->make_event,
-                                                 old->pinned ? Py_True : Py_False);
-  if (!rec && !cap && !q && !sync && !ex) {
-    driver.store(nullptr);
-    return was;
-  }
-  if (!rec || !cap || !q || !sync || !ex || make_event == Py_None) {
-    Py_XDECREF(was);
+  bool none = !rec && !cap && !q && !sync && !ex;
+  if (!none && (!rec || !cap || !q || !sync || !ex || make_event == Py_None)) {
     PyErr_SetString(PyExc_ValueError, "tileops: set_driver: a null address");
     return nullptr;
   }
-  driver.store(new Driver{(void*)(uintptr_t)rec, (void*)(uintptr_t)cap, (cu_event_t)(uintptr_t)q,
-                          (cu_event_t)(uintptr_t)sync, (cu_exchange_t)(uintptr_t)ex, Py_NewRef(make_event),
-                          pinned != 0});  // the old one stays: a launch may still read it
+  const Driver* old = driver.load();
+  PyObject* was = old != nullptr ? Py_NewRef(old->given)
+                                 : Py_BuildValue("(KKKKKO)", 0ull, 0ull, 0ull, 0ull, 0ull, Py_None);
+  if (was == nullptr) return nullptr;
+  driver.store(none ? nullptr  // the old one stays: a launch may still read it
+                    : new Driver{(void*)(uintptr_t)rec, (void*)(uintptr_t)cap, (cu_event_t)(uintptr_t)q,
+                                 (cu_event_t)(uintptr_t)sync, (cu_exchange_t)(uintptr_t)ex, make_event, pinned != 0,
+                                 Py_NewRef(args)});
   return was;
 }
 
@@ -1321,14 +1213,6 @@ PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_tileops_native",
                           "tileops' native runtime (see tileops/runtime/native.py).", -1, module_methods,
                           nullptr, nullptr, nullptr, nullptr};
 
-bool add_type(PyObject* m, PyType_Spec* spec, PyTypeObject** out, const char* name) {
-  PyObject* t = PyType_FromSpec(spec);
-  if (t == nullptr) return false;
-  *out = (PyTypeObject*)t;
-  Py_INCREF(t);  // one reference kept here, one owned by the module
-  return PyModule_AddObject(m, name, t) == 0;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(tileops, m) {
@@ -1337,17 +1221,14 @@ TORCH_LIBRARY(tileops, m) {
   m.def("apply_backward(SymInt handle, Tensor[] grads, Tensor[] inputs, str names) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(tileops, CPU, m) {
+static void backend_kernels(torch::Library& m) {  // the same for CPU and CUDA tensors
   m.impl("apply", TORCH_FN(apply_kernel));
   m.impl("apply_out", TORCH_FN(apply_out_kernel));
   m.impl("apply_backward", TORCH_FN(apply_backward_kernel));
 }
 
-TORCH_LIBRARY_IMPL(tileops, CUDA, m) {
-  m.impl("apply", TORCH_FN(apply_kernel));
-  m.impl("apply_out", TORCH_FN(apply_out_kernel));
-  m.impl("apply_backward", TORCH_FN(apply_backward_kernel));
-}
+TORCH_LIBRARY_IMPL(tileops, CPU, m) { backend_kernels(m); }
+TORCH_LIBRARY_IMPL(tileops, CUDA, m) { backend_kernels(m); }
 
 TORCH_LIBRARY_IMPL(tileops, Autograd, m) {
   m.impl("apply", TORCH_FN(apply_autograd));
@@ -1357,10 +1238,10 @@ TORCH_LIBRARY_IMPL(tileops, Autograd, m) {
 
 PyMODINIT_FUNC PyInit__tileops_native(void) {
   PyObject* m = PyModule_Create(&module_def);
-  if (m == nullptr) return nullptr;
-  if (!add_type(m, &Binding_spec, &BindingType, "NativeBinding") ||
-      !add_type(m, &Dispatch_spec, &DispatchType, "Dispatch")) {
-    Py_DECREF(m);
+  PyObject* dispatch = m != nullptr ? PyType_FromSpec(&Dispatch_spec) : nullptr;
+  if (dispatch == nullptr || PyModule_AddObject(m, "Dispatch", dispatch) < 0) {
+    Py_XDECREF(dispatch);
+    Py_XDECREF(m);
     return nullptr;
   }
   return m;

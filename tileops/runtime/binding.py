@@ -1,14 +1,13 @@
 """A kernel launch described once per call signature: the :class:`Binding`.
 
-A family (its kernel set) knows what a call's views mean to its kernel; the runtime knows nothing
-of that. So the family computes, once per signature (every tensor's shape, strides, dtype and
-device, and which outputs are given or in place), a :class:`Binding` with :func:`bind`: the kernel's
-whole argument array with every shape, stride and scalar filled, and where each tensor's pointer
-goes. A later call shaped the same way only reads its pointers into a copy of that array: the C++
-executor of :mod:`tileops.runtime.native` does it without Python, :class:`tileops.runtime.executor.PythonRuntime`
-where the extension is absent. The family's general path (the first call of a signature, views it
-must copy first, gradients) binds the tensors it actually launches with through the same
-:func:`bind` and runs the same executor.
+A family (its kernel set) knows what a call's views mean to its kernel; the runtime knows nothing of
+that. So the family computes with :func:`bind`, once per signature (every tensor's shape, strides,
+dtype and device, and which outputs are given or in place), a :class:`Binding`: the kernel's whole
+argument array with every shape, stride and scalar filled, and where each tensor's pointer goes. A
+later call shaped the same way only reads its pointers into a copy of that array: in the C++ executor
+(:mod:`tileops.runtime.native`) without Python, else in :class:`tileops.runtime.executor.PythonRuntime`.
+The family's general path (a signature's first call, views it must copy, gradients) binds the tensors
+it launches with through the same :func:`bind` and runs the same executor.
 
 Tensors are numbered as the op's manifest lists them: the inputs, then the outputs. Per call the
 executor checks what the pointers alone decide (alignment; the overlap of given outputs with the
@@ -25,7 +24,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..compile.entry import encode_arg
 from .memory import span
 
 __all__ = ["Binding", "bind", "with_overlap_checks", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
@@ -82,7 +80,8 @@ class Binding:
 def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[str, Any], *,
          args: Mapping[str, Any], pointers: Mapping[str, str], align: Mapping[str, int] | None = None,
          late: Mapping[str, Callable[[dict], torch.Tensor]] | None = None,
-         checked: tuple[str, str, str] | None = None, keep: tuple[torch.Tensor, ...] = ()) -> Binding:
+         checked: tuple[str, str, str] | None = None, keep: tuple[torch.Tensor, ...] = (),
+         views: Mapping[str, Any] | None = None) -> Binding:
     """The :class:`Binding` of ``kernel`` for calls shaped like this one.
 
     Args:
@@ -99,21 +98,21 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
         checked: ``(input, word argument, tag argument)`` for a kernel that checks the input's
             values and reports a bad one through an error word, or None.
         keep: Tensors whose addresses ``args`` holds.
+        views: Output name -> a tensor laid out as a new output is (the family's own
+            ``torch.empty_like`` of its like input): its strides are every call's. For a new output
+            not in it, one is made here to read them.
     """
     ins = [t.name for t in manifest.inputs]
     names = (*ins, *(o.name for o in manifest.outputs))
     at = {n: i for i, n in enumerate(names)}
     likes = tuple(ins.index(o.like) for o in manifest.outputs)
+    slot, align, views = kernel.slot, align or {}, views or {}
     modes, strides = [], []
     for o in manifest.outputs:
-        src, dst = tensors.get(o.like), outs.get(o.name)
-        modes.append(ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN)
-        strides.append(torch.empty_like(src).stride() if modes[-1] == NEW else ())
-    slot, kinds = kernel.slot, kernel.arg_types
-    template = array.array("q", bytes(8 * len(kernel.arg_names)))
-    for name, value in args.items():
-        template[slot[name]] = encode_arg(kinds[slot[name]], value)
-    align = align or {}
+        src, dst, new = tensors.get(o.like), outs.get(o.name), views.get(o.name)
+        mode = ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN
+        modes.append(mode)
+        strides.append(() if mode != NEW else (torch.empty_like(src) if new is None else new).stride())
     ptrs = []
     for arg, tensor in pointers.items():
         i = at[tensor]
@@ -122,7 +121,7 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
             ptrs.append((i, slot[arg], max(1, align.get(tensor, 1))))
     check = (at[checked[0]], slot[checked[1]], slot[checked[2]]) if checked and tensors.get(checked[0]) is not None \
         else (-1, -1, -1)
-    return Binding(kernel, template, names, len(ins), tuple(ptrs), tuple(modes), likes, tuple(strides),
+    return Binding(kernel, kernel.template(args), names, len(ins), tuple(ptrs), tuple(modes), likes, tuple(strides),
                    late=tuple((slot[a], fn) for a, fn in (late or {}).items()),
                    checked=check[0], word_slot=check[1], tag_slot=check[2], keep=tuple(keep))
 
@@ -132,21 +131,13 @@ def with_overlap_checks(binding: Binding, tensors: Mapping[str, Any], outs: Mapp
     into (given, or in place) against every other tensor of the call, but for an in-place output
     and its own input; spans from this call's shapes and strides, which the signature fixes."""
     names, n_in = binding.names, binding.inputs
-    present = {i: tensors.get(n) for i, n in enumerate(names[:n_in])}
-    for j, mode in enumerate(binding.outputs):
-        if mode in (IN_PLACE, GIVEN):
-            present[n_in + j] = outs.get(names[n_in + j])
-    have = {i: t for i, t in present.items() if t is not None}
-    pairs, seen = [], set()
-    for j, mode in enumerate(binding.outputs):
-        o = n_in + j
-        if o not in have:
-            continue
-        for i, t in have.items():
-            own = i == binding.likes[j] and mode == IN_PLACE
-            if i == o or own or frozenset((o, i)) in seen:
-                continue
-            seen.add(frozenset((o, i)))
-            pairs.append((o, span(have[o]), i, span(t)))
+    written = [n_in + j for j, mode in enumerate(binding.outputs) if mode in (IN_PLACE, GIVEN)]
+    given = [tensors.get(n) for n in names[:n_in]] + [outs.get(n) for n in names[n_in:]]
+    have = {i: given[i] for i in [*range(n_in), *written] if given[i] is not None}
+    pairs = []
+    for o in (o for o in written if o in have):
+        own = binding.likes[o - n_in] if binding.outputs[o - n_in] == IN_PLACE else None
+        # every other tensor (an output written before this one has its pair already), but its own input
+        pairs += [(o, span(have[o]), i, span(t)) for i, t in have.items() if i != own and not n_in <= i <= o]
     return dataclasses.replace(binding, pairs=tuple(pairs), memo={})
 

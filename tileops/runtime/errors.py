@@ -1,45 +1,37 @@
 """Errors in the values a kernel checks on the device (RoPE's positions), reported without a host
 synchronisation: the one error tracker of every family.
 
-A kernel that checks an input's values (a binding's ``checked`` input) clamps one outside its
-range (RoPE reads position 0, so nothing is indexed out of bounds) and writes the call's *tag*, a
-31-bit number unique to that call, into an error word of its own. The words live in pinned host memory that the GPU writes directly (mapped
-through unified addressing), so no copy follows the kernel. Right after the kernel a CUDA event is
-recorded on the same stream (in the same C call as the launch); nothing waits. The call is then
-*pending*:
+A kernel that checks an input's values (a binding's ``checked`` input) clamps one outside its range
+(RoPE reads position 0, so nothing is indexed out of bounds) and writes the call's *tag*, a 31-bit
+number unique to that call, into an error word of its own: pinned host memory the GPU writes
+directly (mapped through unified addressing), so no copy follows the kernel. Right after the kernel,
+in the same C call as the launch, a CUDA event is recorded on the same stream; nothing waits. The
+call is then *pending*:
 
-* at the next call of the same op from the same thread, on the same device and stream, every
-  pending call whose event has completed is judged (``cuEventQuery`` does not block; calls on one
-  stream complete in order, so judging stops at the first unfinished one): a word holding its tag
-  raises the op's ``ValueError`` naming the index and value of the bad one, before that next call
-  runs;
-* ``op.check()`` waits for this thread's pending calls of the op (releasing the GIL while it waits)
-  and reports them;
-* each bad call raises its own ``ValueError``, once: a judgement stops at the first bad call it
-  finds, and the calls after it stay pending for the next call or ``check()``;
-* in strict mode (``TILEOPS_STRICT=1`` in the environment when tileops is imported, or
-  ``with tileops.strict():``) every call waits for its own kernel and raises at once, at the cost
-  of that synchronisation.
+* at the next call of the same op from the same thread, on the same device and stream, every pending
+  call whose event has completed is judged (``cuEventQuery`` does not block; calls on one stream
+  complete in order, so judging stops at the first unfinished one): a word holding its tag raises the
+  op's ``ValueError`` naming the index and value of the bad one, before that next call runs;
+* ``op.check()`` waits for this thread's pending calls of the op (the GIL released) and reports them;
+* each bad call raises its own ``ValueError``, once: a judgement stops at the first bad call, and the
+  calls after it stay pending for the next call or ``check()``;
+* in strict mode (``TILEOPS_STRICT=1`` when tileops is imported, or ``with tileops.strict():``) every
+  call waits for its own kernel and raises at once, at the cost of that synchronisation.
 
-A bad value is therefore reported at the first call of the op that starts after the GPU has run
-the bad call, or at ``op.check()``; a call queued behind it cannot know yet without waiting.
+So a bad value is reported at the first call of the op that starts after the GPU has run the bad
+call, or at ``op.check()``; on the CPU, where kernels run synchronously, at the call itself.
 
-On the CPU the kernels run synchronously, so a bad value is reported at the call itself.
-
-The state is per call, kept per (thread, device, stream): threads and streams that share an op
-never see each other's errors. Words come from a per-device pool that grows in chunks and never
-shrinks; a word is reused only after its call was judged, so no word is reused while a stream may
-still write it.
-
-Inside a CUDA graph capture no event is recorded: the words a captured call uses are kept for the
-graph (never reused), and ``op.check()`` reads them after a replay (synchronise first) and clears
-them, so the next replay is judged alone.
+The state is per call, kept per (thread, device, stream): threads and streams that share an op never
+see each other's errors. Words come from a per-device pool that grows in chunks and never shrinks; a
+word is reused only after its call was judged, never while a stream may still write it. Inside a CUDA
+graph capture no event is recorded: a captured call's word is kept for the graph (never reused), and
+``op.check()`` reads it after a replay (synchronise first) and clears it for the next replay.
 
 The tracker that defers is the native extension's (:mod:`tileops.runtime.native`), the one
 implementation. Without the extension (``TILEOPS_NATIVE=0``, no compiler) nothing is deferred:
-:class:`tileops.runtime.executor.PythonRuntime` judges a call that checks values at the call
-itself, on a GPU by waiting for that call's kernel (what strict mode does), and keeps the words of
-captured calls for ``op.check()`` as above; :class:`Words` is its pool.
+:class:`tileops.runtime.executor.PythonRuntime` judges a call that checks values at the call itself,
+on a GPU by waiting for its kernel (what strict mode does), and keeps the words of captured calls for
+``op.check()`` as above; :class:`Words` is its pool.
 """
 
 from __future__ import annotations
@@ -73,38 +65,36 @@ ENV_STRICT = os.environ.get("TILEOPS_STRICT", "") not in ("", "0")
 
 
 class _StrictLocal(threading.local):
-    on: "bool | None" = None  # a class default: reading it never raises
+    on = -1  # as the extension's flag: 1, 0, or -1 unset (ENV_STRICT decides); a class default never raises
 
 
 _strict = _StrictLocal()
+
+
+def _set_strict(value: int) -> int:
+    """Set this thread's flag without the extension, as its ``set_strict`` does; returns the old one."""
+    before, _strict.on = _strict.on, (-1 if value < 0 else int(value > 0))
+    return before
 
 
 @contextlib.contextmanager
 def strict(enabled: bool = True) -> Iterator[None]:
     """Within this block (on this thread), every call whose kernel checks values (RoPE's positions)
     reports a bad one at the call itself, waiting for its kernel to do so."""
-    mod = native.module
-    if mod is not None:  # the extension's tracker reads its own thread-local flag
-        before = mod.set_strict(int(bool(enabled)))
-        try:
-            yield
-        finally:
-            mod.set_strict(before)
-        return
-    before_py = _strict.on
-    _strict.on = bool(enabled)
+    mod = native.module  # the extension's tracker reads its own thread-local flag
+    swap = mod.set_strict if mod is not None else _set_strict
+    before = swap(int(bool(enabled)))
     try:
         yield
     finally:
-        _strict.on = before_py
+        swap(before)
 
 
 def is_strict() -> bool:
     mod = native.module
     if mod is not None:
         return mod.is_strict()
-    on = _strict.on
-    return ENV_STRICT if on is None else on
+    return ENV_STRICT if _strict.on < 0 else _strict.on > 0
 
 
 def next_tag() -> int:
@@ -192,7 +182,5 @@ def words_for(device: torch.device) -> Words:
     pool = _pools.get(device)
     if pool is None:
         with _pools_lock:
-            pool = _pools.get(device)
-            if pool is None:
-                pool = _pools[device] = Words(device)
+            pool = _pools.get(device) or _pools.setdefault(device, Words(device))
     return pool

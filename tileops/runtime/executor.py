@@ -1,10 +1,9 @@
 """One op's launches: the runtime object an op makes at construction (:func:`new_runtime`).
 
-With the native extension loaded (:mod:`tileops.runtime.native`) it is the extension's
-``Dispatch``: the op's bindings by call signature, served from C++ (``run``), the same executor for
-the general path's bindings (``execute``), and the deferred error tracker. Without it, a
-:class:`PythonRuntime`: the same executor in Python, and errors judged at the call (see
-:mod:`tileops.runtime.errors`). Both have
+With the native extension loaded (:mod:`tileops.runtime.native`) it is the extension's ``Dispatch``:
+the op's bindings by call signature, served from C++ (``run``), the same executor for the general
+path's bindings (``execute``), and the deferred error tracker. Without it, a :class:`PythonRuntime`:
+the same executor in Python, and errors judged at the call (:mod:`tileops.runtime.errors`). Both have
 
 * ``execute(binding, tensors, outs)``: run a :class:`tileops.runtime.binding.Binding` on a call's
   tensors (input name -> tensor, output name -> tensor or None); returns what the op returns (its
@@ -21,6 +20,7 @@ Python runtime keeps no bindings: :meth:`tileops.op.Op._eager_call` looks them u
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Mapping
 
@@ -105,32 +105,23 @@ class PythonRuntime:
             return
         pos = ts[b.checked]
         words = errors.words_for(pos.device)
-        w = words.take()
-        tag = errors.next_tag()
+        w, tag = words.take(), errors.next_tag()
         args[b.word_slot], args[b.tag_slot] = words.address(w), tag
-        if not words.cuda:  # the kernel runs synchronously: judged now
-            try:
-                kernel.launch(args, 0)
-                bad = words.read(w) == tag
-            finally:
-                words.give_back(w)  # only after reading it: another call may take it at once
-            if bad:
-                library.raise_bad(self.handle, pos, errors.WHEN_NOW)
+        try:
+            with torch.cuda.device(kernel.device_index) if words.cuda else contextlib.nullcontext():
+                kernel.launch(args, kernel.stream())  # on the CPU the kernel has run when this returns
+                capturing = words.cuda and torch.cuda.is_current_stream_capturing()
+        except BaseException:
+            words.give_back(w)
+            raise
+        if capturing:  # replays write the word: check() reads and clears it
+            with self._lock:
+                self._graph.append((words, w, tag, pos))
             return
-        with torch.cuda.device(kernel.device_index):
-            capturing = torch.cuda.is_current_stream_capturing()
-            try:
-                kernel.launch(args, kernel.stream())
-            except BaseException:
-                words.give_back(w)
-                raise
-            if capturing:  # replays write the word: check() reads and clears it
-                with self._lock:
-                    self._graph.append((words, w, tag, pos))
-                return
-            torch.cuda.current_stream().synchronize()  # without the extension nothing is deferred
+        if words.cuda:  # without the extension nothing is deferred: judged now
+            torch.cuda.current_stream(kernel.device_index).synchronize()
         bad = words.read(w) == tag
-        words.give_back(w)
+        words.give_back(w)  # only after reading it: another call may take it at once
         if bad:
             library.raise_bad(self.handle, pos, errors.WHEN_NOW)
 

@@ -1,32 +1,30 @@
 """The native runtime: a C++ extension (``tileops/runtime/_native.cpp``), loaded once, when tileops is imported.
 
 It holds the op's bindings by call signature and serves a repeated eager call without Python (see
-:mod:`tileops.runtime.binding`), runs every binding of the general path too, keeps the one
-deferred error tracker (:mod:`tileops.runtime.errors`) and defines the custom ops
-``tileops::apply``, ``apply_out`` and ``apply_backward`` (:mod:`tileops.runtime.library`) with C++
-kernels, so that a compiled graph's call costs what an aten op's does.
+:mod:`tileops.runtime.binding`), runs every binding of the general path too, keeps the one deferred
+error tracker (:mod:`tileops.runtime.errors`) and defines the custom ops ``tileops::apply``,
+``apply_out`` and ``apply_backward`` (:mod:`tileops.runtime.library`) with C++ kernels, so that a
+compiled graph's call costs what an aten op's does.
 
 It is built with ``torch.utils.cpp_extension`` (ninja, the system C++ compiler, torch's headers;
 warnings on) into ``native/<key>/`` under :func:`tileops.compile.entry.cache_root`, the key being
 torch's version and build, Python's ABI, the flags and the source, with a checksum beside the
-library (a damaged file is never loaded). The build is made by ``tileops warmup``, by
-``python -m tileops.runtime.native``, or by the first import on a machine with a CUDA GPU (a line on
-stderr says so, and how long it took; 20-40 s; after a failed build, an import does not try
-again: ``build.failed`` beside it says why). A machine without a GPU never builds at import (a
-CPU test run, or a process started with a fresh ``TILEOPS_CACHE_DIR``, pays no compile): it loads
-a cached build, or runs without the extension. The extension is never loaded later in a process,
-so every op of a process is served the same way from its first call.
+library (a damaged file is never loaded). ``tileops warmup``, ``python -m tileops.runtime.native``
+or the first import on a machine with a CUDA GPU builds it (20-40 s, said on stderr; after a failed
+build an import does not try again: ``build.failed`` beside it says why). A machine without a GPU
+never builds at import (a CPU test run, or a process with a fresh ``TILEOPS_CACHE_DIR``, pays no
+compile): it loads a cached build, or runs without the extension. The extension is never loaded
+later in a process, so every op of a process is served the same way from its first call.
 
-``TILEOPS_NATIVE=0`` in the environment leaves it off for the whole process. Without it (off, not
-built, no compiler or headers, a failed build: a debug line on the ``tileops.runtime.native``
-logger says why), :class:`tileops.runtime.executor.PythonRuntime` serves every call.
+``TILEOPS_NATIVE=0`` leaves it off for the whole process. Without it (off, not built, no compiler or
+headers, a failed build: a debug line on the ``tileops.runtime.native`` logger says why),
+:class:`tileops.runtime.executor.PythonRuntime` serves every call.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -36,6 +34,10 @@ import sysconfig
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from ..compile.entry import cache_root, file_sha256
 
 __all__ = ["module", "build", "enabled", "status", "library_path", "SOURCE"]
 
@@ -73,8 +75,6 @@ def status() -> str:
 
 def _key() -> str:
     """What a build depends on: torch's version and build, Python's ABI, the flags and the source."""
-    import torch
-
     parts = [torch.__version__, getattr(torch.version, "git_version", ""), str(torch.version.cuda),
              sys.implementation.cache_tag, sysconfig.get_config_var("EXT_SUFFIX") or ".so",
              str(int(torch.compiled_with_cxx11_abi())), " ".join(FLAGS), hashlib.sha256(SOURCE.read_bytes()).hexdigest()]
@@ -83,15 +83,11 @@ def _key() -> str:
 
 def library_path() -> str:
     """Where the build for this torch, Python and source is cached."""
-    from ..compile.entry import cache_root
-
     return os.path.join(cache_root(), "native", _key(), _NAME + ".so")
 
 
 def _intact(path: str) -> bool:
     """Whether ``path`` and its checksum file exist and agree."""
-    from ..compile.entry import file_sha256
-
     try:
         with open(path + ".sha256") as f:
             want = f.read().strip()
@@ -105,7 +101,6 @@ def build(progress: bool | None = None) -> str:
     library a process loads when it imports tileops). Raises OSError when it cannot be built.
     Two processes never build at once (a lock file: the second waits, then finds the first's).
     ``progress`` as :func:`tileops.progress.wanted`: a line on stderr before and after a compile."""
-    from ..compile.entry import file_sha256
     from ..progress import task, wanted
 
     path = library_path()
@@ -114,50 +109,44 @@ def build(progress: bool | None = None) -> str:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "build.lock"), "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if _intact(path):
-                return path
-            for stale in (path, path + ".sha256", os.path.join(directory, "lock")):  # a builder that died
-                if os.path.exists(stale):
-                    os.unlink(stale)
-            failed = os.path.join(directory, "build.failed")  # an import does not try again (build() does)
-            with task("compiling the native runtime (tileops/runtime/_native.cpp, 20-40 s)", wanted(progress)):
-                t0 = time.perf_counter()
-                r = subprocess.run([sys.executable, "-c", _BUILD, _NAME, str(SOURCE), directory, *FLAGS],
-                                   capture_output=True, text=True, timeout=1200)
-                log = (r.stdout or "") + (r.stderr or "")
-                with open(os.path.join(directory, "build.log"), "w") as f:
-                    f.write(log)
-                if r.returncode != 0 or not os.path.exists(path):
-                    lines = [ln for ln in log.splitlines() if ln.strip()]
-                    with open(failed, "w") as f:
-                        f.write("\n".join(lines[-20:]) + "\n")
-                    raise OSError(f"building the native runtime failed: {' / '.join(lines[-3:])}")
-            if os.path.exists(failed):
-                os.unlink(failed)
-            _log.debug("tileops: built %s in %.1f s", path, time.perf_counter() - t0)
-            tmp = f"{path}.sha256.{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(file_sha256(path) + "\n")
-            os.replace(tmp, path + ".sha256")  # the checksum last: a build is intact once it is there
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _intact(path):
+            return path
+        for stale in (path, path + ".sha256", os.path.join(directory, "lock")):  # a builder that died
+            if os.path.exists(stale):
+                os.unlink(stale)
+        failed = os.path.join(directory, "build.failed")  # an import does not try again (build() does)
+        with task("compiling the native runtime (tileops/runtime/_native.cpp, 20-40 s)", wanted(progress)):
+            t0 = time.perf_counter()
+            r = subprocess.run([sys.executable, "-c", _BUILD, _NAME, str(SOURCE), directory, *FLAGS],
+                               capture_output=True, text=True, timeout=1200)
+            log = (r.stdout or "") + (r.stderr or "")
+            with open(os.path.join(directory, "build.log"), "w") as f:
+                f.write(log)
+            if r.returncode != 0 or not os.path.exists(path):
+                lines = [ln for ln in log.splitlines() if ln.strip()]
+                with open(failed, "w") as f:
+                    f.write("\n".join(lines[-20:]) + "\n")
+                raise OSError(f"building the native runtime failed: {' / '.join(lines[-3:])}")
+        if os.path.exists(failed):
+            os.unlink(failed)
+        _log.debug("tileops: built %s in %.1f s", path, time.perf_counter() - t0)
+        tmp = f"{path}.sha256.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(file_sha256(path) + "\n")
+        os.replace(tmp, path + ".sha256")  # the checksum last: a build is intact once it is there
     return path
 
 
 def _load(path: str) -> Any:
-    loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
-    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
-    assert spec is not None
+    spec = importlib.util.spec_from_file_location(_NAME, path)  # an extension module, by its suffix
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
+    spec.loader.exec_module(mod)
     return mod
 
 
 def _has_gpu() -> bool:
-    import torch
-
     # device_count asks NVML first: it does not initialise CUDA (a process may still fork)
     return torch.version.cuda is not None and torch.cuda.device_count() > 0
 
