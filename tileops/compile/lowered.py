@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["path", "lookup", "write"]
+__all__ = ["path", "lookup", "shipped", "write"]
 
 _FORMAT = 1
 _lock = threading.Lock()
@@ -65,6 +65,11 @@ def lookup(key: str, arch: str) -> Any:
         return Sources(device=entry["device"], host=entry["host"], record=entry["record"], name=entry["name"])
     except KeyError:
         return None
+
+
+def shipped(arch: str) -> dict[str, Any]:
+    """Every shipped entry for ``arch``, by lean index key (empty without a readable file)."""
+    return dict(_pack(arch))
 
 
 def write(arch: str, kernels: dict[str, dict[str, Any]]) -> Path:

@@ -159,10 +159,16 @@ def write_lowered(arch: str = "sm_90", jobs: int | None = None, names: Any = Non
     as :func:`tileops.progress.wanted`) and write the file tileops ships
     (:func:`tileops.compile.lowered.write`); returns (its path, kernels written, kernels the lean
     build does not serve)."""
-    todo = [j for j in kernel_jobs(names, arch) if j[2] == "cuda"]
-    results = map_jobs(_lower, todo, jobs, progress=progress, what="lowering kernels")
-    kernels = {k: v for k, v in sorted(results) if v is not None}
-    return lowered.write(arch, kernels), len(kernels), len(results) - len(kernels)
+    from .build import index_key
+
+    todo = {index_key(*j, lean=True): j for j in kernel_jobs(names, arch) if j[2] == "cuda"}
+    # an entry already shipped under its key is what lowering would give again (the key digests the
+    # spec, the builder, TileLang and the lean build): kept, so adding a family lowers its kernels only
+    kept = {k: v for k, v in lowered.shipped(arch).items() if k in todo}
+    results = map_jobs(_lower, [j for k, j in todo.items() if k not in kept], jobs, progress=progress,
+                       what="lowering kernels")
+    kernels = dict(sorted({**kept, **{k: v for k, v in results if v is not None}}.items()))
+    return lowered.write(arch, kernels), len(kernels), len(todo) - len(kernels)
 
 
 def _job_label(job: Any) -> str:
