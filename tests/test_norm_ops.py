@@ -239,3 +239,131 @@ def test_the_torch_target_computes_what_builtin_does(gen):
     (yb, hb), (yt, ht) = (RMSNormFwdOp(target=t)(x, w, residual=r) for t in ("builtin", "torch"))
     assert torch.equal(hb, ht)
     assert_hf_bits(yb, yt, "builtin against torch", rounds=2)
+
+
+# ------------------------------------------------------------------------------------- gradients
+def _grads64(fn, inputs: dict, grads: tuple) -> dict:
+    """float64 autograd of ``fn(**inputs)`` (one output or a tuple) against ``grads``, by input name."""
+    leaves = {n: t.detach().double().requires_grad_(True) for n, t in inputs.items()}
+    outs = fn(**leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    got = torch.autograd.grad(outs, list(leaves.values()), [g.double() for g in grads])
+    return dict(zip(leaves, got))
+
+
+def _rms_reference(x, weight, residual=None, eps=1e-6):
+    h = x if residual is None else x + residual
+    y = ref.rms_norm(h, weight, eps)
+    return y if residual is None else (y, h)
+
+
+def _layer_reference(x, weight, bias, residual=None, eps=1e-5):
+    h = x if residual is None else x + residual
+    y = ref.layer_norm(h, weight, bias, eps)
+    return y if residual is None else (y, h)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_fp32_gradients_against_float64(residual, gen):
+    """x's, the weight's (summed over every row on the device) and the residual's gradient, fp32,
+    within the forward's tolerances of float64 autograd; the residual's is x's (the gradient reaching
+    ``residual_out`` added to the one through the norm)."""
+    op = RMSNormFwdOp()
+    inputs = {"x": torch.randn(7, 9, 64, generator=gen) * 2, "weight": torch.randn(64, generator=gen) * 0.3 + 1}
+    if residual:
+        inputs["residual"] = torch.randn(7, 9, 64, generator=gen)
+    leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
+    outs = op(**leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    assert all(o.grad_fn is not None for o in outs)
+    gs = tuple(torch.randn(o.shape, generator=gen) for o in outs)
+    got = dict(zip(leaves, torch.autograd.grad(outs, list(leaves.values()), gs)))
+    want = _grads64(_rms_reference, inputs, gs)
+    atol, rtol = tolerance(torch.float32)
+    for name in inputs:
+        assert_close(got[name], want[name], rtol, atol, f"grad of {name}")
+    if residual:
+        assert torch.equal(got["x"], got["residual"])
+    again = torch.autograd.grad(op(**leaves), list(leaves.values()), gs)
+    assert all(torch.equal(a, b) for a, b in zip(again, got.values())), "the same rows gave other bits"
+
+
+def test_layer_norm_fp32_gradients_against_float64(gen):
+    op = LayerNormFwdOp()
+    inputs = {"x": torch.randn(5, 11, 64, generator=gen) * 3 + 2, "weight": torch.randn(64, generator=gen),
+              "bias": torch.randn(64, generator=gen), "residual": torch.randn(5, 11, 64, generator=gen)}
+    leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
+    outs = op(**leaves)
+    gs = tuple(torch.randn(o.shape, generator=gen) for o in outs)
+    got = dict(zip(leaves, torch.autograd.grad(outs, list(leaves.values()), gs)))
+    want = _grads64(_layer_reference, inputs, gs)
+    atol, rtol = tolerance(torch.float32)
+    for name in inputs:
+        assert_close(got[name], want[name], rtol, atol, f"grad of {name}")
+    # a frozen weight and bias: x's gradient alone, the same bits
+    x = inputs["x"].clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(op(x, inputs["weight"], inputs["bias"], residual=inputs["residual"]), [x], gs)
+    assert torch.equal(gx, got["x"])
+
+
+def test_backward_reads_what_autograd_kept_and_refuses_a_later_change(gen):
+    """The backward reads the tensors ``backward.saves`` names (``residual_out`` with a residual, else
+    x; the weight) through ``save_for_backward``: changing one in place before the backward is an
+    error, not a wrong gradient. A second derivative raises."""
+    op = RMSNormFwdOp()
+    x, w, r = (torch.randn(4, 64, generator=gen).requires_grad_(True), torch.randn(64, generator=gen),
+               torch.randn(4, 64, generator=gen))
+    y, h = op(x, w, residual=r)
+    with torch.no_grad():
+        h.add_(1.0)  # e.g. the next layer's residual add written over it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    leaf = x.detach().clone().requires_grad_(True)
+    y = op(leaf, w)
+    with torch.no_grad():
+        leaf.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    leaf = x.detach().clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(op(leaf, w).square().sum(), leaf, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
+
+
+def test_gradients_of_odd_shapes(gen):
+    """No rows (the weight's gradient is zeros), one row, and a gradient that is not contiguous (a
+    view the backward copies)."""
+    op = RMSNormFwdOp()
+    w = torch.randn(64, generator=gen).requires_grad_(True)
+    x = torch.empty(0, 64).requires_grad_(True)
+    gx, gw = torch.autograd.grad(op(x, w).sum(), [x, w])
+    assert gx.shape == (0, 64) and torch.equal(gw, torch.zeros(64))
+    x = torch.randn(2, 64, 3, generator=gen)[..., 1].requires_grad_(True)  # [2, 64], last dim strided
+    y = op(x, w)
+    g = torch.randn(64, 2, generator=gen).t()  # a transposed gradient
+    gx, gw = torch.autograd.grad(y, [x, w], g)
+    want = _grads64(_rms_reference, {"x": x.detach(), "weight": w.detach()}, (g,))
+    atol, rtol = tolerance(torch.float32)
+    assert_close(gx, want["x"], rtol, atol, "x")
+    assert_close(gw, want["weight"], rtol, atol, "weight")
+
+
+@pytest.mark.slow  # 65,536 rows through the C kernels: about 10 s on 2 cores with the compiles
+def test_bf16_weight_gradient_over_65536_rows(gen):
+    """The weight's gradient of 65,536 bf16 rows, summed on the device in fp32 partials, within 1e-2
+    relative of the float64 sum of what autograd through HF's module sums (dy times the normalised
+    value rounded to bf16). x has column means and dy a mean, so each column's sum is large (not a
+    cancellation, whose relative error would say nothing)."""
+    rows, hidden = 65536, 256
+    op = RMSNormFwdOp()
+    w = (torch.randn(hidden, generator=gen) * 0.2 + 1).to(torch.bfloat16).requires_grad_(True)
+    mu = (torch.rand(hidden, generator=gen) + 1) * (torch.randint(0, 2, (hidden,), generator=gen) * 2 - 1)
+    x = (torch.randn(rows, hidden, generator=gen) + mu).to(torch.bfloat16)
+    dy = (torch.randn(rows, hidden, generator=gen) * 0.5 + 1).to(torch.bfloat16)
+    (gw,) = torch.autograd.grad(op(x, w), [w], dy)
+    xd = x.double()
+    n = (xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).double()
+    want = (dy.double() * n).sum(0)
+    assert want.abs().min().item() > 1000  # the construction above did what it says
+    assert gw.dtype == torch.bfloat16
+    assert_close(gw, want, rtol=1e-2, atol=0, what="dw")
