@@ -263,6 +263,22 @@ def _layer_reference(x, weight, bias, residual=None, eps=1e-5):
     return y if residual is None else (y, h)
 
 
+def _fp32_gradients_match(op, reference, inputs: dict, gen) -> tuple[dict, tuple]:
+    """The gradients of every input of ``op(**inputs)`` against random output gradients, each within
+    the fp32 tolerances of float64 autograd of ``reference``; returns them and the output gradients."""
+    leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
+    outs = op(**leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    assert all(o.grad_fn is not None for o in outs)
+    gs = tuple(torch.randn(o.shape, generator=gen) for o in outs)
+    got = dict(zip(leaves, torch.autograd.grad(outs, list(leaves.values()), gs)))
+    want = _grads64(reference, inputs, gs)
+    atol, rtol = tolerance(torch.float32)
+    for name in inputs:
+        assert_close(got[name], want[name], rtol, atol, f"grad of {name}")
+    return got, gs
+
+
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_fp32_gradients_against_float64(residual, gen):
     """x's, the weight's (summed over every row on the device) and the residual's gradient, fp32,
@@ -272,18 +288,10 @@ def test_rms_norm_fp32_gradients_against_float64(residual, gen):
     inputs = {"x": torch.randn(7, 9, 64, generator=gen) * 2, "weight": torch.randn(64, generator=gen) * 0.3 + 1}
     if residual:
         inputs["residual"] = torch.randn(7, 9, 64, generator=gen)
-    leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
-    outs = op(**leaves)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    assert all(o.grad_fn is not None for o in outs)
-    gs = tuple(torch.randn(o.shape, generator=gen) for o in outs)
-    got = dict(zip(leaves, torch.autograd.grad(outs, list(leaves.values()), gs)))
-    want = _grads64(_rms_reference, inputs, gs)
-    atol, rtol = tolerance(torch.float32)
-    for name in inputs:
-        assert_close(got[name], want[name], rtol, atol, f"grad of {name}")
+    got, gs = _fp32_gradients_match(op, _rms_reference, inputs, gen)
     if residual:
         assert torch.equal(got["x"], got["residual"])
+    leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
     again = torch.autograd.grad(op(**leaves), list(leaves.values()), gs)
     assert all(torch.equal(a, b) for a, b in zip(again, got.values())), "the same rows gave other bits"
 
@@ -292,14 +300,7 @@ def test_layer_norm_fp32_gradients_against_float64(gen):
     op = LayerNormFwdOp()
     inputs = {"x": torch.randn(5, 11, 64, generator=gen) * 3 + 2, "weight": torch.randn(64, generator=gen),
               "bias": torch.randn(64, generator=gen), "residual": torch.randn(5, 11, 64, generator=gen)}
-    leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
-    outs = op(**leaves)
-    gs = tuple(torch.randn(o.shape, generator=gen) for o in outs)
-    got = dict(zip(leaves, torch.autograd.grad(outs, list(leaves.values()), gs)))
-    want = _grads64(_layer_reference, inputs, gs)
-    atol, rtol = tolerance(torch.float32)
-    for name in inputs:
-        assert_close(got[name], want[name], rtol, atol, f"grad of {name}")
+    got, gs = _fp32_gradients_match(op, _layer_reference, inputs, gen)
     # a frozen weight and bias: x's gradient alone, the same bits
     x = inputs["x"].clone().requires_grad_(True)
     (gx,) = torch.autograd.grad(op(x, inputs["weight"], inputs["bias"], residual=inputs["residual"]), [x], gs)
