@@ -368,3 +368,71 @@ def test_bf16_weight_gradient_over_65536_rows(gen):
     assert want.abs().min().item() > 1000  # the construction above did what it says
     assert gw.dtype == torch.bfloat16
     assert_close(gw, want, rtol=1e-2, atol=0, what="dw")
+
+
+# ------------------------------------------------------------------ torch.library and torch.compile
+def test_opcheck_with_an_output_dtype_of_its_own(gen):
+    """``torch.library.opcheck`` of the custom ops for an op whose output's dtype is a param's
+    (``out_dtype``): the fake promises fp32 for a bf16 x, as the kernel writes (every op is opchecked
+    in ``tests/test_library.py``)."""
+    from tileops.runtime.library import pack
+
+    op = RMSNormFwdOp(out_dtype="float32")
+    x = torch.randn(3, 5, 4096, generator=gen).to(torch.bfloat16)
+    w = torch.randn(4096, generator=gen) * 0.3 + 1
+    torch.library.opcheck(torch.ops.tileops.apply.default, (op._handle, *pack(op, {"x": x, "weight": w})))
+    out = torch.empty_like(x, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.tileops.apply_out.default, (op._handle, *pack(op, {"x": x, "weight": w}), [out]))
+    y = torch.compile(lambda x, w: op(x, w), fullgraph=True)(x, w)
+    assert y.dtype == torch.float32 and torch.equal(y, op(x, w))
+
+
+def test_compiled_fullgraph_dynamic_no_recompile_over_20_lengths(gen):
+    """A decoder layer's norm with the fused residual, compiled once (``dynamic=True``) for 20
+    lengths: one frame, and the eager op's bits at every length."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    rms, ln = RMSNormFwdOp(), LayerNormFwdOp()
+    w = torch.randn(64, generator=gen)
+
+    def block(x, r):
+        y, h = rms(x, w, residual=r)
+        return ln(y * 2, w, w), h
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=counter)
+    for seq in range(5, 25):  # from 5: Dynamo specializes sizes 0 and 1, and duck-sizes the first call
+        x, r = torch.randn(2, seq, 64, generator=gen), torch.randn(2, seq, 64, generator=gen)
+        for got, want in zip(compiled(x, r), block(x, r)):
+            assert torch.equal(got, want)
+    assert counter.frame_count == 1, f"{counter.frame_count} compiles for 20 lengths"
+
+
+def test_compiled_gradients_and_in_place_residual(gen):
+    """Gradients through a compiled function (``tileops::apply_backward`` with the saved
+    ``residual_out``; x's and the residual's gradients, one tensor in the kernel, two outputs of the
+    custom op) equal the eager ones; the vLLM form (``out=x, residual_out=r``) compiles to the
+    in-place custom op."""
+    op = RMSNormFwdOp()
+    w = (torch.randn(64, generator=gen) * 0.3 + 1).requires_grad_(True)
+
+    def loss(x, r):
+        y, h = op(x, w, residual=r)
+        return (y * h).sum()
+
+    x, r = (torch.randn(6, 64, generator=gen).requires_grad_(True) for _ in range(2))
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(x, r), [x, r, w])
+    want = torch.autograd.grad(loss(x, r), [x, r, w])
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+    wd = w.detach()
+
+    def fused(x, r):
+        op(x, wd, residual=r, out=x, residual_out=r)
+        return x, r
+
+    xs, rs = torch.randn(6, 64, generator=gen), torch.randn(6, 64, generator=gen)
+    y, h = op(xs, wd, residual=rs)
+    got = torch.compile(fused, fullgraph=True)(xs.clone(), rs.clone())
+    assert torch.equal(got[0], y) and torch.equal(got[1], h)
