@@ -436,3 +436,59 @@ def test_compiled_gradients_and_in_place_residual(gen):
     y, h = op(xs, wd, residual=rs)
     got = torch.compile(fused, fullgraph=True)(xs.clone(), rs.clone())
     assert torch.equal(got[0], y) and torch.equal(got[1], h)
+
+
+# --------------------------------------------------------------------- warmup and the command line
+def test_warmup_names_the_kernels_norm_calls_load(monkeypatch, gen):
+    """``tileops warmup`` (``kernel_jobs``) names each norm case's forward, backward and weight-sum
+    kernels from the family's ``kernel_specs``, without constructing an op; the kernels that real
+    calls of a case load (forward and backward, on the CPU) are among those it names."""
+    from tileops.compile.warmup import kernel_jobs
+    from tileops.manifest import registry
+    from tileops.norm import builtin
+    from tileops.workloads import op_class, workload
+
+    for name in ("RMSNormFwdOp", "LayerNormFwdOp"):
+        m = registry()[name]
+        cuda = kernel_jobs([name], "sm_90")
+        assert {s.kind for _, s, _, _ in cuda} == {"fwd", "bwd", "wsum"}, name
+        assert all(b == "norm" and backend == "cuda" and arch == "sm_90" for b, _, backend, arch in cuda)
+        listed = set(kernel_jobs([name], "c"))
+        loaded = []
+        real = builtin.load_kernel
+        monkeypatch.setattr(builtin, "load_kernel", lambda b, s, be, a, *rest, **kw: (
+            loaded.append((b, s, be, a)), real(b, s, be, a, *rest, **kw))[1])
+        for case in (m.cases[0], m.cases[-1]):
+            w = workload(m, case, case.dtypes[0], "cpu", shrink=True, generator=gen)
+            op = op_class(name)(**w.params)
+            leaves = {n: t.clone().requires_grad_(True) for n, t in w.inputs.items()}
+            out = op(**leaves)
+            torch.autograd.grad(out, list(leaves.values()), [torch.ones_like(o) for o in
+                                                             (out if isinstance(out, tuple) else (out,))])
+        monkeypatch.undo()
+        assert {s.kind for _, s, _, _ in loaded} >= {"fwd", "bwd"}, loaded
+        assert set(loaded) <= listed, sorted(set(map(repr, loaded)) - set(map(repr, listed)))[:2]
+
+
+def test_list_show_and_emit_rows(capsys):
+    """``tileops list`` and ``show`` describe the norm ops (leading dims, the input like x, the output
+    dtype param, the backward); ``emit`` prints a case's forward kernel for the CPU and for sm_90."""
+    from tileops.cli import main
+
+    assert main(["list"]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert rows["RMSNormFwdOp"] == rows["LayerNormFwdOp"] == "norm"
+    assert main(["show", "RMSNormFwdOp"]) == 0
+    out = capsys.readouterr().out
+    for text in ("x: float16, bfloat16, float32  shape: [..., hidden]", "residual: like x  (optional)",
+                 "out: like x, dtype from out_dtype", "backward: wrt x, weight, residual; summed over rows: weight",
+                 "qk-norm-128            hidden=128, lead=[16384, 32]"):
+        assert text in out, text
+    assert main(["show", "LayerNormFwdOp"]) == 0
+    assert "weight: float16, bfloat16, float32  shape: [hidden]  (optional, positional)" in capsys.readouterr().out
+    assert main(["emit", "RMSNormFwdOp", "--case", "one-row", "--arch", "c"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("// RMSNormFwdOp case one-row, c: NormKernelSpec(kind='fwd', hidden=64") and "norm_fwd" in out
+    assert main(["emit", "LayerNormFwdOp", "--case", "ln-4k", "--arch", "sm_90"]) == 0
+    out = capsys.readouterr().out
+    assert "norm_fwd_kernel" in out and "__global__" in out and "bias='bfloat16'" in out
