@@ -282,7 +282,8 @@ def _gpu_kernels():
     jobs = []
     for name, m in REGISTRY.items():
         params = m.defaults() | dict(m.cases[0].params)
-        choices = [[(p.name, c) for c in p.choices] for p in m.params if p.choices is not None]
+        choices = [[(p.name, c) for c in (*p.choices, *([None] if p.optional else []))]
+                   for p in m.params if p.choices is not None]
         names = {p.name for p in m.params}
         for combo in itertools.product(*choices):
             for head_dim in GPU_HEAD_DIMS:

@@ -13,8 +13,6 @@ the generated tests where they can (bf16 hidden 4096, bf16 128 per head, fp32 64
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -436,3 +434,181 @@ def test_compiled_gradients_and_in_place_residual(gen):
     y, h = op(xs, wd, residual=rs)
     got = torch.compile(fused, fullgraph=True)(xs.clone(), rs.clone())
     assert torch.equal(got[0], y) and torch.equal(got[1], h)
+
+
+# --------------------------------------------------------------------- warmup and the command line
+def test_warmup_names_the_kernels_norm_calls_load(monkeypatch, gen):
+    """``tileops warmup`` (``kernel_jobs``) names each norm case's forward, backward and weight-sum
+    kernels from the family's ``kernel_specs``, without constructing an op; the kernels that real
+    calls of a case load (forward and backward, on the CPU) are among those it names."""
+    from tileops.compile.warmup import kernel_jobs
+    from tileops.manifest import registry
+    from tileops.norm import builtin
+    from tileops.workloads import op_class, workload
+
+    for name in ("RMSNormFwdOp", "LayerNormFwdOp"):
+        m = registry()[name]
+        cuda = kernel_jobs([name], "sm_90")
+        assert {s.kind for _, s, _, _ in cuda} == {"fwd", "bwd", "wsum"}, name
+        assert all(b == "norm" and backend == "cuda" and arch == "sm_90" for b, _, backend, arch in cuda)
+        listed = set(kernel_jobs([name], "c"))
+        loaded = []
+        real = builtin.load_kernel
+        monkeypatch.setattr(builtin, "load_kernel", lambda b, s, be, a, *rest, **kw: (
+            loaded.append((b, s, be, a)), real(b, s, be, a, *rest, **kw))[1])
+        for case in (m.cases[0], m.cases[-1]):
+            w = workload(m, case, case.dtypes[0], "cpu", shrink=True, generator=gen)
+            op = op_class(name)(**w.params)
+            leaves = {n: t.clone().requires_grad_(True) for n, t in w.inputs.items()}
+            out = op(**leaves)
+            torch.autograd.grad(out, list(leaves.values()), [torch.ones_like(o) for o in
+                                                             (out if isinstance(out, tuple) else (out,))])
+        monkeypatch.undo()
+        assert {s.kind for _, s, _, _ in loaded} >= {"fwd", "bwd"}, loaded
+        assert set(loaded) <= listed, sorted(set(map(repr, loaded)) - set(map(repr, listed)))[:2]
+
+
+def test_list_show_and_emit_rows(capsys):
+    """``tileops list`` and ``show`` describe the norm ops (leading dims, the input like x, the output
+    dtype param, the backward); ``emit`` prints a case's forward kernel for the CPU and for sm_90."""
+    from tileops.cli import main
+
+    assert main(["list"]) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert rows["RMSNormFwdOp"] == rows["LayerNormFwdOp"] == "norm"
+    assert main(["show", "RMSNormFwdOp"]) == 0
+    out = capsys.readouterr().out
+    for text in ("x: float16, bfloat16, float32  shape: [..., hidden]", "residual: like x  (optional)",
+                 "out: like x, dtype from out_dtype", "backward: wrt x, weight, residual; summed over rows: weight",
+                 "qk-norm-128            hidden=128, lead=[16384, 32]"):
+        assert text in out, text
+    assert main(["show", "LayerNormFwdOp"]) == 0
+    assert "weight: float16, bfloat16, float32  shape: [hidden]  (optional, positional)" in capsys.readouterr().out
+    assert main(["emit", "RMSNormFwdOp", "--case", "one-row", "--arch", "c"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("// RMSNormFwdOp case one-row, c: NormKernelSpec(kind='fwd', hidden=64") and "norm_fwd" in out
+    assert main(["emit", "LayerNormFwdOp", "--case", "ln-4k", "--arch", "sm_90"]) == 0
+    out = capsys.readouterr().out
+    assert "norm_fwd_kernel" in out and "__global__" in out and "bias='bfloat16'" in out
+
+
+# ------------------------------------------------------------- the CUDA host path, emulated on the CPU
+class _EmulatedKernel:
+    """A norm kernel's CUDA schedule as the runtime launches it, run on the CPU by
+    ``tests/cuda_on_cpu.py``: the host side of the CUDA path (stride units, alignment and the copies
+    they force, the backward's blocks and partial rows) runs unchanged on CPU tensors."""
+
+    _EXTENTS = {"fwd": ("NX", "NR", "NY", "NRO"), "bwd": ("NX", "NDY", "NDRO", "NDX", "NP"), "wsum": ("NP",)}
+
+    def __init__(self, spec):
+        from tests.test_norm_kernels import _emulated
+
+        self.spec, self.emu = spec, _emulated(spec)
+        self.param_names, self.extent_names = spec.args, self._EXTENTS[spec.kind]
+        self.arg_names = self.param_names + self.extent_names
+        self.arg_types = ("int64_t",) * len(self.arg_names)
+        self.slot = {n: i for i, n in enumerate(self.arg_names)}
+        self.device_index = None
+        self.launched: list[str] = []
+
+    def bind(self, **values):
+        return [values[n] for n in self.arg_names]
+
+    def stream(self) -> int:
+        return 0
+
+    def __call__(self, *args) -> None:
+        self.launch(list(args), 0)
+
+    def launch(self, args, stream) -> bool:
+        named = dict(zip(self.arg_names, (int(a) for a in args)))
+        s = self.spec
+        # the grids the kernels declare: row groups, G persistent blocks, 32 columns a block
+        grid = (-(-named["M"] // s.rows_per_block) if s.kind == "fwd" else named["G"] if s.kind == "bwd"
+                else -(-s.hidden // 32))
+        self.launched.append(s.kind)
+        self.emu.launch(grid, s.block_threads, **named)
+        return False
+
+
+@pytest.fixture
+def emulated_cuda():
+    """A context in which norm ops serve CPU tensors through the CUDA path: ``device_backend`` says
+    sm_90, kernels are :class:`_EmulatedKernel`, the device has 132 SMs (an H200's); an op made by
+    ``emulated_cuda.op(cls, ...)`` runs on the Python runtime (the native executor would call a
+    compiled entry point). Ops made and called outside the context run the C backend as ever."""
+    import contextlib
+
+    from tests import cuda_on_cpu
+    from tileops.norm import builtin
+    from tileops.runtime import executor
+
+    if not cuda_on_cpu.available():
+        pytest.skip("no C++ compiler")
+
+    @contextlib.contextmanager
+    def context():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(builtin, "device_backend", lambda device: ("cuda", "sm_90"))
+            mp.setattr(builtin, "load_kernel", lambda b, spec, *a, **k: _EmulatedKernel(spec))
+            mp.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 132}))
+            yield
+
+    def op(cls, *args, **kwargs):
+        made = cls(*args, **kwargs)
+        made._use_runtime(executor.PythonRuntime(made._handle))
+        return made
+
+    context.op = op
+    return context
+
+
+@pytest.mark.slow  # compiles each kernel's CUDA source with g++ (about 10 s each on 2 cores) and runs it emulated
+def test_the_cuda_host_path_emulated(emulated_cuda, gen):
+    """Per-head bf16 norm of the q slice of a fused qkv buffer in place with the residual fused in
+    place (vLLM), rows at strides that are whole 16-byte vectors; views off the vector (a pointer one
+    element past it, a row stride of 68 elements) copied first and still right; gradients through
+    bwd on G blocks and wsum over their partial rows (the row-per-warp schedule: one partial row
+    per warp). Against the same op on the C backend."""
+    T, HQ, HK, D = 11, 4, 2, 128
+    op, c_op = emulated_cuda.op(RMSNormFwdOp), RMSNormFwdOp()
+    w = (torch.randn(D, generator=gen) * 0.2 + 1).to(torch.bfloat16)
+    qkv = (torch.randn(T, (HQ + 2 * HK) * D, generator=gen) * 2).to(torch.bfloat16)
+    res = torch.randn(T, HQ, D, generator=gen).to(torch.bfloat16)
+    q = qkv[:, :HQ * D].view(T, HQ, D)
+    want_y, want_h = c_op(q.clone(), w, residual=res)
+    rest = qkv[:, HQ * D:].clone()
+    buf = torch.randn(T * 136 + 1, generator=gen).to(torch.bfloat16)
+    views = (buf[1:1 + T * D].view(T, D), buf[:T * 68].view(T, 68)[:, :64])  # off the 16-byte vector
+    want_views = [c_op(x, w[:x.shape[-1]].contiguous()) for x in views]
+    x, r = torch.randn(37, D, generator=gen).to(torch.bfloat16), torch.randn(37, D, generator=gen).to(torch.bfloat16)
+    dy, dh = torch.randn(37, D, generator=gen).to(torch.bfloat16), torch.randn(37, D, generator=gen).to(torch.bfloat16)
+
+    def grads(o):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, r)]
+        return torch.autograd.grad(o(leaves[0], leaves[1], residual=leaves[2]), leaves, (dy, dh))
+
+    cx, cw, cr = grads(c_op)
+    with emulated_cuda():
+        got = op(q, w, residual=res, out=q, residual_out=res)
+        assert got[0] is q and got[1] is res and torch.equal(res, want_h)
+        # the two schedules sum a row in other orders: the same bits but where Llama's rounding is a tie
+        assert_hf_bits(q, want_y, "q in place", rounds=2)
+        assert torch.equal(qkv[:, HQ * D:], rest)
+        kernels = op._impl_for(op._check_call({"x": q, "weight": w, "residual": res}))
+        assert kernels.unit == 8 and kernels.spec.backend == "cuda"
+        for v, want in zip(views, want_views):  # a pointer one bf16 past the vector, a row stride of 68: copied
+            wv = w[:v.shape[-1]].contiguous()
+            assert_hf_bits(op(v, wv), want, str(v.stride()), rounds=2)
+        narrow = {"x": views[1], "weight": w[:64].contiguous(), "residual": None}
+        assert op._impl_for(op._check_call(narrow)).binding(narrow, {"out": None}) is None  # not bound: copied
+        # gradients: bf16 rows of 128 (per warp), x and residual from one launch, the weight's summed
+        gx, gw, gr = grads(op)
+        b = op._impl_for(op._check_call({"x": x, "weight": w, "residual": r}))
+        assert b.bwd_spec.per_warp and b.bwd_spec.partials_per_block == b.bwd_spec.block_threads // 32
+        assert b._blocks(37) == -(-37 // b.bwd_spec.rows_per_block)  # fewer groups than resident blocks
+        assert b._blocks(10**6) == 132 * (1024 // b.bwd_spec.block_threads)
+    assert torch.equal(gx, gr) and torch.equal(cx, cr)
+    # the two schedules sum in other orders: dx within a bf16 rounding, dw within its fp32 sums' error
+    assert_close(gx, cx.double(), rtol=2.0**-7, atol=2.0**-7 * cx.abs().mean().item(), what="dx")
+    assert_close(gw, cw.double(), rtol=2.0**-7, atol=0, what="dw")
