@@ -1,28 +1,35 @@
-"""A transformers Llama patched by tileops against the same model unpatched: compiled and eager
-``generate``, and an eager training step, side by side in one run.
+"""A transformers Llama patched by tileops, RoPE alone and RoPE with the RMSNorms, against the same
+model unpatched: compiled and eager ``generate``, and an eager training step, side by side in one run.
 
     python -m benchmarks.hf_generate            # on a GPU: writes results/hf_generate.{json,md}
     python -m benchmarks.hf_generate --quick    # small sizes, CPU or GPU: prints the table only
 
 The model: Llama, 8 layers, hidden 1024, 16 query / 4 key-value heads (head_dim 64), intermediate
 2816 (about 8/3 x hidden rounded to 256, Llama's proportion), vocabulary 32000, bf16 on CUDA,
-random weights from the config. Two copies with the same weights, one patched
-(``tileops.integrations.transformers.patch``), so that both stay compiled side by side.
+random weights from the config. Three copies with the same weights, so that all stay compiled side
+by side (``tileops.integrations.transformers.patch``):
 
-Rows (each a median of ``--reps`` timings after warm-up, patched and unpatched alternating so
-that both see the same noise; a row's ratio is patched / unpatched):
+* ``unpatched``: transformers' own modules;
+* ``rope``: ``patch(model, norm=False)``, the RoPE alone;
+* ``rope+norm``: ``patch(model, rope=True, norm=True)`` (``patch(model)``), RoPE and the 17
+  LlamaRMSNorm modules (two per layer and the final one) through ``tileops.norm.RMSNormFwdOp``.
+
+Rows (each a median of ``--reps`` timings after warm-up, the variants in turn, their order
+reversed every other run so that all see the same noise; the ratios are ``rope`` / ``unpatched``,
+``rope+norm`` / ``unpatched`` and ``rope+norm`` / ``rope``):
 
 * compiled generate: ``model.forward = torch.compile(model.forward)`` (Inductor, default mode),
   ``cache_implementation="static"``, greedy, batch 8 x (256 prompt + 128 new tokens), with
   ``disable_compile=True`` so that this is the only compile (HF would otherwise compile
   ``__call__`` again with its own CompileConfig). The graphs each model compiled are counted
   (Dynamo's ``unique_graphs``): before the patch was traceable, the patched model recompiled at
-  every decode step until the recompile limit;
+  every decode step until the recompile limit. (Inductor fuses HF's RMSNorm with its neighbours;
+  the routed norm is a custom op it cannot fuse into: this row says which wins.)
 * eager generate: the same generation with the default (dynamic) cache, nothing compiled;
 * eager training step: forward with labels and backward, batch 4 x 2048.
 
 ``--quick`` (2 layers, hidden 64, batch 2 x (16 + 8), training 2 x 64, backend ``aot_eager`` on the
-CPU) only checks that the script runs; it writes no results unless ``--out`` is given.
+CPU, fp32) only checks that the script runs; it writes no results unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -45,8 +52,15 @@ QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=12
              train_batch=2, train_seq=64)
 
 
-def _models(size: dict, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    """(unpatched, patched): two Llamas with the same random weights."""
+#: the variants: the keyword arguments of ``patch``, None for the unpatched model
+VARIANTS: dict[str, dict | None] = {"unpatched": None, "rope": {"rope": True, "norm": False},
+                                   "rope+norm": {"rope": True, "norm": True}}
+#: the ratios each row reports: (numerator, denominator)
+RATIOS = (("rope", "unpatched"), ("rope+norm", "unpatched"), ("rope+norm", "rope"))
+
+
+def _models(size: dict, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """One Llama per :data:`VARIANTS`, all with the same random weights, patched as each says."""
     import transformers
 
     from tileops.integrations.transformers import patch
@@ -55,12 +69,13 @@ def _models(size: dict, device: torch.device, dtype: torch.dtype) -> tuple[Any, 
         vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["intermediate"],
         num_hidden_layers=size["layers"], num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
         max_position_embeddings=max(4096, size["train_seq"]), pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    models = []
-    for _ in range(2):
+    models = {}
+    for name, how in VARIANTS.items():
         torch.manual_seed(0)
         # built in dtype as from_pretrained(dtype=...) builds it: the rotary inv_freq stays fp32
-        models.append(transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype).to(device).eval())
-    return models[0], patch(models[1])
+        m = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype).to(device).eval()
+        models[name] = m if how is None else patch(m, **how)
+    return models
 
 
 def _sync(device: torch.device) -> None:
@@ -93,7 +108,7 @@ def _side_by_side(calls: dict[str, Callable[[], Any]], device: torch.device, war
 
 def run(size: dict, device: torch.device, backend: str, warmup: int, reps: int) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    plain, patched = _models(size, device, dtype)
+    models = _models(size, device, dtype)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, size["vocab"], (size["batch"], size["prompt"]), generator=gen).to(device)
     n = size["new"]
@@ -105,22 +120,23 @@ def run(size: dict, device: torch.device, backend: str, warmup: int, reps: int) 
         with torch.no_grad():
             return model.generate(prompt, **kwargs, **extra)
 
+    def each(call: Callable[[Any], Any]) -> dict[str, Callable[[], Any]]:
+        return {name: (lambda m=m: call(m)) for name, m in models.items()}
+
     shape = f"{size['batch']} x ({size['prompt']} + {n})"
     torch._dynamo.reset()
-    for m in (plain, patched):
+    for m in models.values():
         m.forward = torch.compile(m.forward, backend=backend)
     try:
-        got = _side_by_side({"unpatched": lambda: generate(plain, cache_implementation="static", disable_compile=True),
-                             "patched": lambda: generate(patched, cache_implementation="static",
-                                                         disable_compile=True)}, device, warmup, reps)
+        got = _side_by_side(each(lambda m: generate(m, cache_implementation="static", disable_compile=True)),
+                            device, warmup, reps)
     finally:
-        for m in (plain, patched):
+        for m in models.values():
             del m.forward
-    rows.append({"setup": f"compiled generate ({backend}, static cache), {shape}", **_pair(got)})
+    rows.append({"setup": f"compiled generate ({backend}, static cache), {shape}", **_row(got)})
 
-    got = _side_by_side({"unpatched": lambda: generate(plain), "patched": lambda: generate(patched)}, device,
-                        warmup, reps)
-    rows.append({"setup": f"eager generate (dynamic cache), {shape}", **_pair(got)})
+    got = _side_by_side(each(generate), device, warmup, reps)
+    rows.append({"setup": f"eager generate (dynamic cache), {shape}", **_row(got)})
 
     ids = torch.randint(3, size["vocab"], (size["train_batch"], size["train_seq"]), generator=gen).to(device)
 
@@ -128,32 +144,36 @@ def run(size: dict, device: torch.device, backend: str, warmup: int, reps: int) 
         model.zero_grad(set_to_none=True)
         model(ids, labels=ids).loss.backward()
 
-    for m in (plain, patched):
+    for m in models.values():
         m.train()
-    got = _side_by_side({"unpatched": lambda: train_step(plain), "patched": lambda: train_step(patched)}, device,
-                        warmup, reps)
+    got = _side_by_side(each(train_step), device, warmup, reps)
     rows.append({"setup": f"eager training step (forward + backward), {size['train_batch']} x {size['train_seq']}",
-                 **_pair(got)})
+                 **_row(got)})
     return rows
 
 
-def _pair(got: dict[str, dict]) -> dict:
-    return {"unpatched": got["unpatched"], "patched": got["patched"],
-            "ratio": got["patched"]["ms"] / got["unpatched"]["ms"]}
+def _row(got: dict[str, dict]) -> dict:
+    return {"times": got, "ratios": {f"{a} / {b}": got[a]["ms"] / got[b]["ms"] for a, b in RATIOS}}
 
 
 def markdown(rows: list[dict], info: dict) -> str:
+    names = list(VARIANTS)
+    ratios = [f"{a} / {b}" for a, b in RATIOS]
     lines = [f"Llama {info['size']['layers']} layers, hidden {info['size']['hidden']}, "
              f"{info['size']['heads']}/{info['size']['kv_heads']} heads, intermediate {info['size']['intermediate']}, "
              f"{info['dtype']}, random weights; {info['device']}; torch {info['torch']}, transformers "
-             f"{info['transformers']}. Medians of {info['reps']} after {info['warmup']} warm-up runs, patched and "
-             f"unpatched alternating; ratio = patched / unpatched (below 1: patched faster).", "",
-             "| setup | unpatched ms | patched ms | ratio | graphs compiled (unpatched / patched) |",
-             "|---|---:|---:|---:|---:|"]
+             f"{info['transformers']}. Medians of {info['reps']} after {info['warmup']} warm-up runs, the variants "
+             f"in turn; rope: patch(model, norm=False), rope+norm: patch(model, rope=True, norm=True); a ratio "
+             f"below 1: the first faster.", "",
+             f"| setup | {' | '.join(f'{n} ms' for n in names)} | {' | '.join(ratios)} | graphs compiled "
+             f"({' / '.join(names)}) |",
+             f"|---|{'---:|' * (len(names) + len(ratios) + 1)}"]
     for r in rows:
-        u, p = r["unpatched"], r["patched"]
-        lines.append(f"| {r['setup']} | {u['ms']:.1f} | {p['ms']:.1f} | {r['ratio']:.2f} | "
-                     f"{u['graphs_compiled']} / {p['graphs_compiled']} |")
+        t = r["times"]
+        ms = " | ".join(f"{t[n]['ms']:.1f}" for n in names)
+        rs = " | ".join(f"{r['ratios'][k]:.2f}" for k in ratios)
+        graphs = " / ".join(str(t[n]["graphs_compiled"]) for n in names)
+        lines.append(f"| {r['setup']} | {ms} | {rs} | {graphs} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,8 @@
 
 The model of :mod:`benchmarks.hf_generate` (8 layers, hidden 1024, bf16, random weights), compiled
 with Inductor (``model.forward = torch.compile(model.forward)``), static cache, ``generate`` of
-8 x (256 + 16) tokens; after two warm-up runs each model runs once timed and once under
+8 x (256 + 16) tokens, unpatched, RoPE alone and RoPE with the norms (``hf_generate.VARIANTS``);
+after two warm-up runs each model runs once timed and once under
 ``torch.profiler`` (CPU activity), and the ops with the most self CPU time are printed. On the H200
 this showed ``tileops::apply`` at 112 us of host time per call (benchmarks/NOTES.md).
 """
@@ -25,17 +26,17 @@ def main() -> int:
         return 2
     size = dict(FULL, new=16)
     dev = torch.device("cuda")
-    plain, patched = _models(size, dev, torch.bfloat16)
+    models = _models(size, dev, torch.bfloat16)
     prompt = torch.randint(3, size["vocab"], (size["batch"], size["prompt"])).to(dev)
     kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False,
               pad_token_id=0, cache_implementation="static", disable_compile=True)
-    for m in (plain, patched):
+    for m in models.values():
         m.forward = torch.compile(m.forward)
     with torch.no_grad():
-        for m in (plain, patched):
+        for m in models.values():
             m.generate(prompt, **kw)
             m.generate(prompt, **kw)
-        for name, m in (("unpatched", plain), ("patched", patched)):
+        for name, m in models.items():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             m.generate(prompt, **kw)

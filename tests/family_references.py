@@ -28,7 +28,7 @@ import torch
 
 from tileops.families import roots
 
-__all__ = ["reference_module", "outputs", "grads", "check_independent"]
+__all__ = ["reference_module", "outputs", "grads", "check_independent", "output_dtype"]
 
 HERE = Path(__file__).resolve().parent
 #: the first family's reference predates the convention
@@ -85,8 +85,19 @@ def grads(m: Any, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor],
     """float64 gradients of ``sum(output * grad_outs[output])`` over the outputs, with respect to the
     inputs ``wrt``, by autograd of :func:`outputs`."""
     leaves = {n: inputs[n].detach().double().requires_grad_(True) for n in wrt}
-    outs = outputs(m, params, {**inputs, **leaves})
+    # the leaves are float64: a reference that rounds where the op's model rounds (the norms') reads
+    # the inputs' own dtypes here
+    dtypes = {n: t.dtype for n, t in inputs.items() if isinstance(t, torch.Tensor)}
+    outs = outputs(m, {**params, "input_dtypes": dtypes}, {**inputs, **leaves})
     names = [n for n in outs if n in grad_outs]
     got = torch.autograd.grad([outs[n] for n in names], [leaves[n] for n in wrt],
                               [grad_outs[n].double() for n in names], allow_unused=True)
     return {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(wrt, got)}
+
+
+def output_dtype(m: Any, params: Mapping[str, Any], name: str, inputs: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The dtype of output ``name``: its ``dtype_by`` param's value when set, else its like input's."""
+    o = next(o for o in m.outputs if o.name == name)
+    value = params.get(o.dtype_by) if o.dtype_by else None
+    return getattr(torch, value) if value else inputs[o.like].dtype
+

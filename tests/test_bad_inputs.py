@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from tileops import target_names
-from tileops.manifest import registry
+from tileops.manifest import registry, tensor_shape
 from tileops.targets import FamilyTarget, Target, TargetError
-from tileops.workloads import DTYPES, case_params, make_inputs, op_class
+from tileops.manifest.schema import DTYPE_PREFIX, LEAD
+from tileops.workloads import DTYPES, case_params, index_dtype, make_inputs, op_class
 
 try:  # pytest puts tests/ on sys.path when it is not a package, the repo root when it is
     import family_references
@@ -68,6 +69,11 @@ def base(m) -> tuple[dict[str, Any], dict[str, int]]:
     return case_params(m, m.cases[0]), dims
 
 
+def dtypes(m) -> dict[str, str]:
+    """``dtype_<input>`` of every input as :func:`call` makes them (floats in float32), for rules."""
+    return {DTYPE_PREFIX + t.name: index_dtype(t) if t.range is not None else "float32" for t in m.inputs}
+
+
 def call(m, params, dims, replace, target=NO_KERNEL):
     """Build the op and call it on fresh valid inputs, with ``replace`` swapped in."""
     op = op_class(m.name)(**params, target=target)
@@ -91,15 +97,23 @@ def _layouts(m) -> Iterator[tuple[str, dict[str, Any]]]:
 # --------------------------------------------------------------------------- tensors
 
 
+def _accepts_rank(t, params, rank: int) -> bool:
+    """Whether input ``t`` may have ``rank`` dims. One ``like`` another input takes that one's shape
+    exactly: any other rank is wrong, though the shape alone would allow it."""
+    if t.like is not None:
+        return False
+    return any(rank == len(s) or (s[:1] == (LEAD,) and rank >= len(s) - 1) for s in t.shapes_for(params))
+
+
 def _tensor_items():
     rank, dtype, notensor, device = [], [], [], []
     for m in REGISTRY.values():
         for suffix, params in _layouts(m):
             for t in m.inputs:
-                ranks = {len(s) for s in t.shapes_for(params)}
+                good = len(tensor_shape(t, params, base(m)[1]))  # a leading "...": none of those dims
                 for delta in (1, -1):
-                    if len(t.shape_for(params)) + delta in ranks:
-                        continue  # an alternative shape: not wrong
+                    if _accepts_rank(t, params, good + delta):
+                        continue  # an alternative shape, or more leading dims: not wrong
                     rank.append((f"{m.name}{suffix}-{t.name}-rank{delta:+d}", m, params, t.name, delta))
         for t in m.inputs:
             for d in [*DTYPES, *EXTRA_DTYPES]:
@@ -133,6 +147,43 @@ def test_dtype_outside_the_allowed_set(m, arg, dtype):
     bad = good.to({**DTYPES, **EXTRA_DTYPES}[dtype])
     msg = raises_naming(arg, call, m, params, dims, {arg: bad}, kinds=TypeError)
     assert dtype in msg
+
+
+class _Reached(Exception):
+    """Raised by :data:`REACHED` where a kernel would run: every check of the call passed."""
+
+
+class _ReachedTarget(Target):
+    name = "reached"
+
+    def implement(self, op, spec):
+        raise _Reached(spec)
+
+
+REACHED = _ReachedTarget()
+_LEADING = [pytest.param(m, t, id=f"{m.name}-{t.name}") for m in REGISTRY.values() for t in m.inputs
+            if t.leading and t.like is None]
+
+
+@pytest.mark.parametrize("m, arg", _LEADING)
+def test_leading_dims_take_any_rank_and_a_like_input_must_match_them(m, arg):
+    """An input whose shape starts with ``"..."`` is accepted with 0 to 3 leading dims (the
+    generated rank test gives it none, then a rank below that); an input ``like`` it must have its
+    exact shape, leading dims included, and its dtype."""
+    params, dims = base(m)
+    for lead in ((), (3,), (2, 5), (2, 1, 3)):
+        with pytest.raises(_Reached):
+            call(m, params, dims | {LEAD: lead}, {}, target=REACHED)
+    likes = [t.name for t in m.inputs if t.like == arg]
+    for other in likes:
+        inputs = make_inputs(m, params, dims | {LEAD: (2, 5)}, "float32", every=True)
+        msg = raises_naming(other, call, m, params, dims, inputs | {other: inputs[other].reshape(5, 2, -1)},
+                            kinds=ValueError)
+        assert f"(that of {arg})" in msg and "[2, 5, " in msg, msg
+        wrong = next(d for d in ("bfloat16", "float16") if d in m.input(other).dtypes)
+        msg = raises_naming(other, call, m, params, dims, inputs | {other: inputs[other].to(DTYPES[wrong])},
+                            kinds=TypeError)
+        assert f"(that of {arg})" in msg and wrong in msg, msg
 
 
 # A list or an ndarray is unhashable: Op._call once put it in its cache key and failed with
@@ -200,7 +251,9 @@ def _candidates(rule, name: str, env: dict) -> list:
 
 
 def _typed(m, name: str, v):
-    """``v`` as a value of the param's (or dim's) type, or None when it cannot be one."""
+    """``v`` as a value of the param's (or dim's, or an input's dtype's) type, or None when it cannot be one."""
+    if name.startswith(DTYPE_PREFIX):
+        return v if isinstance(v, str) else None
     ptype = next((p.type for p in m.params if p.name == name), "dim")
     if ptype == "float":
         return float(v)
@@ -231,6 +284,7 @@ def _rule_items(needs_dims: bool, per_name: int = 4):
     items = []
     for m in REGISTRY.values():
         _, dims = base(m)
+        dims = dims | dtypes(m)  # a rule checked at the call may name an input's dtype
         for rule in m.rules:
             if rule.needs_dims != needs_dims:
                 continue
@@ -240,7 +294,10 @@ def _rule_items(needs_dims: bool, per_name: int = 4):
                 if name not in params and name not in dims:
                     continue
                 found = 0
-                for v in _candidates(rule, name, params | dims):
+                cands = _candidates(rule, name, params | dims)
+                if name.startswith(DTYPE_PREFIX):  # an input's dtype: each it allows
+                    cands = [d for d in m.input(name[len(DTYPE_PREFIX):]).dtypes if d != dims[name]]
+                for v in cands:
                     v = _typed(m, name, v)
                     env = params | dims | {name: v}
                     if v is None or _holds(rule, env) or not all(_holds(r, env) for r in others):
@@ -282,10 +339,14 @@ def test_dim_rule_broken_at_the_call(m, rule, name, value):
     params, dims = _params_for(m, rule), base(m)[1]
     if name in params:
         params = params | {name: value}
-    else:
+    elif not name.startswith(DTYPE_PREFIX):
         dims = dims | {name: value}
+    inputs = _shaped_inputs(m, params, dims)
+    if name.startswith(DTYPE_PREFIX):  # an input's dtype: that input converted
+        arg = name[len(DTYPE_PREFIX):]
+        inputs[arg] = inputs[arg].to(DTYPES[value])
     op = op_class(m.name)(**params, target=NO_KERNEL)  # the params alone are fine
-    raises_naming(rule.arg, op, **_shaped_inputs(m, params, dims), kinds=ValueError)
+    raises_naming(rule.arg, op, **inputs, kinds=ValueError)
 
 
 def _shaped_inputs(m, params, dims):
@@ -295,7 +356,7 @@ def _shaped_inputs(m, params, dims):
     tiny = make_inputs(m, params, small, "float32", every=True)
     out = {}
     for t in m.inputs:
-        shape = [dims[d] for d in t.shape_for(params)]
+        shape = tensor_shape(t, params, dims)
         v = tiny[t.name]
         out[t.name] = (v.reshape(-1)[:1].reshape([1] * len(shape)).expand(shape) if math.prod(shape) > 2**24
                        else make_inputs(m, params, dims, "float32", every=True)[t.name])

@@ -151,3 +151,32 @@ def test_splice_replaces_one_ops_rows_in_place_and_says_so():
     assert f"{op}: re-measured at commit abc1234" in plots.summary_markdown(got, [])
     again = runner.splice(got, new)  # a second splice of the same op replaces the record, not adds one
     assert [u["commit"] for u in again["meta"]["updated"]].count("abc1234") == 1
+
+
+def test_the_hf_benchmark_builds_its_three_variants_and_reports_each():
+    """benchmarks.hf_generate's models (the --quick size; the timings need a GPU): the same weights,
+    unpatched, RoPE alone and RoPE with the 2 x layers + 1 norms; every row's table line names the
+    three variants' times and ratios."""
+    pytest.importorskip("transformers")
+    from benchmarks import hf_generate
+    from tileops.integrations import transformers as tt
+
+    models = hf_generate._models(hf_generate.QUICK, torch.device("cpu"), torch.float32)
+    assert list(models) == ["unpatched", "rope", "rope+norm"]
+    try:
+        assert not tt.is_patched(models["unpatched"])
+        reports = {k: tt.report(models[k]) for k in ("rope", "rope+norm")}
+        assert reports["rope"]["rope"] is not None and reports["rope"]["norm"] == {}
+        assert reports["rope+norm"]["norm"] == {"LlamaRMSNorm": 2 * hf_generate.QUICK["layers"] + 1}
+        w = [m.model.layers[0].self_attn.q_proj.weight for m in models.values()]
+        assert torch.equal(w[0], w[1]) and torch.equal(w[0], w[2])
+    finally:
+        for m in models.values():
+            if tt.is_patched(m):
+                tt.unpatch(m)
+    times = {k: {"ms": ms, "min_ms": ms, "max_ms": ms, "graphs_compiled": 2} for k, ms in
+             zip(hf_generate.VARIANTS, (4.0, 2.0, 1.0))}
+    info = {"size": hf_generate.QUICK, "dtype": "fp32", "device": "CPU", "torch": "t", "transformers": "t",
+            "reps": 1, "warmup": 0}
+    md = hf_generate.markdown([{"setup": "s", **hf_generate._row(times)}], info)
+    assert "| s | 4.0 | 2.0 | 1.0 | 0.50 | 0.25 | 0.50 | 2 / 2 / 2 |" in md, md

@@ -182,6 +182,26 @@ def _check_api_reference(page: str) -> None:
             assert section in forward, f"{name}.forward has no {section}"
 
 
+def test_every_family_has_an_api_page_with_its_ops(site: Path) -> None:
+    """Every family's page, written (RoPE's) or generated from its package and manifests (the
+    norms'), in both languages: each op's class, ``__init__``, ``forward`` and manifest tables, in
+    that order, its shapes as the manifest writes them (a leading ``...`` too)."""
+    families = sorted({m.family for m in registry().values()})
+    assert "norm" in families
+    for family in families:
+        for lang in ("", "zh/"):
+            page = _page(site, f"{lang}api/{family}")
+            for name in sorted(n for n, m in registry().items() if m.family == family):
+                ids = [f"tileops.{family}.{name}", f"tileops.{family}.{name}.__init__",
+                       f"tileops.{family}.{name}.forward", f"{name}-manifest"]
+                at = [page.index(f'id="{i}"') for i in ids]
+                assert at == sorted(at), f"{family}/{name}: out of order"
+                tables = _text(page[at[-1]:])
+                for t in registry()[name].inputs:
+                    for dims in t.shapes.values():
+                        assert t.like or "[" + ", ".join(dims) + "]" in tables, f"{name}: {t.name} {dims}"
+
+
 def test_api_page_shows_the_classes_first(site: Path) -> None:
     """The first class comes right after the page's short introduction, and the usage details
     (positions, q and k, torch.compile, costs) after the last class."""

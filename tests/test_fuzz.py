@@ -2,7 +2,8 @@
 invalid specs that must fail with a clear error.
 
 A valid spec is an op, params within its rules, dims (lengths from 1, 1..80 heads, batch 1..4, an
-even head_dim), a dtype, and inputs laid out contiguously or not (a slice of a wider last dim, one
+even head_dim, and 0 to 3 leading dims where a shape starts with ``"..."``: the norms' rows), a dtype,
+and inputs laid out contiguously or not (a slice of a wider last dim, one
 element off a 16-byte boundary, every other row); the largest input holds at most ``MAX_ELEMENTS``
 (20k) elements, so an example takes milliseconds once its kernel exists. Positions of the
 position-ids op lie anywhere in ``[0, max_position)``, the ends drawn on purpose. Specs run through
@@ -21,6 +22,8 @@ Cost and knobs:
   kernel, about 1.5 s on the CPU (then cached in memory and on disk by TileLang). With the default
   ``max_examples`` (4 per op for the valid test, 20 for the many-calls one, 10 per kind of mistake)
   head_dim is drawn from a small set, ``SMALL_HEAD_DIMS``, so the default run takes about a minute.
+  Every dim a manifest compiles kernels for (``kernel.specialize``: RoPE's head_dim, the norms'
+  hidden) is drawn from that set.
 * ``TILEOPS_FUZZ_EXAMPLES=N`` sets ``max_examples`` to N in all (N / ops per op for the valid
   test; N/2, N/4 for the others); ``TILEOPS_FUZZ_WIDE=1`` draws head_dim from every even value in
   2..512, so most examples compile a kernel: about 2.5 minutes for N=300 here.
@@ -50,7 +53,8 @@ from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import strategies as st
 
 from tileops import target_names
-from tileops.manifest import registry
+from tileops.manifest import registry, tensor_shape
+from tileops.manifest.schema import LEAD
 from tileops.testing import TOLERANCES
 from tileops.workloads import DTYPES, op_class
 
@@ -99,7 +103,9 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
 _FLOATS = {"scale_factor": (0.1, 64.0), "low_freq_factor": (0.1, 16.0), "high_freq_factor": (0.1, 16.0),
            "scale": (0.1, 64.0), "beta_fast": (0.1, 128.0), "beta_slow": (0.1, 64.0), "attn_factor": (-4.0, 4.0),
            # an amplitude: the tolerances are for outputs of the inputs' size (97.5 left one element 5.7e-5 off)
-           "attention_factor": (-4.0, 4.0)}
+           "attention_factor": (-4.0, 4.0),
+           # a norm's: large enough to matter for rows near 0, small next to unit-variance rows
+           "eps": (0.0, 0.01)}
 _INTS = {"original_max_position": (1, 2**20), "max_position_embeddings": (1, 2**20),
          "original_max_position_embeddings": (2, 2**20)}
 _BASE = st.one_of(st.sampled_from([10000.0, 500000.0, 1e6, 2.0]), st.floats(0.05, 1e7))
@@ -133,7 +139,7 @@ class Spec:
         env = self.params | self.dims
         out = {}
         for t in m.inputs:
-            shape = [self.dims[d] for d in t.shape_for(self.params)]
+            shape = tensor_shape(t, self.params, self.dims)
             if t.range is not None:
                 low, high = (int(b.evaluate(env)) for b in t.range)
                 v = torch.randint(low, high, shape, generator=g, dtype=torch.int64)
@@ -190,7 +196,9 @@ def _rules_hold(m, env, needs_dims: bool | None = None) -> bool:
 
 def _param(draw, m, p, head_dim: int) -> Any:
     if p.choices is not None:
-        return draw(st.sampled_from(p.choices))
+        return draw(st.sampled_from([*p.choices, *([None] if p.optional else [])]))
+    if p.name == "offset":  # compiled into a norm kernel: values exact in fp32 and in 7 digits
+        return draw(st.sampled_from([0.0, 0.0, 1.0, 0.5]))
     if p.name == "base":
         return draw(_BASE)
     if p.name == "rotary_dim":
@@ -218,18 +226,24 @@ def _param(draw, m, p, head_dim: int) -> Any:
     return p.default
 
 
-def _dims(draw, m, params, head_dim: int, max_elements: int) -> dict[str, int]:
-    # head_dim first (for ops that have one), then the small dims (heads, batch), then the length
-    # takes what the budget leaves
-    dims = {**({"head_dim": head_dim} if "head_dim" in m.dims else {}), **_pinned_dims(m)}
+def _dims(draw, m, params, head_dim: int, max_elements: int) -> dict[str, Any]:
+    # the dims kernels are compiled for (head_dim, a norm's hidden) first, then the small dims
+    # (heads, batch), then the length takes what the budget leaves; leading dims ("...") last
+    dims: dict[str, Any] = {**{d: head_dim for d in m.kernel.specialize}, **_pinned_dims(m)}
     shape = max((t.shape_for(params) for t in m.inputs), key=len)
     limits = {"heads": 80, "num_heads": 80, "batch": 4}
-    for d in sorted(shape, key=lambda d: d not in limits):
+    for d in sorted((d for d in shape if d != LEAD), key=lambda d: d not in limits):
         if d not in dims:
-            room = max(1, max_elements // math.prod(dims.values()))
+            room = max(1, max_elements // math.prod(v for v in dims.values() if isinstance(v, int)))
             dims[d] = draw(st.integers(1, min(limits.get(d, room), room)))
-    for d in {d for t in m.inputs for d in t.shape_for(params)} - set(dims):
+    for d in {d for t in m.inputs for d in t.shape_for(params)} - set(dims) - {LEAD}:
         dims[d] = 1
+    if any(t.leading for t in m.inputs):
+        lead = []
+        for _ in range(draw(st.integers(0, 3))):
+            room = max(1, max_elements // math.prod([*lead, *(v for v in dims.values() if isinstance(v, int))]))
+            lead.append(draw(st.integers(1, min(room, 40))))
+        dims[LEAD] = tuple(lead)
     return dims
 
 
@@ -268,7 +282,8 @@ def _gpu_kernels():
     jobs = []
     for name, m in REGISTRY.items():
         params = m.defaults() | dict(m.cases[0].params)
-        choices = [[(p.name, c) for c in p.choices] for p in m.params if p.choices is not None]
+        choices = [[(p.name, c) for c in (*p.choices, *([None] if p.optional else []))]
+                   for p in m.params if p.choices is not None]
         names = {p.name for p in m.params}
         for combo in itertools.product(*choices):
             for head_dim in GPU_HEAD_DIMS:
@@ -277,7 +292,8 @@ def _gpu_kernels():
                 for rot, sec in itertools.product(rots, sections):
                     extra = ({"rotary_dim": rot} if rot is not None else {}) | (
                         {"mrope_section": sec} if sec is not None else {})
-                    jobs += [j for j in op_kernel_jobs(name, params | dict(combo) | extra, {"head_dim": head_dim},
+                    jobs += [j for j in op_kernel_jobs(name, params | dict(combo) | extra,
+                                                       {d: head_dim for d in m.kernel.specialize},
                                                        m.inputs[0].dtypes, "sm_90", every_index_dtype=True)
                              # the head-major kernel serves 8192+ tokens, more than MAX_ELEMENTS allows
                              if not getattr(j[1], "transposed", False)]
@@ -305,7 +321,8 @@ def call_sequences(draw) -> list[Spec]:
     m = REGISTRY[spec.op]
     later = []
     for _ in range(draw(st.integers(1, 3))):
-        dims = _dims(draw, m, spec.params, spec.dims.get("head_dim", 0), MAX_ELEMENTS)
+        dims = _dims(draw, m, spec.params, spec.dims[m.kernel.specialize[0]] if m.kernel.specialize else 0,
+                     MAX_ELEMENTS)
         dtype = draw(st.sampled_from([spec.dtype] * 3 + list(m.inputs[0].dtypes)))
         later.append(replace(spec, dims=dims, dtype=dtype, seed=draw(st.integers(0, 2**32 - 1)), edges=[]))
     return [spec, *later]
@@ -343,27 +360,32 @@ def check_call(op, spec: Spec, state: dict | None = None) -> None:
         params = {**params, "max_position_id": _dynamic_ntk_length(params, inputs, {} if state is None else state) - 1}
     m = REGISTRY[spec.op]
     specs = [o for o in m.outputs if o.like in inputs]
+    dtypes = {o.name: family_references.output_dtype(m, params, o.name, inputs) for o in specs}
     given_outs: dict[str, torch.Tensor] = {}
     leaves: dict[str, torch.Tensor] = {}
-    if spec.mode == "out":  # NaN-filled, laid out like the inputs: an unwritten element shows
+    mode = spec.mode
+    if mode == "in-place" and any(dtypes[o.name] != inputs[o.like].dtype for o in specs):
+        mode = "out"  # an output of another dtype (out_dtype) cannot be its input
+    if mode == "out":  # NaN-filled, laid out like the inputs: an unwritten element shows
         for o in specs:
             src = inputs[o.like]
-            given_outs[o.name] = _as_view(torch.full(src.shape, math.nan, dtype=src.dtype, device=src.device), spec.view)
-    elif spec.mode == "in-place":
+            given_outs[o.name] = _as_view(torch.full(src.shape, math.nan, dtype=dtypes[o.name], device=src.device),
+                                          spec.view)
+    elif mode == "in-place":
         given_outs = {o.name: inputs[o.like] for o in specs}
-    elif spec.mode == "backward":
+    elif mode == "backward":
         leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in m.backward.wrt if n in inputs}
     result = op(**{**inputs, **leaves}, **given_outs)
     op.check()  # on a GPU a bad position would be reported here; none is drawn
     outs = result if isinstance(result, tuple) else (result,)
     assert len(outs) == len(specs)
-    changed = {o.like for o in specs} if spec.mode == "in-place" else set()
+    changed = {o.like for o in specs} if mode == "in-place" else set()
     assert all(torch.equal(inputs[k], before[k]) for k in inputs if k not in changed)
     cpu = {k: v.cpu() for k, v in before.items()}
     refs = family_references.outputs(m, params, cpu)
     for o, out in zip(specs, outs):
         src = before[o.like]
-        assert (out.shape, out.dtype) == (src.shape, src.dtype)
+        assert (out.shape, out.dtype) == (src.shape, dtypes[o.name])
         if o.name in given_outs:
             assert out is given_outs[o.name]  # written where it was asked
         else:
@@ -475,7 +497,11 @@ def invalid_specs(draw, kind: str):
         allowed = {DTYPES[d] for d in t.dtypes}
         return spec, {"dtype": (t.name, draw(st.sampled_from([d for d in _OTHER_DTYPES if d not in allowed])))}, TypeError, t.name
     if kind == "input-rank":
-        rank = len(t.shape_for(params))
+        rank = len(tensor_shape(t, params, spec.dims))
+        if t.like is not None:  # exactly the other input's shape: any other rank is wrong
+            return spec, {"rank": (t.name, draw(st.sampled_from([-1, 1, 2])))}, ValueError, t.name
+        if t.leading:  # any number of leading dims: only fewer dims than the named ones is wrong
+            return spec, {"rank": (t.name, len(t.shape_for(params)) - 2 - rank)}, ValueError, t.name
         ok = {len(a) for a in t.shapes_for(params)}  # alternative shapes are not mistakes
         delta = draw(st.sampled_from([d for d in (-1, 1, 2) if rank + d not in ok]))
         return spec, {"rank": (t.name, delta)}, ValueError, t.name
@@ -520,7 +546,8 @@ def check_invalid(case):
         inputs[arg] = inputs[arg].to(dt)
     if "rank" in change:
         arg, delta = change["rank"]
-        inputs[arg] = inputs[arg].reshape(*([1] * delta), *inputs[arg].shape) if delta > 0 else inputs[arg][0]
+        t = inputs[arg]
+        inputs[arg] = t.reshape(*([1] * delta), *t.shape) if delta > 0 else t[(0,) * -delta]  # the first dims dropped
     if "value" in change:
         inputs[change["value"][0]] = change["value"][1]
     if "position" in change:

@@ -83,7 +83,8 @@ def check_case(gcase: GeneratedCase, gen: torch.Generator) -> None:
     for spec, out in zip(specs, outs):
         src = w.inputs[spec.like]
         assert isinstance(out, torch.Tensor)
-        assert (out.shape, out.dtype, out.device) == (src.shape, src.dtype, src.device), seed
+        dtype = family_references.output_dtype(m, w.params, spec.name, w.inputs)  # out_dtype, else like's
+        assert (out.shape, out.dtype, out.device) == (src.shape, dtype, src.device), seed
         for name, t in w.inputs.items():
             assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr(), f"{spec.name} aliases {name}"
         # The output is a fresh tensor from the op, so instead of pre-filling it with NaN we check

@@ -67,7 +67,19 @@ def _config(kind: str):
                                                      "long_factor": LONG})
     if kind in VL:
         return _vl_config(kind)
+    if kind in NORM_ONLY:  # model types whose RMSNorm is served and RoPE is not (patch(model, rope=False))
+        return getattr(transformers, NORM_ONLY[kind][0])(**TINY, **NORM_ONLY[kind][2])
     raise KeyError(kind)
+
+
+#: model types served for RMSNorm alone: (config class, model class, config extras). Gemma 3 with
+#: one sliding and one full attention layer (its per-layer-type rope parameters are what from_hf_config
+#: refuses), Gemma 2 with a window shorter than the prompts
+NORM_ONLY = {"gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=8)),
+             "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                        dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+             "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {})}
 
 
 #: the vision-language models (MRoPE): the whole model, a one-block vision tower, its image tokens
@@ -103,7 +115,16 @@ def _model(kind: str, dtype=torch.float32, device="cpu", seed=0):
     torch.manual_seed(seed)
     # built in ``dtype`` as from_pretrained(dtype=...) builds it: the rotary inv_freq stays fp32
     # (model.to(dtype) would round it too, and HF's own RoPE with it)
-    model = getattr(transformers, _MODELS[kind.split("-")[0]])._from_config(cfg, dtype=dtype)
+    kind = kind.split("-")[0]
+    cls = _MODELS[kind] if kind in _MODELS else NORM_ONLY[kind][1]
+    model = getattr(transformers, cls)._from_config(cfg, dtype=dtype)
+    # norm weights are initialised to ones (Gemma: zeros, for 1 + weight): spread them, so that a
+    # norm that dropped or misplaced its weight shows
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_((torch.randn(p.shape, generator=gen) * 0.3).to(p.dtype))
     return model.to(device=device).eval()
 
 
@@ -368,12 +389,15 @@ def _ids(kind: str, batch: int, gen: torch.Generator, device="cpu") -> torch.Ten
 
 
 def _proj_grads(model) -> dict[str, torch.Tensor]:
+    """The gradients of the q/k projections (RoPE's inputs) and of the language model's norm
+    weights (the vision tower's get none from a text prompt)."""
     out = {}
     for name, p in model.named_parameters():
-        if any(k in name for k in ("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+        if any(k in name for k in ("q_proj.weight", "k_proj.weight", "qkv_proj.weight")) or (
+                name.endswith("norm.weight") and "visual" not in name):
             assert p.grad is not None, name
             out[name] = p.grad.detach().clone()
-    assert out
+    assert any("proj" in n for n in out) and any("norm" in n for n in out)
     return out
 
 
@@ -402,7 +426,9 @@ def _check_generation(model, got: torch.Tensor, want: torch.Tensor, exact: bool)
     assert float(top[0] - top[1]) < 0.05 * float(logits.abs().max()), (row, col)
 
 
-def _compare(kind: str, dtype, device, tol_logits, tol_grads):
+def _compare(kind: str, dtype, device, tol_logits, tol_grads, rope=True, norm=True):
+    """``patch(model, rope=rope, norm=norm)`` against the model unpatched: logits, gradients (q/k
+    projections and norm weights), greedy generations; then unpatched, the model's own again."""
     model = _model(kind.split("-")[0] if kind.startswith("phi3") else kind, dtype, device)
     gen = torch.Generator().manual_seed(1)
     ids = _ids(kind, 2, gen, device)
@@ -412,8 +438,10 @@ def _compare(kind: str, dtype, device, tol_logits, tol_grads):
     before = _run(model, ids, mask)
     mod = __import__(type(model).__module__, fromlist=["apply_rotary_pos_emb"])
     original_fn = mod.apply_rotary_pos_emb
-    assert tt.patch(model) is model and tt.is_patched(model)
-    assert mod.apply_rotary_pos_emb is not original_fn
+    assert tt.patch(model, rope=rope, norm=norm) is model and tt.is_patched(model)
+    assert (mod.apply_rotary_pos_emb is not original_fn) == rope
+    rep = tt.report(model)
+    assert (rep["rope"] is not None) == rope and bool(rep["norm"]) == norm, rep
     after = _run(model, ids, mask)
     d_logits = _rel(after[0], before[0])
     assert d_logits < tol_logits, (kind, d_logits)
@@ -422,8 +450,12 @@ def _compare(kind: str, dtype, device, tol_logits, tol_grads):
     exact = dtype == torch.float32
     _check_generation(model, after[2], before[2], exact)
     _check_generation(model, after[3], before[3], exact)
-    served = model._tileops_patch.op.serving_target
-    assert served == "builtin", served  # the default target: TileLang kernels on the CPU and on CUDA
+    # the default target: TileLang kernels on the CPU and on CUDA (a norm op built for a dtype
+    # pairing no module had is never called: None)
+    targets = {op.serving_target for op in rep["norm_ops"]} - {None}
+    assert targets == ({"builtin"} if norm else set()), targets
+    served = model._tileops_patch.op.serving_target if rope else "builtin"
+    assert served == "builtin", served
     assert tt.unpatch(model) is model and not tt.is_patched(model)
     assert mod.apply_rotary_pos_emb is original_fn
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -569,6 +601,7 @@ def test_docs_example_runs():
                          text=True, timeout=600, cwd=root)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "same tokens as transformers: True" in run.stdout and "q_proj grad: True" in run.stdout, run.stdout
+    assert "{'LlamaRMSNorm': 5}" in run.stdout and "norm weight grad: True" in run.stdout, run.stdout
 
 
 def test_model_cast_with_to_warns_and_uses_exact_frequencies():

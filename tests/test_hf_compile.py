@@ -17,9 +17,9 @@ transformers = pytest.importorskip("transformers")
 from tileops.integrations import transformers as tt  # noqa: E402
 
 try:
-    from test_hf import _MODELS, TINY, VL, _config, _rel, _vl_config
+    from test_hf import _MODELS, NORM_ONLY, TINY, VL, _config, _rel, _vl_config
 except ImportError:  # run from the repo root
-    from tests.test_hf import _MODELS, TINY, VL, _config, _rel, _vl_config
+    from tests.test_hf import _MODELS, NORM_ONLY, TINY, VL, _config, _rel, _vl_config
 
 #: one tiny model per served model type: the ``*_text`` types are the vision-language models'
 #: text models (``*TextModel``, no LM head)
@@ -33,12 +33,30 @@ def _model(kind: str, seed: int = 0) -> torch.nn.Module:
     else:
         cfg = _config("llama-default" if kind == "llama" else kind)
     torch.manual_seed(seed)
-    return getattr(transformers, TEXT.get(kind) or _MODELS[kind])._from_config(cfg).eval()
+    cls = TEXT.get(kind) or _MODELS.get(kind) or NORM_ONLY[kind][1]
+    return getattr(transformers, cls)._from_config(cfg).eval()
 
 
-def _op_nodes(graphs) -> int:
-    """How many calls of tileops' custom ops the FX graphs hold."""
-    return sum(1 for g in graphs for n in g.graph.nodes if n.op == "call_function" and "tileops" in str(n.target))
+def _op_nodes(graphs, ops=None) -> int:
+    """How many calls of tileops' custom ops the FX graphs hold (of ``ops`` alone, when given: a
+    call's first argument is its op's handle)."""
+    handles = None if ops is None else {op._handle for op in ops}
+    return sum(1 for g in graphs for n in g.graph.nodes if n.op == "call_function" and "tileops" in str(n.target)
+               and (handles is None or n.args[0] in handles))
+
+
+def _norm_calls(model, ids) -> int:
+    """How many times a forward of ``model`` on ``ids`` calls a routed norm module (eagerly)."""
+    calls = []
+    hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in model.modules()
+             if type(m).__name__ in tt.RMSNORM_CLASSES]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return len(calls)
 
 
 def _explain(model, ids):
@@ -47,22 +65,31 @@ def _explain(model, ids):
         return torch._dynamo.explain(model)(ids)
 
 
-@pytest.mark.parametrize("kind", tt.SERVED_MODEL_TYPES)
-def test_patched_model_has_no_more_graph_breaks(kind, gen):
+@pytest.mark.parametrize("kind, rope", [*((k, True) for k in tt.SERVED_MODEL_TYPES), ("gemma3", False),
+                                        # Gemma 1/2 compute Gemma 3's form; Olmo2 differs in rounding alone
+                                        *(pytest.param(k, False, marks=pytest.mark.slow) for k in NORM_ONLY
+                                          if k != "gemma3")])
+def test_patched_model_has_no_more_graph_breaks(kind, rope, gen):
+    """RoPE and RMSNorm (``rope=False``: the model types served for RMSNorm alone)."""
     model = _model(kind)
     ids = torch.randint(3, 128, (2, 11), generator=gen)
     plain = _explain(model, ids)
-    tt.patch(model)
+    norm_calls = _norm_calls(model, ids)
+    tt.patch(model, rope=rope)
     try:
         patched = _explain(model, ids)
+        rep = tt.report(model)
     finally:
         tt.unpatch(model)
         torch._dynamo.reset()
     reasons = [str(r.reason).splitlines()[0] for r in patched.break_reasons]
     assert patched.graph_break_count <= plain.graph_break_count, (kind, reasons)
     assert patched.graph_count <= plain.graph_count, kind
-    # the op was traced (one call per layer: q and k together), not HF's function in its place
-    assert _op_nodes(patched.graphs) == model.config.get_text_config().num_hidden_layers, kind
+    # the ops were traced, not HF's code in their place: RoPE once per layer (q and k together),
+    # the norm op once per norm module call
+    layers = model.config.get_text_config().num_hidden_layers
+    assert _op_nodes(patched.graphs, [rep["rope"]] if rope else []) == (layers if rope else 0), kind
+    assert norm_calls >= 2 * layers + 1 and _op_nodes(patched.graphs, rep["norm_ops"]) == norm_calls, kind
     assert _op_nodes(plain.graphs) == 0
 
 
@@ -101,8 +128,9 @@ def _compiled_generate(model, ids, new_tokens: int) -> tuple[list[int], torch.Te
 
 
 @pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
-@pytest.mark.parametrize("kind", ["llama", "phi3", "qwen2_vl", "qwen3_vl"])
-def test_static_cache_generate_compiles_no_more_graphs(kind, gen):
+@pytest.mark.parametrize("kind, rope", [("llama", True), ("phi3", True), ("qwen2_vl", True), ("qwen3_vl", True),
+                                        ("gemma3", False)])
+def test_static_cache_generate_compiles_no_more_graphs(kind, rope, gen):
     """Step by step, the patched model has compiled as many graphs as the unpatched one: prefill and
     the first decode step compile, later steps reuse them (Phi-3 also recompiles where the generation
     crosses its original length, unpatched too: HF's rotary embedding swaps its inv_freq there; the
@@ -111,7 +139,7 @@ def test_static_cache_generate_compiles_no_more_graphs(kind, gen):
     model = _model(kind)
     ids = torch.randint(3, 128, (2, 20), generator=gen)  # + 10 new tokens: past Phi-3's original 24
     plain, want, _ = _compiled_generate(model, ids, 10)
-    tt.patch(model)
+    tt.patch(model, rope=rope)
     try:
         patched, got, backend = _compiled_generate(model, ids, 10)
     finally:
@@ -124,14 +152,15 @@ def test_static_cache_generate_compiles_no_more_graphs(kind, gen):
 
 
 @pytest.mark.slow  # measured 5-38 s on 2 cores (pytest --durations); CI runs -m slow
-@pytest.mark.parametrize("kind", ["llama", "phi3", "qwen3", "qwen2_vl_text"])
-def test_compiled_patched_model_matches_eager(kind, gen):
-    """aot_eager (AOTAutograd: the op's fake and autograd registrations) against the eager patched
-    model: fp32 logits and the q/k projection gradients of a loss."""
+@pytest.mark.parametrize("kind, rope", [("llama", True), ("phi3", True), ("qwen3", True), ("qwen2_vl_text", True),
+                                        ("gemma3", False)])
+def test_compiled_patched_model_matches_eager(kind, rope, gen):
+    """aot_eager (AOTAutograd: the ops' fake and autograd registrations) against the eager patched
+    model: fp32 logits and the gradients of a loss for the q/k projections and the norm weights."""
     model = _model(kind)
     model.train()  # dropout is 0 in these configs: train mode only makes autograd record
     ids = torch.randint(3, 128, (2, 30), generator=gen)  # Phi-3: past its original length of 24
-    tt.patch(model)
+    tt.patch(model, rope=rope)
     try:
         runs = []
         for forward in (model.forward, torch.compile(model.forward, backend="aot_eager")):
@@ -139,7 +168,8 @@ def test_compiled_patched_model_matches_eager(kind, gen):
             out = forward(ids)
             logits = out.logits if hasattr(out, "logits") else out.last_hidden_state
             (logits.float() ** 2).mean().backward()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if "q_proj" in n or "k_proj" in n}
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()
+                     if "q_proj" in n or "k_proj" in n or n.endswith("norm.weight")}
             runs.append((logits.detach(), grads))
     finally:
         tt.unpatch(model)

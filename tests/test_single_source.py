@@ -58,14 +58,17 @@ def test_forward_signature_and_doc_come_from_the_manifest(m):
     cls = _cls(m)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
     required = [t.name for t in m.inputs if not t.optional]
-    keyword = [t.name for t in m.inputs if t.optional] + [o.name for o in m.outputs]
-    assert [p.name for p in params] == required + keyword
+    positional = [t.name for t in m.inputs if t.optional and t.positional]  # LayerNorm's weight and bias
+    keyword = [t.name for t in m.inputs if t.optional and not t.positional] + [o.name for o in m.outputs]
+    assert [p.name for p in params] == required + positional + keyword
     for p in params:
         if p.name in required:
             assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is inspect.Parameter.empty
+        elif p.name in positional:
+            assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is None
         else:
             assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None
-    assert _doc_args(cls.forward) == required + keyword
+    assert _doc_args(cls.forward) == required + positional + keyword
     summary = inspect.getdoc(cls).splitlines()[0]
     assert summary == " ".join(m.summary.split())
 

@@ -102,6 +102,8 @@ def test_warmup_learns_the_kernels_without_constructing_an_op(monkeypatch):
         jobs = {arch: set(kernel_jobs(None, arch)) for arch in ("sm_90", "c")}
     assert len(jobs["sm_90"]) > 100 and len(jobs["c"]) > 50
     for name, man in registry().items():
+        if man.family != "rope":  # the norm family's: tests/test_norm_ops.py runs calls and compares what they load
+            continue
         case = man.cases[-1]
         op = op_class(name)(**case_params(man, case))
         for arch, backend, device in (("sm_90", "cuda", "cuda"), ("c", "c", "cpu")):

@@ -7,9 +7,11 @@ A target's implementation is either
   PyTorch); or
 * a *kernel set*: an object with ``prepare(tensors) -> state``, ``forward(state, tensors, outs) ->
   outputs`` (written into the tensors of ``outs`` where given) and ``backward(state, grads,
-  tensors) -> gradients of the wrt inputs`` (BUILTIN: the backward is the same TileLang builder
+  tensors) -> gradients of the wrt inputs`` (RoPE's BUILTIN backward is the same TileLang builder
   with the rotation reversed, one launch for every gradient). ``state`` is what both directions
-  must share, e.g. the cos/sin tables a call picked.
+  must share, e.g. the cos/sin tables a call picked; the backward's ``tensors`` are the inputs not
+  differentiated, and the inputs and outputs the manifest's ``backward.saves`` names (kept through
+  ``save_for_backward``, so that autograd refuses a backward after they changed in place).
 
 When the manifest declares ``backward.wrt`` and one of those inputs requires grad, a kernel set
 runs inside :class:`_KernelFunction`, so the outputs carry a ``grad_fn``. Anything that would
@@ -22,6 +24,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
+
+from .runtime.library import produced
 
 __all__ = ["run_differentiable", "grad_needed", "is_kernel_set", "backward_of"]
 
@@ -36,12 +40,22 @@ class _KernelFunction(torch.autograd.Function):
                 *diff: torch.Tensor) -> Any:
         ctx.op, ctx.impl, ctx.state, ctx.wrt = op, impl, state, wrt
         ctx.others = {k: v for k, v in tensors.items() if k not in wrt}  # not differentiable (positions)
-        out = impl.forward(state, {**tensors, **dict(zip(wrt, diff))}, {})
+        full = {**tensors, **dict(zip(wrt, diff))}
+        out = impl.forward(state, full, {})
+        bwd = op.manifest.backward
+        if bwd.saves:  # what the backward kernels read, kept by autograd (which sees a later in-place change)
+            have = {**dict(zip((o.name for o in produced(op, full)), out if isinstance(out, tuple) else (out,))),
+                    **{k: v for k, v in full.items() if v is not None}}
+            ctx.saved_names = tuple(bwd.saved(have.__contains__))
+            ctx.save_for_backward(*(have[n] for n in ctx.saved_names))
         return out
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        got = ctx.impl.backward(ctx.state, grads, ctx.others)
+        tensors = ctx.others
+        if ctx.op.manifest.backward.saves:
+            tensors = {**tensors, **dict(zip(ctx.saved_names, ctx.saved_tensors))}
+        got = ctx.impl.backward(ctx.state, grads, tensors)
         if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):
             # create_graph=True: a gradient of this gradient is not implemented; say so if asked
             # (the error node needs an input that requires grad to attach to)
@@ -108,10 +122,13 @@ def _copy_into(op: Any, result: Any, outs: Mapping[str, Any]) -> Any:
 
 def backward_of(op: Any, impl: Any, grads: tuple, tensors: Mapping[str, Any]) -> tuple:
     """The gradients of the ``backward.wrt`` inputs that are given, from the outputs' gradients
-    (for :mod:`tileops.runtime.library`, whose backward is an op of its own)."""
+    (for :mod:`tileops.runtime.library`, whose backward is an op of its own); ``tensors`` holds the
+    inputs and the outputs ``backward.saves`` names."""
     wrt = tuple(w for w in op.manifest.backward.wrt if tensors.get(w) is not None)
     if is_kernel_set(impl):
-        return tuple(impl.backward(impl.prepare(tensors), grads, {k: v for k, v in tensors.items() if k not in wrt}))
+        saves = {n for entry in op.manifest.backward.saves for n in entry}
+        kept = {k: v for k, v in tensors.items() if k not in wrt or k in saves}
+        return tuple(impl.backward(impl.prepare(tensors), grads, kept))
     with torch.enable_grad():
         leaves = {w: tensors[w].detach().requires_grad_(True) for w in wrt}
         out = impl(**{**tensors, **leaves})

@@ -55,19 +55,25 @@ def cmd_show(args: argparse.Namespace) -> int:
     for title, tensors in (("inputs", m.inputs), ("outputs", m.outputs)):
         print(f"{title}:")
         for t in tensors:
+            opt = ("  (optional" + (", positional" if t.positional else "") + ")") if t.optional else ""
             if t.like:
-                print(f"  {t.name}: like {t.like}\n      {t.doc}")
+                by = f", dtype from {t.dtype_by}" if t.dtype_by else ""
+                print(f"  {t.name}: like {t.like}{by}{opt}\n      {t.doc}")
                 continue
             shapes = "; ".join(f"{k or 'shape'}: [{', '.join(v)}]" for k, v in t.shapes.items())
             extra = f"  values in [{t.range[0]}, {t.range[1]})" if t.range else ""
-            print(f"  {t.name}: {', '.join(t.dtypes)}  {shapes}{extra}\n      {t.doc}")
+            print(f"  {t.name}: {', '.join(t.dtypes)}  {shapes}{extra}{opt}\n      {t.doc}")
+    if m.backward is not None:
+        b = m.backward
+        print(f"backward: wrt {', '.join(b.wrt)}" + (f"; summed over rows: {', '.join(b.reduce)}" if b.reduce else "")
+              + (f"; saves: {', '.join(' or '.join(e) for e in b.saves)}" if b.saves else ""))
     print("rules:")
     for r in m.rules:
         print(f"  {r.check}    ({r.arg}: {r.message})")
     print(f"kernel: {m.kernel.builder}  {dict(m.kernel.static)}")
     print("cases:")
     for c in m.cases:
-        dims = ", ".join(f"{k}={v}" for k, v in c.dims.items())
+        dims = ", ".join([*(f"{k}={v}" for k, v in c.dims.items()), *([f"lead={list(c.lead)}"] if c.lead else [])])
         params = ", ".join(f"{k}={v!r}" for k, v in c.params.items())
         print(f"  {c.label:<22} {dims}{'  ' + params if params else ''}  [{', '.join(c.dtypes)}]")
     return 0

@@ -82,12 +82,20 @@ def init_signature(m: OpManifest) -> list[tuple[str, str, str | None, bool]]:
 
 
 def forward_signature(m: OpManifest) -> list[tuple[str, str, str | None, bool]]:
-    """The same for ``forward``: required inputs positional, optional inputs and the outputs
-    (``out=``-style) keyword-only with None."""
+    """The same for ``forward``: required inputs positional, then optional inputs marked
+    ``positional`` (default None), then the other optional inputs and the outputs (``out=``-style)
+    keyword-only with None."""
     out = [(t.name, "torch.Tensor", None, False) for t in m.inputs if not t.optional]
-    out += [(t.name, "torch.Tensor | None", "None", True) for t in m.inputs if t.optional]
+    out += [(t.name, "torch.Tensor | None", "None", False) for t in m.inputs if t.optional and t.positional]
+    out += [(t.name, "torch.Tensor | None", "None", True) for t in m.inputs if t.optional and not t.positional]
     out += [(o.name, "torch.Tensor | None", "None", True) for o in m.outputs]
     return out
+
+
+def _names(names: Iterable[str]) -> str:
+    """``x``, ``x and key``, ``x, weight and residual``, as a sentence lists them."""
+    codes = [f"``{n}``" for n in names]
+    return " and ".join(codes) if len(codes) < 3 else ", ".join(codes[:-1]) + " and " + codes[-1]
 
 
 def _signature_text(name: str, args: list[tuple[str, str, str | None, bool]], returns: str) -> str:
@@ -191,14 +199,18 @@ def _forward_method(m: OpManifest) -> list[str]:
     doc = ["Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs",
            "        are never modified (except by ``out=`` naming an input, which takes the result in place)."]
     if m.backward is not None:
-        wrt = " and ".join(f"``{w}``" for w in m.backward.wrt)
-        doc += [""] + _paragraphs(f"Gradients: differentiable in {wrt}; an output carries a ``grad_fn`` when "
-                                  f"an input it is computed from requires grad. {m.backward.doc.strip()} A "
-                                  "gradient of that gradient (double backward) raises.", 8)
+        reduce = f" Summed over every row: the gradient of {_names(m.backward.reduce)}." if m.backward.reduce else ""
+        doc += [""] + _paragraphs(f"Gradients: differentiable in {_names(m.backward.wrt)}; an output carries a "
+                                  f"``grad_fn`` when an input it is computed from requires grad. "
+                                  f"{m.backward.doc.strip()}{reduce} A gradient of that gradient (double "
+                                  "backward) raises.", 8)
     doc += ["", "        Args:"]
     for t in m.inputs:
-        text = ("Keyword-only. " if t.optional else "") + t.doc.strip()
-        text += f" Shape {_shape_text(t, m)}; dtype " + ", ".join(t.dtypes) + "."
+        text = ("Optional. " if t.positional else "Keyword-only. " if t.optional else "") + t.doc.strip()
+        if t.like is not None:
+            text += f" The shape and dtype of ``{t.like}``, exactly."
+        else:
+            text += f" Shape {_shape_text(t, m)}; dtype " + ", ".join(t.dtypes) + "."
         if t.range is not None:
             text += f" Each value in ``[{t.range[0]}, {t.range[1]})``."
         if t.optional:
@@ -206,7 +218,9 @@ def _forward_method(m: OpManifest) -> list[str]:
         ann = "torch.Tensor | None" if t.optional else "torch.Tensor"
         doc += _wrap(text, 12, f"{t.name} ({ann}): ")
     for o in m.outputs:
-        text = (f"Keyword-only. Where to write the result ({o.doc.strip()}). Shaped and typed like ``{o.like}``, "
+        typed = (f"Shaped like ``{o.like}`` and typed like it, or as ``{o.dtype_by}`` says when given"
+                 if o.dtype_by else f"Shaped and typed like ``{o.like}``")
+        text = (f"Keyword-only. Where to write the result ({o.doc.strip()}). {typed}, "
                 "any strides; it may be its own input exactly (in place) but "
                 "may not otherwise overlap another argument. Not while an input requires grad. Default None.")
         doc += _wrap(text, 12, f"{o.name} (torch.Tensor | None): ")

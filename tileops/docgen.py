@@ -55,7 +55,7 @@ def _role(t: Any, role: str) -> str:
     """What a tensor is to the call: an input (optional ones keyword only) or an output (an optional
     one exists when the input it is shaped like is given)."""
     if role == "input":
-        return "input, optional (keyword only)" if t.optional else "input"
+        return ("input, optional" + ("" if t.positional else " (keyword only)")) if t.optional else "input"
     if t.optional:
         return f"output, when {_code(t.like)} is given" if t.like else "output, optional"
     return "output"
@@ -86,6 +86,8 @@ def op_markdown(name: str, root: str | Path | None = None) -> str:
         for t in tensors:
             if t.like:
                 shape = dtypes = f"as {_code(t.like)}"
+                if t.dtype_by:
+                    dtypes += f", or {_code(t.dtype_by)}"
             else:
                 alts = t.alternatives or {k: (v,) for k, v in t.shapes.items()}
                 if t.shape_by is None:
@@ -99,7 +101,8 @@ def op_markdown(name: str, root: str | Path | None = None) -> str:
             rows.append([_code(t.name), _role(t, role), shape, dtypes])
     out.append("**Tensors**\n\n" + _table(["Name", "Role", "Shape", "Dtypes"], rows))
     if m.backward is not None:
-        out.append(f"**Backward**: differentiable in {_words(m.backward.wrt)}. {_text(m.backward.doc)}")
+        reduce = f" Summed over every row: the gradient of {_words(m.backward.reduce)}." if m.backward.reduce else ""
+        out.append(f"**Backward**: differentiable in {_words(m.backward.wrt)}. {_text(m.backward.doc)}{reduce}")
 
     if m.rules:
         rows = [[_code(r.check), _code(r.arg), "first call" if r.needs_dims else "construction",

@@ -20,6 +20,7 @@ from . import manifest as _manifest
 from .autograd import backward_of, grad_needed, run_differentiable
 from .manifest import ExprError, OpManifest
 from .manifest.call import DTYPE_NAMES, DTYPES, CallSpec
+from .manifest.schema import DTYPE_PREFIX, LEAD
 from .targets import Target, TargetError, check_target_arg, resolve_target
 
 __all__ = ["Op"]
@@ -59,6 +60,9 @@ class Op:
         #: the bindings with late-bound slots, by id (tileops.runtime.library.late finds them)
         self._late: dict[int, Binding] = {}
         self._like = {o.name: o.like for o in self.manifest.outputs}
+        #: outputs whose dtype a param gives (``dtype_by``): name -> that param's value, a dtype or None
+        self._dtype_by = {o.name: DTYPES[self.params[o.dtype_by]] for o in self.manifest.outputs
+                          if o.dtype_by is not None and self.params[o.dtype_by] is not None}
         #: this op's name in the torch.library custom ops (a traced call passes it)
         self._handle: int = library.register(self)
         self._use_runtime(executor.new_runtime(self._handle, self.manifest))
@@ -173,11 +177,21 @@ class Op:
                 raise ValueError(f"{self.name}: {o.name}: given without {o.like}, whose result it would hold")
         grad_needed(self, tensors, {k: v for k, v in outs.items() if v is not None})  # raises as the eager call does
         if any(outs.get(o.name) is not None for o in made):
-            got = [outs[o.name] if outs.get(o.name) is not None else torch.empty_like(tensors[o.like]) for o in made]
+            got = [outs[o.name] if outs.get(o.name) is not None else self._new_output(o.name, tensors) for o in made]
             torch.ops.tileops.apply_out(self._handle, inputs, names, got)
         else:
             got = torch.ops.tileops.apply(self._handle, inputs, names)
         return got[0] if len(made) == 1 else tuple(got)
+
+    def _output_dtype(self, name: str, tensors: Mapping[str, Any]) -> torch.dtype:
+        """The dtype of output ``name`` of a call with ``tensors``: its ``dtype_by`` param's, else its like input's."""
+        return self._dtype_by.get(name) or tensors[self._like[name]].dtype
+
+    def _new_output(self, name: str, tensors: Mapping[str, Any], zeros: bool = False) -> torch.Tensor:
+        """A new tensor for output ``name`` of a call with ``tensors``: laid out like its like input
+        (``torch.empty_like``), in the output's dtype; filled with zeros with ``zeros``."""
+        like = tensors[self._like[name]]
+        return (torch.zeros_like if zeros else torch.empty_like)(like, dtype=self._output_dtype(name, tensors))
 
     def _eager_backward(self, grads: tuple, tensors: Mapping[str, Any]) -> tuple:
         """The gradients of the inputs ``backward.wrt`` names (those given), from the outputs'."""
@@ -301,6 +315,10 @@ class Op:
             impl = self._impl_for(spec)
             make = getattr(impl, "binding", None) if sig is not None else None
             b = make(tensors, given) if make is not None else None
+            if b is not None and self._dtype_by and any(
+                    outs.get(n) is None and tensors.get(self._like[n]) is not None
+                    and self._output_dtype(n, tensors) != tensors[self._like[n]].dtype for n in self._dtype_by):
+                b = None  # the runtime makes a new output like its like input, in that input's dtype
             entry = (impl, with_overlap_checks(b, tensors, given) if b is not None else None)
             if sig is not None:
                 if len(self._fast) > 4096:  # many distinct shapes: keep the tables bounded
@@ -366,11 +384,14 @@ class Op:
             if src is None:
                 raise ValueError(f"{m.name}: {spec.name}: given without {spec.like}, whose result it would hold")
             # a wrong dtype is a TypeError and a wrong shape or device a ValueError, as for an input
+            dtype = self._output_dtype(spec.name, tensors)
             for what, want, got, error in (("shape", list(src.shape), list(o.shape), ValueError),
-                                           ("dtype", src.dtype, o.dtype, TypeError),
+                                           ("dtype", dtype, o.dtype, TypeError),
                                            ("device", src.device, o.device, ValueError)):
                 if want != got:
-                    raise error(f"{m.name}: {spec.name}: expected {what} {want} (that of {spec.like}), got {got}")
+                    by = (f"{spec.dtype_by}={self.params[spec.dtype_by]!r}" if what == "dtype" and
+                          spec.name in self._dtype_by else spec.like)
+                    raise error(f"{m.name}: {spec.name}: expected {what} {want} (that of {by}), got {got}")
             if torch._debug_has_internal_overlap(o) == 1:  # as torch refuses an in-place write into one
                 raise ValueError(f"{m.name}: {spec.name}: expected a tensor whose elements each have their own "
                                  f"memory, got one whose elements share memory (strides {list(o.stride())}, e.g. "
@@ -402,10 +423,12 @@ class Op:
                 raise TypeError(f"{m.name}: {spec.name}: expected dtype {', '.join(spec.dtypes)}, got {dname}")
             dtypes.append((spec.name, dname))
             shapes = spec.shapes_for(self.params)
-            shape = next((s for s in shapes if len(s) == t.dim()), None)
+            shape = next((s for s in shapes if len(s) == t.dim() or (s[:1] == (LEAD,) and t.dim() >= len(s) - 1)),
+                         None)
             if shape is None:
                 by = f" for {spec.shape_by}={self.params[spec.shape_by]!r}" if spec.shape_by else ""
-                want = " or ".join(f"{len(s)} dims [{', '.join(s)}]" for s in shapes)
+                want = " or ".join(f"{len(s) - 1} or more dims [{', '.join(s)}]" if s[:1] == (LEAD,)
+                                   else f"{len(s)} dims [{', '.join(s)}]" for s in shapes)
                 raise ValueError(f"{m.name}: {spec.name}: expected {want}{by}, "
                                  f"got {t.dim()} dims {list(t.shape)}")
             if device is None:
@@ -413,21 +436,32 @@ class Op:
             elif t.device != device:
                 raise ValueError(f"{m.name}: {spec.name}: expected a tensor on {device} (the device of "
                                  f"{first}), got one on {t.device}")
-            for dim, size in zip(shape, t.shape):
+            src = tensors.get(spec.like) if spec.like is not None else None
+            if src is not None:  # exactly like an earlier input: its shape (leading dims too) and dtype
+                if t.dtype != src.dtype:
+                    raise TypeError(f"{m.name}: {spec.name}: expected dtype {DTYPE_NAMES[src.dtype]} (that of "
+                                    f"{spec.like}), got {dname}")
+                if t.shape != src.shape:
+                    raise ValueError(f"{m.name}: {spec.name}: expected shape {list(src.shape)} (that of "
+                                     f"{spec.like}), got {list(t.shape)}")
+            named = shape[1:] if shape[:1] == (LEAD,) else shape
+            for dim, size in zip(named, t.shape[t.dim() - len(named):]):
                 if dim in dims and dims[dim] != size:
                     raise ValueError(f"{m.name}: {spec.name}: expected {dim}={dims[dim]} (as in {first}), "
                                      f"got {dim}={size} in shape {list(t.shape)}")
                 dims[dim] = int(size)
-        self._check_dim_rules(dims)
+        self._check_dim_rules(dims, {DTYPE_PREFIX + t.name: None for t in m.inputs}
+                              | {DTYPE_PREFIX + n: d for n, d in dtypes})
         assert device is not None
         self._check_more(tensors, dims)
         # only the dims kernels are compiled for: other sizes share one implementation
         static = sorted((d, dims[d]) for d in m.kernel.specialize)
         return CallSpec(device=device, dtypes=tuple(dtypes), dims=tuple(static))
 
-    def _check_dim_rules(self, dims: Mapping[str, int]) -> None:
-        """The manifest's rules over dims whose every name ``dims`` and the params give."""
-        env = {**self.params, **dims}
+    def _check_dim_rules(self, dims: Mapping[str, int], dtypes: Mapping[str, str | None] | None = None) -> None:
+        """The manifest's rules checked at the call (over dims, or inputs' dtypes ``dtype_<input>``)
+        whose every name ``dims``, ``dtypes`` and the params give."""
+        env = {**self.params, **dims, **(dtypes or {})}
         for rule in self.manifest.rules:
             if rule.needs_dims and rule.check.names <= env.keys():
                 self._check_rule(rule, env)

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 
 from .manifest import DTYPES, Case, OpManifest
-from .manifest.cases import case_dims, case_params, index_dtype, passes
+from .manifest.cases import case_dims, case_params, index_dtype, passes, tensor_shape
 
 __all__ = ["Workload", "index_dtype", "case_params", "case_dims", "make_inputs", "workload", "op_class", "bytes_moved"]
 
@@ -26,7 +26,7 @@ class Workload:
     case: Case
     dtype: str
     params: dict[str, Any]
-    dims: dict[str, int]
+    dims: dict[str, Any]
     inputs: dict[str, torch.Tensor]
 
     @property
@@ -41,17 +41,18 @@ def op_class(name: str) -> type:
     return ops()[name]
 
 
-def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, int], dtype: str,
+def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, Any], dtype: str,
                 device: torch.device | str = "cpu", generator: torch.Generator | None = None,
                 case: Case | None = None, every: bool = False) -> dict[str, torch.Tensor]:
     """Fresh random inputs: normal floats in ``dtype``, integers uniform over the tensor's ``range``.
-    Optional inputs are made only when ``case`` lists them under ``with``, or all with ``every``."""
+    Optional inputs are made only when ``case`` lists them under ``with``, or all with ``every``.
+    Leading dims (a shape's ``"..."``) are ``dims["..."]``, none when it is absent."""
     env = dict(params) | dict(dims)
     out: dict[str, torch.Tensor] = {}
     for t in m.inputs:
         if not passes(t, case, every):
             continue
-        shape = [dims[d] for d in t.shape_for(params)]
+        shape = tensor_shape(t, params, dims)
         if t.range is not None:
             low, high = (int(b.evaluate(env)) for b in t.range)
             idt = DTYPES[index_dtype(t)]

@@ -1,7 +1,7 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tileops.integrations.transformers import patch, unpatch
+from tileops.integrations.transformers import patch, report, unpatch
 from tileops.rope import from_hf_config
 
 # A tiny randomly initialised Llama with Llama 3.1 rope scaling: nothing is downloaded.
@@ -19,12 +19,14 @@ mask = torch.ones_like(ids)
 mask[1, :4] = 0  # left padding in the second row
 want = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
 
-patch(model)  # q and k now go through the tileops op, at the positions HF computed
+patch(model)  # q and k go through the RoPE op at the positions HF computed; the RMSNorms through RMSNormFwdOp
 got = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
 print("same tokens as transformers:", torch.equal(got, want))
+print(report(model)["norm"])  # the routed norm modules: {'LlamaRMSNorm': 5}
 
 loss = model(ids, labels=ids).loss
-loss.backward()  # gradients flow through the op to q_proj and k_proj
+loss.backward()  # gradients flow through the ops to q_proj, k_proj and the norm weights
 print("q_proj grad:", model.model.layers[0].self_attn.q_proj.weight.grad is not None)
+print("norm weight grad:", model.model.norm.weight.grad is not None)
 
-unpatch(model)  # the original functions are back
+unpatch(model)  # the original functions and forwards are back

@@ -1,6 +1,12 @@
-"""Run a Hugging Face transformers model's RoPE through tileops: ``patch(model)``, ``unpatch(model)``.
+"""Run a Hugging Face transformers model's RoPE and RMSNorm through tileops: ``patch(model)``,
+``unpatch(model)``.
 
-How it plugs in (the least a model's code is touched, in the manner of Liger's
+``patch(model, rope=True, norm=True)`` (both by default) chooses the parts. The RMSNorm modules
+(:mod:`tileops.integrations.transformers_norm` says which classes and how each rounds) get an
+instance-level ``forward`` that calls ``tileops.norm.RMSNormFwdOp``, one op per distinct
+(eps, offset, rounding, output dtype).
+
+How RoPE plugs in (the least a model's code is touched, in the manner of Liger's
 ``apply_liger_kernel_to_llama``):
 
 * the model's rotary embedding modules (``model.model.rotary_emb``) get an instance-level
@@ -21,8 +27,9 @@ or other per-thread state, so concurrent eager calls cannot see each other's pos
 :mod:`tileops.runtime.library` gives it the op as a custom op): a patched model compiles into the graphs an
 unpatched one does, with no graph break and no recompile of its own.
 
-``unpatch`` deletes the instance attributes and, when the last patched model of a modeling module
-is unpatched, puts back the original function object.
+``unpatch`` deletes the instance attributes (or puts back the instance ``forward`` a module had
+before) and, when the last patched model of a modeling module is unpatched, puts back the original
+function object.
 """
 
 from __future__ import annotations
@@ -38,8 +45,9 @@ from typing import Any
 import torch
 
 from ..rope.hf import from_hf_config
+from .transformers_norm import RMSNORM_CLASSES, NormOps, left_alone, norm_form, routed_forward
 
-__all__ = ["patch", "unpatch", "is_patched", "SERVED_MODEL_TYPES"]
+__all__ = ["patch", "unpatch", "is_patched", "report", "SERVED_MODEL_TYPES", "RMSNORM_CLASSES"]
 
 #: model types whose modeling code was checked: attention applies the module-global
 #: ``apply_rotary_pos_emb(q, k, cos, sin)`` to q, k ``[batch, heads, seq, head_dim]`` with cos/sin
@@ -84,11 +92,15 @@ class _ModuleSwap:
 
 
 class _PatchState:
-    """What ``patch`` changed on one model, for ``unpatch``."""
+    """What ``patch`` changed on one model, for ``unpatch`` and :func:`report`."""
 
-    def __init__(self, op: Any, model_type: str, swap: _ModuleSwap) -> None:
+    def __init__(self, op: Any, model_type: str, swap: _ModuleSwap | None) -> None:
+        #: the RoPE op and the swapped modeling module (both None with ``rope=False``)
         self.op, self.model_type, self.swap = op, model_type, swap
         self.wrapped: list[tuple[torch.nn.Module, Any]] = []  # (module, its previous instance forward or _NONE)
+        self.norm_ops: NormOps | None = None
+        self.norms: dict[str, int] = {}  # routed norm modules by class name
+        self.left_alone: dict[str, int] = {}
 
 
 _NONE = object()
@@ -207,94 +219,145 @@ def _version() -> str:
     return transformers.__version__
 
 
-def patch(model: torch.nn.Module) -> torch.nn.Module:
-    """Make a transformers model run its RoPE through tileops; returns ``model``.
+def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True) -> torch.nn.Module:
+    """Make a transformers model run its RoPE and its RMSNorm modules through tileops; returns ``model``.
 
-    The op is :func:`tileops.rope.from_hf_config` of ``model.config``; it gets q and k as
-    ``[batch, seq, heads, head_dim]`` views of HF's ``[batch, heads, seq, head_dim]`` and the
-    ``position_ids`` the model's rotary embedding received (``[1, seq]`` is shared by the batch), so
-    prefill, decode with a KV cache, left padding, ``generate()`` and training (gradients reach
-    ``q_proj``/``k_proj``) all see HF's positions. Other models, patched or not, are unaffected.
+    RoPE (``rope=True``): the op is :func:`tileops.rope.from_hf_config` of ``model.config``; it gets
+    q and k as ``[batch, seq, heads, head_dim]`` views of HF's ``[batch, heads, seq, head_dim]`` and
+    the ``position_ids`` the model's rotary embedding received (``[1, seq]`` is shared by the batch),
+    so prefill, decode with a KV cache, left padding, ``generate()`` and training (gradients reach
+    ``q_proj``/``k_proj``) all see HF's positions.
+
+    RMSNorm (``norm=True``): every module of a class in :data:`RMSNORM_CLASSES` (Llama, Mistral,
+    Qwen2, Qwen3 with its ``q_norm``/``k_norm``, Phi-3, the Qwen-VL text models, Gemma 1/2/3 with
+    ``1 + weight``, Olmo2) runs ``tileops.norm.RMSNormFwdOp`` with the module's eps and the rounding
+    of its class, one op per distinct configuration; its output has the dtype HF's has (fp32 for
+    Llama's form with an fp32 weight and a 16-bit input), and gradients reach the module's weight.
+    Modules of other classes are left alone (:func:`report` lists both).
+
+    Other models, patched or not, are unaffected.
 
     Args:
-        model (torch.nn.Module): A transformers model (e.g. ``LlamaForCausalLM``) whose
-            ``config.model_type`` is one of :data:`SERVED_MODEL_TYPES`.
+        model (torch.nn.Module): A transformers model (e.g. ``LlamaForCausalLM``); with ``rope=True``
+            its ``config.model_type`` must be one of :data:`SERVED_MODEL_TYPES`.
+        rope (bool): Route the rotary embedding. Default True.
+        norm (bool): Route the RMSNorm modules. Default True; ``norm=False`` is the RoPE-only patch,
+            ``rope=False`` routes the norms alone (Gemma, Olmo2: model types whose RoPE is not served).
 
     Returns:
         torch.nn.Module: ``model``, patched.
 
     Raises:
-        NotImplementedError: The model type, its rope type or its rotary settings are not served
-            (the message names them), or the model's own frequency tables differ from the op's.
-        ValueError: ``model`` is already patched (call :func:`unpatch` first).
-        TypeError: ``model`` is not a torch module with a ``config``.
+        NotImplementedError: With ``rope``: the model type, its rope type or its rotary settings are
+            not served (the message names them), or the model's own frequency tables differ from the
+            op's. With ``norm``: the model has no module of a class in :data:`RMSNORM_CLASSES`.
+        ValueError: ``model`` (or a module in it) is already patched (call :func:`unpatch` first),
+            or ``rope`` and ``norm`` are both False.
+        TypeError: ``model`` is not a torch module with a ``config``, or ``rope``/``norm`` is not a bool.
     """
+    name = "tileops.integrations.transformers.patch"
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
-        raise TypeError(f"tileops.integrations.transformers.patch: model: expected a transformers model "
+        raise TypeError(f"{name}: model: expected a transformers model "
                         f"(a torch.nn.Module with a config), got {type(model).__name__}")
+    for key, value in (("rope", rope), ("norm", norm)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: {key}: expected a bool, got {type(value).__name__} {value!r}")
+    if not (rope or norm):
+        raise ValueError(f"{name}: rope, norm: expected at least one of them True, got both False (nothing to patch)")
     if is_patched(model):
-        raise ValueError("tileops.integrations.transformers.patch: model: expected a model not patched yet, "
-                         "got one already patched (unpatch it first)")
+        raise ValueError(f"{name}: model: expected a model not patched yet, got one already patched (unpatch it first)")
+    for m in model.modules():
+        if getattr(m.__dict__.get("forward"), "_tileops_wrapper", False):
+            raise ValueError(f"{name}: model: expected a model not patched yet, got one whose "
+                             f"{type(m).__name__} is already patched (through another module)")
+    model_type = getattr(model.config, "model_type", None)
+    # everything is checked, and every op built, before the model is touched
+    norm_ops, norms = _norm_plan(model, model_type) if norm else (None, [])
+    plan = _rope_plan(model, model_type) if rope else None
+
+    swap = None
+    if plan is not None:
+        mod = plan["module"]
+        with _LOCK:
+            swap = _MODULES.get(mod.__name__)
+            if swap is None or mod.apply_rotary_pos_emb is not swap.replacement:
+                if swap is not None and len(swap.users):
+                    raise RuntimeError(f"{name}: {mod.__name__}.apply_rotary_pos_emb "
+                                       f"was replaced by someone else while tileops had it patched")
+                swap = _MODULES[mod.__name__] = _ModuleSwap(mod)
+                mod.apply_rotary_pos_emb = swap.replacement
+    state = _PatchState(plan["op"] if plan else None, model_type, swap)
+    if swap is not None:
+        with _LOCK:
+            swap.users.add(state)
+        for r in plan["rotaries"]:
+            _wrap(state, r, _rotary_forward(r.forward, plan["op"]))
+        for a, slot in plan["attentions"]:
+            _wrap(state, a, _attention_forward(a.forward, slot, model_type))
+    state.norm_ops = norm_ops
+    for m, ops in norms:
+        _wrap(state, m, routed_forward(m, ops, m.forward))
+        state.norms[type(m).__name__] = state.norms.get(type(m).__name__, 0) + 1
+    state.left_alone = left_alone(model)
+    object.__setattr__(model, _STATE, state)
+    return model
+
+
+def _norm_plan(model: torch.nn.Module, model_type: Any) -> tuple[NormOps, list[tuple[torch.nn.Module, Any]]]:
+    """The model's ops, and (module, its two ops) for every routed RMSNorm module."""
+    ops = NormOps()
+    plan = [(m, ops.for_module(m, form)) for m in model.modules() if (form := norm_form(m)) is not None]
+    if not plan:
+        others = left_alone(model)
+        raise NotImplementedError(
+            f"tileops.integrations.transformers.patch: norm: {model_type!r} model {type(model).__name__} has no "
+            f"RMSNorm module of a served class (found {', '.join(sorted(others)) or 'no norm modules'}); served: "
+            f"{', '.join(RMSNORM_CLASSES)} (norm=False patches the RoPE alone)")
+    return ops, plan
+
+
+def _rope_plan(model: torch.nn.Module, model_type: Any) -> dict[str, Any]:
+    """The RoPE op and the modules to wrap, every check done; raises where the model is not served."""
+    name = "tileops.integrations.transformers.patch"
     config = model.config
-    model_type = getattr(config, "model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
-        raise NotImplementedError(f"tileops.integrations.transformers.patch: model type {model_type!r} "
-                                  f"({type(model).__name__}) is not served; served: {', '.join(SERVED_MODEL_TYPES)}")
+        has_norms = any(norm_form(m) is not None for m in model.modules())
+        hint = " (patch(model, rope=False) routes its RMSNorm modules alone)" if has_norms else ""
+        raise NotImplementedError(f"{name}: model type {model_type!r} ({type(model).__name__}) is not served for "
+                                  f"RoPE; served: {', '.join(SERVED_MODEL_TYPES)}{hint}")
     # a vision tower's rotary embedding (Qwen2-VL's) is not the language model's: it stays HF's
     rotaries = [m for m in model.modules()
                 if type(m).__name__.endswith("RotaryEmbedding") and "Vision" not in type(m).__name__]
     if not rotaries:
-        raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type} model "
-                                  f"{type(model).__name__} has no *RotaryEmbedding module")
+        raise NotImplementedError(f"{name}: {model_type} model {type(model).__name__} has no *RotaryEmbedding module")
     modules = {type(m).__module__ for m in rotaries}
     mod = sys.modules.get(modules.pop()) if len(modules) == 1 else None
     if mod is None or not callable(getattr(mod, "apply_rotary_pos_emb", None)):
-        raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: its rotary embedding "
+        raise NotImplementedError(f"{name}: {model_type}: its rotary embedding "
                                   f"is not defined next to a module-level apply_rotary_pos_emb")
     # the vision tower's attention (apply_rotary_pos_emb_vision, its own cos/sin) stays HF's too
     attentions = [m for m in model.modules() if type(m).__module__ == mod.__name__
                   and type(m).__name__.endswith("Attention") and "Vision" not in type(m).__name__]
     if not attentions:
-        raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: no attention module "
-                                  f"of {mod.__name__} found")
-    for m in rotaries + attentions:
-        if getattr(m.__dict__.get("forward"), "_tileops_wrapper", False):
-            raise ValueError(f"tileops.integrations.transformers.patch: model: expected a model not patched yet, "
-                             f"got one whose {type(m).__name__} is already patched (through another module)")
+        raise NotImplementedError(f"{name}: {model_type}: no attention module of {mod.__name__} found")
     # where each attention's forward takes position_embeddings when they are passed by position (the
     # class's signature: an instance-level forward may be someone's (*args, **kwargs) wrapper)
-    slots = {}
+    slots = []
     for a in attentions:
         names = list(inspect.signature(type(a).forward).parameters)[1:]  # past self
         if "position_embeddings" not in names:
-            raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: "
+            raise NotImplementedError(f"{name}: {model_type}: "
                                       f"{type(a).__name__}.forward takes no position_embeddings (cos, sin)")
-        slots[a] = names.index("position_embeddings")
+        slots.append((a, names.index("position_embeddings")))
     try:
         op = from_hf_config(config)
     except NotImplementedError as e:
-        raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type}: {e}") from None
+        raise NotImplementedError(f"{name}: {model_type}: {e}") from None
     text = getattr(config, "text_config", None) or config  # a vision-language model: its text model's
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     for r in rotaries:
         _check_tables(op, r, config, head_dim, model_type)
-
-    with _LOCK:
-        swap = _MODULES.get(mod.__name__)
-        if swap is None or mod.apply_rotary_pos_emb is not swap.replacement:
-            if swap is not None and len(swap.users):
-                raise RuntimeError(f"tileops.integrations.transformers.patch: {mod.__name__}.apply_rotary_pos_emb "
-                                   f"was replaced by someone else while tileops had it patched")
-            swap = _MODULES[mod.__name__] = _ModuleSwap(mod)
-            mod.apply_rotary_pos_emb = swap.replacement
-        state = _PatchState(op, model_type, swap)
-        swap.users.add(state)
-    for r in rotaries:
-        _wrap(state, r, _rotary_forward(r.forward, op))
-    for a in attentions:
-        _wrap(state, a, _attention_forward(a.forward, slots[a], model_type))
-    object.__setattr__(model, _STATE, state)
-    return model
+    return {"op": op, "module": mod, "rotaries": rotaries, "attentions": slots}
 
 
 def _wrap(state: _PatchState, module: torch.nn.Module, forward: Any) -> None:
@@ -329,27 +392,52 @@ def _attention_forward(forward: Any, slot: int, model_type: str) -> Any:
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch`: the modules' ``forward`` and, once no patched model of its architecture
-    remains, the modeling module's ``apply_rotary_pos_emb`` are the original objects again.
+    """Undo :func:`patch`: every wrapped module's ``forward`` is what it was (the class's, or the
+    instance-level object it had before) and, once no patched model of its architecture remains, the
+    modeling module's ``apply_rotary_pos_emb`` is the original object again.
 
     Raises:
         ValueError: ``model`` is not patched.
     """
-    state = getattr(model, _STATE, None)
-    if state is None:
-        raise ValueError(f"tileops.integrations.transformers.unpatch: model: expected a model patched by "
-                         f"tileops, got one that is not ({type(model).__name__})")
+    state = _state(model, "unpatch")
     for module, previous in reversed(state.wrapped):
         if previous is _NONE:
             del module.forward
         else:
             module.forward = previous
     state.wrapped.clear()
-    with _LOCK:
-        swap = state.swap
-        swap.users.discard(state)
-        if not len(swap.users) and swap.module.apply_rotary_pos_emb is swap.replacement:
-            swap.module.apply_rotary_pos_emb = swap.original
-            _MODULES.pop(swap.module.__name__, None)
+    swap = state.swap
+    if swap is not None:
+        with _LOCK:
+            swap.users.discard(state)
+            if not len(swap.users) and swap.module.apply_rotary_pos_emb is swap.replacement:
+                swap.module.apply_rotary_pos_emb = swap.original
+                _MODULES.pop(swap.module.__name__, None)
     object.__delattr__(model, _STATE)
     return model
+
+
+def _state(model: torch.nn.Module, caller: str) -> _PatchState:
+    state = getattr(model, _STATE, None)
+    if state is None:
+        raise ValueError(f"tileops.integrations.transformers.{caller}: model: expected a model patched by "
+                         f"tileops, got one that is not ({type(model).__name__})")
+    return state
+
+
+def report(model: torch.nn.Module) -> dict[str, Any]:
+    """What :func:`patch` routed through tileops in ``model``.
+
+    Returns:
+        dict: ``rope``: the RoPE op, or None (``rope=False``); ``norm``: the routed RMSNorm modules
+        by class name (how many of each; empty with ``norm=False``); ``norm_ops``: the norm ops built,
+        one per distinct (eps, offset, rounding, out_dtype); ``left_alone``: the model's other norm
+        modules (a class name holding ``Norm``) by class name, which stay transformers'.
+
+    Raises:
+        ValueError: ``model`` is not patched.
+    """
+    state = _state(model, "report")
+    return {"rope": state.op, "norm": dict(state.norms),
+            "norm_ops": list(state.norm_ops.ops.values()) if state.norm_ops else [],
+            "left_alone": dict(state.left_alone)}

@@ -5,15 +5,16 @@ from __future__ import annotations
 import functools
 
 from .call import DTYPE_NAMES, DTYPES, CallSpec
-from .cases import call_specs, case_dims, case_params, index_dtype
+from .cases import call_specs, case_dims, case_params, index_dtype, tensor_shape
 from .expr import Expr, ExprError, parse_expr
 from .loader import ManifestError, load_file, load_files, manifest_files, packaged_files
-from .schema import SCHEMA, Case, KernelSpec, OpManifest, ParamSpec, Rule, TensorSpec
+from .schema import LEAD, SCHEMA, Case, KernelSpec, OpManifest, ParamSpec, Rule, TensorSpec
 
 __all__ = [
-    "CallSpec", "DTYPES", "DTYPE_NAMES", "call_specs", "case_dims", "case_params", "index_dtype", "Expr", "ExprError",
+    "CallSpec", "DTYPES", "DTYPE_NAMES", "call_specs", "case_dims", "case_params", "index_dtype", "tensor_shape",
+    "Expr", "ExprError",
     "parse_expr", "ManifestError", "load_file", "load_files", "packaged_files", "manifest_files",
-    "SCHEMA", "Case", "KernelSpec", "OpManifest", "ParamSpec", "Rule", "TensorSpec", "registry", "get",
+    "LEAD", "SCHEMA", "Case", "KernelSpec", "OpManifest", "ParamSpec", "Rule", "TensorSpec", "registry", "get",
 ]
 
 

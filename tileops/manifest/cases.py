@@ -15,9 +15,9 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from .call import CallSpec
-from .schema import Case, OpManifest, TensorSpec
+from .schema import LEAD, Case, OpManifest, TensorSpec
 
-__all__ = ["case_params", "case_dims", "passes", "index_dtype", "call_specs"]
+__all__ = ["case_params", "case_dims", "passes", "index_dtype", "call_specs", "tensor_shape"]
 
 
 def case_params(m: OpManifest, case: Case) -> dict[str, Any]:
@@ -31,20 +31,42 @@ def passes(t: TensorSpec, case: Case | None, every: bool = False) -> bool:
     return every or not t.optional or (case is not None and t.name in case.with_inputs)
 
 
-def case_dims(m: OpManifest, case: Case, shrink: bool = False) -> dict[str, int]:
-    """The case's dims; with ``shrink``, halved along ``cpu_shrink.dims`` until the largest input fits."""
-    dims = dict(case.dims)
+def tensor_shape(t: TensorSpec, params: Mapping[str, Any], dims: Mapping[str, Any]) -> list[int]:
+    """The sizes of input ``t`` for ``params`` and ``dims`` (dim name -> size); a leading ``"..."``
+    takes the sizes ``dims["..."]`` holds (none when absent)."""
+    out: list[int] = []
+    for d in t.shape_for(params):
+        out += list(dims.get(LEAD, ())) if d == LEAD else [dims[d]]
+    return out
+
+
+def case_dims(m: OpManifest, case: Case, shrink: bool = False) -> dict[str, Any]:
+    """The case's dims, and under ``"..."`` its ``lead`` (a tuple) when an input takes leading dims;
+    with ``shrink``, halved along ``cpu_shrink.dims`` (``"..."``: the largest leading dim) until the
+    largest input fits."""
+    dims: dict[str, Any] = dict(case.dims)
+    if any(t.leading for t in m.inputs):
+        dims[LEAD] = tuple(case.lead)
     if not shrink or m.cpu_shrink is None:
         return dims
     params = case_params(m, case)
 
     def elements() -> int:
-        return max(math.prod(dims[d] for d in t.shape_for(params)) for t in m.inputs if passes(t, case))
+        return max(math.prod(tensor_shape(t, params, dims)) for t in m.inputs if passes(t, case))
+
+    def size(d: str) -> int:
+        return max(dims.get(LEAD, ()), default=1) if d == LEAD else dims.get(d, 1)
 
     order = list(m.cpu_shrink.dims)
-    while elements() > m.cpu_shrink.max_elements and any(dims.get(d, 1) > 1 for d in order):
-        d = max((d for d in order if dims.get(d, 1) > 1), key=lambda d: dims[d])
-        dims[d] = max(1, dims[d] // 2)
+    while elements() > m.cpu_shrink.max_elements and any(size(d) > 1 for d in order):
+        d = max((d for d in order if size(d) > 1), key=size)
+        if d == LEAD:
+            lead = list(dims[LEAD])
+            i = lead.index(max(lead))
+            lead[i] = max(1, lead[i] // 2)
+            dims[LEAD] = tuple(lead)
+        else:
+            dims[d] = max(1, dims[d] // 2)
     return dims
 
 

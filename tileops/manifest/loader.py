@@ -13,8 +13,8 @@ import yaml
 
 from .expr import ExprError, parse_expr
 from .schema import (
-    DTYPES, PARAM_TYPES, SCHEMA, Backward, Case, CpuShrink, KernelSpec, OpManifest, ParamSpec, Rule,
-    TensorSpec,
+    DTYPE_PREFIX, DTYPES, LEAD, PARAM_TYPES, SCHEMA, Backward, Case, CpuShrink, KernelSpec, OpManifest, ParamSpec,
+    Rule, TensorSpec,
 )
 
 __all__ = ["ManifestError", "add_op", "load_file", "load_files", "packaged_files", "manifest_files"]
@@ -120,7 +120,7 @@ def _param(ctx: _Ctx, name: str, node: yaml.Node) -> ParamSpec:
     default = None
     if has_default:
         default = _value_of_type(ctx, m["default"][1], ptype, optional, f"{what}.default")
-        if choices is not None and default not in choices:
+        if choices is not None and default not in choices and not (default is None and optional):
             raise ctx.err(m["default"][1], f"{what}.default: {default!r} is not among choices {list(choices)}")
     return ParamSpec(name=name, type=ptype, doc=ctx.string(m["doc"][1], f"{what}.doc"), default=default,
                      has_default=has_default, optional=optional, choices=choices, keyword_only=kw,
@@ -178,16 +178,39 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
     m = ctx.section(node, "tensor", what)
     doc = ctx.string(m["doc"][1], f"{what}.doc")
     line = node.start_mark.line + 1
+    optional = ctx.typed(m["optional"][1], (bool,), f"{what}.optional", "true or false") if "optional" in m else False
+    if optional and section != "inputs":
+        raise ctx.err(m["optional"][0], f"{what}: 'optional' is for inputs")
+    positional = ctx.typed(m["positional"][1], (bool,), f"{what}.positional", "true or false") \
+        if "positional" in m else False
+    if "positional" in m and not optional:
+        raise ctx.err(m["positional"][0], f"{what}: 'positional' is for optional inputs (required ones are positional)")
+    dtype_by = None
+    if "dtype_by" in m:
+        dtype_by = ctx.string(m["dtype_by"][1], f"{what}.dtype_by")
+        if section != "outputs":
+            raise ctx.err(m["dtype_by"][0], f"{what}: 'dtype_by' is for outputs")
+        p = params.get(dtype_by)
+        if p is None or p.type != "str":
+            raise ctx.err(m["dtype_by"][1], f"{what}.dtype_by: {dtype_by!r} is not a str param")
+        if p.choices is None or not set(p.choices) <= set(DTYPES):
+            raise ctx.err(m["dtype_by"][1], f"{what}.dtype_by: param {dtype_by!r} needs choices among "
+                                            f"{', '.join(DTYPES)}")
     if "like" in m:
         like = ctx.string(m["like"][1], f"{what}.like")
         if like not in inputs:
-            raise ctx.err(m["like"][1], f"{what}.like: {like!r} is not an input; inputs: {', '.join(inputs)}")
-        for key in ("shape", "shape_by", "dtypes"):
+            earlier = " (an input may be like an earlier input only)" if section == "inputs" else ""
+            raise ctx.err(m["like"][1], f"{what}.like: {like!r} is not an input{earlier}; inputs: "
+                                        f"{', '.join(inputs) or 'none'}")
+        for key in ("shape", "shape_by", "dtypes", "range"):
             if key in m:
                 raise ctx.err(m[key][0], f"{what}: {key!r} cannot be given with 'like'")
         src = inputs[like]
         return TensorSpec(name=name, doc=doc, dtypes=src.dtypes, shapes=src.shapes, shape_by=src.shape_by,
-                          like=like, line=line, optional=src.optional, alternatives=src.alternatives)
+                          like=like, line=line, optional=optional if section == "inputs" else src.optional,
+                          alternatives=src.alternatives, dtype_by=dtype_by, positional=positional)
+    if dtype_by is not None:
+        raise ctx.err(m["dtype_by"][0], f"{what}: 'dtype_by' needs 'like' (the output's shape)")
     if "shape" not in m or "dtypes" not in m:
         raise ctx.err(node, f"{what}: needs 'shape' and 'dtypes' (or 'like')")
     dtypes = ctx.strings(m["dtypes"][1], f"{what}.dtypes")
@@ -208,9 +231,6 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
             except ExprError as e:
                 raise ctx.err(n, f"{what}.range: {_clip(text)} does not parse: {e}") from None
         vrange = tuple(bounds)
-    optional = ctx.typed(m["optional"][1], (bool,), f"{what}.optional", "true or false") if "optional" in m else False
-    if optional and section != "inputs":
-        raise ctx.err(m["optional"][0], f"{what}: 'optional' is for inputs")
     snode = m["shape"][1]
     if shape_by is None:
         alternatives = {"": _shape_alternatives(ctx, snode, f"{what}.shape")}
@@ -231,13 +251,16 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
             if unknown:
                 raise ctx.err(m["range"][1], f"{what}.range: {b.text!r} names unknown {', '.join(map(repr, unknown))}")
     return TensorSpec(name=name, doc=doc, dtypes=dtypes, shapes=shapes, shape_by=shape_by, range=vrange,
-                      line=line, optional=optional, alternatives=alternatives)
+                      line=line, optional=optional, alternatives=alternatives, positional=positional)
 
 
 def _shape_alternatives(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[tuple[str, ...], ...]:
     """``[d, ...]`` is one shape; ``[[d, ...], [d, ...]]`` alternatives told apart by their rank."""
     if isinstance(node, yaml.SequenceNode) and node.value and all(isinstance(v, yaml.SequenceNode) for v in node.value):
         alts = tuple(_dims(ctx, v, what) for v in node.value)
+        if any(a[:1] == (LEAD,) for a in alts):  # ranks from len(a) - 1 up: no rank tells them apart
+            raise ctx.err(node, f"{what}: a shape with leading {LEAD!r} takes every rank from its own up; it "
+                                f"cannot have alternatives")
         ranks = [len(a) for a in alts]
         if len(set(ranks)) != len(ranks):
             raise ctx.err(node, f"{what}: alternative shapes must differ in their number of dims, got {ranks}")
@@ -247,14 +270,18 @@ def _shape_alternatives(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[tuple[st
 
 def _dims(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[str, ...]:
     dims = ctx.strings(node, what)
-    for d in dims:
+    for i, d in enumerate(dims):
+        if d == LEAD and i == 0:
+            continue
+        if d == LEAD:
+            raise ctx.err(node, f"{what}: {LEAD!r} (any leading dims) may only come first")
         if not d.isidentifier():
-            raise ctx.err(node, f"{what}: dim names must be identifiers, found {d!r}")
+            raise ctx.err(node, f"{what}: dim names must be identifiers (or a first {LEAD!r}), found {d!r}")
     return dims
 
 
 def _rule(ctx: _Ctx, node: yaml.Node, params: Mapping[str, ParamSpec], dims: frozenset[str],
-          args: set[str]) -> Rule:
+          args: set[str], inputs: Iterable[str] = ()) -> Rule:
     m = ctx.section(node, "rule", "rules[]")
     cnode = m["check"][1]
     text = ctx.string(cnode, "rules[].check")
@@ -262,15 +289,17 @@ def _rule(ctx: _Ctx, node: yaml.Node, params: Mapping[str, ParamSpec], dims: fro
         expr = parse_expr(text)
     except ExprError as e:
         raise ctx.err(cnode, f"rules[].check: {_clip(text)} does not parse: {e}") from None
-    unknown = sorted(expr.names - set(params) - dims)
+    dtypes = {DTYPE_PREFIX + n for n in inputs}
+    unknown = sorted(expr.names - set(params) - dims - dtypes)
     if unknown:
         raise ctx.err(cnode, f"rules[].check: {text!r} names unknown {', '.join(map(repr, unknown))}; "
-                             f"params: {', '.join(params)}; dims: {', '.join(sorted(dims))}")
+                             f"params: {', '.join(params)}; dims: {', '.join(sorted(dims))}; dtypes: "
+                             f"{', '.join(sorted(dtypes)) or 'none'}")
     arg = ctx.string(m["arg"][1], "rules[].arg")
     if arg not in args:
         raise ctx.err(m["arg"][1], f"rules[].arg: {arg!r} is neither a param nor an input")
     return Rule(check=expr, arg=arg, message=ctx.string(m["message"][1], "rules[].message"),
-                line=node.start_mark.line + 1, needs_dims=bool(expr.names & dims))
+                line=node.start_mark.line + 1, needs_dims=bool(expr.names & (dims | dtypes)))
 
 
 def _case(ctx: _Ctx, node: yaml.Node, op: dict[str, Any]) -> Case:
@@ -299,7 +328,17 @@ def _case(ctx: _Ctx, node: yaml.Node, op: dict[str, Any]) -> Case:
     needed: set[str] = set()
     for t in op["inputs"].values():
         if not t.optional or t.name in with_inputs:
-            needed |= set(t.shape_for(full))
+            needed |= set(t.shape_for(full)) - {LEAD}
+    lead: tuple[int, ...] = ()
+    if "lead" in m:
+        lnode = m["lead"][1]
+        if not any(t.leading for t in op["inputs"].values()):
+            raise ctx.err(m["lead"][0], f"{what}.lead: no input's shape starts with {LEAD!r}")
+        if not isinstance(lnode, yaml.SequenceNode):
+            raise ctx.err(lnode, f"{what}.lead: expected a list of sizes, found {_kind(lnode)}")
+        lead = tuple(ctx.typed(n, (int,), f"{what}.lead", "an integer") for n in lnode.value)
+        if any(v < 1 for v in lead):
+            raise ctx.err(lnode, f"{what}.lead: expected positive sizes, found {list(lead)}")
     dims: dict[str, int] = {}
     for key, (knode, vnode) in ctx.mapping(m["dims"][1], f"{what}.dims").items():
         if key not in op["dims"]:
@@ -316,19 +355,23 @@ def _case(ctx: _Ctx, node: yaml.Node, op: dict[str, Any]) -> Case:
         if d not in allowed:
             raise ctx.err(m["dtypes"][1], f"{what}.dtypes: {d!r} is not allowed; allowed: {', '.join(allowed)}")
     bench = ctx.typed(m["bench"][1], (bool,), f"{what}.bench", "true or false") if "bench" in m else True
-    env = full | dims
-    for rule in op["rules"]:
-        if not rule.check.names <= env.keys():
-            continue  # about dims of another layout: the op checks a rule when the call has its dims
-        try:
-            ok = rule.check.evaluate(env)
-        except ExprError as e:
-            raise ctx.err(node, f"{what}: rule {rule.check.text!r} cannot be evaluated: {e}") from None
-        if not ok:
-            raise ctx.err(node, f"{what}: breaks rule {rule.check.text!r} ({rule.message}) "
-                                f"(rule at line {rule.line})")
+    for dtype in dtypes:  # the case's inputs: each floating one in the case's dtype, integers in int64
+        given = [t for t in op["inputs"].values() if not t.optional or t.name in with_inputs]
+        env = full | dims | {DTYPE_PREFIX + t.name: None for t in op["inputs"].values()} | {
+            DTYPE_PREFIX + t.name: ("int64" if "int64" in t.dtypes else t.dtypes[0]) if t.range is not None
+            else dtype for t in given}
+        for rule in op["rules"]:
+            if not rule.check.names <= env.keys():
+                continue  # about dims of another layout: the op checks a rule when the call has its dims
+            try:
+                ok = rule.check.evaluate(env)
+            except ExprError as e:
+                raise ctx.err(node, f"{what}: rule {rule.check.text!r} cannot be evaluated: {e}") from None
+            if not ok:
+                raise ctx.err(node, f"{what}: breaks rule {rule.check.text!r} ({rule.message}) "
+                                    f"(rule at line {rule.line})")
     return Case(label=label, dims=dims, params=params, dtypes=dtypes, bench=bench, line=node.start_mark.line + 1,
-                with_inputs=with_inputs)
+                with_inputs=with_inputs, lead=lead)
 
 
 def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterable[str]) -> OpManifest:
@@ -343,38 +386,30 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
     _check_signature_order(ctx, tuple(params.values()))
     inputs: dict[str, TensorSpec] = {}
     for tname, (_, vnode) in ctx.mapping(m["inputs"][1], "inputs").items():
-        inputs[tname] = _tensor(ctx, tname, vnode, "inputs", params, {})
-        if inputs[tname].like is not None:
-            raise ctx.err(vnode, f"inputs.{tname}: 'like' is for outputs")
+        inputs[tname] = _tensor(ctx, tname, vnode, "inputs", params, dict(inputs))
+        t, before = inputs[tname], list(inputs.values())[:-1]
+        if not t.optional and any(b.optional for b in before):  # forward's positional order is the manifest's
+            raise ctx.err(vnode, f"inputs.{tname}: a required input after optional "
+                                 f"{next(b.name for b in before if b.optional)!r}; required inputs come first")
+        if t.positional and any(b.optional and not b.positional for b in before):
+            raise ctx.err(vnode, f"inputs.{tname}: a positional optional input after keyword-only "
+                                 f"{next(b.name for b in before if b.optional and not b.positional)!r}")
     outputs = {t: _tensor(ctx, t, v, "outputs", params, inputs)
                for t, (_, v) in ctx.mapping(m["outputs"][1], "outputs").items()}
     clash = set(params) & set(inputs)
     if clash:
         raise ctx.err(m["inputs"][1], f"inputs: {', '.join(sorted(clash))} is also a param")
+    clash = set(params) & {DTYPE_PREFIX + n for n in inputs}
+    if clash:
+        raise ctx.err(m["params"][1], f"params: {', '.join(sorted(clash))} is the name rules give an input's dtype")
     dims: frozenset[str] = frozenset().union(*(t.all_dims for t in inputs.values())) if inputs else frozenset()
     rules: list[Rule] = []
     if "rules" in m:
         rnode = m["rules"][1]
         if not isinstance(rnode, yaml.SequenceNode):
             raise ctx.err(rnode, f"rules: expected a list, found {_kind(rnode)}")
-        rules = [_rule(ctx, r, params, dims, set(params) | set(inputs)) for r in rnode.value]
-    backward = None
-    if "backward" in m:
-        bm = ctx.section(m["backward"][1], "backward", "backward")
-        wnode = bm["wrt"][1]
-        wrt = ctx.strings(wnode, "backward.wrt") if isinstance(wnode, yaml.SequenceNode) else (
-            ctx.string(wnode, "backward.wrt"),)
-        for w in wrt:
-            if w not in inputs:
-                raise ctx.err(wnode, f"backward.wrt: {w!r} is not an input; inputs: {', '.join(inputs)}")
-            if not set(inputs[w].dtypes) <= {"float16", "bfloat16", "float32", "float64"}:
-                raise ctx.err(wnode, f"backward.wrt: {w!r} is not a floating-point input")
-            if not any(o.like == w for o in outputs.values()):
-                raise ctx.err(wnode, f"backward.wrt: no output is like {w!r}, so it has no gradient to take")
-        if inputs[wrt[0]].optional:
-            raise ctx.err(wnode, f"backward.wrt: the first, {wrt[0]!r}, must be a required input")
-        backward = Backward(wrt=wrt, doc=ctx.string(bm["doc"][1], "backward.doc"),
-                            line=m["backward"][1].start_mark.line + 1)
+        rules = [_rule(ctx, r, params, dims, set(params) | set(inputs), inputs) for r in rnode.value]
+    backward = _backward(ctx, m["backward"][1], inputs, outputs) if "backward" in m else None
     km = ctx.section(m["kernel"][1], "kernel", "kernel")
     builder = ctx.string(km["builder"][1], "kernel.builder")
     builders = tuple(builders)
@@ -391,8 +426,9 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
     if "cpu_shrink" in m:
         sm = ctx.section(m["cpu_shrink"][1], "cpu_shrink", "cpu_shrink")
         sdims = ctx.strings(sm["dims"][1], "cpu_shrink.dims")
+        leading = any(t.leading for t in inputs.values())
         for d in sdims:
-            if d not in dims:
+            if d not in dims and not (d == LEAD and leading):
                 raise ctx.err(sm["dims"][1], f"cpu_shrink.dims: unknown dim {d!r}")
         shrink = CpuShrink(dims=sdims, max_elements=ctx.typed(sm["max_elements"][1], (int,),
                                                                 "cpu_shrink.max_elements", "an integer"))
@@ -418,6 +454,45 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
         rules=tuple(rules), kernel=kernel, cases=tuple(cases), cpu_shrink=shrink, file=ctx.file,
         line=key.start_mark.line + 1, backward=backward,
     )
+
+
+def _backward(ctx: _Ctx, node: yaml.Node, inputs: Mapping[str, TensorSpec],
+              outputs: Mapping[str, TensorSpec]) -> Backward:
+    bm = ctx.section(node, "backward", "backward")
+    wnode = bm["wrt"][1]
+    wrt = ctx.strings(wnode, "backward.wrt") if isinstance(wnode, yaml.SequenceNode) else (
+        ctx.string(wnode, "backward.wrt"),)
+    reduce = ctx.strings(bm["reduce"][1], "backward.reduce") if "reduce" in bm else ()
+    for r in reduce:
+        if r not in wrt:
+            raise ctx.err(bm["reduce"][1], f"backward.reduce: {r!r} is not in backward.wrt ({', '.join(wrt)})")
+    for w in wrt:
+        if w not in inputs:
+            raise ctx.err(wnode, f"backward.wrt: {w!r} is not an input; inputs: {', '.join(inputs)}")
+        if not set(inputs[w].dtypes) <= {"float16", "bfloat16", "float32", "float64"}:
+            raise ctx.err(wnode, f"backward.wrt: {w!r} is not a floating-point input")
+        if w not in reduce and not any(o.like == w for o in outputs.values()):
+            raise ctx.err(wnode, f"backward.wrt: no output is like {w!r}, so it has no gradient to take (an input "
+                                 f"whose gradient sums over rows is listed in backward.reduce)")
+    if inputs[wrt[0]].optional:
+        raise ctx.err(wnode, f"backward.wrt: the first, {wrt[0]!r}, must be a required input")
+    saves: list[tuple[str, ...]] = []
+    if "saves" in bm:
+        snode = bm["saves"][1]
+        if not isinstance(snode, yaml.SequenceNode):
+            raise ctx.err(snode, f"backward.saves: expected a list, found {_kind(snode)}")
+        for entry in snode.value:
+            names = ctx.strings(entry, "backward.saves[]") if isinstance(entry, yaml.SequenceNode) else (
+                ctx.string(entry, "backward.saves[]"),)
+            if not names:
+                raise ctx.err(entry, "backward.saves[]: expected a name or a non-empty list of names")
+            for n in names:
+                if n not in inputs and n not in outputs:
+                    raise ctx.err(entry, f"backward.saves: {n!r} is neither an input nor an output; inputs: "
+                                         f"{', '.join(inputs)}; outputs: {', '.join(outputs)}")
+            saves.append(names)
+    return Backward(wrt=wrt, doc=ctx.string(bm["doc"][1], "backward.doc"), line=node.start_mark.line + 1,
+                    reduce=reduce, saves=tuple(saves))
 
 
 def _hooks(ctx: _Ctx, node: yaml.Node) -> str:

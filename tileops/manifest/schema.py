@@ -13,8 +13,8 @@ from typing import Any, Mapping
 from .expr import Expr
 
 __all__ = [
-    "SCHEMA", "PARAM_TYPES", "DTYPES", "ParamSpec", "TensorSpec", "Rule", "KernelSpec", "Case", "Backward",
-    "CpuShrink", "OpManifest",
+    "SCHEMA", "PARAM_TYPES", "DTYPES", "LEAD", "DTYPE_PREFIX", "ParamSpec", "TensorSpec", "Rule", "KernelSpec",
+    "Case", "Backward", "CpuShrink", "OpManifest",
 ]
 
 #: Types a param may declare, and the Python types a value of it may have.
@@ -29,6 +29,14 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
 
 #: Dtype names a tensor may allow (torch's names).
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+
+#: The first entry of a shape that takes any number of leading dims (none included), which the
+#: kernel sees as rows: ``["...", hidden]`` is ``[hidden]``, ``[tokens, hidden]``, ``[b, s, h, hidden]``.
+LEAD = "..."
+
+#: A rule names the dtype of input ``x`` as ``dtype_x``: its manifest name (``"bfloat16"``), or none
+#: when the (optional) input is not given.
+DTYPE_PREFIX = "dtype_"
 
 # key -> (required, type description, meaning). Nested sections are keyed "section.key".
 SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
@@ -45,9 +53,10 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "params": (True, "map[name -> param]", "Constructor parameters, in signature order."),
         "inputs": (True, "map[name -> tensor]", "Tensors `forward` takes, in call order."),
         "outputs": (True, "map[name -> tensor]", "Tensors `forward` returns."),
-        "rules": (False, "list[rule]", "Constraints between params and dims, in the rule language."),
-        "backward": (False, "backward", "The op's gradient: which input it is differentiable in, computed by "
-                                        "a kernel of the same builder."),
+        "rules": (False, "list[rule]", "Constraints between params, dims and the inputs' dtypes, in the rule "
+                                       "language."),
+        "backward": (False, "backward", "The op's gradient: which inputs it is differentiable in, computed by "
+                                        "the family's backward kernels."),
         "kernel": (True, "kernel", "The kernel builder in `kernels/` that serves the op."),
         "cpu_shrink": (False, "cpu_shrink", "How cases are scaled down when tests run on the CPU."),
         "cases": (True, "list[case]", "Labelled workloads used by tests, benchmarks and `tileops demo`."),
@@ -65,24 +74,48 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
                                         "FILE:LINE)."),
     },
     "backward": {
-        "wrt": (True, "str | list[str]", "The inputs the op is differentiable in (each output is like one of "
-                                         "them); their gradients are the backward's outputs."),
+        "wrt": (True, "str | list[str]", "The inputs the op is differentiable in, the first one required; their "
+                                         "gradients are the backward's outputs. Each is an input some output is "
+                                         "like, or one `reduce` names."),
+        "reduce": (False, "list[str]", "Inputs of `wrt` no output is like (a norm's weight and bias): each one's "
+                                       "gradient has the input's shape and sums a contribution of every row "
+                                       "(computed on the device by the family's kernels)."),
+        "saves": (False, "list[str | list[str]]",
+                  "Inputs and outputs the backward kernels read: kept for the backward by autograd, which then "
+                  "refuses a backward after one of them was modified in place. An entry that is a list keeps the "
+                  "first of its names the call has (a norm's `[residual_out, x]`: the sum it normalised when "
+                  "the residual was given, else x). Inputs not in `wrt` are always kept."),
         "doc": (True, "str", "What the backward computes, for the API reference."),
     },
     "tensor": {
         "doc": (True, "str", "What the tensor holds."),
-        "optional": (False, "bool", "For inputs: may be omitted (None), a keyword-only argument of `forward`."),
+        "optional": (False, "bool", "For inputs: may be omitted (None), a keyword-only argument of `forward` "
+                                    "(see `positional`)."),
+        "positional": (False, "bool", "For optional inputs: a positional-or-keyword argument of `forward`, "
+                                      "default None, after the required inputs (which it must follow in the "
+                                      "manifest), rather than a keyword-only one (default false)."),
         "dtypes": (False, "list[str]", f"Allowed dtypes, among {', '.join(DTYPES)}."),
         "shape": (False, "list[dim] | map[layout -> list[dim]]",
                   "Shape over named dims; a map keyed by the value of the `shape_by` param. A list of lists "
-                  "gives alternatives told apart by their number of dims; workloads use the first."),
+                  "gives alternatives told apart by their number of dims; workloads use the first. A first "
+                  "entry `\"...\"` stands for any number of leading dims, none included (`[\"...\", hidden]`: "
+                  "`[hidden]`, `[tokens, hidden]`, `[batch, seq, heads, hidden]`); they have no names, and a "
+                  "case gives their sizes as `lead`."),
         "shape_by": (False, "str", "The param whose value picks the shape from `shape`."),
-        "like": (False, "str", "For outputs: same shape and dtype as this input."),
+        "like": (False, "str", "The input this tensor is shaped and typed like. An output: same shape and "
+                               "dtype (see `dtype_by`), produced when that input is given. An input: exactly "
+                               "that earlier input's shape and dtype when both are given (leading dims "
+                               "included), checked at every call; it takes the other's `shape` and `dtypes`."),
+        "dtype_by": (False, "str", "For outputs: the `str` param whose value, a dtype name, is the output's "
+                                   "dtype; None means the `like` input's."),
         "range": (False, "list[expr, expr]",
                   "For integer inputs: valid values lie in [low, high), two expressions over params and dims."),
     },
     "rule": {
-        "check": (True, "expr", "An expression over params and dims that must be true."),
+        "check": (True, "expr", "An expression over params, dims and the inputs' dtypes that must be true. "
+                                "`dtype_<input>` is an input's dtype name (`'bfloat16'`), or none when an "
+                                "optional input is not given; a rule naming a dim or a dtype is checked at "
+                                "the call, the others at construction."),
         "arg": (True, "str", "The argument an error names when the rule fails."),
         "message": (True, "str", "What is expected, in words."),
     },
@@ -97,13 +130,16 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
                                            "dynamic, so new sizes of it reuse the compiled kernel."),
     },
     "cpu_shrink": {
-        "dims": (True, "list[str]", "Dims halved, in turn, until a case fits."),
+        "dims": (True, "list[str]", "Dims halved, in turn, until a case fits; `\"...\"` halves the largest "
+                                    "leading dim."),
         "max_elements": (True, "int", "The largest input (elements) a CPU test runs."),
     },
     "case": {
         "label": (True, "str", "A unique readable name, e.g. `neox-2d-2k-bf16`."),
         "params": (False, "map", "Param values; the rest take their defaults."),
         "dims": (True, "map[dim -> int]", "The size of every dim the inputs use."),
+        "lead": (False, "list[int]", "The sizes of the leading dims of the inputs whose shape starts with "
+                                     "`\"...\"` (default none: a single row)."),
         "dtypes": (False, "list[str]", "Dtypes the case runs in (default: all allowed)."),
         "bench": (False, "bool", "Whether the benchmark runner times it (default true)."),
         "with": (False, "list[str]", "Optional inputs the case passes (default none)."),
@@ -137,6 +173,10 @@ class TensorSpec:
     optional: bool = False
     #: every accepted shape per key of ``shapes`` (whose value is the first of them)
     alternatives: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
+    #: outputs: the param whose value (a dtype name, or None for the like input's) is the dtype
+    dtype_by: str | None = None
+    #: optional inputs: a positional argument of ``forward`` (default None) rather than keyword-only
+    positional: bool = False
 
     def shape_for(self, params: Mapping[str, Any]) -> tuple[str, ...]:
         """The dims of this tensor for the given param values (the first alternative)."""
@@ -150,8 +190,15 @@ class TensorSpec:
 
     @property
     def all_dims(self) -> frozenset[str]:
+        """Every named dim of every shape (not the leading ``"..."``)."""
         alts = self.alternatives.values() or [(v,) for v in self.shapes.values()]
-        return frozenset(d for shapes in alts for dims in shapes for d in dims)
+        return frozenset(d for shapes in alts for dims in shapes for d in dims if d != LEAD)
+
+    @property
+    def leading(self) -> bool:
+        """Whether a shape of this tensor takes leading dims (starts with ``"..."``)."""
+        alts = self.alternatives.values() or [(v,) for v in self.shapes.values()]
+        return any(dims[:1] == (LEAD,) for shapes in alts for dims in shapes)
 
 
 @dataclass(frozen=True)
@@ -160,7 +207,7 @@ class Rule:
     arg: str
     message: str
     line: int = 0
-    needs_dims: bool = False  # false: checked at construction; true: at the first call of a shape
+    needs_dims: bool = False  # false: checked at construction; true: at the call (it names a dim or a dtype)
 
 
 @dataclass(frozen=True)
@@ -168,6 +215,16 @@ class Backward:
     wrt: tuple[str, ...]
     doc: str
     line: int = 0
+    #: inputs of ``wrt`` whose gradient is summed over rows (no output is like them)
+    reduce: tuple[str, ...] = ()
+    #: what the backward kernels read, kept by autograd until the backward: per entry, names of inputs
+    #: or outputs of which the first a call has is kept
+    saves: tuple[tuple[str, ...], ...] = ()
+
+    def saved(self, has: Any) -> list[str]:
+        """The names kept for a call: per entry of ``saves``, the first for which ``has(name)`` is true."""
+        found = (next((n for n in entry if has(n)), None) for entry in self.saves)
+        return [n for n in found if n is not None]
 
 
 @dataclass(frozen=True)
@@ -187,6 +244,8 @@ class Case:
     bench: bool = True
     line: int = 0
     with_inputs: tuple[str, ...] = ()
+    #: the sizes of the leading dims (``"..."``) of the inputs that take them
+    lead: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

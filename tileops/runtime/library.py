@@ -83,13 +83,17 @@ def pack(op: Any, tensors: dict) -> tuple[list[torch.Tensor], str]:
     return [tensors[n] for n in given], ",".join(given)
 
 
-def _inputs(op: Any, inputs: list[torch.Tensor], names: str) -> dict:
-    """Every input of the op by name (None for one not given), from :func:`pack`'s list and names."""
+def _inputs(op: Any, inputs: list[torch.Tensor], names: str, saved: bool = False) -> dict:
+    """Every input of the op by name (None for one not given), from :func:`pack`'s list and names;
+    with ``saved`` (``apply_backward``), also the outputs the manifest's ``backward.saves`` names
+    that the list holds after the inputs."""
     given = dict(zip(names.split(","), inputs)) if names else {}
-    if len(given) != len(inputs) or not set(given) <= {t.name for t in op.manifest.inputs}:
+    known = {t.name for t in op.manifest.inputs}
+    extra = {n for e in op.manifest.backward.saves for n in e} - known if saved and op.manifest.backward else set()
+    if len(given) != len(inputs) or not set(given) <= known | extra:
         raise TypeError(f"{op.name}: inputs {names!r} do not match its inputs "
                         f"({', '.join(t.name for t in op.manifest.inputs)})")
-    return {t.name: given.get(t.name) for t in op.manifest.inputs}
+    return {t.name: given.get(t.name) for t in op.manifest.inputs} | {n: given[n] for n in extra if n in given}
 
 
 def produced(op: Any, tensors: dict) -> list:
@@ -108,14 +112,15 @@ def _apply(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Te
 def _apply_fake(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
     op = lookup(handle)
     tensors = _inputs(op, inputs, names)
-    return [torch.empty_like(tensors[o.like]) for o in produced(op, tensors)]
+    return [op._new_output(o.name, tensors) for o in produced(op, tensors)]
 
 
 def _apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
                     names: str) -> list[torch.Tensor]:
-    """Gradients of the inputs ``backward.wrt`` names that are given, in that order, from the outputs'."""
+    """Gradients of the inputs ``backward.wrt`` names that are given, in that order, from the outputs'
+    (``inputs`` and ``names`` end with the outputs ``backward.saves`` names, when it names any)."""
     op = lookup(handle)
-    tensors = _inputs(op, inputs, names)
+    tensors = _inputs(op, inputs, names, saved=True)
     got = list(op._eager_backward(tuple(grads), tensors))
     # the strides the fake promised (a compiled graph views the result by them): the kernels' own
     # choice but after a fallback, which is copied
@@ -124,39 +129,58 @@ def _apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.T
             promised = torch.empty_like(ref)
             if promised.stride() != got[i].stride():
                 got[i] = promised.copy_(got[i])
+    # a custom op's outputs may not alias one another: one tensor given as two inputs' gradients (a
+    # residual's gradient is x's) is returned once and copied for the other
+    for i in range(1, len(got)):
+        if any(got[i] is g for g in got[:i]):
+            got[i] = got[i].clone()
     return got
 
 
 def _gradient_layouts(op: Any, tensors: dict, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """For each gradient ``apply_backward`` returns, the tensor it is laid out like (``empty_like``):
-    the gradient of the output like its input, as the kernels write it, not the input (in a compiled
-    training step they differ: an attention's gradient is ``[b, h, s, d]`` where the op's input was a
-    ``[b, s, h, d]`` view)."""
+    """For each gradient ``apply_backward`` returns, a tensor it is laid out like (``empty_like``),
+    in its input's dtype: the gradient of the output like its input, as the kernels write it, not
+    the input (in a compiled training step they differ: an attention's gradient is ``[b, h, s, d]``
+    where the op's input was a ``[b, s, h, d]`` view); an input no output is like (``backward.reduce``)
+    is its own layout."""
     like = {o.like: g for o, g in zip(produced(op, tensors), grads)}
-    return [like.get(w, tensors[w]) for w in op.manifest.backward.wrt if tensors.get(w) is not None]
+    out = []
+    for w in op.manifest.backward.wrt:
+        t = tensors.get(w)
+        if t is not None:
+            ref = like.get(w, t)
+            out.append(ref if ref.dtype == t.dtype else torch.empty_like(ref, dtype=t.dtype))
+    return out
 
 
 def _apply_backward_fake(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
                          names: str) -> list[torch.Tensor]:
     op = lookup(handle)
-    return [torch.empty_like(t) for t in _gradient_layouts(op, _inputs(op, inputs, names), grads)]
+    return [torch.empty_like(t) for t in _gradient_layouts(op, _inputs(op, inputs, names, saved=True), grads)]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
     handle, tensors, names = inputs
-    ctx.handle, ctx.names = handle, names
+    op = lookup(handle)
+    # the outputs the backward reads (backward.saves): passed to apply_backward after the inputs
+    given = _inputs(op, list(tensors), names)
+    made = [o.name for o in produced(op, given)]
+    bwd = op.manifest.backward
+    kept = [n for n in bwd.saved(lambda n: n in made or given.get(n) is not None) if n in made] if bwd else []
+    ctx.handle, ctx.names, ctx.n_inputs = handle, ",".join([names, *kept]) if kept else names, len(tensors)
     # every input: for the shapes, the kernel choice and what the backward reads (inputs not differentiated)
-    ctx.save_for_backward(*tensors)
+    ctx.save_for_backward(*tensors, *(output[made.index(n)] for n in kept))
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
     op = lookup(ctx.handle)
-    inputs = list(ctx.saved_tensors)
-    tensors = _inputs(op, inputs, ctx.names)
-    grads = [g if g is not None else torch.zeros_like(tensors[o.like]) for g, o in zip(grads, produced(op, tensors))]
+    saved = list(ctx.saved_tensors)
+    tensors = _inputs(op, saved, ctx.names, saved=True)
+    grads = [g if g is not None else op._new_output(o.name, tensors, zeros=True)
+             for g, o in zip(grads, produced(op, tensors))]
     got = dict(zip([w for w in op.manifest.backward.wrt if tensors.get(w) is not None],
-                   torch.ops.tileops.apply_backward(ctx.handle, grads, inputs, ctx.names)))
-    return None, [got.get(n) for n in ctx.names.split(",")], None
+                   torch.ops.tileops.apply_backward(ctx.handle, grads, saved, ctx.names)))
+    return None, [got.get(n) for n in ctx.names.split(",")[:ctx.n_inputs]], None
 
 
 def _apply_out(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
