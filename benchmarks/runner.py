@@ -140,9 +140,9 @@ def run(ops: list[str] | None, cases: list[str] | None, progress: bool = True) -
             row["end_to_end_us"] = end_to_end_us(lambda: op(**w.inputs))
         rows.append(row)
         if m.backward is not None:
-            back = _backward_row(m, case, dtype, op, sets, base_fn, bargs, nbytes, ceiling, n)
-            back["copy_us"] = row["copy_us"]  # the same bytes move
-            back["pct_same_copy"] = 100 * row["copy_us"] / back["ours_us"][0]
+            back = _backward_row(m, case, dtype, op, sets, base_fn, bargs, ceiling, n)
+            back["copy_us"] = row["copy_us"] if back["bytes"] == nbytes else same_bytes_copy_us(back["bytes"])
+            back["pct_same_copy"] = 100 * back["copy_us"] / back["ours_us"][0]
             rows.append(back)
         for r in rows[-2 if m.backward is not None else -1:]:  # a run cut short still leaves its rows in the log
             print("row " + json.dumps(r), file=sys.stderr, flush=True)
@@ -170,15 +170,34 @@ def _grad_timer(fn: Callable[..., torch.Tensor], arg_sets: list[tuple], n: int,
     return gpu_time(lambda i: torch.autograd.grad(*graphs[i], retain_graph=True), n)
 
 
+def _backward_bytes(m: Any, op: Any, inputs: dict[str, torch.Tensor], wrt: tuple[int, ...]) -> int:
+    """Bytes the backward must move: each output's gradient read, each distinct gradient written
+    (a norm's residual gets x's: one tensor), and each tensor ``backward.saves`` keeps read once.
+    RoPE's backward rotates the gradient alone, the forward's bytes; a norm's also reads x (or h)."""
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    names = list(inputs)
+    leaves = {names[i]: inputs[names[i]].detach().requires_grad_(True) for i in wrt}
+    outs = op(**{**inputs, **leaves})
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = torch.autograd.grad(outs, list(leaves.values()), [torch.ones_like(o) for o in outs])
+    made = {o.name: inputs[o.like] for o in m.outputs if inputs.get(o.like) is not None}
+    saved = m.backward.saved(lambda k: inputs.get(k) is not None or k in made)
+    return (sum(size(o) for o in outs) + sum(size(g) for g in {g.data_ptr(): g for g in grads}.values())
+            + sum(size(inputs[k] if k in inputs else made[k]) for k in saved))
+
+
 def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base_fn: Callable[..., Any],
-                  bargs: list[tuple], nbytes: int, ceiling: float, n: int) -> dict[str, Any]:
-    """The backward of ``case``: the gradients of x and of the key where the case has one (the
-    outputs' gradients in, the inputs' gradients out: the same bytes as the forward)."""
+                  bargs: list[tuple], ceiling: float, n: int) -> dict[str, Any]:
+    """The backward of ``case``: the gradients of the inputs ``backward.wrt`` names that the case
+    gives (x, RoPE's key, a norm's weight, bias and residual); bytes by :func:`_backward_bytes`."""
     names = list(sets[0])
     # the inputs that get a gradient (x, and key where the case gives one): the same positions in
     # our arguments and the baselines' (their inputs come first, in the op's order)
     wrt = tuple(i for i, k in enumerate(names) if k in m.backward.wrt and sets[0][k] is not None)
     ours = _grad_timer(lambda *args: op(**dict(zip(names, args))), [tuple(s_.values()) for s_ in sets], n, wrt)
+    nbytes = _backward_bytes(m, op, sets[0], wrt)
     eager = _grad_timer(base_fn, bargs, n, wrt)
     try:
         compiled = _grad_timer(fresh_compile(base_fn), bargs, n, wrt)

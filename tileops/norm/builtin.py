@@ -39,6 +39,8 @@ __all__ = ["implement", "kernel_specs", "NormKernels", "row_layout", "RESIDENT_T
 #: CUDA: the threads of the backward's persistent blocks an SM holds at once (kernels/norm.py asks
 #: nvcc for at most 64 registers a thread, so that 1024 fit): ``G`` is at most one wave of them
 RESIDENT_THREADS = 1024
+#: CUDA: the fewest row groups a backward block takes once every SM has a block
+ROWS_PER_BLOCK = 8
 #: the C backend's backward blocks (its "blocks" run one after another): each sums at most
 #: ``ceil(rows / 32)`` rows' weight gradient in sequence in fp32, 2048 for 65,536 rows
 C_BLOCKS = 32
@@ -232,7 +234,8 @@ class NormKernels:
         m = self.op.manifest
         names = {t.name for t in (*m.inputs, *m.outputs)}  # LayerNorm's bias; RMSNorm has none
         return bind(self._kernel(self.spec), m, tensors, outs, args=args, align=align,
-                    pointers={k: v for k, v in _POINTERS.items() if v in names})
+                    pointers={k: v for k, v in _POINTERS.items() if v in names},
+                    views={n: views[n] for n in ("out", "residual_out") if views.get(n) is not None})
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one, or None (such calls take the general
@@ -261,7 +264,11 @@ class NormKernels:
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         s = self.bwd_spec
         resident = self._sms * max(1, RESIDENT_THREADS // s.block_threads)
-        return max(1, min(-(-rows // s.rows_per_block), resident))
+        groups = -(-rows // s.rows_per_block)
+        # past one block an SM, at least ROWS_PER_BLOCK row groups a block: each block writes a full
+        # fp32 partial row that wsum reads back, which at 1024 x 4096 bf16 on 528 blocks was 8.6 MB
+        # each way against 25 MB of rows (54% of the copy; 64% on 264 blocks)
+        return max(1, min(groups, resident, max(self._sms, -(-groups // ROWS_PER_BLOCK))))
 
     def backward(self, state: None, grads: tuple, tensors: dict) -> tuple:
         """The gradients of the given inputs ``backward.wrt`` names, in its order: x's (and the
