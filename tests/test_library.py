@@ -20,7 +20,7 @@ def _small(name: str, gen: torch.Generator, every: bool = True) -> tuple:
     m = REGISTRY[name]
     case = next(c for c in m.cases if c.label.endswith("odd") or "odd" in c.label or c.bench is False)
     params = {p.name: p.default for p in m.params if p.has_default} | dict(case.params)
-    dims = {d: 3 for d in m.dims} | {"head_dim": 32}
+    dims = {d: 3 for d in m.dims} | {"head_dim": 32, "hidden": 64}  # RoPE's head size, a norm's row
     if "max_position" in params:
         params["max_position"] = 1000
     if params.get("rotary_dim"):
