@@ -31,7 +31,7 @@ def _backward_grads(monkeypatch, name: str, params: dict, inputs: dict) -> list[
     m = registry()[name]
     op = op_class(name)(**params)
     fn, args = make_baseline(op, inputs)
-    runner._backward_row(m, m.cases[0], "float32", op, [inputs], fn, [runner._bind(args, inputs)], 1, 1.0, 1)
+    runner._backward_row(m, m.cases[0], "float32", op, [inputs], fn, [runner._bind(args, inputs)], 1.0, 1)
     return got
 
 
@@ -180,3 +180,15 @@ def test_the_hf_benchmark_builds_its_three_variants_and_reports_each():
             "reps": 1, "warmup": 0}
     md = hf_generate.markdown([{"setup": "s", **hf_generate._row(times)}], info)
     assert "| s | 4.0 | 2.0 | 1.0 | 0.50 | 0.25 | 0.50 | 2 / 2 / 2 |" in md, md
+
+
+def test_backward_bytes_count_what_each_backward_must_move():
+    """RoPE's backward: the output's gradient in, x's out. A norm's also reads x (h with a residual,
+    whose gradient is x's own tensor: written once), and the weight and its gradient."""
+    x, w, r = torch.randn(64, 256), torch.randn(256), torch.randn(64, 256)
+    row, vec = x.numel() * 4, w.numel() * 4
+    rms, rope = registry()["RMSNormFwdOp"], registry()["RoPEFwdOp"]
+    assert runner._backward_bytes(rms, op_class("RMSNormFwdOp")(), {"x": x, "weight": w}, (0, 1)) == 3 * row + 2 * vec
+    with_res = {"x": x, "weight": w, "residual": r}
+    assert runner._backward_bytes(rms, op_class("RMSNormFwdOp")(), with_res, (0, 1, 2)) == 4 * row + 2 * vec
+    assert runner._backward_bytes(rope, op_class("RoPEFwdOp")(), {"x": x}, (0,)) == 2 * row
