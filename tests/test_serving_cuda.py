@@ -185,7 +185,10 @@ def test_every_op_captures_in_a_graph(on):
         if name == "MRoPEFwdOp":
             params["mrope_section"] = (8, 12, 12)  # the 32 pairs of head_dim 64
         op = on(cls(**params))
-        if name == "RoPENeoxPositionIdsFwdOp":
+        if m.family == "norm":
+            x, w = torch.randn(16, 4, 64, device="cuda"), torch.randn(64, device="cuda")
+            call = lambda: op(x, weight=w, out=out)  # noqa: E731
+        elif name == "RoPENeoxPositionIdsFwdOp":
             x, pos = torch.randn(16, 4, 64, device="cuda"), torch.randint(0, 4096, (16,), device="cuda")
             call = lambda: op(x, pos, out=out)  # noqa: E731
         else:
