@@ -85,11 +85,11 @@ def test_patched_model_has_no_more_graph_breaks(kind, rope, gen):
     reasons = [str(r.reason).splitlines()[0] for r in patched.break_reasons]
     assert patched.graph_break_count <= plain.graph_break_count, (kind, reasons)
     assert patched.graph_count <= plain.graph_count, kind
-    # the ops were traced, not HF's code in their place: RoPE once per layer (q and k together),
-    # the norm op once per norm module call
+    # RoPE's op was traced, not HF's code in its place, once per layer (q and k together); the
+    # routed norms trace HF's own code (Inductor fuses it with its neighbours), so no norm op
     layers = model.config.get_text_config().num_hidden_layers
     assert _op_nodes(patched.graphs, [rep["rope"]] if rope else []) == (layers if rope else 0), kind
-    assert norm_calls >= 2 * layers + 1 and _op_nodes(patched.graphs, rep["norm_ops"]) == norm_calls, kind
+    assert norm_calls >= 2 * layers + 1 and rep["norm_ops"] and _op_nodes(patched.graphs, rep["norm_ops"]) == 0, kind
     assert _op_nodes(plain.graphs) == 0
 
 

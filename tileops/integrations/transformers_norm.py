@@ -119,7 +119,13 @@ def routed_forward(module: torch.nn.Module, ops: tuple[Any, Any], original: Any)
     def forward(hidden_states):
         w = module.weight
         x = hidden_states
-        if x.dtype not in _OP_DTYPES or (w.dtype != x.dtype and w.dtype != torch.float32):
+        # Traced by torch.compile, the module's own code: Inductor fuses an RMSNorm with the add
+        # before it and the cast after it, which a custom op would fence off (H200, Llama 8 x 1024
+        # bf16, compiled generate 8 x (256 + 128): 1,103 ms with the norms as tileops ops against
+        # 1,046 with RoPE alone and 1,021 unpatched, one run). Eager calls take the op (0.71x
+        # unpatched in the same run).
+        if torch.compiler.is_compiling() or x.dtype not in _OP_DTYPES or (
+                w.dtype != x.dtype and w.dtype != torch.float32):
             return original(hidden_states)
         op = to_fp32 if w.dtype != x.dtype else same
         perm = _memory_order(x)
