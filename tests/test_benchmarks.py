@@ -75,16 +75,19 @@ def test_one_figure_per_family_and_direction_of_the_committed_results_sized_for_
     result = _committed()
     written = plots.write(result, tmp_path)
     figures = [p for p in written if p.suffix == ".png"]
-    # the committed run has RoPE's forward and backward rows, and no family or direction field
-    assert [p.name for p in figures] == ["latest-rope-forward.png", "latest-rope-backward.png"]
+    # the committed run has RoPE's forward and backward rows (the first runs had no family or
+    # direction field) and the norm family's, spliced in later
+    assert sorted(p.name for p in figures) == sorted(f"latest-{f}-{d}.png" for f in ("rope", "norm")
+                                                     for d in ("forward", "backward"))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in written)
-    per_figure = {"forward": 0, "backward": 0}
+    per_figure: dict[str, int] = {}
     for r in result["rows"]:
-        per_figure["backward" if r["case"].endswith(" (backward)") else "forward"] += 1
+        key = f"{r.get('family', 'rope')}-{'backward' if r['case'].endswith(' (backward)') else 'forward'}"
+        per_figure[key] = per_figure.get(key, 0) + 1
     for p in figures:
         width, height = _png_size(p)
         assert PAGE_PX[0] <= width <= PAGE_PX[1], (p.name, width)
-        rows = per_figure[p.stem.rsplit("-", 1)[1]]
+        rows = per_figure[p.stem.split("-", 1)[1]]
         assert height >= 50 * rows, (p.name, height, rows)  # a bar group of four per row, labels legible
 
 
