@@ -13,6 +13,8 @@ the generated tests where they can (bf16 hidden 4096, bf16 128 per head, fp32 64
 
 from __future__ import annotations
 
+import array
+
 import pytest
 import torch
 
@@ -509,6 +511,13 @@ class _EmulatedKernel:
 
     def bind(self, **values):
         return [values[n] for n in self.arg_names]
+
+    def template(self, values):
+        """What :meth:`tileops.compile.entry.RawKernel.template` gives: every argument by slot, 0 unless given."""
+        args = array.array("q", bytes(8 * len(self.arg_names)))
+        for name, value in values.items():
+            args[self.slot[name]] = int(value)
+        return args
 
     def stream(self) -> int:
         return 0
