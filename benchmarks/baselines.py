@@ -122,12 +122,6 @@ def liger_baseline(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[.
     return (lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)), (q, k, cos, sin), 2
 
 
-def _norm_rounding(op: Any) -> str:
-    """The op's rounding form: its ``rounding`` param, else ``llama`` without an offset, ``fp32`` with one."""
-    r = op.params.get("rounding")
-    return r or ("llama" if not op.params.get("offset") else "fp32")
-
-
 def _liger_norm(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[..., Any], tuple, int] | None:
     x, w, r = inputs["x"], inputs.get("weight"), inputs.get("residual")
     eps = op.params["eps"]
@@ -140,7 +134,8 @@ def _liger_norm(op: Any, inputs: dict[str, torch.Tensor]) -> tuple[Callable[...,
             return (lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, eps)), (x, w, inputs["bias"]), 1
         if w is None or op.params.get("out_dtype"):
             return None
-        mode = "llama" if _norm_rounding(op) == "llama" else "gemma"
+        # the op's own choice of rounding (its hooks resolve rounding=None from the offset and x's dtype)
+        mode = "llama" if op.rounding_of(op.params, str(x.dtype).removeprefix("torch.")) == "llama" else "gemma"
         offset = float(op.params.get("offset") or 0.0)
         if r is None:
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction
