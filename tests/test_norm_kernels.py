@@ -131,19 +131,30 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float
 
 
 def assert_hf_bits(got: torch.Tensor, want: torch.Tensor, what: str = "", rounds: int = 1) -> None:
-    """The same bits as HF on >= 99.9% of elements, and elsewhere at most ``rounds`` ulps of the dtype.
+    """The same bits as HF on >= 99.9% of elements (plus one row's cluster, below), and elsewhere at
+    most ``rounds`` ulps of the dtype.
 
     An element differs where the kernel's fp32 variance (its own summation order) and torch's differ
     in their last bits and the normalised value lies on a rounding boundary: y is then the
     neighbouring value. With ``llama`` rounding there are two roundings in a row (the normalised
     value to the input dtype, then its product with the weight): one ulp of the first can be two
     of the second (the first near the bottom of its binade, the product near the top of its), so
-    those tests pass ``rounds=2``."""
+    those tests pass ``rounds=2``.
+
+    Such differences come in clusters, not one by one: x has a 16-bit float's 128 mantissas per
+    binade and a row scales them all by the same 1/rms, so when that factor moves by an ulp, every
+    element of the row sharing the mantissa that lands on a boundary flips at once. One row of
+    4096 (CPU, 5,000 seeded rows) had 1/rms one ulp off torch's in about one row in a thousand, and
+    then 25 to 30 elements differed: 0.7% of a single row, which a share alone would call a bug.
+    So two mantissas' worth of the last dimension (2 * ceil(hidden / 128) elements) may differ on
+    top of the 0.1%; a real rounding bug moves far more (one rounding for Llama's two: 25-42% of such a row)."""
     assert got.dtype == want.dtype, (got.dtype, want.dtype)
     assert not got.isnan().any(), f"{what}: NaN left (an element was not written)"
     d = ref.ulps_apart(got, want)
-    same = (d == 0).double().mean().item()
-    assert same >= 0.999, f"{what}: only {same:.5f} of elements match HF's bits"
+    differ = int((d != 0).sum())
+    allowed = 0.001 * d.numel() + 2 * -(-got.shape[-1] // 128)
+    assert differ <= allowed, (f"{what}: {differ} of {d.numel()} elements differ from HF's bits "
+                               f"(at most {allowed:.0f} may)")
     assert d.max().item() <= rounds, f"{what}: {int((d > rounds).sum())} elements more than {rounds} ulps from HF"
 
 
