@@ -80,3 +80,31 @@ def test_a_cold_build_of_a_shipped_kernel_never_imports_tilelang(tmp_path):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"tilelang": False, "lean": 1, "shipped": 1, "args": got["args"]} and got["args"] > 20
     assert len(os.listdir(tmp_path / "tileops" / "kernels")) == 2  # indexed: a later process loads it
+
+
+def test_an_entry_whose_tir_is_unchanged_moves_to_its_new_key_without_lowering(tmp_path, monkeypatch):
+    """A builder edit that leaves the generated code alone (a refactor) moves every key of its
+    kernels; ``tileops lowered`` then carries each entry over by its TIR's digest instead of
+    lowering it again (8 s a kernel on 2 cores). An entry whose TIR differs is lowered."""
+    from tileops.compile import warmup
+
+    jobs = [j for j in kernel_jobs(["RoPEFwdOp"], "sm_90") if j[2] == "cuda"][:3]
+    keys = [build.index_key(*j, lean=True) for j in jobs]
+    tirs = [build.lowering_digest(build.prim_func(j[0], j[1]), "sm_90") for j in jobs]
+    old = {f"old{i}": {"spec": "?", "device": f"d{i}", "host": f"h{i}", "record": {}, "name": f"n{i}", "tir": t}
+           for i, t in enumerate(tirs[:2])}
+    old["old1"]["tir"] = "another kernel's TIR"  # the second kernel's code changed: it must be lowered
+    out = tmp_path / "sm_90.json.xz"
+    monkeypatch.setattr(lowered, "path", lambda arch: out)
+    monkeypatch.setattr(lowered, "_packs", {"sm_90": old})
+    monkeypatch.setattr(warmup, "kernel_jobs", lambda names, arch: jobs)
+    lowered_now = []
+    monkeypatch.setattr(warmup, "_lower", lambda job: (lowered_now.append(job), (build.index_key(*job, lean=True), {
+        "spec": repr(job[1]), "device": "fresh", "host": "", "record": {}, "name": "", "tir": "t"}))[1])
+    path, n = warmup.write_lowered("sm_90", jobs=1, progress=False)
+    assert n == {"kept": 0, "carried": 1, "lowered": 2, "unserved": 0}
+    assert lowered_now == jobs[1:]
+    assert lowered.shipped("sm_90")[keys[0]]["device"] == "d0"  # moved, not lowered
+    assert lowered.shipped("sm_90")[keys[0]]["spec"] == repr(jobs[0][1])
+    assert {lowered.shipped("sm_90")[k]["device"] for k in keys[1:]} == {"fresh"}
+    assert "old0" not in lowered.shipped("sm_90")  # an entry no kernel has any longer goes

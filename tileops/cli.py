@@ -262,8 +262,10 @@ def cmd_lowered(args: argparse.Namespace) -> int:
     # lowering only: no GPU, no CUDA toolkit
     if _bad_arch_or_jobs("lowered", arch_problem(args.arch, cpu=False), args.jobs):
         return 2
-    out, n, skipped = write_lowered(args.arch, jobs=args.jobs, progress=True)
-    print(f"{out}: {n} kernels lowered for {args.arch}" + (f" ({skipped} not served by the lean build)" if skipped else ""))
+    out, n = write_lowered(args.arch, jobs=args.jobs, progress=True)
+    print(f"{out}: {n['kept'] + n['carried'] + n['lowered']} kernels for {args.arch}: {n['kept']} kept, "
+          f"{n['carried']} carried over to new keys (TIR unchanged), {n['lowered']} lowered"
+          + (f" ({n['unserved']} not served by the lean build)" if n["unserved"] else ""))
     return 0
 
 

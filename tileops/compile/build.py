@@ -211,6 +211,16 @@ def index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = Fal
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def lowering_digest(func: Any, arch: str) -> str:
+    """A digest of everything lowering ``func`` (a kernel's ``T.prim_func``) for the lean build reads:
+    its TIR as TVMScript prints it, ``arch``, the pass configs, TileLang's version and
+    :mod:`tileops.compile.cuda_build`'s source. Two kernels with equal digests lower to the same
+    sources whatever their builders' files look like, so an edit that leaves a kernel's TIR alone
+    (a refactor, a comment) need not lower it again (:func:`tileops.compile.warmup.write_lowered`)."""
+    text = repr((func.script(), arch, sorted(PASS_CONFIGS.items()), _tilelang_version(), _lean_digest()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _init_library(path: str) -> Any:
     """The kernel library at ``path``, loaded and initialised as TileLang does (``init()`` == 0)."""
     lib = ctypes.CDLL(path)

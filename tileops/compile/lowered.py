@@ -12,7 +12,9 @@ the file, or a file left behind by a change to the kernels (its keys no longer m
 TileLang as before: the file can make a first call faster, never different.
 
 ``tileops lowered`` regenerates the file (:func:`tileops.compile.warmup.write_lowered` lowers the
-kernels, :func:`write` writes them; ``tests/test_lowered.py`` fails when the file is stale).
+kernels, :func:`write` writes them; ``tests/test_lowered.py`` fails when the file is stale). Each
+entry keeps the digest of its kernel's TIR (``tir``), so that an edit moving keys without changing
+the generated code carries entries over rather than lowering them again.
 """
 
 from __future__ import annotations
