@@ -24,7 +24,7 @@ from ..compile.build import device_backend, load_kernel
 from ..runtime.binding import bind
 from .hooks import kernel_spec
 
-__all__ = ["implement", "PrologueKernels"]
+__all__ = ["implement", "kernel_specs", "PrologueKernels"]
 
 
 class PrologueKernels:
@@ -86,6 +86,17 @@ class PrologueKernels:
             q_out.copy_(q)
             return q_out
         return q
+
+
+def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
+    """The ``(builder, spec)`` a call of one specialization launches, for ``tileops warmup`` and
+    ``op.compile`` (no backward: the manifest declares none). None on CUDA, where the fused kernel
+    has no schedule yet (a call there is refused)."""
+    if backend != "c":
+        return []
+    spec = kernel_spec(params, call.dtype("qkv"), call.dtype("positions"), call.dtype("slot_mapping"), backend,
+                       manifest.name)
+    return [(manifest.kernel.builder, spec)]
 
 
 def implement(op: Any, spec: Any) -> PrologueKernels:

@@ -18,7 +18,7 @@ import torch
 
 from ..op import Op
 
-__all__ = ["AttnPrologueFwdHooks", "kernel_fields"]
+__all__ = ["AttnPrologueFwdHooks", "kernel_fields", "kernel_spec", "rope_of"]
 
 #: the kernel counts tokens and heads in int32
 MAX_TOKENS = 2**31 - 1
@@ -28,11 +28,24 @@ def kernel_fields(params: Any, qkv_dtype: str, positions: str, slots: str, backe
     """The fields of :class:`kernels.prologue.PrologueKernelSpec` for a call of an op built with
     ``params`` (its ``rope`` op among them): the rope op's own fields (pairing, rotated width and
     whatever its family adds, e.g. MRoPE's sections), passed through unchanged."""
-    rope = params["rope"]
+    cls, rp = rope_of(params["rope"])
     d = params["head_dim"]
-    return {"dtype": qkv_dtype, "head_dim": d, "rot": rope.rotated_width(d), "positions": positions, "slots": slots,
-            "qk_norm": params["qk_norm"], "pairing": rope.pairing, "backend": backend,
-            **rope.kernel_fields(positions)}
+    return {"dtype": qkv_dtype, "head_dim": d, "rot": cls.rotated_width_of(rp, d), "positions": positions,
+            "slots": slots, "qk_norm": params["qk_norm"], "pairing": cls.pairing_of(rp), "backend": backend,
+            **cls.kernel_fields_of(rp, positions)}
+
+
+def rope_of(rope: Any) -> tuple[type, Any]:
+    """``(hook class, params)`` of the rope stage: an op object's, or, for a case's ``{op: Name,
+    params: {...}}`` (``tileops warmup`` names kernels without constructing ops), the class its
+    manifest names and the manifest's defaults under the case's params."""
+    if isinstance(rope, Op):
+        return type(rope), rope.params
+    from .. import manifest
+    from ..rope import hooks as rope_hooks
+
+    m = manifest.get(rope["op"])
+    return getattr(rope_hooks, m.hooks), {**m.defaults(), **rope.get("params", {})}
 
 
 def kernel_spec(params: Any, qkv_dtype: str, positions: str, slots: str, backend: str, op_name: str) -> Any:
@@ -46,13 +59,14 @@ def kernel_spec(params: Any, qkv_dtype: str, positions: str, slots: str, backend
     known = {f.name for f in dataclasses.fields(spec_cls)}
     unknown = [k for k in fields if k not in known]
     rope = params["rope"]
+    rope_name = rope.name if isinstance(rope, Op) else rope["op"]
     if unknown:
-        raise ValueError(f"{op_name}: rope: {rope.name} needs the fused kernel's {', '.join(unknown)}, which "
+        raise ValueError(f"{op_name}: rope: {rope_name} needs the fused kernel's {', '.join(unknown)}, which "
                          f"kernels/prologue.py does not build yet")
     try:
         return spec_cls(**fields)
     except ValueError as e:
-        raise ValueError(f"{op_name}: rope: the fused kernel cannot compose {rope.name} yet: {e}") from None
+        raise ValueError(f"{op_name}: rope: the fused kernel cannot compose {rope_name} yet: {e}") from None
 
 
 class AttnPrologueFwdHooks(Op):
