@@ -317,3 +317,42 @@ def test_rope_of_another_family_refused():
 
     with pytest.raises(TypeError, match="rope: expected an op of the 'rope' family .* got RMSNormFwdOp"):
         AttnPrologueFwdOp(8, 1, 64, RMSNormFwdOp())
+
+
+# --------------------------------------------------------------------------- the manifest's compose section
+
+
+def _composed(tmp_path, name: str, edit):
+    from tileops.manifest import packaged_files
+
+    src = next(p for p in packaged_files() if p.name == "AttnPrologueFwdOp.yaml").read_text()
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(edit(name + src[len("AttnPrologueFwdOp"):]))
+    return path
+
+
+def test_compose_resolves_to_loaded_manifests():
+    from tileops.manifest import registry
+
+    stages = {s.name: s for s in registry()["AttnPrologueFwdOp"].compose}
+    assert stages["norm"].ops == ("RMSNormFwdOp",)
+    assert "RoPELlama31FwdOp" in stages["rope"].ops and "YaRNFwdOp" in stages["rope"].ops
+    assert stages["rope"].param == "rope" and stages["norm"].when == "qk_norm"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.replace("from: norm/RMSNormFwdOp", "from: norm/NoSuchNormOp"),
+     "compose.norm.from: no op 'NoSuchNormOp' in family 'norm'"),
+    (lambda t: t.replace("from: rope\n", "from: ropes\n"), "compose.rope.from: unknown family 'ropes'"),
+    (lambda t: t.replace("from: norm/RMSNormFwdOp", "from: attention/CyclicOp"), "compose.norm.from: a cycle: "
+                                                                                 "CyclicOp -> CyclicOp"),
+    (lambda t: t.replace("rope: {op: RoPELlama31FwdOp}", "rope: {op: RMSNormFwdOp}"),
+     r"cases\[llama-decode-hnd\].params.rope: 'RMSNormFwdOp' is not among compose.rope's ops"),
+], ids=["unknown-op", "unknown-family", "cycle", "case-op-of-another-family"])
+def test_compose_errors_name_the_key(tmp_path, edit, message):
+    from tileops.manifest import ManifestError, load_files, packaged_files
+
+    path = _composed(tmp_path, "CyclicOp", edit)
+    others = [p for p in packaged_files() if p.name != "AttnPrologueFwdOp.yaml"]
+    with pytest.raises(ManifestError, match=message):
+        load_files([*others, path])
