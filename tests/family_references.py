@@ -28,7 +28,7 @@ import torch
 
 from tileops.families import roots
 
-__all__ = ["reference_module", "outputs", "grads", "check_independent", "output_dtype"]
+__all__ = ["reference_module", "outputs", "written", "grads", "check_independent", "output_dtype", "output_shape"]
 
 HERE = Path(__file__).resolve().parent
 #: the first family's reference predates the convention
@@ -62,6 +62,25 @@ def reference_module(family: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def written(m: Any, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float64 state after the call of every input the op writes in place (``written``: a KV
+    cache), from ``inputs`` as they were before it; the family's reference returns them in its dict
+    by input name."""
+    names = [t.name for t in m.inputs if t.written and inputs.get(t.name) is not None]
+    if not names:
+        return {}
+    got = reference_module(m.family).reference(m.name, dict(params), dict(inputs))
+    return {n: got[n] for n in names}
+
+
+def output_shape(m: Any, params: Mapping[str, Any], name: str, dims: Mapping[str, Any]) -> torch.Size | None:
+    """The shape of output ``name`` when its manifest gives it one of its own (dims, then int params)."""
+    spec = next(o for o in m.outputs if o.name == name)
+    if not spec.own_shape:
+        return None
+    return torch.Size([dims[d] if d in dims else params[d] for d in spec.own_shape])
 
 
 def outputs(m: Any, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -492,8 +492,8 @@ class _FakeDriver:
 class _Judged:
     """Stands in for an op: the tracker's errors name the call (its positions' first value)."""
 
-    def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:
-        raise ValueError(f"{int(position_ids[0])}: {when}")
+    def _raise_bad_value(self, name: str, values: torch.Tensor, when: str = "") -> None:
+        raise ValueError(f"{int(values[0])}: {when}")
 
 
 def _fake_cuda(mod: Any, drv: Any, make_event: Callable[[int], int]) -> tuple:

@@ -45,7 +45,8 @@ __all__ = [{names}]
 '''
 
 _PY_TYPES = {"str": "str", "int": "int", "float": "float", "bool": "bool",
-             "ints": "tuple[int, ...] | list[int]", "tensor": "torch.Tensor"}
+             "ints": "tuple[int, ...] | list[int]", "tensor": "torch.Tensor", "op": "Op",
+             "dtype": "torch.dtype"}
 _TARGET_DOC = ("Which set of kernels serves this op: a registered target name, BUILTIN for the in-tree "
                "kernels, or None to decide from the input device at the first call. Default None.")
 
@@ -65,6 +66,10 @@ def family_module_path(family: str) -> Path:
 def _annotation(p: ParamSpec) -> str:
     t = _PY_TYPES[p.type]
     return f"{t} | None" if (p.optional or p.type == "tensor") else t
+
+
+def _uses_op_params(ops: list[OpManifest]) -> bool:
+    return any(p.type == "op" for m in ops for p in m.params)
 
 
 def _literal(value: object) -> str:
@@ -211,6 +216,8 @@ def _forward_method(m: OpManifest) -> list[str]:
             text += f" The shape and dtype of ``{t.like}``, exactly."
         else:
             text += f" Shape {_shape_text(t, m)}; dtype " + ", ".join(t.dtypes) + "."
+        if t.written:
+            text += " Written in place (never returned); it may share memory with no other argument."
         if t.range is not None:
             text += f" Each value in ``[{t.range[0]}, {t.range[1]})``."
         if t.optional:
@@ -219,7 +226,8 @@ def _forward_method(m: OpManifest) -> list[str]:
         doc += _wrap(text, 12, f"{t.name} ({ann}): ")
     for o in m.outputs:
         typed = (f"Shaped like ``{o.like}`` and typed like it, or as ``{o.dtype_by}`` says when given"
-                 if o.dtype_by else f"Shaped and typed like ``{o.like}``")
+                 if o.dtype_by else f"Shape ``[{', '.join(o.own_shape)}]``, typed like ``{o.like}``" if o.own_shape
+                 else f"Shaped and typed like ``{o.like}``")
         text = (f"Keyword-only. Where to write the result ({o.doc.strip()}). {typed}, "
                 "any strides; it may be its own input exactly (in place) but "
                 "may not otherwise overlap another argument. Not while an input requires grad. Default None.")
@@ -261,6 +269,8 @@ def render_family(family: str, manifests: Iterable[OpManifest]) -> str:
     names = "\n".join(textwrap.wrap(", ".join(f'"{m.name}"' for m in ops), width=WIDTH - 4,
                                       initial_indent="    ", subsequent_indent="    "))
     out = _HEADER.format(family=family, names="\n" + names + ",\n")
+    if _uses_op_params(ops):  # the annotation of an op param (the prologue's rope)
+        out = out.replace("from ..targets import Target\n", "from ..op import Op\nfrom ..targets import Target\n")
     for m in ops:
         out += "\n\n" + render_class(m)
     return out

@@ -87,6 +87,16 @@ class Op:
                 if p.optional or p.type == "tensor":
                     continue
                 raise TypeError(f"{m.name}: {p.name}: expected {p.type}, got None")
+            if p.type == "op":
+                self._check_op_param(p.name, value)
+                continue
+            if p.type == "dtype":
+                if isinstance(value, torch.dtype):
+                    value = params[p.name] = DTYPE_NAMES.get(value, str(value).replace("torch.", ""))
+                if not isinstance(value, str):
+                    raise TypeError(f"{m.name}: {p.name}: expected a torch.dtype, got {type(value).__name__} {value!r}")
+                if value not in DTYPES:
+                    raise ValueError(f"{m.name}: {p.name}: expected a dtype among {', '.join(DTYPES)}, got {value!r}")
             if p.type == "tensor":
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"{m.name}: {p.name}: expected a torch.Tensor or None, "
@@ -100,6 +110,7 @@ class Op:
                 params[p.name] = tuple(value)
                 continue
             ok = {
+                "dtype": True,  # checked above
                 "str": isinstance(value, str),
                 "bool": isinstance(value, bool),
                 "int": isinstance(value, int) and not isinstance(value, bool),
@@ -119,6 +130,17 @@ class Op:
             if not rule.needs_dims:
                 self._check_rule(rule, params)
         return params
+
+    def _check_op_param(self, name: str, value: Any) -> None:
+        """An ``op`` param: an op object of the family (or the one op) its ``compose`` stage names."""
+        m = self.manifest
+        stage = next((st for st in m.compose if st.param == name), None)
+        want = f"an op of {', '.join(stage.ops)}" if stage is not None else "a tileops op"
+        if not isinstance(value, Op):
+            raise TypeError(f"{m.name}: {name}: expected {want}, got {type(value).__name__}")
+        if stage is not None and value.name not in stage.ops:
+            raise TypeError(f"{m.name}: {name}: expected an op of the {stage.family!r} family ({', '.join(stage.ops)}), "
+                            f"got {value.name} of the {value.manifest.family!r} family")
 
     def _check_rule(self, rule: Any, env: Mapping[str, Any]) -> None:
         try:
@@ -189,9 +211,30 @@ class Op:
 
     def _new_output(self, name: str, tensors: Mapping[str, Any], zeros: bool = False) -> torch.Tensor:
         """A new tensor for output ``name`` of a call with ``tensors``: laid out like its like input
-        (``torch.empty_like``), in the output's dtype; filled with zeros with ``zeros``."""
+        (``torch.empty_like``), in the output's dtype; filled with zeros with ``zeros``. An output
+        with a shape of its own (``own_shape``) is a new contiguous tensor of that shape."""
         like = tensors[self._like[name]]
+        shape = self._output_shape(name, tensors)
+        if shape is not None:
+            return (torch.zeros if zeros else torch.empty)(shape, dtype=self._output_dtype(name, tensors),
+                                                           device=like.device)
         return (torch.zeros_like if zeros else torch.empty_like)(like, dtype=self._output_dtype(name, tensors))
+
+    def _output_shape(self, name: str, tensors: Mapping[str, Any]) -> list[int] | None:
+        """The sizes of output ``name`` when its manifest gives it a shape of its own, from the
+        call's dims (read off the inputs' shapes) and the int params; None for one shaped like its input."""
+        spec = next(o for o in self.manifest.outputs if o.name == name)
+        if not spec.own_shape:
+            return None
+        sizes: dict[str, int] = {}
+        for t in self.manifest.inputs:
+            x = tensors.get(t.name)
+            if x is None:
+                continue
+            for dims in t.shapes_for(self.params):
+                if len(dims) == x.dim() and dims[:1] != (LEAD,):
+                    sizes.update(zip(dims, x.shape))
+        return [int(sizes[d]) if d in sizes else int(self.params[d]) for d in spec.own_shape]
 
     def _eager_backward(self, grads: tuple, tensors: Mapping[str, Any]) -> tuple:
         """The gradients of the inputs ``backward.wrt`` names (those given), from the outputs'."""
@@ -207,6 +250,12 @@ class Op:
     # ----------------------------------------------------------------------------- errors
     def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:  # pragma: no cover
         raise ValueError(f"{self.name}: position_ids: a position is out of range ({when or 'this call'})")
+
+    def _raise_bad_value(self, name: str, values: torch.Tensor, when: str = "") -> None:
+        """Raise the ValueError of a call whose kernel found a value of input ``name`` out of range
+        (the runtime's tracker calls this through :func:`tileops.runtime.library.raise_bad`); by default
+        the family's position error, which names ``position_ids``."""
+        self._raise_bad_position(values, when)
 
     def check(self) -> None:
         """Wait for this thread's calls of this op and raise the ValueError of the first bad position
@@ -385,12 +434,14 @@ class Op:
                 raise ValueError(f"{m.name}: {spec.name}: given without {spec.like}, whose result it would hold")
             # a wrong dtype is a TypeError and a wrong shape or device a ValueError, as for an input
             dtype = self._output_dtype(spec.name, tensors)
-            for what, want, got, error in (("shape", list(src.shape), list(o.shape), ValueError),
+            shape = self._output_shape(spec.name, tensors)
+            for what, want, got, error in (("shape", shape or list(src.shape), list(o.shape), ValueError),
                                            ("dtype", dtype, o.dtype, TypeError),
                                            ("device", src.device, o.device, ValueError)):
                 if want != got:
                     by = (f"{spec.dtype_by}={self.params[spec.dtype_by]!r}" if what == "dtype" and
-                          spec.name in self._dtype_by else spec.like)
+                          spec.name in self._dtype_by else
+                          "[" + ", ".join(spec.own_shape) + "]" if what == "shape" and shape else spec.like)
                     raise error(f"{m.name}: {spec.name}: expected {what} {want} (that of {by}), got {got}")
             if torch._debug_has_internal_overlap(o) == 1:  # as torch refuses an in-place write into one
                 raise ValueError(f"{m.name}: {spec.name}: expected a tensor whose elements each have their own "
@@ -453,10 +504,29 @@ class Op:
         self._check_dim_rules(dims, {DTYPE_PREFIX + t.name: None for t in m.inputs}
                               | {DTYPE_PREFIX + n: d for n, d in dtypes})
         assert device is not None
+        self._check_written(tensors)
         self._check_more(tensors, dims)
         # only the dims kernels are compiled for: other sizes share one implementation
         static = sorted((d, dims[d]) for d in m.kernel.specialize)
         return CallSpec(device=device, dtypes=tuple(dtypes), dims=tuple(static))
+
+    def _check_written(self, tensors: Mapping[str, Any]) -> None:
+        """Inputs the op writes in place (``written``): each element its own memory, and no memory
+        shared with any other input (a cache overlapping qkv or the other cache would be read after
+        it was written)."""
+        m = self.manifest
+        for spec in m.inputs:
+            t = tensors.get(spec.name)
+            if not spec.written or t is None:
+                continue
+            if torch._debug_has_internal_overlap(t) == 1:
+                raise ValueError(f"{m.name}: {spec.name}: expected a tensor whose elements each have their own memory "
+                                 f"(it is written), got one whose elements share memory (strides {list(t.stride())})")
+            for other in m.inputs:
+                u = tensors.get(other.name)
+                if other.name != spec.name and u is not None and not disjoint(t, u):
+                    raise ValueError(f"{m.name}: {spec.name}: overlaps {other.name} in memory; an input the op "
+                                     f"writes may share memory with no other argument")
 
     def _check_dim_rules(self, dims: Mapping[str, int], dtypes: Mapping[str, str | None] | None = None) -> None:
         """The manifest's rules checked at the call (over dims, or inputs' dtypes ``dtype_<input>``)

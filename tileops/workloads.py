@@ -15,7 +15,8 @@ import torch
 from .manifest import DTYPES, Case, OpManifest
 from .manifest.cases import case_dims, case_params, index_dtype, passes, tensor_shape
 
-__all__ = ["Workload", "index_dtype", "case_params", "case_dims", "make_inputs", "workload", "op_class", "bytes_moved"]
+__all__ = ["Workload", "index_dtype", "case_params", "case_dims", "make_inputs", "workload", "op_class", "op_params",
+           "bytes_moved"]
 
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -39,6 +40,17 @@ def op_class(name: str) -> type:
     from . import ops
 
     return ops()[name]
+
+
+def op_params(m: OpManifest, params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with each ``op`` param a case gives as ``{op: OpName, params: {...}}`` built into that
+    op (the prologue's ``rope``); every other value as it is."""
+    out = dict(params)
+    for p in m.params:
+        value = out.get(p.name)
+        if p.type == "op" and isinstance(value, Mapping):
+            out[p.name] = op_class(value["op"])(**value.get("params", {}))
+    return out
 
 
 def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, Any], dtype: str,
@@ -65,7 +77,7 @@ def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, Any
 
 def workload(m: OpManifest, case: Case, dtype: str, device: torch.device | str = "cpu", shrink: bool = False,
              generator: torch.Generator | None = None) -> Workload:
-    params = case_params(m, case)
+    params = op_params(m, case_params(m, case))
     dims = case_dims(m, case, shrink)
     return Workload(m, case, dtype, params, dims, make_inputs(m, params, dims, dtype, device, generator, case))
 

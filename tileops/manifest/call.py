@@ -10,7 +10,8 @@ __all__ = ["CallSpec", "DTYPES", "DTYPE_NAMES"]
 
 #: dtype names as manifests write them
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+          "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 #: the manifest's name of each torch dtype
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

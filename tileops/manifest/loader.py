@@ -5,6 +5,7 @@ Every error is a :class:`ManifestError` whose text starts ``FILE:LINE:`` and nam
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -13,11 +14,11 @@ import yaml
 
 from .expr import ExprError, parse_expr
 from .schema import (
-    DTYPE_PREFIX, DTYPES, LEAD, PARAM_TYPES, SCHEMA, Backward, Case, CpuShrink, KernelSpec, OpManifest, ParamSpec,
-    Rule, TensorSpec,
+    DTYPE_PREFIX, DTYPES, LEAD, PARAM_TYPES, SCHEMA, Backward, Case, ComposeStage, CpuShrink, KernelSpec, OpManifest,
+    ParamSpec, Rule, TensorSpec,
 )
 
-__all__ = ["ManifestError", "add_op", "load_file", "load_files", "packaged_files", "manifest_files"]
+__all__ = ["ManifestError", "add_op", "load_file", "load_files", "resolve_compose", "packaged_files", "manifest_files"]
 
 
 class ManifestError(ValueError):
@@ -155,13 +156,20 @@ def _value_of_type(ctx: _Ctx, node: yaml.Node, ptype: str, optional: bool, what:
         if any(not isinstance(v, int) or isinstance(v, bool) for v in items):
             raise ctx.err(node, f"{what}: expected a list of integers, found {_show(items)}")
         return tuple(items)
+    if ptype == "op" and isinstance(node, yaml.MappingNode):
+        return _op_value(ctx, node, what)
     value = ctx.scalar(node)
     if value is None:
-        if optional or ptype == "tensor":
+        if optional or ptype in ("tensor", "op"):
             return None
         raise ctx.err(node, f"{what}: null given but the param is not optional")
     if ptype == "tensor":
         raise ctx.err(node, f"{what}: a tensor param can only default to null")
+    if ptype == "op":
+        raise ctx.err(node, f"{what}: an op param is null, or in a case {{op: OpName, params: {{...}}}}, found "
+                            f"{_show(value)}")
+    if ptype == "dtype" and value not in DTYPES:
+        raise ctx.err(node, f"{what}: expected a dtype name among {', '.join(DTYPES)}, found {_show(value)}")
     if ptype == "ints":
         raise ctx.err(node, f"{what}: expected a list of integers, found {_show(value)}")
     types = PARAM_TYPES[ptype]
@@ -170,6 +178,20 @@ def _value_of_type(ctx: _Ctx, node: yaml.Node, ptype: str, optional: bool, what:
     if ptype == "float":
         value = float(value)
     return value
+
+
+def _op_value(ctx: _Ctx, node: yaml.Node, what: str) -> dict[str, Any]:
+    """A case's value of an ``op`` param: ``{op: OpName, params: {...}}``, the op a workload builds
+    (checked against its manifest when every file is read, :func:`resolve_compose`)."""
+    m = ctx.mapping(node, what)
+    unknown = sorted(set(m) - {"op", "params"})
+    if unknown or "op" not in m:
+        raise ctx.err(node, f"{what}: expected {{op: OpName, params: {{...}}}}, found keys {sorted(m)}")
+    name = ctx.string(m["op"][1], f"{what}.op")
+    params = ctx.plain(m["params"][1]) if "params" in m else {}
+    if not isinstance(params, dict):
+        raise ctx.err(m["params"][1], f"{what}.params: expected a mapping, found {_kind(m['params'][1])}")
+    return {"op": name, "params": params, "line": node.start_mark.line + 1}
 
 
 def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping[str, ParamSpec],
@@ -185,6 +207,9 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
         if "positional" in m else False
     if "positional" in m and not optional:
         raise ctx.err(m["positional"][0], f"{what}: 'positional' is for optional inputs (required ones are positional)")
+    written = ctx.typed(m["written"][1], (bool,), f"{what}.written", "true or false") if "written" in m else False
+    if written and section != "inputs":
+        raise ctx.err(m["written"][0], f"{what}: 'written' is for inputs (an output is always written)")
     dtype_by = None
     if "dtype_by" in m:
         dtype_by = ctx.string(m["dtype_by"][1], f"{what}.dtype_by")
@@ -202,13 +227,23 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
             earlier = " (an input may be like an earlier input only)" if section == "inputs" else ""
             raise ctx.err(m["like"][1], f"{what}.like: {like!r} is not an input{earlier}; inputs: "
                                         f"{', '.join(inputs) or 'none'}")
+        own: tuple[str, ...] = ()
         for key in ("shape", "shape_by", "dtypes", "range"):
-            if key in m:
+            if key in m and not (key == "shape" and section == "outputs"):
                 raise ctx.err(m[key][0], f"{what}: {key!r} cannot be given with 'like'")
+        if "shape" in m:  # an output shaped its own way, typed like its input
+            own = _dims(ctx, m["shape"][1], f"{what}.shape")
+            names = {p for p, spec in params.items() if spec.type == "int"}
+            names |= {d for t in inputs.values() for d in t.all_dims}
+            unknown = [d for d in own if d not in names]
+            if unknown or LEAD in own:
+                raise ctx.err(m["shape"][1], f"{what}.shape: {(unknown or [LEAD])[0]!r} is neither a dim of an "
+                                             f"input nor an int param")
         src = inputs[like]
         return TensorSpec(name=name, doc=doc, dtypes=src.dtypes, shapes=src.shapes, shape_by=src.shape_by,
                           like=like, line=line, optional=optional if section == "inputs" else src.optional,
-                          alternatives=src.alternatives, dtype_by=dtype_by, positional=positional)
+                          alternatives=src.alternatives, dtype_by=dtype_by, positional=positional,
+                          written=written, own_shape=own)
     if dtype_by is not None:
         raise ctx.err(m["dtype_by"][0], f"{what}: 'dtype_by' needs 'like' (the output's shape)")
     if "shape" not in m or "dtypes" not in m:
@@ -246,12 +281,14 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
     shapes = {k: v[0] for k, v in alternatives.items()}
     if vrange is not None:
         dims = {d for alts in alternatives.values() for dd in alts for d in dd}
+        dims |= {d for t in inputs.values() for d in t.all_dims}  # an earlier input's (a cache's slots)
         for b in vrange:
             unknown = sorted(b.names - set(params) - dims)
             if unknown:
                 raise ctx.err(m["range"][1], f"{what}.range: {b.text!r} names unknown {', '.join(map(repr, unknown))}")
     return TensorSpec(name=name, doc=doc, dtypes=dtypes, shapes=shapes, shape_by=shape_by, range=vrange,
-                      line=line, optional=optional, alternatives=alternatives, positional=positional)
+                      line=line, optional=optional, alternatives=alternatives, positional=positional,
+                      written=written)
 
 
 def _shape_alternatives(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[tuple[str, ...], ...]:
@@ -444,6 +481,7 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
             raise ctx.err(c, f"cases: duplicate label {case.label!r}")
         seen.add(case.label)
         cases.append(case)
+    compose = _compose_section(ctx, m["compose"][1], params, inputs) if "compose" in m else ()
     return OpManifest(
         name=name, family=ctx.string(m["family"][1], "family"), summary=ctx.string(m["summary"][1], "summary"),
         description=ctx.string(m["description"][1], "description") if "description" in m else "",
@@ -452,8 +490,90 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
         hooks=_hooks(ctx, m["hooks"][1]),
         params=tuple(params.values()), inputs=tuple(inputs.values()), outputs=tuple(outputs.values()),
         rules=tuple(rules), kernel=kernel, cases=tuple(cases), cpu_shrink=shrink, file=ctx.file,
-        line=key.start_mark.line + 1, backward=backward,
+        line=key.start_mark.line + 1, backward=backward, compose=compose,
     )
+
+
+def _compose_section(ctx: _Ctx, node: yaml.Node, params: Mapping[str, ParamSpec],
+                     inputs: Mapping[str, TensorSpec]) -> tuple[ComposeStage, ...]:
+    """``compose``: each stage checked against this file (its param, switch and inputs); where it
+    comes from is resolved once every file is read (:func:`resolve_compose`)."""
+    stages = []
+    for sname, (knode, vnode) in ctx.mapping(node, "compose").items():
+        what = f"compose.{sname}"
+        m = ctx.section(vnode, "compose", what, owner=knode)
+        source = ctx.string(m["from"][1], f"{what}.from") if "from" in m else ""
+        parts = source.split("/")
+        if source and (len(parts) > 2 or not all(p.isidentifier() for p in parts)):
+            raise ctx.err(m["from"][1], f"{what}.from: expected a family or family/OpName, found {source!r}")
+        param = ctx.string(m["param"][1], f"{what}.param") if "param" in m else None
+        if param is not None and (param not in params or params[param].type != "op"):
+            raise ctx.err(m["param"][1], f"{what}.param: {param!r} is not a param of type op")
+        when = ctx.string(m["when"][1], f"{what}.when") if "when" in m else None
+        if when is not None and (when not in params or params[when].type != "bool"):
+            raise ctx.err(m["when"][1], f"{what}.when: {when!r} is not a bool param")
+        used = ctx.strings(m["inputs"][1], f"{what}.inputs") if "inputs" in m else ()
+        for n in used:
+            if n not in inputs:
+                raise ctx.err(m["inputs"][1], f"{what}.inputs: {n!r} is not an input; inputs: {', '.join(inputs)}")
+        stages.append(ComposeStage(name=sname, source=source, doc=ctx.string(m["doc"][1], f"{what}.doc"),
+                                   param=param, when=when, inputs=used, line=knode.start_mark.line + 1))
+    return tuple(stages)
+
+
+def resolve_compose(ops: dict[str, OpManifest]) -> dict[str, OpManifest]:
+    """``ops`` with every ``compose`` stage resolved to the manifests it names (``ComposeStage.ops``):
+    an unknown family or op, an op of another family, a case's op of another family, or a cycle
+    (an op composed, directly or through others, of itself) is a :class:`ManifestError` at the
+    stage's line naming its key."""
+    families: dict[str, list[str]] = {}
+    for m in ops.values():
+        families.setdefault(m.family, []).append(m.name)
+    out = dict(ops)
+    for m in ops.values():
+        if not m.compose:
+            continue
+        stages = []
+        for st in m.compose:
+            what = f"{m.name}: compose.{st.name}.from"
+            if not st.source:  # the op's own stage
+                stages.append(st)
+                continue
+            if st.family not in families:
+                raise ManifestError(m.file, st.line, f"{what}: unknown family {st.family!r}; families: "
+                                                     f"{', '.join(sorted(families))}")
+            if st.op is not None and (st.op not in ops or ops[st.op].family != st.family):
+                raise ManifestError(m.file, st.line, f"{what}: no op {st.op!r} in family {st.family!r}; its ops: "
+                                                     f"{', '.join(sorted(families[st.family]))}")
+            stages.append(dataclasses.replace(st, ops=(st.op,) if st.op else tuple(sorted(families[st.family]))))
+        for case in m.cases:  # a case's op for a stage's param: an op of that stage's family
+            for st in stages:
+                value = case.params.get(st.param) if st.param else None
+                if isinstance(value, dict) and value["op"] not in st.ops:
+                    raise ManifestError(m.file, value["line"], f"{m.name}: cases[{case.label}].params.{st.param}: "
+                                                               f"{value['op']!r} is not among compose.{st.name}'s "
+                                                               f"ops ({', '.join(st.ops)})")
+        out[m.name] = dataclasses.replace(m, compose=tuple(stages))
+    for name in out:  # a cycle: an op reachable from itself through the stages' ops
+        path = _cycle(out, name, [name])
+        if path:
+            first = out[name]
+            st = next(s for s in first.compose if path[1] in s.ops)
+            raise ManifestError(first.file, st.line, f"{name}: compose.{st.name}.from: a cycle: {' -> '.join(path)}")
+    return out
+
+
+def _cycle(ops: Mapping[str, OpManifest], start: str, path: list[str]) -> list[str] | None:
+    """A path of composition from ``path[-1]`` back to ``start``, or None."""
+    for st in ops[path[-1]].compose:
+        for nxt in st.ops:
+            if nxt == start:
+                return [*path, nxt]
+            if nxt not in path and ops.get(nxt) is not None and ops[nxt].compose:
+                found = _cycle(ops, start, [*path, nxt])
+                if found:
+                    return found
+    return None
 
 
 def _backward(ctx: _Ctx, node: yaml.Node, inputs: Mapping[str, TensorSpec],
@@ -691,7 +811,7 @@ def load_files(paths: Iterable[str | Path]) -> dict[str, OpManifest]:
     for path in paths:
         for op in load_file(path):
             add_op(out, op)
-    return out
+    return resolve_compose(out)
 
 
 def packaged_files() -> list[Path]:

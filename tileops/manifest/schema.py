@@ -14,7 +14,7 @@ from .expr import Expr
 
 __all__ = [
     "SCHEMA", "PARAM_TYPES", "DTYPES", "LEAD", "DTYPE_PREFIX", "ParamSpec", "TensorSpec", "Rule", "KernelSpec",
-    "Case", "Backward", "CpuShrink", "OpManifest",
+    "Case", "Backward", "CpuShrink", "ComposeStage", "OpManifest",
 ]
 
 #: Types a param may declare, and the Python types a value of it may have.
@@ -25,10 +25,12 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "bool": (bool,),
     "ints": (list, tuple),  # a list of ints, held as a tuple (MRoPE's mrope_section)
     "tensor": (),  # a torch.Tensor, checked by the op; only None may be written in YAML
+    "op": (),  # an op object of the family a `compose` stage names (the prologue's rope); None in YAML
+    "dtype": (str,),  # a torch.dtype or its manifest name (held as the name), e.g. a cache's dtype
 }
 
 #: Dtype names a tensor may allow (torch's names).
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "float8_e4m3fn")
 
 #: The first entry of a shape that takes any number of leading dims (none included), which the
 #: kernel sees as rows: ``["...", hidden]`` is ``[hidden]``, ``[tokens, hidden]``, ``[b, s, h, hidden]``.
@@ -60,6 +62,22 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "kernel": (True, "kernel", "The kernel builder in `kernels/` that serves the op."),
         "cpu_shrink": (False, "cpu_shrink", "How cases are scaled down when tests run on the CPU."),
         "cases": (True, "list[case]", "Labelled workloads used by tests, benchmarks and `tileops demo`."),
+        "compose": (False, "map[stage -> compose]",
+                    "The stages a fused op is composed of, each naming the manifests it comes from (see "
+                    "\"Adding an op\", composed ops). Every reference is resolved when the manifests are "
+                    "loaded: an unknown family or op, or a cycle, is an error at FILE:LINE naming the key."),
+    },
+    "compose": {
+        "from": (False, "str", "Where the stage comes from: a family (`rope`: any op of it, passed as the "
+                               "constructor param `param` names) or one op, `family/OpName` "
+                               "(`norm/RMSNormFwdOp`). Absent: a stage of the op's own builder, declared by "
+                               "no other manifest yet (the prologue's cache write)."),
+        "param": (False, "str", "The constructor param (of type `op`) holding the stage's op object; its "
+                                "family must be the one `from` names."),
+        "when": (False, "str", "A `bool` param: the stage runs only when it is true (default: always)."),
+        "inputs": (False, "list[str]", "The call's inputs the stage reads beyond the op's main ones (a norm's "
+                                       "weights, a cache's scales)."),
+        "doc": (True, "str", "What the stage does in the fused op, for the API reference."),
     },
     "param": {
         "type": (True, "str", f"One of {', '.join(PARAM_TYPES)}."),
@@ -105,11 +123,17 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "like": (False, "str", "The input this tensor is shaped and typed like. An output: same shape and "
                                "dtype (see `dtype_by`), produced when that input is given. An input: exactly "
                                "that earlier input's shape and dtype when both are given (leading dims "
-                               "included), checked at every call; it takes the other's `shape` and `dtypes`."),
+                               "included), checked at every call; it takes the other's `shape` and `dtypes`. "
+                               "An output may give its own `shape` with `like` (over dims and int params: "
+                               "the prologue's q, `[tokens, num_q_heads, head_dim]`): then only its dtype and "
+                               "its presence follow the like input."),
         "dtype_by": (False, "str", "For outputs: the `str` param whose value, a dtype name, is the output's "
                                    "dtype; None means the `like` input's."),
         "range": (False, "list[expr, expr]",
-                  "For integer inputs: valid values lie in [low, high), two expressions over params and dims."),
+                  "For integer inputs: valid values lie in [low, high), two expressions over params and dims (the "
+                  "tensor's own and those of earlier inputs)."),
+        "written": (False, "bool", "For inputs: the op writes into it in place (a KV cache): it is never "
+                                   "returned, and may share memory with no other argument (default false)."),
     },
     "rule": {
         "check": (True, "expr", "An expression over params, dims and the inputs' dtypes that must be true. "
@@ -177,6 +201,10 @@ class TensorSpec:
     dtype_by: str | None = None
     #: optional inputs: a positional argument of ``forward`` (default None) rather than keyword-only
     positional: bool = False
+    #: inputs: written in place by the op (a KV cache), never returned
+    written: bool = False
+    #: outputs with ``like``: their own shape (dims and int params), not the like input's; () when none
+    own_shape: tuple[str, ...] = ()
 
     def shape_for(self, params: Mapping[str, Any]) -> tuple[str, ...]:
         """The dims of this tensor for the given param values (the first alternative)."""
@@ -249,6 +277,31 @@ class Case:
 
 
 @dataclass(frozen=True)
+class ComposeStage:
+    """One stage of a composed op: where it comes from and what drives it (``compose`` in SCHEMA)."""
+
+    name: str
+    source: str  # the ``from`` text: a family, or ``family/OpName``; "" for a stage of the op's own
+    doc: str
+    param: str | None = None
+    when: str | None = None
+    inputs: tuple[str, ...] = ()
+    line: int = 0
+    #: the manifests ``source`` resolves to (op names), filled by the loader once every file is read
+    ops: tuple[str, ...] = ()
+
+    @property
+    def family(self) -> str:
+        """The family ``source`` names ("" for none)."""
+        return self.source.split("/", 1)[0]
+
+    @property
+    def op(self) -> str | None:
+        """The one op ``source`` names (``family/OpName``), or None for a whole family."""
+        return self.source.split("/", 1)[1] if "/" in self.source else None
+
+
+@dataclass(frozen=True)
 class CpuShrink:
     dims: tuple[str, ...]
     max_elements: int
@@ -273,6 +326,8 @@ class OpManifest:
     file: str = ""
     line: int = 0
     backward: Backward | None = None
+    #: the stages of a composed op (``compose``), in the manifest's order; () for any other op
+    compose: tuple[ComposeStage, ...] = ()
 
     def param(self, name: str) -> ParamSpec:
         for p in self.params:

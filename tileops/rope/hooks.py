@@ -101,6 +101,14 @@ class RoPEHooks(Op):
         ``given``, else ``0 .. seq_len - 1``), for the ``torch`` target and the demo's reference."""
         return positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
 
+    def deployment_tables(self, rot: int) -> RoPETables:
+        """The one set of tables a cache-writing op (the attention prologue) rotates with at every
+        position: keys written into a cache must keep their angles as the sequence grows, so the
+        frequencies cannot change with a call's length. For most ops, their only set (the very
+        :class:`RoPETables` object this op's kernels use: one copy per device); an op whose HF form
+        picks per call overrides this with the fixed choice vLLM makes for a deployment."""
+        return self._tables(rot)[0]
+
     def _tables(self, rot: int) -> list[RoPETables]:
         # kept on the op (not in a class-level cache), so tables go when the op goes
         cache = self.__dict__.setdefault("_table_cache", {})
@@ -112,15 +120,21 @@ class RoPEHooks(Op):
     def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:
         """Raise the ValueError naming the first position outside ``[0, position_limit())``;
         ``when`` says which call it was, if not this one."""
+        self.raise_bad_position(self.name, "position_ids", position_ids, when)
+
+    def raise_bad_position(self, op_name: str, arg: str, positions: torch.Tensor, when: str = "") -> None:
+        """The ValueError of :meth:`_raise_bad_position` for a call of op ``op_name`` (this op, or one
+        composing it: the attention prologue) whose input ``arg`` held ``positions``."""
         limit = self.position_limit()
         bound = "max_position" if "max_position" in self.params else "2^24"
-        bad = ((position_ids < 0) | (position_ids >= limit)).nonzero()
+        bad = ((positions < 0) | (positions >= limit)).nonzero()
+        of = "" if op_name == self.name else f" of {self.name}"
         if bad.shape[0] == 0:  # the caller changed the tensor since the kernel read it
-            raise ValueError(f"{self.name}: position_ids: expected every value in [0, {bound}={limit}); "
+            raise ValueError(f"{op_name}: {arg}: expected every value in [0, {bound}={limit}){of}; "
                              f"{when or 'this call'} read one outside (the tensor has changed since)")
         idx = tuple(int(i) for i in bad[0])
-        raise ValueError(f"{self.name}: position_ids: expected every value in [0, {bound}={limit}), "
-                         f"got position_ids[{', '.join(map(str, idx))}] = {int(position_ids[idx])}"
+        raise ValueError(f"{op_name}: {arg}: expected every value in [0, {bound}={limit}){of}, "
+                         f"got {arg}[{', '.join(map(str, idx))}] = {int(positions[idx])}"
                          + (f" ({when})" if when else ""))
 
 
@@ -239,6 +253,14 @@ class Phi3LongRoPEFwdHooks(_PartialRotary):
         long = freqs.longrope_inv_freq(self.params["base"], rot, self.params["long_factor"])
         return [self.frequencies(rot), (long, self.amplitude())]
 
+    def deployment_tables(self, rot: int) -> RoPETables:
+        """The long factors when the deployment's ``max_position_embeddings`` exceeds
+        ``original_max_position_embeddings``, else the short ones, at every position (vLLM's
+        ``Phi3LongRoPEScaledRotaryEmbedding`` fixes the choice so; HF's per-call switch would change
+        the angles of keys already in a cache once a call passes the original length)."""
+        p = self.params
+        return self._tables(rot)[int(p["max_position_embeddings"] > p["original_max_position_embeddings"])]
+
     def choose_table(self, position_ids: torch.Tensor | None, seq_len: int) -> int | torch.Tensor:
         """1 (long) when ``max(position_ids) + 1 > original_max_position_embeddings``, else 0; a
         0-dim int64 tensor on the positions' device, so nothing is read on the host."""
@@ -261,6 +283,18 @@ class RoPEDynamicNTKFwdHooks(_PartialRotary):
         """The unscaled table: what a call no longer than ``max_position_embeddings`` uses."""
         return ntk_inv_freq(self.params["base"], rot, self.params["factor"], self.params["max_position_embeddings"],
                             self.params["max_position_embeddings"]), 1.0
+
+    def deployment_tables(self, rot: int) -> RoPETables:
+        """The NTK base at the deployment's maximum length, ``factor * max_position_embeddings``, at
+        every position (vLLM's ``DynamicNTKScalingRotaryEmbedding``): fixed tables, where HF grows the
+        base with each call's length and would change the angles of keys already in a cache."""
+        cache = self.__dict__.setdefault("_deployment_tables", {})
+        t = cache.get(rot)
+        if t is None:
+            p = self.params
+            mpe = p["max_position_embeddings"]
+            t = cache[rot] = RoPETables(ntk_inv_freq(p["base"], rot, p["factor"], p["factor"] * mpe, mpe), 1.0)
+        return t
 
     def _state(self, device: torch.device) -> torch.Tensor:
         states = self.__dict__.setdefault("_ntk_state", {})

@@ -55,11 +55,12 @@ using cu_exchange_t = int (*)(int*);
 using last_error_t = const char* (*)();
 
 constexpr int kNotReady = 600;  // CUDA_ERROR_NOT_READY
-constexpr int kMaxTensors = 8;  // inputs and outputs of one op
+constexpr int kMaxTensors = 16;  // inputs and outputs of one op (the attention prologue: 9 + 1)
 constexpr int kMaxDims = 8;
 constexpr size_t kMaxKey = 256;
 constexpr size_t kMaxArgs = 128;
-constexpr int kChunk = 4096;  // error words per chunk of a pool (16 KiB)
+constexpr int kChunk = 4096;  // error entries per chunk of a pool (64 KiB)
+constexpr int kWords = 4;  // words per entry: a kernel may check up to 4 inputs, ERR[0..3], one tag per call
 constexpr int kMaxChunks = 4096;
 enum Mode : int8_t { ABSENT = 0, NEW = 1, IN_PLACE = 2, GIVEN = 3 };  // as tileops/runtime/binding.py
 
@@ -176,7 +177,7 @@ struct Pool {
       auto opts = at::TensorOptions().dtype(at::kInt);
       if (index >= 0 && (d == nullptr || d->pinned)) opts = opts.pinned_memory(true);
       auto* c = new Chunk();
-      c->buf = at::zeros({kChunk}, opts);
+      c->buf = at::zeros({kChunk * kWords}, opts);
       c->base = c->buf.data_ptr<int32_t>();
       int first = n_chunks * kChunk;
       chunks[n_chunks++] = c;
@@ -190,7 +191,8 @@ struct Pool {
     std::lock_guard<std::mutex> g(mu);
     free_list.push_back(i);
   }
-  volatile int32_t* word(int i) const { return chunks[i / kChunk]->base + i % kChunk; }
+  // the first of entry i's kWords words (the kernel's ERR)
+  volatile int32_t* word(int i) const { return chunks[i / kChunk]->base + (i % kChunk) * kWords; }
   void* event(int i, const Driver& d) {  // the word's event, made at its first use (by its taker)
     void*& ev = chunks[i / kChunk]->events[i % kChunk];
     if (ev == nullptr) {
@@ -240,7 +242,8 @@ struct BindingData : NoCopy {
   std::vector<Pair> pairs;
   std::vector<int> late;  // slots whose tensor Python picks per call
   int64_t late_key = 0;  // the binding's key for tileops.runtime.library.late
-  int checked = -1, word_slot = -1, tag_slot = -1;
+  std::vector<std::array<int, 2>> checks;  // (input, word): the kernel writes the tag into ERR[word] for a bad value
+  int word_slot = -1, tag_slot = -1;
   std::vector<at::Tensor> keep;  // tensors whose addresses tmpl holds
   std::mutex memo_mu;  // the exact overlap test's answers by (pair, offset)
   std::vector<std::array<int64_t, 3>> memo;
@@ -348,11 +351,15 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
     b->late.push_back((int)r[0]);
   }
   b->late_key = (int64_t)(intptr_t)pb;  // tileops.runtime.library.late finds the Binding by id()
-  b->checked = (int)attr_i64(pb, "checked");
+  Ref checks(PyObject_GetAttrString(pb, "checks"));
+  for (auto& r : int_rows(checks.p, 2, "checks")) {
+    if (r[0] < 0 || r[0] >= b->n_in || r[1] < 0 || r[1] >= kWords) throw std::invalid_argument("tileops: Binding.checks");
+    b->checks.push_back({(int)r[0], (int)r[1]});
+  }
   b->word_slot = (int)attr_i64(pb, "word_slot");
   b->tag_slot = (int)attr_i64(pb, "tag_slot");
-  if (b->checked >= b->n_in || (b->checked >= 0 && (!slot_ok(b->word_slot) || !slot_ok(b->tag_slot))))
-    throw std::invalid_argument("tileops: Binding.checked");
+  if (!b->checks.empty() && (!slot_ok(b->word_slot) || !slot_ok(b->tag_slot)))
+    throw std::invalid_argument("tileops: Binding.checks");
   Ref keep(PyObject_GetAttrString(pb, "keep"));
   b->keep = tensors_of(keep.p);
   return b;
@@ -382,13 +389,23 @@ std::shared_ptr<BindingData> native_binding(PyObject* pb) {
 }
 
 // ------------------------------------------------------------------------------ one op
-struct Pending {  // a call whose word is not judged yet (a graph-captured call's: no event)
+struct Checked {  // the inputs a call's kernel checks: values[k] is judged by ERR[k]; input[k] -1: none
+  std::array<at::Tensor, kWords> values;
+  std::array<int, kWords> input{-1, -1, -1, -1};
+};
+struct Pending {  // a call whose words are not judged yet (a graph-captured call's: no event)
   Pool* pool;
   int word;
   int32_t tag;
-  at::Tensor values;
+  Checked checked;
   void* event;
 };
+// the word of entry w holding the call's tag (the first checked input's), or -1
+int bad_word(const Pool& pool, int w, int32_t tag, const Checked& c) {
+  for (int k = 0; k < kWords; ++k)
+    if (c.input[k] >= 0 && pool.word(w)[k] == tag) return k;
+  return -1;
+}
 struct StreamCalls {
   Pool* pool;
   void* stream;
@@ -441,11 +458,13 @@ std::unordered_map<int64_t, std::weak_ptr<Core>>& registry() {  // handle -> op,
   return *r;
 }
 
-[[noreturn]] void raise_bad(const Core& core, const at::Tensor& values, PyObject* when) {
+[[noreturn]] void raise_bad(const Core& core, const Checked& c, int k, PyObject* when) {
   Gil g;
   Ref handle(PyLong_FromLongLong((long long)core.handle));
-  Ref p(THPVariable_Wrap(values));
-  Ref r(PyObject_CallFunctionObjArgs(cfg.raise_bad, handle.p, p.p, when, nullptr));
+  Ref p(THPVariable_Wrap(c.values[k]));
+  const std::string& name = core.names[(size_t)c.input[k]];
+  Ref n(PyUnicode_FromStringAndSize(name.data(), (Py_ssize_t)name.size()));
+  Ref r(PyObject_CallFunctionObjArgs(cfg.raise_bad, handle.p, p.p, when, n.p, nullptr));
   PyErr_SetString(PyExc_RuntimeError, "tileops: a checked value was out of range");  // raise_bad always raises
   throw_python();
 }
@@ -482,15 +501,20 @@ void reap(const Core& core, bool wait) {
   if (it == m.end() || it->second.streams.empty()) return;
   auto& streams = it->second.streams;
   const Driver& d = need_driver();  // pending calls are CUDA calls
-  at::Tensor failed;
-  for (size_t s = 0; s < streams.size() && !failed.defined();) {
+  Checked failed;
+  int failed_word = -1;
+  for (size_t s = 0; s < streams.size() && failed_word < 0;) {
     StreamCalls& sc = streams[s];
     while (!sc.calls.empty()) {
       Pending& c = sc.calls.front();
       if (!finished(d, c.event, wait)) break;
-      bool bad = *c.pool->word(c.word) == c.tag;
+      int k = bad_word(*c.pool, c.word, c.tag, c.checked);
+      bool bad = k >= 0;
       c.pool->give_back(c.word);  // only after reading it
-      if (bad) failed = std::move(c.values);
+      if (bad) {
+        failed = std::move(c.checked);
+        failed_word = k;
+      }
       sc.calls.pop_front();
       if (bad) break;  // one error per bad call: later calls stay pending, for the next report
     }
@@ -499,20 +523,25 @@ void reap(const Core& core, bool wait) {
     else
       ++s;
   }
-  if (failed.defined()) raise_bad(core, failed, cfg.when_earlier);
+  if (failed_word >= 0) raise_bad(core, failed, failed_word, cfg.when_earlier);
 }
 
 void check(Core& core) {  // op.check(): wait for this thread's calls, then judge and clear the graph's words
   reap(core, true);
-  at::Tensor bad;
+  Checked bad;
+  int bad_k = -1;
   {
     std::lock_guard<std::mutex> g(core.mu);
     for (auto& w : core.graph) {
-      if (!bad.defined() && *w.pool->word(w.word) == w.tag) bad = w.values;
-      *w.pool->word(w.word) = 0;
+      int k = bad_word(*w.pool, w.word, w.tag, w.checked);
+      if (bad_k < 0 && k >= 0) {
+        bad = w.checked;
+        bad_k = k;
+      }
+      for (int j = 0; j < kWords; ++j) w.pool->word(w.word)[j] = 0;
     }
   }
-  if (bad.defined()) raise_bad(core, bad, cfg.when_graph);
+  if (bad_k >= 0) raise_bad(core, bad, bad_k, cfg.when_graph);
 }
 
 void queue_pending(Core& core, std::shared_ptr<Core> owner, void* stream, Pending p) {
@@ -582,7 +611,12 @@ int32_t run_kernel(const BindingData& b, int64_t* args, void* stream, void* even
 
 // a launch whose kernel checks an input's values: judged now (CPU, strict mode), with a graph, or later
 void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& b, int64_t* args,
-             const at::Tensor& values, void* stream) {
+             const at::Tensor* t, void* stream) {
+  Checked values;
+  for (auto& c : b.checks) {
+    values.values[c[1]] = t[c[0]];
+    values.input[c[1]] = c[0];
+  }
   Pool& pool = pool_for(b.device);
   int w = pool.take();
   int32_t tag = next_tag();
@@ -612,9 +646,9 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
     return;
   }
   if (d != nullptr) finished(*d, ev, true);
-  bool bad = *pool.word(w) == tag;
+  int k = bad_word(pool, w, tag, values);
   pool.give_back(w);  // only after reading it: another call may take it at once
-  if (bad) raise_bad(core, values, cfg.when_now);
+  if (k >= 0) raise_bad(core, values, k, cfg.when_now);
 }
 
 // the exact overlap test (tileops.runtime.memory.disjoint) of pair k, remembered by the offset
@@ -693,8 +727,8 @@ bool serve(Core& core, const std::shared_ptr<Core>& owner, BindingData& b, at::T
   }
   DeviceScope scope(b.device);
   void* stream = current_stream(b.device);
-  if (b.checked >= 0)
-    tracked(core, owner, b, args, t[b.checked], stream);
+  if (!b.checks.empty())
+    tracked(core, owner, b, args, t, stream);
   else
     check_rc(b, run_kernel(b, args, stream, nullptr));
   return true;
@@ -942,9 +976,11 @@ PyObject* Dispatch_track(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   b.device = (int)as_i64(a[3]);
   b.word_slot = 0;
   b.tag_slot = 1;
+  b.checks.push_back({0, 0});  // the values stand for the op's first input
   b.launch_py = Py_NewRef(a[0]);
   int64_t args[2] = {0, 0};
-  tracked(*d->core, d->core, b, args, THPVariable_Unpack(a[1]), (void*)(intptr_t)as_i64(a[2]));
+  at::Tensor values = THPVariable_Unpack(a[1]);
+  tracked(*d->core, d->core, b, args, &values, (void*)(intptr_t)as_i64(a[2]));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }

@@ -61,9 +61,10 @@ class Binding:
     #: ``(slot, fn)``: ``fn(inputs)`` (input name -> tensor or None) returns a tensor whose pointer
     #: goes into the slot (chosen per call, e.g. on the device); kept alive until the kernel is queued
     late: tuple[tuple[int, Callable[[dict], torch.Tensor]], ...] = ()
-    #: the input whose values the kernel checks, writing the call's tag into the error word when one
-    #: is out of range (:mod:`tileops.runtime.errors`); -1: the call is not tracked
-    checked: int = -1
+    #: ``(input, word)``: the inputs whose values the kernel checks, each writing the call's tag into
+    #: word ``word`` of the call's error words (its ``ERR``) when one is out of range
+    #: (:mod:`tileops.runtime.errors`); empty: the call is not tracked
+    checks: tuple[tuple[int, int], ...] = ()
     word_slot: int = -1
     tag_slot: int = -1
     #: tensors whose addresses ``template`` holds (kept alive with it)
@@ -80,7 +81,8 @@ class Binding:
 def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[str, Any], *,
          args: Mapping[str, Any], pointers: Mapping[str, str], align: Mapping[str, int] | None = None,
          late: Mapping[str, Callable[[dict], torch.Tensor]] | None = None,
-         checked: tuple[str, str, str] | None = None, keep: tuple[torch.Tensor, ...] = (),
+         checks: Mapping[str, int] | None = None, errors: tuple[str, str] = ("ERR", "tag"),
+         keep: tuple[torch.Tensor, ...] = (),
          views: Mapping[str, Any] | None = None) -> Binding:
     """The :class:`Binding` of ``kernel`` for calls shaped like this one.
 
@@ -95,8 +97,11 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
         align: Input or output name -> the alignment in bytes its pointer needs (default 1).
         late: Kernel argument name -> ``fn(inputs)``, a tensor chosen per call from the call's
             inputs (by name).
-        checked: ``(input, word argument, tag argument)`` for a kernel that checks the input's
-            values and reports a bad one through an error word, or None.
+        checks: Input name -> the index of the error word the kernel writes the call's tag into when
+            one of that input's values is out of range (RoPE: ``{"position_ids": 0}``; the attention
+            prologue: positions 0, slots 1), for a kernel that checks values; at most
+            :data:`tileops.runtime.errors.WORDS` words. Inputs not given are left out.
+        errors: The kernel's arguments taking the error words' address and the call's tag.
         keep: Tensors whose addresses ``args`` holds.
         views: Output name -> a tensor laid out as a new output is (the family's own
             ``torch.empty_like`` of its like input): its strides are every call's. For a new output
@@ -119,11 +124,15 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
         present = tensors.get(tensor) is not None if i < len(ins) else modes[i - len(ins)] != ABSENT
         if present:
             ptrs.append((i, slot[arg], max(1, align.get(tensor, 1))))
-    check = (at[checked[0]], slot[checked[1]], slot[checked[2]]) if checked and tensors.get(checked[0]) is not None \
-        else (-1, -1, -1)
+    from .errors import WORDS
+
+    checked = tuple((at[n], w) for n, w in (checks or {}).items() if tensors.get(n) is not None)
+    if any(not 0 <= w < WORDS for _, w in checked):
+        raise ValueError(f"bind: checks: error words are 0 .. {WORDS - 1}, got {dict(checks or {})}")
+    word_slot, tag_slot = (slot[errors[0]], slot[errors[1]]) if checked else (-1, -1)
     return Binding(kernel, kernel.template(args), names, len(ins), tuple(ptrs), tuple(modes), likes, tuple(strides),
                    late=tuple((slot[a], fn) for a, fn in (late or {}).items()),
-                   checked=check[0], word_slot=check[1], tag_slot=check[2], keep=tuple(keep))
+                   checks=checked, word_slot=word_slot, tag_slot=tag_slot, keep=tuple(keep))
 
 
 def with_overlap_checks(binding: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> Binding:

@@ -47,11 +47,15 @@ import torch
 
 from . import native
 
-__all__ = ["strict", "is_strict", "Words", "words_for", "driver_addresses", "make_event", "WHEN_NOW", "WHEN_EARLIER",
+__all__ = ["strict", "is_strict", "WORDS", "Words", "words_for", "driver_addresses", "make_event", "WHEN_NOW", "WHEN_EARLIER",
            "WHEN_GRAPH"]
 
-#: error words per chunk of a device's pool (a chunk is 16 KiB of pinned memory)
+#: error entries per chunk of a device's pool (a chunk is 64 KiB of pinned memory)
 CHUNK = 4096
+#: words per entry, one call's ``ERR[0 .. WORDS - 1]``: a kernel checking several inputs (the attention
+#: prologue's positions and slots) reports each in its own word, all with the call's one tag; the
+#: native extension's ``kWords``
+WORDS = 4
 _tags = itertools.count(1)
 
 #: how a reported call is named in the error, after the op's name and position (``when``)
@@ -143,10 +147,10 @@ class Words:
 
     def _grow(self) -> None:
         # pinned memory from cudaHostAlloc is mapped at the same address on the device (UVA)
-        buf = torch.zeros(CHUNK, dtype=torch.int32, pin_memory=self.cuda)
+        buf = torch.zeros(CHUNK * WORDS, dtype=torch.int32, pin_memory=self.cuda)
         first = len(self._buffers) * CHUNK
         self._buffers.append(buf)
-        self._words.append((ctypes.c_int32 * CHUNK).from_address(buf.data_ptr()))
+        self._words.append((ctypes.c_int32 * (CHUNK * WORDS)).from_address(buf.data_ptr()))
         self._free += range(first + CHUNK - 1, first - 1, -1)
 
     def take(self) -> int:
@@ -163,14 +167,16 @@ class Words:
         self._free.append(i)
 
     def address(self, i: int) -> int:
-        """The word's address, as the kernel writes it."""
-        return self._buffers[i // CHUNK].data_ptr() + 4 * (i % CHUNK)
+        """The address of entry ``i``'s first word (the kernel's ``ERR``)."""
+        return self._buffers[i // CHUNK].data_ptr() + 4 * WORDS * (i % CHUNK)
 
-    def read(self, i: int) -> int:
-        return self._words[i // CHUNK][i % CHUNK]
+    def read(self, i: int, k: int = 0) -> int:
+        """Word ``k`` of entry ``i``."""
+        return self._words[i // CHUNK][(i % CHUNK) * WORDS + k]
 
     def clear(self, i: int) -> None:
-        self._words[i // CHUNK][i % CHUNK] = 0
+        for k in range(WORDS):
+            self._words[i // CHUNK][(i % CHUNK) * WORDS + k] = 0
 
 
 _pools: dict[torch.device, Words] = {}

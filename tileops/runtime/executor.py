@@ -100,11 +100,12 @@ class PythonRuntime:
 
     def _launch(self, b: Binding, args: Any, ts: list) -> None:
         kernel = b.kernel
-        if b.checked < 0:
+        if not b.checks:
             kernel.launch(args, kernel.stream())
             return
-        pos = ts[b.checked]
-        words = errors.words_for(pos.device)
+        # (word, values, input name) of each checked input
+        checked = [(k, ts[i], b.names[i]) for i, k in b.checks]
+        words = errors.words_for(checked[0][1].device)
         w, tag = words.take(), errors.next_tag()
         args[b.word_slot], args[b.tag_slot] = words.address(w), tag
         try:
@@ -114,25 +115,30 @@ class PythonRuntime:
         except BaseException:
             words.give_back(w)
             raise
-        if capturing:  # replays write the word: check() reads and clears it
+        if capturing:  # replays write the words: check() reads and clears them
             with self._lock:
-                self._graph.append((words, w, tag, pos))
+                self._graph.append((words, w, tag, checked))
             return
         if words.cuda:  # without the extension nothing is deferred: judged now
             torch.cuda.current_stream(kernel.device_index).synchronize()
-        bad = words.read(w) == tag
+        bad = _bad(words, w, tag, checked)
         words.give_back(w)  # only after reading it: another call may take it at once
-        if bad:
-            library.raise_bad(self.handle, pos, errors.WHEN_NOW)
+        if bad is not None:
+            library.raise_bad(self.handle, bad[1], errors.WHEN_NOW, bad[2])
 
     def check(self) -> None:
         """Judge (and clear) the words of calls captured in CUDA graphs; every other call was judged."""
         bad = None
         with self._lock:
             graph = list(self._graph)
-        for words, w, tag, pos in graph:
-            if bad is None and words.read(w) == tag:
-                bad = pos
+        for words, w, tag, checked in graph:
+            if bad is None:
+                bad = _bad(words, w, tag, checked)
             words.clear(w)
         if bad is not None:
-            library.raise_bad(self.handle, bad, errors.WHEN_GRAPH)
+            library.raise_bad(self.handle, bad[1], errors.WHEN_GRAPH, bad[2])
+
+
+def _bad(words: Any, w: int, tag: int, checked: list) -> Any:
+    """The first ``(word, values, name)`` of ``checked`` whose word of entry ``w`` holds ``tag``, or None."""
+    return next((c for c in checked if words.read(w, c[0]) == tag), None)

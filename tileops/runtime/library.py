@@ -61,10 +61,11 @@ def lookup(handle: int) -> Any:
     return op
 
 
-def raise_bad(handle: int, values: torch.Tensor, when: str) -> None:
-    """Raise the error of a call whose kernel found a value of its checked input ``values`` out of
-    range (the runtime's tracker calls this; ``when`` is one of :mod:`tileops.runtime.errors`' words)."""
-    lookup(handle)._raise_bad_position(values, when)
+def raise_bad(handle: int, values: torch.Tensor, when: str, name: str = "") -> None:
+    """Raise the error of a call whose kernel found a value of its checked input ``name`` (``values``)
+    out of range (the runtime's tracker calls this; ``when`` is one of :mod:`tileops.runtime.errors`'
+    words). An op whose kernel checks one input only may leave ``name`` empty."""
+    lookup(handle)._raise_bad_value(name, values, when)
 
 
 def late(handle: int, key: int, inputs: tuple) -> list[torch.Tensor]:

@@ -1,0 +1,64 @@
+"""The attention family's float64 reference, for the generated tests and the fuzzer
+(:mod:`family_references`): the unfused chain written from the definition, sharing no code with the
+package or its kernels.
+
+``reference("AttnPrologueFwdOp", params, inputs)`` returns ``{"q_out": q, "key_cache": ...,
+"value_cache": ...}``: q ``[tokens, Hq, D]`` and the caches after the call (from the caches given,
+which are the state before it). The rope stage's frequencies come from the rope family's own float64
+reference (``references.py``), by the rope op's name and params (read off the object, nothing of it
+is called), with the deployment's fixed choice where HF picks per call (Phi-3's long factors when
+max_position_embeddings exceeds the original; dynamic NTK's base at factor * max_position_embeddings).
+Tokens naming one slot write it in token order: the later one stays.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+_spec = importlib.util.spec_from_file_location("_attention_rope_references", Path(__file__).with_name("references.py"))
+rope_references = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rope_references)
+
+
+def rope_params(name: str, params: dict) -> dict:
+    """The rope op's params with ``max_position_id`` standing for the deployment's length."""
+    p = dict(params)
+    if name == "Phi3LongRoPEFwdOp":
+        longer = p["max_position_embeddings"] > p["original_max_position_embeddings"]
+        p["max_position_id"] = p["max_position_embeddings"] - 1 if longer else 0
+    if name == "RoPEDynamicNTKFwdOp":
+        p["max_position_id"] = p["factor"] * p["max_position_embeddings"] - 1
+    return p
+
+
+def reference(op_name: str, params: dict, inputs: dict) -> dict:
+    if op_name != "AttnPrologueFwdOp":
+        raise KeyError(op_name)
+    hq, hkv, d, eps = params["num_q_heads"], params["num_kv_heads"], params["head_dim"], params.get("eps", 1e-6)
+    qkv = inputs["qkv"].double()
+    x = qkv.reshape(qkv.shape[0], hq + 2 * hkv, d)
+    q, k, v = x[:, :hq], x[:, hq:hq + hkv], x[:, hq + hkv:]
+    if params.get("qk_norm"):
+        q = q / torch.sqrt((q * q).mean(-1, keepdim=True) + eps) * inputs["q_norm_weight"].double()
+        k = k / torch.sqrt((k * k).mean(-1, keepdim=True) + eps) * inputs["k_norm_weight"].double()
+    rope = params["rope"]
+    p = rope_params(rope.name, rope.params)
+    rot = d if p.get("rotary_dim") is None else p["rotary_dim"]
+    inv, amp = rope_references.inv_freq_and_amplitude(rope.name, p, rot)
+    pos = inputs["positions"].view(-1, 1)
+    q = rope_references.rotate(q, pos, inv, amp, "neox")
+    k = rope_references.rotate(k, pos, inv, amp, "neox")
+    kc, vc = inputs["key_cache"].double().clone(), inputs["value_cache"].double().clone()
+    nhd = params.get("cache_layout", "NHD") == "NHD"
+    bs = kc.shape[1] if nhd else kc.shape[2]
+    for t, s in enumerate(inputs["slot_mapping"].tolist()):
+        if 0 <= s < kc.shape[0] * bs:
+            blk, row = divmod(s, bs)
+            if nhd:
+                kc[blk, row], vc[blk, row] = k[t], v[t]
+            else:
+                kc[blk, :, row], vc[blk, :, row] = k[t], v[t]
+    return {"q_out": q, "key_cache": kc, "value_cache": vc}

@@ -1,0 +1,358 @@
+"""``tileops.attention.AttnPrologueFwdOp`` on the CPU (the C backend): the op against a float64
+reference of the unfused chain written here.
+
+The reference: per-head RMSNorm in float64, then the rotation with the rope op's frequencies from
+``tests/references.py`` (the RoPE family's own float64 definitions, which import nothing of tileops),
+then the paged cache write in token order. Caches are NaN-filled and live inside larger buffers whose
+guard blocks must stay untouched, so a slot written that should not be, or one past the cache, shows.
+qkv is a column slice of a wider buffer (row-strided). Inputs are fresh random draws.
+
+Kernel compiles (~2.5 s each here) are shared: the specs differ only in dtype, head_dim, rotated
+width, index dtypes and qk_norm, and the cases below reuse a few. Not covered here: the CUDA schedule
+(not built: the op refuses CUDA inputs) and fp8 caches (refused at construction).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tileops
+from tileops.attention import AttnPrologueFwdOp
+from tileops.rope import (LongRoPEFwdOp, Phi3LongRoPEFwdOp, RoPEDynamicNTKFwdOp, RoPEFwdOp, RoPELinearFwdOp,
+                          RoPELlama31FwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp, from_hf_config)
+
+try:  # pytest puts tests/ on sys.path when it is not a package
+    import references
+except ImportError:  # pragma: no cover
+    from tests import references
+
+NAN = float("nan")
+EPS = 1e-6
+UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def ref_params(rope) -> dict:
+    """The rope op's params as the float64 reference reads them, with the deployment's fixed choice
+    where HF picks per call: Phi-3's long factors when max_position_embeddings > original, dynamic
+    NTK's base at factor * max_position_embeddings (``max_position_id`` stands for the call length)."""
+    p = dict(rope.params)
+    if rope.name == "Phi3LongRoPEFwdOp":
+        p["max_position_id"] = p["max_position_embeddings"] - 1 if (
+            p["max_position_embeddings"] > p["original_max_position_embeddings"]) else 0
+    if rope.name == "RoPEDynamicNTKFwdOp":
+        p["max_position_id"] = p["factor"] * p["max_position_embeddings"] - 1
+    return p
+
+
+def reference(qkv, positions, slots, hq, hkv, d, rope, qw, kw, nslots):
+    """float64 q ``[T, hq, d]`` with its pair magnitudes, and ``{slot: (k [hkv, d], k magnitude, v)}``
+    of the last token naming each slot in ``[0, nslots)``."""
+    x = qkv.double().reshape(qkv.shape[0], hq + 2 * hkv, d)
+    q, k, v = x[:, :hq], x[:, hq:hq + hkv], x[:, hq + hkv:]
+    if qw is not None:
+        q = q / torch.sqrt((q * q).mean(-1, keepdim=True) + EPS) * qw.double()
+        k = k / torch.sqrt((k * k).mean(-1, keepdim=True) + EPS) * kw.double()
+    p = ref_params(rope)
+    rot = d if p.get("rotary_dim") is None else p["rotary_dim"]
+    inv, amp = references.inv_freq_and_amplitude(rope.name, p, rot)
+    pos = positions.view(-1, 1)
+
+    def mag(t):  # each element's bound: |a| + |c| of its pair, times the amplitude
+        m = t.abs().clone()
+        h = rot // 2
+        s = t[..., :h].abs() + t[..., h:rot].abs()
+        m[..., :h], m[..., h:rot] = s, s
+        return m * max(1.0, amp)
+
+    q_ref = references.rotate(q, pos, inv, amp, "neox")
+    k_ref = references.rotate(k, pos, inv, amp, "neox")
+    cache = {}
+    for t, s in enumerate(slots.tolist()):
+        if 0 <= s < nslots:
+            cache[s] = (k_ref[t], mag(k[t]), v[t])
+    return q_ref, mag(q), cache
+
+
+def assert_within(got, ref, mag, unit, what):
+    """``|got - ref| <= 8 unit |pair| + tiny``: the norm rounds twice to the dtype, the rotation once."""
+    got = got.double()
+    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} elements not written"
+    err = (got - ref).abs()
+    bad = err > 8 * unit * mag + 1e-6
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off; max error {err.max():.3e}"
+
+
+def rows(cache, layout, slot, bs):
+    blk, row = divmod(slot, bs)
+    return cache[blk, row] if layout == "NHD" else cache[blk, :, row]
+
+
+def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=False, layout="NHD", bs=16,
+             blocks=3, slot_dtype=torch.int64, pos_dtype=torch.int64, positions=None, max_pos=4000):
+    """Build the inputs, run the op, check q and every cache row against :func:`reference`."""
+    op = AttnPrologueFwdOp(hq, hkv, d, rope, qk_norm=qk_norm, eps=EPS, cache_layout=layout)
+    width = (hq + 2 * hkv) * d
+    qkv = torch.randn(tokens, width + 16, generator=gen).to(dtype)[:, 8:8 + width]  # row-strided
+    if positions is None:
+        positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    positions = positions.to(pos_dtype)
+    nslots = blocks * bs
+    slots = torch.randperm(nslots, generator=gen)[:tokens].to(slot_dtype)
+    slots[torch.randperm(tokens, generator=gen)[: max(1, tokens // 4)]] = -1  # padding: skipped
+    qw = kw = None
+    if qk_norm:
+        qw = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
+        kw = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
+    shape = (blocks + 1, bs, hkv, d) if layout == "NHD" else (blocks + 1, hkv, bs, d)
+    kfull, vfull = torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype)
+    kfull[blocks:], vfull[blocks:] = 7.0, 7.0  # a guard block past the cache
+    before = qkv.clone()
+    q = op(qkv, positions, kfull[:blocks], vfull[:blocks], slots, q_norm_weight=qw, k_norm_weight=kw)
+    op.check()
+    assert q.shape == (tokens, hq, d) and q.dtype == dtype
+    assert torch.equal(qkv, before), "qkv was modified"
+    assert (kfull[blocks:] == 7.0).all() and (vfull[blocks:] == 7.0).all(), "wrote past the cache"
+    q_ref, q_mag, cache = reference(qkv, positions, slots, hq, hkv, d, rope, qw, kw, nslots)
+    assert_within(q, q_ref, q_mag, UNIT[dtype], f"q ({rope.name})")
+    for s in range(nslots):
+        kr, vr = rows(kfull, layout, s, bs), rows(vfull, layout, s, bs)
+        if s in cache:
+            assert_within(kr, cache[s][0], cache[s][1], UNIT[dtype], f"k slot {s} ({rope.name})")
+            assert torch.equal(vr.double(), cache[s][2]), f"v slot {s}: not copied exactly"
+        else:
+            assert torch.isnan(kr.float()).all() and torch.isnan(vr.float()).all(), f"slot {s} written"
+    return op, q
+
+
+class _Config:
+    """A transformers-style config (only the attributes from_hf_config reads)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def rope_variants():
+    """Every rope constructor of the family that takes positions and that the kernel builds today
+    (neox pairing, one position stream), head_dim 64; partial rotary ones rotate 32 columns."""
+    n = torch.linspace(1.0, 3.0, 16, dtype=torch.float64)
+    return {
+        "RoPEFwdOp": RoPEFwdOp(base=5e5),
+        "RoPENeoxPositionIdsFwdOp": RoPENeoxPositionIdsFwdOp(max_position=8192, base=1e6),
+        "RoPELlama31FwdOp": RoPELlama31FwdOp(base=5e5, scale_factor=8.0, original_max_position=1024),
+        "YaRNFwdOp": YaRNFwdOp(scale=4.0, original_max_position=1024),
+        "LongRoPEFwdOp": LongRoPEFwdOp(rescale_factors=torch.linspace(1.0, 4.0, 32), max_position_embeddings=16384,
+                                       original_max_position_embeddings=4096),
+        "RoPELinearFwdOp-partial": RoPELinearFwdOp(factor=2.0, rotary_dim=32),
+        "Phi3LongRoPEFwdOp-partial": Phi3LongRoPEFwdOp(short_factor=n, long_factor=2 * n, rotary_dim=32,
+                                                       max_position_embeddings=16384,
+                                                       original_max_position_embeddings=4096),
+        "RoPEDynamicNTKFwdOp-partial": RoPEDynamicNTKFwdOp(factor=2.0, max_position_embeddings=2048, rotary_dim=32),
+        "from_hf_config-llama3": from_hf_config(_Config(
+            rope_theta=5e5, head_dim=64, hidden_size=512, num_attention_heads=8, max_position_embeddings=8192,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 1024})),
+    }
+
+
+VARIANTS = rope_variants()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_rope_variant(gen, name):
+    """8 q heads on 1 kv head, head_dim 64, bf16, both layouts over the variants."""
+    run_case(gen, VARIANTS[name], hq=8, hkv=1, d=64, tokens=6, layout="NHD" if len(name) % 2 else "HND")
+
+
+@pytest.mark.parametrize("d,hq,hkv,layout,bs,dtype,slots", [
+    (128, 32, 8, "NHD", 16, torch.bfloat16, torch.int64),
+    (64, 64, 8, "HND", 64, torch.float16, torch.int32),
+    (80, 16, 16, "NHD", 1, torch.bfloat16, torch.int32),
+    (256, 8, 1, "HND", 16, torch.float16, torch.int64),
+], ids=["128-32-8", "64-64-8", "80-16-16", "256-8-1"])
+def test_heads_dims_layouts_blocks_with_qk_norm(gen, d, hq, hkv, layout, bs, dtype, slots):
+    rope = RoPENeoxPositionIdsFwdOp(max_position=8192, base=1e6)
+    run_case(gen, rope, hq=hq, hkv=hkv, d=d, tokens=4, dtype=dtype, qk_norm=True, layout=layout, bs=bs,
+             blocks=max(2, 8 // bs), slot_dtype=slots, pos_dtype=slots)
+
+
+def test_tables_are_the_rope_ops_own(gen):
+    """One copy of the digit tables per device, shared by the rope op and the fused op."""
+    rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]
+    op, _ = run_case(gen, rope, hq=8, hkv=1, d=64, tokens=3)
+    impl = next(iter(op._impls.values()))
+    assert impl.tables is rope._tables(64)[0]
+
+
+@pytest.mark.parametrize("name", ["Phi3LongRoPEFwdOp-partial", "RoPEDynamicNTKFwdOp-partial"])
+def test_keys_before_and_after_4096_decode_consistently(gen, name):
+    """Keys written in a call at positions below 4096 and in a later call past it use one set of
+    frequencies (the deployment's): each is the reference's rotation at its own position with those
+    frequencies, so attention between them sees their true distance. The standalone rope op keeps
+    HF's per-call choice: at the short call it rotates with other frequencies."""
+    rope = VARIANTS[name]
+    short = torch.arange(10, 13)
+    long = torch.arange(5000, 5003)
+    run_case(gen, rope, hq=8, hkv=1, d=64, tokens=3, positions=short)
+    run_case(gen, rope, hq=8, hkv=1, d=64, tokens=3, positions=long)
+    x = torch.randn(3, 64, generator=gen)  # the rope op's 1d layout: [seq, head_dim]
+    alone = rope(x, position_ids=short)
+    inv, amp = references.inv_freq_and_amplitude(rope.name, ref_params(rope), 32)
+    fused_rule = references.rotate(x.double(), short, inv, amp, "neox")
+    assert not torch.allclose(alone.double(), fused_rule, atol=1e-3), \
+        "the standalone op should keep HF's per-call choice at short positions"
+
+
+def test_bad_positions_and_slots_reported_never_out_of_bounds(gen):
+    rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]  # max_position 8192
+    op = AttnPrologueFwdOp(8, 1, 64, rope)
+    qkv = torch.randn(4, 10 * 64, generator=gen).to(torch.bfloat16)
+    kfull, vfull = torch.full((2, 16, 1, 64), 7.0, dtype=torch.bfloat16), torch.full((2, 16, 1, 64), 7.0,
+                                                                                       dtype=torch.bfloat16)
+    kc, vc = kfull[:1], vfull[:1]
+    good = torch.tensor([0, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"positions: expected every value in \[0, max_position=8192\).*"
+                                         r"got positions\[2\] = 8192"):
+        op(qkv, torch.tensor([0, 1, 8192, 3]), kc, vc, good)
+    with pytest.raises(ValueError, match=r"slot_mapping: .*= 16 .*got slot_mapping\[1\] = 16"):
+        op(qkv, good, kc, vc, torch.tensor([0, 16, 2, 3]))
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 1099511627776"):
+        op(qkv, good, kc, vc, torch.tensor([2**40, 1, 2, 3]))
+    with tileops.strict(), pytest.raises(ValueError, match="positions"):
+        op(qkv, torch.tensor([-1, 1, 2, 3]), kc, vc, good)
+    assert (kfull[1:] == 7).all() and (vfull[1:] == 7).all(), "a bad slot wrote past the cache"
+    op(qkv, good, kc, vc, torch.tensor([0, -1, 5, 15]))
+    op.check()  # nothing pending
+
+
+def test_refused_until_built():
+    rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]
+    with pytest.raises(NotImplementedError, match="cache_dtype: float8_e4m3fn"):
+        AttnPrologueFwdOp(8, 1, 64, rope, cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="rope: .*pairing"):
+        AttnPrologueFwdOp(8, 1, 64, RoPEFwdOp(rope_layout="interleaved"))
+    from tileops.rope import MRoPEFwdOp
+
+    with pytest.raises(ValueError, match="rope: MRoPEFwdOp needs the fused kernel's mrope_section"):
+        AttnPrologueFwdOp(8, 1, 64, MRoPEFwdOp(mrope_section=[8, 12, 12], input_layout="packed"))
+    from tileops.attention import builtin
+    from tileops.manifest import CallSpec
+
+    op = AttnPrologueFwdOp(8, 1, 64, rope)
+    spec = CallSpec(torch.device("cuda"), (("qkv", "bfloat16"), ("positions", "int64"),
+                                           ("slot_mapping", "int64")), (("width", 640),))
+    with pytest.raises(NotImplementedError, match="CUDA kernel is not built yet"):
+        builtin.implement(op, spec)
+
+
+def _good(gen):
+    rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]
+    args = dict(qkv=torch.randn(3, 10 * 64, generator=gen).to(torch.bfloat16), positions=torch.arange(3),
+                key_cache=torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16),
+                value_cache=torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16), slot_mapping=torch.arange(3))
+    return rope, args
+
+
+BAD_CALLS = {  # argument -> (change to the good call, error type, what the message must say)
+    "qkv-width": (lambda a: a.update(qkv=a["qkv"][:, :-64]), ValueError, "qkv: expected a last dim"),
+    "qkv-dtype": (lambda a: a.update(qkv=a["qkv"].float()), TypeError, "qkv: expected dtype float16, bfloat16"),
+    "positions-dtype": (lambda a: a.update(positions=a["positions"].float()), TypeError, "positions: expected dtype"),
+    "positions-length": (lambda a: a.update(positions=torch.arange(4)), ValueError, "positions: expected tokens=3"),
+    "cache-layout": (lambda a: a.update(key_cache=torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16),
+                                        value_cache=torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16)),
+                     ValueError, "key_cache: expected num_kv_heads heads"),
+    "cache-dtype": (lambda a: a.update(key_cache=a["key_cache"].half(), value_cache=a["value_cache"].half()),
+                    ValueError, "key_cache: expected the cache in cache_dtype"),
+    "cache-shapes-differ": (lambda a: a.update(value_cache=torch.zeros(3, 16, 1, 64, dtype=torch.bfloat16)),
+                            ValueError, "value_cache: expected shape"),
+    "cache-strides-differ": (lambda a: a.update(value_cache=torch.zeros(16, 2, 1, 64, dtype=torch.bfloat16)
+                                                .transpose(0, 1)), ValueError, "value_cache: expected the strides"),
+    "caches-overlap": (lambda a: a.update(value_cache=a["key_cache"]), ValueError, "key_cache: overlaps value_cache"),
+    "slot-dtype": (lambda a: a.update(slot_mapping=a["slot_mapping"].to(torch.int16)), TypeError,
+                   "slot_mapping: expected dtype int32, int64"),
+    "weight-without-qk-norm": (lambda a: a.update(q_norm_weight=torch.ones(64, dtype=torch.bfloat16)), ValueError,
+                               "q_norm_weight: expected no norm weights without qk_norm"),
+    "scale-without-fp8": (lambda a: a.update(k_scale=torch.ones(1), v_scale=torch.ones(1)), ValueError,
+                          "k_scale: expected no k_scale or v_scale without an fp8 cache"),
+    "q_out-shape": (lambda a: a.update(q_out=torch.empty(3, 8, 32, dtype=torch.bfloat16)), ValueError,
+                    r"q_out: expected shape \[3, 8, 64\]"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD_CALLS))
+def test_bad_call_names_the_argument(gen, what):
+    rope, args = _good(gen)
+    op = AttnPrologueFwdOp(8, 1, 64, rope)
+    change, error, message = BAD_CALLS[what]
+    change(args)
+    with pytest.raises(error, match=message):
+        op(**args)
+
+
+def test_missing_norm_weights_named(gen):
+    rope, args = _good(gen)
+    op = AttnPrologueFwdOp(8, 1, 64, rope, qk_norm=True)
+    with pytest.raises(ValueError, match="q_norm_weight: expected q_norm_weight and k_norm_weight with qk_norm"):
+        op(**args)
+    with pytest.raises(ValueError, match="k_norm_weight: expected k_norm_weight"):
+        op(**args, q_norm_weight=torch.ones(64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(num_q_heads=8, num_kv_heads=3), ValueError, "num_q_heads: expected a multiple of num_kv_heads"),
+    (dict(head_dim=63), ValueError, "head_dim: expected an even head_dim"),
+    (dict(rope="RoPEFwdOp"), TypeError, "rope: expected an op of"),
+    (dict(cache_layout="NDH"), ValueError, "cache_layout: expected one of 'NHD', 'HND'"),
+    (dict(cache_dtype=torch.float32), ValueError, "cache_dtype: expected one of"),
+    (dict(head_dim=16), ValueError, "rope: expected a rotated width in \\[2, head_dim=16\\]"),
+])
+def test_bad_construction_names_the_argument(kwargs, error, message):
+    base = dict(num_q_heads=8, num_kv_heads=1, head_dim=64, rope=VARIANTS["RoPELinearFwdOp-partial"])
+    with pytest.raises(error, match=message):
+        AttnPrologueFwdOp(**{**base, **kwargs})
+
+
+def test_rope_of_another_family_refused():
+    from tileops.norm import RMSNormFwdOp
+
+    with pytest.raises(TypeError, match="rope: expected an op of the 'rope' family .* got RMSNormFwdOp"):
+        AttnPrologueFwdOp(8, 1, 64, RMSNormFwdOp())
+
+
+# --------------------------------------------------------------------------- the manifest's compose section
+
+
+def _composed(tmp_path, name: str, edit):
+    from tileops.manifest import packaged_files
+
+    src = next(p for p in packaged_files() if p.name == "AttnPrologueFwdOp.yaml").read_text()
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(edit(name + src[len("AttnPrologueFwdOp"):]))
+    return path
+
+
+def test_compose_resolves_to_loaded_manifests():
+    from tileops.manifest import registry
+
+    stages = {s.name: s for s in registry()["AttnPrologueFwdOp"].compose}
+    assert stages["norm"].ops == ("RMSNormFwdOp",)
+    assert "RoPELlama31FwdOp" in stages["rope"].ops and "YaRNFwdOp" in stages["rope"].ops
+    assert stages["rope"].param == "rope" and stages["norm"].when == "qk_norm"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.replace("from: norm/RMSNormFwdOp", "from: norm/NoSuchNormOp"),
+     "compose.norm.from: no op 'NoSuchNormOp' in family 'norm'"),
+    (lambda t: t.replace("from: rope\n", "from: ropes\n"), "compose.rope.from: unknown family 'ropes'"),
+    (lambda t: t.replace("from: norm/RMSNormFwdOp", "from: attention/CyclicOp"), "compose.norm.from: a cycle: "
+                                                                                 "CyclicOp -> CyclicOp"),
+    (lambda t: t.replace("rope: {op: RoPELlama31FwdOp}", "rope: {op: RMSNormFwdOp}"),
+     r"cases\[llama-decode-hnd\].params.rope: 'RMSNormFwdOp' is not among compose.rope's ops"),
+], ids=["unknown-op", "unknown-family", "cycle", "case-op-of-another-family"])
+def test_compose_errors_name_the_key(tmp_path, edit, message):
+    from tileops.manifest import ManifestError, load_files, packaged_files
+
+    path = _composed(tmp_path, "CyclicOp", edit)
+    others = [p for p in packaged_files() if p.name != "AttnPrologueFwdOp.yaml"]
+    with pytest.raises(ManifestError, match=message):
+        load_files([*others, path])

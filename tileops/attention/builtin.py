@@ -1,0 +1,103 @@
+"""BUILTIN implementation of the attention family: the fused prologue kernel of ``kernels/prologue.py``.
+
+One object per (op, call specialization) holds the compiled kernel and launches it on the call's
+views: qkv is read where it lies (any row stride; a last dim that is not contiguous is copied first),
+q is written into ``q_out`` or a new ``[tokens, num_q_heads, head_dim]`` tensor, and the caches are
+addressed by their own strides (the layout is the strides: ``kernels/prologue.py``). The rope stage's
+tables are the rope op's own :class:`tileops.rope.tables.RoPETables` (its ``deployment_tables``),
+one copy per device shared with the rope op.
+
+Every launch goes through a :class:`tileops.runtime.binding.Binding` and the op's runtime, which
+tracks the kernel's two error words: ``ERR[0]`` for ``positions``, ``ERR[1]`` for ``slot_mapping``
+(:mod:`tileops.runtime.errors`). There is no per-signature fast path yet: the runtime allocates new
+outputs shaped like their ``like`` input, and q is not shaped like qkv, so every call takes this path.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import torch
+
+from ..compile.build import device_backend, load_kernel
+from ..runtime.binding import bind
+from .hooks import kernel_spec
+
+__all__ = ["implement", "kernel_specs", "PrologueKernels"]
+
+
+class PrologueKernels:
+    """The kernel of one op specialization, and how a call's tensors are handed to it."""
+
+    def __init__(self, op: Any, spec: Any):
+        self.op = op
+        self.device = spec.device
+        if self.device.type == "cuda":
+            raise NotImplementedError(f"{op.name}: qkv: the fused prologue's CUDA kernel is not built yet (only its C "
+                                      f"schedule, for CPU tensors, is); it has no fallback that would pose as it")
+        self.backend, self.arch = device_backend(self.device)
+        p = op.params
+        self.kspec = kernel_spec(p, spec.dtype("qkv"), spec.dtype("positions"), spec.dtype("slot_mapping"),
+                                 self.backend, op.name)
+        self.kernel = load_kernel(op.manifest.kernel.builder, self.kspec, self.backend, self.arch, self.device,
+                                  self.kspec.args, op_name=op.name)
+        self.tables = p["rope"].deployment_tables(self.kspec.rot)
+        self.limit = op.position_limit()
+        self.eps_bits = struct.unpack("<i", struct.pack("<f", p["eps"]))[0]
+
+    def prepare(self, tensors: dict) -> torch.Tensor:
+        return self.tables.on(self.device)
+
+    def backward(self, state: Any, grads: tuple, tensors: dict) -> tuple:  # pragma: no cover - no backward declared
+        raise NotImplementedError(f"{self.op.name} has no backward")
+
+    def forward(self, tables: torch.Tensor, tensors: dict, outs: dict) -> torch.Tensor:
+        """q ``[tokens, Hq, D]``; k and v written into the caches."""
+        p = self.op.params
+        hq, hkv, d = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
+        qkv = tensors["qkv"]
+        if qkv.shape[0] and qkv.stride(1) != 1:
+            qkv = qkv.contiguous()
+        q_out = outs.get("q_out")
+        q = q_out if q_out is not None and q_out.stride(-1) == 1 else torch.empty(
+            (qkv.shape[0], hq, d), dtype=qkv.dtype, device=qkv.device)
+        kc = tensors["key_cache"]
+        if p["cache_layout"] == "NHD":  # [blocks, bs, Hkv, D]
+            blocks, bs = kc.shape[0], kc.shape[1]
+            csb, csr, csh = kc.stride(0), kc.stride(1), kc.stride(2)
+        else:  # HND [blocks, Hkv, bs, D]
+            blocks, bs = kc.shape[0], kc.shape[2]
+            csb, csr, csh = kc.stride(0), kc.stride(2), kc.stride(1)
+        nslots = blocks * bs
+        self.op.slot_limit = nslots  # named by a bad slot's error
+        if qkv.shape[0]:
+            launch = {**tensors, "qkv": qkv}
+            args = {"S": qkv.shape[0], "HQ": hq, "HKV": hkv, "xst": qkv.stride(0), "qst": q.stride(0),
+                    "qsh": q.stride(1), "csb": csb, "csr": csr, "csh": csh, "bs": bs, "nslots": nslots,
+                    "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr()}
+            b = bind(self.kernel, self.op.manifest, launch, {"q_out": q}, args=args, keep=(tables,),
+                     pointers={"QKV": "qkv", "P": "positions", "SL": "slot_mapping", "QW": "q_norm_weight",
+                               "KW": "k_norm_weight", "Q": "q_out", "KC": "key_cache", "VC": "value_cache"},
+                     # a bad position reads as 0 and a bad slot writes nothing; each marks its word
+                     checks={"positions": 0, "slot_mapping": 1})
+            self.op._runtime.execute(b, launch, {"q_out": q})
+        if q_out is not None and q is not q_out:
+            q_out.copy_(q)
+            return q_out
+        return q
+
+
+def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
+    """The ``(builder, spec)`` a call of one specialization launches, for ``tileops warmup`` and
+    ``op.compile`` (no backward: the manifest declares none). None on CUDA, where the fused kernel
+    has no schedule yet (a call there is refused)."""
+    if backend != "c":
+        return []
+    spec = kernel_spec(params, call.dtype("qkv"), call.dtype("positions"), call.dtype("slot_mapping"), backend,
+                       manifest.name)
+    return [(manifest.kernel.builder, spec)]
+
+
+def implement(op: Any, spec: Any) -> PrologueKernels:
+    return PrologueKernels(op, spec)

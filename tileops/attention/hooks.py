@@ -1,0 +1,142 @@
+"""The attention family's hooks: everything the prologue op does besides its signature.
+
+:class:`AttnPrologueFwdHooks` reads from the ``rope`` op it is given what its manifest's ``compose``
+section says the rope stage takes: the rotated width, the pairing and the kernel-spec fields of the
+rope family (:meth:`tileops.rope.hooks.RoPEHooks.kernel_fields`), and the one set of digit tables a
+cache-writing op may use (:meth:`tileops.rope.hooks.RoPEHooks.deployment_tables`). Nothing about a
+rope variant is written here, so a variant added to the rope family later reaches the fused op with
+no edit to this file. Checks the rule language does not express (the rope's width against
+``head_dim``, MRoPE's ``[3, tokens]`` positions, the caches' strides) are here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..op import Op
+
+__all__ = ["AttnPrologueFwdHooks", "kernel_fields", "kernel_spec", "rope_of"]
+
+#: the kernel counts tokens and heads in int32
+MAX_TOKENS = 2**31 - 1
+
+
+def kernel_fields(params: Any, qkv_dtype: str, positions: str, slots: str, backend: str) -> dict[str, Any]:
+    """The fields of :class:`kernels.prologue.PrologueKernelSpec` for a call of an op built with
+    ``params`` (its ``rope`` op among them): the rope op's own fields (pairing, rotated width and
+    whatever its family adds, e.g. MRoPE's sections), passed through unchanged."""
+    cls, rp = rope_of(params["rope"])
+    d = params["head_dim"]
+    return {"dtype": qkv_dtype, "head_dim": d, "rot": cls.rotated_width_of(rp, d), "positions": positions,
+            "slots": slots, "qk_norm": params["qk_norm"], "pairing": cls.pairing_of(rp), "backend": backend,
+            **cls.kernel_fields_of(rp, positions)}
+
+
+def rope_of(rope: Any) -> tuple[type, Any]:
+    """``(hook class, params)`` of the rope stage: an op object's, or, for a case's ``{op: Name,
+    params: {...}}`` (``tileops warmup`` names kernels without constructing ops), the class its
+    manifest names and the manifest's defaults under the case's params."""
+    if isinstance(rope, Op):
+        return type(rope), rope.params
+    from .. import manifest
+    from ..rope import hooks as rope_hooks
+
+    m = manifest.get(rope["op"])
+    return getattr(rope_hooks, m.hooks), {**m.defaults(), **rope.get("params", {})}
+
+
+def kernel_spec(params: Any, qkv_dtype: str, positions: str, slots: str, backend: str, op_name: str) -> Any:
+    """The kernel spec for those fields; a field of the rope op the builder does not know yet (MRoPE's
+    sections before the builder has them), or a value it refuses (``pairing="interleaved"``), is a
+    ValueError naming ``rope``."""
+    from tileops.kernels import get_spec
+
+    spec_cls = get_spec("prologue")
+    fields = kernel_fields(params, qkv_dtype, positions, slots, backend)
+    known = {f.name for f in dataclasses.fields(spec_cls)}
+    unknown = [k for k in fields if k not in known]
+    rope = params["rope"]
+    rope_name = rope.name if isinstance(rope, Op) else rope["op"]
+    if unknown:
+        raise ValueError(f"{op_name}: rope: {rope_name} needs the fused kernel's {', '.join(unknown)}, which "
+                         f"kernels/prologue.py does not build yet")
+    try:
+        return spec_cls(**fields)
+    except ValueError as e:
+        raise ValueError(f"{op_name}: rope: the fused kernel cannot compose {rope_name} yet: {e}") from None
+
+
+class AttnPrologueFwdHooks(Op):
+    """``AttnPrologueFwdOp``: the rope stage from the ``rope`` op, fp8 refused until it is built."""
+
+    def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        params = super()._check_params(params)
+        rope, d = params["rope"], params["head_dim"]
+        if "position_ids" not in {t.name for t in rope.manifest.inputs}:
+            raise TypeError(f"{self.name}: rope: expected a rope op that takes position_ids, got {rope.name}")
+        rot = rope.rotated_width(d)
+        if rot % 2 or not 2 <= rot <= d:
+            raise ValueError(f"{self.name}: rope: expected a rotated width in [2, head_dim={d}], even; {rope.name} "
+                             f"rotates {rot} columns")
+        try:  # the rope's tables for this width: factor lists of another length fail here, not at a call
+            rope.deployment_tables(rot)
+        except (ValueError, RuntimeError, IndexError) as e:
+            raise ValueError(f"{self.name}: rope: {rope.name} has no tables for head_dim {d} (rotated width "
+                             f"{rot}): {e}") from None
+        # what the kernel builder refuses (a pairing, MRoPE's fields) is refused now, not at the first call
+        kernel_spec(params, "bfloat16", "int64", "int64", "c", self.name)
+        if params["cache_dtype"] == "float8_e4m3fn":
+            raise NotImplementedError(f"{self.name}: cache_dtype: float8_e4m3fn caches are not built yet (the fused "
+                                      f"kernel has no float8 stage); use cache_dtype=None (qkv's dtype)")
+        return params
+
+    @property
+    def mrope(self) -> bool:
+        """Whether the rope stage takes three position streams (``positions`` ``[3, tokens]``)."""
+        return "mrope_section" in self.params["rope"].kernel_fields("int64")
+
+    def _check_more(self, tensors: Any, dims: Any) -> None:
+        positions, qkv = tensors["positions"], tensors["qkv"]
+        if self.mrope and (positions.dim() != 2 or positions.shape[0] != 3):
+            raise ValueError(f"{self.name}: positions: expected [3, tokens] for {self.params['rope'].name} (three "
+                             f"streams), got shape {list(positions.shape)}")
+        if not self.mrope and positions.dim() != 1:
+            raise ValueError(f"{self.name}: positions: expected [tokens] for {self.params['rope'].name}, got shape "
+                             f"{list(positions.shape)}")
+        if qkv.shape[0] > MAX_TOKENS:
+            raise ValueError(f"{self.name}: qkv: expected at most 2^31 - 1 tokens, got {qkv.shape[0]}")
+        kc, vc = tensors["key_cache"], tensors["value_cache"]
+        for name, c in (("key_cache", kc), ("value_cache", vc)):
+            if c.stride(-1) != 1:
+                raise ValueError(f"{self.name}: {name}: expected a contiguous last dim (head_dim), got strides "
+                                 f"{list(c.stride())}")
+        if kc.stride() != vc.stride():
+            raise ValueError(f"{self.name}: value_cache: expected the strides of key_cache {list(kc.stride())} (one "
+                             f"kernel addresses both), got {list(vc.stride())}")
+        for name in ("q_norm_weight", "k_norm_weight"):
+            w = tensors.get(name)
+            if w is not None and w.stride(0) != 1 and w.shape[0] > 1:
+                raise ValueError(f"{self.name}: {name}: expected a contiguous weight, got stride {w.stride(0)}")
+
+    def position_limit(self) -> int:
+        """Positions must lie in ``[0, position_limit())``: the rope op's limit."""
+        return self.params["rope"].position_limit()
+
+    def _raise_bad_value(self, name: str, values: torch.Tensor, when: str = "") -> None:
+        """The ValueError naming ``positions`` (as the rope op words it) or ``slot_mapping``."""
+        if name == "slot_mapping":
+            # the cache's slot count of the latest call (the builtin records it at each launch; on the
+            # CPU, where errors are judged at the call, that is the bad call's)
+            limit = self.__dict__.get("slot_limit")
+            bad = (values >= limit).nonzero() if limit is not None else values.new_zeros((0, 1))
+            if bad.shape[0] == 0:
+                raise ValueError(f"{self.name}: slot_mapping: expected every slot below num_blocks * block_size "
+                                 f"(or negative: skipped); {when or 'this call'} read one past the cache")
+            i = int(bad[0, 0])
+            raise ValueError(f"{self.name}: slot_mapping: expected every slot below num_blocks * block_size = "
+                             f"{limit} (or negative: skipped), got slot_mapping[{i}] = {int(values[i])}"
+                             + (f" ({when})" if when else ""))
+        self.params["rope"].raise_bad_position(self.name, "positions", values, when)

@@ -1,0 +1,170 @@
+"""The attention ops, generated from ``manifests/attention/`` by ``tileops generate``: do not edit.
+
+Every signature, parameter list and parameter doc here comes from an op's manifest; the behaviour
+comes from the hook class it inherits (:mod:`tileops.attention.hooks`). Change a manifest, then run
+``tileops generate``; a test fails while this file and the manifests disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..op import Op
+from ..targets import Target
+from . import hooks
+
+__all__ = [
+    "AttnPrologueFwdOp",
+]
+
+
+class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
+    """The attention prologue in one launch, per-head q/k RMSNorm, any RoPE of the family, and the paged KV-cache
+    write.
+
+    Row ``t`` of ``qkv`` holds ``num_q_heads`` q heads, then ``num_kv_heads`` k heads and as many v heads of
+    ``head_dim`` each. With ``qk_norm`` every q and k head is RMS-normalised over ``head_dim`` with its weight
+    (the norm family's ``RMSNormFwdOp``, ``llama`` rounding, the result rounded to qkv's dtype as the unfused
+    chain stores it); q and k are then rotated by the ``rope`` op's own angles at ``positions[t]`` (its
+    frequencies, amplitude, pairing and rotated width: the rope family's digit tables, the one copy the rope
+    op uses); q is returned, and k and v are written to the caches at slot ``s = slot_mapping[t]``: block ``s
+    // block_size``, row ``s % block_size``. A negative slot skips the token's cache write (vLLM's padding); q
+    is written whatever the slot.
+
+    Frequencies that HF picks per call from the call's length are one fixed choice for the deployment here, as
+    vLLM fixes them, so that keys written into the cache stay valid as the sequence grows:
+    ``Phi3LongRoPEFwdOp`` uses its long factors when ``max_position_embeddings`` exceeds
+    ``original_max_position_embeddings`` (else its short ones), and ``RoPEDynamicNTKFwdOp`` the NTK base at
+    the deployment's maximum length ``factor * max_position_embeddings``. The rope ops themselves keep HF's
+    per-call behaviour.
+
+    Positions and slots are checked on the device: a position outside the rope op's range reads as 0, a slot
+    at or past ``num_blocks * block_size`` writes nothing, so nothing is addressed out of bounds; the
+    ValueError naming ``positions`` or ``slot_mapping`` is raised without a host synchronisation, at a later
+    call or at ``op.check()`` (``tileops.strict()`` raises at the call itself), as the RoPE ops report
+    positions.
+
+    Built today: the C schedule on the CPU (neox pairing). A CUDA input is refused (the fused kernel's CUDA
+    schedule is not built yet); fp8 caches are validated and refused at construction until the float8 stage
+    exists; interleaved pairing and MRoPE are refused by the kernel builder until it has them.
+
+    References: vLLM fused_qk_norm_rope and reshape_and_cache_flash; flashinfer
+        rope_quantize_fp8_append_paged_kv_cache.
+
+    Examples:
+        >>> import torch
+        >>> from tileops.attention import AttnPrologueFwdOp
+        >>> from tileops.rope import RoPENeoxPositionIdsFwdOp
+        >>> rope = RoPENeoxPositionIdsFwdOp(max_position=8192, base=1e6)
+        >>> op = AttnPrologueFwdOp(4, 2, 64, rope, qk_norm=True)
+        >>> qkv = torch.randn(5, (4 + 2 * 2) * 64, dtype=torch.bfloat16)
+        >>> kc, vc = torch.zeros(2, 3, 16, 2, 64, dtype=torch.bfloat16)   # [blocks, block_size, kv heads, head_dim]
+        >>> w = torch.ones(64, dtype=torch.bfloat16)
+        >>> q = op(qkv, torch.arange(5), kc, vc, torch.tensor([0, 1, 2, -1, 17]), q_norm_weight=w, k_norm_weight=w)
+        >>> q.shape
+        torch.Size([5, 4, 64])
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, rope: Op, *, qk_norm: bool = False,
+                 eps: float = 1e-06, cache_layout: str = "NHD", cache_dtype: torch.dtype | None = None,
+                 target: str | Target | None = None) -> None:
+        """Build the op; kernels are compiled at the first call.
+
+        Args:
+            num_q_heads (int): Hq, the q heads of a row of qkv. Required.
+            num_kv_heads (int): Hkv, the k heads (and as many v heads) of a row of qkv and of the caches.
+                Required.
+            head_dim (int): D, the elements of one head. Required.
+            rope (Op): The rotary embedding: any op of the rope family that takes positions (its frequencies,
+                amplitude, pairing and rotated width are composed into the kernel), or what
+                tileops.rope.from_hf_config returns. Required.
+            qk_norm (bool): Keyword-only. Per-head RMSNorm of q and k before the rotation (Qwen3), with
+                q_norm_weight and k_norm_weight. Default ``False``.
+            eps (float): Keyword-only. The norm's eps, added to the mean square (as an fp32 value). Default
+                ``1e-06``.
+            cache_layout (str): Keyword-only. NHD: caches [num_blocks, block_size, num_kv_heads, head_dim]
+                (vLLM's flash layout); HND: [num_blocks, num_kv_heads, block_size, head_dim] (transformers'
+                static cache, one block per sequence). One of ``"NHD"``, ``"HND"``. Default ``"NHD"``.
+            cache_dtype (torch.dtype | None): Keyword-only. The caches' dtype: None for qkv's;
+                torch.float8_e4m3fn stores x / scale saturated, with k_scale and v_scale (refused at
+                construction until the float8 stage exists). One of ``"float16"``, ``"bfloat16"``,
+                ``"float8_e4m3fn"``. Default ``None``.
+            target (str | Target | None): Which set of kernels serves this op: a registered target name,
+                BUILTIN for the in-tree kernels, or None to decide from the input device at the first call.
+                Default None.
+
+        Raises:
+            TypeError: A parameter has the wrong type.
+            ValueError: A value outside its choices, an unknown ``target``; or, by the manifest's rules:
+                num_q_heads: expected num_q_heads > 0; num_kv_heads: expected num_kv_heads > 0; num_q_heads:
+                expected a multiple of num_kv_heads (every kv head serves as many q heads); head_dim: expected
+                an even head_dim in [2, 1024]; eps: expected eps >= 0.
+        """
+        self._setup({'num_q_heads': num_q_heads, 'num_kv_heads': num_kv_heads, 'head_dim': head_dim, 'rope':
+            rope, 'qk_norm': qk_norm, 'eps': eps, 'cache_layout': cache_layout, 'cache_dtype': cache_dtype},
+            target)
+
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                q_out: torch.Tensor | None = None) -> Any:
+        """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
+
+        Args:
+            qkv (torch.Tensor): The projection's output: q, k and v heads of every token; the last dim
+                contiguous, any row stride (a column slice of a wider buffer). Shape ``[tokens, width]``;
+                dtype float16, bfloat16.
+            positions (torch.Tensor): The position of each token, in [0, the rope op's limit: its
+                max_position, else 2^24); MRoPE takes [3, tokens]. Shape ``[tokens]`` or ``[streams,
+                tokens]``; dtype int32, int64. Each value in ``[0, 16777216)``.
+            key_cache (torch.Tensor): The paged key cache, written at the tokens' slots. Shape ``[num_blocks,
+                block_size, cache_heads, cache_dim]`` (``cache_layout="NHD"``); ``[num_blocks, cache_heads,
+                block_size, cache_dim]`` (``cache_layout="HND"``); dtype float16, bfloat16, float8_e4m3fn.
+                Written in place (never returned); it may share memory with no other argument.
+            value_cache (torch.Tensor): The paged value cache, laid out as key_cache. The shape and dtype of
+                ``key_cache``, exactly. Written in place (never returned); it may share memory with no other
+                argument.
+            slot_mapping (torch.Tensor): The cache slot of each token: block slot // block_size, row slot %
+                block_size; negative skips the token (padding). Shape ``[tokens]``; dtype int32, int64. Each
+                value in ``[-1, num_blocks * block_size)``.
+            q_norm_weight (torch.Tensor | None): Keyword-only. The q heads' RMSNorm weight (with qk_norm), in
+                qkv's dtype. Shape ``[norm_dim]``; dtype float16, bfloat16. Default None.
+            k_norm_weight (torch.Tensor | None): Keyword-only. The k heads' RMSNorm weight (with qk_norm), in
+                qkv's dtype. The shape and dtype of ``q_norm_weight``, exactly. Default None.
+            k_scale (torch.Tensor | None): Keyword-only. The key cache's per-tensor scale (fp8 caches only):
+                stored value = k / k_scale, saturated; read on the device. Shape ``[]`` or ``[scale_len]``;
+                dtype float32. Default None.
+            v_scale (torch.Tensor | None): Keyword-only. The value cache's per-tensor scale (fp8 caches only).
+                The shape and dtype of ``k_scale``, exactly. Default None.
+            q_out (torch.Tensor | None): Keyword-only. Where to write the result (q normalised (with qk_norm)
+                and rotated, [tokens, num_q_heads, head_dim] in qkv's dtype; q_out= writes into a given
+                tensor). Shape ``[tokens, num_q_heads, head_dim]``, typed like ``qkv``, any strides; it may be
+                its own input exactly (in place) but may not otherwise overlap another argument. Not while an
+                input requires grad. Default None.
+
+        Returns:
+            torch.Tensor | tuple: ``q_out``, a new tensor unless given.
+
+        Raises:
+            TypeError: An argument is not a tensor, or has a dtype not listed above.
+            ValueError: A shape that does not match the ones above, tensors on different devices, an output
+                that overlaps another argument; or, by the manifest's rules: qkv: expected a last dim of
+                (num_q_heads + 2 * num_kv_heads) * head_dim; key_cache: expected num_kv_heads heads in the
+                cache's heads dim (dim 2 for NHD, dim 1 for HND: is cache_layout right?); key_cache: expected
+                head_dim as the cache's last dim; key_cache: expected at least one block of at least one row;
+                key_cache: expected the cache in cache_dtype (None: qkv's dtype); q_norm_weight: expected a
+                [head_dim] weight; q_norm_weight: expected the weight in qkv's dtype; q_norm_weight: expected
+                no norm weights without qk_norm=True; q_norm_weight: expected q_norm_weight and k_norm_weight
+                with qk_norm=True; k_norm_weight: expected k_norm_weight with qk_norm=True; k_scale: expected
+                one scale per tensor, [] or [1]; k_scale: expected no k_scale or v_scale without an fp8 cache
+                (cache_dtype=torch.float8_e4m3fn); k_scale: expected k_scale and v_scale with an fp8 cache. A
+                value of ``positions``, ``slot_mapping`` outside its range raises ValueError naming its index
+                and value, without a host sync (see the API page, Positions and gradients).
+        """
+        return self._call({'qkv': qkv, 'positions': positions, 'key_cache': key_cache, 'value_cache':
+            value_cache, 'slot_mapping': slot_mapping, 'q_norm_weight': q_norm_weight, 'k_norm_weight':
+            k_norm_weight, 'k_scale': k_scale, 'v_scale': v_scale}, {'q_out': q_out})
