@@ -46,6 +46,7 @@ import torch
 
 from ..rope.hf import from_hf_config
 from .transformers_norm import RMSNORM_CLASSES, NormOps, left_alone, norm_form, routed_forward
+from .transformers_prologue import prologue_forward, prologue_plan
 
 __all__ = ["patch", "unpatch", "is_patched", "report", "SERVED_MODEL_TYPES", "RMSNORM_CLASSES"]
 
@@ -101,6 +102,8 @@ class _PatchState:
         self.norm_ops: NormOps | None = None
         self.norms: dict[str, int] = {}  # routed norm modules by class name
         self.left_alone: dict[str, int] = {}
+        self.prologue_ops: list[Any] = []  # the attention prologue ops (patch(prologue=True))
+        self.prologue_fallbacks: set[str] = set()  # why calls ran transformers' attention (warned once each)
 
 
 _NONE = object()
@@ -219,7 +222,7 @@ def _version() -> str:
     return transformers.__version__
 
 
-def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True) -> torch.nn.Module:
+def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prologue: bool = False) -> torch.nn.Module:
     """Make a transformers model run its RoPE and its RMSNorm modules through tileops; returns ``model``.
 
     RoPE (``rope=True``): the op is :func:`tileops.rope.from_hf_config` of ``model.config``; it gets
@@ -235,6 +238,14 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True) -> to
     Llama's form with an fp32 weight and a 16-bit input), and gradients reach the module's weight.
     Modules of other classes are left alone (:func:`report` lists both).
 
+    Attention prologue (``prologue=True``, with ``rope=True``; Llama, Mistral, Qwen2, Qwen3): each
+    attention layer runs its q/k norm (Qwen3's ``q_norm``/``k_norm``), RoPE and the write of k and v
+    into transformers' ``StaticCache`` as one call of :class:`tileops.attention.AttnPrologueFwdOp`
+    (``generate(..., cache_implementation="static")``); a call the op does not serve (another
+    cache, training, a sliding window) runs transformers' attention and warns once naming why
+    (:mod:`tileops.integrations.transformers_prologue` says which calls and how the static cache
+    maps onto the op's paged layout).
+
     Other models, patched or not, are unaffected.
 
     Args:
@@ -243,6 +254,8 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True) -> to
         rope (bool): Route the rotary embedding. Default True.
         norm (bool): Route the RMSNorm modules. Default True; ``norm=False`` is the RoPE-only patch,
             ``rope=False`` routes the norms alone (Gemma, Olmo2: model types whose RoPE is not served).
+        prologue (bool): Fuse each attention layer's q/k norm, RoPE and static-cache write into one
+            call. Default False; needs ``rope=True``.
 
     Returns:
         torch.nn.Module: ``model``, patched.
@@ -252,18 +265,22 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True) -> to
             not served (the message names them), or the model's own frequency tables differ from the
             op's. With ``norm``: the model has no module of a class in :data:`RMSNORM_CLASSES`.
         ValueError: ``model`` (or a module in it) is already patched (call :func:`unpatch` first),
-            or ``rope`` and ``norm`` are both False.
-        TypeError: ``model`` is not a torch module with a ``config``, or ``rope``/``norm`` is not a bool.
+            ``rope`` and ``norm`` are both False, or ``prologue`` is True without ``rope``.
+        TypeError: ``model`` is not a torch module with a ``config``, or ``rope``/``norm``/``prologue``
+            is not a bool.
     """
     name = "tileops.integrations.transformers.patch"
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
         raise TypeError(f"{name}: model: expected a transformers model "
                         f"(a torch.nn.Module with a config), got {type(model).__name__}")
-    for key, value in (("rope", rope), ("norm", norm)):
+    for key, value in (("rope", rope), ("norm", norm), ("prologue", prologue)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: {key}: expected a bool, got {type(value).__name__} {value!r}")
     if not (rope or norm):
         raise ValueError(f"{name}: rope, norm: expected at least one of them True, got both False (nothing to patch)")
+    if prologue and not rope:
+        raise ValueError(f"{name}: prologue: expected rope=True with it (the fused layers take the positions "
+                         f"the patched rotary embedding tags cos with), got rope=False")
     if is_patched(model):
         raise ValueError(f"{name}: model: expected a model not patched yet, got one already patched (unpatch it first)")
     for m in model.modules():
@@ -274,6 +291,8 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True) -> to
     # everything is checked, and every op built, before the model is touched
     norm_ops, norms = _norm_plan(model, model_type) if norm else (None, [])
     plan = _rope_plan(model, model_type) if rope else None
+    fused = (prologue_plan(model, model_type, plan["op"], [a for a, _ in plan["attentions"]])
+             if prologue else [])
 
     swap = None
     if plan is not None:
@@ -292,8 +311,14 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True) -> to
             swap.users.add(state)
         for r in plan["rotaries"]:
             _wrap(state, r, _rotary_forward(r.forward, plan["op"]))
+        layers = {id(layer.module): layer for layer in fused}
         for a, slot in plan["attentions"]:
-            _wrap(state, a, _attention_forward(a.forward, slot, model_type))
+            checked = _attention_forward(a.forward, slot, model_type)
+            if id(a) in layers:
+                checked = prologue_forward(layers[id(a)], checked, lambda pe: _tag_of(pe, model_type),
+                                           state.prologue_fallbacks)
+            _wrap(state, a, checked)
+        state.prologue_ops = list({id(layer.op): layer.op for layer in fused}.values())
     state.norm_ops = norm_ops
     for m, ops in norms:
         _wrap(state, m, routed_forward(m, ops, m.forward))
@@ -375,17 +400,24 @@ def _rotary_forward(forward: Any, op: Any) -> Any:
     return tagged_forward
 
 
+def _tag_of(pe: Any, model_type: str) -> tuple[Any, torch.Tensor]:
+    """The ``(op, position_ids)`` the patched rotary embedding tagged ``position_embeddings``' cos
+    with; refuses cos/sin that did not come from it (the replaced ``apply_rotary_pos_emb`` would
+    hand untagged cos to HF's function)."""
+    tag = None if pe is None else getattr(pe[0], _TAG, None)
+    if tag is None:
+        raise RuntimeError(
+            f"tileops.integrations.transformers: {model_type} model patched by tileops: the cos in "
+            f"position_embeddings carries no position_ids (it did not come from the model's patched "
+            f"rotary embedding); refusing to rotate without positions")
+    return tag
+
+
 def _attention_forward(forward: Any, slot: int, model_type: str) -> Any:
-    """The attention's forward, refusing cos/sin that did not come from the patched rotary
-    embedding (the replaced ``apply_rotary_pos_emb`` would hand untagged cos to HF's function)."""
+    """The attention's forward, refusing cos/sin that did not come from the patched rotary embedding."""
 
     def checked_forward(*args, **kwargs):
-        pe = args[slot] if len(args) > slot else kwargs.get("position_embeddings")
-        if pe is None or getattr(pe[0], _TAG, None) is None:
-            raise RuntimeError(
-                f"tileops.integrations.transformers: {model_type} model patched by tileops: the cos in "
-                f"position_embeddings carries no position_ids (it did not come from the model's patched "
-                f"rotary embedding); refusing to rotate without positions")
+        _tag_of(args[slot] if len(args) > slot else kwargs.get("position_embeddings"), model_type)
         return forward(*args, **kwargs)
 
     return checked_forward
@@ -432,7 +464,9 @@ def report(model: torch.nn.Module) -> dict[str, Any]:
         dict: ``rope``: the RoPE op, or None (``rope=False``); ``norm``: the routed RMSNorm modules
         by class name (how many of each; empty with ``norm=False``); ``norm_ops``: the norm ops built,
         one per distinct (eps, offset, rounding, out_dtype); ``left_alone``: the model's other norm
-        modules (a class name holding ``Norm``) by class name, which stay transformers'.
+        modules (a class name holding ``Norm``) by class name, which stay transformers';
+        ``prologue``: the attention prologue ops (empty without ``prologue=True``);
+        ``prologue_fallbacks``: why attention calls ran unfused so far (each kind once).
 
     Raises:
         ValueError: ``model`` is not patched.
@@ -440,4 +474,5 @@ def report(model: torch.nn.Module) -> dict[str, Any]:
     state = _state(model, "report")
     return {"rope": state.op, "norm": dict(state.norms),
             "norm_ops": list(state.norm_ops.ops.values()) if state.norm_ops else [],
-            "left_alone": dict(state.left_alone)}
+            "left_alone": dict(state.left_alone), "prologue": list(state.prologue_ops),
+            "prologue_fallbacks": sorted(state.prologue_fallbacks)}

@@ -1,0 +1,142 @@
+"""``patch(model, prologue=True)``: q/k norm, RoPE and the static-cache write as one call of
+``AttnPrologueFwdOp`` in tiny Llama, Mistral, Qwen2 and Qwen3 models (no downloads), against the
+same models unpatched (transformers' own attention is the reference).
+
+fp32 on the CPU: greedy generation gives the same tokens, and the static caches hold the same keys
+and values (within fp32 rounding: the op's norm sums and rotates in another order than torch).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.cache_utils import StaticLayer  # noqa: E402
+
+from tileops.integrations import transformers as tt  # noqa: E402
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+HEAD_DIM = 16
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                                     "original_max_position_embeddings": 64,
+                                                                     "rope_theta": 5000.0}),
+    "mistral": lambda: transformers.MistralConfig(**TINY),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY, rope_theta=20000.0),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=HEAD_DIM),
+}
+MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+          "qwen3": "Qwen3ForCausalLM"}
+
+
+def _model(kind: str, gen: torch.Generator) -> torch.nn.Module:
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    m = getattr(transformers, MODELS[kind])(CONFIGS[kind]()).eval()
+    with torch.no_grad():  # norms' weights away from 1, so that a weight the op ignored would show
+        for mod in m.modules():
+            if type(mod).__name__.endswith("RMSNorm"):
+                mod.weight.add_(torch.randn(mod.weight.shape, generator=gen) * 0.3)
+    return m
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor, new: int = 8):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         cache_implementation="static", return_dict_in_generate=True)
+    return out.sequences, out.past_key_values
+
+
+class _Updates:
+    """Counts HF's StaticLayer.update calls (the unfused cache write)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.n = 0
+        original = StaticLayer.update
+
+        def update(layer, *a, **k):
+            self.n += 1
+            return original(layer, *a, **k)
+
+        monkeypatch.setattr(StaticLayer, "update", update)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_static_generate_gives_the_unpatched_tokens_and_caches(kind, gen, monkeypatch):
+    model = _model(kind, gen)
+    ids = torch.randint(3, 128, (2, 11), generator=gen)
+    want, want_cache = _generate(model, ids)
+    tt.patch(model, prologue=True)
+    try:
+        updates = _Updates(monkeypatch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no call may fall back to transformers' attention
+            got, got_cache = _generate(model, ids)
+        rep = tt.report(model)
+    finally:
+        tt.unpatch(model)
+    assert updates.n == 0, f"{updates.n} cache writes went through transformers' StaticLayer.update"
+    assert rep["prologue_fallbacks"] == [] and len(rep["prologue"]) == 1
+    assert rep["prologue"][0].params["qk_norm"] == (kind == "qwen3")
+    assert torch.equal(got, want), (got, want)
+    length = ids.shape[1] + 8 - 1  # the last token generated is never fed back
+    for a, b in zip(got_cache.layers, want_cache.layers):
+        assert int(a.cumulative_length) == int(b.cumulative_length) == length
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)  # v is copied, never computed
+        assert not a.keys[:, :, length:].any()  # nothing written past the tokens
+
+
+def test_a_dynamic_cache_runs_transformers_attention_and_says_so_once(gen):
+    model = _model("qwen3", gen)
+    ids = torch.randint(3, 128, (1, 7), generator=gen)
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    tt.patch(model, prologue=True)
+    try:
+        with pytest.warns(RuntimeWarning, match=r"prologue: DynamicCache .*runs transformers' attention") as rec:
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        assert len([w for w in rec if "prologue" in str(w.message)]) == 1
+        assert any("DynamicCache" in why for why in tt.report(model)["prologue_fallbacks"])
+    finally:
+        tt.unpatch(model)
+    assert torch.equal(got, want)
+
+
+def test_tokens_past_the_static_cache_are_reported_not_written_into_the_next_sequence(gen):
+    """HF's own write raises past max_cache_len; the fused layer gives those tokens a slot past the
+    whole cache, which the op reports as a bad slot_mapping and never writes (row b's overflow
+    would otherwise land in row b + 1's block)."""
+    model = _model("llama", gen)
+    tt.patch(model, prologue=True)
+    try:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=8)
+        ids = torch.randint(3, 128, (2, 6), generator=gen)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+            before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+            op = tt.report(model)["prologue"][0]
+            with pytest.raises(Exception, match="slot_mapping"):
+                model(ids, past_key_values=cache, use_cache=True)  # tokens 6..11 of a cache of 8
+                op.check()
+        for (k0, v0), layer in zip(before, cache.layers):
+            # rows 6 and 7 of each sequence are written, nothing of the next sequence's block moved
+            assert torch.equal(layer.keys[:, :, :6], k0[:, :, :6]) and torch.equal(layer.values[:, :, :6], v0[:, :, :6])
+    finally:
+        tt.unpatch(model)
+
+
+def test_prologue_needs_rope_and_a_served_model_type(gen):
+    model = _model("llama", gen)
+    with pytest.raises(ValueError, match=r"prologue: expected rope=True with it"):
+        tt.patch(model, rope=False, prologue=True)
+    with pytest.raises(TypeError, match=r"prologue: expected a bool"):
+        tt.patch(model, prologue="yes")
+    assert not tt.is_patched(model)
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY)).eval()
+    with pytest.raises(NotImplementedError, match=r"prologue: model type 'phi3' is not served"):
+        tt.patch(phi3, prologue=True)
+    assert not tt.is_patched(phi3)

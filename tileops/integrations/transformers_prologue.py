@@ -1,0 +1,202 @@
+"""The attention-prologue part of :mod:`tileops.integrations.transformers`: ``patch(model,
+prologue=True)`` runs q/k norm, RoPE and the write into transformers' ``StaticCache`` as one call of
+:class:`tileops.attention.AttnPrologueFwdOp` in every attention layer of Llama, Mistral, Qwen2 and
+Qwen3.
+
+What a patched attention layer does, per call (read from those classes' ``forward`` in transformers
+5.17 and 5.24, which agree on everything used here):
+
+1. q, k and v are projected as HF projects them (the module's own ``q_proj``/``k_proj``/``v_proj``)
+   and laid side by side as one ``[tokens, (Hq + 2 Hkv) * head_dim]`` buffer (one concatenation: HF
+   keeps three weights, and fusing them into one would hold a second copy of them in memory);
+2. the op normalises q and k per head (Qwen3's ``q_norm``/``k_norm``, Llama's rounding, the modules'
+   own weights read at each call), rotates them at the ``position_ids`` the model's rotary embedding
+   received (the RoPE patch tags its ``cos`` with them), writes k and v into the layer's static
+   cache and returns q;
+3. the attention runs as HF's would (the model's ``_attn_implementation``) on q and the whole cache.
+
+The static cache as the op sees it. A ``StaticLayer`` holds ``keys``/``values`` of shape
+``[batch, Hkv, max_cache_len, head_dim]``: the op's ``"HND"`` layout with one block per sequence
+(``block_size = max_cache_len``). Row ``b``'s token ``t`` goes to slot ``b * max_cache_len +
+cumulative_length + t`` (``cumulative_length``: the layer's own device counter, which HF's
+``update`` advances and so does the patched layer; no host read, so CUDA graphs and
+``torch.compile`` see no sync). A token past ``max_cache_len`` gets a slot past the cache, which the
+op reports as a bad ``slot_mapping`` (deferred, as RoPE's bad positions are) and never writes: HF's
+own ``index_copy_`` raises there, and writing it would land in the next sequence's block.
+
+Calls the op does not serve run HF's forward unchanged (with the RoPE and norm patches, if on):
+no cache or a cache layer that is not a plain ``StaticLayer`` (``DynamicCache``, a sliding-window
+layer, an offloading cache), training, a sliding window, or inputs of another dtype than the op was
+built for. The first such call of each kind warns once, naming why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from .transformers_norm import LLAMA, norm_form
+
+__all__ = ["PROLOGUE_MODEL_TYPES", "PrologueLayer", "prologue_plan", "prologue_forward"]
+
+#: model types whose attention ``forward`` was read: projections ``q_proj``/``k_proj``/``v_proj``,
+#: Qwen3's per-head ``q_norm``/``k_norm`` (Llama's rounding) before RoPE, ``apply_rotary_pos_emb``
+#: on the whole head, the cache's ``update(k, v, layer_idx)``, then ``ALL_ATTENTION_FUNCTIONS``
+#: with ``scaling`` (and ``sliding_window`` for Mistral, Qwen2 and Qwen3)
+PROLOGUE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_SLIDING = {"mistral", "qwen2", "qwen3"}  # those whose forward passes sliding_window
+
+
+class PrologueLayer:
+    """One attention module's plan: its op, and the names its ``forward`` takes its arguments by."""
+
+    def __init__(self, module: torch.nn.Module, op: Any, params: list[str], cache_name: str, sliding: bool,
+                 qk_norm: bool) -> None:
+        self.module, self.op, self.params, self.cache_name = module, op, params, cache_name
+        self.sliding, self.qk_norm = sliding, qk_norm
+
+
+def _heads(config: Any) -> tuple[int, int, int]:
+    hq = config.num_attention_heads
+    hkv = getattr(config, "num_key_value_heads", None) or hq
+    return hq, hkv, getattr(config, "head_dim", None) or config.hidden_size // hq
+
+
+def prologue_plan(model: torch.nn.Module, model_type: Any, rope_op: Any, attentions: list[torch.nn.Module]
+                  ) -> list[PrologueLayer]:
+    """The op of every attention module (one per distinct (heads, head_dim, qk norm, eps), sharing
+    ``rope_op``); raises where the model is not served, before anything is touched."""
+    from ..attention import AttnPrologueFwdOp
+
+    name = "tileops.integrations.transformers.patch"
+    if model_type not in PROLOGUE_MODEL_TYPES:
+        raise NotImplementedError(f"{name}: prologue: model type {model_type!r} is not served; served: "
+                                  f"{', '.join(PROLOGUE_MODEL_TYPES)} (prologue=False keeps RoPE and norms routed)")
+    config = getattr(model.config, "text_config", None) or model.config
+    hq, hkv, head_dim = _heads(config)
+    ops: dict[tuple, Any] = {}
+    plan = []
+    for a in attentions:
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            if not isinstance(getattr(a, proj, None), torch.nn.Linear):
+                raise NotImplementedError(f"{name}: prologue: {type(a).__name__}.{proj}: expected a torch.nn.Linear, "
+                                          f"got {type(getattr(a, proj, None)).__name__}")
+        if getattr(a, "head_dim", head_dim) != head_dim or not isinstance(getattr(a, "layer_idx", None), int):
+            raise NotImplementedError(f"{name}: prologue: {type(a).__name__}: expected head_dim {head_dim} and an "
+                                      f"int layer_idx, got {getattr(a, 'head_dim', None)!r}, "
+                                      f"{getattr(a, 'layer_idx', None)!r}")
+        norms = [getattr(a, n, None) for n in ("q_norm", "k_norm")]
+        qk_norm = norms[0] is not None
+        eps = 1e-6
+        if qk_norm:
+            if any(norm_form(n) is not LLAMA for n in norms):
+                raise NotImplementedError(f"{name}: prologue: {type(a).__name__}: q_norm/k_norm of classes "
+                                          f"{[type(n).__name__ for n in norms]}: expected RMSNorm modules of "
+                                          f"Llama's form (Qwen3RMSNorm)")
+            eps = float(norms[0].variance_epsilon)
+            if float(norms[1].variance_epsilon) != eps:
+                raise NotImplementedError(f"{name}: prologue: {type(a).__name__}: q_norm eps {eps} and k_norm eps "
+                                          f"{norms[1].variance_epsilon}: expected one eps (one op normalises both)")
+        key = (qk_norm, eps)
+        if key not in ops:
+            ops[key] = AttnPrologueFwdOp(hq, hkv, head_dim, rope_op, qk_norm=qk_norm, eps=eps, cache_layout="HND")
+        params = list(inspect.signature(type(a).forward).parameters)[1:]  # past self
+        cache_name = next((p for p in ("cache", "past_key_values") if p in params), None)
+        if cache_name is None:
+            raise NotImplementedError(f"{name}: prologue: {type(a).__name__}.forward takes no cache "
+                                      f"(expected a 'cache' or 'past_key_values' parameter)")
+        plan.append(PrologueLayer(a, ops[key], params, cache_name, model_type in _SLIDING, qk_norm))
+    return plan
+
+
+def _warn_once(seen: set[str], why: str) -> None:
+    if why not in seen and not torch.compiler.is_compiling():
+        seen.add(why)
+        warnings.warn(f"tileops.integrations.transformers: prologue: {why}; that call runs transformers' "
+                      f"attention (unfused)", RuntimeWarning, stacklevel=4)
+
+
+def _static_layer(cache: Any, layer_idx: int) -> Any:
+    """The cache's layer ``layer_idx`` if it is a plain ``StaticLayer`` of a cache that does not
+    offload, else None."""
+    from transformers.cache_utils import StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or getattr(cache, "offloading", False) or layer_idx >= len(layers):
+        return None
+    layer = layers[layer_idx]
+    return layer if type(layer) is StaticLayer else None
+
+
+def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set[str]) -> Any:
+    """The attention module's forward through ``layer.op`` (:func:`prologue_plan`); ``original`` is
+    the forward it replaces (HF's, with the RoPE patch's position check), ``tag_of(pe)`` the
+    ``(rope op, position_ids)`` the RoPE patch tagged ``position_embeddings``' cos with (it raises
+    for cos/sin from elsewhere)."""
+    module, op = layer.module, layer.op
+    hq, hkv, d = op.params["num_q_heads"], op.params["num_kv_heads"], op.params["head_dim"]
+
+    def forward(*args, **kwargs):
+        if args:  # HF's decoder layers pass everything by keyword; a caller may not
+            kwargs = {**dict(zip(layer.params, args)), **kwargs}
+        hidden, cache = kwargs["hidden_states"], kwargs.get(layer.cache_name)
+        why = None
+        if cache is None:
+            why = "no cache was passed"
+        elif module.training:
+            why = "the module is in training mode"
+        elif (static := _static_layer(cache, module.layer_idx)) is None:
+            why = f"{type(cache).__name__} (not a StaticCache of full-attention StaticLayers without offloading)"
+        elif layer.sliding and getattr(module, "sliding_window", getattr(module.config, "sliding_window", None)):
+            why = "the layer has a sliding window"
+        elif hidden.dtype != module.q_proj.weight.dtype or hidden.dim() != 3:
+            why = f"hidden_states of dtype {hidden.dtype} and shape {list(hidden.shape)}"
+        if why is not None:
+            _warn_once(seen, why)
+            return original(**kwargs)
+        return _fused(module, layer, op, static, tag_of(kwargs.get("position_embeddings")), hq, hkv, d, kwargs)
+
+    return forward
+
+
+def _fused(module: torch.nn.Module, layer: PrologueLayer, op: Any, static: Any, tag: tuple[Any, torch.Tensor],
+           hq: int, hkv: int, d: int, kwargs: dict[str, Any]) -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    hidden = kwargs["hidden_states"]
+    batch, seq = hidden.shape[:2]
+    qkv = torch.cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)], -1)
+    qkv = qkv.view(batch * seq, (hq + 2 * hkv) * d)
+    if not static.is_initialized:  # HF allocates the layer at its first update, from k's shape and dtype
+        empty = qkv.new_empty(batch, hkv, 0, d)
+        static.lazy_initialization(empty, empty)
+    _, pos = tag
+    if pos.dim() == 1:
+        pos = pos[None]
+    positions = pos.to(qkv.device).expand(batch, seq).reshape(batch * seq)
+    cap = static.max_cache_len
+    at = static.cumulative_length + torch.arange(seq, device=qkv.device)
+    rows = torch.arange(batch, device=qkv.device)[:, None] * cap
+    # a token past the cache's length gets a slot past the whole cache: reported, never written
+    slots = torch.where(at < cap, rows + at, batch * cap).reshape(batch * seq)
+    norms = {}
+    if layer.qk_norm:
+        norms = {"q_norm_weight": module.q_norm.weight, "k_norm_weight": module.k_norm.weight}
+    q = op(qkv, positions, static.keys, static.values, slots, **norms)
+    static.cumulative_length.add_(seq)
+    q = q.view(batch, seq, hq, d).transpose(1, 2)
+    # as HF's forward picks it: "eager" is the modeling module's own function
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
+                                                   sys.modules[type(module).__module__].eager_attention_forward)
+    mask = kwargs.get("attention_mask")
+    rest = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "position_embeddings", "attention_mask",
+                                                         layer.cache_name)}
+    if layer.sliding:
+        rest["sliding_window"] = None
+    out, weights = attend(module, q, static.keys, static.values, mask, dropout=0.0, scaling=module.scaling, **rest)
+    out = out.reshape(batch, seq, -1).contiguous()
+    return module.o_proj(out), weights
