@@ -115,7 +115,9 @@ def e4m3_bits_cvt(value):
     ``cvt.rn.satfinite.e4m3x2.f32``. The same bits but for a negative NaN, which it stores as
     ``0x7F`` (CUDA's model of the instruction, ``__nv_cvt_float_to_fp8`` in ``cuda_fp8.hpp``, makes
     every NaN the canonical positive one). The kernel must bring :data:`CVT_SOURCE` into its source
-    with ``T.import_source(CVT_SOURCE)`` inside its ``T.Kernel`` block."""
+    with ``T.import_source(CVT_SOURCE)`` inside its ``T.Kernel`` block (TileLang 0.1.15 puts it
+    before the kernel, once however many times it is imported), and be built for sm_89 or later
+    (:data:`CVT_MIN_SM`: ptxas refuses the instruction for sm_80)."""
     import tilelang.language as T
 
     return T.call_extern("uint8", CVT_FUNCTION, value)
