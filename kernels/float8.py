@@ -43,7 +43,8 @@ no TileLang (:mod:`tileops.kernels` reads helpers' sources without executing the
 
 from __future__ import annotations
 
-__all__ = ["CVT_FUNCTION", "CVT_MIN_SM", "CVT_SOURCE", "E4M3_MAX", "e4m3_bits", "e4m3_bits_cvt", "e4m3_bits_scaled"]
+__all__ = ["CVT_FUNCTION", "CVT_MIN_SM", "CVT_SOURCE", "E4M3_MAX", "UNSIGNED_SOURCE", "e4m3_bits", "e4m3_bits_cvt",
+           "e4m3_bits_scaled"]
 
 #: the largest finite float8 e4m3fn, ``1.75 * 2^8``: where the saturating conversion stops
 E4M3_MAX = 448.0
@@ -62,13 +63,33 @@ _SUB_SHIFT = 141
 #: shifts past 25 give 0 already (``mant < 2^24``); capped so the shift stays below the word's 32 bits
 _MAX_SHIFT = 31
 
+#: TileLang's CUDA codegen names a uint8 buffer ``uchar*`` (uint16/32 ``ushort``/``uint``), macros of
+#: its ``common.h``, which the lean build (:mod:`tileops.compile.cuda_build`) does not include. A kernel
+#: that declares a uint8 buffer (an fp8 cache's bytes) brings these in with
+#: ``T.import_source(UNSIGNED_SOURCE)`` inside its ``T.Kernel`` block (or :data:`CVT_SOURCE`, which
+#: holds it: TileLang takes one ``import_source`` per kernel): defined once, before the
+#: kernel, where a build did not define them already (TileLang's own build does, as macros). Kept here,
+#: not in the lean build's prelude: the prelude is part of every shipped kernel's key and source.
+UNSIGNED_SOURCE = """\
+#ifndef uchar
+typedef unsigned char uchar;
+#endif
+#ifndef ushort
+typedef unsigned short ushort;
+#endif
+#ifndef uint
+typedef unsigned int uint;
+#endif
+"""
+
+
 #: the lowest CUDA arch with ``cvt.rn.satfinite.e4m3x2.f32`` (PTX ISA: sm_89)
 CVT_MIN_SM = 89
 #: the device function :func:`e4m3_bits_cvt` calls, and its source (the hardware conversion CUDA's
 #: ``__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`` is on sm_89+, without ``cuda_fp8.h``:
 #: the lean build includes no header). ``x`` goes in the low byte; the high one converts 0.
 CVT_FUNCTION = "tileops_f32_to_e4m3_satfinite"
-CVT_SOURCE = f"""\
+CVT_SOURCE = UNSIGNED_SOURCE + f"""\
 __device__ __forceinline__ unsigned char {CVT_FUNCTION}(float x) {{
   unsigned short pair;
   asm("{{cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;}}\\n" : "=h"(pair) : "f"(x), "f"(0.0f));

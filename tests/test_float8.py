@@ -178,8 +178,8 @@ def _cuda_kernel(cvt: bool):
     @T.prim_func
     def to_e4m3(X: T.Tensor((N,), "float32"), SC: T.Tensor((1,), "float32"), Y: T.Tensor((N,), "uint8")):
         with T.Kernel(T.ceildiv(N, 128), threads=128) as b:
-            if cvt:
-                T.import_source(float8.CVT_SOURCE)
+            # Y is a uint8 buffer (`uchar*` in the source); CVT_SOURCE holds those typedefs too
+            T.import_source(float8.CVT_SOURCE if cvt else float8.UNSIGNED_SOURCE)
             for i in T.Parallel(128):
                 if b * 128 + i < N:
                     Y[b * 128 + i] = float8.e4m3_bits_scaled(X[b * 128 + i], SC, convert)

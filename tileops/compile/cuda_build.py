@@ -8,7 +8,7 @@ in two cheap steps:
 
 * **device code**: TileLang's kernel source with its template includes replaced by a short prelude
   (:data:`DEVICE_PRELUDE`: the only names tileops' kernels take from them, ``half_t`` and
-  ``bfloat16_t``, and the unsigned type names of TileLang's ``common.h``), compiled to a cubin in process by NVRTC (``nvcc -cubin`` where it is not found);
+  ``bfloat16_t``), compiled to a cubin in process by NVRTC (``nvcc -cubin`` where it is not found);
 * **host code**: TileLang's own launcher generator (a private class looked up in
   :mod:`tileops.compile.tilelang_api`, so the grid, block and argument order are exactly TileLang's),
   told to launch the embedded cubin through the runtime's library API (``cudaLibraryLoadData``,
@@ -65,8 +65,7 @@ def enabled() -> bool:
 
 #: what replaces TileLang's template includes in the device source. tileops' kernels take two
 #: names from those templates, TileLang's 16-bit float types (CUTLASS's ``half_t`` and
-#: ``bfloat16_t``), and use them as storage converted to and from float; and the short unsigned
-#: names (``uchar``, ``ushort``, ``uint``) TileLang's codegen writes for uint8/16/32. Defined here with the PTX
+#: ``bfloat16_t``), and use them as storage converted to and from float. Defined here with the PTX
 #: conversions those types compile to on sm_80 and later (round to nearest even; a widening
 #: conversion is exact), so the kernel's machine code is TileLang's build's: ``benchmarks/lean_sass.py``
 #: compares the SASS of the two builds kernel by kernel.
@@ -100,12 +99,6 @@ typedef unsigned long long uint64_t;
 #else
 #include <stdint.h>
 #endif
-/* TileLang's CUDA codegen names uint8/uint16/uint32 by the short names its common.h defines as macros
-   (a uint8 buffer, such as an fp8 cache's bytes, is a `uchar*`); typedefs here (glibc's sys/types.h,
-   which nvcc's host headers include, repeats uint and ushort, a legal repeat of a typedef) */
-typedef unsigned char uchar;
-typedef unsigned short ushort;
-typedef unsigned int uint;
 """
 
 #: the include block TileLang puts at the top of every CUDA kernel source (0.1.15)
