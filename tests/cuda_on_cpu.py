@@ -11,7 +11,8 @@ the blocks of the grid one after another, the threads of a block as cooperative 
 * ``__shfl_xor_sync`` through a per-warp exchange array between two barriers of the warp's 32
   threads (so every lane of a warp must reach each shuffle, as on the GPU, or the run hangs);
 * ``bfloat16_t``/``half_t`` converted with round-to-nearest-even (``_Float16`` for fp16), as the
-  GPU's ``cvt.rn`` does; ``rsqrtf`` is ``1 / sqrtf`` (the GPU's is within 2 ulp of it).
+  GPU's ``cvt.rn`` does; ``rsqrtf`` is ``1 / sqrtf`` (the GPU's is within 2 ulp of it);
+  ``min``/``max`` of two values of one type, and TileLang's ``uchar``/``ushort``/``uint``.
 
 What it cannot show: speed, memory ordering between blocks, and the GPU's approximate ``rsqrtf``.
 A kernel that uses anything else of CUDA fails to compile here, which is itself a finding.
@@ -67,6 +68,12 @@ struct half_t {
   operator float() const { return (float)v; }
 };
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+/* TileLang's names for uint8/16/32 (macros of its common.h) and CUDA's integer min/max */
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+typedef unsigned int uint;
+template <typename T> static inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T> static inline T max(T a, T b) { return a < b ? b : a; }
 template <typename T> static inline void __stcg(T* p, T v) { *p = v; }
 /* the threads of one block: cooperative contexts on this OS thread, switched at barriers */
 struct TileopsBarrier { int count, arrived; unsigned gen; };

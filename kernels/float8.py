@@ -1,0 +1,157 @@
+"""fp32 -> float8 e4m3fn, as a tile program stores it: the 8 bits as a ``uint8`` TIR expression.
+
+A paged KV cache of ``torch.float8_e4m3fn`` holds ``saturate(x / scale)`` with a per-tensor fp32
+``scale`` (issue 24; vLLM's ``reshape_and_cache_flash``). A kernel declares such a cache as a
+``uint8`` buffer on every backend (the host passes ``cache.view(torch.uint8)``'s pointer) and stores
+:func:`e4m3_bits` of each value into it:
+
+* TileLang's C backend has no fp8 type, so the conversion is integer arithmetic on the fp32's bits,
+  the same way :func:`tileops.kernels.storage.to_storage` rounds bf16 by hand.
+* On CUDA the same integer arithmetic is used, on purpose: TileLang 0.1.15 does have a
+  ``float8_e4m3fn`` buffer type there, but it emits CUTLASS's ``fp8_e4_t`` (from
+  ``tl_templates/cuda/cuda_fp8.h``), which :mod:`tileops.compile.cuda_build`'s lean build does not
+  provide (such a kernel falls back to TileLang's own nvcc build, 4-5 s a compile, and that build
+  links ``libcuda``). :func:`e4m3_bits_cvt` is the hardware conversion instead, one
+  ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89 and later, what ``__nv_cvt_float_to_fp8(v, __NV_SATFINITE,
+  __NV_E4M3)`` compiles to), brought in as a device function of the kernel's own source; it differs
+  from :func:`e4m3_bits` only on negative NaN (below). The integer form costs about 30 PTX
+  instructions an element more than the hardware one (54 against 24 for the whole of
+  ``tests/test_float8.py``'s sm_90 test kernel), next to a memory-bound one-byte store.
+
+The conversion (:func:`e4m3_bits`): round to nearest, ties to even, on e4m3fn's 3-bit mantissa
+(exponent bias 7; normals from ``2^-6``, subnormals ``m * 2^-9`` below it); **saturating**: a finite
+value past the largest finite e4m3fn, ``448``, and ``±inf``, store ``±448`` (``0x7E``/``0xFE``) --
+the convention of vLLM's fp8 caches and of CUDA's ``__NV_SATFINITE``, the same bits as
+``x.clamp(-448, 448).to(torch.float8_e4m3fn)``, not the NaN an unsaturated conversion gives (e4m3fn
+has no infinity). NaN stays NaN with its sign (``0x7F``/``0xFF``, as torch's cast gives); ``-0``
+stays ``-0`` (``0x80``). fp32 subnormals (below ``2^-126``) store ``±0``, as anything below
+``2^-10`` (half the smallest e4m3fn subnormal) does.
+
+The scale (:func:`e4m3_bits_scaled`) is applied to the value the caller gives it, by one fp32
+division. Order of roundings: the unfused chain (rope writes k in the model's dtype, then the cache
+write reads it, divides by the scale in fp32 and converts, as vLLM's cache kernels do) rounds k to
+the model's dtype first. A fused kernel that means to store what that chain stores must round its
+fp32 result to the model's dtype before calling this (``to_storage`` then back to fp32): the double
+rounding differs from one rounding of the fp32 value whenever the bf16 value lands on an e4m3
+midpoint the fp32 value was not on. This module does not round for the caller: it cannot know the
+model's dtype's storage on the C backend, and a caller that wants one rounding (an fp32 model) says
+so by passing the fp32 value.
+
+TileLang is imported by the first conversion, while a kernel is built: importing this module imports
+no TileLang (:mod:`tileops.kernels` reads helpers' sources without executing them).
+"""
+
+from __future__ import annotations
+
+__all__ = ["CVT_FUNCTION", "CVT_MIN_SM", "CVT_SOURCE", "E4M3_MAX", "UNSIGNED_SOURCE", "e4m3_bits", "e4m3_bits_cvt",
+           "e4m3_bits_scaled"]
+
+#: the largest finite float8 e4m3fn, ``1.75 * 2^8``: where the saturating conversion stops
+E4M3_MAX = 448.0
+
+#: fp32 bit patterns the integer conversion compares against (``|x|``'s bits order as ``|x|`` does)
+_F32_INF = 0x7F800000  # +inf; above it, NaN
+_F32_MAX = 0x43E00000  # 448.0 = 1.75 * 2^8: the saturation point, whose low 20 bits are 0 (no round-up past it)
+_F32_MIN_NORMAL = 0x3C800000  # 2^-6, e4m3fn's smallest normal
+#: re-biasing an fp32 exponent (bias 127) to e4m3fn's (bias 7): 120 binades, in the exponent field
+_REBIAS = 120 << 23
+#: fp32 keeps 23 mantissa bits, e4m3 3: a normal value drops the low 20
+_DROP = 20
+#: a subnormal e4m3 is ``q * 2^-9``: ``q = mant * 2^(e - 150) / 2^-9 = mant >> (141 - e)`` for the
+#: 24-bit fp32 significand ``mant`` at biased exponent ``e``
+_SUB_SHIFT = 141
+#: shifts past 25 give 0 already (``mant < 2^24``); capped so the shift stays below the word's 32 bits
+_MAX_SHIFT = 31
+
+#: TileLang's CUDA codegen names a uint8 buffer ``uchar*`` (uint16/32 ``ushort``/``uint``), macros of
+#: its ``common.h``, which the lean build (:mod:`tileops.compile.cuda_build`) does not include. A kernel
+#: that declares a uint8 buffer (an fp8 cache's bytes) brings these in with
+#: ``T.import_source(UNSIGNED_SOURCE)`` inside its ``T.Kernel`` block (or :data:`CVT_SOURCE`, which
+#: holds it: TileLang takes one ``import_source`` per kernel): defined once, before the
+#: kernel, where a build did not define them already (TileLang's own build does, as macros). Kept here,
+#: not in the lean build's prelude: the prelude is part of every shipped kernel's key and source.
+UNSIGNED_SOURCE = """\
+#ifndef uchar
+typedef unsigned char uchar;
+#endif
+#ifndef ushort
+typedef unsigned short ushort;
+#endif
+#ifndef uint
+typedef unsigned int uint;
+#endif
+"""
+
+
+#: the lowest CUDA arch with ``cvt.rn.satfinite.e4m3x2.f32`` (PTX ISA: sm_89)
+CVT_MIN_SM = 89
+#: the device function :func:`e4m3_bits_cvt` calls, and its source (the hardware conversion CUDA's
+#: ``__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)`` is on sm_89+, without ``cuda_fp8.h``:
+#: the lean build includes no header). ``x`` goes in the low byte; the high one converts 0.
+CVT_FUNCTION = "tileops_f32_to_e4m3_satfinite"
+CVT_SOURCE = UNSIGNED_SOURCE + f"""\
+__device__ __forceinline__ unsigned char {CVT_FUNCTION}(float x) {{
+  unsigned short pair;
+  asm("{{cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;}}\\n" : "=h"(pair) : "f"(x), "f"(0.0f));
+  return (unsigned char)pair;
+}}
+"""
+
+
+def _u32(v: int):
+    import tilelang.language as T
+
+    return T.uint32(v)
+
+
+def e4m3_bits(value):
+    """The float8 e4m3fn bits of fp32 ``value`` (a TIR expression), as ``uint8``: round to nearest
+    even, saturating to ``±448``, NaN kept with its sign (the module's docstring). Integer arithmetic
+    on the fp32's bits, so the same bits on every backend."""
+    import tilelang.language as T
+
+    u = T.reinterpret(value, "uint32")
+    sign = T.shift_left(T.shift_right(u, _u32(31)), _u32(7))
+    a = T.bitwise_and(u, _u32(0x7FFFFFFF))
+    # saturate first: 448 and everything past it (inf too) convert as 448; NaN is chosen apart below
+    s = T.min(a, _u32(_F32_MAX))
+    # normal: re-bias the exponent, then drop 20 mantissa bits rounding to nearest even (add half an
+    # e4m3 ulp less one, plus the kept lsb); a carry out of the mantissa bumps the exponent, as it should
+    lsb = T.bitwise_and(T.shift_right(s, _u32(_DROP)), _u32(1))
+    normal = T.shift_right(s - _u32(_REBIAS) + _u32((1 << (_DROP - 1)) - 1) + lsb, _u32(_DROP))
+    # subnormal: the significand with its implicit bit, shifted right by 141 - e with the same
+    # rounding; q = 8 (a round-up to 2^-6) is 0x08, the smallest normal's encoding
+    e = T.shift_right(s, _u32(23))
+    mant = T.bitwise_or(T.bitwise_and(s, _u32(0x7FFFFF)), _u32(0x800000))
+    shift = T.min(_u32(_SUB_SHIFT) - e, _u32(_MAX_SHIFT))  # e <= 135 after the clamp: no wrap
+    half_less_one = T.shift_left(_u32(1), shift - _u32(1)) - _u32(1)
+    sub = T.shift_right(mant + half_less_one + T.bitwise_and(T.shift_right(mant, shift), _u32(1)), shift)
+    magnitude = T.if_then_else(a > _u32(_F32_INF), _u32(0x7F),
+                               T.if_then_else(s >= _u32(_F32_MIN_NORMAL), normal, sub))
+    return T.cast(T.bitwise_or(sign, magnitude), "uint8")
+
+
+def e4m3_bits_cvt(value):
+    """:func:`e4m3_bits` by the hardware conversion (CUDA, sm_89 and later): one
+    ``cvt.rn.satfinite.e4m3x2.f32``. The same bits but for a negative NaN, which it stores as
+    ``0x7F`` (CUDA's model of the instruction, ``__nv_cvt_float_to_fp8`` in ``cuda_fp8.hpp``, makes
+    every NaN the canonical positive one). The kernel must bring :data:`CVT_SOURCE` into its source
+    with ``T.import_source(CVT_SOURCE)`` inside its ``T.Kernel`` block (TileLang 0.1.15 puts it
+    before the kernel, once however many times it is imported), and be built for sm_89 or later
+    (:data:`CVT_MIN_SM`: ptxas refuses the instruction for sm_80)."""
+    import tilelang.language as T
+
+    return T.call_extern("uint8", CVT_FUNCTION, value)
+
+
+def e4m3_bits_scaled(value, scale_buf, convert=e4m3_bits):
+    """``convert(value / scale_buf[0])``: the e4m3fn bits of ``value`` divided by a per-tensor scale
+    read from the 1-element fp32 buffer ``scale_buf`` on the device (no host read: a CUDA graph
+    replays with whatever scale the buffer holds). One IEEE fp32 division, correctly rounded, as
+    torch's ``x / scale`` and vLLM's cache kernels compute it (the lean CUDA build compiles without
+    fast math; a reciprocal multiply would differ in the last bit, which can move a value across an
+    e4m3 midpoint). ``value`` is taken as given: round it to the model's dtype first to store what
+    the unfused chain stores (the module's docstring, "Order of roundings")."""
+    import tilelang.language as T
+
+    return convert(value / T.cast(scale_buf[0], "float32"))
