@@ -89,7 +89,8 @@ def rows(cache, layout, slot, bs):
 
 
 def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=False, layout="NHD", bs=16,
-             blocks=3, slot_dtype=torch.int64, pos_dtype=torch.int64, positions=None, max_pos=4000):
+             blocks=3, slot_dtype=torch.int64, pos_dtype=torch.int64, positions=None, max_pos=4000,
+             strided_indices=False):
     """Build the inputs, run the op, check q and every cache row against :func:`reference`."""
     op = AttnPrologueFwdOp(hq, hkv, d, rope, qk_norm=qk_norm, eps=EPS, cache_layout=layout)
     width = (hq + 2 * hkv) * d
@@ -100,6 +101,9 @@ def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=F
     nslots = blocks * bs
     slots = torch.randperm(nslots, generator=gen)[:tokens].to(slot_dtype)
     slots[torch.randperm(tokens, generator=gen)[: max(1, tokens // 4)]] = -1  # padding: skipped
+    if strided_indices:  # every other element of a buffer whose others are out of range for both
+        positions, slots = (torch.full((2 * tokens,), 2**40, dtype=t.dtype).index_copy_(
+            0, torch.arange(0, 2 * tokens, 2), t)[::2] for t in (positions, slots))
     qw = kw = None
     if qk_norm:
         qw = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
@@ -174,6 +178,21 @@ def test_heads_dims_layouts_blocks_with_qk_norm(gen, d, hq, hkv, layout, bs, dty
     rope = RoPENeoxPositionIdsFwdOp(max_position=8192, base=1e6)
     run_case(gen, rope, hq=hq, hkv=hkv, d=d, tokens=4, dtype=dtype, qk_norm=True, layout=layout, bs=bs,
              blocks=max(2, 8 // bs), slot_dtype=slots, pos_dtype=slots)
+
+
+def test_strided_and_expanded_positions_and_slots_are_read_as_their_values(gen):
+    """positions and slot_mapping are read through their own strides, not as dense runs: HF's
+    ``position_ids [1, seq]`` expanded to a batch has stride 0, and a dense read of it took the
+    bytes past the tensor as positions (found by the HF prologue patch at decode)."""
+    run_case(gen, VARIANTS["RoPENeoxPositionIdsFwdOp"], hq=4, hkv=2, d=64, tokens=6, strided_indices=True)
+    op = AttnPrologueFwdOp(4, 2, 64, VARIANTS["RoPENeoxPositionIdsFwdOp"])
+    qkv = torch.randn(3, 8 * 64, generator=gen).to(torch.bfloat16)
+    kc, vc = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16), torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
+    slots = torch.tensor([3, 17, 30])
+    want = op(qkv, torch.tensor([5, 5, 5]), kc.clone(), vc.clone(), slots)
+    got = op(qkv, torch.tensor([5]).expand(3), kc, vc, slots)  # stride 0
+    op.check()
+    assert torch.equal(got, want)
 
 
 def test_tables_are_the_rope_ops_own(gen):
@@ -255,7 +274,7 @@ def _good(gen):
 
 BAD_CALLS = {  # argument -> (change to the good call, error type, what the message must say)
     "qkv-width": (lambda a: a.update(qkv=a["qkv"][:, :-64]), ValueError, "qkv: expected a last dim"),
-    "qkv-dtype": (lambda a: a.update(qkv=a["qkv"].float()), TypeError, "qkv: expected dtype float16, bfloat16"),
+    "qkv-dtype": (lambda a: a.update(qkv=a["qkv"].double()), TypeError, "qkv: expected dtype float16, bfloat16, float32"),
     "positions-dtype": (lambda a: a.update(positions=a["positions"].float()), TypeError, "positions: expected dtype"),
     "positions-length": (lambda a: a.update(positions=torch.arange(4)), ValueError, "positions: expected tokens=3"),
     "cache-layout": (lambda a: a.update(key_cache=torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16),
@@ -303,7 +322,7 @@ def test_missing_norm_weights_named(gen):
     (dict(head_dim=63), ValueError, "head_dim: expected an even head_dim"),
     (dict(rope="RoPEFwdOp"), TypeError, "rope: expected an op of"),
     (dict(cache_layout="NDH"), ValueError, "cache_layout: expected one of 'NHD', 'HND'"),
-    (dict(cache_dtype=torch.float32), ValueError, "cache_dtype: expected one of"),
+    (dict(cache_dtype=torch.float64), ValueError, "cache_dtype: expected one of"),
     (dict(head_dim=16), ValueError, "rope: expected a rotated width in \\[2, head_dim=16\\]"),
 ])
 def test_bad_construction_names_the_argument(kwargs, error, message):

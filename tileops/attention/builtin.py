@@ -72,7 +72,12 @@ class PrologueKernels:
         nslots = blocks * bs
         self.op.slot_limit = nslots  # named by a bad slot's error
         if qkv.shape[0]:
-            launch = {**tensors, "qkv": qkv}
+            # the kernel reads positions and slots as dense runs (P[t], MRoPE's P[s * tokens + t],
+            # SL[t]): a strided or expanded view is copied first (tokens elements). HF's position_ids
+            # [1, seq] expanded to the batch has stride 0, which read densely took the bytes past the
+            # tensor as positions
+            index = {n: tensors[n].contiguous() for n in ("positions", "slot_mapping")}
+            launch = {**tensors, "qkv": qkv, **index}
             args = {"S": qkv.shape[0], "HQ": hq, "HKV": hkv, "xst": qkv.stride(0), "qst": q.stride(0),
                     "qsh": q.stride(1), "csb": csb, "csr": csr, "csh": csh, "bs": bs, "nslots": nslots,
                     "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr()}

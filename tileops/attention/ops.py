@@ -90,7 +90,7 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
             cache_dtype (torch.dtype | None): Keyword-only. The caches' dtype: None for qkv's;
                 torch.float8_e4m3fn stores x / scale saturated, with k_scale and v_scale (refused at
                 construction until the float8 stage exists). One of ``"float16"``, ``"bfloat16"``,
-                ``"float8_e4m3fn"``. Default ``None``.
+                ``"float32"``, ``"float8_e4m3fn"``. Default ``None``.
             target (str | Target | None): Which set of kernels serves this op: a registered target name,
                 BUILTIN for the in-tree kernels, or None to decide from the input device at the first call.
                 Default None.
@@ -116,15 +116,15 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
 
         Args:
             qkv (torch.Tensor): The projection's output: q, k and v heads of every token; the last dim
-                contiguous, any row stride (a column slice of a wider buffer). Shape ``[tokens, width]``;
-                dtype float16, bfloat16.
+                contiguous, any row stride (a column slice of a wider buffer). fp16 or bf16 as served; fp32 as
+                a model run in fp32 has it. Shape ``[tokens, width]``; dtype float16, bfloat16, float32.
             positions (torch.Tensor): The position of each token, in [0, the rope op's limit: its
                 max_position, else 2^24); MRoPE takes [3, tokens]. Shape ``[tokens]`` or ``[streams,
                 tokens]``; dtype int32, int64. Each value in ``[0, 16777216)``.
             key_cache (torch.Tensor): The paged key cache, written at the tokens' slots. Shape ``[num_blocks,
                 block_size, cache_heads, cache_dim]`` (``cache_layout="NHD"``); ``[num_blocks, cache_heads,
-                block_size, cache_dim]`` (``cache_layout="HND"``); dtype float16, bfloat16, float8_e4m3fn.
-                Written in place (never returned); it may share memory with no other argument.
+                block_size, cache_dim]`` (``cache_layout="HND"``); dtype float16, bfloat16, float32,
+                float8_e4m3fn. Written in place (never returned); it may share memory with no other argument.
             value_cache (torch.Tensor): The paged value cache, laid out as key_cache. The shape and dtype of
                 ``key_cache``, exactly. Written in place (never returned); it may share memory with no other
                 argument.
@@ -132,7 +132,7 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
                 block_size; negative skips the token (padding). Shape ``[tokens]``; dtype int32, int64. Each
                 value in ``[-1, num_blocks * block_size)``.
             q_norm_weight (torch.Tensor | None): Keyword-only. The q heads' RMSNorm weight (with qk_norm), in
-                qkv's dtype. Shape ``[norm_dim]``; dtype float16, bfloat16. Default None.
+                qkv's dtype. Shape ``[norm_dim]``; dtype float16, bfloat16, float32. Default None.
             k_norm_weight (torch.Tensor | None): Keyword-only. The k heads' RMSNorm weight (with qk_norm), in
                 qkv's dtype. The shape and dtype of ``q_norm_weight``, exactly. Default None.
             k_scale (torch.Tensor | None): Keyword-only. The key cache's per-tensor scale (fp8 caches only):

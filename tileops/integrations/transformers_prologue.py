@@ -150,7 +150,10 @@ def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set
         elif module.training:
             why = "the module is in training mode"
         elif (static := _static_layer(cache, module.layer_idx)) is None:
-            why = f"{type(cache).__name__} (not a StaticCache of full-attention StaticLayers without offloading)"
+            layers = getattr(cache, "layers", None)
+            kind = type(layers[module.layer_idx]).__name__ if layers and module.layer_idx < len(layers) else "no layer"
+            why = (f"{type(cache).__name__} with a {kind} (served: a StaticCache's full-attention StaticLayer, "
+                   f"not offloaded)")
         elif layer.sliding and getattr(module, "sliding_window", getattr(module.config, "sliding_window", None)):
             why = "the layer has a sliding window"
         elif hidden.dtype != module.q_proj.weight.dtype or hidden.dim() != 3:
