@@ -63,13 +63,13 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from .storage import load_f32, storage_dtype, to_storage
+from .storage import load_f32, round_to, storage_dtype, to_storage
 
 #: ``tilelang.language``, imported when a kernel is first built (:func:`_tl`)
 T: Any = None
 
 __all__ = ["NormKernelSpec", "build_norm", "build", "Spec", "STATIC", "FWD_ARGS", "BWD_ARGS", "WSUM_ARGS",
-           "eps_bits", "WSUM_SLICES"]
+           "eps_bits", "WSUM_SLICES", "row_rstd", "row_value", "norm_row", "RowGroup"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
 #: without importing the module). Every other field of :class:`NormKernelSpec` the op derives from the call.
@@ -304,19 +304,6 @@ def _storages(spec: NormKernelSpec) -> dict[str, str]:
             "b": s(spec.bias or "float32")}
 
 
-def _round(value, dtype: str, backend: str):
-    """An fp32 value rounded to ``dtype`` (to nearest even) and widened back to fp32: the ``llama``
-    rounding of the normalised value, and ``h = x + residual`` in the input dtype. bf16 on the C
-    backend by hand (it has no bf16 type): keep the top 16 bits, rounded."""
-    if dtype == "float32":
-        return value
-    if dtype == "bfloat16" and backend == "c":
-        u = T.reinterpret(value, "uint32")
-        r = u + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(u, T.uint32(16)), T.uint32(1))
-        return T.reinterpret(T.bitwise_and(r, T.uint32(0xFFFF0000)), "float32")
-    return T.cast(T.cast(value, dtype), "float32")
-
-
 def _row_offset(row, NH, st, sh):
     """Offset of row ``row`` (``t = row // NH``, ``h = row % NH``) from its two strides, in the
     strides' unit. Truncating division: both are non-negative, and floor division costs sign fixes."""
@@ -371,10 +358,79 @@ def _fwd(spec: NormKernelSpec):
 # ``_MAX_THREAD_BYTES`` of a row per thread in sequence, then a tree across lanes.
 
 
+def row_rstd(spec: NormKernelSpec):
+    """The C schedule's row statistics stage: a macro ``rstd = row_rstd(f, acc, eps)`` on the fp32
+    row ``f[0:hidden]`` (``acc``: a local float64 array of 2): for LayerNorm the mean is subtracted
+    from ``f`` in place first; ``rstd = 1 / sqrt(mean(f^2) + eps)``, the row sums in float64 (see
+    "Row sums" above) and the mean rounded to fp32 once."""
+    _tl()
+    H = spec.hidden
+    layer = spec.norm == "layer"
+
+    @T.macro
+    def row_rstd(f, acc, eps):
+        acc[0] = T.float64(0)
+        acc[1] = T.float64(0)
+        if layer:
+            for c in T.serial(H):
+                acc[0] = acc[0] + T.cast(f[c], "float64")
+            for c in T.serial(H):
+                f[c] = f[c] - T.cast(acc[0] / T.float64(H), "float32")
+        for c in T.serial(H):
+            acc[1] = acc[1] + T.cast(f[c] * f[c], "float64")
+        rstd = T.float32(1) / T.sqrt(T.cast(acc[1] / T.float64(H), "float32") + eps)
+        return rstd
+
+    return row_rstd
+
+
+def row_value(spec: NormKernelSpec):
+    """The C schedule's per-element stage: a macro ``n = row_value(f, c, rstd, W, B)``, element ``c``
+    of the normalised row in fp32 before its store: ``f[c] * rstd``, rounded to the input dtype
+    with ``llama`` rounding, times ``offset + W[c]`` with a weight, plus ``B[c]`` with a bias
+    (``W``, ``B``: ``[hidden]`` buffers of the weight's and bias's storage; not read when absent)."""
+    _tl()
+    st = _storages(spec)
+    dt = spec.dtype
+    has_w = spec.weight is not None
+
+    @T.macro
+    def row_value(f, c, rstd, W, B):
+        n = f[c] * rstd
+        if spec.rounding == "llama":
+            n = round_to(n, dt, st["x"])
+        if has_w:
+            n = n * _wterm(spec, load_f32(W, c, st["w"], spec.weight))
+        if spec.bias is not None:
+            n = n + load_f32(B, c, st["b"], spec.bias)
+        return n
+
+    return row_value
+
+
+def norm_row(spec: NormKernelSpec):
+    """The norm as a stage of a fused kernel (C schedule): a macro ``norm_row(f, acc, W, B, eps)``
+    that normalises the fp32 row ``f[0:hidden]`` in place (:func:`row_rstd`, :func:`row_value`) and
+    rounds each element to the output dtype, as storing the norm's output and reading it back
+    gives: a kernel that feeds it to the next stage (the prologue's RoPE) sees what the unfused
+    chain's second op reads."""
+    _tl()
+    H, ydt = spec.hidden, spec.y_dtype
+    yst = _storages(spec)["y"]
+    rstd_of, value = row_rstd(spec), row_value(spec)
+
+    @T.macro
+    def norm_row(f, acc, W, B, eps):
+        rstd = rstd_of(f, acc, eps)
+        for c in T.serial(H):
+            f[c] = round_to(value(f, c, rstd, W, B), ydt, yst)
+
+    return norm_row
+
+
 def _fwd_c(spec: NormKernelSpec, st: dict[str, str]):
     H, dt, ydt = spec.hidden, spec.dtype, spec.y_dtype
-    has_w = spec.weight is not None
-    layer = spec.norm == "layer"
+    rstd_of, value = row_rstd(spec), row_value(spec)
 
     @T.macro
     def body(X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits):
@@ -384,38 +440,23 @@ def _fwd_c(spec: NormKernelSpec, st: dict[str, str]):
             xo = _row_offset(row, NH, xst, xsh)
             for c in T.serial(H):
                 if spec.residual:
-                    hv = _round(load_f32(X, xo + c, st["x"], dt)
-                                + load_f32(R, _row_offset(row, NH, rst, rsh) + c, st["x"], dt), dt, "c")
+                    hv = round_to(load_f32(X, xo + c, st["x"], dt)
+                                  + load_f32(R, _row_offset(row, NH, rst, rsh) + c, st["x"], dt), dt, st["x"])
                     RO[_row_offset(row, NH, rost, rosh) + c] = to_storage(hv, st["x"], dt)
                     f[c] = hv
                 else:
                     f[c] = load_f32(X, xo + c, st["x"], dt)
             eps = T.reinterpret(eps_bits, "float32")
-            acc[0] = T.float64(0)
-            acc[1] = T.float64(0)
-            if layer:
-                for c in T.serial(H):
-                    acc[0] = acc[0] + T.cast(f[c], "float64")
-                for c in T.serial(H):
-                    f[c] = f[c] - T.cast(acc[0] / T.float64(H), "float32")
-            for c in T.serial(H):
-                acc[1] = acc[1] + T.cast(f[c] * f[c], "float64")
-            rstd = T.float32(1) / T.sqrt(T.cast(acc[1] / T.float64(H), "float32") + eps)
+            rstd = rstd_of(f, acc, eps)
             yo = _row_offset(row, NH, yst, ysh)
             for c in T.serial(H):
-                n = f[c] * rstd
-                if spec.rounding == "llama":
-                    n = _round(n, dt, "c")
-                if has_w:
-                    n = n * _wterm(spec, load_f32(W, c, st["w"], spec.weight))
-                if spec.bias is not None:
-                    n = n + load_f32(B, c, st["b"], spec.bias)
+                n = value(f, c, rstd, W, B)
                 Y[yo + c] = to_storage(n, st["y"], ydt)
 
     return body
 
 
-class _Cuda:
+class RowGroup:
     """The CUDA schedule's constants for one spec, and the macros its programs share: a row's
     vectors, the predicate of each, and the all-reduce across the lanes of a row."""
 
@@ -507,7 +548,7 @@ class _Cuda:
 
 
 def _fwd_cuda(spec: NormKernelSpec):
-    k = _Cuda(spec)
+    k = RowGroup(spec)
     V, NV, L, TPB, RPB = k.V, k.NV, k.L, k.TPB, k.RPB
     dt, ydt, H = spec.dtype, spec.y_dtype, spec.hidden
     wdt, bdt = spec.weight or "float32", spec.bias or "float32"
@@ -567,7 +608,7 @@ def _fwd_cuda(spec: NormKernelSpec):
                     for v in T.unroll(V):
                         n = _centered(spec, T.cast(xr[j * V + v], "float32"), mean) * rstd
                         if spec.rounding == "llama":
-                            n = _round(n, dt, "cuda")
+                            n = round_to(n, dt, dt)
                         if has_w:
                             n = n * _wterm(spec, T.cast(wr[j * V + v], "float32"))
                         if spec.bias is not None:
@@ -653,7 +694,7 @@ def _bwd_c(spec: NormKernelSpec, st: dict[str, str]):
                     if has_w:
                         n = f[c] * rstd
                         if spec.rounding == "llama":
-                            n = _round(n, dt, "c")
+                            n = round_to(n, dt, st["x"])
                         DWP[p + c] = DWP[p + c] + gy * n
                     if spec.bias is not None:
                         DBP[p + c] = DBP[p + c] + gy
@@ -670,7 +711,7 @@ def _bwd_cuda(spec: NormKernelSpec):
     """Block ``g`` of ``G`` takes row groups ``g, g + G, ...`` (``rows_per_block`` rows each); each
     thread keeps the weight (bias) gradient of its columns in registers across them, and writes them
     once to its block's (warp's) partial row."""
-    k = _Cuda(spec)
+    k = RowGroup(spec)
     V, NV, L, TPB, RPB = k.V, k.NV, k.L, k.TPB, k.RPB
     dt, ydt, H = spec.dtype, spec.y_dtype, spec.hidden
     wdt = spec.weight or "float32"
@@ -775,7 +816,7 @@ def _bwd_cuda(spec: NormKernelSpec):
                             if has_w:
                                 n = f * rstd
                                 if spec.rounding == "llama":
-                                    n = _round(n, dt, "cuda")
+                                    n = round_to(n, dt, dt)
                                 dwa[j * V + v] = dwa[j * V + v] + gy * n
                             if has_b:
                                 dba[j * V + v] = dba[j * V + v] + gy

@@ -1,19 +1,24 @@
 """The attention prologue as one TileLang tile program (issue 24): per-head RMSNorm of q and k, RoPE
 at explicit positions, q written once, k and v written into a paged KV cache, one launch.
 
-First configuration only (``docs/dev/prologue-plan.md`` says what follows): the C schedule (a CUDA
-schedule is not written yet: ``build`` refuses ``backend="cuda"``), neox pairing, a cache of qkv's
-own dtype. The stages are those of the norm and rope families, written here in the same math until
-``kernels/norm.py`` and ``kernels/rope.py`` export them as macros (the plan's "Refactor" section):
-their helpers are private names, and editing those files re-keys every shipped kernel.
+Composed from the stages the norm and rope builders export (``USES`` below: their sources are part
+of this builder's cache key), not a copy of their math: :func:`tileops.kernels.rope.angles` (the
+position read, bounds-checked, and the cos/sin composition from the digit tables, MRoPE's per-pair
+stream pick included), :func:`tileops.kernels.rope.rotate` (the pairing, the partial-rotary copy,
+the store in the dtype) and :func:`tileops.kernels.norm.norm_row` (the per-row RMSNorm with the
+spec's ``rounding``/``offset``, its row sum in float64 as the norm's C schedule adds it). A rope
+variant or pairing added to those stages reaches this kernel with no edit here. So far the C
+schedule only (``build`` refuses ``backend="cuda"``; ``docs/dev/prologue-plan.md`` plans the CUDA
+one) and a cache of qkv's own dtype.
 
 Inputs (all flat buffers addressed by element strides, as the rope and norm builders take them):
 
 * ``QKV``: row ``t`` holds ``HQ`` q heads, then ``HKV`` k heads, then ``HKV`` v heads of ``D``
   elements each, contiguous within the row; ``xst`` is the row stride (a row-strided slice of a
   wider projection output is fine).
-* ``P``: ``[S]`` positions (int32/int64). One outside ``[0, limit)`` reads as position 0 (no table
-  row past the end is touched) and writes ``tag`` into ``ERR[0]``.
+* ``P``: ``[S]`` positions (int32/int64), contiguous; with ``mrope_section``, ``[3, S]``: three
+  streams (temporal, height, width), stream ``i`` at ``P[i * psc :]``. One outside ``[0, limit)``
+  reads as position 0 (no table row past the end is touched) and writes ``tag`` into ``ERR[0]``.
 * ``SL``: ``[S]`` cache slots (int32/int64). A negative slot skips the token's k and v (vLLM's
   padding slot -1); a slot at or past ``nslots`` writes ``tag`` into ``ERR[1]`` and skips them, so
   no cache row past the end is written. q is written whatever the slot.
@@ -25,31 +30,39 @@ Inputs (all flat buffers addressed by element strides, as the rope and norm buil
   ``csh = D``; HND ``[blocks, HKV, bs, D]`` is ``csr = D``, ``csh = bs * D``.
 
 Rounding: the norm's output is rounded to qkv's dtype before the rotation reads it, as the unfused
-chain (norm op, then rope op) stores it between the two; the norm itself is the ``llama`` form
-(``n = round(x * rsqrt(mean(x^2) + eps))``, ``y = round(n * w)``), its row sum in float64 as
-``kernels/norm.py``'s C schedule adds it. The rotation is in fp32, rounded once.
+chain (norm op, then rope op) stores it between the two; the norm itself follows ``rounding``
+(``llama``: ``n = round(x * rsqrt(mean(x^2) + eps))``, ``y = round(n * w)``; ``fp32``: ``y =
+round(x * rsqrt(...) * (offset + w))``, Gemma's form with ``offset=1``). The rotation is in fp32,
+rounded once.
 """
 
 from dataclasses import dataclass
 from typing import Any
 
-from .rope import DIGITS, LO
-from .storage import load_f32, storage_dtype, to_storage
+from .norm import NormKernelSpec, norm_row
+from .rope import DIGITS, LO, RoPEKernelSpec, angles, rotate
+from .storage import load_f32, storage_dtype
 
 #: ``tilelang.language``, imported when a kernel is first built (:func:`build_prologue`)
 T: Any = None
 
-__all__ = ["PrologueKernelSpec", "build_prologue", "build", "Spec", "STATIC", "ARGS"]
+__all__ = ["PrologueKernelSpec", "build_prologue", "build", "Spec", "STATIC", "USES", "ARGS"]
 
 #: no schedule choices yet: the C schedule has none (the CUDA one will: lanes per row, rows per block)
 STATIC = {}
 
+#: the builders whose stages this one composes: their sources join its cache key
+#: (:func:`tileops.kernels.used_files`)
+USES = ("norm", "rope")
+
 _DTYPES = ("float16", "bfloat16", "float32")
 
 #: the generated function's parameters, in order; the launcher binds by these names and passes 0 for
-#: the norm weights of a kernel without ``qk_norm`` (never read)
+#: the norm weights of a kernel without ``qk_norm`` (never read) and for ``psc`` (the stride between
+#: MRoPE's three position streams) of a kernel without ``mrope_section`` (never read)
 ARGS = ("QKV", "P", "SL", "TD", "QW", "KW", "Q", "KC", "VC", "ERR",
-        "S", "HQ", "HKV", "xst", "qst", "qsh", "csb", "csr", "csh", "bs", "nslots", "limit", "tag", "eps_bits")
+        "S", "HQ", "HKV", "xst", "qst", "qsh", "csb", "csr", "csh", "bs", "nslots", "limit", "tag", "eps_bits",
+        "psc")
 
 
 @dataclass(frozen=True)
@@ -61,9 +74,15 @@ class PrologueKernelSpec:
     rot: int  # rotated width R, even, <= D; columns R..D are copied
     positions: str = "int64"  # int32 | int64
     slots: str = "int64"  # int32 | int64
-    qk_norm: bool = False  # per-head RMSNorm of q and k (llama rounding), weights of ``dtype``
-    pairing: str = "neox"  # neox only so far
+    qk_norm: bool = False  # per-head RMSNorm of q and k, weights of ``dtype``
+    pairing: str = "neox"  # neox | interleaved (the rope family's pairings)
     backend: str = "c"  # c only so far
+    #: MRoPE: pairs per position stream (temporal, height, width), summing to rot // 2 (as
+    #: :class:`tileops.kernels.rope.RoPEKernelSpec` has it); ``P`` is then ``[3, S]``
+    mrope_section: "tuple[int, int, int] | None" = None
+    mrope_interleaved: bool = False  # Qwen3-VL's stream map instead of consecutive sections
+    rounding: str = "llama"  # the norm's: llama | fp32 (:mod:`tileops.kernels.norm`); with qk_norm
+    offset: float = 0.0  # the norm scales by ``offset + w`` (Gemma: 1.0); with qk_norm
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -75,11 +94,30 @@ class PrologueKernelSpec:
         for name in ("positions", "slots"):
             if getattr(self, name) not in ("int32", "int64"):
                 raise ValueError(f"{name}: expected 'int32' or 'int64', got {getattr(self, name)!r}")
-        if self.pairing != "neox":
-            raise ValueError(f"pairing: only 'neox' is built so far, got {self.pairing!r}")
         if self.backend != "c":
             raise ValueError(f"backend: only 'c' is built so far (the CUDA schedule is planned in "
                              f"docs/dev/prologue-plan.md), got {self.backend!r}")
+        if not self.qk_norm and (self.rounding != "llama" or self.offset != 0.0):
+            raise ValueError(f"rounding, offset: the norm's choices, expected the defaults ('llama', 0.0) "
+                             f"without qk_norm, got {self.rounding!r}, {self.offset!r}")
+        self.rope_spec  # noqa: B018 - the rope stage's own checks (pairing, mrope_section), by field name
+        self.norm_spec  # noqa: B018 - and the norm's (rounding, offset)
+
+    @property
+    def rope_spec(self) -> RoPEKernelSpec:
+        """The spec of the rope stages this kernel composes."""
+        return RoPEKernelSpec(dtype=self.dtype, head_dim=self.head_dim, rot=self.rot, pairing=self.pairing,
+                              positions=self.positions, backend=self.backend, mrope_section=self.mrope_section,
+                              mrope_interleaved=self.mrope_interleaved)
+
+    @property
+    def norm_spec(self) -> "NormKernelSpec | None":
+        """The spec of the norm stage (a per-head RMSNorm forward with a weight of ``dtype``), or None
+        without ``qk_norm``."""
+        if not self.qk_norm:
+            return None
+        return NormKernelSpec(kind="fwd", hidden=self.head_dim, dtype=self.dtype, weight=self.dtype,
+                              rounding=self.rounding, offset=self.offset, backend=self.backend)
 
     @property
     def stride_unit(self) -> int:
@@ -90,78 +128,30 @@ class PrologueKernelSpec:
     args = ARGS
 
 
-def _rounded(value, dtype: str, storage: str):
-    """fp32 ``value`` rounded to ``dtype`` and widened back to fp32 (what storing it and reading it
-    back gives): through :func:`to_storage`, so the C backend's hand-rounded bf16 is the one stored."""
-    if dtype == "float32":
-        return value
-    bits = to_storage(value, storage, dtype)
-    if storage == "int16":  # bf16 bits on the C backend: the top half of an fp32
-        return T.reinterpret(T.shift_left(T.cast(T.cast(bits, "uint16"), "uint32"), T.uint32(16)), "float32")
-    return T.cast(bits, "float32")
-
-
 def build_prologue(spec: PrologueKernelSpec):
     """The ``T.prim_func`` for ``spec``; its parameters are :data:`ARGS` (see the module's docstring)."""
     global T
     import tilelang.language as T  # here, not at the top: loading a cached kernel never imports TileLang
-    D, R, half = spec.head_dim, spec.rot, spec.rot // 2
+    D, half = spec.head_dim, spec.rot // 2
     dt = spec.dtype
     st = storage_dtype(dt, spec.backend)
     NX, NQ, NK, NV, NP, NS = T.dynamic("NX, NQ, NK, NV, NP, NS")
-
-    @T.macro
-    def position(P, ERR, t, limit, tag):
-        """``P[t]`` checked against ``[0, limit)``; one outside reads as 0 and marks ``ERR[0]``."""
-        p = T.alloc_var("int64")
-        raw = T.cast(P[t], "int64")
-        if raw < 0 or raw >= limit:
-            ERR[0] = tag
-            p = 0
-        else:
-            p = raw
-        return p
-
-    @T.macro
-    def cos_sin(TD, cst, p):
-        """``cst[0, j], cst[1, j]`` = cos, sin of ``p * f_j`` (times the amplitude), composed from
-        the three 8-bit digits of ``p`` by angle addition, as the rope kernel composes them."""
-        d0 = p % LO
-        d1 = (p // LO) % LO
-        d2 = p // (LO * LO)
-        for j in T.serial(half):
-            c12 = TD[2, d2, 0, j] * TD[1, d1, 0, j] - TD[2, d2, 1, j] * TD[1, d1, 1, j]
-            s12 = TD[2, d2, 1, j] * TD[1, d1, 0, j] + TD[2, d2, 0, j] * TD[1, d1, 1, j]
-            cst[0, j] = c12 * TD[0, d0, 0, j] - s12 * TD[0, d0, 1, j]
-            cst[1, j] = s12 * TD[0, d0, 0, j] + c12 * TD[0, d0, 1, j]
-
-    @T.macro
-    def rms_row(f, W, acc, eps):
-        """The per-head RMSNorm stage on the fp32 row ``f[0:D]``, in place, ``llama`` rounding, and
-        the result rounded to qkv's dtype (the unfused chain stores it there)."""
-        acc[0] = T.float64(0)
-        for c in T.serial(D):
-            acc[0] = acc[0] + T.cast(f[c] * f[c], "float64")
-        rstd = T.float32(1) / T.sqrt(T.cast(acc[0] / T.float64(D), "float32") + eps)
-        for c in T.serial(D):
-            f[c] = _rounded(_rounded(f[c] * rstd, dt, st) * load_f32(W, c, st, dt), dt, st)
-
-    @T.macro
-    def rotate_store(f, cst, Y, yo):
-        """The rope stage: ``f[0:D]`` rotated (neox pairs ``(j, j + R/2)``), columns past ``R``
-        copied, stored at ``Y[yo:yo + D]``."""
-        for j in T.serial(half):
-            a = f[j]
-            c = f[j + half]
-            Y[yo + j] = to_storage(a * cst[0, j] - c * cst[1, j], st, dt)
-            Y[yo + j + half] = to_storage(c * cst[0, j] + a * cst[1, j], st, dt)
-        for i in T.serial(D - R):
-            Y[yo + R + i] = to_storage(f[R + i], st, dt)
+    angles_of = angles(spec.rope_spec)
+    rotate_row = rotate(spec.rope_spec, row=True)
+    normed = norm_row(spec.norm_spec) if spec.qk_norm else None
 
     @T.macro
     def load_row(QKV, f, xo):
         for c in T.serial(D):
             f[c] = load_f32(QKV, xo + c, st, dt)
+
+    @T.macro
+    def head(QKV, f, xo, W, acc, eps, cst, Y, yo):
+        """One q or k head: loaded, normalised (with ``qk_norm``), rotated, stored at ``Y[yo:]``."""
+        load_row(QKV, f, xo)
+        if spec.qk_norm:
+            normed(f, acc, W, W, eps)
+        rotate_row(f, Y, 0, yo, cst)
 
     @T.prim_func
     def prologue_c(QKV: T.Tensor((NX,), st), P: T.Tensor((NP,), spec.positions),
@@ -170,30 +160,26 @@ def build_prologue(spec: PrologueKernelSpec):
                    KC: T.Tensor((NK,), st), VC: T.Tensor((NV,), st), ERR: T.Tensor((2,), "int32"),
                    S: T.int32, HQ: T.int32, HKV: T.int32, xst: T.int64, qst: T.int64, qsh: T.int64,
                    csb: T.int64, csr: T.int64, csh: T.int64, bs: T.int64, nslots: T.int64, limit: T.int64,
-                   tag: T.int32, eps_bits: T.int32):
+                   tag: T.int32, eps_bits: T.int32, psc: T.int64):
         with T.Kernel(S, threads=1) as t:
             f = T.alloc_local((D,), "float32")
             cst = T.alloc_local((2, half), "float32")
-            acc = T.alloc_local((1,), "float64")
+            acc = T.alloc_local((2,), "float64")
             eps = T.reinterpret(eps_bits, "float32")
-            p = position(P, ERR, t, limit, tag)
-            cos_sin(TD, cst, p)
             xo = T.cast(t, "int64") * xst
-            for h in T.serial(HQ):
-                load_row(QKV, f, xo + T.cast(h, "int64") * D)
-                if spec.qk_norm:
-                    rms_row(f, QW, acc, eps)
-                rotate_store(f, cst, Q, T.cast(t, "int64") * qst + T.cast(h, "int64") * qsh)
+            qo = T.cast(t, "int64") * qst
             slot = T.cast(SL[t], "int64")
+            # token t's position(s): P[t] (stream i: P[i * psc + t]), a bad one reported in ERR[0]
+            angles_of(TD, cst, P, ERR, 0, 1, psc, limit, tag, 0, t, 0)
+            for h in T.serial(HQ):
+                head(QKV, f, xo + T.cast(h, "int64") * D, QW, acc, eps, cst, Q, qo + T.cast(h, "int64") * qsh)
             if slot >= nslots:
                 ERR[1] = tag
             if slot >= 0 and slot < nslots:
                 co = (slot // bs) * csb + (slot % bs) * csr
                 for h in T.serial(HKV):
-                    load_row(QKV, f, xo + T.cast(HQ + h, "int64") * D)
-                    if spec.qk_norm:
-                        rms_row(f, KW, acc, eps)
-                    rotate_store(f, cst, KC, co + T.cast(h, "int64") * csh)
+                    head(QKV, f, xo + T.cast(HQ + h, "int64") * D, KW, acc, eps, cst, KC,
+                         co + T.cast(h, "int64") * csh)
                     vo = xo + T.cast(HQ + HKV + h, "int64") * D
                     for c in T.serial(D):
                         VC[co + T.cast(h, "int64") * csh + c] = QKV[vo + c]

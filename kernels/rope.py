@@ -64,7 +64,7 @@ from .storage import load_f32, storage_dtype, to_storage
 T: Any = None
 
 __all__ = ["RoPEKernelSpec", "build_rope", "build", "Spec", "STATIC", "LO", "DIGITS", "MAX_POSITION", "ARGS",
-           "MAX_BLOCK_THREADS", "MAX_GRID_Y"]
+           "MAX_BLOCK_THREADS", "MAX_GRID_Y", "position", "angles", "rotate", "rotate_one", "copy_one"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
 #: without importing the module): key -> (low, high, what it is). Every other field of
@@ -231,38 +231,134 @@ def build_rope(spec: RoPEKernelSpec):
     return _build_c(spec)
 
 
-_position: Any = None  # the macro of _position_body, made by _tl()
-
-
 def _tl() -> Any:
-    """Import TileLang's language (once) and make the module-level macros; returns it."""
-    global T, _position
+    """Import TileLang's language (once); returns it."""
+    global T
     if T is None:
         import tilelang.language as tl
 
         T = tl
-        _position = T.macro(_position_body)
     return T
 
 
-def _position_body(by_ids, P, ERR, psb, pss, limit, tag, b, s, stream=None, psc=None):
-    """The position of row ``(b, s)``: ``s`` itself, or ``P[b * psb + s * pss]`` checked against
-    ``[0, limit)``; one outside reads as 0 and writes the call's ``tag`` into ``ERR[0]``. With
-    ``stream`` (MRoPE), the position of that stream, ``P[stream * psc + b * psb + s * pss]``."""
-    p = T.alloc_var("int64")
-    if by_ids:
-        if stream is None:
-            raw = T.cast(P[T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
+# ----------------------------------------------------------------------------------- the stages
+# Each is a factory: it takes the spec (the compile-time choices) and returns a ``T.macro`` that
+# closes over them. The rope kernels below are built from them, and so is any kernel that fuses
+# RoPE with other stages (``kernels/prologue.py``, which declares ``USES``): one copy of the math.
+# Macro parameters that receive a kernel parameter or a named variable carry its exact name:
+# TVMScript renames a variable bound to a new name (and two kernel parameters of one name do not
+# compile), so renaming one would change the generated code of every kernel that calls it.
+
+
+def position(spec: RoPEKernelSpec):
+    """The position read: a macro ``p = position(P, ERR, psb, pss, limit, tag, b, s, stream=None,
+    psc=None, word=0)``, the position of row ``(b, s)``: ``s`` itself (``spec.positions`` None), or
+    ``P[b * psb + s * pss]`` checked against ``[0, limit)``; one outside reads as 0 (so no table row
+    past the end is ever indexed) and writes the call's ``tag`` into ``ERR[word]``. With ``stream``
+    (MRoPE), the position of that stream, ``P[stream * psc + b * psb + s * pss]``."""
+    _tl()
+    by_ids = spec.positions is not None
+
+    @T.macro
+    def position(P, ERR, psb, pss, limit, tag, b, s, stream=None, psc=None, word=0):
+        p = T.alloc_var("int64")
+        if by_ids:
+            if stream is None:
+                raw = T.cast(P[T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
+            else:
+                raw = T.cast(P[stream * psc + T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
+            if raw < 0 or raw >= limit:
+                ERR[word] = tag
+                p = 0
+            else:
+                p = raw
         else:
-            raw = T.cast(P[stream * psc + T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
-        if raw < 0 or raw >= limit:
-            ERR[0] = tag
-            p = 0
+            p = T.cast(s, "int64")
+        return p
+
+    return position
+
+
+def _compose(spec: RoPEKernelSpec):
+    """C: a macro ``compose(TD, cst, j, d0, d1, d2)``: ``cst[0, j], cst[1, j]`` = cos, sin of pair
+    ``j``'s angle at the position of digits ``d2 d1 d0`` (times the amplitude folded into ``TD[0]``;
+    sin negated for ``inverse``), by angle addition over the three digit tables."""
+    sgn = -1.0 if spec.inverse else 1.0
+
+    @T.macro
+    def compose(TD, cst, j, d0, d1, d2):
+        c2, s2 = TD[2, d2, 0, j], TD[2, d2, 1, j]
+        c1, s1 = TD[1, d1, 0, j], TD[1, d1, 1, j]
+        c0, s0 = TD[0, d0, 0, j], TD[0, d0, 1, j]
+        c12 = c2 * c1 - s2 * s1
+        s12 = s2 * c1 + c2 * s1
+        cst[0, j] = c12 * c0 - s12 * s0
+        cst[1, j] = (s12 * c0 + c12 * s0) * sgn
+
+    return compose
+
+
+def angles(spec: RoPEKernelSpec):
+    """The position read and the cos/sin composition of one token (C schedule): a macro
+    ``angles(TD, cst, P, ERR, psb, pss, psc, limit, tag, b, s, word=0)`` that fills the local fp32
+    ``cst[2, R/2]`` with cos and sin of each pair's angle at row ``(b, s)``'s position
+    (:func:`position`, a bad one reported in ``ERR[word]``). With ``mrope_section`` the token's
+    three positions are read (streams ``psc`` apart) and each pair takes its stream's (``_pick``)."""
+    _tl()
+    half = spec.rot // 2
+    mrope = spec.mrope_section is not None
+    pos, compose = position(spec), _compose(spec)
+
+    @T.macro
+    def angles(TD, cst, P, ERR, psb, pss, psc, limit, tag, b, s, word=0):
+        if mrope:  # three positions; each pair takes its stream's
+            pt = pos(P, ERR, psb, pss, limit, tag, b, s, 0, psc, word)
+            ph = pos(P, ERR, psb, pss, limit, tag, b, s, 1, psc, word)
+            pw = pos(P, ERR, psb, pss, limit, tag, b, s, 2, psc, word)
+            for j in T.serial(half):
+                pj = _pick(spec, j, pt, ph, pw)
+                compose(TD, cst, j, pj % LO, (pj // LO) % LO, pj // (LO * LO))
         else:
-            p = raw
-    else:
-        p = T.cast(s, "int64")
-    return p
+            p = pos(P, ERR, psb, pss, limit, tag, b, s, None, None, word)
+            d0 = p % LO
+            d1 = (p // LO) % LO
+            d2 = p // (LO * LO)
+            for j in T.serial(half):
+                compose(TD, cst, j, d0, d1, d2)
+
+    return angles
+
+
+def rotate(spec: RoPEKernelSpec, row: bool = False):
+    """The rotation of one head row (C schedule): a macro ``rotate(X, Y, xh, yh, cst)`` that reads
+    the head at ``X[xh : xh + D]``, rotates each pair (``spec.pairing``: neox ``(j, j + R/2)``,
+    interleaved ``(2j, 2j + 1)``) by ``cst`` (:func:`angles`) in fp32, copies the columns past
+    ``R`` and stores the row at ``Y[yh : yh + D]`` in ``spec.dtype``. ``X`` is a buffer of the
+    spec's storage (the columns past ``R`` copied as stored), or with ``row`` a local fp32 row a
+    fused kernel holds (say, normalised by an earlier stage; those columns rounded to the dtype)."""
+    _tl()
+    D, R, half = spec.head_dim, spec.rot, spec.rot // 2
+    dt = spec.dtype
+    storage = storage_dtype(dt, spec.backend)
+
+    def load(X, i):
+        return X[i] if row else load_f32(X, i, storage, dt)
+
+    @T.macro
+    def one_head(X, Y, xh, yh, cst):
+        for j in T.serial(half):
+            i1, i2 = _pair_index(spec, j)
+            a = load(X, xh + i1)
+            c = load(X, xh + i2)
+            Y[yh + i1] = to_storage(a * cst[0, j] - c * cst[1, j], storage, dt)
+            Y[yh + i2] = to_storage(c * cst[0, j] + a * cst[1, j], storage, dt)
+        for i in T.serial(D - R):
+            if row:
+                Y[yh + R + i] = to_storage(X[xh + R + i], storage, dt)
+            else:
+                Y[yh + R + i] = X[xh + R + i]
+
+    return one_head
 
 
 def _pair_index(spec: RoPEKernelSpec, j):
@@ -289,55 +385,16 @@ def _signature(spec: RoPEKernelSpec, storage: str):
 
 
 def _build_c(spec: RoPEKernelSpec):
-    D, R, half = spec.head_dim, spec.rot, spec.rot // 2
+    half = spec.rot // 2
     storage = storage_dtype(spec.dtype, "c")
-    dt = spec.dtype
-    by_ids = spec.positions is not None
-    mrope = spec.mrope_section is not None
-    sgn = -1.0 if spec.inverse else 1.0
     sig = _signature(spec, storage)
-
-    @T.macro
-    def one_head(X, Y, xh, yh, cst):
-        for j in T.serial(half):
-            i1, i2 = _pair_index(spec, j)
-            a = load_f32(X, xh + i1, storage, dt)
-            c = load_f32(X, xh + i2, storage, dt)
-            Y[yh + i1] = to_storage(a * cst[0, j] - c * cst[1, j], storage, dt)
-            Y[yh + i2] = to_storage(c * cst[0, j] + a * cst[1, j], storage, dt)
-        for i in T.serial(D - R):
-            Y[yh + R + i] = X[xh + R + i]
-
-    # Macro parameters that receive a kernel parameter carry its exact name: TVMScript renames a
-    # variable bound to a new name, and two kernel parameters of one name do not compile.
-    @T.macro
-    def compose(TD, cst, j, d0, d1, d2):
-        c2, s2 = TD[2, d2, 0, j], TD[2, d2, 1, j]
-        c1, s1 = TD[1, d1, 0, j], TD[1, d1, 1, j]
-        c0, s0 = TD[0, d0, 0, j], TD[0, d0, 1, j]
-        c12 = c2 * c1 - s2 * s1
-        s12 = s2 * c1 + c2 * s1
-        cst[0, j] = c12 * c0 - s12 * s0
-        cst[1, j] = (s12 * c0 + c12 * s0) * sgn
+    angles_of, one_head = angles(spec), rotate(spec)
 
     @T.macro
     def body(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
              psb, pss, psc, limit, tag, b, s):
         cst = T.alloc_local((2, half), "float32")
-        if mrope:  # three positions; each pair takes its stream's
-            pt = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s, 0, psc)
-            ph = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s, 1, psc)
-            pw = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s, 2, psc)
-            for j in T.serial(half):
-                pj = _pick(spec, j, pt, ph, pw)
-                compose(TD, cst, j, pj % LO, (pj // LO) % LO, pj // (LO * LO))
-        else:
-            p = _position(by_ids, P, ERR, psb, pss, limit, tag, b, s)
-            d0 = p % LO
-            d1 = (p // LO) % LO
-            d2 = p // (LO * LO)
-            for j in T.serial(half):
-                compose(TD, cst, j, d0, d1, d2)
+        angles_of(TD, cst, P, ERR, psb, pss, psc, limit, tag, b, s)
         for h in T.serial(H + HK):
             if h < H:
                 one_head(X, Y, _offset(b, s, h, xsb, xss, xsh), _offset(b, s, h, ysb, yss, ysh), cst)
@@ -366,32 +423,11 @@ template <typename T> __device__ __forceinline__ void tileops_st16(T* dst, const
 """
 
 
-def _build_cuda(spec: RoPEKernelSpec):
-    D, R, half = spec.head_dim, spec.rot, spec.rot // 2
-    dt = spec.dtype
-    V = spec.vec
+def _store(spec: RoPEKernelSpec):
+    """CUDA: a macro ``store(Y, o, vals)``: ``Y[o : o + V] = vals``, one 16-byte ``tileops_st16`` where
+    the vector is a full 16 bytes (the kernel imports ``_CUDA_HELPERS``), else a vectorized loop."""
+    V, dt = spec.vec, spec.dtype
     wide = V * _ELEM_BYTES[dt] == 16  # a vector is a full 16 bytes: store it with tileops_st16
-    C = half // V  # lanes that rotate: each owns V pairs (2 * V elements of x)
-    HL = spec._head_lanes
-    CL = spec._lanes
-    TOK = spec._slots  # token slots per block
-    TPT = max(1, spec.tokens_per_thread)  # tokens each thread walks, TOK apart
-    threads = spec.block_threads
-    GROUP = spec.group
-    by_ids = spec.positions is not None
-    mrope = spec.mrope_section is not None
-    gather = mrope and not spec.uniform_streams  # each pair of a thread's V may take its own stream
-    neox = spec.pairing == "neox"
-    sgn = -1.0 if spec.inverse else 1.0
-    sig = _signature(spec, dt)
-
-    def heads(n):
-        """A head loop: ``#pragma unroll head_unroll`` where the spec sets it, else nvcc decides."""
-        if spec.head_unroll:
-            from tilelang.cuda.language import unroll
-
-            return unroll(n, unroll_factor=spec.head_unroll)
-        return T.serial(n)
 
     @T.macro
     def store(Y, o, vals):
@@ -400,6 +436,22 @@ def _build_cuda(spec: RoPEKernelSpec):
         else:
             for v in T.vectorized(V):
                 Y[o + v] = vals[v]
+
+    return store
+
+
+def rotate_one(spec: RoPEKernelSpec):
+    """The rotation of one lane's pairs of one head row (CUDA schedule): a macro ``rotate_one(X, Y,
+    xh, yh, o1, o2, cs, sn, xa, xb, ya, yb)`` that loads the two ``V``-element vectors at ``X[xh +
+    o1]`` and ``X[xh + o2]`` (neox: the first and second halves' ``V`` pairs; interleaved: ``2V``
+    contiguous elements, ``V`` pairs), rotates them by ``cs``/``sn`` (``V`` cos and sin each, for
+    the lane's pairs) in fp32 and stores them in ``spec.dtype`` at ``Y[yh + o1]``, ``Y[yh + o2]``
+    (``xa``, ``xb``, ``ya``, ``yb``: local vectors of ``V`` elements of the dtype). A fused kernel
+    imports ``_CUDA_HELPERS`` (``T.import_source``) as the rope kernel does."""
+    _tl()
+    V, dt = spec.vec, spec.dtype
+    neox = spec.pairing == "neox"
+    store = _store(spec)
 
     @T.macro
     def rotate_one(X, Y, xh, yh, o1, o2, cs, sn, xa, xb, ya, yb):
@@ -431,21 +483,61 @@ def _build_cuda(spec: RoPEKernelSpec):
         store(Y, yh + o1, ya)
         store(Y, yh + o2, yb)
 
+    return rotate_one
+
+
+def copy_one(spec: RoPEKernelSpec):
+    """CUDA: a macro ``copy_one(X, Y, xh, yh, o, xa)``: the vector at ``X[xh + o]`` stored unchanged at
+    ``Y[yh + o]`` (the columns past ``R`` of partial rotary)."""
+    _tl()
+    V = spec.vec
+    store = _store(spec)
+
     @T.macro
     def copy_one(X, Y, xh, yh, o, xa):
         for v in T.vectorized(V):
             xa[v] = X[xh + o + v]
         store(Y, yh + o, xa)
 
+    return copy_one
+
+
+def _build_cuda(spec: RoPEKernelSpec):
+    D, R, half = spec.head_dim, spec.rot, spec.rot // 2
+    dt = spec.dtype
+    V = spec.vec
+    C = half // V  # lanes that rotate: each owns V pairs (2 * V elements of x)
+    HL = spec._head_lanes
+    CL = spec._lanes
+    TOK = spec._slots  # token slots per block
+    TPT = max(1, spec.tokens_per_thread)  # tokens each thread walks, TOK apart
+    threads = spec.block_threads
+    GROUP = spec.group
+    mrope = spec.mrope_section is not None
+    gather = mrope and not spec.uniform_streams  # each pair of a thread's V may take its own stream
+    neox = spec.pairing == "neox"
+    sgn = -1.0 if spec.inverse else 1.0
+    sig = _signature(spec, dt)
+
+    def heads(n):
+        """A head loop: ``#pragma unroll head_unroll`` where the spec sets it, else nvcc decides."""
+        if spec.head_unroll:
+            from tilelang.cuda.language import unroll
+
+            return unroll(n, unroll_factor=spec.head_unroll)
+        return T.serial(n)
+
+    pos, rotate_vec, copy_vec = position(spec), rotate_one(spec), copy_one(spec)
+
     @T.macro
     def token(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
               psb, pss, psc, limit, tag, bb, s, lane, hl, c2, s2, c1, s1, c0, s0, cs, sn, xa, xb, ya, yb):
         if mrope:  # every thread reads (and checks) the token's three positions
-            pt = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s, 0, psc)
-            ph = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s, 1, psc)
-            pw = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s, 2, psc)
+            pt = pos(P, ERR, psb, pss, limit, tag, bb, s, 0, psc)
+            ph = pos(P, ERR, psb, pss, limit, tag, bb, s, 1, psc)
+            pw = pos(P, ERR, psb, pss, limit, tag, bb, s, 2, psc)
         else:
-            p = _position(by_ids, P, ERR, psb, pss, limit, tag, bb, s)
+            p = pos(P, ERR, psb, pss, limit, tag, bb, s)
         xo = _offset(bb, s, 0, xsb, xss, xsh, V)
         yo = _offset(bb, s, 0, ysb, yss, ysh, V)
         ko = _offset(bb, s, 0, ksb, kss, ksh, V)
@@ -496,18 +588,18 @@ def _build_cuda(spec: RoPEKernelSpec):
             o2 = half + j0 if neox else 2 * j0 + V
             for k in heads(T.ceildiv(H - hl, HL)):
                 h = T.cast(hl + k * HL, "int64")
-                rotate_one(X, Y, xo + h * xsh * V, yo + h * ysh * V, o1, o2, cs, sn, xa, xb, ya, yb)
+                rotate_vec(X, Y, xo + h * xsh * V, yo + h * ysh * V, o1, o2, cs, sn, xa, xb, ya, yb)
             for k in heads(T.ceildiv(HK - hl, HL)):
                 h = T.cast(hl + k * HL, "int64")
-                rotate_one(K, KY, ko + h * ksh * V, kyo + h * kysh * V, o1, o2, cs, sn, xa, xb, ya, yb)
+                rotate_vec(K, KY, ko + h * ksh * V, kyo + h * kysh * V, o1, o2, cs, sn, xa, xb, ya, yb)
         else:
             o = R + (lane - C) * V
             for k in heads(T.ceildiv(H - hl, HL)):
                 h = T.cast(hl + k * HL, "int64")
-                copy_one(X, Y, xo + h * xsh * V, yo + h * ysh * V, o, xa)
+                copy_vec(X, Y, xo + h * xsh * V, yo + h * ysh * V, o, xa)
             for k in heads(T.ceildiv(HK - hl, HL)):
                 h = T.cast(hl + k * HL, "int64")
-                copy_one(K, KY, ko + h * ksh * V, kyo + h * kysh * V, o, xa)
+                copy_vec(K, KY, ko + h * ksh * V, kyo + h * kysh * V, o, xa)
 
     @T.macro
     def body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,

@@ -10,7 +10,7 @@ builder module does at its top) imports no TileLang, so a process that loads cac
 
 from __future__ import annotations
 
-__all__ = ["storage_dtype", "load_f32", "to_storage"]
+__all__ = ["storage_dtype", "load_f32", "to_storage", "round_to"]
 
 
 def storage_dtype(dtype: str, backend: str) -> str:
@@ -38,3 +38,19 @@ def to_storage(value, storage: str, dtype: str):
                                 T.uint32(16))
         return T.cast(T.cast(rounded, "uint16"), "int16")
     return T.cast(value, dtype)
+
+
+def round_to(value, dtype: str, storage: str):
+    """An fp32 value rounded to ``dtype`` (to nearest even) and widened back to fp32: what storing it
+    in a ``dtype`` tensor and reading it back gives (the norms' ``llama`` rounding, ``x + residual``
+    in the input dtype, the fused prologue's norm output). bf16 on the C backend (``storage``
+    int16, no bf16 type there) by hand: keep the top 16 bits, rounded as :func:`to_storage` rounds."""
+    import tilelang.language as T
+
+    if dtype == "float32":
+        return value
+    if dtype == "bfloat16" and storage == "int16":
+        u = T.reinterpret(value, "uint32")
+        r = u + T.uint32(0x7FFF) + T.bitwise_and(T.shift_right(u, T.uint32(16)), T.uint32(1))
+        return T.reinterpret(T.bitwise_and(r, T.uint32(0xFFFF0000)), "float32")
+    return T.cast(T.cast(value, dtype), "float32")

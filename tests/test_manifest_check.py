@@ -236,8 +236,14 @@ def test_builders_are_found_by_their_file(tmp_path):
     (tmp_path / "demo.py").write_text("import no_such_module\nSTATIC = {'threads': (1, 8, 'x')}\n"
                                       "def build(spec):\n    pass\n")
     (tmp_path / "helper.py").write_text("def load(x):\n    return x\n")
-    assert kernels._declared(tmp_path / "demo.py") == (True, {"threads": (1, 8, "x")})
-    assert kernels._declared(tmp_path / "helper.py") == (False, {})
+    assert kernels._declared(tmp_path / "demo.py") == (True, {"threads": (1, 8, "x")}, ())
+    assert kernels._declared(tmp_path / "helper.py") == (False, {}, ())
+    (tmp_path / "fused.py").write_text("import no_such_module\nSTATIC = {}\nUSES = ('norm',\n        'rope')\n"
+                                       "def build(spec):\n    pass\n")
+    assert kernels._declared(tmp_path / "fused.py") == (True, {}, ("norm", "rope"))  # read, not imported
+    (tmp_path / "fused.py").write_text("STATIC = {}\nUSES = 'norm'\nbuild = None\n")
+    with pytest.raises(ValueError, match=r"fused.py: USES must be a tuple of builder names"):
+        kernels._declared(tmp_path / "fused.py")
     assert "storage" not in kernels.BUILDERS  # kernels/storage.py: helpers for every builder
     assert any(p.endswith("storage.py") for p in kernels.HELPERS)  # part of every kernel's cache key
     (tmp_path / "bad.py").write_text("LIMIT = 8\nSTATIC = {'threads': (1, LIMIT, 'x')}\nbuild = None\n")

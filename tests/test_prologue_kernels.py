@@ -1,15 +1,17 @@
 """The attention prologue kernel (``kernels/prologue.py``, issue 24), C backend, driven directly on the CPU.
 
-The reference is float64 math written here from the issue's definition (RMSNorm per head, neox RoPE
-at the given positions with cos/sin evaluated in float64, the paged cache write): it shares no code
-with the kernel. The kernel's only input from the package is the rope family's digit tables
+The reference is float64 math written here from the issue's definition (RMSNorm per head, RoPE of
+either pairing at the given positions, MRoPE's three streams, cos/sin evaluated in float64, the
+paged cache write): it shares no code with the kernel. The kernel's only input from the package is the rope family's digit tables
 (``tileops.rope.tables.digit_tables``), the tables every rope op hands its kernel.
 
 Every output (q, both caches) is NaN-filled before the launch, so an element the kernel fails to
 write cannot pass, and a cache row no slot names must still be NaN after it. Inputs are fresh random
 draws (``gen``). Bad positions and slots are checked to be reported in the error words and never to
 reach memory outside the cache: each cache is a view of a larger NaN-filled buffer whose tail must
-stay untouched. Not covered here: the CUDA schedule (not written yet), fp8 caches, other pairings.
+stay untouched. The norm's two roundings are also checked bit for bit on the columns past a partial
+rotary width (the norm's output, copied), against an fp32 emulation of the norm's definition. Not
+covered here: the CUDA schedule (not written yet), fp8 caches.
 """
 
 from __future__ import annotations
@@ -42,29 +44,53 @@ def inv_freq(rot: int) -> torch.Tensor:
     return 1.0 / BASE ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
 
 
-def reference(qkv, positions, slots, hq, hkv, d, rot, amplitude, qw, kw, nslots):
+def mrope_stream(j: int, section: tuple[int, int, int], interleaved: bool) -> int:
+    """The position stream (0 temporal, 1 height, 2 width) of rotary pair ``j``: Qwen2-VL's
+    consecutive sections, or Qwen3-VL's interleaved map (height on ``j % 3 == 1`` for the first
+    ``3 * section[1]`` pairs, width on ``j % 3 == 2`` for the first ``3 * section[2]``)."""
+    if interleaved:
+        if j % 3 == 1 and j < 3 * section[1]:
+            return 1
+        if j % 3 == 2 and j < 3 * section[2]:
+            return 2
+        return 0
+    return 0 if j < section[0] else 1 if j < section[0] + section[1] else 2
+
+
+def reference(qkv, positions, slots, hq, hkv, d, rot, amplitude, qw, kw, nslots, pairing="neox", section=None,
+              interleaved=False, offset=0.0):
     """float64 (q, k rows, v rows, pair magnitude of q and k) from the math: q ``[S, hq, d]``; k and v
     ``{slot: [hkv, d]}`` for each token with a slot in ``[0, nslots)``. A position outside
-    ``[0, LIMIT)`` rotates as position 0 (what the kernel reads in its place)."""
+    ``[0, LIMIT)`` rotates as position 0 (what the kernel reads in its place); with MRoPE
+    (``positions`` ``[3, S]``) each stream's bad position reads 0 on its own."""
     x = qkv.double().reshape(qkv.shape[0], hq + 2 * hkv, d)
     q, k, v = x[:, :hq], x[:, hq:hq + hkv], x[:, hq + hkv:]
     if qw is not None:
-        q = q / torch.sqrt((q * q).mean(-1, keepdim=True) + EPS) * qw.double()
-        k = k / torch.sqrt((k * k).mean(-1, keepdim=True) + EPS) * kw.double()
+        q = q / torch.sqrt((q * q).mean(-1, keepdim=True) + EPS) * (offset + qw.double())
+        k = k / torch.sqrt((k * k).mean(-1, keepdim=True) + EPS) * (offset + kw.double())
     p = positions.double()
     p = torch.where((p < 0) | (p >= LIMIT), torch.zeros_like(p), p)
-    ang = p[:, None] * inv_freq(rot)[None, :]  # [S, rot/2]
+    half = rot // 2
+    if section is None:
+        pj = p[:, None].expand(-1, half)  # [S, rot/2]: every pair at the token's position
+    else:
+        streams = torch.tensor([mrope_stream(j, section, interleaved) for j in range(half)])
+        pj = p[streams, :].T  # [S, rot/2]: pair j at its stream's position
+    ang = pj * inv_freq(rot)[None, :]
     cos, sin = (ang.cos() * amplitude)[:, None, :], (ang.sin() * amplitude)[:, None, :]
+    if pairing == "neox":
+        first, second = torch.arange(half), torch.arange(half) + half
+    else:  # interleaved: (2j, 2j + 1)
+        first, second = torch.arange(0, rot, 2), torch.arange(1, rot, 2)
 
     def rotate(t):
-        h = rot // 2
-        a, c = t[..., :h], t[..., h:rot]
+        a, c = t[..., first], t[..., second]
         out = t.clone()
-        out[..., :h] = a * cos - c * sin
-        out[..., h:rot] = c * cos + a * sin
+        out[..., first] = a * cos - c * sin
+        out[..., second] = c * cos + a * sin
         mag = t.abs().clone()
-        mag[..., :h] = a.abs() + c.abs()
-        mag[..., h:rot] = a.abs() + c.abs()
+        mag[..., first] = a.abs() + c.abs()
+        mag[..., second] = a.abs() + c.abs()
         return out, mag
 
     q_out, q_mag = rotate(q)
@@ -100,7 +126,8 @@ def run(spec, qkv, positions, slots, tables, qw, kw, q, kc, vc, err, hq, hkv, bs
                 Q=q.data_ptr(), KC=kc.data_ptr(), VC=vc.data_ptr(), ERR=err.data_ptr(),
                 S=qkv.shape[0], HQ=hq, HKV=hkv, xst=qkv.stride(0), qst=q.stride(0), qsh=q.stride(1),
                 csb=csb, csr=csr, csh=csh, bs=bs, nslots=nslots, limit=LIMIT, tag=tag,
-                eps_bits=struct.unpack("<i", struct.pack("<f", EPS))[0])
+                eps_bits=struct.unpack("<i", struct.pack("<f", EPS))[0],
+                psc=positions.stride(0) if positions.dim() == 2 else 0)
     k = load_kernel("prologue", spec, "c", "c", CPU, spec.args)
     k(*k.bind(**args, **dict.fromkeys(k.extent_names, 0)))
 
@@ -112,19 +139,28 @@ def cache_rows(cache, layout, slot, bs):
 
 
 def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, pos_dtype=torch.int64,
-         slot_dtype=torch.int64, bad_positions=(), bad_slots=(), amplitude=1.0):
-    """Build inputs, run, check every output against :func:`reference`; returns the error words."""
+         slot_dtype=torch.int64, bad_positions=(), bad_slots=(), amplitude=1.0, pairing="neox", section=None,
+         interleaved=False, rounding="llama", offset=0.0, norm_check=None):
+    """Build inputs, run, check every output against :func:`reference`; returns the error words.
+    ``section``: MRoPE (positions ``[3, s]``, a bad position ``(t, value)`` set in every stream, or
+    ``(t, value, stream)`` in one). ``norm_check(x, w, q_cols)``, when given, gets each q head's input
+    columns past ``rot`` (of the dtype), its weight and the kernel's q there (with ``qk_norm``)."""
     spec = get_spec("prologue")(dtype=_name(dtype), head_dim=d, rot=rot, positions=_name(pos_dtype),
-                                slots=_name(slot_dtype), qk_norm=qk_norm)
+                                slots=_name(slot_dtype), qk_norm=qk_norm, pairing=pairing, mrope_section=section,
+                                mrope_interleaved=interleaved, rounding=rounding, offset=offset)
     width = (hq + 2 * hkv) * d
     # a row-strided slice of a wider buffer, as a column slice of a projection's output is
     qkv = torch.randn(s, width + 24, generator=gen).to(dtype)[:, 8:8 + width]
-    positions = torch.randint(0, LIMIT, (s,), generator=gen, dtype=pos_dtype)
+    pshape = (s,) if section is None else (3, s)
+    positions = torch.randint(0, LIMIT, pshape, generator=gen, dtype=pos_dtype)
     nslots = blocks * bs
     slots = torch.randperm(nslots, generator=gen)[:s].to(slot_dtype)
     slots[torch.randperm(s, generator=gen)[: max(1, s // 5)]] = -1  # padding tokens: skipped
-    for t, value in bad_positions:
-        positions[t] = value
+    for t, value, *stream in bad_positions:
+        if section is None:
+            positions[t] = value
+        else:
+            positions[stream[0] if stream else slice(None), t] = value
     for t, value in bad_slots:
         slots[t] = value
     qw = kw = None
@@ -143,11 +179,14 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
 
     assert torch.equal(qkv, before), "qkv was modified"
     assert (kfull[blocks:] == 7.0).all() and (vfull[blocks:] == 7.0).all(), "wrote past the cache"
-    q_ref, q_mag, ks, vs, kmag = reference(qkv, positions, slots, hq, hkv, d, rot, amplitude, qw, kw, nslots)
+    q_ref, q_mag, ks, vs, kmag = reference(qkv, positions, slots, hq, hkv, d, rot, amplitude, qw, kw, nslots,
+                                           pairing, section, interleaved, offset)
     unit = UNIT[dtype]
     assert_within(q, q_ref, q_mag, unit, "q")
     if rot < d and not qk_norm:
         assert torch.equal(q[..., rot:], qkv.reshape(s, -1, d)[:, :hq, rot:]), "columns past rot: not copied exactly"
+    if norm_check is not None:
+        norm_check(qkv.reshape(s, -1, d)[:, :hq], qw, q)
     for slot in range(nslots):
         kr, vr = cache_rows(kfull, layout, slot, bs), cache_rows(vfull, layout, slot, bs)
         if slot in ks:
@@ -204,6 +243,82 @@ def test_spec_refuses_what_is_not_built():
     with pytest.raises(ValueError, match="backend"):
         spec(dtype="bfloat16", head_dim=64, rot=64, backend="cuda")
     with pytest.raises(ValueError, match="pairing"):
-        spec(dtype="bfloat16", head_dim=64, rot=64, pairing="interleaved")
+        spec(dtype="bfloat16", head_dim=64, rot=64, pairing="gptj")
+    with pytest.raises(ValueError, match="mrope_section"):
+        spec(dtype="bfloat16", head_dim=64, rot=64, mrope_section=(8, 8, 8))  # sums to 24, not 32
+    with pytest.raises(ValueError, match="rounding"):
+        spec(dtype="bfloat16", head_dim=64, rot=64, qk_norm=True, rounding="gemma")
+    with pytest.raises(ValueError, match="rounding, offset"):
+        spec(dtype="bfloat16", head_dim=64, rot=64, offset=1.0)  # the norm's choice, without a norm
     with pytest.raises(ValueError, match="rot"):
         spec(dtype="bfloat16", head_dim=64, rot=65)
+
+
+def test_it_composes_the_rope_and_norm_stages():
+    """The builder declares the builders whose stages it imports, so an edit to either re-keys it."""
+    import tileops.kernels as kernels
+
+    assert kernels.USES["prologue"] == ("norm", "rope")
+    assert [p.rsplit("/", 1)[-1] for p in kernels.used_files("prologue")] == ["norm.py", "rope.py"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_interleaved_pairing(gen, dtype, layout):
+    """Interleaved pairs ``(2j, 2j + 1)`` (GPT-J, DeepSeek's YaRN), full and partial rotary, with and
+    without the norm."""
+    for qk_norm, rot in ((False, 32), (True, 20)):
+        err, _ = case(gen, dtype, s=13, hq=3, hkv=1, d=32, rot=rot, qk_norm=qk_norm, layout=layout,
+                      pairing="interleaved", amplitude=1.25)
+        assert err.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_name)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["sections", "interleaved_map"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_mrope(gen, dtype, interleaved, index_dtype):
+    """MRoPE: positions ``[3, S]``, each pair at its stream's position (Qwen2-VL's consecutive
+    sections; Qwen3-VL's interleaved map), partial rotary, the norm; a bad position in one stream
+    reads 0 there alone and is reported."""
+    err, _ = case(gen, dtype, s=17, hq=4, hkv=2, d=48, rot=40, qk_norm=True, layout="HND", pos_dtype=index_dtype,
+                  section=(6, 7, 7), interleaved=interleaved)
+    assert err.tolist() == [0, 0]
+    err, tag = case(gen, dtype, s=9, hq=2, hkv=1, d=32, rot=32, qk_norm=False, layout="NHD", pos_dtype=index_dtype,
+                    section=(4, 6, 6), interleaved=interleaved, bad_positions=((2, -5, 1), (6, LIMIT, 2)))
+    assert err.tolist() == [tag, 0]
+
+
+def _emulated_norm(x, w, rounding, offset, dtype):
+    """The norm's definition in fp32 operations, for the bit-exact check: the mean of the fp32 squares
+    (summed in float64, rounded to fp32 once), ``rstd = 1 / sqrt(mean + eps)``; ``llama``: ``n =
+    dtype(x * rstd)``, ``y = dtype(n * w)``; ``fp32``: ``y = dtype(x * rstd * (offset + w))``."""
+    xf = x.float()
+    var = ((xf * xf).double().sum(-1, keepdim=True) / x.shape[-1]).float()
+    rstd = 1.0 / torch.sqrt(var + torch.tensor(EPS, dtype=torch.float32))
+    if rounding == "llama":
+        return ((xf * rstd).to(dtype).float() * w.float()).to(dtype)
+    return (xf * rstd * (offset + w.float())).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_name)
+@pytest.mark.parametrize("rounding, offset", [("llama", 0.0), ("fp32", 0.0), ("fp32", 1.0)],
+                         ids=["llama", "fp32", "fp32_offset1"])
+def test_norm_roundings(gen, dtype, rounding, offset):
+    """The norm stage's ``rounding`` and ``offset`` (Gemma's ``1 + w``): q and k within the bound of
+    the float64 math, and the columns past ``rot`` (the norm's output, copied) equal bit for bit to
+    the norm's definition in fp32 operations with this rounding; the other rounding differs there
+    somewhere (so the check can tell them apart)."""
+    rot, d = 16, 96
+    other = {"llama": "fp32", "fp32": "llama"}[rounding]
+    told = []
+
+    def check(x, w, q):
+        want = _emulated_norm(x[..., :], w, rounding, offset, dtype)[..., rot:]
+        assert torch.equal(q[..., rot:], want), (
+            f"columns past rot: {int((q[..., rot:] != want).sum())} of {want.numel()} differ from {rounding}")
+        told.append(not torch.equal(_emulated_norm(x, w, other, offset, dtype)[..., rot:], want))
+
+    err, _ = case(gen, dtype, s=31, hq=4, hkv=2, d=d, rot=rot, qk_norm=True, layout="NHD", rounding=rounding,
+                  offset=offset, norm_check=check)
+    assert err.tolist() == [0, 0]
+    assert told == [True], "the two roundings agree on these inputs: the bit-exact check proves nothing"

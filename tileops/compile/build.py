@@ -175,15 +175,17 @@ def _disk_cache_on() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _builder_digest(builder: str) -> str:
-    """A digest of the builder module's source and of the helper modules of ``tileops.kernels`` it
-    may import (``storage.py``: a module without a ``build``), read, not imported (importing a
-    builder imports TileLang)."""
-    from tileops.kernels import BUILDERS, HELPERS
+    """A digest of the builder module's source, of the builders whose stages it uses (its ``USES``,
+    followed through theirs: :func:`tileops.kernels.used_files`) and of the helper modules of
+    ``tileops.kernels`` it may import (``storage.py``: a module without a ``build``), read, not
+    imported (importing a builder imports TileLang). A builder without ``USES`` hashes its own file
+    and the helpers alone, as before ``USES`` existed, so its key did not change with it."""
+    from tileops.kernels import BUILDERS, HELPERS, used_files
 
     module = BUILDERS[builder].split(":")[0]
     found = importlib.util.find_spec(f"tileops.kernels.{module}")
     digest = hashlib.sha256()
-    for path in (found.origin, *HELPERS):
+    for path in (found.origin, *used_files(builder), *HELPERS):
         with open(path, "rb") as f:
             digest.update(hashlib.sha256(f.read()).digest())
     return digest.hexdigest()
