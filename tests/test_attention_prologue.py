@@ -19,8 +19,8 @@ import torch
 
 import tileops
 from tileops.attention import AttnPrologueFwdOp
-from tileops.rope import (LongRoPEFwdOp, Phi3LongRoPEFwdOp, RoPEDynamicNTKFwdOp, RoPEFwdOp, RoPELinearFwdOp,
-                          RoPELlama31FwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp, from_hf_config)
+from tileops.rope import (LongRoPEFwdOp, MRoPEFwdOp, Phi3LongRoPEFwdOp, RoPEDynamicNTKFwdOp, RoPEFwdOp,
+                          RoPELinearFwdOp, RoPELlama31FwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp, from_hf_config)
 
 try:  # pytest puts tests/ on sys.path when it is not a package
     import references
@@ -56,17 +56,28 @@ def reference(qkv, positions, slots, hq, hkv, d, rope, qw, kw, nslots):
     p = ref_params(rope)
     rot = d if p.get("rotary_dim") is None else p["rotary_dim"]
     inv, amp = references.inv_freq_and_amplitude(rope.name, p, rot)
-    pos = positions.view(-1, 1)
+    pairing = rope.pairing
+    h = rot // 2
+    first, second = (slice(0, h), slice(h, rot)) if pairing == "neox" else (slice(0, rot, 2), slice(1, rot, 2))
 
     def mag(t):  # each element's bound: |a| + |c| of its pair, times the amplitude
         m = t.abs().clone()
-        h = rot // 2
-        s = t[..., :h].abs() + t[..., h:rot].abs()
-        m[..., :h], m[..., h:rot] = s, s
+        s = t[..., first].abs() + t[..., second].abs()
+        m[..., first], m[..., second] = s, s
         return m * max(1.0, amp)
 
-    q_ref = references.rotate(q, pos, inv, amp, "neox")
-    k_ref = references.rotate(k, pos, inv, amp, "neox")
+    def rotate(t):
+        if positions.dim() == 1:
+            return references.rotate(t, positions.view(-1, 1), inv, amp, pairing)
+        # MRoPE: pair j turns by the position of its stream
+        streams = references.mrope_pair_streams(p["mrope_section"], p["mrope_interleaved"], h)
+        ang = (positions.double().T[:, streams] * inv)[:, None, :]  # [T, 1, R/2]
+        out, a, c = t.clone(), t[..., first], t[..., second]
+        out[..., first] = (a * ang.cos() - c * ang.sin()) * amp
+        out[..., second] = (c * ang.cos() + a * ang.sin()) * amp
+        return out
+
+    q_ref, k_ref = rotate(q), rotate(k)
     cache = {}
     for t, s in enumerate(slots.tolist()):
         if 0 <= s < nslots:
@@ -96,14 +107,15 @@ def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=F
     width = (hq + 2 * hkv) * d
     qkv = torch.randn(tokens, width + 16, generator=gen).to(dtype)[:, 8:8 + width]  # row-strided
     if positions is None:
-        positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+        streams = (3,) if rope.name == "MRoPEFwdOp" else ()
+        positions = torch.randint(0, max_pos, (*streams, tokens), generator=gen)
     positions = positions.to(pos_dtype)
     nslots = blocks * bs
     slots = torch.randperm(nslots, generator=gen)[:tokens].to(slot_dtype)
     slots[torch.randperm(tokens, generator=gen)[: max(1, tokens // 4)]] = -1  # padding: skipped
     if strided_indices:  # every other element of a buffer whose others are out of range for both
-        positions, slots = (torch.full((2 * tokens,), 2**40, dtype=t.dtype).index_copy_(
-            0, torch.arange(0, 2 * tokens, 2), t)[::2] for t in (positions, slots))
+        positions, slots = (torch.full((*t.shape[:-1], 2 * tokens), 2**40, dtype=t.dtype).index_copy_(
+            -1, torch.arange(0, 2 * tokens, 2), t)[..., ::2] for t in (positions, slots))
     qw = kw = None
     if qk_norm:
         qw = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
@@ -137,11 +149,16 @@ class _Config:
 
 
 def rope_variants():
-    """Every rope constructor of the family that takes positions and that the kernel builds today
-    (neox pairing, one position stream), head_dim 64; partial rotary ones rotate 32 columns."""
+    """Every rope constructor of the family that takes positions, head_dim 64; partial rotary ones
+    rotate 32 columns; MRoPE's take [3, tokens] positions."""
     n = torch.linspace(1.0, 3.0, 16, dtype=torch.float64)
     return {
         "RoPEFwdOp": RoPEFwdOp(base=5e5),
+        "RoPEFwdOp-interleaved": RoPEFwdOp(rope_layout="interleaved", base=1e4),
+        "YaRNFwdOp-interleaved (DeepSeek)": YaRNFwdOp(scale=40.0, original_max_position=4096, rope_layout="interleaved"),
+        "MRoPEFwdOp (Qwen2-VL)": MRoPEFwdOp(mrope_section=[8, 12, 12], input_layout="packed", base=1e6),
+        "MRoPEFwdOp-interleaved (Qwen3-VL)": MRoPEFwdOp(mrope_section=[12, 10, 10], input_layout="packed", base=5e6,
+                                                        mrope_interleaved=True),
         "RoPENeoxPositionIdsFwdOp": RoPENeoxPositionIdsFwdOp(max_position=8192, base=1e6),
         "RoPELlama31FwdOp": RoPELlama31FwdOp(base=5e5, scale_factor=8.0, original_max_position=1024),
         "YaRNFwdOp": YaRNFwdOp(scale=4.0, original_max_position=1024),
@@ -248,12 +265,6 @@ def test_refused_until_built():
     rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]
     with pytest.raises(NotImplementedError, match="cache_dtype: float8_e4m3fn"):
         AttnPrologueFwdOp(8, 1, 64, rope, cache_dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="rope: .*pairing"):
-        AttnPrologueFwdOp(8, 1, 64, RoPEFwdOp(rope_layout="interleaved"))
-    from tileops.rope import MRoPEFwdOp
-
-    with pytest.raises(ValueError, match="rope: MRoPEFwdOp needs the fused kernel's mrope_section"):
-        AttnPrologueFwdOp(8, 1, 64, MRoPEFwdOp(mrope_section=[8, 12, 12], input_layout="packed"))
     from tileops.attention import builtin
     from tileops.manifest import CallSpec
 

@@ -80,7 +80,9 @@ class PrologueKernels:
             launch = {**tensors, "qkv": qkv, **index}
             args = {"S": qkv.shape[0], "HQ": hq, "HKV": hkv, "xst": qkv.stride(0), "qst": q.stride(0),
                     "qsh": q.stride(1), "csb": csb, "csr": csr, "csh": csh, "bs": bs, "nslots": nslots,
-                    "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr()}
+                    "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr(),
+                    # MRoPE's three position streams [3, tokens] lie psc elements apart
+                    "psc": index["positions"].stride(0) if index["positions"].dim() == 2 else 0}
             b = bind(self.kernel, self.op.manifest, launch, {"q_out": q}, args=args, keep=(tables,),
                      pointers={"QKV": "qkv", "P": "positions", "SL": "slot_mapping", "QW": "q_norm_weight",
                                "KW": "k_norm_weight", "Q": "q_out", "KC": "key_cache", "VC": "value_cache"},

@@ -46,9 +46,9 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
     call or at ``op.check()`` (``tileops.strict()`` raises at the call itself), as the RoPE ops report
     positions.
 
-    Built today: the C schedule on the CPU (neox pairing). A CUDA input is refused (the fused kernel's CUDA
-    schedule is not built yet); fp8 caches are validated and refused at construction until the float8 stage
-    exists; interleaved pairing and MRoPE are refused by the kernel builder until it has them.
+    Built today: the C schedule on the CPU, every pairing and MRoPE's three position streams (through the rope
+    family's own stages). A CUDA input is refused (the fused kernel's CUDA schedule is not built yet); fp8
+    caches are validated and refused at construction until the kernel stores them.
 
     References: vLLM fused_qk_norm_rope and reshape_and_cache_flash; flashinfer
         rope_quantize_fp8_append_paged_kv_cache.
