@@ -304,6 +304,8 @@ BAD_CALLS = {  # argument -> (change to the good call, error type, what the mess
                                "q_norm_weight: expected no norm weights without qk_norm"),
     "scale-without-fp8": (lambda a: a.update(k_scale=torch.ones(1), v_scale=torch.ones(1)), ValueError,
                           "k_scale: expected no k_scale or v_scale without an fp8 cache"),
+    "cache-no-blocks": (lambda a: a.update(key_cache=a["key_cache"][:0], value_cache=a["value_cache"][:0]),
+                        ValueError, "key_cache: expected at least one block"),
     "q_out-shape": (lambda a: a.update(q_out=torch.empty(3, 8, 32, dtype=torch.bfloat16)), ValueError,
                     r"q_out: expected shape \[3, 8, 64\]"),
 }

@@ -104,11 +104,11 @@ def _op_and_call(name: str, label: str | None, device: str = "cpu"):
     import torch
 
     from .manifest import call_specs, case_dims, case_params, get
-    from .workloads import op_class
+    from .workloads import op_class, op_params
 
     m = get(name)
     case = m.case(label) if label else m.cases[0]
-    op = op_class(name)(**case_params(m, case))
+    op = op_class(name)(**op_params(m, case_params(m, case)))
     call = call_specs(m, case_dims(m, case), case.dtypes[:1], torch.device(device), case.with_inputs)[0]
     return m, case, op, call
 
