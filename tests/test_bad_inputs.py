@@ -516,7 +516,7 @@ def test_bad_out_tensor_is_named_with_the_kind_of_an_input_error(m, spec):
     }
     for what, (bad, kind) in wrong.items():
         msg = raises_naming(spec.name, call, m, params, dims, {spec.name: bad}, kinds=kind)
-        of = spec.like if what == "dtype" else that  # the like input's dtype, the output's own shape
+        of = that if what == "shape" else spec.like  # the output's own shape; the like input's dtype and device
         assert msg.startswith(f"{m.name}: {spec.name}: expected {what} ") and f"(that of {of})" in msg, msg
 
 
