@@ -28,7 +28,8 @@ import torch
 
 from tileops.families import roots
 
-__all__ = ["reference_module", "outputs", "written", "grads", "check_independent", "output_dtype", "output_shape"]
+__all__ = ["reference_module", "outputs", "written", "scales", "grads", "check_independent", "output_dtype",
+           "output_shape"]
 
 HERE = Path(__file__).resolve().parent
 #: the first family's reference predates the convention
@@ -73,6 +74,14 @@ def written(m: Any, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor
         return {}
     got = reference_module(m.family).reference(m.name, dict(params), dict(inputs))
     return {n: got[n] for n in names}
+
+
+def scales(m: Any, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What each element's error is measured against, by output or written input name, where the
+    family's reference says (its ``scale``): the magnitude the op's roundings act on when that is not
+    the element's own (a rotation that cancels). Absent: the element's own value."""
+    fn = getattr(reference_module(m.family), "scale", None)
+    return {} if fn is None else fn(m.name, dict(params), dict(inputs))
 
 
 def output_shape(m: Any, params: Mapping[str, Any], name: str, dims: Mapping[str, Any]) -> torch.Size | None:

@@ -388,3 +388,30 @@ def test_compose_errors_name_the_key(tmp_path, edit, message):
     others = [p for p in packaged_files() if p.name != "AttnPrologueFwdOp.yaml"]
     with pytest.raises(ManifestError, match=message):
         load_files([*others, path])
+
+
+def test_opcheck_and_compiled_calls_write_the_caches(gen):
+    """Traced by torch.compile, the op is ``tileops::apply_out`` with the caches among its mutated
+    tensors (after q): opcheck passes on that form, and a compiled function (fullgraph) gives the
+    eager call's q and caches."""
+    from tileops.runtime.library import pack
+
+    rope, args = _good(gen)
+    op = AttnPrologueFwdOp(8, 1, 64, rope)
+    rest = {k: v for k, v in args.items() if k not in ("key_cache", "value_cache")}
+    q = torch.empty(args["qkv"].shape[0], 8, 64, dtype=args["qkv"].dtype)
+    torch.library.opcheck(torch.ops.tileops.apply_out.default,
+                          (op._handle, *pack(op, rest), [q, args["key_cache"].clone(), args["value_cache"].clone()]))
+
+    def step(qkv, positions, key_cache, value_cache, slot_mapping):
+        return op(qkv, positions, key_cache, value_cache, slot_mapping) * 2
+
+    eager = {k: v.clone() for k, v in args.items()}
+    compiled = {k: v.clone() for k, v in args.items()}
+    want = step(**eager)
+    got = torch.compile(step, fullgraph=True)(**compiled)
+    op.check()
+    assert torch.equal(got, want)
+    for name in ("key_cache", "value_cache"):
+        assert torch.equal(compiled[name], eager[name]), name
+        assert not torch.equal(compiled[name], args[name]), f"{name}: nothing written"

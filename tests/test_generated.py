@@ -80,6 +80,7 @@ def check_case(gcase: GeneratedCase, gen: torch.Generator) -> None:
     assert len(outs) == len(specs), seed
     cpu = {k: before[k].cpu() for k in w.inputs}  # the written inputs (a cache) as they were before the call
     refs = family_references.outputs(m, w.params, cpu)
+    scales = family_references.scales(m, w.params, cpu)
     for spec, out in zip(specs, outs):
         src = w.inputs[spec.like]
         assert isinstance(out, torch.Tensor)
@@ -91,11 +92,11 @@ def check_case(gcase: GeneratedCase, gen: torch.Generator) -> None:
         # The output is a fresh tensor from the op, so instead of pre-filling it with NaN we check
         # that every element was written with a finite value.
         assert bool(torch.isfinite(out).all()), f"non-finite {spec.name} {seed}"
-        assert_close(out, refs[spec.name], gcase.dtype, f"{spec.name} {seed}")
+        assert_close(out, refs[spec.name], gcase.dtype, f"{spec.name} {seed}", scales.get(spec.name))
     written = family_references.written(m, w.params, cpu)
     for name, t in w.inputs.items():
         if name in written:  # written in place: against the reference's state after the call
-            assert_close(t.float(), written[name], gcase.dtype, f"{name} {seed}")
+            assert_close(t.float(), written[name], gcase.dtype, f"{name} {seed}", scales.get(name))
         else:
             assert torch.equal(t, before[name]), f"input {name} was modified {seed}"
 
@@ -121,11 +122,14 @@ def check_backward(gcase: GeneratedCase, m, w, op, before, seed, gen) -> None:
         assert_close(g, refs[name], gcase.dtype, f"grad of {name} {seed}")
 
 
-def assert_close(got_t: torch.Tensor, ref: torch.Tensor, dtype: str, seed: str) -> None:
+def assert_close(got_t: torch.Tensor, ref: torch.Tensor, dtype: str, seed: str,
+                 scale: torch.Tensor | None = None) -> None:
+    """``|got - ref| <= atol + rtol * scale``, ``scale`` the reference's own magnitude unless the
+    family's reference gives another (:func:`family_references.scales`)."""
     got = got_t.detach().cpu().double()
     atol, rtol = TOLERANCES[dtype]
     err = (got - ref).abs()
-    bad = err > atol + rtol * ref.abs()
+    bad = err > atol + rtol * (ref.abs() if scale is None else scale)
     if bool(bad.any()):
         i = tuple(int(j) for j in bad.nonzero()[0])
         pytest.fail(f"{int(bad.sum())} of {bad.numel()} elements off; first at {list(i)}: got {got[i].item()}, "

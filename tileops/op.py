@@ -198,7 +198,12 @@ class Op:
             if outs.get(o.name) is not None and tensors.get(o.like) is None:
                 raise ValueError(f"{self.name}: {o.name}: given without {o.like}, whose result it would hold")
         grad_needed(self, tensors, {k: v for k, v in outs.items() if v is not None})  # raises as the eager call does
-        if any(outs.get(o.name) is not None for o in made):
+        written = library.written(self, tensors)
+        if written:  # inputs the op writes in place (a KV cache): apply_out's mutated list, after the outputs
+            inputs, names = library.pack(self, {k: v for k, v in tensors.items() if k not in written})
+            got = [outs[o.name] if outs.get(o.name) is not None else self._new_output(o.name, tensors) for o in made]
+            torch.ops.tileops.apply_out(self._handle, inputs, names, got + [tensors[n] for n in written])
+        elif any(outs.get(o.name) is not None for o in made):
             got = [outs[o.name] if outs.get(o.name) is not None else self._new_output(o.name, tensors) for o in made]
             torch.ops.tileops.apply_out(self._handle, inputs, names, got)
         else:

@@ -21,8 +21,7 @@ __all__ = [
 
 
 class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
-    """The attention prologue in one launch, per-head q/k RMSNorm, any RoPE of the family, and the paged KV-cache
-    write.
+    """The attention prologue in one launch, q/k RMSNorm, RoPE and the paged KV-cache write.
 
     Row ``t`` of ``qkv`` holds ``num_q_heads`` q heads, then ``num_kv_heads`` k heads and as many v heads of
     ``head_dim`` each. With ``qk_norm`` every q and k head is RMS-normalised over ``head_dim`` with its weight

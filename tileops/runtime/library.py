@@ -11,7 +11,9 @@ op's manifest:
   Differentiable: its backward is ``tileops::apply_backward`` (the family's backward kernels);
 * ``tileops::apply_out(SymInt handle, Tensor[] inputs, str names, Tensor(a3!)[] outs) -> ()``:
   ``out=`` and in place: ``outs`` holds one tensor per output whose ``like`` input is given, with
-  exact ``mutates_args``.
+  exact ``mutates_args``, then the inputs the manifest marks ``written`` (a KV cache the op writes
+  in place), which ``inputs`` then leaves out: a call of an op that writes an input always takes
+  this op, so a compiled graph knows what it mutates.
 
 ``handle`` names the op object (its parameters and compiled kernels), registered at construction
 and forgotten when the op is garbage collected. It is the same int on every call of one op, so a
@@ -37,7 +39,7 @@ import torch
 from ..compile import entry
 from . import errors, memory, native
 
-__all__ = ["register", "lookup", "pack", "produced", "raise_bad", "late"]
+__all__ = ["register", "lookup", "pack", "produced", "written", "raise_bad", "late"]
 
 _ops: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
@@ -95,6 +97,11 @@ def _inputs(op: Any, inputs: list[torch.Tensor], names: str, saved: bool = False
         raise TypeError(f"{op.name}: inputs {names!r} do not match its inputs "
                         f"({', '.join(t.name for t in op.manifest.inputs)})")
     return {t.name: given.get(t.name) for t in op.manifest.inputs} | {n: given[n] for n in extra if n in given}
+
+
+def written(op: Any, tensors: dict) -> list[str]:
+    """The inputs of a call with ``tensors`` that the op writes in place (``written`` in its manifest), given ones."""
+    return [t.name for t in op.manifest.inputs if t.written and tensors.get(t.name) is not None]
 
 
 def produced(op: Any, tensors: dict) -> list:
@@ -187,7 +194,10 @@ def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
 def _apply_out(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
     op = lookup(handle)
     tensors = _inputs(op, inputs, names)
-    op._eager_call(tensors, {o.name: t for o, t in zip(produced(op, tensors), outs)})
+    made = produced(op, tensors)
+    # the written inputs come after the outputs, in the manifest's order (Op._traced_call)
+    tensors |= dict(zip([t.name for t in op.manifest.inputs if t.written], outs[len(made):]))
+    op._eager_call(tensors, {o.name: t for o, t in zip(made, outs)})
 
 
 def _apply_out_fake(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
