@@ -103,13 +103,16 @@ def reference(qkv, positions, slots, hq, hkv, d, rot, amplitude, qw, kw, nslots,
 
 
 def assert_within(got, ref, mag, unit, what):
-    """``|got - ref| <= 8 * unit * mag + 1e-30``: the kernel rounds the norm's output twice to the
+    """``|got - ref| <= 8 * unit * mag + 2 subnormal steps``: the kernel rounds the norm's output twice to the
     dtype (``n`` and ``n * w``) and the rotation once; each rounding moves a pair's element by at
     most ``unit`` of the pair's magnitude, and fp32 arithmetic adds a few 2^-24."""
+    # below the dtype's smallest normal the spacing is absolute: fp16's 2^-24 (a normalised value
+    # near 5e-6 rounds to it; seen in 1 of 6 runs), bf16's 2^-133
+    fi = torch.finfo(got.dtype)
     got = got.double()
     assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} elements not written"
     err = (got - ref).abs()
-    bound = 8 * max(unit, 2.0**-22) * mag + 1e-30
+    bound = 8 * max(unit, 2.0**-22) * mag + 2 * fi.smallest_normal * fi.eps
     bad = err > bound
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements off; max error {err.max():.3e}"
 
@@ -314,8 +317,15 @@ def test_norm_roundings(gen, dtype, rounding, offset):
 
     def check(x, w, q):
         want = _emulated_norm(x[..., :], w, rounding, offset, dtype)[..., rot:]
-        assert torch.equal(q[..., rot:], want), (
-            f"columns past rot: {int((q[..., rot:] != want).sum())} of {want.numel()} differ from {rounding}")
+        got = q[..., rot:]
+        # the same bits but where the row's fp32 statistic lands an ulp apart from the emulation's
+        # and an element sits on a rounding boundary: 1 element of 9,920, 1 run in 6 (fp16); then
+        # one ulp of the dtype
+        differ = got != want
+        ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).smallest_normal)
+        assert int(differ.sum()) <= max(1, want.numel() // 1000) and bool(
+            ((got.float() - want.float()).abs() <= ulp).all()), (
+            f"columns past rot: {int(differ.sum())} of {want.numel()} differ from {rounding}")
         told.append(not torch.equal(_emulated_norm(x, w, other, offset, dtype)[..., rot:], want))
 
     err, _ = case(gen, dtype, s=31, hq=4, hkv=2, d=d, rot=rot, qk_norm=True, layout="NHD", rounding=rounding,
