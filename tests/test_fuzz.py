@@ -67,7 +67,10 @@ except ImportError:  # pragma: no cover
 # defaults on a free 2-core machine), so the module is deselected by default: `-m slow` runs it.
 pytestmark = pytest.mark.slow
 
-REGISTRY = registry()
+#: ops the fuzzer does not draw yet, and why (their own tests cover them meanwhile)
+NOT_FUZZED = {"AttnPrologueFwdOp": "an op param (the rope object) and inputs written in place (the caches) are not "
+                                   "drawn yet; tests/test_attention_prologue.py and the generated tests cover it"}
+REGISTRY = {n: m for n, m in registry().items() if n not in NOT_FUZZED}
 FULL = os.environ.get("TILEOPS_FUZZ_WIDE", "") not in ("", "0")
 DEVICE = os.environ.get("TILEOPS_FUZZ_DEVICE", "cpu")
 EXAMPLES = int(os.environ.get("TILEOPS_FUZZ_EXAMPLES", "40"))
