@@ -357,10 +357,14 @@ def test_norm_roundings(gen, dtype, rounding, offset):
 # Not its speed, and not the GPU's approximate rsqrtf (the harness's is 1 / sqrtf). Sizes stay small.
 needs_gxx = pytest.mark.skipif(not cuda_on_cpu.available(), reason="no g++")
 CUDA = dict(backend="cuda")
+#: the emulated matrices take ~9 min on 2 cores in all: bf16 runs by default, the rest with -m slow
+SLOW = pytest.mark.slow
+CUDA_DTYPES = [pytest.param(torch.float32, id="float32", marks=SLOW), pytest.param(torch.float16, id="float16",
+                                                                                     marks=SLOW), torch.bfloat16]
 
 
 @needs_gxx
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=_name)
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_cuda_matches_math(gen, dtype, qk_norm, layout):
@@ -372,6 +376,7 @@ def test_cuda_matches_math(gen, dtype, qk_norm, layout):
 
 
 @needs_gxx
+@SLOW
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_name)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 def test_cuda_partial_rotary_gqa(gen, dtype, index_dtype):
@@ -384,6 +389,7 @@ def test_cuda_partial_rotary_gqa(gen, dtype, index_dtype):
 
 
 @needs_gxx
+@SLOW
 @pytest.mark.parametrize("dtype, d, rot", [(torch.bfloat16, 64, 64), (torch.bfloat16, 80, 80),
                                            (torch.float16, 80, 32), (torch.bfloat16, 128, 128),
                                            (torch.bfloat16, 256, 256), (torch.float32, 256, 256),
@@ -423,7 +429,7 @@ def test_cuda_each_error_word_alone(gen):
 
 
 @needs_gxx
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=_name)
 def test_cuda_interleaved_pairing(gen, dtype):
     """Interleaved pairs inside a lane's two vectors, full and partial rotary, with and without the norm."""
     for qk_norm, rot, layout in ((False, 32, "NHD"), (True, 16, "HND")):
@@ -433,6 +439,7 @@ def test_cuda_interleaved_pairing(gen, dtype):
 
 
 @needs_gxx
+@SLOW
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_name)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["sections", "interleaved_map"])
 def test_cuda_mrope(gen, dtype, interleaved):
@@ -499,7 +506,7 @@ def test_cuda_mutations_are_caught(gen):
 
 
 @needs_toolchain
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("arch", ["sm_90", pytest.param("sm_80", marks=SLOW)])
 @pytest.mark.parametrize("fields", [dict(dtype="bfloat16", head_dim=128, rot=128, qk_norm=True),
                                     dict(dtype="float16", head_dim=80, rot=32, positions="int32", slots="int32"),
                                     dict(dtype="bfloat16", head_dim=128, rot=128, mrope_section=(24, 20, 20),
