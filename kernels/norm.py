@@ -69,7 +69,8 @@ from .storage import load_f32, round_to, storage_dtype, to_storage
 T: Any = None
 
 __all__ = ["NormKernelSpec", "build_norm", "build", "Spec", "STATIC", "FWD_ARGS", "BWD_ARGS", "WSUM_ARGS",
-           "eps_bits", "WSUM_SLICES", "row_rstd", "row_value", "norm_row", "RowGroup"]
+           "eps_bits", "WSUM_SLICES", "row_rstd", "row_value", "norm_row", "RowGroup", "lane_value",
+           "lane_allsum", "lane_rstd", "CUDA_HELPERS"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
 #: without importing the module). Every other field of :class:`NormKernelSpec` the op derives from the call.
@@ -289,7 +290,7 @@ def _tl() -> Any:
 # 16-byte stores through st.global.cg: a local bf16 vector filled element by element and stored as a
 # plain uint4 became four 4-byte stores (``st.global.v2.u16`` x 4 in the PTX for sm_90, head_dim 128),
 # as kernels/rope.py saw; .cg also keeps the streamed outputs out of L1, which holds the weight.
-_CUDA_HELPERS = """
+CUDA_HELPERS = """
 __device__ __forceinline__ float tileops_xor_lane(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 template <typename T> __device__ __forceinline__ void tileops_st16(T* dst, const T* src) {
   __stcg(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(src));
@@ -456,6 +457,63 @@ def _fwd_c(spec: NormKernelSpec, st: dict[str, str]):
     return body
 
 
+def lane_value(spec: NormKernelSpec):
+    """The CUDA schedule's per-element stage: a macro ``n = lane_value(xr, wr, br, j, v, mean, rstd)``,
+    element ``j * vec + v`` of a lane's row slice ``xr`` (local, the input dtype) normalised in fp32
+    before its store: ``x - mean`` for LayerNorm, times the row's ``rstd``, rounded to the input dtype
+    with ``llama`` rounding, times ``offset + w`` (``wr``, the lane's weights at the same index),
+    plus the bias (``br``); ``wr``, ``br`` are not read where the spec has no weight or bias. (Its
+    parameters are named as the norm kernel's own variables, so that calling it there binds nothing
+    new and the kernel's code stays as it was.)"""
+    _tl()
+    dt, V = spec.dtype, spec.vec
+    has_w = spec.weight is not None
+
+    @T.macro
+    def lane_value(xr, wr, br, j, v, mean, rstd):
+        n = _centered(spec, T.cast(xr[j * V + v], "float32"), mean) * rstd
+        if spec.rounding == "llama":
+            n = round_to(n, dt, dt)
+        if has_w:
+            n = n * _wterm(spec, T.cast(wr[j * V + v], "float32"))
+        if spec.bias is not None:
+            n = n + T.cast(br[j * V + v], "float32")
+        return n
+
+    return lane_value
+
+
+def lane_allsum(lanes: int):
+    """The CUDA schedule's row sum within a warp: a macro ``lane_allsum(acc, k)`` that adds
+    ``acc[0:k]`` (local fp32) over the ``lanes`` consecutive lanes of a group (a power of two, at most
+    32; the groups aligned on multiples of ``lanes``), by an xor butterfly of ``log2(lanes)`` shuffles
+    (``tileops_xor_lane`` of :data:`CUDA_HELPERS`): every lane ends with the same bits. Every lane of
+    the warp must reach it (the shuffles take the full mask)."""
+    _tl()
+    log = lanes.bit_length() - 1
+
+    @T.macro
+    def lane_allsum(acc, k):
+        for d in T.unroll(log):
+            for i in T.unroll(k):
+                acc[i] = acc[i] + T.call_extern("float32", "tileops_xor_lane", acc[i], T.shift_right(lanes, d + 1))
+
+    return lane_allsum
+
+
+def lane_rstd(spec: NormKernelSpec):
+    """The CUDA schedule's row statistic: a macro ``rstd = lane_rstd(acc, eps)`` from the row's sum of
+    squares in ``acc[0]`` (local fp32, every lane's the same bits): ``rsqrt(acc[0] / hidden + eps)``."""
+    _tl()
+    H = spec.hidden
+
+    @T.macro
+    def lane_rstd(acc, eps):
+        return T.rsqrt(acc[0] / T.float32(H) + eps)
+
+    return lane_rstd
+
+
 class RowGroup:
     """The CUDA schedule's constants for one spec, and the macros its programs share: a row's
     vectors, the predicate of each, and the all-reduce across the lanes of a row."""
@@ -484,15 +542,14 @@ class RowGroup:
         return (j * self.L + lane) * self.V
 
     def allsum_macro(self):
-        L, wide, warps, sh, log_sh = self.L, self.wide, self.warps, self.sh, self.log_sh
+        L, wide, warps = self.L, self.wide, self.warps
+        butterfly = lane_allsum(self.sh)
 
         @T.macro
         def allsum(acc, k, red, stage, tx):
             """``acc[0:k]`` summed over the lanes of a row; every lane ends with the same bits (an xor
             butterfly adds the same two values on both sides; the warps' sums are added in order)."""
-            for d in T.unroll(log_sh):
-                for i in T.unroll(k):
-                    acc[i] = acc[i] + T.call_extern("float32", "tileops_xor_lane", acc[i], T.shift_right(sh, d + 1))
+            butterfly(acc, k)
             if wide:
                 if tx % 32 == 0:
                     for i in T.unroll(k):
@@ -557,11 +614,12 @@ def _fwd_cuda(spec: NormKernelSpec):
     allsum = k.allsum_macro()
     row_mean = k.mean_macro(allsum)
     store_x, store_y = k.store_macro(spec.dtype), k.store_macro(spec.y_dtype)
+    value, rstd_of = lane_value(spec), lane_rstd(spec)
 
     @T.macro
     def body(X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits):
         with T.Kernel(T.ceildiv(M, RPB), threads=TPB) as bx:
-            T.import_source(_CUDA_HELPERS)
+            T.import_source(CUDA_HELPERS)
             T.annotate_min_blocks_per_sm(k.min_blocks)
             tx = T.get_thread_binding()
             lane = tx % L
@@ -601,19 +659,12 @@ def _fwd_cuda(spec: NormKernelSpec):
                         f = _centered(spec, T.cast(xr[j * V + v], "float32"), mean)
                         acc[0] = acc[0] + f * f
             allsum(acc, 1, red, 0, tx)
-            rstd = T.rsqrt(acc[0] / T.float32(H) + eps)
+            rstd = rstd_of(acc, eps)
             yo = _row_offset(row, NH, yst, ysh) * V
             for j in T.unroll(NV):
                 if k.ok(live, lane, j):
                     for v in T.unroll(V):
-                        n = _centered(spec, T.cast(xr[j * V + v], "float32"), mean) * rstd
-                        if spec.rounding == "llama":
-                            n = round_to(n, dt, dt)
-                        if has_w:
-                            n = n * _wterm(spec, T.cast(wr[j * V + v], "float32"))
-                        if spec.bias is not None:
-                            n = n + T.cast(br[j * V + v], "float32")
-                        yr[v] = T.cast(n, ydt)
+                        yr[v] = T.cast(value(xr, wr, br, j, v, mean, rstd), ydt)
                     store_y(Y, yo + k.col(lane, j), yr, 0)
 
     return body
@@ -741,7 +792,7 @@ def _bwd_cuda(spec: NormKernelSpec):
     @T.macro
     def body(X, DY, DRO, W, DX, DWP, DBP, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits):
         with T.Kernel(G, threads=TPB) as g:
-            T.import_source(_CUDA_HELPERS)
+            T.import_source(CUDA_HELPERS)
             T.annotate_min_blocks_per_sm(k.min_blocks)
             tx = T.get_thread_binding()
             lane = tx % L

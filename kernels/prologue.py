@@ -7,9 +7,14 @@ position read, bounds-checked, and the cos/sin composition from the digit tables
 stream pick included), :func:`tileops.kernels.rope.rotate` (the pairing, the partial-rotary copy,
 the store in the dtype) and :func:`tileops.kernels.norm.norm_row` (the per-row RMSNorm with the
 spec's ``rounding``/``offset``, its row sum in float64 as the norm's C schedule adds it). A rope
-variant or pairing added to those stages reaches this kernel with no edit here. So far the C
-schedule only (``build`` refuses ``backend="cuda"``; ``docs/dev/prologue-plan.md`` plans the CUDA
-one) and a cache of qkv's own dtype.
+variant or pairing added to those stages reaches this kernel with no edit here. Two schedules: the C
+one (a token per loop iteration) and the CUDA one (a lane group per head row, a token's groups
+walking its q, k and v rows with cos/sin composed once: ``_build_cuda`` says why, with the numbers),
+which takes the rope stage's CUDA pieces (:func:`tileops.kernels.rope.lane_angles`, ``rotate_vals``,
+``pair_offsets``, ``store_one``) and the norm's (:func:`tileops.kernels.norm.lane_allsum`,
+``lane_rstd``, ``lane_value``). A cache of qkv's own dtype so far. On CUDA the qkv, q and cache
+strides are in units of ``vec`` elements (``stride_unit``) and every pointer must lie on a 16-byte
+vector (the host checks both).
 
 Inputs (all flat buffers addressed by element strides, as the rope and norm builders take them):
 
@@ -39,8 +44,9 @@ rounded once.
 from dataclasses import dataclass
 from typing import Any
 
-from .norm import NormKernelSpec, norm_row
-from .rope import DIGITS, LO, RoPEKernelSpec, angles, rotate
+from .norm import CUDA_HELPERS, NormKernelSpec, lane_allsum, lane_rstd, lane_value, norm_row
+from .rope import (DIGITS, LO, RoPEKernelSpec, angles, lane_angles, pair_offsets, position, rotate, rotate_vals,
+                   store_one)
 from .storage import load_f32, storage_dtype
 
 #: ``tilelang.language``, imported when a kernel is first built (:func:`build_prologue`)
@@ -48,8 +54,14 @@ T: Any = None
 
 __all__ = ["PrologueKernelSpec", "build_prologue", "build", "Spec", "STATIC", "USES", "ARGS"]
 
-#: no schedule choices yet: the C schedule has none (the CUDA one will: lanes per row, rows per block)
-STATIC = {}
+#: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
+#: without importing the module); the C schedule has none.
+STATIC = {
+    "threads": (32, 1024, "target threads per block, a power of two (CUDA)"),
+    "head_lanes": (1, 64, "lane groups that split one token's head rows, a power of two (CUDA)"),
+}
+
+_ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 #: the builders whose stages this one composes: their sources join its cache key
 #: (:func:`tileops.kernels.used_files`)
@@ -76,13 +88,15 @@ class PrologueKernelSpec:
     slots: str = "int64"  # int32 | int64
     qk_norm: bool = False  # per-head RMSNorm of q and k, weights of ``dtype``
     pairing: str = "neox"  # neox | interleaved (the rope family's pairings)
-    backend: str = "c"  # c only so far
+    backend: str = "c"  # c | cuda
     #: MRoPE: pairs per position stream (temporal, height, width), summing to rot // 2 (as
     #: :class:`tileops.kernels.rope.RoPEKernelSpec` has it); ``P`` is then ``[3, S]``
     mrope_section: "tuple[int, int, int] | None" = None
     mrope_interleaved: bool = False  # Qwen3-VL's stream map instead of consecutive sections
     rounding: str = "llama"  # the norm's: llama | fp32 (:mod:`tileops.kernels.norm`); with qk_norm
     offset: float = 0.0  # the norm scales by ``offset + w`` (Gemma: 1.0); with qk_norm
+    threads: int = 128  # cuda: target threads per block (a power of two)
+    head_lanes: int = 16  # cuda: lane groups that split a token's q, k and v head rows (a power of two)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -94,9 +108,17 @@ class PrologueKernelSpec:
         for name in ("positions", "slots"):
             if getattr(self, name) not in ("int32", "int64"):
                 raise ValueError(f"{name}: expected 'int32' or 'int64', got {getattr(self, name)!r}")
-        if self.backend != "c":
-            raise ValueError(f"backend: only 'c' is built so far (the CUDA schedule is planned in "
-                             f"docs/dev/prologue-plan.md), got {self.backend!r}")
+        if self.backend not in ("c", "cuda"):
+            raise ValueError(f"backend: expected 'c' or 'cuda', got {self.backend!r}")
+        for name, low, high in (("threads", 32, 1024), ("head_lanes", 1, 64)):
+            n = getattr(self, name)
+            if type(n) is not int or not low <= n <= high or n & (n - 1):
+                raise ValueError(f"{name}: expected a power of two in [{low}, {high}], got {n!r}")
+        if self.backend == "cuda" and self.lanes > 32:
+            raise ValueError(f"head_dim, rot: the CUDA schedule holds a head row in at most 32 lanes of one warp; a "
+                             f"{self.dtype} row of head_dim {self.head_dim}, rot {self.rot} at {self.vec}-element "
+                             f"vectors needs {self.row_lanes} (head_dim and rot / 2 multiples of 16 bytes of the "
+                             f"dtype keep it at head_dim * bytes / 32 or fewer)")
         if not self.qk_norm and (self.rounding != "llama" or self.offset != 0.0):
             raise ValueError(f"rounding, offset: the norm's choices, expected the defaults ('llama', 0.0) "
                              f"without qk_norm, got {self.rounding!r}, {self.offset!r}")
@@ -120,22 +142,63 @@ class PrologueKernelSpec:
                               rounding=self.rounding, offset=self.offset, backend=self.backend)
 
     @property
+    def vec(self) -> int:
+        """CUDA: elements per access of x (16 bytes, shrunk until it divides head_dim and rot / 2: the
+        rope stage's vector, :attr:`tileops.kernels.rope.RoPEKernelSpec.vec`)."""
+        return self.rope_spec.vec
+
+    @property
     def stride_unit(self) -> int:
-        """The unit of every stride the kernel takes: one element on the C backend."""
-        return 1
+        """The unit of the qkv, q and cache strides the kernel takes (``xst qst qsh csb csr csh``):
+        ``vec`` elements on CUDA, so that the compiler can prove every row starts on a vector boundary
+        and keep 16-byte accesses (the host checks that each stride and pointer divides), one element
+        on the C backend. ``psc`` is always in elements."""
+        return self.vec if self.backend == "cuda" else 1
+
+    @property
+    def row_lanes(self) -> int:
+        """CUDA: the lanes that hold one head row: ``rot / 2 / vec`` that rotate (each holds ``vec``
+        pairs, both elements of each: the rope stage's lane), then ``(head_dim - rot) / vec`` that copy."""
+        return (self.rot // 2) // self.vec + (self.head_dim - self.rot) // self.vec
+
+    @property
+    def lanes(self) -> int:
+        """CUDA: the lane group of one head row, a power of two (the butterfly's width)."""
+        return 1 << max(0, (self.row_lanes - 1).bit_length())
+
+    @property
+    def block_threads(self) -> int:
+        """CUDA: threads of one block: ``lanes * head_lanes`` a token, ``threads`` at least."""
+        return max(self.threads, self.lanes * self.head_lanes)
+
+    @property
+    def tokens_per_block(self) -> int:
+        """CUDA: tokens one block handles."""
+        return self.block_threads // (self.lanes * self.head_lanes)
 
     #: the generated function's parameter names, in order (not a field: the same for every spec)
     args = ARGS
+
+
+def _signature(spec: PrologueKernelSpec, storage: str) -> dict:
+    """The buffer parameters both schedules declare (flat extents dynamic; the launcher passes them)."""
+    D, half = spec.head_dim, spec.rot // 2
+    NX, NQ, NK, NV, NP, NS = T.dynamic("NX, NQ, NK, NV, NP, NS")
+    return dict(QKV=T.Tensor((NX,), storage), P=T.Tensor((NP,), spec.positions), SL=T.Tensor((NS,), spec.slots),
+                TD=T.Tensor((DIGITS, LO, 2, half), "float32"), QW=T.Tensor((D,), storage),
+                KW=T.Tensor((D,), storage), Q=T.Tensor((NQ,), storage), KC=T.Tensor((NK,), storage),
+                VC=T.Tensor((NV,), storage), ERR=T.Tensor((2,), "int32"))
 
 
 def build_prologue(spec: PrologueKernelSpec):
     """The ``T.prim_func`` for ``spec``; its parameters are :data:`ARGS` (see the module's docstring)."""
     global T
     import tilelang.language as T  # here, not at the top: loading a cached kernel never imports TileLang
+    if spec.backend == "cuda":
+        return _build_cuda(spec)
     D, half = spec.head_dim, spec.rot // 2
     dt = spec.dtype
     st = storage_dtype(dt, spec.backend)
-    NX, NQ, NK, NV, NP, NS = T.dynamic("NX, NQ, NK, NV, NP, NS")
     angles_of = angles(spec.rope_spec)
     rotate_row = rotate(spec.rope_spec, row=True)
     normed = norm_row(spec.norm_spec) if spec.qk_norm else None
@@ -153,11 +216,11 @@ def build_prologue(spec: PrologueKernelSpec):
             normed(f, acc, W, W, eps)
         rotate_row(f, Y, 0, yo, cst)
 
+    sig = _signature(spec, st)
+
     @T.prim_func
-    def prologue_c(QKV: T.Tensor((NX,), st), P: T.Tensor((NP,), spec.positions),
-                   SL: T.Tensor((NS,), spec.slots), TD: T.Tensor((DIGITS, LO, 2, half), "float32"),
-                   QW: T.Tensor((D,), st), KW: T.Tensor((D,), st), Q: T.Tensor((NQ,), st),
-                   KC: T.Tensor((NK,), st), VC: T.Tensor((NV,), st), ERR: T.Tensor((2,), "int32"),
+    def prologue_c(QKV: sig["QKV"], P: sig["P"], SL: sig["SL"], TD: sig["TD"], QW: sig["QW"], KW: sig["KW"],
+                   Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], ERR: sig["ERR"],
                    S: T.int32, HQ: T.int32, HKV: T.int32, xst: T.int64, qst: T.int64, qsh: T.int64,
                    csb: T.int64, csr: T.int64, csh: T.int64, bs: T.int64, nslots: T.int64, limit: T.int64,
                    tag: T.int32, eps_bits: T.int32, psc: T.int64):
@@ -185,6 +248,192 @@ def build_prologue(spec: PrologueKernelSpec):
                         VC[co + T.cast(h, "int64") * csh + c] = QKV[vo + c]
 
     return prologue_c
+
+
+def _build_cuda(spec: PrologueKernelSpec):
+    """The CUDA schedule: one lane group per (token, head row), a block per ``tokens_per_block`` tokens.
+
+    Why not the plan's 1-D grid over every (token, head) row with cos/sin composed per row: for
+    Qwen3's 32/8/8 heads that composes a token's angles 40 times (every q and k row), 6 table loads of
+    ``vec`` fp32 each per lane per row: 192 bytes of table reads (L1/L2) against the 32 bytes of x a
+    lane moves in each direction, 6x the x traffic. The rope kernel's walk (cos/sin composed once per
+    token and lane, reused across the heads it walks) measured 91-102% of a same-bytes copy on the
+    H200. So a token's ``lanes * head_lanes`` threads compose its angles once and walk its head rows:
+    row ``r = hl + k * head_lanes`` of the ``HQ + 2 HKV`` (q, then k, then v), one loop with the row's
+    kind a branch, uniform within a lane group. With ``head_lanes = 16`` Qwen3's 48 rows are 3 rows a
+    group (16 q, 16 q, 8 k + 8 v), no group idle; a separate k and v loop would take 4 steps with half
+    the groups idle in two of them. At 2048 tokens that is 2048 blocks of 128 threads (262k threads,
+    about the 270k an H200's 132 SMs hold at once), each moving 32 bytes of x a step: 8 MB in flight,
+    twice the ~3.8 MB that 4.8 TB/s x ~0.8 us of latency asks for; the tables' reads are one
+    composition a token per lane (192 bytes against 3 rows x 64 bytes of x in and out), mostly L1 hits
+    (the high digits' rows repeat across tokens). Not yet measured on the H200: ``threads`` and
+    ``head_lanes`` are the knobs (``STATIC``).
+
+    A lane holds the rope stage's unit, ``vec`` pairs and both elements of each (neox: the vectors at
+    ``j0`` and ``R/2 + j0``; interleaved: ``2 vec`` contiguous elements): the pairing needs no shuffle
+    or shared memory for any head_dim or rot (the plan's one-vector-a-lane mapping needs the partner
+    from lane ``l + (R/2)/vec``, a shuffle only when that is a power of two). Lanes past
+    ``rot / 2 / vec`` hold one vector of the columns past ``rot`` (copied, normalised with qk_norm).
+    The norm's row sum is the norm's lane butterfly (:func:`tileops.kernels.norm.lane_allsum`) over
+    the group's ``lanes`` lanes; every lane of a warp runs every step (rows past the end and dead
+    tokens add 0), so the full-mask shuffles always meet. Tokens past ``S`` read token ``S - 1``'s
+    position and slot (inside every buffer) and write nothing.
+    """
+    D, R, half = spec.head_dim, spec.rot, spec.rot // 2
+    dt = spec.dtype
+    V = spec.vec
+    C = half // V  # lanes that rotate
+    CL = spec.row_lanes  # lanes that hold a row: C rotate, CL - C copy
+    L, HL = spec.lanes, spec.head_lanes
+    TOK, TPB = spec.tokens_per_block, spec.block_threads
+    mrope = spec.mrope_section is not None
+    rs, ns = spec.rope_spec, spec.norm_spec
+    pos, angles_of, rotated, store = position(rs), lane_angles(rs), rotate_vals(rs), store_one(rs)
+    norm = spec.qk_norm
+    if norm:
+        allsum, value, rstd_of = lane_allsum(L), lane_value(ns), lane_rstd(ns)
+
+    @T.macro
+    def load(QKV, xr, o, buf):
+        for v in T.vectorized(V):
+            buf[v] = QKV[xr + o + v]
+
+    @T.macro
+    def put(Q, KC, VC, isq, isk, yq, yc, o, buf):
+        """``buf`` to the row's destination: q (``Q[yq + o]``), k or v (``KC``/``VC[yc + o]``)."""
+        if isq:
+            store(Q, yq + o, buf)
+        elif isk:
+            store(KC, yc + o, buf)
+        else:
+            store(VC, yc + o, buf)
+
+    @T.macro
+    def normed(buf, wq, wk, isq, rstd):
+        """``buf`` normalised in place with q's or k's weights, rounded to the dtype (the norm's output
+        as the unfused chain stores it before the rotation reads it)."""
+        if isq:
+            for v in T.serial(V):
+                buf[v] = T.cast(value(buf, wq, wq, 0, v, 0, rstd), dt)
+        else:
+            for v in T.serial(V):
+                buf[v] = T.cast(value(buf, wk, wk, 0, v, 0, rstd), dt)
+
+    sig = _signature(spec, dt)
+
+    @T.prim_func
+    def prologue_cuda(QKV: sig["QKV"], P: sig["P"], SL: sig["SL"], TD: sig["TD"], QW: sig["QW"], KW: sig["KW"],
+                      Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], ERR: sig["ERR"],
+                      S: T.int32, HQ: T.int32, HKV: T.int32, xst: T.int64, qst: T.int64, qsh: T.int64,
+                      csb: T.int64, csr: T.int64, csh: T.int64, bs: T.int64, nslots: T.int64, limit: T.int64,
+                      tag: T.int32, eps_bits: T.int32, psc: T.int64):
+        with T.Kernel(T.ceildiv(S, TOK), threads=TPB) as bx:
+            # the norm's helpers: tileops_xor_lane and the same tileops_st16 as the rope stage's stores
+            # (TileLang keeps one import_source per kernel)
+            T.import_source(CUDA_HELPERS)
+            tx = T.get_thread_binding()
+            lane = tx % L
+            hl = (tx // L) % HL
+            t = bx * TOK + tx // (L * HL)
+            live = t < S
+            ts = T.min(t, S - 1)  # a dead token reads the last one's position and slot, writes nothing
+            cs = T.alloc_local((V,), "float32")
+            sn = T.alloc_local((V,), "float32")
+            c2 = T.alloc_local((V,), "float32")
+            s2 = T.alloc_local((V,), "float32")
+            c1 = T.alloc_local((V,), "float32")
+            s1 = T.alloc_local((V,), "float32")
+            c0 = T.alloc_local((V,), "float32")
+            s0 = T.alloc_local((V,), "float32")
+            xa = T.alloc_local((V,), dt)
+            xb = T.alloc_local((V,), dt)
+            ya = T.alloc_local((V,), dt)
+            yb = T.alloc_local((V,), dt)
+            wqa = T.alloc_local((V,), dt)
+            wqb = T.alloc_local((V,), dt)
+            wka = T.alloc_local((V,), dt)
+            wkb = T.alloc_local((V,), dt)
+            acc = T.alloc_local((1,), "float32")
+            eps = T.reinterpret(eps_bits, "float32")
+            # token ts's position(s), a bad one reported in ERR[0] and read as 0
+            if mrope:
+                pt = pos(P, ERR, 0, 1, limit, tag, 0, ts, 0, psc, 0)
+                ph = pos(P, ERR, 0, 1, limit, tag, 0, ts, 1, psc, 0)
+                pw = pos(P, ERR, 0, 1, limit, tag, 0, ts, 2, psc, 0)
+            else:
+                p = pos(P, ERR, 0, 1, limit, tag, 0, ts, None, None, 0)
+            slot = T.cast(SL[ts], "int64")
+            if live and slot >= nslots and tx % (L * HL) == 0:
+                ERR[1] = tag
+            kept = slot >= 0 and slot < nslots  # k and v written; a bad slot is never an address
+            co = T.alloc_var("int64")  # the slot's cache row; variables: computed once, not per store
+            co = T.int64(0)
+            if kept:  # slot >= 0 and bs > 0: truncating division is the floor, without sign fixes
+                co = (T.truncdiv(slot, bs) * csb + T.truncmod(slot, bs) * csr) * V
+            xo = T.cast(ts, "int64") * xst * V
+            qo = T.cast(ts, "int64") * qst * V
+            j0 = lane * V
+            o1, o2 = pair_offsets(rs, j0)
+            oc = R + (lane - C) * V  # a copy lane's vector
+            if lane < C:
+                if mrope:
+                    angles_of(TD, j0, None, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn)
+                else:
+                    angles_of(TD, j0, p, None, None, None, c2, s2, c1, s1, c0, s0, cs, sn)
+                if norm:
+                    load(QW, 0, o1, wqa)
+                    load(QW, 0, o2, wqb)
+                    load(KW, 0, o1, wka)
+                    load(KW, 0, o2, wkb)
+            elif lane < CL:
+                if norm:
+                    load(QW, 0, oc, wqa)
+                    load(KW, 0, oc, wka)
+            for k in T.serial(T.ceildiv(HQ + 2 * HKV, HL)):
+                r = hl + k * HL
+                isq = r < HQ
+                isk = r >= HQ and r < HQ + HKV
+                ok = live and r < HQ + 2 * HKV and (isq or kept)
+                xr = xo + T.cast(r, "int64") * D
+                yq = qo + T.cast(r, "int64") * qsh * V
+                yc = co + T.cast(T.if_then_else(isk, r - HQ, r - HQ - HKV), "int64") * csh * V
+                if ok:
+                    if lane < C:
+                        load(QKV, xr, o1, xa)
+                        load(QKV, xr, o2, xb)
+                    elif lane < CL:
+                        load(QKV, xr, oc, xa)
+                if norm:
+                    # the row's sum of squares: every lane of the warp shuffles, a lane with nothing adds 0
+                    acc[0] = T.float32(0)
+                    if ok and (isq or isk):
+                        if lane < CL:
+                            for v in T.serial(V):
+                                acc[0] = acc[0] + T.cast(xa[v], "float32") * T.cast(xa[v], "float32")
+                        if lane < C:
+                            for v in T.serial(V):
+                                acc[0] = acc[0] + T.cast(xb[v], "float32") * T.cast(xb[v], "float32")
+                    allsum(acc, 1)
+                    rstd = T.alloc_var("float32")
+                    rstd = rstd_of(acc, eps)
+                    if ok and (isq or isk):
+                        if lane < CL:
+                            normed(xa, wqa, wka, isq, rstd)
+                        if lane < C:
+                            normed(xb, wqb, wkb, isq, rstd)
+                if ok:
+                    if lane < C:
+                        if isq or isk:
+                            rotated(xa, xb, cs, sn, ya, yb)
+                            put(Q, KC, VC, isq, isk, yq, yc, o1, ya)
+                            put(Q, KC, VC, isq, isk, yq, yc, o2, yb)
+                        else:
+                            put(Q, KC, VC, isq, isk, yq, yc, o1, xa)
+                            put(Q, KC, VC, isq, isk, yq, yc, o2, xb)
+                    elif lane < CL:
+                        put(Q, KC, VC, isq, isk, yq, yc, oc, xa)
+
+    return prologue_cuda
 
 
 #: the names :mod:`tileops.kernels` looks up in a builder module

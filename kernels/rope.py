@@ -64,7 +64,9 @@ from .storage import load_f32, storage_dtype, to_storage
 T: Any = None
 
 __all__ = ["RoPEKernelSpec", "build_rope", "build", "Spec", "STATIC", "LO", "DIGITS", "MAX_POSITION", "ARGS",
-           "MAX_BLOCK_THREADS", "MAX_GRID_Y", "position", "angles", "rotate", "rotate_one", "copy_one"]
+           "MAX_BLOCK_THREADS", "MAX_GRID_Y", "position", "angles", "rotate", "rotate_one", "copy_one", "rotate_vals",
+           "lane_angles", "store_one", "pair_offsets",
+           "CUDA_HELPERS"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
 #: without importing the module): key -> (low, high, what it is). Every other field of
@@ -416,16 +418,16 @@ def _build_c(spec: RoPEKernelSpec):
 # 16-byte stores through st.global.cg: written as plain uint4 stores, nvcc split the first of the
 # two output vectors of each head into four 4-byte stores (seen in the PTX for sm_90 and sm_80).
 # .cg also keeps the streamed output out of L1, which holds the cos/sin tables.
-_CUDA_HELPERS = """
+CUDA_HELPERS = """
 template <typename T> __device__ __forceinline__ void tileops_st16(T* dst, const T* src) {
   __stcg(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(src));
 }
 """
 
 
-def _store(spec: RoPEKernelSpec):
+def store_one(spec: RoPEKernelSpec):
     """CUDA: a macro ``store(Y, o, vals)``: ``Y[o : o + V] = vals``, one 16-byte ``tileops_st16`` where
-    the vector is a full 16 bytes (the kernel imports ``_CUDA_HELPERS``), else a vectorized loop."""
+    the vector is a full 16 bytes (the kernel imports :data:`CUDA_HELPERS`), else a vectorized loop."""
     V, dt = spec.vec, spec.dtype
     wide = V * _ELEM_BYTES[dt] == 16  # a vector is a full 16 bytes: store it with tileops_st16
 
@@ -440,25 +442,17 @@ def _store(spec: RoPEKernelSpec):
     return store
 
 
-def rotate_one(spec: RoPEKernelSpec):
-    """The rotation of one lane's pairs of one head row (CUDA schedule): a macro ``rotate_one(X, Y,
-    xh, yh, o1, o2, cs, sn, xa, xb, ya, yb)`` that loads the two ``V``-element vectors at ``X[xh +
-    o1]`` and ``X[xh + o2]`` (neox: the first and second halves' ``V`` pairs; interleaved: ``2V``
-    contiguous elements, ``V`` pairs), rotates them by ``cs``/``sn`` (``V`` cos and sin each, for
-    the lane's pairs) in fp32 and stores them in ``spec.dtype`` at ``Y[yh + o1]``, ``Y[yh + o2]``
-    (``xa``, ``xb``, ``ya``, ``yb``: local vectors of ``V`` elements of the dtype). A fused kernel
-    imports ``_CUDA_HELPERS`` (``T.import_source``) as the rope kernel does."""
+def rotate_vals(spec: RoPEKernelSpec):
+    """CUDA: the pairing's arithmetic on one lane's vectors, a macro ``rotate_vals(xa, xb, cs, sn, ya,
+    yb)``: ``xa``, ``xb`` (``V`` elements of the dtype each: neox, the first and second halves' ``V``
+    pairs; interleaved, ``2V`` contiguous elements, ``V`` pairs) rotated by ``cs``/``sn`` (``V`` cos
+    and sin, the lane's pairs, :func:`lane_angles`) in fp32, rounded once into ``ya``, ``yb``."""
     _tl()
     V, dt = spec.vec, spec.dtype
     neox = spec.pairing == "neox"
-    store = _store(spec)
 
     @T.macro
-    def rotate_one(X, Y, xh, yh, o1, o2, cs, sn, xa, xb, ya, yb):
-        for v in T.vectorized(V):
-            xa[v] = X[xh + o1 + v]
-        for v in T.vectorized(V):
-            xb[v] = X[xh + o2 + v]
+    def rotate_vals(xa, xb, cs, sn, ya, yb):
         if neox:
             for v in T.serial(V):
                 a = T.cast(xa[v], "float32")
@@ -480,6 +474,40 @@ def rotate_one(spec: RoPEKernelSpec):
                 c2 = T.cast(xb[2 * v + 1], "float32")
                 yb[2 * v] = T.cast(a2 * cs[V // 2 + v] - c2 * sn[V // 2 + v], dt)
                 yb[2 * v + 1] = T.cast(c2 * cs[V // 2 + v] + a2 * sn[V // 2 + v], dt)
+
+    return rotate_vals
+
+
+def pair_offsets(spec: RoPEKernelSpec, j0):
+    """CUDA: ``(o1, o2)``, the element offsets within a head of the two vectors holding the ``V``
+    pairs from pair ``j0`` on (a multiple of ``V``): neox ``x[j0 : j0 + V]`` and ``x[R/2 + j0 : ...]``;
+    interleaved the ``2V`` contiguous elements ``x[2 j0 : 2 j0 + 2V]``, split in two vectors
+    (element ``e`` of the run is vector ``e // V``, slot ``e % V``)."""
+    half = spec.rot // 2
+    if spec.pairing == "neox":
+        return j0, half + j0
+    return 2 * j0, 2 * j0 + spec.vec
+
+
+def rotate_one(spec: RoPEKernelSpec):
+    """The rotation of one lane's pairs of one head row (CUDA schedule): a macro ``rotate_one(X, Y,
+    xh, yh, o1, o2, cs, sn, xa, xb, ya, yb)`` that loads the two ``V``-element vectors at ``X[xh +
+    o1]`` and ``X[xh + o2]`` (:func:`pair_offsets`), rotates them (:func:`rotate_vals`) and stores
+    them in ``spec.dtype`` at ``Y[yh + o1]``, ``Y[yh + o2]`` (``xa``, ``xb``, ``ya``, ``yb``: local
+    vectors of ``V`` elements of the dtype). A fused kernel imports :data:`CUDA_HELPERS`
+    (``T.import_source``) as the rope kernel does, or a source that defines ``tileops_st16`` the same."""
+    _tl()
+    V = spec.vec
+    store = store_one(spec)
+    rotated = rotate_vals(spec)
+
+    @T.macro
+    def rotate_one(X, Y, xh, yh, o1, o2, cs, sn, xa, xb, ya, yb):
+        for v in T.vectorized(V):
+            xa[v] = X[xh + o1 + v]
+        for v in T.vectorized(V):
+            xb[v] = X[xh + o2 + v]
+        rotated(xa, xb, cs, sn, ya, yb)
         store(Y, yh + o1, ya)
         store(Y, yh + o2, yb)
 
@@ -491,7 +519,7 @@ def copy_one(spec: RoPEKernelSpec):
     ``Y[yh + o]`` (the columns past ``R`` of partial rotary)."""
     _tl()
     V = spec.vec
-    store = _store(spec)
+    store = store_one(spec)
 
     @T.macro
     def copy_one(X, Y, xh, yh, o, xa):
@@ -500,6 +528,63 @@ def copy_one(spec: RoPEKernelSpec):
         store(Y, yh + o, xa)
 
     return copy_one
+
+
+def lane_angles(spec: RoPEKernelSpec):
+    """CUDA: cos and sin of one lane's ``V`` pairs from pair ``j0`` on, a macro ``lane_angles(TD, j0,
+    p, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn)``: the digit tables' rows of the position ``p``
+    (:func:`position`; with MRoPE ``p`` is None and ``pt``, ``ph``, ``pw`` are the three streams'
+    positions, each pair taking its stream's, ``_pick``) loaded as vectors into ``c2 .. s0`` (local
+    fp32, ``V`` each) and composed by angle addition into ``cs``, ``sn`` (sin negated for
+    ``inverse``). Where every section is a multiple of ``V`` pairs (``uniform_streams``) the ``V``
+    pairs share one stream and the loads stay vectors; otherwise each pair gathers its own rows."""
+    _tl()
+    V = spec.vec
+    mrope = spec.mrope_section is not None
+    gather = mrope and not spec.uniform_streams  # each pair of a lane's V may take its own stream
+    sgn = -1.0 if spec.inverse else 1.0
+
+    @T.macro
+    def lane_angles(TD, j0, p, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn):
+        if gather:  # per pair: its stream's position, its own table rows
+            for v in T.unroll(V):
+                pv = T.alloc_var("int64")  # a variable: the pick is not repeated in each load
+                pv = _pick(spec, j0 + v, pt, ph, pw)
+                e0 = pv % LO
+                e1 = (pv // LO) % LO
+                e2 = pv // (LO * LO)
+                c2[v] = TD[2, e2, 0, j0 + v]
+                s2[v] = TD[2, e2, 1, j0 + v]
+                c1[v] = TD[1, e1, 0, j0 + v]
+                s1[v] = TD[1, e1, 1, j0 + v]
+                c0[v] = TD[0, e0, 0, j0 + v]
+                s0[v] = TD[0, e0, 1, j0 + v]
+        else:
+            if mrope:  # the V pairs share one stream
+                p = T.alloc_var("int64")
+                p = _pick(spec, j0, pt, ph, pw)
+            d0 = p % LO
+            d1 = (p // LO) % LO
+            d2 = p // (LO * LO)
+            for v in T.vectorized(V):
+                c2[v] = TD[2, d2, 0, j0 + v]
+            for v in T.vectorized(V):
+                s2[v] = TD[2, d2, 1, j0 + v]
+            for v in T.vectorized(V):
+                c1[v] = TD[1, d1, 0, j0 + v]
+            for v in T.vectorized(V):
+                s1[v] = TD[1, d1, 1, j0 + v]
+            for v in T.vectorized(V):
+                c0[v] = TD[0, d0, 0, j0 + v]
+            for v in T.vectorized(V):
+                s0[v] = TD[0, d0, 1, j0 + v]
+        for v in T.serial(V):
+            c12 = c2[v] * c1[v] - s2[v] * s1[v]
+            s12 = s2[v] * c1[v] + c2[v] * s1[v]
+            cs[v] = c12 * c0[v] - s12 * s0[v]
+            sn[v] = (s12 * c0[v] + c12 * s0[v]) * sgn
+
+    return lane_angles
 
 
 def _build_cuda(spec: RoPEKernelSpec):
@@ -514,9 +599,6 @@ def _build_cuda(spec: RoPEKernelSpec):
     threads = spec.block_threads
     GROUP = spec.group
     mrope = spec.mrope_section is not None
-    gather = mrope and not spec.uniform_streams  # each pair of a thread's V may take its own stream
-    neox = spec.pairing == "neox"
-    sgn = -1.0 if spec.inverse else 1.0
     sig = _signature(spec, dt)
 
     def heads(n):
@@ -528,6 +610,7 @@ def _build_cuda(spec: RoPEKernelSpec):
         return T.serial(n)
 
     pos, rotate_vec, copy_vec = position(spec), rotate_one(spec), copy_one(spec)
+    angles_of = lane_angles(spec)
 
     @T.macro
     def token(X, Y, K, KY, TD, P, ERR, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
@@ -544,48 +627,11 @@ def _build_cuda(spec: RoPEKernelSpec):
         kyo = _offset(bb, s, 0, kysb, kyss, kysh, V)
         if lane < C:
             j0 = lane * V
-            if gather:  # per pair: its stream's position, its own table rows
-                for v in T.unroll(V):
-                    pv = T.alloc_var("int64")  # a variable: the pick is not repeated in each load
-                    pv = _pick(spec, j0 + v, pt, ph, pw)
-                    e0 = pv % LO
-                    e1 = (pv // LO) % LO
-                    e2 = pv // (LO * LO)
-                    c2[v] = TD[2, e2, 0, j0 + v]
-                    s2[v] = TD[2, e2, 1, j0 + v]
-                    c1[v] = TD[1, e1, 0, j0 + v]
-                    s1[v] = TD[1, e1, 1, j0 + v]
-                    c0[v] = TD[0, e0, 0, j0 + v]
-                    s0[v] = TD[0, e0, 1, j0 + v]
+            if mrope:
+                angles_of(TD, j0, None, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn)
             else:
-                if mrope:  # the V pairs share one stream
-                    p = T.alloc_var("int64")
-                    p = _pick(spec, j0, pt, ph, pw)
-                d0 = p % LO
-                d1 = (p // LO) % LO
-                d2 = p // (LO * LO)
-                for v in T.vectorized(V):
-                    c2[v] = TD[2, d2, 0, j0 + v]
-                for v in T.vectorized(V):
-                    s2[v] = TD[2, d2, 1, j0 + v]
-                for v in T.vectorized(V):
-                    c1[v] = TD[1, d1, 0, j0 + v]
-                for v in T.vectorized(V):
-                    s1[v] = TD[1, d1, 1, j0 + v]
-                for v in T.vectorized(V):
-                    c0[v] = TD[0, d0, 0, j0 + v]
-                for v in T.vectorized(V):
-                    s0[v] = TD[0, d0, 1, j0 + v]
-            for v in T.serial(V):
-                c12 = c2[v] * c1[v] - s2[v] * s1[v]
-                s12 = s2[v] * c1[v] + c2[v] * s1[v]
-                cs[v] = c12 * c0[v] - s12 * s0[v]
-                sn[v] = (s12 * c0[v] + c12 * s0[v]) * sgn
-            # neox: the V pairs are x[j0 : j0+V] with x[half+j0 : ...];
-            # interleaved: they are the 2V contiguous elements x[2*j0 : 2*j0 + 2V], split in
-            # two vectors; element e of the pair run is (vector e // V, slot e % V).
-            o1 = j0 if neox else 2 * j0
-            o2 = half + j0 if neox else 2 * j0 + V
+                angles_of(TD, j0, p, None, None, None, c2, s2, c1, s1, c0, s0, cs, sn)
+            o1, o2 = pair_offsets(spec, j0)
             for k in heads(T.ceildiv(H - hl, HL)):
                 h = T.cast(hl + k * HL, "int64")
                 rotate_vec(X, Y, xo + h * xsh * V, yo + h * ysh * V, o1, o2, cs, sn, xa, xb, ya, yb)
@@ -604,7 +650,7 @@ def _build_cuda(spec: RoPEKernelSpec):
     @T.macro
     def body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
              psb, pss, psc, limit, tag, bx, bb):
-        T.import_source(_CUDA_HELPERS)
+        T.import_source(CUDA_HELPERS)
         tx = T.get_thread_binding()
         lane = tx % CL
         tok = (tx // CL) % TOK

@@ -9,7 +9,7 @@ qkv is a column slice of a wider buffer (row-strided). Inputs are fresh random d
 
 Kernel compiles (~2.5 s each here) are shared: the specs differ only in dtype, head_dim, rotated
 width, index dtypes and qk_norm, and the cases below reuse a few. Not covered here: the CUDA schedule
-(not built: the op refuses CUDA inputs) and fp8 caches (refused at construction).
+on a GPU (``tests/test_attention_cuda.py``, marked ``cuda``) and fp8 caches (refused at construction).
 """
 
 from __future__ import annotations
@@ -101,11 +101,12 @@ def rows(cache, layout, slot, bs):
 
 def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=False, layout="NHD", bs=16,
              blocks=3, slot_dtype=torch.int64, pos_dtype=torch.int64, positions=None, max_pos=4000,
-             strided_indices=False):
-    """Build the inputs, run the op, check q and every cache row against :func:`reference`."""
+             strided_indices=False, device="cpu"):
+    """Build the inputs, run the op on ``device``, check q and every cache row against :func:`reference`."""
     op = AttnPrologueFwdOp(hq, hkv, d, rope, qk_norm=qk_norm, eps=EPS, cache_layout=layout)
     width = (hq + 2 * hkv) * d
-    qkv = torch.randn(tokens, width + 16, generator=gen).to(dtype)[:, 8:8 + width]  # row-strided
+    # row-strided: a column slice of a wider buffer (at 16 bytes, as a projection's q/k/v split lies)
+    qkv = torch.randn(tokens, width + 16, generator=gen).to(dtype).to(device)[:, 8:8 + width]
     if positions is None:
         streams = (3,) if rope.name == "MRoPEFwdOp" else ()
         positions = torch.randint(0, max_pos, (*streams, tokens), generator=gen)
@@ -123,10 +124,17 @@ def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=F
     shape = (blocks + 1, bs, hkv, d) if layout == "NHD" else (blocks + 1, hkv, bs, d)
     kfull, vfull = torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype)
     kfull[blocks:], vfull[blocks:] = 7.0, 7.0  # a guard block past the cache
+    if device != "cpu":
+        kfull, vfull, positions, slots = (t.to(device) for t in (kfull, vfull, positions, slots))
+        qw, kw = (None if w is None else w.to(device) for w in (qw, kw))
     before = qkv.clone()
     q = op(qkv, positions, kfull[:blocks], vfull[:blocks], slots, q_norm_weight=qw, k_norm_weight=kw)
     op.check()
-    assert q.shape == (tokens, hq, d) and q.dtype == dtype
+    assert q.shape == (tokens, hq, d) and q.dtype == dtype and q.device == qkv.device
+    if device != "cpu":
+        q, qkv, before, positions, slots, kfull, vfull = (t.cpu() for t in (q, qkv, before, positions, slots, kfull,
+                                                                            vfull))
+        qw, kw = (None if w is None else w.cpu() for w in (qw, kw))
     assert torch.equal(qkv, before), "qkv was modified"
     assert (kfull[blocks:] == 7.0).all() and (vfull[blocks:] == 7.0).all(), "wrote past the cache"
     q_ref, q_mag, cache = reference(qkv, positions, slots, hq, hkv, d, rope, qw, kw, nslots)
@@ -265,14 +273,25 @@ def test_refused_until_built():
     rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]
     with pytest.raises(NotImplementedError, match="cache_dtype: float8_e4m3fn"):
         AttnPrologueFwdOp(8, 1, 64, rope, cache_dtype=torch.float8_e4m3fn)
+
+
+def test_cuda_kernel_specs():
+    """``tileops warmup`` and ``tileops lowered`` get the CUDA schedule's spec (16-byte strides' unit),
+    the C one for the CPU; a head row wider than a warp's lanes is a ValueError naming head_dim."""
     from tileops.attention import builtin
     from tileops.manifest import CallSpec
 
-    op = AttnPrologueFwdOp(8, 1, 64, rope)
-    spec = CallSpec(torch.device("cuda"), (("qkv", "bfloat16"), ("positions", "int64"),
-                                           ("slot_mapping", "int64")), (("width", 640),))
-    with pytest.raises(NotImplementedError, match="CUDA kernel is not built yet"):
-        builtin.implement(op, spec)
+    op = AttnPrologueFwdOp(8, 1, 64, VARIANTS["RoPENeoxPositionIdsFwdOp"], qk_norm=True)
+    dtypes = (("qkv", "bfloat16"), ("positions", "int64"), ("slot_mapping", "int32"))
+    for device, backend in (("cuda", "cuda"), ("cpu", "c")):
+        call = CallSpec(torch.device(device), dtypes, (("width", 640),))
+        [(builder, spec)] = builtin.kernel_specs(op.manifest, op.params, call, backend)
+        assert builder == "prologue" and spec.backend == backend and spec.qk_norm and spec.slots == "int32"
+        assert spec.stride_unit == (8 if backend == "cuda" else 1)
+    wide = AttnPrologueFwdOp(1, 1, 1024, RoPENeoxPositionIdsFwdOp(max_position=64))
+    call = CallSpec(torch.device("cuda"), dtypes, (("width", 3072),))
+    with pytest.raises(ValueError, match="head_dim: head_dim, rot: the CUDA schedule"):
+        builtin.kernel_specs(wide.manifest, wide.params, call, "cuda")
 
 
 def _good(gen):
@@ -415,3 +434,31 @@ def test_opcheck_and_compiled_calls_write_the_caches(gen):
     for name in ("key_cache", "value_cache"):
         assert torch.equal(compiled[name], eager[name]), name
         assert not torch.equal(compiled[name], args[name]), f"{name}: nothing written"
+
+
+def test_cuda_alignment_checks_name_the_argument(gen):
+    """The CUDA path's host checks (run here on CPU tensors, the kernel not launched): a qkv, cache or
+    norm weight whose pointer or strides are off the 16-byte vectors is a ValueError naming it."""
+    from tileops.attention.builtin import PrologueKernels
+
+    op = AttnPrologueFwdOp(2, 1, 64, VARIANTS["RoPENeoxPositionIdsFwdOp"], qk_norm=True)
+    k = PrologueKernels.__new__(PrologueKernels)  # only the checks: no kernel is built
+    k.op, k.unit = op, 8
+    wide = torch.randn(3, 4 * 64 + 8, generator=gen).to(torch.bfloat16)
+    kc = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16)
+    w = torch.ones(65, dtype=torch.bfloat16)
+    good = dict(key_cache=kc, value_cache=kc.clone(), q_norm_weight=w[:64], k_norm_weight=w[:64])
+    strides = (kc.stride(0), kc.stride(1), kc.stride(2))
+    k._check_aligned(good, wide[:, :256], *strides)
+    with pytest.raises(ValueError, match=r"qkv: expected its data pointer and row stride on a multiple of 8 "
+                                         r"elements \(16 bytes"):
+        k._check_aligned(good, wide[:, 1:257], *strides)
+    with pytest.raises(ValueError, match="qkv: expected its data pointer and row stride"):
+        k._check_aligned(good, torch.zeros(3, 260, dtype=torch.bfloat16)[:, :256], *strides)  # row stride 260
+    flat = torch.zeros(2 * 16 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 16, 1, 64)
+    with pytest.raises(ValueError, match="value_cache: expected its data pointer and strides"):
+        k._check_aligned({**good, "value_cache": flat}, wide[:, :256], *strides)
+    with pytest.raises(ValueError, match="k_norm_weight: expected its data pointer"):
+        k._check_aligned({**good, "k_norm_weight": w[1:]}, wide[:, :256], *strides)
+    k.unit = 1  # the C backend: element strides, nothing to check
+    k._check_aligned({**good, "value_cache": flat}, wide[:, 1:257], *strides)

@@ -1,4 +1,7 @@
-"""The attention prologue kernel (``kernels/prologue.py``, issue 24), C backend, driven directly on the CPU.
+"""The attention prologue kernel (``kernels/prologue.py``, issue 24), driven directly on the CPU: the C
+backend, and the CUDA schedule's generated source through ``tests/cuda_on_cpu.py`` (the ``test_cuda_*``
+tests, the same checks, plus a lean nvcc build for sm_90 and sm_80 and two mutations of the source
+that the checks must catch).
 
 The reference is float64 math written here from the issue's definition (RMSNorm per head, RoPE of
 either pairing at the given positions, MRoPE's three streams, cos/sin evaluated in float64, the
@@ -11,17 +14,21 @@ draws (``gen``). Bad positions and slots are checked to be reported in the error
 reach memory outside the cache: each cache is a view of a larger NaN-filled buffer whose tail must
 stay untouched. The norm's two roundings are also checked bit for bit on the columns past a partial
 rotary width (the norm's output, copied), against an fp32 emulation of the norm's definition. Not
-covered here: the CUDA schedule (not written yet), fp8 caches.
+covered here: fp8 caches; the CUDA schedule on a GPU (``tests/test_attention_cuda.py``).
 """
 
 from __future__ import annotations
 
+import functools
+import re
 import struct
 
 import pytest
 import torch
 
-from tileops.compile.build import load_kernel
+from tests import cuda_on_cpu
+from tests.test_lean_build import needs_toolchain
+from tileops.compile.build import emit_source, load_kernel
 from tileops.kernels import get_spec
 from tileops.rope.tables import digit_tables
 
@@ -117,20 +124,38 @@ def assert_within(got, ref, mag, unit, what):
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements off; max error {err.max():.3e}"
 
 
-def run(spec, qkv, positions, slots, tables, qw, kw, q, kc, vc, err, hq, hkv, bs, nslots, layout, tag):
-    """Launch ``spec`` (C backend) with the cache strides of ``layout``."""
+@functools.lru_cache(maxsize=None)
+def _emulated(spec, mutate=None):
+    """The CUDA schedule's source for ``spec`` run on the CPU (``mutate``: a function applied to the
+    source first, for the mutation checks)."""
+    src = emit_source("prologue", spec, "cuda", "sm_90")
+    return cuda_on_cpu.CudaOnCpu(mutate(src) if mutate else src)
+
+
+def run(spec, qkv, positions, slots, tables, qw, kw, q, kc, vc, err, hq, hkv, bs, nslots, layout, tag, mutate=None):
+    """Launch ``spec`` with the cache strides of ``layout``: the C backend through its entry point, or
+    the CUDA schedule's source on the CPU (``tests/cuda_on_cpu.py``), strides in its unit."""
     d = spec.head_dim
     if layout == "NHD":
         csb, csr, csh = bs * hkv * d, hkv * d, d
     else:  # HND
         csb, csr, csh = hkv * bs * d, d, bs * d
+    strides = dict(xst=qkv.stride(0), qst=q.stride(0), qsh=q.stride(1), csb=csb, csr=csr, csh=csh)
+    unit = spec.stride_unit
+    for name, value in strides.items():
+        assert value % unit == 0, (name, value, unit)
+        strides[name] = value // unit
     args = dict(QKV=qkv.data_ptr(), P=positions.data_ptr(), SL=slots.data_ptr(), TD=tables.data_ptr(),
                 QW=0 if qw is None else qw.data_ptr(), KW=0 if kw is None else kw.data_ptr(),
                 Q=q.data_ptr(), KC=kc.data_ptr(), VC=vc.data_ptr(), ERR=err.data_ptr(),
-                S=qkv.shape[0], HQ=hq, HKV=hkv, xst=qkv.stride(0), qst=q.stride(0), qsh=q.stride(1),
-                csb=csb, csr=csr, csh=csh, bs=bs, nslots=nslots, limit=LIMIT, tag=tag,
+                S=qkv.shape[0], HQ=hq, HKV=hkv, **strides, bs=bs, nslots=nslots, limit=LIMIT, tag=tag,
                 eps_bits=struct.unpack("<i", struct.pack("<f", EPS))[0],
                 psc=positions.stride(0) if positions.dim() == 2 else 0)
+    if spec.backend == "cuda":
+        for t in (qkv, q, kc, vc) + ((qw, kw) if qw is not None else ()):
+            assert t.data_ptr() % (unit * t.element_size()) == 0, "a pointer off the kernel's vectors"
+        _emulated(spec, mutate).launch(-(-qkv.shape[0] // spec.tokens_per_block), spec.block_threads, **args)
+        return
     k = load_kernel("prologue", spec, "c", "c", CPU, spec.args)
     k(*k.bind(**args, **dict.fromkeys(k.extent_names, 0)))
 
@@ -143,14 +168,16 @@ def cache_rows(cache, layout, slot, bs):
 
 def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, pos_dtype=torch.int64,
          slot_dtype=torch.int64, bad_positions=(), bad_slots=(), amplitude=1.0, pairing="neox", section=None,
-         interleaved=False, rounding="llama", offset=0.0, norm_check=None):
+         interleaved=False, rounding="llama", offset=0.0, norm_check=None, backend="c", head_lanes=16, mutate=None):
     """Build inputs, run, check every output against :func:`reference`; returns the error words.
     ``section``: MRoPE (positions ``[3, s]``, a bad position ``(t, value)`` set in every stream, or
     ``(t, value, stream)`` in one). ``norm_check(x, w, q_cols)``, when given, gets each q head's input
-    columns past ``rot`` (of the dtype), its weight and the kernel's q there (with ``qk_norm``)."""
+    columns past ``rot`` (of the dtype), its weight and the kernel's q there (with ``qk_norm``).
+    ``backend="cuda"``: the CUDA schedule (``head_lanes`` lane groups a token) on the CPU harness."""
     spec = get_spec("prologue")(dtype=_name(dtype), head_dim=d, rot=rot, positions=_name(pos_dtype),
                                 slots=_name(slot_dtype), qk_norm=qk_norm, pairing=pairing, mrope_section=section,
-                                mrope_interleaved=interleaved, rounding=rounding, offset=offset)
+                                mrope_interleaved=interleaved, rounding=rounding, offset=offset, backend=backend,
+                                head_lanes=head_lanes)
     width = (hq + 2 * hkv) * d
     # a row-strided slice of a wider buffer, as a column slice of a projection's output is
     qkv = torch.randn(s, width + 24, generator=gen).to(dtype)[:, 8:8 + width]
@@ -178,7 +205,7 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
     err = torch.zeros(2, dtype=torch.int32)
     tag = int(torch.randint(1, 2**31 - 1, (1,), generator=gen))
     before = qkv.clone()
-    run(spec, qkv, positions, slots, tables, qw, kw, q, kfull, vfull, err, hq, hkv, bs, nslots, layout, tag)
+    run(spec, qkv, positions, slots, tables, qw, kw, q, kfull, vfull, err, hq, hkv, bs, nslots, layout, tag, mutate)
 
     assert torch.equal(qkv, before), "qkv was modified"
     assert (kfull[blocks:] == 7.0).all() and (vfull[blocks:] == 7.0).all(), "wrote past the cache"
@@ -244,7 +271,7 @@ def test_each_error_word_alone(gen):
 def test_spec_refuses_what_is_not_built():
     spec = get_spec("prologue")
     with pytest.raises(ValueError, match="backend"):
-        spec(dtype="bfloat16", head_dim=64, rot=64, backend="cuda")
+        spec(dtype="bfloat16", head_dim=64, rot=64, backend="rocm")
     with pytest.raises(ValueError, match="pairing"):
         spec(dtype="bfloat16", head_dim=64, rot=64, pairing="gptj")
     with pytest.raises(ValueError, match="mrope_section"):
@@ -332,3 +359,200 @@ def test_norm_roundings(gen, dtype, rounding, offset):
                   offset=offset, norm_check=check)
     assert err.tolist() == [0, 0]
     assert told == [True], "the two roundings agree on these inputs: the bit-exact check proves nothing"
+
+
+# ------------------------------------------------------------------------------ the CUDA schedule
+# The generated CUDA source run on the CPU (tests/cuda_on_cpu.py: one OS thread per CUDA thread, real
+# warp shuffles): the lane mapping, the norm's butterfly, the row loop, the slot and position checks.
+# Not its speed, and not the GPU's approximate rsqrtf (the harness's is 1 / sqrtf). Sizes stay small.
+needs_gxx = pytest.mark.skipif(not cuda_on_cpu.available(), reason="no g++")
+CUDA = dict(backend="cuda")
+#: the emulated matrices take ~9 min on 2 cores in all: bf16 runs by default, the rest with -m slow
+SLOW = pytest.mark.slow
+CUDA_DTYPES = [pytest.param(torch.float32, id="float32", marks=SLOW), pytest.param(torch.float16, id="float16",
+                                                                                     marks=SLOW), torch.bfloat16]
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=_name)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cuda_matches_math(gen, dtype, qk_norm, layout):
+    """The float64 math, both layouts; ``head_lanes=2`` (HND) makes each lane group walk 4 rows of a
+    token (q, k and v in one loop), 16 (NHD) one row each with 8 of 16 groups idle."""
+    err, _ = case(gen, dtype, s=23, hq=4, hkv=2, d=32, rot=32, qk_norm=qk_norm, layout=layout, amplitude=0.75,
+                  head_lanes=2 if layout == "HND" else 16, **CUDA)
+    assert err.tolist() == [0, 0], "an error word was set for good positions and slots"
+
+
+@needs_gxx
+@SLOW
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_name)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_cuda_partial_rotary_gqa(gen, dtype, index_dtype):
+    """Partial rotary (rot/2 = 12: 4-element vectors of bf16, copy lanes past rot), 7 q heads on 1 kv
+    head (rows 7, 8 of 9 are k and v), int32 and int64 indices."""
+    for qk_norm in (False, True):
+        err, _ = case(gen, dtype, s=11, hq=7, hkv=1, d=40, rot=24, qk_norm=qk_norm, layout="NHD", bs=4,
+                      blocks=4, pos_dtype=index_dtype, slot_dtype=index_dtype, head_lanes=4, **CUDA)
+        assert err.tolist() == [0, 0]
+
+
+@needs_gxx
+@SLOW
+@pytest.mark.parametrize("dtype, d, rot", [(torch.bfloat16, 64, 64), (torch.bfloat16, 80, 80),
+                                           (torch.float16, 80, 32), (torch.bfloat16, 128, 128),
+                                           (torch.bfloat16, 256, 256), (torch.float32, 256, 256),
+                                           (torch.float16, 128, 64)],
+                         ids=lambda v: _name(v) if isinstance(v, torch.dtype) else str(v))
+def test_cuda_head_dims(gen, dtype, d, rot):
+    """head_dim 64/80/128/256 at 16-byte vectors: lane groups of 4, 8 (5 of them live: 80 bf16), 16
+    and 32 lanes (fp32 256: a whole warp a row), partial rotary with copy lanes; with the norm."""
+    spec = get_spec("prologue")(dtype=_name(dtype), head_dim=d, rot=rot, backend="cuda")
+    assert spec.vec * torch.tensor([], dtype=dtype).element_size() == 16, "not 16-byte vectors"
+    err, _ = case(gen, dtype, s=5, hq=2, hkv=1, d=d, rot=rot, qk_norm=True, layout="HND", bs=4, blocks=3,
+                  head_lanes=2, **CUDA)
+    assert err.tolist() == [0, 0]
+
+
+@needs_gxx
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cuda_bad_positions_and_slots_reported_never_out_of_bounds(gen, layout):
+    """As the C test: each bad value reported in its word, the token's q at position 0, its k and v
+    nowhere, the guard past the cache intact."""
+    huge = 2**40
+    bs, blocks = 8, 3
+    err, tag = case(gen, torch.bfloat16, s=9, hq=2, hkv=2, d=16, rot=16, qk_norm=True, layout=layout, bs=bs,
+                    blocks=blocks, bad_positions=((0, -1), (3, LIMIT), (5, huge)),
+                    bad_slots=((1, bs * blocks), (2, huge), (7, bs * blocks + bs - 1)), head_lanes=2, **CUDA)
+    assert err.tolist() == [tag, tag]
+
+
+@needs_gxx
+def test_cuda_each_error_word_alone(gen):
+    err, tag = case(gen, torch.float32, s=5, hq=1, hkv=1, d=8, rot=8, qk_norm=False, layout="NHD", bs=4,
+                    blocks=2, bad_positions=((4, LIMIT + 3),), **CUDA)
+    assert err.tolist() == [tag, 0]
+    err, tag = case(gen, torch.float32, s=5, hq=1, hkv=1, d=8, rot=8, qk_norm=False, layout="NHD", bs=4,
+                    blocks=2, bad_slots=((4, 8),), **CUDA)
+    assert err.tolist() == [0, tag]
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=_name)
+def test_cuda_interleaved_pairing(gen, dtype):
+    """Interleaved pairs inside a lane's two vectors, full and partial rotary, with and without the norm."""
+    for qk_norm, rot, layout in ((False, 32, "NHD"), (True, 16, "HND")):
+        err, _ = case(gen, dtype, s=13, hq=3, hkv=1, d=32, rot=rot, qk_norm=qk_norm, layout=layout,
+                      pairing="interleaved", amplitude=1.25, head_lanes=2, **CUDA)
+        assert err.tolist() == [0, 0]
+
+
+@needs_gxx
+@SLOW
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=_name)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["sections", "interleaved_map"])
+def test_cuda_mrope(gen, dtype, interleaved):
+    """MRoPE's three streams: sections that are (16, 24, 24) multiples of the vector keep the table
+    loads vectors; (6, 7, 7) and Qwen3-VL's map gather per pair; a bad position in one stream alone."""
+    for section, d in (((4, 6, 6), 32), ((6, 7, 7), 48)):
+        err, _ = case(gen, dtype, s=9, hq=2, hkv=1, d=d, rot=2 * sum(section), qk_norm=True, layout="HND",
+                      pos_dtype=torch.int32, section=section, interleaved=interleaved, head_lanes=2, **CUDA)
+        assert err.tolist() == [0, 0]
+    err, tag = case(gen, dtype, s=9, hq=2, hkv=1, d=32, rot=32, qk_norm=False, layout="NHD", section=(4, 6, 6),
+                    interleaved=interleaved, bad_positions=((2, -5, 1), (6, LIMIT, 2)), **CUDA)
+    assert err.tolist() == [tag, 0]
+
+
+@needs_gxx
+@pytest.mark.parametrize("rounding, offset", [("llama", 0.0), ("fp32", 1.0)], ids=["llama", "fp32_offset1"])
+def test_cuda_norm_roundings(gen, rounding, offset):
+    """The norm's roundings on the CUDA schedule: q within the float64 bound, and the columns past
+    rot (the norm's output, copied) equal to the norm's definition in fp32 operations on all but a
+    few elements (the row sum is fp32 in lanes then a butterfly here, float64 in the emulation: a sum
+    one ulp apart can move an element to its neighbouring bf16 value), while the other rounding
+    differs there on many more."""
+    dtype, rot, d = torch.bfloat16, 16, 96
+    other = {"llama": "fp32", "fp32": "llama"}[rounding]
+    seen = []
+
+    def check(x, w, q):
+        want = _emulated_norm(x, w, rounding, offset, dtype)[..., rot:]
+        off = int((q[..., rot:] != want).sum())
+        off_other = int((q[..., rot:] != _emulated_norm(x, w, other, offset, dtype)[..., rot:]).sum())
+        seen.append((off, off_other, want.numel()))
+
+    case(gen, dtype, s=31, hq=4, hkv=2, d=d, rot=rot, qk_norm=True, layout="NHD", rounding=rounding, offset=offset,
+         norm_check=check, head_lanes=4, **CUDA)
+    (off, off_other, n), = seen
+    assert off <= n // 1000, f"{off} of {n} columns past rot differ from the {rounding} rounding"
+    assert off_other > 10 * max(off, 1), "the two roundings agree on these inputs: the check proves nothing"
+
+
+def _break_pairing(src: str) -> str:
+    """A mutation: the neox rotation reads the first element of a pair as its partner too."""
+    out = re.sub(r"float c = \(\(float\)xb\[", "float c = ((float)xa[", src)
+    assert out != src
+    return out
+
+
+def _break_slot_bound(src: str) -> str:
+    """A mutation: the slot bound one block too far (a slot up to nslots + bs - 1 would be written)."""
+    out = src.replace("(slot < nslots)", "(slot < (nslots + bs))")
+    assert out != src
+    return out
+
+
+@needs_gxx
+def test_cuda_mutations_are_caught(gen):
+    """The checks above catch a broken pairing and a slot bound that lets the last block's row past
+    the cache be written (the source is edited, compiled and run; the test must fail)."""
+    with pytest.raises(AssertionError, match="q: .* off"):
+        case(gen, torch.bfloat16, s=7, hq=2, hkv=1, d=32, rot=32, qk_norm=False, layout="NHD", mutate=_break_pairing,
+             **CUDA)
+    with pytest.raises(AssertionError, match="wrote past the cache"):
+        case(gen, torch.bfloat16, s=7, hq=2, hkv=1, d=32, rot=32, qk_norm=False, layout="NHD", bs=4, blocks=2,
+             bad_slots=((3, 8 + 3),), mutate=_break_slot_bound, **CUDA)
+
+
+@needs_toolchain
+@pytest.mark.parametrize("arch", ["sm_90", pytest.param("sm_80", marks=SLOW)])
+@pytest.mark.parametrize("fields", [dict(dtype="bfloat16", head_dim=128, rot=128, qk_norm=True),
+                                    dict(dtype="float16", head_dim=80, rot=32, positions="int32", slots="int32"),
+                                    dict(dtype="bfloat16", head_dim=128, rot=128, mrope_section=(24, 20, 20),
+                                         mrope_interleaved=True, qk_norm=True, rounding="fp32", offset=1.0),
+                                    dict(dtype="float32", head_dim=64, rot=64, pairing="interleaved")],
+                         ids=["qwen3", "partial-i32", "mrope-gemma", "fp32-interleaved"])
+def test_cuda_source_compiles_lean(fields, arch, tmp_path):
+    """The CUDA schedule lowers and the lean build (nvcc, no TileLang templates) compiles it for the
+    H200 (sm_90) and the A100 (sm_80); x is moved 16 bytes at a time, the q and cache stores through
+    tileops_st16, the row sum by shuffles (no shared memory, no barrier)."""
+    from tileops.compile import build, cuda_build
+
+    spec = get_spec("prologue")(backend="cuda", **fields)
+    lean = cuda_build.build(build.prim_func("prologue", spec), arch, build.PASS_CONFIGS, out_dir=str(tmp_path))
+    src = lean.device_source
+    assert "*(uint4*)(xa + 0) = *(uint4*)(QKV + " in src or "*(float4*)(xa + 0) = *(float4*)(QKV + " in src
+    assert "tileops_st16((&(KC[" in src and "tileops_st16((&(VC[" in src and "tileops_st16((&(Q[" in src
+    assert ("tileops_xor_lane(acc" in src) == spec.qk_norm
+    assert "__syncthreads" not in src and "__shared__" not in src
+    assert len(lean.record["args"]) == len(spec.args) + len(lean.record["extents"])
+
+
+def test_cuda_spec_layout():
+    """The lane mapping's numbers for the planned shapes, and what the schedule refuses."""
+    spec = get_spec("prologue")
+    q3 = spec(dtype="bfloat16", head_dim=128, rot=128, backend="cuda")
+    assert (q3.vec, q3.row_lanes, q3.lanes, q3.block_threads, q3.tokens_per_block, q3.stride_unit) == (
+        8, 8, 8, 128, 1, 8)
+    odd = spec(dtype="bfloat16", head_dim=80, rot=80, backend="cuda")
+    assert (odd.vec, odd.row_lanes, odd.lanes) == (8, 5, 8)
+    narrow = spec(dtype="bfloat16", head_dim=40, rot=24, backend="cuda")  # rot/2 = 12: 4-element vectors
+    assert (narrow.vec, narrow.row_lanes, narrow.lanes) == (4, 7, 8)
+    assert spec(dtype="bfloat16", head_dim=128, rot=128).stride_unit == 1
+    with pytest.raises(ValueError, match="32 lanes"):
+        spec(dtype="bfloat16", head_dim=1024, rot=1024, backend="cuda")
+    with pytest.raises(ValueError, match="head_lanes"):
+        spec(dtype="bfloat16", head_dim=128, rot=128, backend="cuda", head_lanes=3)
+    with pytest.raises(ValueError, match="threads"):
+        spec(dtype="bfloat16", head_dim=128, rot=128, backend="cuda", threads=16)

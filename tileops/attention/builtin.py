@@ -15,6 +15,7 @@ outputs shaped like their ``like`` input, and q is not shaped like qkv, so every
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Any
 
@@ -33,13 +34,13 @@ class PrologueKernels:
     def __init__(self, op: Any, spec: Any):
         self.op = op
         self.device = spec.device
-        if self.device.type == "cuda":
-            raise NotImplementedError(f"{op.name}: qkv: the fused prologue's CUDA kernel is not built yet (only its C "
-                                      f"schedule, for CPU tensors, is); it has no fallback that would pose as it")
         self.backend, self.arch = device_backend(self.device)
         p = op.params
-        self.kspec = kernel_spec(p, spec.dtype("qkv"), spec.dtype("positions"), spec.dtype("slot_mapping"),
-                                 self.backend, op.name)
+        self.kspec = _spec(op.manifest, p, spec.dtype("qkv"), spec.dtype("positions"), spec.dtype("slot_mapping"),
+                           self.backend, op.name)
+        # CUDA: the qkv, q and cache strides in units of stride_unit elements (16-byte vectors), and every
+        # pointer the kernel moves vectors through on such a vector (checked per call)
+        self.unit = self.kspec.stride_unit
         self.kernel = load_kernel(op.manifest.kernel.builder, self.kspec, self.backend, self.arch, self.device,
                                   self.kspec.args, op_name=op.name)
         self.tables = p["rope"].deployment_tables(self.kspec.rot)
@@ -60,7 +61,7 @@ class PrologueKernels:
         if qkv.shape[0] and qkv.stride(1) != 1:
             qkv = qkv.contiguous()
         q_out = outs.get("q_out")
-        q = q_out if q_out is not None and q_out.stride(-1) == 1 else torch.empty(
+        q = q_out if q_out is not None and self._fits(q_out, q_out.stride(0), q_out.stride(1)) else torch.empty(
             (qkv.shape[0], hq, d), dtype=qkv.dtype, device=qkv.device)
         kc = tensors["key_cache"]
         if p["cache_layout"] == "NHD":  # [blocks, bs, Hkv, D]
@@ -71,15 +72,18 @@ class PrologueKernels:
             csb, csr, csh = kc.stride(0), kc.stride(2), kc.stride(1)
         nslots = blocks * bs
         self.op.slot_limit = nslots  # named by a bad slot's error
+        u = self.unit
         if qkv.shape[0]:
+            self._check_aligned(tensors, qkv, csb, csr, csh)
             # the kernel reads positions and slots as dense runs (P[t], MRoPE's P[s * tokens + t],
             # SL[t]): a strided or expanded view is copied first (tokens elements). HF's position_ids
             # [1, seq] expanded to the batch has stride 0, which read densely took the bytes past the
             # tensor as positions
             index = {n: tensors[n].contiguous() for n in ("positions", "slot_mapping")}
             launch = {**tensors, "qkv": qkv, **index}
-            args = {"S": qkv.shape[0], "HQ": hq, "HKV": hkv, "xst": qkv.stride(0), "qst": q.stride(0),
-                    "qsh": q.stride(1), "csb": csb, "csr": csr, "csh": csh, "bs": bs, "nslots": nslots,
+            args = {"S": qkv.shape[0], "HQ": hq, "HKV": hkv, "xst": qkv.stride(0) // u, "qst": q.stride(0) // u,
+                    "qsh": q.stride(1) // u, "csb": csb // u, "csr": csr // u, "csh": csh // u, "bs": bs,
+                    "nslots": nslots,
                     "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr(),
                     # MRoPE's three position streams [3, tokens] lie psc elements apart
                     "psc": index["positions"].stride(0) if index["positions"].dim() == 2 else 0}
@@ -87,6 +91,8 @@ class PrologueKernels:
                      pointers={"QKV": "qkv", "P": "positions", "SL": "slot_mapping", "QW": "q_norm_weight",
                                "KW": "k_norm_weight", "Q": "q_out", "KC": "key_cache", "VC": "value_cache"},
                      # a bad position reads as 0 and a bad slot writes nothing; each marks its word
+                     align=dict.fromkeys(("qkv", "q_out", "key_cache", "value_cache", "q_norm_weight",
+                                          "k_norm_weight"), u * qkv.element_size()),
                      checks={"positions": 0, "slot_mapping": 1})
             self.op._runtime.execute(b, launch, {"q_out": q})
         if q_out is not None and q is not q_out:
@@ -94,15 +100,46 @@ class PrologueKernels:
             return q_out
         return q
 
+    def _fits(self, t: torch.Tensor, *strides: int) -> bool:
+        """Whether the kernel moves ``t`` where it lies: a contiguous last dim and, on CUDA, the pointer and
+        ``strides`` on ``stride_unit`` elements (16-byte vectors)."""
+        u = self.unit
+        return (t.stride(-1) == 1 and all(st % u == 0 for st in strides)
+                and t.data_ptr() % (u * t.element_size()) == 0)
+
+    def _check_aligned(self, tensors: dict, qkv: torch.Tensor, csb: int, csr: int, csh: int) -> None:
+        """CUDA: a ValueError naming the input whose pointer or strides are off the kernel's 16-byte
+        vectors (the caches are written in place and the others are read where they lie: no copy hides it)."""
+        if self.unit == 1:
+            return
+        u = self.unit
+        need = f"a multiple of {u} elements ({u * qkv.element_size()} bytes: the CUDA kernel's vectors)"
+        checks = [("qkv", qkv, (qkv.stride(0),), "its data pointer and row stride"),
+                  ("key_cache", tensors["key_cache"], (csb, csr, csh), "its data pointer and strides"),
+                  ("value_cache", tensors["value_cache"], (csb, csr, csh), "its data pointer and strides")]
+        for name in ("q_norm_weight", "k_norm_weight"):
+            if tensors.get(name) is not None:
+                checks.append((name, tensors[name], (), "its data pointer"))
+        for name, t, strides, what in checks:
+            if not self._fits(t, *strides):
+                raise ValueError(f"{self.op.name}: {name}: expected {what} on {need}, got data pointer offset "
+                                 f"{t.data_ptr() % 256} bytes mod 256, strides {list(t.stride())} (a view that "
+                                 f"starts or steps inside a vector; .clone() gives an aligned copy)")
+
+
+def _spec(manifest: Any, params: Any, qkv: str, positions: str, slots: str, backend: str, op_name: str) -> Any:
+    """The kernel spec of a call: the fields from the op (:func:`tileops.attention.hooks.kernel_spec`),
+    on CUDA with the schedule's choices the manifest's ``kernel.static`` sets."""
+    spec = kernel_spec(params, qkv, positions, slots, backend, op_name)
+    static = dict(manifest.kernel.static or {})
+    return dataclasses.replace(spec, **static) if backend == "cuda" and static else spec
+
 
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
     """The ``(builder, spec)`` a call of one specialization launches, for ``tileops warmup`` and
-    ``op.compile`` (no backward: the manifest declares none). None on CUDA, where the fused kernel
-    has no schedule yet (a call there is refused)."""
-    if backend != "c":
-        return []
-    spec = kernel_spec(params, call.dtype("qkv"), call.dtype("positions"), call.dtype("slot_mapping"), backend,
-                       manifest.name)
+    ``op.compile`` (no backward: the manifest declares none)."""
+    spec = _spec(manifest, params, call.dtype("qkv"), call.dtype("positions"), call.dtype("slot_mapping"), backend,
+                 manifest.name)
     return [(manifest.kernel.builder, spec)]
 
 

@@ -66,6 +66,8 @@ def kernel_spec(params: Any, qkv_dtype: str, positions: str, slots: str, backend
     try:
         return spec_cls(**fields)
     except ValueError as e:
+        if str(e).startswith("head_dim"):  # the CUDA schedule's limit on a row's lanes, not the rope's
+            raise ValueError(f"{op_name}: head_dim: {e}") from None
         raise ValueError(f"{op_name}: rope: the fused kernel cannot compose {rope_name} yet: {e}") from None
 
 

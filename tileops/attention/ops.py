@@ -45,9 +45,13 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
     call or at ``op.check()`` (``tileops.strict()`` raises at the call itself), as the RoPE ops report
     positions.
 
-    Built today: the C schedule on the CPU, every pairing and MRoPE's three position streams (through the rope
-    family's own stages). A CUDA input is refused (the fused kernel's CUDA schedule is not built yet); fp8
-    caches are validated and refused at construction until the kernel stores them.
+    Built today: the C schedule on the CPU and the CUDA schedule on the GPU (a lane group per head row,
+    cos/sin composed once per token), every pairing and MRoPE's three position streams (through the rope
+    family's own stages). On CUDA, qkv (its data pointer and row stride), both caches and the norm weights
+    must lie on 16-byte vectors of the dtype (a ValueError names the one that does not; ``q_out`` off them is
+    written through a copy), and a head row must fit one warp (at 16-byte vectors, head_dim up to 512 in
+    bf16/fp16, 256 in fp32). fp8 caches are validated and refused at construction until the kernel stores
+    them.
 
     References: vLLM fused_qk_norm_rope and reshape_and_cache_flash; flashinfer
         rope_quantize_fp8_append_paged_kv_cache.
