@@ -50,8 +50,9 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
     family's own stages). On CUDA, qkv (its data pointer and row stride), both caches and the norm weights
     must lie on 16-byte vectors of the dtype (a ValueError names the one that does not; ``q_out`` off them is
     written through a copy), and a head row must fit one warp (at 16-byte vectors, head_dim up to 512 in
-    bf16/fp16, 256 in fp32). fp8 caches are validated and refused at construction until the kernel stores
-    them.
+    bf16/fp16, 256 in fp32). The CUDA schedule is checked by running its generated CUDA source on the CPU
+    (``tests/cuda_on_cpu.py``) and compiling it with nvcc; it has not yet run on a GPU, and its speed is
+    unmeasured. fp8 caches are validated and refused at construction until the kernel stores them.
 
     References: vLLM fused_qk_norm_rope and reshape_and_cache_flash; flashinfer
         rope_quantize_fp8_append_paged_kv_cache.
@@ -132,8 +133,10 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
                 ``key_cache``, exactly. Written in place (never returned); it may share memory with no other
                 argument.
             slot_mapping (torch.Tensor): The cache slot of each token: block slot // block_size, row slot %
-                block_size; negative skips the token (padding). Shape ``[tokens]``; dtype int32, int64. Each
-                value in ``[-1, num_blocks * block_size)``.
+                block_size; negative skips the token (padding). Each slot at most once per call, as a serving
+                engine's slot mapping has it: a slot named twice holds one of those tokens' rows (on the CPU
+                the later one's; on a GPU whichever block writes last). Shape ``[tokens]``; dtype int32,
+                int64. Each value in ``[-1, num_blocks * block_size)``.
             q_norm_weight (torch.Tensor | None): Keyword-only. The q heads' RMSNorm weight (with qk_norm), in
                 qkv's dtype. Shape ``[norm_dim]``; dtype float16, bfloat16, float32. Default None.
             k_norm_weight (torch.Tensor | None): Keyword-only. The k heads' RMSNorm weight (with qk_norm), in
