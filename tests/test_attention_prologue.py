@@ -462,3 +462,44 @@ def test_cuda_alignment_checks_name_the_argument(gen):
         k._check_aligned({**good, "k_norm_weight": w[1:]}, wide[:, :256], *strides)
     k.unit = 1  # the C backend: element strides, nothing to check
     k._check_aligned({**good, "value_cache": flat}, wide[:, 1:257], *strides)
+
+
+class _HalvedRoPE(RoPENeoxPositionIdsFwdOp):
+    """A throwaway variant of the rope family, written here only: every frequency halved and an
+    amplitude of 1.25 (what a new variant is to the family: its frequencies and amplitude), on the
+    manifest of the op it extends."""
+
+    op_name = "RoPENeoxPositionIdsFwdOp"
+
+    def frequencies(self, rot):
+        inv, _ = super().frequencies(rot)
+        return inv / 2, 1.25
+
+
+def test_a_new_rope_variant_is_fused_with_no_edit_to_the_fused_op(gen):
+    """The fused op composes whatever rope object it gets, reading its frequencies through the
+    rope family's tables: a variant the repository has never seen runs fused, equal to the float64
+    math of its own frequencies and to the variant's standalone op between torch ops."""
+    rope = _HalvedRoPE(max_position=8192, base=1e4)
+    op = AttnPrologueFwdOp(4, 2, 64, rope)
+    qkv = torch.randn(5, 8 * 64, generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, 8192, (5,), generator=gen)
+    kc = torch.full((2, 16, 2, 64), NAN, dtype=torch.bfloat16)
+    vc = torch.full((2, 16, 2, 64), NAN, dtype=torch.bfloat16)
+    slots = torch.tensor([3, 17, -1, 30, 0])
+    q = op(qkv, positions, kc, vc, slots)
+    op.check()
+    x = qkv.double().view(5, 8, 64)
+    inv = 1.0 / (1e4 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)) / 2
+    want_q = references.rotate(x[:, :4], positions.view(-1, 1), inv, 1.25, "neox")
+    want_k = references.rotate(x[:, 4:6], positions.view(-1, 1), inv, 1.25, "neox")
+    assert_within(q, want_q, x[:, :4].abs().max() * 2.5 * torch.ones_like(want_q), UNIT[torch.bfloat16], "q")
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            got_k = kc.view(-1, 2, 64)[s]
+            assert_within(got_k, want_k[t], x[t, 4:6].abs().max() * 2.5 * torch.ones_like(want_k[t]),
+                          UNIT[torch.bfloat16], f"k slot {s}")
+            assert torch.equal(vc.view(-1, 2, 64)[s], qkv.view(5, 8, 64)[t, 6:]), f"v slot {s}"
+    standalone_q, standalone_k = rope(qkv.view(5, 8, 64)[:, :4], positions, key=qkv.view(5, 8, 64)[:, 4:6])
+    assert torch.equal(q, standalone_q), "fused q differs from the variant's own op"
+    assert torch.equal(kc.view(-1, 2, 64)[3], standalone_k[0])
