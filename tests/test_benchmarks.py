@@ -195,3 +195,12 @@ def test_backward_bytes_count_what_each_backward_must_move():
     with_res = {"x": x, "weight": w, "residual": r}
     assert runner._backward_bytes(rms, op_class("RMSNormFwdOp")(), with_res, (0, 1, 2)) == 4 * row + 2 * vec
     assert runner._backward_bytes(rope, op_class("RoPEFwdOp")(), {"x": x}, (0,)) == 2 * row
+
+
+def test_prologue_benchmark_columns_compute_the_same_thing():
+    """benchmarks/prologue.py times the fused op against the PyTorch chain and against the chain
+    with tileops' RoPE in the middle: on the CPU, each of its smoke rows (neox, YaRN, MRoPE) gives
+    the same q and caches in every column, so the H200 table compares like with like."""
+    from benchmarks import prologue
+
+    assert prologue.smoke() == []
