@@ -230,7 +230,7 @@ def smoke() -> list[str]:
 
 def time_row(row: Row) -> dict[str, Any]:
     from .runner import fresh_compile
-    from .timing import gpu_time, rotation, same_bytes_copy_us
+    from .timing import gpu_time, graph_us_per_call, rotation, same_bytes_copy_us
 
     dev = torch.device("cuda")
     nbytes = moved_bytes(row)
@@ -247,7 +247,7 @@ def time_row(row: Row) -> dict[str, Any]:
             continue
         try:
             if row.graph:
-                out[f"{name}_us"] = _graph_us(fn, sets[0])
+                out[f"{name}_us"] = graph_us_per_call(lambda: fn(**sets[0]))
             else:
                 out[f"{name}_us"] = gpu_time(lambda i: fn(**sets[i]), n)[0]
         except Exception as e:  # a column that cannot run this row (say, fp8 in the chain of an old torch)
@@ -256,20 +256,6 @@ def time_row(row: Row) -> dict[str, Any]:
     if hasattr(cols["ours"], "check"):
         cols["ours"].check()
     return out
-
-
-def _graph_us(fn: Callable[..., Any], x: dict[str, torch.Tensor]) -> float:
-    from .timing import gpu_time
-
-    fn(**x)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g):
-        for _ in range(100):
-            fn(**x)
-    return gpu_time(lambda i: g.replay(), 1, batches=20, per_batch=1)[0] / 100
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

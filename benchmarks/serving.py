@@ -19,7 +19,7 @@ import json
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -28,7 +28,7 @@ from tileops.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
 from . import host, plots
 from .baselines import _rotate_half
 from .runner import fresh_compile, end_to_end_us, host_time_us as host_us
-from .timing import copy_rate, gpu_time, rotation, same_bytes_copy_us
+from .timing import copy_rate, gpu_time, graph_us_per_call, rotation, same_bytes_copy_us
 
 HERE = Path(__file__).resolve().parent
 
@@ -82,15 +82,7 @@ def decode_graph_row(tokens: int = 32, Hq: int = 32, Hk: int = 8, D: int = 128) 
     q = torch.randn(tokens, Hq, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(tokens, Hk, D, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, 1 << 20, (tokens,), device="cuda")
-    op(q, pos, key=k, out=q, key_out=k)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g):
-        for _ in range(100):
-            op(q, pos, key=k, out=q, key_out=k)
-    per_call = gpu_time(lambda i: g.replay(), 1, batches=20, per_batch=1)[0] / 100
+    per_call = graph_us_per_call(lambda: op(q, pos, key=k, out=q, key_out=k))
     op.check()
     eager = gpu_time(lambda i: op(q, pos, key=k, out=q, key_out=k), 1)[0]
     host = host_us(lambda: op(q, pos, key=k, out=q, key_out=k))

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["gpu_time", "rotation", "copy_rate", "same_bytes_copy_us"]
+__all__ = ["gpu_time", "rotation", "copy_rate", "same_bytes_copy_us", "graph_us_per_call"]
 
 L2_BYTES = 60 * 2**20
 
@@ -75,3 +75,17 @@ def same_bytes_copy_us(nbytes: int) -> float:
     dsts = [torch.empty_like(s) for s in srcs]
     med, _, _ = gpu_time(lambda i: dsts[i].copy_(srcs[i]), n)
     return med
+
+
+def graph_us_per_call(fn: Callable[[], Any], calls: int = 100) -> float:
+    """Median microseconds per call of ``fn()`` replayed from one CUDA graph holding ``calls`` calls,
+    captured on a side stream after one warm-up call (what a server's decode step does)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return gpu_time(lambda i: g.replay(), 1, batches=20, per_batch=1)[0] / calls
