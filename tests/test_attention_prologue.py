@@ -399,7 +399,10 @@ def test_compose_resolves_to_loaded_manifests():
                                                                                  "CyclicOp -> CyclicOp"),
     (lambda t: t.replace("rope: {op: RoPELlama31FwdOp}", "rope: {op: RMSNormFwdOp}"),
      r"cases\[llama-decode-hnd\].params.rope: 'RMSNormFwdOp' is not among compose.rope's ops"),
-], ids=["unknown-op", "unknown-family", "cycle", "case-op-of-another-family"])
+    (lambda t: t.replace("      written: true\n    value_cache:", "      written: true\n      optional: true\n"
+                                                                     "    value_cache:"),
+     "inputs.key_cache: 'written' is for required inputs"),
+], ids=["unknown-op", "unknown-family", "cycle", "case-op-of-another-family", "written-optional"])
 def test_compose_errors_name_the_key(tmp_path, edit, message):
     from tileops.manifest import ManifestError, load_files, packaged_files
 

@@ -191,21 +191,19 @@ class Op:
     def _traced_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> Any:
         """The call as one of :mod:`tileops.runtime.library`'s custom ops: inputs and outputs as lists in the
         manifest's order. With any output given, every output the call produces is passed to
-        ``apply_out`` (those not given as new tensors), so the result is what the eager call returns."""
-        inputs, names = library.pack(self, tensors)
+        ``apply_out`` (those not given as new tensors), so the result is what the eager call returns; so
+        are the inputs the op writes in place (a KV cache), after the outputs, as ``apply_out``'s mutated
+        tensors rather than among its inputs."""
         made = library.produced(self, tensors)
         for o in self.manifest.outputs:
             if outs.get(o.name) is not None and tensors.get(o.like) is None:
                 raise ValueError(f"{self.name}: {o.name}: given without {o.like}, whose result it would hold")
         grad_needed(self, tensors, {k: v for k, v in outs.items() if v is not None})  # raises as the eager call does
         written = library.written(self, tensors)
-        if written:  # inputs the op writes in place (a KV cache): apply_out's mutated list, after the outputs
-            inputs, names = library.pack(self, {k: v for k, v in tensors.items() if k not in written})
+        inputs, names = library.pack(self, {k: v for k, v in tensors.items() if k not in written})
+        if written or any(outs.get(o.name) is not None for o in made):
             got = [outs[o.name] if outs.get(o.name) is not None else self._new_output(o.name, tensors) for o in made]
             torch.ops.tileops.apply_out(self._handle, inputs, names, got + [tensors[n] for n in written])
-        elif any(outs.get(o.name) is not None for o in made):
-            got = [outs[o.name] if outs.get(o.name) is not None else self._new_output(o.name, tensors) for o in made]
-            torch.ops.tileops.apply_out(self._handle, inputs, names, got)
         else:
             got = torch.ops.tileops.apply(self._handle, inputs, names)
         return got[0] if len(made) == 1 else tuple(got)

@@ -291,7 +291,7 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prolo
     # everything is checked, and every op built, before the model is touched
     norm_ops, norms = _norm_plan(model, model_type) if norm else (None, [])
     plan = _rope_plan(model, model_type) if rope else None
-    fused = (prologue_plan(model, model_type, plan["op"], [a for a, _ in plan["attentions"]])
+    fused = (prologue_plan(model, model_type, plan["op"], [a for a, _ in plan["attentions"]], plan["head_dim"])
              if prologue else [])
 
     swap = None
@@ -382,7 +382,7 @@ def _rope_plan(model: torch.nn.Module, model_type: Any) -> dict[str, Any]:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     for r in rotaries:
         _check_tables(op, r, config, head_dim, model_type)
-    return {"op": op, "module": mod, "rotaries": rotaries, "attentions": slots}
+    return {"op": op, "module": mod, "rotaries": rotaries, "attentions": slots, "head_dim": head_dim}
 
 
 def _wrap(state: _PatchState, module: torch.nn.Module, forward: Any) -> None:

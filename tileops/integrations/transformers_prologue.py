@@ -60,16 +60,10 @@ class PrologueLayer:
         self.sliding, self.qk_norm = sliding, qk_norm
 
 
-def _heads(config: Any) -> tuple[int, int, int]:
-    hq = config.num_attention_heads
-    hkv = getattr(config, "num_key_value_heads", None) or hq
-    return hq, hkv, getattr(config, "head_dim", None) or config.hidden_size // hq
-
-
-def prologue_plan(model: torch.nn.Module, model_type: Any, rope_op: Any, attentions: list[torch.nn.Module]
-                  ) -> list[PrologueLayer]:
-    """The op of every attention module (one per distinct (heads, head_dim, qk norm, eps), sharing
-    ``rope_op``); raises where the model is not served, before anything is touched."""
+def prologue_plan(model: torch.nn.Module, model_type: Any, rope_op: Any, attentions: list[torch.nn.Module],
+                  head_dim: int) -> list[PrologueLayer]:
+    """The op of every attention module (one per distinct (qk norm, eps), sharing ``rope_op`` and the
+    ``head_dim`` the RoPE patch found); raises where the model is not served, before anything is touched."""
     from ..attention import AttnPrologueFwdOp
 
     name = "tileops.integrations.transformers.patch"
@@ -77,7 +71,8 @@ def prologue_plan(model: torch.nn.Module, model_type: Any, rope_op: Any, attenti
         raise NotImplementedError(f"{name}: prologue: model type {model_type!r} is not served; served: "
                                   f"{', '.join(PROLOGUE_MODEL_TYPES)} (prologue=False keeps RoPE and norms routed)")
     config = getattr(model.config, "text_config", None) or model.config
-    hq, hkv, head_dim = _heads(config)
+    hq = config.num_attention_heads
+    hkv = getattr(config, "num_key_value_heads", None) or hq
     ops: dict[tuple, Any] = {}
     plan = []
     for a in attentions:
@@ -120,16 +115,14 @@ def _warn_once(seen: set[str], why: str) -> None:
                       f"attention (unfused)", RuntimeWarning, stacklevel=4)
 
 
-def _static_layer(cache: Any, layer_idx: int) -> Any:
-    """The cache's layer ``layer_idx`` if it is a plain ``StaticLayer`` of a cache that does not
-    offload, else None."""
-    from transformers.cache_utils import StaticLayer
-
+def _static_layer(cache: Any, layer_idx: int, static_type: type) -> Any:
+    """The cache's layer ``layer_idx`` if it is a plain ``static_type`` (transformers' ``StaticLayer``)
+    of a cache that does not offload, else None."""
     layers = getattr(cache, "layers", None)
     if layers is None or getattr(cache, "offloading", False) or layer_idx >= len(layers):
         return None
     layer = layers[layer_idx]
-    return layer if type(layer) is StaticLayer else None
+    return layer if type(layer) is static_type else None
 
 
 def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set[str]) -> Any:
@@ -137,8 +130,12 @@ def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set
     the forward it replaces (HF's, with the RoPE patch's position check), ``tag_of(pe)`` the
     ``(rope op, position_ids)`` the RoPE patch tagged ``position_embeddings``' cos with (it raises
     for cos/sin from elsewhere)."""
+    from transformers.cache_utils import StaticLayer
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     module, op = layer.module, layer.op
     hq, hkv, d = op.params["num_q_heads"], op.params["num_kv_heads"], op.params["head_dim"]
+    eager = sys.modules[type(module).__module__].eager_attention_forward  # what HF's forward calls for "eager"
 
     def forward(*args, **kwargs):
         if args:  # HF's decoder layers pass everything by keyword; a caller may not
@@ -149,7 +146,7 @@ def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set
             why = "no cache was passed"
         elif module.training:
             why = "the module is in training mode"
-        elif (static := _static_layer(cache, module.layer_idx)) is None:
+        elif (static := _static_layer(cache, module.layer_idx, StaticLayer)) is None:
             layers = getattr(cache, "layers", None)
             kind = type(layers[module.layer_idx]).__name__ if layers and module.layer_idx < len(layers) else "no layer"
             why = (f"{type(cache).__name__} with a {kind} (served: a StaticCache's full-attention StaticLayer, "
@@ -161,45 +158,40 @@ def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set
         if why is not None:
             _warn_once(seen, why)
             return original(**kwargs)
-        return _fused(module, layer, op, static, tag_of(kwargs.get("position_embeddings")), hq, hkv, d, kwargs)
+        return fused(static, tag_of(kwargs.get("position_embeddings")), kwargs)
+
+    def fused(static: Any, tag: tuple[Any, torch.Tensor], kwargs: dict[str, Any]) -> Any:
+        hidden = kwargs["hidden_states"]
+        batch, seq = hidden.shape[:2]
+        qkv = torch.cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)], -1)
+        qkv = qkv.view(batch * seq, (hq + 2 * hkv) * d)
+        if not static.is_initialized:  # HF allocates the layer at its first update, from k's shape and dtype
+            empty = qkv.new_empty(batch, hkv, 0, d)
+            static.lazy_initialization(empty, empty)
+        _, pos = tag
+        if pos.dim() == 1:
+            pos = pos[None]
+        positions = pos.to(qkv.device).expand(batch, seq).reshape(batch * seq)
+        cap = static.max_cache_len
+        at = static.cumulative_length + torch.arange(seq, device=qkv.device)
+        rows = torch.arange(batch, device=qkv.device)[:, None] * cap
+        # a token past the cache's length gets a slot past the whole cache: reported, never written
+        slots = torch.where(at < cap, rows + at, batch * cap).reshape(batch * seq)
+        norms = {}
+        if layer.qk_norm:
+            norms = {"q_norm_weight": module.q_norm.weight, "k_norm_weight": module.k_norm.weight}
+        q = op(qkv, positions, static.keys, static.values, slots, **norms)
+        static.cumulative_length.add_(seq)
+        q = q.view(batch, seq, hq, d).transpose(1, 2)
+        # as HF's forward picks it, per call (the model's attention implementation may be switched)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager)
+        mask = kwargs.get("attention_mask")
+        rest = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "position_embeddings", "attention_mask",
+                                                             layer.cache_name)}
+        if layer.sliding:
+            rest["sliding_window"] = None
+        out, weights = attend(module, q, static.keys, static.values, mask, dropout=0.0, scaling=module.scaling, **rest)
+        out = out.reshape(batch, seq, -1).contiguous()
+        return module.o_proj(out), weights
 
     return forward
-
-
-def _fused(module: torch.nn.Module, layer: PrologueLayer, op: Any, static: Any, tag: tuple[Any, torch.Tensor],
-           hq: int, hkv: int, d: int, kwargs: dict[str, Any]) -> Any:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    hidden = kwargs["hidden_states"]
-    batch, seq = hidden.shape[:2]
-    qkv = torch.cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)], -1)
-    qkv = qkv.view(batch * seq, (hq + 2 * hkv) * d)
-    if not static.is_initialized:  # HF allocates the layer at its first update, from k's shape and dtype
-        empty = qkv.new_empty(batch, hkv, 0, d)
-        static.lazy_initialization(empty, empty)
-    _, pos = tag
-    if pos.dim() == 1:
-        pos = pos[None]
-    positions = pos.to(qkv.device).expand(batch, seq).reshape(batch * seq)
-    cap = static.max_cache_len
-    at = static.cumulative_length + torch.arange(seq, device=qkv.device)
-    rows = torch.arange(batch, device=qkv.device)[:, None] * cap
-    # a token past the cache's length gets a slot past the whole cache: reported, never written
-    slots = torch.where(at < cap, rows + at, batch * cap).reshape(batch * seq)
-    norms = {}
-    if layer.qk_norm:
-        norms = {"q_norm_weight": module.q_norm.weight, "k_norm_weight": module.k_norm.weight}
-    q = op(qkv, positions, static.keys, static.values, slots, **norms)
-    static.cumulative_length.add_(seq)
-    q = q.view(batch, seq, hq, d).transpose(1, 2)
-    # as HF's forward picks it: "eager" is the modeling module's own function
-    attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation,
-                                                   sys.modules[type(module).__module__].eager_attention_forward)
-    mask = kwargs.get("attention_mask")
-    rest = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "position_embeddings", "attention_mask",
-                                                         layer.cache_name)}
-    if layer.sliding:
-        rest["sliding_window"] = None
-    out, weights = attend(module, q, static.keys, static.values, mask, dropout=0.0, scaling=module.scaling, **rest)
-    out = out.reshape(batch, seq, -1).contiguous()
-    return module.o_proj(out), weights

@@ -210,6 +210,8 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
     written = ctx.typed(m["written"][1], (bool,), f"{what}.written", "true or false") if "written" in m else False
     if written and section != "inputs":
         raise ctx.err(m["written"][0], f"{what}: 'written' is for inputs (an output is always written)")
+    if written and optional:  # a traced call passes the written inputs by position after the outputs
+        raise ctx.err(m["written"][0], f"{what}: 'written' is for required inputs, not optional ones")
     dtype_by = None
     if "dtype_by" in m:
         dtype_by = ctx.string(m["dtype_by"][1], f"{what}.dtype_by")

@@ -195,7 +195,8 @@ def _apply_out(handle: int, inputs: list[torch.Tensor], names: str, outs: list[t
     op = lookup(handle)
     tensors = _inputs(op, inputs, names)
     made = produced(op, tensors)
-    # the written inputs come after the outputs, in the manifest's order (Op._traced_call)
+    # the written inputs come after the outputs, in the manifest's order (Op._traced_call); the
+    # loader makes every written input a required one, so all of them are there
     tensors |= dict(zip([t.name for t in op.manifest.inputs if t.written], outs[len(made):]))
     op._eager_call(tensors, {o.name: t for o, t in zip(made, outs)})
 
