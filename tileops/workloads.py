@@ -7,8 +7,9 @@ same thing everywhere. A case's params and dims are read by :mod:`tileops.manife
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -68,11 +69,27 @@ def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, Any
         if t.range is not None:
             low, high = (int(b.evaluate(env)) for b in t.range)
             idt = DTYPES[index_dtype(t)]
-            out[t.name] = torch.randint(low, high, shape, generator=generator, dtype=idt).to(device)
+            v = draw_distinct(low, high, shape, generator) if t.distinct else \
+                torch.randint(low, high, shape, generator=generator)
+            out[t.name] = v.to(device=device, dtype=idt)
         else:
             x = torch.randn(shape, generator=generator, dtype=torch.float32)
             out[t.name] = x.to(device=device, dtype=DTYPES[dtype])
     return out
+
+
+def draw_distinct(low: int, high: int, shape: Sequence[int], generator: torch.Generator | None = None) -> torch.Tensor:
+    """int64 values of ``[low, high)`` of which no non-negative one repeats (a ``distinct`` input, a slot
+    mapping): a random draw without replacement; where the shape holds more values than the range,
+    the rest are ``low``, which must then be negative (padding)."""
+    n = math.prod(shape)
+    span = max(high - low, 0)
+    if n > span and low >= 0:
+        raise ValueError(f"{n} distinct values do not fit in [{low}, {high})")
+    v = torch.full((n,), low, dtype=torch.int64)
+    take = min(n, span)
+    v[:take] = torch.randperm(span, generator=generator)[:take] + low
+    return v[torch.randperm(n, generator=generator)].reshape(tuple(shape))
 
 
 def workload(m: OpManifest, case: Case, dtype: str, device: torch.device | str = "cpu", shrink: bool = False,

@@ -210,6 +210,9 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
     written = ctx.typed(m["written"][1], (bool,), f"{what}.written", "true or false") if "written" in m else False
     if written and section != "inputs":
         raise ctx.err(m["written"][0], f"{what}: 'written' is for inputs (an output is always written)")
+    distinct = ctx.typed(m["distinct"][1], (bool,), f"{what}.distinct", "true or false") if "distinct" in m else False
+    if distinct and "range" not in m:
+        raise ctx.err(m["distinct"][0], f"{what}: 'distinct' is for integer inputs with a 'range'")
     if written and optional:  # a traced call passes the written inputs by position after the outputs
         raise ctx.err(m["written"][0], f"{what}: 'written' is for required inputs, not optional ones")
     dtype_by = None
@@ -290,7 +293,7 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
                 raise ctx.err(m["range"][1], f"{what}.range: {b.text!r} names unknown {', '.join(map(repr, unknown))}")
     return TensorSpec(name=name, doc=doc, dtypes=dtypes, shapes=shapes, shape_by=shape_by, range=vrange,
                       line=line, optional=optional, alternatives=alternatives, positional=positional,
-                      written=written)
+                      written=written, distinct=distinct)
 
 
 def _shape_alternatives(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[tuple[str, ...], ...]:

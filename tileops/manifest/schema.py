@@ -132,6 +132,10 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "range": (False, "list[expr, expr]",
                   "For integer inputs: valid values lie in [low, high), two expressions over params and dims (the "
                   "tensor's own and those of earlier inputs)."),
+        "distinct": (False, "bool", "For integer inputs with a `range`: the non-negative values of one call are "
+                                    "pairwise distinct (a slot mapping; a negative value may repeat). Not "
+                                    "checked at run time: it tells the generated inputs to draw without "
+                                    "replacement and documents the contract (default false)."),
         "written": (False, "bool", "For inputs: the op writes into it in place (a KV cache): it is never "
                                    "returned, and may share memory with no other argument (default false)."),
     },
@@ -203,6 +207,8 @@ class TensorSpec:
     positional: bool = False
     #: inputs: written in place by the op (a KV cache), never returned
     written: bool = False
+    #: ranged inputs: the non-negative values of one call are pairwise distinct (a slot mapping)
+    distinct: bool = False
     #: outputs with ``like``: their own shape (dims and int params), not the like input's; () when none
     own_shape: tuple[str, ...] = ()
 
