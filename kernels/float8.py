@@ -43,8 +43,8 @@ no TileLang (:mod:`tileops.kernels` reads helpers' sources without executing the
 
 from __future__ import annotations
 
-__all__ = ["CVT_FUNCTION", "CVT_MIN_SM", "CVT_SOURCE", "E4M3_MAX", "UNSIGNED_SOURCE", "e4m3_bits", "e4m3_bits_cvt",
-           "e4m3_bits_scaled"]
+__all__ = ["CVT_FUNCTION", "CVT_MIN_SM", "CVT_SOURCE", "E4M3_MAX", "STORE_SOURCE", "UNSIGNED_SOURCE", "e4m3_bits",
+           "e4m3_bits_cvt", "e4m3_bits_scaled", "store_e4m3"]
 
 #: the largest finite float8 e4m3fn, ``1.75 * 2^8``: where the saturating conversion stops
 E4M3_MAX = 448.0
@@ -96,6 +96,41 @@ __device__ __forceinline__ unsigned char {CVT_FUNCTION}(float x) {{
   return (unsigned char)pair;
 }}
 """
+
+#: CUDA: ``n`` values (``n`` of 1, 2, 4, 8 or 16, a constant at the call) converted by
+#: :data:`CVT_FUNCTION` after one IEEE division by ``scale`` each, stored as one ``n``-byte access
+#: (``dst`` on an ``n``-byte boundary). TileLang lowers a vectorized loop of single-byte stores of
+#: converted values as ``n`` byte stores (it finds no vectorization plan for them); a cache row of
+#: bf16 at 16-byte vectors is 8 bytes a lane, one 8-byte store here. Holds :data:`CVT_SOURCE`.
+STORE_SOURCE = CVT_SOURCE + f"""\
+template <typename T>
+__device__ __forceinline__ void tileops_st_e4m3(uchar* dst, const T* src, float scale, int n) {{
+  uint w[4] = {{0u, 0u, 0u, 0u}};
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    if (i < n) w[i >> 2] |= (uint){CVT_FUNCTION}((float)src[i] / scale) << ((i & 3) * 8);
+  if (n == 16) {{
+    uint4 v; v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
+    *reinterpret_cast<uint4*>(dst) = v;
+  }} else if (n == 8) {{
+    uint2 v; v.x = w[0]; v.y = w[1];
+    *reinterpret_cast<uint2*>(dst) = v;
+  }} else if (n == 4) {{
+    *reinterpret_cast<uint*>(dst) = w[0];
+  }} else {{
+    for (int i = 0; i < n; ++i) dst[i] = (uchar)(w[i >> 2] >> ((i & 3) * 8));
+  }}
+}}
+"""
+
+
+def store_e4m3(dst, offset, vals, scale, n: int):
+    """CUDA: ``dst[offset : offset + n]`` (a ``uint8`` buffer, the cache's bytes) = the e4m3fn bits of
+    ``vals[0 : n] / scale`` (a local buffer of any float type; ``scale`` an fp32 expression), one
+    ``n``-byte store (:data:`STORE_SOURCE`, which the kernel imports)."""
+    import tilelang.language as T
+
+    return T.call_extern("handle", "tileops_st_e4m3", T.address_of(dst[offset]), T.address_of(vals[0]), scale, n)
 
 
 def _u32(v: int):

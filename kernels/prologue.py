@@ -47,6 +47,7 @@ from typing import Any
 from .norm import CUDA_HELPERS, NormKernelSpec, lane_allsum, lane_rstd, lane_value, norm_row
 from .rope import (DIGITS, LO, RoPEKernelSpec, angles, lane_angles, pair_offsets, position, rotate, rotate_vals,
                    store_one)
+from .float8 import STORE_SOURCE, e4m3_bits, store_e4m3
 from .storage import load_f32, storage_dtype
 
 #: ``tilelang.language``, imported when a kernel is first built (:func:`build_prologue`)
@@ -70,10 +71,11 @@ USES = ("norm", "rope")
 _DTYPES = ("float16", "bfloat16", "float32")
 
 #: the generated function's parameters, in order; the launcher binds by these names and passes 0 for
-#: the norm weights of a kernel without ``qk_norm`` (never read) and for ``psc`` (the stride between
-#: MRoPE's three position streams) of a kernel without ``mrope_section`` (never read)
-ARGS = ("QKV", "P", "SL", "TD", "QW", "KW", "Q", "KC", "VC", "ERR",
-        "S", "HQ", "HKV", "xst", "qst", "qsh", "csb", "csr", "csh", "bs", "nslots", "limit", "tag", "eps_bits",
+#: the norm weights of a kernel without ``qk_norm``, the scales of a cache that is not float8 and
+#: ``psc`` (the stride between MRoPE's three position streams) of a kernel without ``mrope_section``:
+#: none of them is read then
+ARGS = ("QKV", "P", "SL", "TD", "QW", "KW", "Q", "KC", "VC", "KS", "VS", "ERR",
+        "S", "xst", "qst", "qsh", "csb", "csr", "csh", "bs", "nslots", "limit", "tag", "eps_bits",
         "psc")
 
 
@@ -81,9 +83,17 @@ ARGS = ("QKV", "P", "SL", "TD", "QW", "KW", "Q", "KC", "VC", "ERR",
 class PrologueKernelSpec:
     """Everything a prologue kernel is compiled for; two equal specs share one compiled kernel."""
 
-    dtype: str  # qkv, q out and the caches: float16 | bfloat16 | float32
+    dtype: str  # qkv and q out (and the caches, but for a float8 cache): float16 | bfloat16 | float32
     head_dim: int  # D
     rot: int  # rotated width R, even, <= D; columns R..D are copied
+    #: the heads, compiled in: the op fixes them, and the CUDA schedule unrolls its walk over a
+    #: token's rows by them (``_build_cuda`` says why)
+    hq: int = 1
+    hkv: int = 1
+    #: the caches' storage: "" for ``dtype``, or "float8_e4m3fn": ``saturate(x / scale)`` with the
+    #: per-tensor fp32 scales ``KS``/``VS`` (:mod:`tileops.kernels.float8`), x rounded to ``dtype``
+    #: first, as the unfused chain (rope, then the cache write) rounds it
+    cache: str = ""
     positions: str = "int64"  # int32 | int64
     slots: str = "int64"  # int32 | int64
     qk_norm: bool = False  # per-head RMSNorm of q and k, weights of ``dtype``
@@ -108,6 +118,11 @@ class PrologueKernelSpec:
         for name in ("positions", "slots"):
             if getattr(self, name) not in ("int32", "int64"):
                 raise ValueError(f"{name}: expected 'int32' or 'int64', got {getattr(self, name)!r}")
+        for name in ("hq", "hkv"):
+            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
+        if self.cache not in ("", "float8_e4m3fn"):
+            raise ValueError(f"cache: expected '' (the dtype) or 'float8_e4m3fn', got {self.cache!r}")
         if self.backend not in ("c", "cuda"):
             raise ValueError(f"backend: expected 'c' or 'cuda', got {self.backend!r}")
         for name, low, high in (("threads", 32, 1024), ("head_lanes", 1, 64)):
@@ -156,6 +171,20 @@ class PrologueKernelSpec:
         return self.vec if self.backend == "cuda" else 1
 
     @property
+    def rows(self) -> int:
+        """A token's head rows: ``hq`` q, then ``hkv`` k, then ``hkv`` v."""
+        return self.hq + 2 * self.hkv
+
+    @property
+    def steps(self) -> int:
+        """CUDA: the rows each lane group of a token walks, ``ceil(rows / head_lanes)``."""
+        return -(-self.rows // self.head_lanes)
+
+    @property
+    def fp8(self) -> bool:
+        return self.cache == "float8_e4m3fn"
+
+    @property
     def row_lanes(self) -> int:
         """CUDA: the lanes that hold one head row: ``rot / 2 / vec`` that rotate (each holds ``vec``
         pairs, both elements of each: the rope stage's lane), then ``(head_dim - rot) / vec`` that copy."""
@@ -181,13 +210,17 @@ class PrologueKernelSpec:
 
 
 def _signature(spec: PrologueKernelSpec, storage: str) -> dict:
-    """The buffer parameters both schedules declare (flat extents dynamic; the launcher passes them)."""
+    """The buffer parameters both schedules declare (flat extents dynamic; the launcher passes them).
+    A float8 cache is its bytes, ``uint8`` (the host passes its pointer): TileLang's C backend has no
+    fp8 type, and its CUDA one needs a header the lean build leaves out (:mod:`tileops.kernels.float8`)."""
     D, half = spec.head_dim, spec.rot // 2
     NX, NQ, NK, NV, NP, NS = T.dynamic("NX, NQ, NK, NV, NP, NS")
+    cache = "uint8" if spec.fp8 else storage
     return dict(QKV=T.Tensor((NX,), storage), P=T.Tensor((NP,), spec.positions), SL=T.Tensor((NS,), spec.slots),
                 TD=T.Tensor((DIGITS, LO, 2, half), "float32"), QW=T.Tensor((D,), storage),
-                KW=T.Tensor((D,), storage), Q=T.Tensor((NQ,), storage), KC=T.Tensor((NK,), storage),
-                VC=T.Tensor((NV,), storage), ERR=T.Tensor((2,), "int32"))
+                KW=T.Tensor((D,), storage), Q=T.Tensor((NQ,), storage), KC=T.Tensor((NK,), cache),
+                VC=T.Tensor((NV,), cache), KS=T.Tensor((1,), "float32"), VS=T.Tensor((1,), "float32"),
+                ERR=T.Tensor((2,), "int32"))
 
 
 def build_prologue(spec: PrologueKernelSpec):
@@ -217,15 +250,35 @@ def build_prologue(spec: PrologueKernelSpec):
         rotate_row(f, Y, 0, yo, cst)
 
     sig = _signature(spec, st)
+    HQ, HKV, fp8 = spec.hq, spec.hkv, spec.fp8
+
+    @T.macro
+    def put_kv(QKV, f, xo, KW, acc, eps, cst, KC, VC, KS, VS, kr, co, csh, h):
+        """kv head ``h`` of the token at ``QKV[xo:]`` into the caches at row offset ``co``: k
+        normalised and rotated, v as read; a float8 cache gets ``e4m3(x / scale)`` of each, k from its
+        value rounded to the dtype (``kr``), as the unfused chain stores it before the cache write."""
+        ko = co + T.cast(h, "int64") * csh
+        vo = xo + T.cast(HQ + HKV + h, "int64") * D
+        if fp8:
+            head(QKV, f, xo + T.cast(HQ + h, "int64") * D, KW, acc, eps, cst, kr, 0)
+            for c in T.serial(D):
+                KC[ko + c] = e4m3_bits(load_f32(kr, c, st, dt) / KS[0])
+            for c in T.serial(D):
+                VC[ko + c] = e4m3_bits(load_f32(QKV, vo + c, st, dt) / VS[0])
+        else:
+            head(QKV, f, xo + T.cast(HQ + h, "int64") * D, KW, acc, eps, cst, KC, ko)
+            for c in T.serial(D):
+                VC[ko + c] = QKV[vo + c]
 
     @T.prim_func
     def prologue_c(QKV: sig["QKV"], P: sig["P"], SL: sig["SL"], TD: sig["TD"], QW: sig["QW"], KW: sig["KW"],
-                   Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], ERR: sig["ERR"],
-                   S: T.int32, HQ: T.int32, HKV: T.int32, xst: T.int64, qst: T.int64, qsh: T.int64,
+                   Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], KS: sig["KS"], VS: sig["VS"], ERR: sig["ERR"],
+                   S: T.int32, xst: T.int64, qst: T.int64, qsh: T.int64,
                    csb: T.int64, csr: T.int64, csh: T.int64, bs: T.int64, nslots: T.int64, limit: T.int64,
                    tag: T.int32, eps_bits: T.int32, psc: T.int64):
         with T.Kernel(S, threads=1) as t:
             f = T.alloc_local((D,), "float32")
+            kr = T.alloc_local((D,), st)  # a float8 cache's k, rounded to the dtype
             cst = T.alloc_local((2, half), "float32")
             acc = T.alloc_local((2,), "float64")
             eps = T.reinterpret(eps_bits, "float32")
@@ -241,11 +294,7 @@ def build_prologue(spec: PrologueKernelSpec):
             if slot >= 0 and slot < nslots:
                 co = (slot // bs) * csb + (slot % bs) * csr
                 for h in T.serial(HKV):
-                    head(QKV, f, xo + T.cast(HQ + h, "int64") * D, KW, acc, eps, cst, KC,
-                         co + T.cast(h, "int64") * csh)
-                    vo = xo + T.cast(HQ + HKV + h, "int64") * D
-                    for c in T.serial(D):
-                        VC[co + T.cast(h, "int64") * csh + c] = QKV[vo + c]
+                    put_kv(QKV, f, xo, KW, acc, eps, cst, KC, VC, KS, VS, kr, co, csh, h)
 
     return prologue_c
 
@@ -259,25 +308,31 @@ def _build_cuda(spec: PrologueKernelSpec):
     lane moves in each direction, 6x the x traffic. The rope kernel's walk (cos/sin composed once per
     token and lane, reused across the heads it walks) measured 91-102% of a same-bytes copy on the
     H200. So a token's ``lanes * head_lanes`` threads compose its angles once and walk its head rows:
-    row ``r = hl + k * head_lanes`` of the ``HQ + 2 HKV`` (q, then k, then v), one loop with the row's
-    kind a branch, uniform within a lane group. With ``head_lanes = 16`` Qwen3's 48 rows are 3 rows a
-    group (16 q, 16 q, 8 k + 8 v), no group idle; a separate k and v loop would take 4 steps with half
-    the groups idle in two of them. At 2048 tokens that is 2048 blocks of 128 threads (262k threads,
-    about the 270k an H200's 132 SMs hold at once), each moving 32 bytes of x a step: 8 MB in flight,
-    twice the ~3.8 MB that 4.8 TB/s x ~0.8 us of latency asks for; the tables' reads are one
-    composition a token per lane (192 bytes against 3 rows x 64 bytes of x in and out), mostly L1 hits
-    (the high digits' rows repeat across tokens). Not yet measured on the H200: ``threads`` and
-    ``head_lanes`` are the knobs (``STATIC``).
+    row ``r = hl + k * head_lanes`` of the ``hq + 2 hkv`` (q, then k, then v), the row's kind a
+    branch, uniform within a lane group. With ``head_lanes = 16`` Qwen3's 48 rows are 3 rows a group
+    (16 q, 16 q, 8 k + 8 v), no group idle.
+
+    Loads first, all of them. The first version walked the rows one at a time (load, the norm's
+    butterfly, rotate, store, next row) behind the position and slot reads and the table loads: 62-70%
+    of a same-bytes copy on the H200 at 64-16,384 tokens (``benchmarks/prologue.py``, 2048 tokens 21.8
+    us against 14.9). Each lane had 32 bytes in flight at a time, and the whole prelude's latency
+    (position, then its table rows; the slot) before its first load. The heads are compiled in
+    (``hq``, ``hkv``: the op fixes them), so a lane now issues the loads of every row it will walk
+    (``steps`` x 2 vectors: 96 bytes for Qwen3 bf16), none of them waiting on the position or the
+    slot (a row of a live token lies inside qkv whatever its slot), then reads its position and slot
+    and composes cos/sin while they are in flight, then works through the rows from registers.
 
     A lane holds the rope stage's unit, ``vec`` pairs and both elements of each (neox: the vectors at
     ``j0`` and ``R/2 + j0``; interleaved: ``2 vec`` contiguous elements): the pairing needs no shuffle
-    or shared memory for any head_dim or rot (the plan's one-vector-a-lane mapping needs the partner
-    from lane ``l + (R/2)/vec``, a shuffle only when that is a power of two). Lanes past
-    ``rot / 2 / vec`` hold one vector of the columns past ``rot`` (copied, normalised with qk_norm).
-    The norm's row sum is the norm's lane butterfly (:func:`tileops.kernels.norm.lane_allsum`) over
-    the group's ``lanes`` lanes; every lane of a warp runs every step (rows past the end and dead
-    tokens add 0), so the full-mask shuffles always meet. Tokens past ``S`` read token ``S - 1``'s
-    position and slot (inside every buffer) and write nothing.
+    or shared memory for any head_dim or rot. Lanes past ``rot / 2 / vec`` hold one vector of the
+    columns past ``rot`` (copied, normalised with qk_norm). The norm's row sum is the norm's lane
+    butterfly (:func:`tileops.kernels.norm.lane_allsum`) over the group's ``lanes`` lanes; every lane
+    of a warp runs every step (rows past the end and dead tokens add 0), so the full-mask shuffles
+    always meet. Tokens past ``S`` read token ``S - 1``'s position and slot (inside every buffer) and
+    write nothing. A float8 cache stores each k and v element as ``cvt.rn.satfinite`` of ``x /
+    scale`` (:func:`tileops.kernels.float8.store_e4m3`: the hardware's ``cvt.rn.satfinite``; the
+    integer form is about 30 instructions an element, next to a store of one byte), ``vec`` bytes in
+    one store: sm_89 and later (the host refuses older GPUs).
     """
     D, R, half = spec.head_dim, spec.rot, spec.rot // 2
     dt = spec.dtype
@@ -286,6 +341,8 @@ def _build_cuda(spec: PrologueKernelSpec):
     CL = spec.row_lanes  # lanes that hold a row: C rotate, CL - C copy
     L, HL = spec.lanes, spec.head_lanes
     TOK, TPB = spec.tokens_per_block, spec.block_threads
+    HQ, HKV, NR, K = spec.hq, spec.hkv, spec.rows, spec.steps
+    fp8 = spec.fp8
     mrope = spec.mrope_section is not None
     rs, ns = spec.rope_spec, spec.norm_spec
     pos, angles_of, rotated, store = position(rs), lane_angles(rs), rotate_vals(rs), store_one(rs)
@@ -294,19 +351,27 @@ def _build_cuda(spec: PrologueKernelSpec):
         allsum, value, rstd_of = lane_allsum(L), lane_value(ns), lane_rstd(ns)
 
     @T.macro
-    def load(QKV, xr, o, buf):
+    def load(QKV, xr, o, buf, at):
         for v in T.vectorized(V):
-            buf[v] = QKV[xr + o + v]
+            buf[at + v] = QKV[xr + o + v]
 
     @T.macro
-    def put(Q, KC, VC, isq, isk, yq, yc, o, buf):
+    def put_cache(CC, yc, o, buf, scale):
+        """``buf`` into a cache at ``CC[yc + o]``: as it is, or a float8 cache's ``e4m3(x / scale)``."""
+        if fp8:
+            T.evaluate(store_e4m3(CC, yc + o, buf, scale, V))
+        else:
+            store(CC, yc + o, buf)
+
+    @T.macro
+    def put(Q, KC, VC, isq, isk, yq, yc, o, buf, ks, vs):
         """``buf`` to the row's destination: q (``Q[yq + o]``), k or v (``KC``/``VC[yc + o]``)."""
         if isq:
             store(Q, yq + o, buf)
         elif isk:
-            store(KC, yc + o, buf)
+            put_cache(KC, yc, o, buf, ks)
         else:
-            store(VC, yc + o, buf)
+            put_cache(VC, yc, o, buf, vs)
 
     @T.macro
     def normed(buf, wq, wk, isq, rstd):
@@ -320,17 +385,18 @@ def _build_cuda(spec: PrologueKernelSpec):
                 buf[v] = T.cast(value(buf, wk, wk, 0, v, 0, rstd), dt)
 
     sig = _signature(spec, dt)
+    # the norm's helpers (tileops_xor_lane, and the same tileops_st16 as the rope stage's stores), and
+    # for a float8 cache the conversion: TileLang keeps one import_source per kernel
+    helpers = CUDA_HELPERS + (STORE_SOURCE if fp8 else "")
 
     @T.prim_func
     def prologue_cuda(QKV: sig["QKV"], P: sig["P"], SL: sig["SL"], TD: sig["TD"], QW: sig["QW"], KW: sig["KW"],
-                      Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], ERR: sig["ERR"],
-                      S: T.int32, HQ: T.int32, HKV: T.int32, xst: T.int64, qst: T.int64, qsh: T.int64,
+                      Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], KS: sig["KS"], VS: sig["VS"], ERR: sig["ERR"],
+                      S: T.int32, xst: T.int64, qst: T.int64, qsh: T.int64,
                       csb: T.int64, csr: T.int64, csh: T.int64, bs: T.int64, nslots: T.int64, limit: T.int64,
                       tag: T.int32, eps_bits: T.int32, psc: T.int64):
         with T.Kernel(T.ceildiv(S, TOK), threads=TPB) as bx:
-            # the norm's helpers: tileops_xor_lane and the same tileops_st16 as the rope stage's stores
-            # (TileLang keeps one import_source per kernel)
-            T.import_source(CUDA_HELPERS)
+            T.import_source(helpers)
             tx = T.get_thread_binding()
             lane = tx % L
             hl = (tx // L) % HL
@@ -345,6 +411,8 @@ def _build_cuda(spec: PrologueKernelSpec):
             s1 = T.alloc_local((V,), "float32")
             c0 = T.alloc_local((V,), "float32")
             s0 = T.alloc_local((V,), "float32")
+            ra = T.alloc_local((K * V,), dt)  # every row's vectors, loaded up front
+            rb = T.alloc_local((K * V,), dt)
             xa = T.alloc_local((V,), dt)
             xb = T.alloc_local((V,), dt)
             ya = T.alloc_local((V,), dt)
@@ -355,7 +423,21 @@ def _build_cuda(spec: PrologueKernelSpec):
             wkb = T.alloc_local((V,), dt)
             acc = T.alloc_local((1,), "float32")
             eps = T.reinterpret(eps_bits, "float32")
-            # token ts's position(s), a bad one reported in ERR[0] and read as 0
+            xo = T.cast(ts, "int64") * xst * V
+            qo = T.cast(ts, "int64") * qst * V
+            j0 = lane * V
+            o1, o2 = pair_offsets(rs, j0)
+            oc = R + (lane - C) * V  # a copy lane's vector
+            # 1. every row's loads, waiting on nothing
+            for k in T.unroll(K):
+                if live and hl + k * HL < NR:
+                    if lane < C:
+                        load(QKV, xo + T.cast(hl + k * HL, "int64") * D, o1, ra, k * V)
+                        load(QKV, xo + T.cast(hl + k * HL, "int64") * D, o2, rb, k * V)
+                    elif lane < CL:
+                        load(QKV, xo + T.cast(hl + k * HL, "int64") * D, oc, ra, k * V)
+            # 2. while they fly: token ts's position(s) (a bad one reported in ERR[0], read as 0), its
+            # cos/sin, its slot, the norm weights, the scales
             if mrope:
                 pt = pos(P, ERR, 0, 1, limit, tag, 0, ts, 0, psc, 0)
                 ph = pos(P, ERR, 0, 1, limit, tag, 0, ts, 1, psc, 0)
@@ -370,39 +452,38 @@ def _build_cuda(spec: PrologueKernelSpec):
             co = T.int64(0)
             if kept:  # slot >= 0 and bs > 0: truncating division is the floor, without sign fixes
                 co = (T.truncdiv(slot, bs) * csb + T.truncmod(slot, bs) * csr) * V
-            xo = T.cast(ts, "int64") * xst * V
-            qo = T.cast(ts, "int64") * qst * V
-            j0 = lane * V
-            o1, o2 = pair_offsets(rs, j0)
-            oc = R + (lane - C) * V  # a copy lane's vector
+            ks = T.alloc_var("float32")
+            vs = T.alloc_var("float32")
+            ks = T.float32(1)
+            vs = T.float32(1)
+            if fp8:
+                ks = KS[0]
+                vs = VS[0]
             if lane < C:
                 if mrope:
                     angles_of(TD, j0, None, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn)
                 else:
                     angles_of(TD, j0, p, None, None, None, c2, s2, c1, s1, c0, s0, cs, sn)
                 if norm:
-                    load(QW, 0, o1, wqa)
-                    load(QW, 0, o2, wqb)
-                    load(KW, 0, o1, wka)
-                    load(KW, 0, o2, wkb)
+                    load(QW, 0, o1, wqa, 0)
+                    load(QW, 0, o2, wqb, 0)
+                    load(KW, 0, o1, wka, 0)
+                    load(KW, 0, o2, wkb, 0)
             elif lane < CL:
                 if norm:
-                    load(QW, 0, oc, wqa)
-                    load(KW, 0, oc, wka)
-            for k in T.serial(T.ceildiv(HQ + 2 * HKV, HL)):
+                    load(QW, 0, oc, wqa, 0)
+                    load(KW, 0, oc, wka, 0)
+            # 3. the rows, from registers
+            for k in T.unroll(K):
                 r = hl + k * HL
                 isq = r < HQ
                 isk = r >= HQ and r < HQ + HKV
-                ok = live and r < HQ + 2 * HKV and (isq or kept)
-                xr = xo + T.cast(r, "int64") * D
+                ok = live and r < NR and (isq or kept)
                 yq = qo + T.cast(r, "int64") * qsh * V
                 yc = co + T.cast(T.if_then_else(isk, r - HQ, r - HQ - HKV), "int64") * csh * V
-                if ok:
-                    if lane < C:
-                        load(QKV, xr, o1, xa)
-                        load(QKV, xr, o2, xb)
-                    elif lane < CL:
-                        load(QKV, xr, oc, xa)
+                for v in T.serial(V):
+                    xa[v] = ra[k * V + v]
+                    xb[v] = rb[k * V + v]
                 if norm:
                     # the row's sum of squares: every lane of the warp shuffles, a lane with nothing adds 0
                     acc[0] = T.float32(0)
@@ -425,13 +506,13 @@ def _build_cuda(spec: PrologueKernelSpec):
                     if lane < C:
                         if isq or isk:
                             rotated(xa, xb, cs, sn, ya, yb)
-                            put(Q, KC, VC, isq, isk, yq, yc, o1, ya)
-                            put(Q, KC, VC, isq, isk, yq, yc, o2, yb)
+                            put(Q, KC, VC, isq, isk, yq, yc, o1, ya, ks, vs)
+                            put(Q, KC, VC, isq, isk, yq, yc, o2, yb, ks, vs)
                         else:
-                            put(Q, KC, VC, isq, isk, yq, yc, o1, xa)
-                            put(Q, KC, VC, isq, isk, yq, yc, o2, xb)
+                            put(Q, KC, VC, isq, isk, yq, yc, o1, xa, ks, vs)
+                            put(Q, KC, VC, isq, isk, yq, yc, o2, xb, ks, vs)
                     elif lane < CL:
-                        put(Q, KC, VC, isq, isk, yq, yc, oc, xa)
+                        put(Q, KC, VC, isq, isk, yq, yc, oc, xa, ks, vs)
 
     return prologue_cuda
 

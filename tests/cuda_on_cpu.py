@@ -12,7 +12,8 @@ the blocks of the grid one after another, the threads of a block as cooperative 
   threads (so every lane of a warp must reach each shuffle, as on the GPU, or the run hangs);
 * ``bfloat16_t``/``half_t`` converted with round-to-nearest-even (``_Float16`` for fp16), as the
   GPU's ``cvt.rn`` does; ``rsqrtf`` is ``1 / sqrtf`` (the GPU's is within 2 ulp of it);
-  ``min``/``max`` of two values of one type, and TileLang's ``uchar``/``ushort``/``uint``.
+  ``min``/``max`` of two values of one type, and TileLang's ``uchar``/``ushort``/``uint``;
+  the float8 conversion's ``cvt.rn.satfinite.e4m3x2.f32`` by a search over e4m3fn's values.
 
 What it cannot show: speed, memory ordering between blocks, and the GPU's approximate ``rsqrtf``.
 A kernel that uses anything else of CUDA fails to compile here, which is itself a finding.
@@ -99,6 +100,21 @@ static inline float __shfl_xor_sync(unsigned, float v, int mask, int width = 32)
   tileops_wait(tileops_warp_bar[w]);
   return got;
 }
+/* cvt.rn.satfinite.e4m3x2.f32 of one value (the float8 caches' conversion): the nearest of e4m3fn's
+   finite values, ties to the even code, saturated at +-448, NaN as 0x7F; found by looking at every
+   code, so it shares nothing with the kernels' bit arithmetic */
+static inline unsigned short tileops_cvt_e4m3(float x) {
+  if (std::isnan(x)) return 0x7F;
+  unsigned short sign = std::signbit(x) ? 0x80 : 0;
+  double a = std::fabs((double)x), best = 1e300;
+  unsigned short code = 0;
+  for (unsigned short c = 0; c <= 0x7E; ++c) {
+    double v = c < 8 ? c * std::ldexp(1.0, -9) : (8 + (c & 7)) * std::ldexp(1.0, (c >> 3) - 10);
+    double d = std::fabs(v - a);
+    if (d < best || (d == best && (c & 1) == 0)) { best = d; code = c; }
+  }
+  return sign | code;
+}
 static std::function<void()> tileops_body;
 static void tileops_entry() { tileops_body(); tileops_done[tileops_cur] = 1; }
 /* run body() as `threads` CUDA threads of each of `grid` blocks; a round-robin scheduler resumes
@@ -133,6 +149,8 @@ static void tileops_grid(int grid, int threads) {
 }
 """
 
+#: the float8 conversion's inline PTX (``tileops.kernels.float8.CVT_SOURCE``), run by ``tileops_cvt_e4m3``
+_CVT_E4M3 = re.compile(r'asm\("\{cvt\.rn\.satfinite\.e4m3x2\.f32.*?"=h"\((\w+)\)\s*:\s*"f"\((\w+)\).*?\);')
 _DECL = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\);')
 
 
@@ -160,6 +178,7 @@ class CudaOnCpu:
         self.name, self.params = found.group(1), _params(found.group(2))
         body = "\n".join(line for line in device_source.splitlines()
                          if not line.lstrip().startswith("#") or line.lstrip().startswith("#pragma"))
+        body = _CVT_E4M3.sub(r"\1 = tileops_cvt_e4m3(\2);", body)
         casts = ", ".join(f"({t})(intptr_t)a[{i}]" if "*" in t else f"({t})a[{i}]"
                           for i, (t, _) in enumerate(self.params))
         runner = (

@@ -8,7 +8,9 @@ which are the state before it). The rope stage's frequencies come from the rope 
 reference (``references.py``), by the rope op's name and params (read off the object, nothing of it
 is called), with the deployment's fixed choice where HF picks per call (Phi-3's long factors when
 max_position_embeddings exceeds the original; dynamic NTK's base at factor * max_position_embeddings).
-Tokens naming one slot write it in token order: the later one stays.
+Tokens naming one slot write it in token order: the later one stays. A float8 cache (``cache_dtype``)
+holds ``x / scale`` saturated at 448: the reference gives that value in float64 and its error scale
+over the scale too; the generated tests compare it at e4m3's precision.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ def _chain(op_name: str, params: dict, inputs: dict) -> tuple[dict, dict]:
         pos = positions.view(-1, 1)
         q = rope_references.rotate(q, pos, inv, amp, pairing)
         k = rope_references.rotate(k, pos, inv, amp, pairing)
+    if params.get("cache_dtype") == "float8_e4m3fn":  # stored over the per-tensor scales, saturated
+        ks, vs = inputs["k_scale"].double().reshape(()), inputs["v_scale"].double().reshape(())
+        k, k_mag = (k / ks).clamp(-448.0, 448.0), k_mag / ks.abs()
+        v = (v / vs).clamp(-448.0, 448.0)
     kc, vc = inputs["key_cache"].double().clone(), inputs["value_cache"].double().clone()
     kc_mag, vc_mag = kc.abs(), vc.abs()
     nhd = params.get("cache_layout", "NHD") == "NHD"

@@ -9,7 +9,10 @@ qkv is a column slice of a wider buffer (row-strided). Inputs are fresh random d
 
 Kernel compiles (~2.5 s each here) are shared: the specs differ only in dtype, head_dim, rotated
 width, index dtypes and qk_norm, and the cases below reuse a few. Not covered here: the CUDA schedule
-on a GPU (``tests/test_attention_cuda.py``, marked ``cuda``) and fp8 caches (refused at construction).
+on a GPU (``tests/test_attention_cuda.py``, marked ``cuda``). A float8 cache is checked against the
+reference over its scale (k within half an e4m3 step plus the dtype's roundings, v bit for bit against
+torch's saturating cast of ``v / scale``), and bit for bit against the unfused chain (the op with a
+cache of qkv's dtype, then that cast).
 """
 
 from __future__ import annotations
@@ -94,6 +97,23 @@ def assert_within(got, ref, mag, unit, what):
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off; max error {err.max():.3e}"
 
 
+def assert_e4m3(got, ref, mag, unit, what):
+    """A float8 cache row against the float64 ``ref`` over the scale: saturated at 448, else within half
+    an e4m3 step (2^-4 of the value, 2^-10 among subnormals) plus :func:`assert_within`'s bound."""
+    got = got.double()
+    assert not torch.isnan(got).any(), f"{what}: {int(torch.isnan(got).sum())} elements not written"
+    want, slack = ref.clamp(-448.0, 448.0), 8 * unit * mag
+    err = (got - want).abs()
+    bad = err > 2.0**-4 * (want.abs() + slack) + 2.0**-10 + slack
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off; max error {err.max():.3e}"
+
+
+def e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What a float8 cache holds for ``x``: ``x / scale`` in fp32, saturated, as torch casts it (bits)."""
+    return (x.float() / torch.tensor(scale, dtype=torch.float32)).clamp(-448, 448).to(torch.float8_e4m3fn).view(
+        torch.uint8)
+
+
 def rows(cache, layout, slot, bs):
     blk, row = divmod(slot, bs)
     return cache[blk, row] if layout == "NHD" else cache[blk, :, row]
@@ -101,9 +121,12 @@ def rows(cache, layout, slot, bs):
 
 def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=False, layout="NHD", bs=16,
              blocks=3, slot_dtype=torch.int64, pos_dtype=torch.int64, positions=None, max_pos=4000,
-             strided_indices=False, device="cpu"):
-    """Build the inputs, run the op on ``device``, check q and every cache row against :func:`reference`."""
-    op = AttnPrologueFwdOp(hq, hkv, d, rope, qk_norm=qk_norm, eps=EPS, cache_layout=layout)
+             strided_indices=False, device="cpu", fp8=False):
+    """Build the inputs, run the op on ``device``, check q and every cache row against :func:`reference`.
+    ``fp8``: float8 caches, k over a scale at which some keys saturate (0.01), v over one that makes
+    e4m3 subnormals (0.5)."""
+    op = AttnPrologueFwdOp(hq, hkv, d, rope, qk_norm=qk_norm, eps=EPS, cache_layout=layout,
+                           cache_dtype=torch.float8_e4m3fn if fp8 else None)
     width = (hq + 2 * hkv) * d
     # row-strided: a column slice of a wider buffer (at 16 bytes, as a projection's q/k/v split lies)
     qkv = torch.randn(tokens, width + 16, generator=gen).to(dtype).to(device)[:, 8:8 + width]
@@ -122,13 +145,16 @@ def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=F
         qw = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
         kw = (1 + 0.3 * torch.randn(d, generator=gen)).to(dtype)
     shape = (blocks + 1, bs, hkv, d) if layout == "NHD" else (blocks + 1, hkv, bs, d)
-    kfull, vfull = torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype)
+    cdt = torch.float8_e4m3fn if fp8 else dtype
+    kfull, vfull = torch.full(shape, NAN, dtype=cdt), torch.full(shape, NAN, dtype=cdt)
     kfull[blocks:], vfull[blocks:] = 7.0, 7.0  # a guard block past the cache
+    scales = dict(k_scale=torch.tensor([0.01]), v_scale=torch.tensor([0.5])) if fp8 else {}
     if device != "cpu":
         kfull, vfull, positions, slots = (t.to(device) for t in (kfull, vfull, positions, slots))
         qw, kw = (None if w is None else w.to(device) for w in (qw, kw))
+        scales = {k: t.to(device) for k, t in scales.items()}
     before = qkv.clone()
-    q = op(qkv, positions, kfull[:blocks], vfull[:blocks], slots, q_norm_weight=qw, k_norm_weight=kw)
+    q = op(qkv, positions, kfull[:blocks], vfull[:blocks], slots, q_norm_weight=qw, k_norm_weight=kw, **scales)
     op.check()
     assert q.shape == (tokens, hq, d) and q.dtype == dtype and q.device == qkv.device
     if device != "cpu":
@@ -141,7 +167,10 @@ def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=F
     assert_within(q, q_ref, q_mag, UNIT[dtype], f"q ({rope.name})")
     for s in range(nslots):
         kr, vr = rows(kfull, layout, s, bs), rows(vfull, layout, s, bs)
-        if s in cache:
+        if s in cache and fp8:
+            assert_e4m3(kr, cache[s][0] / 0.01, cache[s][1] / 0.01, UNIT[dtype], f"k slot {s} ({rope.name})")
+            assert torch.equal(vr.view(torch.uint8), e4m3(cache[s][2], 0.5)), f"v slot {s}: not e4m3(v / scale)"
+        elif s in cache:
             assert_within(kr, cache[s][0], cache[s][1], UNIT[dtype], f"k slot {s} ({rope.name})")
             assert torch.equal(vr.double(), cache[s][2]), f"v slot {s}: not copied exactly"
         else:
@@ -269,10 +298,61 @@ def test_bad_positions_and_slots_reported_never_out_of_bounds(gen):
     op.check()  # nothing pending
 
 
-def test_refused_until_built():
+@pytest.mark.parametrize("name", ["RoPENeoxPositionIdsFwdOp", "YaRNFwdOp-interleaved (DeepSeek)", "RoPELinearFwdOp-partial"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_float8_caches(gen, name, layout):
+    """float8 e4m3fn caches with per-tensor scales: k and v over their scales, saturated, against the
+    float64 chain; a pairing, partial rotary, both layouts."""
+    run_case(gen, VARIANTS[name], hq=4, hkv=2, d=64, tokens=9, qk_norm=True, layout=layout, bs=4, fp8=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_float8_caches_hold_the_unfused_chains_bits(gen, dtype):
+    """Bit for bit what the unfused chain stores: the op with caches of qkv's dtype, then torch's
+    saturating cast of ``x / scale`` (k rounded to the dtype first, as the chain stores it); q the same."""
     rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]
-    with pytest.raises(NotImplementedError, match="cache_dtype: float8_e4m3fn"):
-        AttnPrologueFwdOp(8, 1, 64, rope, cache_dtype=torch.float8_e4m3fn)
+    t, hq, hkv, d = 11, 4, 2, 64
+    qkv = (3 * torch.randn(t, (hq + 2 * hkv) * d, generator=gen)).to(dtype)
+    pos, slots = torch.randint(0, 4000, (t,), generator=gen), torch.randperm(32, generator=gen)[:t]
+    w = [(1 + 0.3 * torch.randn(d, generator=gen)).to(dtype) for _ in range(2)]
+    ks, vs = 0.005, 0.3  # normalised keys reach ~4 x their weight: some pass 448 x 0.005
+    fused = AttnPrologueFwdOp(hq, hkv, d, rope, qk_norm=True, cache_dtype=torch.float8_e4m3fn)
+    k8, v8 = (torch.full((8, 4, hkv, d), NAN, dtype=torch.float8_e4m3fn) for _ in range(2))
+    q8 = fused(qkv, pos, k8, v8, slots, q_norm_weight=w[0], k_norm_weight=w[1], k_scale=torch.tensor(ks),
+               v_scale=torch.tensor(vs))
+    plain = AttnPrologueFwdOp(hq, hkv, d, rope, qk_norm=True)
+    kc, vc = (torch.zeros(8, 4, hkv, d, dtype=dtype) for _ in range(2))
+    q = plain(qkv, pos, kc, vc, slots, q_norm_weight=w[0], k_norm_weight=w[1])
+    assert torch.equal(q8, q)
+    written = torch.zeros(32, dtype=torch.bool)
+    written[slots] = True
+    written = written.view(8, 4)
+    assert torch.equal(k8[written].view(torch.uint8), e4m3(kc[written], ks))
+    assert torch.equal(v8[written].view(torch.uint8), e4m3(vc[written], vs))
+    assert (k8[written].float().abs() == 448).any(), "no key saturated: the scale tests nothing past 448"
+    assert torch.isnan(k8[~written].float()).all() and torch.isnan(v8[~written].float()).all()
+
+
+def test_float8_scales_named(gen):
+    rope, args = _good(gen)
+    args["key_cache"], args["value_cache"] = (c.to(torch.float8_e4m3fn) for c in (args["key_cache"], args["value_cache"]))
+    op = AttnPrologueFwdOp(8, 1, 64, rope, cache_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_scale: expected k_scale and v_scale with an fp8 cache"):
+        op(**args)
+    with pytest.raises(ValueError, match="k_scale: expected one scale per tensor"):
+        op(**args, k_scale=torch.ones(2), v_scale=torch.ones(2))
+    with pytest.raises(TypeError, match="k_scale: expected dtype float32"):
+        op(**args, k_scale=torch.ones(1, dtype=torch.float16), v_scale=torch.ones(1))
+    with pytest.raises(ValueError, match="key_cache: expected the cache in cache_dtype"):
+        op(**{**args, "key_cache": args["key_cache"].to(torch.bfloat16),
+              "value_cache": args["value_cache"].to(torch.bfloat16)}, k_scale=torch.ones(1), v_scale=torch.ones(1))
+
+
+def test_a_cache_dtype_other_than_qkvs_or_float8_is_refused(gen):
+    rope, args = _good(gen)
+    op = AttnPrologueFwdOp(8, 1, 64, rope, cache_dtype=torch.float16)
+    with pytest.raises(ValueError, match="qkv: expected qkv in cache_dtype, or cache_dtype None or float8_e4m3fn"):
+        op(**{**args, "key_cache": args["key_cache"].half(), "value_cache": args["value_cache"].half()})
 
 
 def test_cuda_kernel_specs():

@@ -79,7 +79,7 @@ def base(m) -> tuple[dict[str, Any], dict[str, int]]:
 
 
 #: optional inputs the first case's params refuse, left out of the valid base call: the prologue's
-#: scales need an fp8 cache, which the op refuses at construction until its kernel stores fp8
+#: scales need an fp8 cache, and its first case's caches are bf16
 NOT_WITH_BASE = {"AttnPrologueFwdOp": {"k_scale", "v_scale"}}
 
 
@@ -351,12 +351,14 @@ BROKEN_ELSEWHERE = {
     ("AttnPrologueFwdOp", "block_size > 0 and num_blocks > 0"):
         "tests/test_attention_prologue.py::test_bad_call_names_the_argument[cache-no-blocks]",
     ("AttnPrologueFwdOp", "scale_len == 1"):
-        "tests/test_attention_prologue.py::test_refused_until_built",
+        "tests/test_attention_prologue.py::test_float8_scales_named",
     ("AttnPrologueFwdOp", "cache_dtype == 'float8_e4m3fn' or (dtype_k_scale == none and dtype_v_scale == none)"):
         "tests/test_attention_prologue.py::test_bad_call_names_the_argument[scale-without-fp8]",
-    # fp8 caches are refused at construction until the kernel stores them: no call reaches it yet
+    # the base call's caches are bf16 (its first case): an fp8 op's calls are tested there
     ("AttnPrologueFwdOp", "cache_dtype != 'float8_e4m3fn' or (dtype_k_scale != none and dtype_v_scale != none)"):
-        "tests/test_attention_prologue.py::test_refused_until_built",
+        "tests/test_attention_prologue.py::test_float8_scales_named",
+    ("AttnPrologueFwdOp", "cache_dtype == none or cache_dtype == 'float8_e4m3fn' or cache_dtype == dtype_qkv"):
+        "tests/test_attention_prologue.py::test_a_cache_dtype_other_than_qkvs_or_float8_is_refused",
 }
 
 

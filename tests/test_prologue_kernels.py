@@ -13,8 +13,10 @@ write cannot pass, and a cache row no slot names must still be NaN after it. Inp
 draws (``gen``). Bad positions and slots are checked to be reported in the error words and never to
 reach memory outside the cache: each cache is a view of a larger NaN-filled buffer whose tail must
 stay untouched. The norm's two roundings are also checked bit for bit on the columns past a partial
-rotary width (the norm's output, copied), against an fp32 emulation of the norm's definition. Not
-covered here: fp8 caches; the CUDA schedule on a GPU (``tests/test_attention_cuda.py``).
+rotary width (the norm's output, copied), against an fp32 emulation of the norm's definition. A
+float8 cache is checked against the reference divided by the scale: v bit for bit against torch's
+saturating cast of ``v / scale``, k within half an e4m3 step of the float64 k (plus the dtype's
+rounding). Not covered here: the CUDA schedule on a GPU (``tests/test_attention_cuda.py``).
 """
 
 from __future__ import annotations
@@ -124,6 +126,19 @@ def assert_within(got, ref, mag, unit, what):
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements off; max error {err.max():.3e}"
 
 
+def assert_e4m3(got, ref, mag, unit, what):
+    """A float8 e4m3fn cache row against the float64 ``ref`` (already divided by the scale): saturated
+    at 448, and otherwise within half an e4m3 step of it (2^-4 of the value; 2^-10 absolute among the
+    subnormals) plus the dtype's roundings before the conversion (:func:`assert_within`'s bound)."""
+    got = got.double()
+    assert not torch.isnan(got).any(), f"{what}: {int(torch.isnan(got).sum())} elements not written"
+    want = ref.clamp(-448.0, 448.0)
+    slack = 8 * max(unit, 2.0**-22) * mag
+    err = (got - want).abs()
+    bad = err > 2.0**-4 * (want.abs() + slack) + 2.0**-10 + slack
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements off; max error {err.max():.3e}"
+
+
 @functools.lru_cache(maxsize=None)
 def _emulated(spec, mutate=None):
     """The CUDA schedule's source for ``spec`` run on the CPU (``mutate``: a function applied to the
@@ -132,7 +147,8 @@ def _emulated(spec, mutate=None):
     return cuda_on_cpu.CudaOnCpu(mutate(src) if mutate else src)
 
 
-def run(spec, qkv, positions, slots, tables, qw, kw, q, kc, vc, err, hq, hkv, bs, nslots, layout, tag, mutate=None):
+def run(spec, qkv, positions, slots, tables, qw, kw, q, kc, vc, err, hq, hkv, bs, nslots, layout, tag, mutate=None,
+        scales=None):
     """Launch ``spec`` with the cache strides of ``layout``: the C backend through its entry point, or
     the CUDA schedule's source on the CPU (``tests/cuda_on_cpu.py``), strides in its unit."""
     d = spec.head_dim
@@ -148,7 +164,8 @@ def run(spec, qkv, positions, slots, tables, qw, kw, q, kc, vc, err, hq, hkv, bs
     args = dict(QKV=qkv.data_ptr(), P=positions.data_ptr(), SL=slots.data_ptr(), TD=tables.data_ptr(),
                 QW=0 if qw is None else qw.data_ptr(), KW=0 if kw is None else kw.data_ptr(),
                 Q=q.data_ptr(), KC=kc.data_ptr(), VC=vc.data_ptr(), ERR=err.data_ptr(),
-                S=qkv.shape[0], HQ=hq, HKV=hkv, **strides, bs=bs, nslots=nslots, limit=LIMIT, tag=tag,
+                KS=0 if scales is None else scales[0].data_ptr(), VS=0 if scales is None else scales[1].data_ptr(),
+                S=qkv.shape[0], **strides, bs=bs, nslots=nslots, limit=LIMIT, tag=tag,
                 eps_bits=struct.unpack("<i", struct.pack("<f", EPS))[0],
                 psc=positions.stride(0) if positions.dim() == 2 else 0)
     if spec.backend == "cuda":
@@ -168,13 +185,17 @@ def cache_rows(cache, layout, slot, bs):
 
 def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, pos_dtype=torch.int64,
          slot_dtype=torch.int64, bad_positions=(), bad_slots=(), amplitude=1.0, pairing="neox", section=None,
-         interleaved=False, rounding="llama", offset=0.0, norm_check=None, backend="c", head_lanes=16, mutate=None):
+         interleaved=False, rounding="llama", offset=0.0, norm_check=None, backend="c", head_lanes=16, mutate=None,
+         fp8=False):
     """Build inputs, run, check every output against :func:`reference`; returns the error words.
     ``section``: MRoPE (positions ``[3, s]``, a bad position ``(t, value)`` set in every stream, or
     ``(t, value, stream)`` in one). ``norm_check(x, w, q_cols)``, when given, gets each q head's input
     columns past ``rot`` (of the dtype), its weight and the kernel's q there (with ``qk_norm``).
-    ``backend="cuda"``: the CUDA schedule (``head_lanes`` lane groups a token) on the CPU harness."""
-    spec = get_spec("prologue")(dtype=_name(dtype), head_dim=d, rot=rot, positions=_name(pos_dtype),
+    ``backend="cuda"``: the CUDA schedule (``head_lanes`` lane groups a token) on the CPU harness.
+    ``fp8``: float8 e4m3fn caches, k stored over a scale small enough that some keys saturate (0.01:
+    past 4.48) and v over one that makes some e4m3 subnormals (0.5: below 2^-7)."""
+    spec = get_spec("prologue")(dtype=_name(dtype), head_dim=d, rot=rot, hq=hq, hkv=hkv,
+                                cache="float8_e4m3fn" if fp8 else "", positions=_name(pos_dtype),
                                 slots=_name(slot_dtype), qk_norm=qk_norm, pairing=pairing, mrope_section=section,
                                 mrope_interleaved=interleaved, rounding=rounding, offset=offset, backend=backend,
                                 head_lanes=head_lanes)
@@ -200,12 +221,15 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
     tables = digit_tables(inv_freq(rot), amplitude)
     q = torch.full((s, hq, d), NAN, dtype=dtype)
     shape = (blocks + 2, bs, hkv, d) if layout == "NHD" else (blocks + 2, hkv, bs, d)
-    kfull, vfull = torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype)
+    cdt = torch.float8_e4m3fn if fp8 else dtype
+    kfull, vfull = torch.full(shape, NAN, dtype=cdt), torch.full(shape, NAN, dtype=cdt)
     kfull[blocks:], vfull[blocks:] = 7.0, 7.0  # a guard past the cache: must stay 7
+    scales = (torch.tensor([0.01]), torch.tensor([0.5])) if fp8 else None
     err = torch.zeros(2, dtype=torch.int32)
     tag = int(torch.randint(1, 2**31 - 1, (1,), generator=gen))
     before = qkv.clone()
-    run(spec, qkv, positions, slots, tables, qw, kw, q, kfull, vfull, err, hq, hkv, bs, nslots, layout, tag, mutate)
+    run(spec, qkv, positions, slots, tables, qw, kw, q, kfull, vfull, err, hq, hkv, bs, nslots, layout, tag, mutate,
+        scales)
 
     assert torch.equal(qkv, before), "qkv was modified"
     assert (kfull[blocks:] == 7.0).all() and (vfull[blocks:] == 7.0).all(), "wrote past the cache"
@@ -219,7 +243,11 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
         norm_check(qkv.reshape(s, -1, d)[:, :hq], qw, q)
     for slot in range(nslots):
         kr, vr = cache_rows(kfull, layout, slot, bs), cache_rows(vfull, layout, slot, bs)
-        if slot in ks:
+        if slot in ks and fp8:
+            assert_e4m3(kr, ks[slot] / scales[0].item(), kmag[slot] / scales[0].item(), unit, f"k cache slot {slot}")
+            want = (vs[slot] / scales[1].double()).float().clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert torch.equal(vr.view(torch.uint8), want.view(torch.uint8)), f"v cache slot {slot}: not e4m3(v / scale)"
+        elif slot in ks:
             assert_within(kr, ks[slot], kmag[slot], unit, f"k cache slot {slot}")
             assert torch.equal(vr.double(), vs[slot]), f"v cache slot {slot}: not copied exactly"
         else:
@@ -256,6 +284,16 @@ def test_bad_positions_and_slots_reported_never_out_of_bounds(gen, layout):
                     blocks=blocks, bad_positions=((0, -1), (3, LIMIT), (5, huge)),
                     bad_slots=((1, bs * blocks), (2, huge), (7, bs * blocks + bs - 1)))
     assert err.tolist() == [tag, tag]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_float8_caches(gen, dtype, layout):
+    """float8 e4m3fn caches: k (normalised, rotated, rounded to the dtype) and v over their scales,
+    saturated; partial rotary, GQA and a bad slot too (nothing past the cache)."""
+    err, tag = case(gen, dtype, s=13, hq=4, hkv=2, d=40, rot=24, qk_norm=True, layout=layout, bs=4, blocks=4,
+                    bad_slots=((5, 16),), fp8=True)
+    assert err.tolist() == [0, tag]
 
 
 def test_each_error_word_alone(gen):
@@ -489,6 +527,17 @@ def test_cuda_norm_roundings(gen, rounding, offset):
     assert off_other > 10 * max(off, 1), "the two roundings agree on these inputs: the check proves nothing"
 
 
+@needs_gxx
+@pytest.mark.parametrize("dtype", CUDA_DTYPES, ids=_name)
+def test_cuda_float8_caches(gen, dtype):
+    """float8 caches on the CUDA schedule (the harness's stand-in for the cvt instruction is the same
+    round-to-nearest-even, saturating conversion): as the C test, both layouts, a bad slot."""
+    for layout in ("NHD", "HND"):
+        err, tag = case(gen, dtype, s=13, hq=4, hkv=2, d=32, rot=16, qk_norm=True, layout=layout, bs=4, blocks=4,
+                        bad_slots=((5, 16),), head_lanes=2, fp8=True, **CUDA)
+        assert err.tolist() == [0, tag]
+
+
 def _break_pairing(src: str) -> str:
     """A mutation: the neox rotation reads the first element of a pair as its partner too."""
     out = re.sub(r"float c = \(\(float\)xb\[", "float c = ((float)xa[", src)
@@ -521,19 +570,28 @@ def test_cuda_mutations_are_caught(gen):
                                     dict(dtype="float16", head_dim=80, rot=32, positions="int32", slots="int32"),
                                     dict(dtype="bfloat16", head_dim=128, rot=128, mrope_section=(24, 20, 20),
                                          mrope_interleaved=True, qk_norm=True, rounding="fp32", offset=1.0),
-                                    dict(dtype="float32", head_dim=64, rot=64, pairing="interleaved")],
-                         ids=["qwen3", "partial-i32", "mrope-gemma", "fp32-interleaved"])
+                                    dict(dtype="float32", head_dim=64, rot=64, pairing="interleaved"),
+                                    dict(dtype="bfloat16", head_dim=128, rot=128, qk_norm=True, hq=32, hkv=8,
+                                         cache="float8_e4m3fn")],
+                         ids=["qwen3", "partial-i32", "mrope-gemma", "fp32-interleaved", "qwen3-fp8"])
 def test_cuda_source_compiles_lean(fields, arch, tmp_path):
     """The CUDA schedule lowers and the lean build (nvcc, no TileLang templates) compiles it for the
     H200 (sm_90) and the A100 (sm_80); x is moved 16 bytes at a time, the q and cache stores through
     tileops_st16, the row sum by shuffles (no shared memory, no barrier)."""
+    if fields.get("cache") and arch == "sm_80":
+        pytest.skip("float8 caches need sm_89's cvt (the op refuses older GPUs)")
     from tileops.compile import build, cuda_build
 
     spec = get_spec("prologue")(backend="cuda", **fields)
     lean = cuda_build.build(build.prim_func("prologue", spec), arch, build.PASS_CONFIGS, out_dir=str(tmp_path))
     src = lean.device_source
-    assert "*(uint4*)(xa + 0) = *(uint4*)(QKV + " in src or "*(float4*)(xa + 0) = *(float4*)(QKV + " in src
-    assert "tileops_st16((&(KC[" in src and "tileops_st16((&(VC[" in src and "tileops_st16((&(Q[" in src
+    assert "*(uint4*)(ra + " in src or "*(float4*)(ra + " in src  # every row loaded up front, 16 bytes at a time
+    assert "tileops_st16((&(Q[" in src
+    if spec.fp8:  # V bytes a vector in one store, converted by the hardware's cvt
+        assert "tileops_st_e4m3((&(KC[" in src and "tileops_st_e4m3((&(VC[" in src
+        assert "cvt.rn.satfinite.e4m3x2.f32" in src
+    else:
+        assert "tileops_st16((&(KC[" in src and "tileops_st16((&(VC[" in src
     assert ("tileops_xor_lane(acc" in src) == spec.qk_norm
     assert "__syncthreads" not in src and "__shared__" not in src
     assert len(lean.record["args"]) == len(spec.args) + len(lean.record["extents"])

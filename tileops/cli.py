@@ -109,7 +109,8 @@ def _op_and_call(name: str, label: str | None, device: str = "cpu"):
     m = get(name)
     case = m.case(label) if label else m.cases[0]
     op = op_class(name)(**op_params(m, case_params(m, case)))
-    call = call_specs(m, case_dims(m, case), case.dtypes[:1], torch.device(device), case.with_inputs)[0]
+    call = call_specs(m, case_dims(m, case), case.dtypes[:1], torch.device(device), case.with_inputs,
+                      params=op.params)[0]
     return m, case, op, call
 
 

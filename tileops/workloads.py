@@ -74,7 +74,7 @@ def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, Any
             out[t.name] = v.to(device=device, dtype=idt)
         else:
             x = torch.randn(shape, generator=generator, dtype=torch.float32)
-            out[t.name] = x.to(device=device, dtype=DTYPES[dtype])
+            out[t.name] = x.to(device=device, dtype=DTYPES[t.case_dtype(dtype, params)])
     return out
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..compile.build import device_backend, load_kernel
+from ..kernels.float8 import CVT_MIN_SM
 from ..runtime.binding import bind
 from .hooks import kernel_spec
 
@@ -41,6 +42,9 @@ class PrologueKernels:
         # CUDA: the qkv, q and cache strides in units of stride_unit elements (16-byte vectors), and every
         # pointer the kernel moves vectors through on such a vector (checked per call)
         self.unit = self.kspec.stride_unit
+        if self.kspec.fp8 and self.backend == "cuda" and int(self.arch[3:]) < CVT_MIN_SM:
+            raise NotImplementedError(f"{op.name}: cache_dtype: float8_e4m3fn caches are stored with the hardware "
+                                      f"conversion of sm_{CVT_MIN_SM} and later; {self.device} is {self.arch}")
         self.kernel = load_kernel(op.manifest.kernel.builder, self.kspec, self.backend, self.arch, self.device,
                                   self.kspec.args, op_name=op.name)
         self.tables = p["rope"].deployment_tables(self.kspec.rot)
@@ -56,7 +60,7 @@ class PrologueKernels:
     def forward(self, tables: torch.Tensor, tensors: dict, outs: dict) -> torch.Tensor:
         """q ``[tokens, Hq, D]``; k and v written into the caches."""
         p = self.op.params
-        hq, hkv, d = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
+        hq, d = p["num_q_heads"], p["head_dim"]
         qkv = tensors["qkv"]
         if qkv.shape[0] and qkv.stride(1) != 1:
             qkv = qkv.contiguous()
@@ -81,7 +85,7 @@ class PrologueKernels:
             # tensor as positions
             index = {n: tensors[n].contiguous() for n in ("positions", "slot_mapping")}
             launch = {**tensors, "qkv": qkv, **index}
-            args = {"S": qkv.shape[0], "HQ": hq, "HKV": hkv, "xst": qkv.stride(0) // u, "qst": q.stride(0) // u,
+            args = {"S": qkv.shape[0], "xst": qkv.stride(0) // u, "qst": q.stride(0) // u,
                     "qsh": q.stride(1) // u, "csb": csb // u, "csr": csr // u, "csh": csh // u, "bs": bs,
                     "nslots": nslots,
                     "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr(),
@@ -89,10 +93,11 @@ class PrologueKernels:
                     "psc": index["positions"].stride(0) if index["positions"].dim() == 2 else 0}
             b = bind(self.kernel, self.op.manifest, launch, {"q_out": q}, args=args, keep=(tables,),
                      pointers={"QKV": "qkv", "P": "positions", "SL": "slot_mapping", "QW": "q_norm_weight",
-                               "KW": "k_norm_weight", "Q": "q_out", "KC": "key_cache", "VC": "value_cache"},
+                               "KW": "k_norm_weight", "Q": "q_out", "KC": "key_cache", "VC": "value_cache",
+                               "KS": "k_scale", "VS": "v_scale"},
                      # a bad position reads as 0 and a bad slot writes nothing; each marks its word
-                     align=dict.fromkeys(("qkv", "q_out", "key_cache", "value_cache", "q_norm_weight",
-                                          "k_norm_weight"), u * qkv.element_size()),
+                     align={**dict.fromkeys(("qkv", "q_out", "q_norm_weight", "k_norm_weight"), u * qkv.element_size()),
+                            **dict.fromkeys(("key_cache", "value_cache"), u * kc.element_size())},
                      checks={"positions": 0, "slot_mapping": 1})
             self.op._runtime.execute(b, launch, {"q_out": q})
         if q_out is not None and q is not q_out:

@@ -30,7 +30,9 @@ def kernel_fields(params: Any, qkv_dtype: str, positions: str, slots: str, backe
     whatever its family adds, e.g. MRoPE's sections), passed through unchanged."""
     cls, rp = rope_of(params["rope"])
     d = params["head_dim"]
-    return {"dtype": qkv_dtype, "head_dim": d, "rot": cls.rotated_width_of(rp, d), "positions": positions,
+    fp8 = params["cache_dtype"] == "float8_e4m3fn"
+    return {"dtype": qkv_dtype, "head_dim": d, "rot": cls.rotated_width_of(rp, d), "hq": params["num_q_heads"],
+            "hkv": params["num_kv_heads"], "cache": "float8_e4m3fn" if fp8 else "", "positions": positions,
             "slots": slots, "qk_norm": params["qk_norm"], "pairing": cls.pairing_of(rp), "backend": backend,
             **cls.kernel_fields_of(rp, positions)}
 
@@ -72,7 +74,7 @@ def kernel_spec(params: Any, qkv_dtype: str, positions: str, slots: str, backend
 
 
 class AttnPrologueFwdHooks(Op):
-    """``AttnPrologueFwdOp``: the rope stage from the ``rope`` op, fp8 refused until it is built."""
+    """``AttnPrologueFwdOp``: the rope stage from the ``rope`` op."""
 
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
         params = super()._check_params(params)
@@ -90,9 +92,6 @@ class AttnPrologueFwdHooks(Op):
                              f"{rot}): {e}") from None
         # what the kernel builder refuses (a pairing, MRoPE's fields) is refused now, not at the first call
         kernel_spec(params, "bfloat16", "int64", "int64", "c", self.name)
-        if params["cache_dtype"] == "float8_e4m3fn":
-            raise NotImplementedError(f"{self.name}: cache_dtype: float8_e4m3fn caches are not built yet (the fused "
-                                      f"kernel has no float8 stage); use cache_dtype=None (qkv's dtype)")
         return params
 
     @property

@@ -45,14 +45,19 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
     call or at ``op.check()`` (``tileops.strict()`` raises at the call itself), as the RoPE ops report
     positions.
 
-    Built today: the C schedule on the CPU and the CUDA schedule on the GPU (a lane group per head row,
-    cos/sin composed once per token), every pairing and MRoPE's three position streams (through the rope
-    family's own stages). On CUDA, qkv (its data pointer and row stride), both caches and the norm weights
-    must lie on 16-byte vectors of the dtype (a ValueError names the one that does not; ``q_out`` off them is
-    written through a copy), and a head row must fit one warp (at 16-byte vectors, head_dim up to 512 in
-    bf16/fp16, 256 in fp32). The CUDA schedule is checked by running its generated CUDA source on the CPU
-    (``tests/cuda_on_cpu.py``) and compiling it with nvcc; it has not yet run on a GPU, and its speed is
-    unmeasured. fp8 caches are validated and refused at construction until the kernel stores them.
+    A float8 cache (``cache_dtype=torch.float8_e4m3fn``) holds ``saturate(x / scale)`` with the per-tensor
+    fp32 ``k_scale`` and ``v_scale``, read on the device (a CUDA graph replays with the scales the tensors
+    hold then): k is rounded to qkv's dtype first, as the unfused chain (rope, then vLLM's cache write) stores
+    it, divided in fp32 and converted to the nearest e4m3 value, ties to even; values past 448 store 448
+    (vLLM's convention), not the NaN of an unsaturated cast. On CUDA this is the hardware's conversion: sm_89
+    and later (an older GPU is refused at the first call).
+
+    Built: the C schedule on the CPU and the CUDA schedule on the GPU (a lane group per head row, every row's
+    loads issued before the position, its cos/sin and the slot are read), every pairing and MRoPE's three
+    position streams (through the rope family's own stages). On CUDA, qkv (its data pointer and row stride),
+    both caches and the norm weights must lie on 16-byte vectors of the dtype (a ValueError names the one that
+    does not; ``q_out`` off them is written through a copy), and a head row must fit one warp (at 16-byte
+    vectors, head_dim up to 512 in bf16/fp16, 256 in fp32).
 
     References: vLLM fused_qk_norm_rope and reshape_and_cache_flash; flashinfer
         rope_quantize_fp8_append_paged_kv_cache.
@@ -91,10 +96,9 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
             cache_layout (str): Keyword-only. NHD: caches [num_blocks, block_size, num_kv_heads, head_dim]
                 (vLLM's flash layout); HND: [num_blocks, num_kv_heads, block_size, head_dim] (transformers'
                 static cache, one block per sequence). One of ``"NHD"``, ``"HND"``. Default ``"NHD"``.
-            cache_dtype (torch.dtype | None): Keyword-only. The caches' dtype: None for qkv's;
-                torch.float8_e4m3fn stores x / scale saturated, with k_scale and v_scale (refused at
-                construction until the float8 stage exists). One of ``"float16"``, ``"bfloat16"``,
-                ``"float32"``, ``"float8_e4m3fn"``. Default ``None``.
+            cache_dtype (torch.dtype | None): Keyword-only. The caches' dtype: None (or qkv's dtype) for
+                qkv's; torch.float8_e4m3fn stores x / scale, saturated at 448, with k_scale and v_scale. One
+                of ``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn"``. Default ``None``.
             target (str | Target | None): Which set of kernels serves this op: a registered target name,
                 BUILTIN for the in-tree kernels, or None to decide from the input device at the first call.
                 Default None.
@@ -162,14 +166,16 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
                 (num_q_heads + 2 * num_kv_heads) * head_dim; key_cache: expected num_kv_heads heads in the
                 cache's heads dim (dim 2 for NHD, dim 1 for HND: is cache_layout right?); key_cache: expected
                 head_dim as the cache's last dim; key_cache: expected at least one block of at least one row;
-                key_cache: expected the cache in cache_dtype (None: qkv's dtype); q_norm_weight: expected a
-                [head_dim] weight; q_norm_weight: expected the weight in qkv's dtype; q_norm_weight: expected
-                no norm weights without qk_norm=True; q_norm_weight: expected q_norm_weight and k_norm_weight
-                with qk_norm=True; k_norm_weight: expected k_norm_weight with qk_norm=True; k_scale: expected
-                one scale per tensor, [] or [1]; k_scale: expected no k_scale or v_scale without an fp8 cache
-                (cache_dtype=torch.float8_e4m3fn); k_scale: expected k_scale and v_scale with an fp8 cache. A
-                value of ``positions``, ``slot_mapping`` outside its range raises ValueError naming its index
-                and value, without a host sync (see the API page, Positions and gradients).
+                qkv: expected qkv in cache_dtype, or cache_dtype None or float8_e4m3fn (the kernel converts to
+                float8 and to nothing else); key_cache: expected the cache in cache_dtype (None: qkv's dtype);
+                q_norm_weight: expected a [head_dim] weight; q_norm_weight: expected the weight in qkv's
+                dtype; q_norm_weight: expected no norm weights without qk_norm=True; q_norm_weight: expected
+                q_norm_weight and k_norm_weight with qk_norm=True; k_norm_weight: expected k_norm_weight with
+                qk_norm=True; k_scale: expected one scale per tensor, [] or [1]; k_scale: expected no k_scale
+                or v_scale without an fp8 cache (cache_dtype=torch.float8_e4m3fn); k_scale: expected k_scale
+                and v_scale with an fp8 cache. A value of ``positions``, ``slot_mapping`` outside its range
+                raises ValueError naming its index and value, without a host sync (see the API page, Positions
+                and gradients).
         """
         return self._call({'qkv': qkv, 'positions': positions, 'key_cache': key_cache, 'value_cache':
             value_cache, 'slot_mapping': slot_mapping, 'q_norm_weight': q_norm_weight, 'k_norm_weight':

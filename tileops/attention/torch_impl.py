@@ -2,9 +2,9 @@
 
 Norm as the norm family's ``torch`` target computes it (fp32, ``llama`` rounding, stored in qkv's
 dtype), the rotation in fp32 with cos/sin from the rope op's own float64 frequencies (its
-``deployment_tables``), the cache write by index. Bad positions and slots are checked on the host
-here (this target is the plain reference path, not the fused one). Several launches, as the unfused
-chain is; used only when named (``target="torch"``).
+``deployment_tables``), the cache write by index (a float8 cache's ``x / scale``, saturated). Bad
+positions and slots are checked on the host here (this target is the plain reference path, not the
+fused one). Several launches, as the unfused chain is; used only when named (``target="torch"``).
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ def implement(op: Any, spec: Any) -> Callable[..., Any]:
         cos = (ang.cos() * tables.amplitude).float()[:, None, :]
         sin = (ang.sin() * tables.amplitude).float()[:, None, :]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if p["cache_dtype"] == "float8_e4m3fn":  # x / scale in fp32, saturated at 448 as vLLM stores it
+            k, v = ((t.float() / s.float().reshape(())).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                    for t, s in ((k, k_scale), (v, v_scale)))
         if p["cache_layout"] == "NHD":
             blocks, bs = key_cache.shape[0], key_cache.shape[1]
         else:

@@ -112,7 +112,7 @@ def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int]
     params = {**m.defaults(), **params}
     jobs: list[tuple[str, Any, str, str]] = []
     for call in call_specs(m, dims, dtypes, torch.device("cpu" if backend == "c" else "cuda"), with_inputs,
-                           every_index_dtype):
+                           every_index_dtype, params):
         jobs += [(builder, spec, backend, arch) for builder, spec in specs(m, params, call, backend, backward)]
     return list(dict.fromkeys(jobs))
 

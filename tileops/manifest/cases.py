@@ -76,7 +76,8 @@ def index_dtype(t: TensorSpec) -> str:
 
 
 def call_specs(m: OpManifest, dims: Mapping[str, int], dtypes: Iterable[str], device: torch.device,
-               with_inputs: Iterable[str] | None = None, every_index_dtype: bool = False) -> list[CallSpec]:
+               with_inputs: Iterable[str] | None = None, every_index_dtype: bool = False,
+               params: Mapping[str, Any] | None = None) -> list[CallSpec]:
     """The call specializations of calls on ``device`` with ``dims`` (at least those the manifest's
     ``kernel.specialize`` names) in each of ``dtypes`` (the floating inputs' dtype). Optional inputs
     are the ``with_inputs`` given, or (None) every combination of present and absent; integer inputs
@@ -94,6 +95,6 @@ def call_specs(m: OpManifest, dims: Mapping[str, int], dtypes: Iterable[str], de
         for present in present_sets:
             given = [t for t in m.inputs if not t.optional or t.name in present]
             choices = [[(t.name, d) for d in (t.dtypes if every_index_dtype else [index_dtype(t)])]
-                       if t.range is not None else [(t.name, dtype)] for t in given]
+                       if t.range is not None else [(t.name, t.case_dtype(dtype, params or {}))] for t in given]
             out += [CallSpec(device, tuple(combo), static) for combo in itertools.product(*choices)]
     return list(dict.fromkeys(out))

@@ -218,11 +218,10 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
     dtype_by = None
     if "dtype_by" in m:
         dtype_by = ctx.string(m["dtype_by"][1], f"{what}.dtype_by")
-        if section != "outputs":
-            raise ctx.err(m["dtype_by"][0], f"{what}: 'dtype_by' is for outputs")
         p = params.get(dtype_by)
-        if p is None or p.type != "str":
-            raise ctx.err(m["dtype_by"][1], f"{what}.dtype_by: {dtype_by!r} is not a str param")
+        if p is None or p.type not in (("str",) if section == "outputs" else ("str", "dtype")):
+            raise ctx.err(m["dtype_by"][1], f"{what}.dtype_by: {dtype_by!r} is not a str param"
+                                            + ("" if section == "outputs" else " or a dtype param"))
         if p.choices is None or not set(p.choices) <= set(DTYPES):
             raise ctx.err(m["dtype_by"][1], f"{what}.dtype_by: param {dtype_by!r} needs choices among "
                                             f"{', '.join(DTYPES)}")
@@ -245,11 +244,13 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
                 raise ctx.err(m["shape"][1], f"{what}.shape: {(unknown or [LEAD])[0]!r} is neither a dim of an "
                                              f"input nor an int param")
         src = inputs[like]
+        if section == "inputs" and dtype_by is None:  # an input like another takes its dtype the same way
+            dtype_by = src.dtype_by
         return TensorSpec(name=name, doc=doc, dtypes=src.dtypes, shapes=src.shapes, shape_by=src.shape_by,
                           like=like, line=line, optional=optional if section == "inputs" else src.optional,
                           alternatives=src.alternatives, dtype_by=dtype_by, positional=positional,
                           written=written, own_shape=own)
-    if dtype_by is not None:
+    if dtype_by is not None and section == "outputs":
         raise ctx.err(m["dtype_by"][0], f"{what}: 'dtype_by' needs 'like' (the output's shape)")
     if "shape" not in m or "dtypes" not in m:
         raise ctx.err(node, f"{what}: needs 'shape' and 'dtypes' (or 'like')")
@@ -293,7 +294,7 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
                 raise ctx.err(m["range"][1], f"{what}.range: {b.text!r} names unknown {', '.join(map(repr, unknown))}")
     return TensorSpec(name=name, doc=doc, dtypes=dtypes, shapes=shapes, shape_by=shape_by, range=vrange,
                       line=line, optional=optional, alternatives=alternatives, positional=positional,
-                      written=written, distinct=distinct)
+                      written=written, distinct=distinct, dtype_by=dtype_by)
 
 
 def _shape_alternatives(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[tuple[str, ...], ...]:
@@ -400,8 +401,7 @@ def _case(ctx: _Ctx, node: yaml.Node, op: dict[str, Any]) -> Case:
     for dtype in dtypes:  # the case's inputs: each floating one in the case's dtype, integers in int64
         given = [t for t in op["inputs"].values() if not t.optional or t.name in with_inputs]
         env = full | dims | {DTYPE_PREFIX + t.name: None for t in op["inputs"].values()} | {
-            DTYPE_PREFIX + t.name: ("int64" if "int64" in t.dtypes else t.dtypes[0]) if t.range is not None
-            else dtype for t in given}
+            DTYPE_PREFIX + t.name: t.case_dtype(dtype, full) for t in given}
         for rule in op["rules"]:
             if not rule.check.names <= env.keys():
                 continue  # about dims of another layout: the op checks a rule when the call has its dims

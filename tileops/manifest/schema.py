@@ -128,7 +128,10 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
                                "the prologue's q, `[tokens, num_q_heads, head_dim]`): then only its dtype and "
                                "its presence follow the like input."),
         "dtype_by": (False, "str", "For outputs: the `str` param whose value, a dtype name, is the output's "
-                                   "dtype; None means the `like` input's."),
+                                   "dtype; None means the `like` input's. For inputs: the `dtype` or `str` "
+                                   "param that, when set, is the input's dtype in the generated cases "
+                                   "(the prologue's caches follow `cache_dtype`; None: the case's dtype). "
+                                   "The op's rules still say what a call may pass."),
         "range": (False, "list[expr, expr]",
                   "For integer inputs: valid values lie in [low, high), two expressions over params and dims (the "
                   "tensor's own and those of earlier inputs)."),
@@ -211,6 +214,17 @@ class TensorSpec:
     distinct: bool = False
     #: outputs with ``like``: their own shape (dims and int params), not the like input's; () when none
     own_shape: tuple[str, ...] = ()
+
+    def case_dtype(self, dtype: str, params: Mapping[str, Any]) -> str:
+        """The dtype a case in ``dtype`` (its floating inputs' dtype) gives this input: an integer input
+        int64 where allowed, else its first dtype; one whose ``dtype_by`` param is set, that param's
+        dtype (the prologue's float8 caches); else ``dtype`` where the input allows it, else its first
+        dtype (a float32 scale of a bf16 case)."""
+        if self.range is not None:
+            return "int64" if "int64" in self.dtypes else self.dtypes[0]
+        if self.dtype_by is not None and params.get(self.dtype_by) is not None:
+            return str(params[self.dtype_by]).replace("torch.", "")
+        return dtype if dtype in self.dtypes else self.dtypes[0]
 
     def shape_for(self, params: Mapping[str, Any]) -> tuple[str, ...]:
         """The dims of this tensor for the given param values (the first alternative)."""
