@@ -4,7 +4,7 @@
 
 The model of :mod:`benchmarks.hf_generate` (8 layers, hidden 1024, bf16, random weights), compiled
 with Inductor (``model.forward = torch.compile(model.forward)``), static cache, ``generate`` of
-8 x (256 + 16) tokens, unpatched, RoPE alone and RoPE with the norms (``hf_generate.VARIANTS``);
+8 x (256 + 16) tokens, unpatched, RoPE alone and RoPE with the norms (``hf_generate.MODELS["llama"]``);
 after two warm-up runs each model runs once timed and once under
 ``torch.profiler`` (CPU activity), and the ops with the most self CPU time are printed. On the H200
 this showed ``tileops::apply`` at 112 us of host time per call (benchmarks/NOTES.md).
@@ -17,16 +17,16 @@ import time
 
 import torch
 
-from .hf_generate import FULL, _models
+from .hf_generate import build_models, sizes
 
 
 def main() -> int:
     if not torch.cuda.is_available():
         print("hf_profile needs a CUDA GPU", file=sys.stderr)
         return 2
-    size = dict(FULL, new=16)
+    size = dict(sizes("llama", quick=False), new=16)
     dev = torch.device("cuda")
-    models = _models(size, dev, torch.bfloat16)
+    models = build_models("llama", size, dev, torch.bfloat16)
     prompt = torch.randint(3, size["vocab"], (size["batch"], size["prompt"])).to(dev)
     kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=16, min_new_tokens=16, do_sample=False,
               pad_token_id=0, cache_implementation="static", disable_compile=True)

@@ -156,33 +156,95 @@ def test_splice_replaces_one_ops_rows_in_place_and_says_so():
     assert [u["commit"] for u in again["meta"]["updated"]].count("abc1234") == 1
 
 
-def test_the_hf_benchmark_builds_its_three_variants_and_reports_each():
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_the_hf_benchmark_builds_its_variants_and_reports_each(model):
     """benchmarks.hf_generate's models (the --quick size; the timings need a GPU): the same weights,
-    unpatched, RoPE alone and RoPE with the 2 x layers + 1 norms; every row's table line names the
-    three variants' times and ratios."""
+    unpatched, RoPE alone, RoPE with the norms (2 x layers + 1; Qwen3's q_norm/k_norm: 2 x layers
+    more) and, for Qwen3, the fused prologue; every row's table line names the variants' times and
+    ratios."""
     pytest.importorskip("transformers")
     from benchmarks import hf_generate
     from tileops.integrations import transformers as tt
 
-    models = hf_generate._models(hf_generate.QUICK, torch.device("cpu"), torch.float32)
-    assert list(models) == ["unpatched", "rope", "rope+norm"]
+    size = hf_generate.sizes(model, quick=True)
+    spec = hf_generate.MODELS[model]
+    models = hf_generate.build_models(model, size, torch.device("cpu"), torch.float32)
+    assert list(models) == list(spec.variants) == ["unpatched", "rope", "rope+norm"] + ["prologue"] * (model == "qwen3")
+    norm = {"llama": {"LlamaRMSNorm": 2 * size["layers"] + 1}, "qwen3": {"Qwen3RMSNorm": 4 * size["layers"] + 1}}
     try:
         assert not tt.is_patched(models["unpatched"])
-        reports = {k: tt.report(models[k]) for k in ("rope", "rope+norm")}
+        reports = {k: tt.report(models[k]) for k in spec.variants[1:]}
         assert reports["rope"]["rope"] is not None and reports["rope"]["norm"] == {}
-        assert reports["rope+norm"]["norm"] == {"LlamaRMSNorm": 2 * hf_generate.QUICK["layers"] + 1}
+        assert reports["rope+norm"]["norm"] == norm[model] and reports["rope+norm"]["prologue"] == []
+        if model == "qwen3":  # one op serves every layer (the same q/k norm eps)
+            assert reports["prologue"]["norm"] == norm[model] and len(reports["prologue"]["prologue"]) == 1
         w = [m.model.layers[0].self_attn.q_proj.weight for m in models.values()]
-        assert torch.equal(w[0], w[1]) and torch.equal(w[0], w[2])
+        assert all(torch.equal(w[0], x) for x in w[1:])
     finally:
         for m in models.values():
             if tt.is_patched(m):
                 tt.unpatch(m)
     times = {k: {"ms": ms, "min_ms": ms, "max_ms": ms, "graphs_compiled": 2} for k, ms in
-             zip(hf_generate.VARIANTS, (4.0, 2.0, 1.0))}
-    info = {"size": hf_generate.QUICK, "dtype": "fp32", "device": "CPU", "torch": "t", "transformers": "t",
+             zip(spec.variants, (4.0, 2.0, 1.0, 0.5))}
+    info = {"model": model, "size": size, "dtype": "fp32", "device": "CPU", "torch": "t", "transformers": "t",
             "reps": 1, "warmup": 0}
-    md = hf_generate.markdown([{"setup": "s", **hf_generate._row(times)}], info)
-    assert "| s | 4.0 | 2.0 | 1.0 | 0.50 | 0.25 | 0.50 | 2 / 2 / 2 |" in md, md
+    md = hf_generate.markdown([{"setup": "s", **hf_generate.ratio_row(times, spec.ratios)}], info)
+    want = {"llama": "| s | 4.0 | 2.0 | 1.0 | 0.50 | 0.25 | 0.50 | 2 / 2 / 2 |",
+            "qwen3": "| s | 4.0 | 2.0 | 1.0 | 0.5 | 0.25 | 0.12 | 0.50 | 2 / 2 / 2 / 2 |"}
+    assert want[model] in md, md
+
+
+def test_the_hf_benchmark_agreement_finds_the_first_differing_step():
+    from benchmarks import hf_generate
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    want, logits = torch.randint(0, 100, (3, 10), generator=g), torch.randn(3, 50, generator=g)
+    late = want.clone()
+    late[2, 7:] += 1  # row 2 from step 8 on (1-based)
+    early = want.clone()
+    early[0, 4] += 1  # row 0 at step 5 alone
+    early[1, 6:] += 1
+    nudged = logits.clone()
+    nudged[1, 3] += 0.25
+    got = hf_generate.agreement({"unpatched": (want, logits), "same": (want.clone(), logits.clone()),
+                                 "late": (late, nudged), "early": (early, logits)})
+    assert list(got) == ["same", "late", "early"]
+    scale = float(logits.abs().max())
+    assert got["same"] == {"tokens_equal": 1.0, "rows_equal": 3, "rows": 3, "first_divergence": None,
+                           "step1_logits_max_abs_diff": 0.0, "step1_logits_max_abs": scale}
+    assert got["late"]["first_divergence"] == 8 and got["late"]["rows_equal"] == 2
+    assert got["late"]["tokens_equal"] == pytest.approx(27 / 30)
+    assert got["late"]["step1_logits_max_abs_diff"] == pytest.approx(0.25)
+    assert got["early"]["first_divergence"] == 5 and got["early"]["rows_equal"] == 1
+    assert got["early"]["tokens_equal"] == pytest.approx(25 / 30)
+
+
+@pytest.mark.slow  # measured 33 s on 2 cores (four models compiled with aot_eager); CI runs -m slow
+def test_the_hf_benchmark_quick_qwen3_prologue_gives_the_unpatched_tokens(tmp_path):
+    """``python -m benchmarks.hf_generate --quick --model qwen3`` (one run per variant): in fp32 on
+    the CPU, compiled (aot_eager) and eager static-cache generation of every variant, the fused
+    prologue's included, gives the unpatched model's tokens and compiles as many graphs, and the
+    row counts the op each variant's graphs call (the prologue's: once per layer and graph)."""
+    pytest.importorskip("transformers")
+    from benchmarks import hf_generate
+
+    assert hf_generate.main(["--quick", "--model", "qwen3", "--reps", "1", "--warmup", "0",
+                             "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "hf_generate_qwen3.json").read_text())
+    compiled, eager, training = result["rows"]
+    assert compiled["setup"].startswith("compiled generate (aot_eager, static cache)")
+    assert eager["setup"].startswith("eager generate (static cache)") and "agreement" not in training
+    for row in (compiled, eager):
+        assert list(row["agreement"]) == ["rope", "rope+norm", "prologue"]
+        for name, a in row["agreement"].items():
+            assert a["tokens_equal"] == 1.0 and a["first_divergence"] is None and a["rows_equal"] == a["rows"] == 2
+            assert a["step1_logits_max_abs_diff"] <= 1e-5 * a["step1_logits_max_abs"], (row["setup"], name, a)
+    graphs = {k: t["graphs_compiled"] for k, t in compiled["times"].items()}
+    assert graphs == dict.fromkeys(graphs, graphs["unpatched"]) and graphs["unpatched"] >= 1, graphs
+    calls = graphs["unpatched"] * hf_generate.QUICK_MODEL["layers"]
+    assert compiled["ops"] == {"unpatched": {}, "rope": {"RoPEFwdOp": calls}, "rope+norm": {"RoPEFwdOp": calls},
+                               "prologue": {"AttnPrologueFwdOp": calls}}, compiled["ops"]
+    assert "| prologue | 1.000 | 2 / 2 | none |" in (tmp_path / "hf_generate_qwen3.md").read_text()
 
 
 def test_backward_bytes_count_what_each_backward_must_move():

@@ -3,11 +3,13 @@
 same models unpatched (transformers' own attention is the reference).
 
 fp32 on the CPU: greedy generation gives the same tokens, and the static caches hold the same keys
-and values (within fp32 rounding: the op's norm sums and rotates in another order than torch).
+and values (within fp32 rounding: the op's norm sums and rotates in another order than torch);
+eagerly and with ``model.forward`` compiled (``aot_eager``, ``fullgraph=True``).
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import pytest
@@ -45,10 +47,21 @@ def _model(kind: str, gen: torch.Generator) -> torch.nn.Module:
     return m
 
 
-def _generate(model: torch.nn.Module, ids: torch.Tensor, new: int = 8):
+def _generate(model: torch.nn.Module, ids: torch.Tensor, new: int = 8, **extra):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                         cache_implementation="static", return_dict_in_generate=True)
+                         cache_implementation="static", return_dict_in_generate=True, **extra)
     return out.sequences, out.past_key_values
+
+
+def _assert_same_caches(got_cache, want_cache, length: int) -> None:
+    for a, b in zip(got_cache.layers, want_cache.layers, strict=True):
+        assert int(a.cumulative_length) == int(b.cumulative_length) == length
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        # v is copied, never computed (tests/test_attention_prologue.py checks the bits), but of
+        # hidden states that differ from HF's in fp32's last bits: the routed input RMSNorm sums in
+        # another order, and a later layer's input went through the attention above it
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+        assert not a.keys[:, :, length:].any() and not a.values[:, :, length:].any()  # nothing past the tokens
 
 
 class _Updates:
@@ -83,15 +96,69 @@ def test_static_generate_gives_the_unpatched_tokens_and_caches(kind, gen, monkey
     assert rep["prologue_fallbacks"] == [] and len(rep["prologue"]) == 1
     assert rep["prologue"][0].params["qk_norm"] == (kind == "qwen3")
     assert torch.equal(got, want), (got, want)
-    length = ids.shape[1] + 8 - 1  # the last token generated is never fed back
-    for i, (a, b) in enumerate(zip(got_cache.layers, want_cache.layers)):
-        assert int(a.cumulative_length) == int(b.cumulative_length) == length
-        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
-        # v is copied, never computed (tests/test_attention_prologue.py checks the bits), but of
-        # hidden states that differ from HF's in fp32's last bits: the routed input RMSNorm sums in
-        # another order, and a later layer's input went through the attention above it
-        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
-        assert not a.keys[:, :, length:].any() and not a.values[:, :, length:].any()  # nothing past the tokens
+    _assert_same_caches(got_cache, want_cache, ids.shape[1] + 8 - 1)  # the last token generated is never fed back
+
+
+class _AotEager:
+    """A compile backend: ``aot_eager`` (AOTAutograd over the ops' fake registrations, then eager
+    kernels) on each graph Dynamo captures, which it keeps."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> object:
+        self.graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def _compiled_generate(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, object, list]:
+    """``_generate`` with ``model.forward`` compiled whole (``fullgraph=True``; no HF compile of its
+    own): the tokens, the static cache and the graphs compiled."""
+    backend = _AotEager()
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    try:
+        with torch.no_grad():
+            tokens, cache = _generate(model, ids, disable_compile=True)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+    return tokens, cache, backend.graphs
+
+
+def _in_place(graph: torch.fx.GraphModule) -> list[str]:
+    """The in-place tensor methods and item assignments a Dynamo graph calls (HF's cache write is
+    ``index_copy_``; each static layer's length counter moves by ``add_``)."""
+    return [str(n.target) for n in graph.graph.nodes
+            if (n.op == "call_method" and str(n.target).endswith("_")) or n.target is operator.setitem]
+
+
+def test_compiled_static_generate_gives_the_unpatched_tokens_through_the_fused_op(gen):
+    """The issue's check under torch.compile: a Qwen3 with q_norm/k_norm, ``model.forward`` compiled
+    whole, greedy static-cache generation in fp32 gives exactly the unpatched model's tokens, and the
+    caches the same keys and values. The fused op ran: each graph (prefill, decode) calls it once per
+    layer and writes the cache by no other means (the unpatched graphs' writes are transformers'),
+    so the keys and values compared were written by it."""
+    model = _model("qwen3", gen)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 128, (2, 11), generator=gen)
+    want, want_cache, plain = _compiled_generate(model, ids)
+    tt.patch(model, prologue=True)
+    try:
+        got, got_cache, graphs = _compiled_generate(model, ids)
+        op = tt.report(model)["prologue"][0]
+    finally:
+        tt.unpatch(model)
+    assert torch.equal(got, want), (got, want)
+    assert len(graphs) == len(plain) == 2  # prefill and decode, recompiled by neither at later steps
+    for g in graphs:
+        calls = [n for n in g.graph.nodes if n.op == "call_function" and "tileops" in str(n.target)]
+        assert [n.args[0] for n in calls] == [op._handle] * layers, [(n.target, n.args[0]) for n in calls]
+        assert _in_place(g) == ["add_"] * layers, _in_place(g)
+    for g in plain:  # what the check above would see of transformers' own write
+        writes = [t for t in _in_place(g) if t != "add_"]
+        assert len(writes) >= 2 * layers, _in_place(g)
+    _assert_same_caches(got_cache, want_cache, ids.shape[1] + 8 - 1)
 
 
 def test_a_dynamic_cache_runs_transformers_attention_and_says_so_once(gen):
