@@ -60,6 +60,8 @@ __all__ = ["PrologueKernelSpec", "build_prologue", "build", "Spec", "STATIC", "U
 STATIC = {
     "threads": (32, 1024, "target threads per block, a power of two (CUDA)"),
     "head_lanes": (1, 64, "lane groups that split one token's head rows, a power of two (CUDA)"),
+    "min_blocks": (1, 32, "blocks an SM must hold at once, asked of nvcc (__launch_bounds__): it caps the "
+                          "registers a thread at 65536 / (min_blocks * block threads) (CUDA)"),
 }
 
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -107,6 +109,9 @@ class PrologueKernelSpec:
     offset: float = 0.0  # the norm scales by ``offset + w`` (Gemma: 1.0); with qk_norm
     threads: int = 128  # cuda: target threads per block (a power of two)
     head_lanes: int = 16  # cuda: lane groups that split a token's q, k and v head rows (a power of two)
+    #: cuda: blocks an SM must hold at once (``__launch_bounds__``' second number), which caps the
+    #: registers a thread: unbounded, nvcc gave Qwen3's kernel 126-128 (4 blocks of 128 threads an SM)
+    min_blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -129,6 +134,8 @@ class PrologueKernelSpec:
             n = getattr(self, name)
             if type(n) is not int or not low <= n <= high or n & (n - 1):
                 raise ValueError(f"{name}: expected a power of two in [{low}, {high}], got {n!r}")
+        if type(self.min_blocks) is not int or not 1 <= self.min_blocks <= 32:
+            raise ValueError(f"min_blocks: expected an int in [1, 32], got {self.min_blocks!r}")
         if self.backend == "cuda" and self.lanes > 32:
             raise ValueError(f"head_dim, rot: the CUDA schedule holds a head row in at most 32 lanes of one warp; a "
                              f"{self.dtype} row of head_dim {self.head_dim}, rot {self.rot} at {self.vec}-element "
@@ -397,6 +404,7 @@ def _build_cuda(spec: PrologueKernelSpec):
                       tag: T.int32, eps_bits: T.int32, psc: T.int64):
         with T.Kernel(T.ceildiv(S, TOK), threads=TPB) as bx:
             T.import_source(helpers)
+            T.annotate_min_blocks_per_sm(spec.min_blocks)
             tx = T.get_thread_binding()
             lane = tx % L
             hl = (tx // L) % HL
