@@ -225,6 +225,13 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
         if p.choices is None or not set(p.choices) <= set(DTYPES):
             raise ctx.err(m["dtype_by"][1], f"{what}.dtype_by: param {dtype_by!r} needs choices among "
                                             f"{', '.join(DTYPES)}")
+        like_input = inputs.get(ctx.string(m["like"][1], f"{what}.like")) if "like" in m else None
+        own_dtypes = (like_input.dtypes if like_input is not None else
+                      ctx.strings(m["dtypes"][1], f"{what}.dtypes") if "dtypes" in m else None)
+        if section == "inputs" and own_dtypes is not None and not set(p.choices) <= set(own_dtypes):
+            raise ctx.err(m["dtype_by"][1], f"{what}.dtype_by: param {dtype_by!r} may choose "
+                                            f"{', '.join(sorted(set(p.choices) - set(own_dtypes)))}, which the "
+                                            f"input does not allow (its dtypes: {', '.join(own_dtypes)})")
     if "like" in m:
         like = ctx.string(m["like"][1], f"{what}.like")
         if like not in inputs:
