@@ -42,11 +42,12 @@ def reference(op_name: str, params: dict, inputs: dict) -> dict:
 
 def scale(op_name: str, params: dict, inputs: dict) -> dict:
     """What each element's error is measured against (:func:`family_references.scales`): for a
-    rotated element, ``|a| + |c|`` of its pair (times the amplitude), not its own value. The op
-    rounds the normalised q and k to qkv's dtype before rotating them, as the unfused chain stores
-    them, so a rotation that cancels (``a cos - c sin`` small) carries the rounding of ``a`` and
-    ``c``: up to ``2^-9 (|a| + |c|)``, 0.02-0.08 against a value of 0.1-0.3 (seen in bf16: one
-    element in 65,536 off the value's own tolerance in 8 of 10 runs)."""
+    rotated element, ``|a| + |c|`` of its pair (times the amplitude's size, at least 1: YaRN's
+    attn_factor may be negative, and -3 left an fp16 q 0.0077 off at a scale of 1), not its own
+    value. The op rounds the normalised q and k to qkv's dtype before rotating them, as the unfused
+    chain stores them, so a rotation that cancels (``a cos - c sin`` small) carries the rounding of
+    ``a`` and ``c``: up to ``2^-9 (|a| + |c|)``, 0.02-0.08 against a value of 0.1-0.3 (seen in bf16:
+    one element in 65,536 off the value's own tolerance in 8 of 10 runs)."""
     return _chain(op_name, params, inputs)[1]
 
 
@@ -70,7 +71,7 @@ def _chain(op_name: str, params: dict, inputs: dict) -> tuple[dict, dict]:
 
     def pair_magnitude(t):
         m = t.abs()
-        s = (t[..., first].abs() + t[..., second].abs()) * max(1.0, amp)
+        s = (t[..., first].abs() + t[..., second].abs()) * max(1.0, abs(amp))
         m[..., first], m[..., second] = s, s
         return m
 

@@ -16,8 +16,8 @@ import torch
 from .manifest import DTYPES, Case, OpManifest
 from .manifest.cases import case_dims, case_params, index_dtype, passes, tensor_shape
 
-__all__ = ["Workload", "index_dtype", "case_params", "case_dims", "make_inputs", "workload", "op_class", "op_params",
-           "bytes_moved"]
+__all__ = ["Workload", "index_dtype", "case_params", "case_dims", "make_inputs", "draw_distinct", "workload", "op_class",
+           "op_params", "bytes_moved"]
 
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
@@ -78,18 +78,31 @@ def make_inputs(m: OpManifest, params: Mapping[str, Any], dims: Mapping[str, Any
     return out
 
 
-def draw_distinct(low: int, high: int, shape: Sequence[int], generator: torch.Generator | None = None) -> torch.Tensor:
+def draw_distinct(low: int, high: int, shape: Sequence[int], generator: torch.Generator | None = None,
+                  first: Sequence[int] = ()) -> torch.Tensor:
     """int64 values of ``[low, high)`` of which no non-negative one repeats (a ``distinct`` input, a slot
     mapping): a random draw without replacement; where the shape holds more values than the range,
-    the rest are ``low``, which must then be negative (padding)."""
+    the rest are ``low``, which must then be negative (padding). ``first`` (at most the shape's
+    count, each in the range, no non-negative one twice: a fuzzer's values at the ends of the range)
+    are the first values in that order; the others are drawn from the values they leave."""
     n = math.prod(shape)
     span = max(high - low, 0)
-    if n > span and low >= 0:
+    first = [int(f) for f in first]
+    taken = [f for f in first if f >= 0]
+    if len(first) > n or any(not low <= f < high for f in first) or len(set(taken)) != len(taken):
+        raise ValueError(f"first: expected at most {n} values in [{low}, {high}), no non-negative one twice, "
+                         f"got {first}")
+    pool = torch.randperm(span, generator=generator) + low
+    if taken:
+        pool = pool[~torch.isin(pool, torch.tensor(taken, dtype=torch.int64))]
+    rest = n - len(first)
+    if rest > pool.numel() and low >= 0:
         raise ValueError(f"{n} distinct values do not fit in [{low}, {high})")
-    v = torch.full((n,), low, dtype=torch.int64)
-    take = min(n, span)
-    v[:take] = torch.randperm(span, generator=generator)[:take] + low
-    return v[torch.randperm(n, generator=generator)].reshape(tuple(shape))
+    v = torch.full((rest,), low, dtype=torch.int64)
+    take = min(rest, pool.numel())
+    v[:take] = pool[:take]
+    v = v[torch.randperm(rest, generator=generator)]
+    return torch.cat([torch.tensor(first, dtype=torch.int64), v]).reshape(tuple(shape))
 
 
 def workload(m: OpManifest, case: Case, dtype: str, device: torch.device | str = "cpu", shrink: bool = False,
