@@ -429,34 +429,9 @@ def test_missing_norm_weights_named(gen):
         op(**args, q_norm_weight=torch.ones(64, dtype=torch.bfloat16))
 
 
-# Two gaps the fuzzer (tests/test_fuzz.py) found, kept here as reproducers until the op is fixed: strict
-# xfails, so the fix turns them into failures to remove the marks from.
-
-@pytest.mark.xfail(strict=True, reason="op bug: the rules accept a cache_dtype other than qkv's, and the kernel "
-                                       "stores qkv's dtype's bits into the wider cache")
-def test_a_cache_dtype_other_than_qkvs_is_stored_or_refused(gen):
-    """A float32 cache beside bf16 qkv passes the manifest's rule (``dtype_key_cache == cache_dtype``):
-    the op must store k and v in float32 or refuse the pair with an error naming cache_dtype. It
-    writes bf16 values into the float32 buffer (at head_dim 8, v's first row read back as 0.2395,
-    -0.1550, ... for 1.7422, 0.2393, ...: each float32 element two bf16 values)."""
-    rope, args = _good(gen)
-    try:
-        op = AttnPrologueFwdOp(8, 1, 64, rope, cache_dtype=torch.float32)
-        kc = torch.full((2, 16, 1, 64), NAN)
-        vc = torch.full((2, 16, 1, 64), NAN)
-        op(args["qkv"], args["positions"], kc, vc, args["slot_mapping"])
-        op.check()
-    except (ValueError, NotImplementedError) as e:
-        assert "cache_dtype" in str(e), str(e)
-        return
-    v = args["qkv"].view(3, 10, 64)[:, 9]
-    assert torch.equal(vc.view(-1, 64)[:3], v.float()), "v not stored as float32 values"
-
-
-@pytest.mark.xfail(strict=True, reason="manifest gap: 'qk_norm or dtype_q_norm_weight == none' checks q's weight "
-                                       "only; k_norm_weight alone without qk_norm is accepted and ignored")
 def test_a_k_norm_weight_without_qk_norm_is_refused(gen):
-    """As q_norm_weight without qk_norm is (``expected no norm weights without qk_norm=True``)."""
+    """As q_norm_weight without qk_norm is (``expected no norm weights without qk_norm=True``): the
+    fuzzer found it accepted and ignored."""
     rope, args = _good(gen)
     op = AttnPrologueFwdOp(8, 1, 64, rope)
     with pytest.raises(ValueError, match="k_norm_weight"):

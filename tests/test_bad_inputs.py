@@ -344,6 +344,8 @@ PARAM_RULES, DIM_RULES = _rule_items(False), _rule_items(True)
 BROKEN_ELSEWHERE = {
     ("AttnPrologueFwdOp", "qk_norm or dtype_q_norm_weight == none"):
         "tests/test_attention_prologue.py::test_bad_call_names_the_argument[weight-without-qk-norm]",
+    ("AttnPrologueFwdOp", "qk_norm or dtype_k_norm_weight == none"):
+        "tests/test_attention_prologue.py::test_a_k_norm_weight_without_qk_norm_is_refused",
     ("AttnPrologueFwdOp", "not qk_norm or dtype_q_norm_weight != none"):
         "tests/test_attention_prologue.py::test_missing_norm_weights_named",
     ("AttnPrologueFwdOp", "not qk_norm or dtype_k_norm_weight != none"):

@@ -232,10 +232,10 @@ class Spec:
                     v = torch.randint(low, high, shape, generator=g, dtype=torch.int64)
                     v.view(-1)[: len(edges)] = torch.tensor(edges, dtype=torch.int64)
                 v = v.to(DTYPES[self.dtype_of(t)])
-            elif t.written:
-                v = torch.full(shape, math.nan, dtype=DTYPES[self.dtype])
-            else:
-                v = torch.randn(shape, generator=g).to(DTYPES[self.dtype])
+            elif t.written:  # a cache of cache_dtype's (t.dtype_by), else the spec's dtype
+                v = torch.full(shape, math.nan, dtype=DTYPES[t.case_dtype(self.dtype, self.params)])
+            else:  # the spec's dtype, or the input's own where it allows only others (fp32 scales)
+                v = torch.randn(shape, generator=g).to(DTYPES[t.case_dtype(self.dtype, self.params)])
             out[t.name] = self.lay_out(t.name, v.to(DEVICE))
         return out
 
@@ -293,12 +293,11 @@ def _rules_hold(m, env, needs_dims: bool | None = None) -> bool:
 
 def _param(draw, m, p, head_dim: int, dtype: str) -> Any:
     if p.type == "dtype":
-        # None (the inputs' dtype) or that dtype named. Not float8_e4m3fn: the prologue refuses it at
-        # construction until its kernel stores it. Not another float dtype either: the rules allow
-        # a float32 cache beside bf16 qkv, but the kernel writes qkv's dtype into it (a wrong answer;
-        # test_attention_prologue.py::test_a_cache_dtype_other_than_qkvs_is_stored_or_refused, a
-        # strict xfail until fixed)
-        return draw(st.sampled_from([None, dtype] if p.optional else [dtype]))
+        # None (the inputs' dtype), that dtype named, or float8_e4m3fn (the prologue's caches, with
+        # scales); not another float dtype: the rules refuse a cache of a third dtype (a bad input,
+        # tests/test_attention_prologue.py::test_a_cache_dtype_other_than_qkvs_or_float8_is_refused)
+        fp8 = ["float8_e4m3fn"] if "float8_e4m3fn" in (p.choices or ()) else []
+        return draw(st.sampled_from([None, dtype, *fp8] if p.optional else [dtype, *fp8]))
     if p.choices is not None:
         return draw(st.sampled_from([*p.choices, *([None] if p.optional else [])]))
     if p.name == "head_dim":  # the prologue's: a param, drawn as the ops' head_dim dim
@@ -398,7 +397,7 @@ def _passed(m, params, dims, dtype_of) -> tuple[str, ...] | None:
     """The inputs a call passes: every required one and the largest set of optional ones the rules
     allow with their dtypes (``dtype_<input>``, None for one not passed), an input ``like`` another
     only with it: RoPE's position_ids and key and the norms' residual always; the prologue's norm
-    weights with qk_norm only, its fp8 scales never. None when no set is allowed."""
+    weights with qk_norm only, its fp8 scales with a float8 cache only. None when no set is allowed."""
     optional = [t for t in m.inputs if t.optional]
     required = {t.name for t in m.inputs if not t.optional}
     for k in range(len(optional), -1, -1):
@@ -433,7 +432,8 @@ def valid_specs(draw, max_elements: int = MAX_ELEMENTS, ops: tuple[str, ...] = t
             # negative padding value may repeat)
             unique = (lambda v: v if v >= 0 else object()) if t.distinct else None
             edges[t.name] = draw(st.lists(edge, max_size=4, unique_by=unique))
-    passed = _passed(m, params, dims, lambda t: params.get(f"__{t.name}_dtype", dtype) if t.range else dtype)
+    passed = _passed(m, params, dims, lambda t: params.get(f"__{t.name}_dtype", dtype) if t.range else
+                     t.case_dtype(dtype, params))
     assume(passed is not None)
     views: dict[str, str] = {}
     for t in m.inputs:  # an input like another is laid out as it is (the op wants the caches' strides equal)
@@ -665,8 +665,9 @@ def check_call(op, spec: Spec, state: dict | None = None) -> None:
         else:
             assert out.untyped_storage().data_ptr() != inputs[o.like].untyped_storage().data_ptr()  # a new tensor
         _assert_matches(out, refs[o.name], spec.dtype, o.name, scales.get(o.name))
-    for name, ref in family_references.written(m, params, cpu).items():
-        _assert_matches(inputs[name], ref, spec.dtype, name, scales.get(name), before=cpu[name])
+    for name, ref in family_references.written(m, params, cpu).items():  # a float8 cache at e4m3's precision
+        tol = "float8_e4m3fn" if inputs[name].dtype == torch.float8_e4m3fn else spec.dtype
+        _assert_matches(inputs[name], ref, tol, name, scales.get(name), before=cpu[name])
     if leaves:
         assert all(out.grad_fn is not None for out in outs)
         g = torch.Generator().manual_seed(spec.seed ^ 0x5EED)

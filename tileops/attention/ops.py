@@ -142,7 +142,8 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
                 the later one's; on a GPU whichever block writes last). Shape ``[tokens]``; dtype int32,
                 int64. Each value in ``[-1, num_blocks * block_size)``.
             q_norm_weight (torch.Tensor | None): Keyword-only. The q heads' RMSNorm weight (with qk_norm), in
-                qkv's dtype. Shape ``[norm_dim]``; dtype float16, bfloat16, float32. Default None.
+                qkv's dtype, contiguous (a strided one is refused by name). Shape ``[norm_dim]``; dtype
+                float16, bfloat16, float32. Default None.
             k_norm_weight (torch.Tensor | None): Keyword-only. The k heads' RMSNorm weight (with qk_norm), in
                 qkv's dtype. The shape and dtype of ``q_norm_weight``, exactly. Default None.
             k_scale (torch.Tensor | None): Keyword-only. The key cache's per-tensor scale (fp8 caches only):
@@ -169,13 +170,13 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
                 qkv: expected qkv in cache_dtype, or cache_dtype None or float8_e4m3fn (the kernel converts to
                 float8 and to nothing else); key_cache: expected the cache in cache_dtype (None: qkv's dtype);
                 q_norm_weight: expected a [head_dim] weight; q_norm_weight: expected the weight in qkv's
-                dtype; q_norm_weight: expected no norm weights without qk_norm=True; q_norm_weight: expected
-                q_norm_weight and k_norm_weight with qk_norm=True; k_norm_weight: expected k_norm_weight with
-                qk_norm=True; k_scale: expected one scale per tensor, [] or [1]; k_scale: expected no k_scale
-                or v_scale without an fp8 cache (cache_dtype=torch.float8_e4m3fn); k_scale: expected k_scale
-                and v_scale with an fp8 cache. A value of ``positions``, ``slot_mapping`` outside its range
-                raises ValueError naming its index and value, without a host sync (see the API page, Positions
-                and gradients).
+                dtype; q_norm_weight: expected no norm weights without qk_norm=True; k_norm_weight: expected
+                no norm weights without qk_norm=True; q_norm_weight: expected q_norm_weight and k_norm_weight
+                with qk_norm=True; k_norm_weight: expected k_norm_weight with qk_norm=True; k_scale: expected
+                one scale per tensor, [] or [1]; k_scale: expected no k_scale or v_scale without an fp8 cache
+                (cache_dtype=torch.float8_e4m3fn); k_scale: expected k_scale and v_scale with an fp8 cache. A
+                value of ``positions``, ``slot_mapping`` outside its range raises ValueError naming its index
+                and value, without a host sync (see the API page, Positions and gradients).
         """
         return self._call({'qkv': qkv, 'positions': positions, 'key_cache': key_cache, 'value_cache':
             value_cache, 'slot_mapping': slot_mapping, 'q_norm_weight': q_norm_weight, 'k_norm_weight':
