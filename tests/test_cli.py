@@ -174,8 +174,10 @@ def test_warmup_prints_a_line_per_kernel_when_not_a_terminal(capsys, monkeypatch
 def test_demo_reports_each_first_call_on_stderr(capsys):
     from tileops.manifest import registry
 
-    assert main(["demo", "--device", "cpu"]) == 0
-    err = capsys.readouterr().err
+    rc = main(["demo", "--device", "cpu"])
+    got = capsys.readouterr()
+    assert rc == 0, got.out  # the table says which op mismatched
+    err = got.err
     n = len(registry())
     # the progress lines, "[ 3/12] ...": not TVM's own log lines, "[05:14:31] ... Warning: ...", which a
     # cold kernel compile prints on stderr too (seen failing this test on a cold cache under load)
