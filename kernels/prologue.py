@@ -12,7 +12,7 @@ one (a token per loop iteration) and the CUDA one (a lane group per head row, a 
 walking its q, k and v rows with cos/sin composed once: ``_build_cuda`` says why, with the numbers),
 which takes the rope stage's CUDA pieces (:func:`tileops.kernels.rope.lane_angles`, ``rotate_vals``,
 ``pair_offsets``, ``store_one``) and the norm's (:func:`tileops.kernels.norm.lane_allsum`,
-``lane_rstd``, ``lane_value``). A cache of qkv's own dtype so far. On CUDA the qkv, q and cache
+``lane_rstd``, ``lane_value``). A cache of qkv's dtype or of float8 e4m3fn. On CUDA the qkv, q and cache
 strides are in units of ``vec`` elements (``stride_unit``) and every pointer must lie on a 16-byte
 vector (the host checks both).
 
@@ -32,7 +32,9 @@ Inputs (all flat buffers addressed by element strides, as the rope and norm buil
 * ``QW``, ``KW``: the per-head RMSNorm weights ``[D]`` (read only with ``qk_norm``).
 * ``KC``, ``VC``: the caches; element ``(slot, h, d)`` at ``(slot // bs) * csb + (slot % bs) * csr
   + h * csh + d``. The layout is the strides: NHD ``[blocks, bs, HKV, D]`` is ``csr = HKV * D``,
-  ``csh = D``; HND ``[blocks, HKV, bs, D]`` is ``csr = D``, ``csh = bs * D``.
+  ``csh = D``; HND ``[blocks, HKV, bs, D]`` is ``csr = D``, ``csh = bs * D``. A float8 cache is
+  its bytes (``uint8``), each element ``e4m3(x / scale)``, saturated.
+* ``KS``, ``VS``: the float8 caches' per-tensor fp32 scales ``[1]``, read on the device (only then).
 
 Rounding: the norm's output is rounded to qkv's dtype before the rotation reads it, as the unfused
 chain (norm op, then rope op) stores it between the two; the norm itself follows ``rounding``
