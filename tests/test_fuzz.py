@@ -694,14 +694,19 @@ def _assert_matches(got: torch.Tensor, ref: torch.Tensor, dtype: str, what: str,
     """``|got - ref| <= atol + rtol * scale``, ``scale`` the reference's own magnitude unless the
     family's reference gives another (:func:`family_references.scales`). For an input written in place,
     ``before`` is its NaN-filled state: where the reference keeps that NaN (nothing written there),
-    ``got`` must keep its bits."""
+    ``got`` must keep its bits. Where an output's definition is undefined, the reference's NaN (0 / 0:
+    LayerNorm of a row whose elements round to one value, with eps 0), ``got`` must be NaN too, as
+    torch's layer_norm gives."""
     got = got.detach().cpu()
-    keep = torch.isnan(ref) if before is not None else torch.zeros(ref.shape, dtype=torch.bool)
+    keep = torch.isnan(ref)
     if before is not None:
         bits = _BITS[got.element_size()]
         moved = keep & (got.contiguous().view(bits) != before.contiguous().view(bits))
         assert not bool(moved.any()), (f"{what}: {int(moved.sum())} elements the call must not write changed, first "
                                        f"at {moved.nonzero()[0].tolist()}")
+    else:
+        defined = ~torch.isnan(got.double()[keep])
+        assert not bool(defined.any()), f"{what}: {int(defined.sum())} elements the definition leaves undefined (NaN)"
     got = got.double()
     assert bool(torch.isfinite(got[~keep]).all()), f"{what}: non-finite elements"
     err = (got - ref).abs()
