@@ -29,6 +29,7 @@ try:  # pytest puts tests/ on sys.path when it is not a package
     import references
 except ImportError:  # pragma: no cover
     from tests import references
+from tests.test_prologue_kernels import assert_e4m3, e4m3  # the float8 cache's bound and bits, one copy
 
 NAN = float("nan")
 EPS = 1e-6
@@ -95,23 +96,6 @@ def assert_within(got, ref, mag, unit, what):
     err = (got - ref).abs()
     bad = err > 8 * unit * mag + 1e-6
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off; max error {err.max():.3e}"
-
-
-def assert_e4m3(got, ref, mag, unit, what):
-    """A float8 cache row against the float64 ``ref`` over the scale: saturated at 448, else within half
-    an e4m3 step (2^-4 of the value, 2^-10 among subnormals) plus :func:`assert_within`'s bound."""
-    got = got.double()
-    assert not torch.isnan(got).any(), f"{what}: {int(torch.isnan(got).sum())} elements not written"
-    want, slack = ref.clamp(-448.0, 448.0), 8 * unit * mag
-    err = (got - want).abs()
-    bad = err > 2.0**-4 * (want.abs() + slack) + 2.0**-10 + slack
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} off; max error {err.max():.3e}"
-
-
-def e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """What a float8 cache holds for ``x``: ``x / scale`` in fp32, saturated, as torch casts it (bits)."""
-    return (x.float() / torch.tensor(scale, dtype=torch.float32)).clamp(-448, 448).to(torch.float8_e4m3fn).view(
-        torch.uint8)
 
 
 def rows(cache, layout, slot, bs):

@@ -139,6 +139,12 @@ def assert_e4m3(got, ref, mag, unit, what):
     assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements off; max error {err.max():.3e}"
 
 
+def e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What a float8 cache holds for ``x`` (its bits): ``x / scale`` in fp32, saturated, as torch casts it."""
+    return (x.float() / torch.tensor(scale, dtype=torch.float32)).clamp(-448, 448).to(torch.float8_e4m3fn).view(
+        torch.uint8)
+
+
 @functools.lru_cache(maxsize=None)
 def _emulated(spec, mutate=None):
     """The CUDA schedule's source for ``spec`` run on the CPU (``mutate``: a function applied to the
@@ -245,8 +251,8 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
         kr, vr = cache_rows(kfull, layout, slot, bs), cache_rows(vfull, layout, slot, bs)
         if slot in ks and fp8:
             assert_e4m3(kr, ks[slot] / scales[0].item(), kmag[slot] / scales[0].item(), unit, f"k cache slot {slot}")
-            want = (vs[slot] / scales[1].double()).float().clamp(-448, 448).to(torch.float8_e4m3fn)
-            assert torch.equal(vr.view(torch.uint8), want.view(torch.uint8)), f"v cache slot {slot}: not e4m3(v / scale)"
+            assert torch.equal(vr.view(torch.uint8), e4m3(vs[slot], scales[1].item())), \
+                f"v cache slot {slot}: not e4m3(v / scale)"
         elif slot in ks:
             assert_within(kr, ks[slot], kmag[slot], unit, f"k cache slot {slot}")
             assert torch.equal(vr.double(), vs[slot]), f"v cache slot {slot}: not copied exactly"
