@@ -150,8 +150,9 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
             k_norm_weight (torch.Tensor | None): Keyword-only. The k heads' RMSNorm weight (with qk_norm), in
                 qkv's dtype. The shape and dtype of ``q_norm_weight``, exactly. Default None.
             k_scale (torch.Tensor | None): Keyword-only. The key cache's per-tensor scale (fp8 caches only):
-                stored value = k / k_scale, saturated; read on the device. Shape ``[]`` or ``[scale_len]``;
-                dtype float32. Default None.
+                stored value = k / k_scale, saturated; read on the device. It must be positive and finite,
+                which the op does not check (a check of a device value would wait for the GPU at every call):
+                a scale of 0 stores +-448. Shape ``[]`` or ``[scale_len]``; dtype float32. Default None.
             v_scale (torch.Tensor | None): Keyword-only. The value cache's per-tensor scale (fp8 caches only).
                 The shape and dtype of ``k_scale``, exactly. Default None.
             q_out (torch.Tensor | None): Keyword-only. Where to write the result (q normalised (with qk_norm)
