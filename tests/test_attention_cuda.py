@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tileops
-from tests.test_attention_prologue import (EPS, NAN, UNIT, VARIANTS, assert_within, reference, rows,
+from tests.test_attention_prologue import (EPS, NAN, UNIT, VARIANTS, assert_cache_rows, assert_within, reference,
                                            run_case)
 from tileops.attention import AttnPrologueFwdOp
 from tileops.rope import RoPENeoxPositionIdsFwdOp
@@ -96,13 +96,7 @@ def test_graph_replays_on_new_data_positions_and_slots(gen):
         q_ref, q_mag, cache = reference(new_qkv, new_pos, new_slots, hq, hkv, d, rope, qw, kw, nslots)
         assert_within(q.cpu(), q_ref, q_mag, UNIT[torch.bfloat16], "q (replay)")
         kcpu, vcpu = kc.cpu(), vc.cpu()
-        for s in range(nslots):
-            kr, vr = rows(kcpu, "NHD", s, bs), rows(vcpu, "NHD", s, bs)
-            if s in cache:
-                assert_within(kr, cache[s][0], cache[s][1], UNIT[torch.bfloat16], f"k slot {s} (replay)")
-                assert torch.equal(vr.double(), cache[s][2]), f"v slot {s} (replay)"
-            else:
-                assert torch.isnan(kr.float()).all() and torch.isnan(vr.float()).all(), f"slot {s} written"
+        assert_cache_rows(kcpu, vcpu, "NHD", bs, nslots, cache, UNIT[torch.bfloat16], "replay")
     op.check()
 
 

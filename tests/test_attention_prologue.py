@@ -149,17 +149,25 @@ def run_case(gen, rope, *, hq, hkv, d, tokens=5, dtype=torch.bfloat16, qk_norm=F
     assert (kfull[blocks:] == 7.0).all() and (vfull[blocks:] == 7.0).all(), "wrote past the cache"
     q_ref, q_mag, cache = reference(qkv, positions, slots, hq, hkv, d, rope, qw, kw, nslots)
     assert_within(q, q_ref, q_mag, UNIT[dtype], f"q ({rope.name})")
-    for s in range(nslots):
-        kr, vr = rows(kfull, layout, s, bs), rows(vfull, layout, s, bs)
-        if s in cache and fp8:
-            assert_e4m3(kr, cache[s][0] / 0.01, cache[s][1] / 0.01, UNIT[dtype], f"k slot {s} ({rope.name})")
-            assert torch.equal(vr.view(torch.uint8), e4m3(cache[s][2], 0.5)), f"v slot {s}: not e4m3(v / scale)"
-        elif s in cache:
-            assert_within(kr, cache[s][0], cache[s][1], UNIT[dtype], f"k slot {s} ({rope.name})")
-            assert torch.equal(vr.double(), cache[s][2]), f"v slot {s}: not copied exactly"
-        else:
-            assert torch.isnan(kr.float()).all() and torch.isnan(vr.float()).all(), f"slot {s} written"
+    assert_cache_rows(kfull, vfull, layout, bs, nslots, cache, UNIT[dtype], rope.name, (0.01, 0.5) if fp8 else None)
     return op, q
+
+
+def assert_cache_rows(kc, vc, layout, bs, nslots, cache, unit, what, fp8_scales=None):
+    """Every slot of the caches against :func:`reference`'s ``cache``: k within the bound, v exact (a
+    float8 cache: k over its scale within half an e4m3 step, v bit for bit e4m3(v / scale)); a slot no
+    token names still NaN."""
+    for s in range(nslots):
+        kr, vr = rows(kc, layout, s, bs), rows(vc, layout, s, bs)
+        if s in cache and fp8_scales is not None:
+            ks, vs = fp8_scales
+            assert_e4m3(kr, cache[s][0] / ks, cache[s][1] / ks, unit, f"k slot {s} ({what})")
+            assert torch.equal(vr.view(torch.uint8), e4m3(cache[s][2], vs)), f"v slot {s}: not e4m3(v / scale)"
+        elif s in cache:
+            assert_within(kr, cache[s][0], cache[s][1], unit, f"k slot {s} ({what})")
+            assert torch.equal(vr.double(), cache[s][2]), f"v slot {s} ({what}): not copied exactly"
+        else:
+            assert torch.isnan(kr.float()).all() and torch.isnan(vr.float()).all(), f"slot {s} written ({what})"
 
 
 class _Config:
@@ -510,6 +518,87 @@ def test_opcheck_and_compiled_calls_write_the_caches(gen):
     for name in ("key_cache", "value_cache"):
         assert torch.equal(compiled[name], eager[name]), name
         assert not torch.equal(compiled[name], args[name]), f"{name}: nothing written"
+
+
+def _runtimes():
+    from tileops.runtime import native
+
+    return ["python"] + (["native"] if native.module is not None else [])
+
+
+@pytest.mark.parametrize("runtime", _runtimes())
+def test_repeated_calls_are_served_from_the_binding(gen, runtime):
+    """A call shaped like an earlier one takes the runtime's binding: q (its own shape, not qkv's) is a
+    new tensor per call, the caches are written, eager and as the compiled graph's ``apply_out`` (the
+    caches after q among its mutated tensors); every call against the float64 reference. The native
+    runtime serves them without Python (its hits count them)."""
+    from tileops.runtime import native
+    from tileops.runtime.executor import PythonRuntime
+    from tileops.runtime.library import pack
+
+    # the custom ops are the extension's where it is loaded: they serve the ops of its runtime
+    traced = runtime == "native" or native.module is None
+    rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]
+    hq, hkv, d, bs, blocks, tokens = 4, 2, 64, 4, 3, 6
+    op = AttnPrologueFwdOp(hq, hkv, d, rope, qk_norm=True, eps=EPS, cache_layout="HND")
+    if runtime == "python":
+        op._use_runtime(PythonRuntime(op._handle))
+    checks = []
+    full = op._check_call
+    op._check_call = lambda t: checks.append(1) or full(t)
+    qw, kw = ((1 + 0.3 * torch.randn(d, generator=gen)).to(torch.bfloat16) for _ in range(2))
+    qs = []
+    for i in range(6):
+        qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(torch.bfloat16)
+        positions = torch.randint(0, 8192, (tokens,), generator=gen)
+        slots = torch.randperm(blocks * bs, generator=gen)[:tokens]
+        slots[0] = -1
+        kc, vc = (torch.full((blocks, hkv, bs, d), NAN, dtype=torch.bfloat16) for _ in range(2))
+        if i % 2 == 0 or not traced:
+            q = op(qkv, positions, kc, vc, slots, q_norm_weight=qw, k_norm_weight=kw)
+        else:  # what a compiled graph calls (tileops.op.Op._traced_call)
+            q = torch.full((tokens, hq, d), NAN, dtype=torch.bfloat16)
+            rest = dict(qkv=qkv, positions=positions, slot_mapping=slots, q_norm_weight=qw, k_norm_weight=kw)
+            torch.ops.tileops.apply_out.default(op._handle, *pack(op, rest), [q, kc, vc])
+        op.check()
+        assert q.shape == (tokens, hq, d) and all(q is not p for p in qs)
+        qs.append(q)
+        q_ref, q_mag, cache = reference(qkv, positions, slots, hq, hkv, d, rope, qw, kw, blocks * bs)
+        assert_within(q, q_ref, q_mag, UNIT[torch.bfloat16], f"q of call {i}")
+        assert_cache_rows(kc, vc, "HND", bs, blocks * bs, cache, UNIT[torch.bfloat16], f"call {i}")
+    assert len(checks) == (2 if traced else 1), "a call shaped like an earlier one was checked again"
+    if runtime == "native":
+        assert op._runtime.stats()["hits"] >= 4, op._runtime.stats()
+
+
+@pytest.mark.parametrize("runtime", _runtimes())
+def test_a_bound_call_whose_caches_overlap_is_refused(gen, runtime):
+    """The caches are written in place: a call shaped like a served one whose value_cache is now the key
+    cache's memory, or whose key_cache overlaps qkv, is refused by name before anything is written (the
+    binding checks the caches' memory by pointers at every call); a bad slot through the binding is
+    reported as at the first call."""
+    from tileops.runtime.executor import PythonRuntime
+
+    rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]
+    op = AttnPrologueFwdOp(8, 1, 64, rope)
+    if runtime == "python":
+        op._use_runtime(PythonRuntime(op._handle))
+    qkv = torch.randn(3, 10 * 64, generator=gen).to(torch.bfloat16)
+    pos, slots = torch.arange(3), torch.tensor([0, 5, 9])
+    buf = torch.zeros(4, 16, 1, 64, dtype=torch.bfloat16)
+    op(qkv, pos, buf[:2], buf[2:], slots)
+    op(qkv, pos, buf[:2], buf[2:], slots)  # bound
+    before = buf.clone()
+    with pytest.raises(ValueError, match="value_cache: overlaps key_cache|key_cache: overlaps value_cache"):
+        op(qkv, pos, buf[:2], buf[1:3], slots)
+    mem = torch.zeros(2 * 16 * 64 + 3 * 10 * 64, dtype=torch.bfloat16)
+    cache_view = mem[:2 * 16 * 64].view(2, 16, 1, 64)
+    with pytest.raises(ValueError, match="key_cache: overlaps qkv"):
+        op(mem[16 * 64:16 * 64 + 3 * 640].view(3, 640), pos, cache_view, buf[2:], slots)
+    assert torch.equal(buf, before), "a refused call wrote a cache"
+    with pytest.raises(ValueError, match=r"slot_mapping: .*= 32 .*got slot_mapping\[2\] = 32"):
+        op(qkv, pos, buf[:2], buf[2:], torch.tensor([0, 5, 32]))
+        op.check()
 
 
 def test_cuda_alignment_checks_name_the_argument(gen):

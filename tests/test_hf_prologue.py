@@ -95,8 +95,20 @@ def test_static_generate_gives_the_unpatched_tokens_and_caches(kind, gen, monkey
     assert updates.n == 0, f"{updates.n} cache writes went through transformers' StaticLayer.update"
     assert rep["prologue_fallbacks"] == [] and len(rep["prologue"]) == 1
     assert rep["prologue"][0].params["qk_norm"] == (kind == "qwen3")
+    _assert_served_from_bindings(rep["prologue"][0])
     assert torch.equal(got, want), (got, want)
     _assert_same_caches(got_cache, want_cache, ids.shape[1] + 8 - 1)  # the last token generated is never fed back
+
+
+def _assert_served_from_bindings(op) -> None:
+    """With the native runtime, most of the op's calls (every layer's, every decode step's, all of
+    one call signature or two) were served from its bindings, without Python: the general path ran
+    once per signature (a stride-0 positions view, say, would send every call there)."""
+    from tileops.runtime import native
+
+    if native.module is not None:
+        stats = op._runtime.stats()
+        assert stats["misses"] <= 4 < stats["hits"], stats
 
 
 class _AotEager:
@@ -150,6 +162,7 @@ def test_compiled_static_generate_gives_the_unpatched_tokens_through_the_fused_o
     finally:
         tt.unpatch(model)
     assert torch.equal(got, want), (got, want)
+    _assert_served_from_bindings(op)  # tileops::apply_out, from the graphs
     assert len(graphs) == len(plain) == 2  # prefill and decode, recompiled by neither at later steps
     for g in graphs:
         calls = [n for n in g.graph.nodes if n.op == "call_function" and "tileops" in str(n.target)]

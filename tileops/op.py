@@ -60,6 +60,8 @@ class Op:
         #: the bindings with late-bound slots, by id (tileops.runtime.library.late finds them)
         self._late: dict[int, Binding] = {}
         self._like = {o.name: o.like for o in self.manifest.outputs}
+        #: the inputs the op writes in place (``written``: a KV cache), which a binding's calls check for overlap
+        self._written = tuple(t.name for t in self.manifest.inputs if t.written)
         #: outputs whose dtype a param gives (``dtype_by``): name -> that param's value, a dtype or None
         self._dtype_by = {o.name: DTYPES[self.params[o.dtype_by]] for o in self.manifest.outputs
                           if o.dtype_by is not None and self.params[o.dtype_by] is not None}
@@ -371,7 +373,7 @@ class Op:
                     outs.get(n) is None and tensors.get(self._like[n]) is not None
                     and self._output_dtype(n, tensors) != tensors[self._like[n]].dtype for n in self._dtype_by):
                 b = None  # the runtime makes a new output like its like input, in that input's dtype
-            entry = (impl, with_overlap_checks(b, tensors, given) if b is not None else None)
+            entry = (impl, with_overlap_checks(b, tensors, given, self._written) if b is not None else None)
             if sig is not None:
                 if len(self._fast) > 4096:  # many distinct shapes: keep the tables bounded
                     self._forget_bindings()
@@ -390,8 +392,10 @@ class Op:
                 return result
             checked = False  # pointers the binding cannot serve: check this call in full
         given = {k: v for k, v in outs.items() if v is not None}
-        if given and not checked:
-            self._check_outs(tensors, given)
+        if not checked:  # what the pointers decide: the binding refused the call, or there is none
+            self._check_written(tensors)
+            if given:
+                self._check_outs(tensors, given)
         return run_differentiable(self, impl, tensors, given)
 
     def _forget_bindings(self) -> None:

@@ -9,8 +9,10 @@ one copy per device shared with the rope op.
 
 Every launch goes through a :class:`tileops.runtime.binding.Binding` and the op's runtime, which
 tracks the kernel's two error words: ``ERR[0]`` for ``positions``, ``ERR[1]`` for ``slot_mapping``
-(:mod:`tileops.runtime.errors`). There is no per-signature fast path yet: the runtime allocates new
-outputs shaped like their ``like`` input, and q is not shaped like qkv, so every call takes this path.
+(:mod:`tileops.runtime.errors`). A call the kernel takes as it lies (qkv's last dim, positions and
+slots contiguous; strides on the kernel's vectors) has a binding per call signature
+(:meth:`PrologueKernels.binding`): the op's runtime serves the next such call, eager or from a
+compiled graph (``tileops::apply_out`` with the caches as its written inputs), without this module.
 """
 
 from __future__ import annotations
@@ -59,51 +61,76 @@ class PrologueKernels:
 
     def forward(self, tables: torch.Tensor, tensors: dict, outs: dict) -> torch.Tensor:
         """q ``[tokens, Hq, D]``; k and v written into the caches."""
-        p = self.op.params
-        hq, d = p["num_q_heads"], p["head_dim"]
         qkv = tensors["qkv"]
         if qkv.shape[0] and qkv.stride(1) != 1:
             qkv = qkv.contiguous()
         q_out = outs.get("q_out")
-        q = q_out if q_out is not None and self._fits(q_out, q_out.stride(0), q_out.stride(1)) else torch.empty(
-            (qkv.shape[0], hq, d), dtype=qkv.dtype, device=qkv.device)
-        kc = tensors["key_cache"]
-        if p["cache_layout"] == "NHD":  # [blocks, bs, Hkv, D]
-            blocks, bs = kc.shape[0], kc.shape[1]
-            csb, csr, csh = kc.stride(0), kc.stride(1), kc.stride(2)
-        else:  # HND [blocks, Hkv, bs, D]
-            blocks, bs = kc.shape[0], kc.shape[2]
-            csb, csr, csh = kc.stride(0), kc.stride(2), kc.stride(1)
-        nslots = blocks * bs
-        self.op.slot_limit = nslots  # named by a bad slot's error
-        u = self.unit
+        q = q_out if q_out is not None and self._fits(q_out, q_out.stride(0), q_out.stride(1)) else self._new_q(qkv)
+        cache = self._cache(tensors["key_cache"])
         if qkv.shape[0]:
-            self._check_aligned(tensors, qkv, csb, csr, csh)
+            self._check_aligned(tensors, qkv, *cache[2:])
             # the kernel reads positions and slots as dense runs (P[t], MRoPE's P[s * tokens + t],
             # SL[t]): a strided or expanded view is copied first (tokens elements). HF's position_ids
             # [1, seq] expanded to the batch has stride 0, which read densely took the bytes past the
             # tensor as positions
-            index = {n: tensors[n].contiguous() for n in ("positions", "slot_mapping")}
-            launch = {**tensors, "qkv": qkv, **index}
-            args = {"S": qkv.shape[0], "xst": qkv.stride(0) // u, "qst": q.stride(0) // u,
-                    "qsh": q.stride(1) // u, "csb": csb // u, "csr": csr // u, "csh": csh // u, "bs": bs,
-                    "nslots": nslots,
-                    "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr(),
-                    # MRoPE's three position streams [3, tokens] lie psc elements apart
-                    "psc": index["positions"].stride(0) if index["positions"].dim() == 2 else 0}
-            b = bind(self.kernel, self.op.manifest, launch, {"q_out": q}, args=args, keep=(tables,),
-                     pointers={"QKV": "qkv", "P": "positions", "SL": "slot_mapping", "QW": "q_norm_weight",
-                               "KW": "k_norm_weight", "Q": "q_out", "KC": "key_cache", "VC": "value_cache",
-                               "KS": "k_scale", "VS": "v_scale"},
-                     # a bad position reads as 0 and a bad slot writes nothing; each marks its word
-                     align={**dict.fromkeys(("qkv", "q_out", "q_norm_weight", "k_norm_weight"), u * qkv.element_size()),
-                            **dict.fromkeys(("key_cache", "value_cache"), u * kc.element_size())},
-                     checks={"positions": 0, "slot_mapping": 1})
+            launch = {**tensors, "qkv": qkv, **{n: tensors[n].contiguous() for n in ("positions", "slot_mapping")}}
+            b = self._bind(tables, launch, {"q_out": q}, q, cache)
             self.op._runtime.execute(b, launch, {"q_out": q})
         if q_out is not None and q is not q_out:
             q_out.copy_(q)
             return q_out
         return q
+
+    def binding(self, tensors: dict, outs: dict) -> Any:
+        """The binding of every later call shaped like this one, or None where the general path must
+        copy (qkv's last dim, positions or slots not contiguous; ``q_out`` off the kernel's vectors), has
+        nothing to launch (no tokens) or raises (a cache or qkv stride off the kernel's vectors). The
+        pointers' alignment is checked per call by the runtime (a call it refuses takes the general path,
+        which names the input)."""
+        qkv, q_out = tensors["qkv"], outs.get("q_out")
+        cache = self._cache(tensors["key_cache"])
+        u = self.unit
+        if (qkv.shape[0] == 0 or qkv.stride(1) != 1 or qkv.stride(0) % u or any(st % u for st in cache[2:])
+                or not all(tensors[n].is_contiguous() for n in ("positions", "slot_mapping"))):
+            return None
+        if q_out is not None and (q_out.stride(-1) != 1 or q_out.stride(0) % u or q_out.stride(1) % u):
+            return None
+        q = q_out if q_out is not None else self._new_q(qkv)  # a new q: the layout every call's gets
+        return self._bind(self.tables.on(self.device), tensors, {"q_out": q_out}, q, cache)
+
+    def _new_q(self, qkv: torch.Tensor) -> torch.Tensor:
+        p = self.op.params
+        return torch.empty((qkv.shape[0], p["num_q_heads"], p["head_dim"]), dtype=qkv.dtype, device=qkv.device)
+
+    def _cache(self, kc: torch.Tensor) -> tuple[int, int, int, int, int]:
+        """``(blocks, block_size, block stride, row stride, head stride)`` of a cache in the op's
+        layout; the slot count is noted for a bad slot's error."""
+        if self.op.params["cache_layout"] == "NHD":  # [blocks, bs, Hkv, D]
+            got = kc.shape[0], kc.shape[1], kc.stride(0), kc.stride(1), kc.stride(2)
+        else:  # HND [blocks, Hkv, bs, D]
+            got = kc.shape[0], kc.shape[2], kc.stride(0), kc.stride(2), kc.stride(1)
+        self.op.note_slot_limit(got[0] * got[1])
+        return got
+
+    def _bind(self, tables: torch.Tensor, launch: dict, outs: dict, q: torch.Tensor, cache: tuple) -> Any:
+        """The launch of ``launch``'s tensors writing q into ``q`` (``outs``: the call's ``q_out``, given
+        or None for a new one laid out as ``q``)."""
+        u, qkv, kc = self.unit, launch["qkv"], launch["key_cache"]
+        blocks, bs, csb, csr, csh = cache
+        positions = launch["positions"]
+        args = {"S": qkv.shape[0], "xst": qkv.stride(0) // u, "qst": q.stride(0) // u, "qsh": q.stride(1) // u,
+                "csb": csb // u, "csr": csr // u, "csh": csh // u, "bs": bs, "nslots": blocks * bs,
+                "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr(),
+                # MRoPE's three position streams [3, tokens] lie psc elements apart
+                "psc": positions.stride(0) if positions.dim() == 2 else 0}
+        return bind(self.kernel, self.op.manifest, launch, outs, args=args, keep=(tables,), views={"q_out": q},
+                    pointers={"QKV": "qkv", "P": "positions", "SL": "slot_mapping", "QW": "q_norm_weight",
+                              "KW": "k_norm_weight", "Q": "q_out", "KC": "key_cache", "VC": "value_cache",
+                              "KS": "k_scale", "VS": "v_scale"},
+                    # a bad position reads as 0 and a bad slot writes nothing; each marks its word
+                    align={**dict.fromkeys(("qkv", "q_out", "q_norm_weight", "k_norm_weight"), u * qkv.element_size()),
+                           **dict.fromkeys(("key_cache", "value_cache"), u * kc.element_size())},
+                    checks={"positions": 0, "slot_mapping": 1})
 
     def _fits(self, t: torch.Tensor, *strides: int) -> bool:
         """Whether the kernel moves ``t`` where it lies: a contiguous last dim and, on CUDA, the pointer and

@@ -126,18 +126,26 @@ class AttnPrologueFwdHooks(Op):
         """Positions must lie in ``[0, position_limit())``: the rope op's limit."""
         return self.params["rope"].position_limit()
 
+    def note_slot_limit(self, slots: int) -> None:
+        """Note a cache's slot count (``num_blocks * block_size``) that a call was launched for, for a
+        bad slot's error (the kernel reports that a slot was bad, not the cache it was bad for)."""
+        self.__dict__.setdefault("_slot_limits", set()).add(int(slots))
+
     def _raise_bad_value(self, name: str, values: torch.Tensor, when: str = "") -> None:
         """The ValueError naming ``positions`` (as the rope op words it) or ``slot_mapping``."""
         if name == "slot_mapping":
-            # the cache's slot count of the latest call (the builtin records it at each launch; on the
-            # CPU, where errors are judged at the call, that is the bad call's)
-            limit = self.__dict__.get("slot_limit")
+            # the slot counts of the caches this op was launched for (:meth:`note_slot_limit`); with one,
+            # the bad call's. A server keeps one cache; with several (caches of several sizes), a slot is
+            # named only where it is past every one of them, so a slot valid for its own cache never is
+            limits = self.__dict__.get("_slot_limits") or set()
+            limit = max(limits, default=None)
             bad = (values >= limit).nonzero() if limit is not None else values.new_zeros((0, 1))
             if bad.shape[0] == 0:
                 raise ValueError(f"{self.name}: slot_mapping: expected every slot below num_blocks * block_size "
                                  f"(or negative: skipped); {when or 'this call'} read one past the cache")
             i = int(bad[0, 0])
-            raise ValueError(f"{self.name}: slot_mapping: expected every slot below num_blocks * block_size = "
-                             f"{limit} (or negative: skipped), got slot_mapping[{i}] = {int(values[i])}"
+            below = f"= {limit}" if len(limits) == 1 else f"(this op's caches hold {', '.join(map(str, sorted(limits)))})"
+            raise ValueError(f"{self.name}: slot_mapping: expected every slot below num_blocks * block_size {below} "
+                             f"(or negative: skipped), got slot_mapping[{i}] = {int(values[i])}"
                              + (f" ({when})" if when else ""))
         self.params["rope"].raise_bad_position(self.name, "positions", values, when)

@@ -64,7 +64,7 @@ def implement(op: Any, spec: Any) -> Callable[..., Any]:
         else:
             blocks, bs = key_cache.shape[0], key_cache.shape[2]
         slots = slot_mapping.to(torch.int64)
-        op.slot_limit = blocks * bs
+        op.note_slot_limit(blocks * bs)
         if bool((slots >= blocks * bs).any()):
             op._raise_bad_value("slot_mapping", slot_mapping.cpu())
         for i in range(t):  # in token order: a slot named twice keeps the later token's row

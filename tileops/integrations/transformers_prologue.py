@@ -171,7 +171,9 @@ def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set
         _, pos = tag
         if pos.dim() == 1:
             pos = pos[None]
-        positions = pos.to(qkv.device).expand(batch, seq).reshape(batch * seq)
+        # dense: [1, seq] expanded to the batch is a stride-0 view, which the op would copy on its
+        # general path at every call instead of serving the call from its binding
+        positions = pos.to(qkv.device).expand(batch, seq).reshape(batch * seq).contiguous()
         cap = static.max_cache_len
         at = static.cumulative_length + torch.arange(seq, device=qkv.device)
         rows = torch.arange(batch, device=qkv.device)[:, None] * cap

@@ -239,6 +239,7 @@ struct BindingData : NoCopy {
   Mode mode[kMaxTensors] = {};
   int like[kMaxTensors] = {};
   std::vector<int64_t> strides[kMaxTensors];  // a new output's (empty_like's for this signature)
+  std::vector<int64_t> sizes[kMaxTensors];  // a new output's own shape (empty: its like input's)
   std::vector<Pair> pairs;
   std::vector<int> late;  // slots whose tensor Python picks per call
   int64_t late_key = 0;  // the binding's key for tileops.runtime.library.late
@@ -319,10 +320,11 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
   Ref outputs(PyObject_GetAttrString(pb, "outputs"));
   Ref likes(PyObject_GetAttrString(pb, "likes"));
   Ref strides(PyObject_GetAttrString(pb, "strides"));
+  Ref sizes(PyObject_GetAttrString(pb, "sizes"));
   std::vector<int64_t> modes = ints_of(outputs.p, "outputs"), like = ints_of(likes.p, "likes");
   b->n_out = (int)modes.size();
   if (b->n_in < 1 || b->n_in + b->n_out > kMaxTensors || like.size() != modes.size())
-    throw std::invalid_argument("tileops: Binding: 1 to 8 tensors, one like per output");
+    throw std::invalid_argument("tileops: Binding: 1 to 16 tensors, one like per output");
   for (int j = 0; j < b->n_out; ++j) {
     if (modes[j] < ABSENT || modes[j] > GIVEN || like[j] < 0 || like[j] >= b->n_in)
       throw std::invalid_argument("tileops: Binding: an output's mode or like input is out of range");
@@ -331,6 +333,12 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
     if (modes[j] == NEW) {
       Ref st(PySequence_GetItem(strides.p, j));
       b->strides[j] = ints_of(st.p, "strides");
+      if (PySequence_Size(sizes.p) > j) {
+        Ref sz(PySequence_GetItem(sizes.p, j));
+        b->sizes[j] = ints_of(sz.p, "sizes");
+      }
+      if (!b->sizes[j].empty() && b->sizes[j].size() != b->strides[j].size())
+        throw std::invalid_argument("tileops: Binding.sizes: one size per stride");
     }
   }
   int n = b->n_in + b->n_out, nargs = (int)b->tmpl.size();
@@ -430,6 +438,7 @@ struct Core {
   int64_t handle;
   int n_in, n_out;
   int like[kMaxTensors];
+  std::vector<int> written;  // the inputs the op writes in place (a KV cache), in the manifest's order
   std::vector<std::string> names;  // the inputs', then the outputs'
   std::mutex mu;  // table, graph
   std::unordered_map<uint64_t, std::vector<Entry>> table;
@@ -713,8 +722,12 @@ bool serve(Core& core, const std::shared_ptr<Core>& owner, BindingData& b, at::T
   for (int j = 0; j < b.n_out; ++j)
     if (b.mode[j] == NEW) {
       const at::Tensor& like = t[b.like[j]];
-      if ((int64_t)b.strides[j].size() != like.dim()) throw std::runtime_error("tileops: Binding.strides");
-      t[n_in + j] = at::empty_strided(like.sizes(), b.strides[j], like.options());
+      if (!b.sizes[j].empty()) {  // a shape of its own (the signature fixes it)
+        t[n_in + j] = at::empty_strided(b.sizes[j], b.strides[j], like.options());
+      } else {
+        if ((int64_t)b.strides[j].size() != like.dim()) throw std::runtime_error("tileops: Binding.strides");
+        t[n_in + j] = at::empty_strided(like.sizes(), b.strides[j], like.options());
+      }
       ptr[n_in + j] = (int64_t)(intptr_t)t[n_in + j].data_ptr();
     }
   int64_t args[kMaxArgs];
@@ -987,15 +1000,15 @@ PyObject* Dispatch_track(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
 
 PyObject* Dispatch_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
   HANDLE_TH_ERRORS
-  static const char* kwlist[] = {"handle", "inputs", "outputs", "likes", nullptr};
+  static const char* kwlist[] = {"handle", "inputs", "outputs", "likes", "written", nullptr};
   long long handle;
-  PyObject *ins, *outs, *likes;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "LO!O!O!", (char**)kwlist, &handle, &PyTuple_Type, &ins, &PyTuple_Type,
-                                   &outs, &PyTuple_Type, &likes))
+  PyObject *ins, *outs, *likes, *written = nullptr;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "LO!O!O!|O!", (char**)kwlist, &handle, &PyTuple_Type, &ins,
+                                   &PyTuple_Type, &outs, &PyTuple_Type, &likes, &PyTuple_Type, &written))
     return nullptr;
   Py_ssize_t ni = PyTuple_GET_SIZE(ins), no = PyTuple_GET_SIZE(outs);
   if (ni < 1 || ni + no > kMaxTensors || PyTuple_GET_SIZE(likes) != no)
-    throw std::invalid_argument("tileops: Dispatch: 1 to 8 inputs and outputs, a like per output");
+    throw std::invalid_argument("tileops: Dispatch: 1 to 16 inputs and outputs, a like per output");
   auto core = std::make_shared<Core>();
   core->id = core_ids.fetch_add(1) + 1;
   core->handle = handle;
@@ -1006,6 +1019,12 @@ PyObject* Dispatch_new(PyTypeObject* type, PyObject* args, PyObject* kw) {
     if (like[j] < 0 || like[j] >= ni) throw std::invalid_argument("tileops: Dispatch: likes index the inputs");
     core->like[j] = (int)like[j];
   }
+  if (written != nullptr)
+    for (int64_t w : ints_of(written, "written")) {
+      if (w < 0 || w >= ni || (!core->written.empty() && w <= core->written.back()))
+        throw std::invalid_argument("tileops: Dispatch: written indexes the inputs, in order");
+      core->written.push_back((int)w);
+    }
   auto* d = (Dispatch*)type->tp_alloc(type, 0);
   if (d == nullptr) return nullptr;
   new (&d->core) std::shared_ptr<Core>(core);
@@ -1135,6 +1154,11 @@ void apply_out_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_vie
       if (k == outs.size()) placed = false;
       else t[core->n_in + j] = outs[k++];
     }
+  // then the inputs the op writes in place, which `inputs` leaves out (tileops/runtime/library.py)
+  for (size_t w = 0; placed && w < core->written.size(); ++w) {
+    if (k == outs.size() || t[core->written[w]].defined()) placed = false;
+    else t[core->written[w]] = outs[k++];
+  }
   if (!serve_op(core, placed && k == outs.size(), t, b)) python_path(cfg.apply_out, h, {inputs}, names, {outs});
 }
 

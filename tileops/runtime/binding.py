@@ -56,6 +56,10 @@ class Binding:
     #: a new output's strides (those ``torch.empty_like`` gives its like input of this signature;
     #: allocated with them directly, one dispatch fewer), else ()
     strides: tuple[tuple[int, ...], ...] = ()
+    #: a new output's sizes when it has a shape of its own (the manifest's ``own_shape``: the
+    #: attention prologue's q ``[tokens, Hq, D]`` is not shaped like qkv), which the signature
+    #: fixes; () for one shaped like its like input
+    sizes: tuple[tuple[int, ...], ...] = ()
     #: ``(tensor, span, tensor, span)``: pairs that must not share memory, spans in bytes
     pairs: tuple[tuple[int, int, int, int], ...] = ()
     #: ``(slot, fn)``: ``fn(inputs)`` (input name -> tensor or None) returns a tensor whose pointer
@@ -104,20 +108,23 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
         errors: The kernel's arguments taking the error words' address and the call's tag.
         keep: Tensors whose addresses ``args`` holds.
         views: Output name -> a tensor laid out as a new output is (the family's own
-            ``torch.empty_like`` of its like input): its strides are every call's. For a new output
-            not in it, one is made here to read them.
+            ``torch.empty_like`` of its like input, or a new tensor of the output's own shape): its
+            sizes and strides are every call's. For a new output not in it, one is made here as
+            ``torch.empty_like`` of its like input.
     """
     ins = [t.name for t in manifest.inputs]
     names = (*ins, *(o.name for o in manifest.outputs))
     at = {n: i for i, n in enumerate(names)}
     likes = tuple(ins.index(o.like) for o in manifest.outputs)
     slot, align, views = kernel.slot, align or {}, views or {}
-    modes, strides = [], []
+    modes, strides, sizes = [], [], []
     for o in manifest.outputs:
         src, dst, new = tensors.get(o.like), outs.get(o.name), views.get(o.name)
         mode = ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN
         modes.append(mode)
-        strides.append(() if mode != NEW else (torch.empty_like(src) if new is None else new).stride())
+        ref = None if mode != NEW else torch.empty_like(src) if new is None else new
+        strides.append(() if ref is None else ref.stride())
+        sizes.append(() if ref is None or ref.shape == src.shape else tuple(ref.shape))
     ptrs = []
     for arg, tensor in pointers.items():
         i = at[tensor]
@@ -131,22 +138,29 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
         raise ValueError(f"bind: checks: error words are 0 .. {WORDS - 1}, got {dict(checks or {})}")
     word_slot, tag_slot = (slot[errors[0]], slot[errors[1]]) if checked else (-1, -1)
     return Binding(kernel, kernel.template(args), names, len(ins), tuple(ptrs), tuple(modes), likes, tuple(strides),
-                   late=tuple((slot[a], fn) for a, fn in (late or {}).items()),
+                   sizes=tuple(sizes), late=tuple((slot[a], fn) for a, fn in (late or {}).items()),
                    checks=checked, word_slot=word_slot, tag_slot=tag_slot, keep=tuple(keep))
 
 
-def with_overlap_checks(binding: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> Binding:
+def with_overlap_checks(binding: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any],
+                        written: tuple[str, ...] = ()) -> Binding:
     """``binding`` with the pairs a later call of this signature must check: each output it writes
     into (given, or in place) against every other tensor of the call, but for an in-place output
-    and its own input; spans from this call's shapes and strides, which the signature fixes."""
+    and its own input, and each input in ``written`` (one the op writes in place: a KV cache)
+    against every other input; spans from this call's shapes and strides, which the signature fixes."""
     names, n_in = binding.names, binding.inputs
-    written = [n_in + j for j, mode in enumerate(binding.outputs) if mode in (IN_PLACE, GIVEN)]
+    into = [n_in + j for j, mode in enumerate(binding.outputs) if mode in (IN_PLACE, GIVEN)]
     given = [tensors.get(n) for n in names[:n_in]] + [outs.get(n) for n in names[n_in:]]
-    have = {i: given[i] for i in [*range(n_in), *written] if given[i] is not None}
+    have = {i: given[i] for i in [*range(n_in), *into] if given[i] is not None}
     pairs = []
-    for o in (o for o in written if o in have):
+    for o in (o for o in into if o in have):
         own = binding.likes[o - n_in] if binding.outputs[o - n_in] == IN_PLACE else None
         # every other tensor (an output written before this one has its pair already), but its own input
         pairs += [(o, span(have[o]), i, span(t)) for i, t in have.items() if i != own and not n_in <= i <= o]
+    done: set[int] = set()
+    for w in (names.index(n) for n in written if tensors.get(n) is not None):
+        # the outputs' pairs above hold it already; an input written before this one has its pair too
+        pairs += [(w, span(have[w]), i, span(t)) for i, t in have.items() if i < n_in and i != w and i not in done]
+        done.add(w)
     return dataclasses.replace(binding, pairs=tuple(pairs), memo={})
 

@@ -41,7 +41,8 @@ def new_runtime(handle: int, manifest: Any) -> Any:
         return PythonRuntime(handle)
     ins = tuple(t.name for t in manifest.inputs)
     return mod.Dispatch(handle, ins, tuple(o.name for o in manifest.outputs),
-                        tuple(ins.index(o.like) for o in manifest.outputs))
+                        tuple(ins.index(o.like) for o in manifest.outputs),
+                        tuple(i for i, t in enumerate(manifest.inputs) if t.written))
 
 
 class PythonRuntime:
@@ -83,7 +84,10 @@ class PythonRuntime:
                 return NotImplemented  # the general path names the overlap
         for j, mode in enumerate(b.outputs):  # from here on the call is served
             if mode == NEW:  # (the strides the binding was made for: empty_like's, cheaper from Python)
-                t = ts[n_in + j] = torch.empty_like(ts[b.likes[j]])
+                like = ts[b.likes[j]]
+                sizes = b.sizes[j] if j < len(b.sizes) else ()
+                t = ts[n_in + j] = (torch.empty_strided(sizes, b.strides[j], dtype=like.dtype, device=like.device)
+                                    if sizes else torch.empty_like(like))
                 ptr[n_in + j] = t.data_ptr()
         args = b.template[:]
         for i, slot, _ in b.pointers:
