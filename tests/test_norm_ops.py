@@ -345,6 +345,49 @@ def test_gradients_of_odd_shapes(gen):
     assert_close(gw, want["weight"], rtol, atol, "weight")
 
 
+@pytest.fixture
+def nan_empty():
+    """``torch.empty`` and ``empty_like`` NaN-filled for one test (PyTorch's deterministic mode fills
+    new memory): an element no kernel writes shows as NaN."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_weight_and_bias_gradients_are_written_whole_and_planned_once(nan_empty, gen):
+    """The weight's and bias's gradients are new tensors (NaN-filled here) that ``wsum`` writes
+    whole: within fp32 tolerances of float64 autograd; with no rows they are zeros. A later call
+    shaped alike launches from the plan the first one made, with the same bits; a gradient whose
+    last dim is strided is copied first (its signature has no plan) and still right."""
+    assert torch.empty(4).isnan().all()
+    op = LayerNormFwdOp()
+    inputs = {"x": torch.randn(5, 11, 64, generator=gen) * 3 + 2, "weight": torch.randn(64, generator=gen),
+              "bias": torch.randn(64, generator=gen), "residual": torch.randn(5, 11, 64, generator=gen)}
+    got, gs = _fp32_gradients_match(op, _layer_reference, inputs, gen)
+    kernels = op._impl_for(op._check_call(inputs))
+    (plan,) = kernels._bwd_plans.values()
+    assert plan is not None and plan.wsum is not None
+    leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
+    again = torch.autograd.grad(op(**leaves), list(leaves.values()), gs)
+    assert all(torch.equal(a, b) for a, b in zip(again, got.values())), "the plan's launch gave other bits"
+    assert list(kernels._bwd_plans.values()) == [plan]
+    strided = tuple(torch.randn(*g.shape, 2, generator=gen)[..., 1] for g in gs)  # last dims at stride 2
+    leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
+    copied = dict(zip(leaves, torch.autograd.grad(op(**leaves), list(leaves.values()), strided)))
+    assert len(kernels._bwd_plans) == 2 and None in kernels._bwd_plans.values()
+    want = _grads64(_layer_reference, inputs, strided)
+    atol, rtol = tolerance(torch.float32)
+    for name in inputs:
+        assert_close(copied[name], want[name], rtol, atol, f"grad of {name} (copied)")
+    leaves = {n: (torch.empty(0, 64) if t.dim() > 1 else t.clone()).requires_grad_(True) for n, t in inputs.items()}
+    none = dict(zip(leaves, torch.autograd.grad([o.sum() for o in op(**leaves)], list(leaves.values()))))
+    assert none["x"].shape == none["residual"].shape == (0, 64)
+    assert torch.equal(none["weight"], torch.zeros(64)) and torch.equal(none["bias"], torch.zeros(64))
+
+
 @pytest.mark.slow  # 65,536 rows through the C kernels: about 10 s on 2 cores with the compiles
 def test_bf16_weight_gradient_over_65536_rows(gen):
     """The weight's gradient of 65,536 bf16 rows, summed on the device in fp32 partials, within 1e-2
@@ -613,6 +656,12 @@ def test_the_cuda_host_path_emulated(emulated_cuda, gen):
         assert b.bwd_spec.per_warp and b.bwd_spec.partials_per_block == b.bwd_spec.block_threads // 32
         assert b._blocks(37) == -(-37 // b.bwd_spec.rows_per_block)  # fewer groups than resident blocks
         assert b._blocks(10**6) == 132 * (1024 // b.bwd_spec.block_threads)
+        # dy one bf16 past the vector: strides as dy's, so the same plan, whose launch the pointer refuses
+        off = torch.empty(dy.numel() + 1, dtype=dy.dtype)[1:].view(dy.shape).copy_(dy)
+        plans = dict(b._bwd_plans)
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, r)]
+        got = torch.autograd.grad(op(leaves[0], leaves[1], residual=leaves[2]), leaves, (off, dh))
+        assert b._bwd_plans == plans and all(torch.equal(u, v) for u, v in zip(got, (gx, gw, gr)))
     assert torch.equal(gx, gr) and torch.equal(cx, cr)
     # the two schedules sum in other orders: dx within a bf16 rounding, dw within its fp32 sums' error
     assert_close(gx, cx.double(), rtol=2.0**-7, atol=2.0**-7 * cx.abs().mean().item(), what="dx")

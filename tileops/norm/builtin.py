@@ -18,11 +18,15 @@ calls from it without Python (:meth:`NormKernels.binding`); the general path bin
 launches with, copies included, through the same code and the same executor. The backward runs
 ``bwd`` on ``G`` blocks, each summing its rows' weight (and bias) gradient in fp32 partial rows,
 then ``wsum`` adding the partial rows in a fixed order: ``G`` follows the row count and the device
-alone, so the same rows give the same bits.
+alone, so the same rows give the same bits. Both launches come from a :class:`_BackwardPlan` kept per
+shape and strides (both kernels' argument arrays, filled but for the pointers), so a later backward
+encodes no argument in Python; the runtime's executor does not run them, as it takes the tensors
+the op's manifest names and the backward's are gradients and partial rows.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 from typing import Any, Mapping, Sequence
@@ -139,6 +143,7 @@ class NormKernels:
 
         self.eps_bits = eps_bits(op.params["eps"])
         self._bindings: dict[tuple, Binding] = {}  # the general path's, by what they depend on
+        self._bwd_plans: dict[tuple, _BackwardPlan | None] = {}  # by shape and strides; None: copied
         self._sms = 0
 
     def _kernel(self, spec: Any) -> Any:
@@ -277,49 +282,113 @@ class NormKernels:
         dy = grads[0]
         dro = grads[1] if "residual" in given else None
         h = tensors["residual_out"] if "residual" in given else tensors["x"]
-        w = self._param(tensors.get("weight"))
         dx = torch.empty_like(dy, dtype=DTYPE[given["x"]])
-        hidden = self.hidden
-        dw = db = None
-        if "weight" in given:
-            dw = torch.zeros(hidden, dtype=DTYPE[given["weight"]], device=self.device)
-        if "bias" in given:
-            db = torch.zeros(hidden, dtype=DTYPE[given["bias"]], device=self.device)
+        # wsum writes every column of dw and db; with no rows it is not launched and they are zeros
+        new = torch.empty if dx.numel() else torch.zeros
+        dw = new(self.hidden, dtype=DTYPE[given["weight"]], device=self.device) if "weight" in given else None
+        db = new(self.hidden, dtype=DTYPE[given["bias"]], device=self.device) if "bias" in given else None
         if dx.numel():
-            self._run_backward(h, dy, dro, w, dx, dw, db)
+            self._run_backward(h, dy, dro, self._param(tensors.get("weight")), dx, dw, db)
         by_name = {"x": dx, "weight": dw, "bias": db, "residual": dx}
         return tuple(by_name[n] for n in self.op.manifest.backward.wrt if n in given)
 
     def _run_backward(self, h: torch.Tensor, dy: torch.Tensor, dro: torch.Tensor | None, w: torch.Tensor | None,
                       dx: torch.Tensor, dw: torch.Tensor | None, db: torch.Tensor | None) -> None:
-        """``bwd`` into ``dx`` and fp32 partial rows, then ``wsum`` into ``dw`` and ``db``."""
-        views, (rows, nh, strides) = self._fit({"x": h, "dy": dy, "dro": dro, "dx": dx}, ("dx",))
+        """``bwd`` into ``dx`` and fp32 partial rows, then ``wsum`` into ``dw`` and ``db``: from the
+        :class:`_BackwardPlan` of this call's shape and strides (made at its first call), unless a
+        view must be copied first (its strides, or on CUDA a pointer, off the kernel's vector)."""
+        key = (h.shape, h.stride(), dy.stride(), None if dro is None else dro.stride(), dx.stride())
+        plan = self._bwd_plans.get(key, False)
+        if plan is False:
+            lay = self._layout({"x": h, "dy": dy, "dro": dro, "dx": dx}, pointers=False)
+            if len(self._bwd_plans) > 256:
+                self._bwd_plans.clear()
+            plan = self._bwd_plans[key] = None if isinstance(lay, str) else self._backward_plan((h, dy, dro, dx), lay)
+        if plan is not None and all(t is None or t.data_ptr() % a == 0 for t, a in zip((h, dy, dro, dx), plan.align)):
+            plan.launch(h, dy, dro, w, dx, dw, db)
+            return
+        views, lay = self._fit({"x": h, "dy": dy, "dro": dro, "dx": dx}, ("dx",))
+        rows_of = (views["x"], views["dy"], views["dro"], views["dx"])
+        self._backward_plan(rows_of, lay).launch(*rows_of[:3], w, rows_of[3], dw, db)
+        if views["dx"] is not dx:
+            dx.copy_(views["dx"])
+
+    def _backward_plan(self, rows_of: tuple[torch.Tensor | None, ...],
+                       lay: tuple[int, int, dict[str, tuple[int, int]]]) -> "_BackwardPlan":
+        """The two launches of the row-addressed tensors ``rows_of`` (x or residual_out, dy, dro,
+        dx) laid out as ``lay`` (their :meth:`_layout`)."""
+        rows, nh, strides = lay
         g = self._blocks(rows)
-        parts = g * self.bwd_spec.partials_per_block
-        hidden = self.hidden
-        dwp = None if dw is None else torch.empty((parts, hidden), dtype=torch.float32, device=self.device)
-        dbp = None if db is None else torch.empty((parts, hidden), dtype=torch.float32, device=self.device)
         args: dict[str, Any] = {"M": rows, "NH": nh, "G": g, "eps_bits": self.eps_bits}
         for name, (st, sh) in strides.items():
             a, b = _STRIDES["bwd"][name]
             args[a], args[b] = st // self.unit, sh // self.unit
-        ptr = {"X": views["x"], "DY": views["dy"], "DRO": views["dro"], "W": w, "DX": views["dx"], "DWP": dwp,
-               "DBP": dbp}
-        _launch(self._kernel(self.bwd_spec), args, ptr)
-        if views["dx"] is not dx:
-            dx.copy_(views["dx"])
-        if self.wsum_spec is not None:
-            _launch(self._kernel(self.wsum_spec), {"P": parts}, {"DWP": dwp, "DBP": dbp, "DW": dw, "DB": db})
+        bwd = self._kernel(self.bwd_spec)
+        wsum = None if self.wsum_spec is None else self._kernel(self.wsum_spec)
+        parts = g * self.bwd_spec.partials_per_block
+        align = tuple(1 if t is None else self._align(t) for t in rows_of)
+        align = align if max(align) > 1 else ()  # the C backend's: none to check per call
+        return _BackwardPlan(bwd, bwd.template(args), tuple(bwd.slot[n] for n in _BWD_POINTERS), wsum,
+                             None if wsum is None else wsum.template({"P": parts}),
+                             () if wsum is None else tuple(wsum.slot[n] for n in _WSUM_POINTERS),
+                             parts, self.hidden, self.device, align)
 
 
-def _launch(kernel: Any, args: dict[str, Any], pointers: dict[str, torch.Tensor | None]) -> None:
-    """One launch of ``kernel`` on the current stream: ``args`` by name, each tensor of ``pointers``
-    as its data pointer (0 for None, which the kernel does not read); every other argument (the flat
-    buffers' extents, unread) 0."""
-    values = dict.fromkeys(kernel.arg_names, 0)
-    values.update(args)
-    values.update({k: 0 if t is None else t.data_ptr() for k, t in pointers.items()})
-    kernel(*kernel.bind(**values))
+#: the backward kernels' pointer parameters, in the order :meth:`_BackwardPlan.launch` fills them
+_BWD_POINTERS = ("X", "DY", "DRO", "W", "DX", "DWP", "DBP")
+_WSUM_POINTERS = ("DWP", "DBP", "DW", "DB")
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardPlan:
+    """One backward signature's two launches, everything but the pointers: each kernel's whole
+    argument array (:meth:`tileops.compile.entry.RawKernel.template`) with the rows, strides, ``G``
+    and ``P`` filled, and the slots the call's pointers go into. A call copies the arrays, writes
+    its pointers and launches: no argument is encoded per call. (The runtime's executor cannot run
+    it: the module's doc says why.)"""
+
+    bwd: Any
+    bwd_args: array.array
+    bwd_slots: tuple[int, ...]
+    wsum: Any
+    wsum_args: array.array | None
+    wsum_slots: tuple[int, ...]
+    #: the fp32 partial rows bwd writes for each of the weight and the bias, and their length
+    parts: int
+    hidden: int
+    device: torch.device
+    #: the bytes the pointer of x (or residual_out), dy, dro and dx must be a multiple of (CUDA;
+    #: () on the C backend, which reads any address)
+    align: tuple[int, ...]
+
+    def launch(self, x: torch.Tensor, dy: torch.Tensor, dro: torch.Tensor | None, w: torch.Tensor | None,
+               dx: torch.Tensor, dw: torch.Tensor | None, db: torch.Tensor | None) -> None:
+        """bwd into ``dx`` and the partial rows, then wsum into ``dw`` and ``db``, on the current stream."""
+        dwp = dbp = 0
+        if dw is not None or db is not None:
+            # the weight's and the bias's partial rows in one allocation, the bias's from a 256-byte
+            # boundary (64 floats): each had an allocation of its own, aligned to 512 by the allocator
+            n = self.parts * self.hidden
+            off = -(-n // 64) * 64 if dw is not None else 0
+            buf = torch.empty(off + (n if db is not None else 0), dtype=torch.float32, device=self.device)
+            dwp = 0 if dw is None else buf.data_ptr()
+            dbp = 0 if db is None else buf.data_ptr() + 4 * off
+        # an absent tensor's slot keeps the template's 0 (the kernel does not read it)
+        args, (sx, sdy, sdro, sw, sdx, sdwp, sdbp) = self.bwd_args[:], self.bwd_slots
+        args[sx], args[sdy], args[sdx], args[sdwp], args[sdbp] = x.data_ptr(), dy.data_ptr(), dx.data_ptr(), dwp, dbp
+        if dro is not None:
+            args[sdro] = dro.data_ptr()
+        if w is not None:
+            args[sw] = w.data_ptr()
+        self.bwd.launch(args, self.bwd.stream())
+        if self.wsum is not None:
+            args, (sdwp, sdbp, sdw, sdb) = self.wsum_args[:], self.wsum_slots
+            args[sdwp], args[sdbp] = dwp, dbp
+            if dw is not None:
+                args[sdw] = dw.data_ptr()
+            if db is not None:
+                args[sdb] = db.data_ptr()
+            self.wsum.launch(args, self.wsum.stream())
 
 
 def implement(op: Any, spec: Any) -> NormKernels:
