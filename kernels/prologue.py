@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .norm import CUDA_HELPERS, NormKernelSpec, lane_allsum, lane_rstd, lane_value, norm_row
-from .rope import (DIGITS, LO, RoPEKernelSpec, angles, lane_angles, pair_offsets, position, rotate, rotate_vals,
-                   store_one)
+from .rope import (DIGITS, LO, RoPEKernelSpec, angles, lane_angles, pair_angle, pair_offsets, position, rotate,
+                   rotate_vals, store_one)
 from .float8 import STORE_SOURCE, e4m3_bits, store_e4m3
 from .storage import load_f32, storage_dtype
 
@@ -114,6 +114,18 @@ class PrologueKernelSpec:
     #: cuda: blocks an SM must hold at once (``__launch_bounds__``' second number), which caps the
     #: registers a thread: unbounded, nvcc gave Qwen3's kernel 126-128 (4 blocks of 128 threads an SM)
     min_blocks: int = 1
+    #: cuda, schedule variants (off: the schedule ``_build_cuda`` describes; each gives the same bits):
+    #: ``share_angles``: a token's cos/sin composed once, by its lane group 0, into shared memory,
+    #: read by every group after a block barrier (instead of each of the ``head_lanes`` groups
+    #: composing the same values from the tables)
+    share_angles: bool = False
+    #: ``pair_angles`` (with ``share_angles``): each of a token's threads composes single pairs
+    #: (6 scalar table loads each; with MRoPE, only its pair's stream's position read) instead
+    pair_angles: bool = False
+    #: ``mrope_vector_pick``: MRoPE whose lanes' pairs take several streams loads each table's row of
+    #: each stream's position as vectors and picks per pair, instead of 6 scalar loads a pair
+    #: (:func:`tileops.kernels.rope.lane_angles`); nothing changes where the loads are vectors already
+    mrope_vector_pick: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -138,6 +150,12 @@ class PrologueKernelSpec:
                 raise ValueError(f"{name}: expected a power of two in [{low}, {high}], got {n!r}")
         if type(self.min_blocks) is not int or not 1 <= self.min_blocks <= 32:
             raise ValueError(f"min_blocks: expected an int in [1, 32], got {self.min_blocks!r}")
+        for name in ("share_angles", "pair_angles", "mrope_vector_pick"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.pair_angles and not self.share_angles:
+            raise ValueError("pair_angles: composes the shared cos/sin of share_angles, expected share_angles=True "
+                             "with it")
         if self.backend == "cuda" and self.lanes > 32:
             raise ValueError(f"head_dim, rot: the CUDA schedule holds a head row in at most 32 lanes of one warp; a "
                              f"{self.dtype} row of head_dim {self.head_dim}, rot {self.rot} at {self.vec}-element "
@@ -342,6 +360,25 @@ def _build_cuda(spec: PrologueKernelSpec):
     scale`` (:func:`tileops.kernels.float8.store_e4m3`: the hardware's ``cvt.rn.satfinite``; the
     integer form is about 30 instructions an element, next to a store of one byte), ``vec`` bytes in
     one store: sm_89 and later (the host refuses older GPUs).
+
+    Variants of the cos/sin step, spec fields that are off by default (the schedule above), for the
+    rows where the position -> table loads -> composition chain shows (81% of a copy at 2,048 tokens
+    with MRoPE's per-pair streams and with float8 caches, against 87% plain); each composes the same
+    fp32 operations on the same table values, so every variant stores the default's bits; none is
+    measured on the GPU yet:
+
+    * ``share_angles``: every group composes the same cos/sin today (``head_lanes`` times the table
+      reads and FMAs a token). Instead lane group 0 reads the position(s) and composes, writes its
+      lanes' ``[2, R/2]`` into shared memory (a slot per token of the block), and after one block
+      barrier (after the row loads, the slot and the weights are issued; every thread reaches it)
+      every lane reads its ``V`` pairs back;
+    * ``pair_angles`` (with ``share_angles``): the token's threads compose single pairs instead,
+      pair ``j`` by thread ``j`` (``tileops.kernels.rope.pair_angle``: 6 scalar loads, coalesced
+      across a warp, one pair's arithmetic; with MRoPE only the pair's stream's position is read), so
+      the chain before the barrier is one position, one round of table loads and one pair;
+    * ``mrope_vector_pick``: MRoPE whose lanes' ``V`` pairs take several streams (Qwen3-VL's map)
+      gathers 6 scalar loads a pair; this loads each table row of each stream's position as a vector
+      (18 vector loads instead of ``6 V`` scalar ones) and picks per pair (``lane_angles``).
     """
     D, R, half = spec.head_dim, spec.rot, spec.rot // 2
     dt = spec.dtype
@@ -354,8 +391,13 @@ def _build_cuda(spec: PrologueKernelSpec):
     fp8 = spec.fp8
     mrope = spec.mrope_section is not None
     rs, ns = spec.rope_spec, spec.norm_spec
-    pos, angles_of, rotated, store = position(rs), lane_angles(rs), rotate_vals(rs), store_one(rs)
+    pos, rotated, store = position(rs), rotate_vals(rs), store_one(rs)
+    angles_of = lane_angles(rs, vector_pick=spec.mrope_vector_pick)
     norm = spec.qk_norm
+    share, pairs = spec.share_angles, spec.pair_angles
+    NT = L * HL  # a token's threads
+    if pairs:
+        pair_of = pair_angle(rs)
     if norm:
         allsum, value, rstd_of = lane_allsum(L), lane_value(ns), lane_rstd(ns)
 
@@ -448,12 +490,28 @@ def _build_cuda(spec: PrologueKernelSpec):
                         load(QKV, xo + T.cast(hl + k * HL, "int64") * D, oc, ra, k * V)
             # 2. while they fly: token ts's position(s) (a bad one reported in ERR[0], read as 0), its
             # cos/sin, its slot, the norm weights, the scales
-            if mrope:
-                pt = pos(P, ERR, 0, 1, limit, tag, 0, ts, 0, psc, 0)
-                ph = pos(P, ERR, 0, 1, limit, tag, 0, ts, 1, psc, 0)
-                pw = pos(P, ERR, 0, 1, limit, tag, 0, ts, 2, psc, 0)
-            else:
-                p = pos(P, ERR, 0, 1, limit, tag, 0, ts, None, None, 0)
+            if share:  # the token's cos/sin [2, R/2] in shared memory, read after the barrier below
+                CSS = T.alloc_shared((TOK, 2, half), "float32", scope="shared")
+            if pairs:  # each thread of the token its pairs j, j + NT, ...
+                for k in T.unroll(-(-half // NT)):
+                    if tx % NT + k * NT < half:
+                        pair_of(TD, CSS, P, ERR, 0, 1, psc, limit, tag, 0, ts, tx % NT + k * NT, tx // NT, 0)
+            elif not share or hl == 0:  # shared: lane group 0 reads the position(s), composes and stores
+                if mrope:
+                    pt = pos(P, ERR, 0, 1, limit, tag, 0, ts, 0, psc, 0)
+                    ph = pos(P, ERR, 0, 1, limit, tag, 0, ts, 1, psc, 0)
+                    pw = pos(P, ERR, 0, 1, limit, tag, 0, ts, 2, psc, 0)
+                else:
+                    p = pos(P, ERR, 0, 1, limit, tag, 0, ts, None, None, 0)
+                if share and lane < C:  # (else composed below, beside the norm weights' loads)
+                    if mrope:
+                        angles_of(TD, j0, None, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn)
+                    else:
+                        angles_of(TD, j0, p, None, None, None, c2, s2, c1, s1, c0, s0, cs, sn)
+                    for v in T.vectorized(V):
+                        CSS[tx // NT, 0, j0 + v] = cs[v]
+                    for v in T.vectorized(V):
+                        CSS[tx // NT, 1, j0 + v] = sn[v]
             slot = T.cast(SL[ts], "int64")
             if live and slot >= nslots and tx % (L * HL) == 0:
                 ERR[1] = tag
@@ -470,10 +528,11 @@ def _build_cuda(spec: PrologueKernelSpec):
                 ks = KS[0]
                 vs = VS[0]
             if lane < C:
-                if mrope:
-                    angles_of(TD, j0, None, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn)
-                else:
-                    angles_of(TD, j0, p, None, None, None, c2, s2, c1, s1, c0, s0, cs, sn)
+                if not share:  # (shared: read after the barrier below)
+                    if mrope:
+                        angles_of(TD, j0, None, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn)
+                    else:
+                        angles_of(TD, j0, p, None, None, None, c2, s2, c1, s1, c0, s0, cs, sn)
                 if norm:
                     load(QW, 0, o1, wqa, 0)
                     load(QW, 0, o2, wqb, 0)
@@ -483,6 +542,13 @@ def _build_cuda(spec: PrologueKernelSpec):
                 if norm:
                     load(QW, 0, oc, wqa, 0)
                     load(KW, 0, oc, wka, 0)
+            if share:  # every thread of the block, none in a branch
+                T.sync_threads()
+                if lane < C:
+                    for v in T.vectorized(V):
+                        cs[v] = CSS[tx // NT, 0, j0 + v]
+                    for v in T.vectorized(V):
+                        sn[v] = CSS[tx // NT, 1, j0 + v]
             # 3. the rows, from registers
             for k in T.unroll(K):
                 r = hl + k * HL

@@ -65,7 +65,7 @@ T: Any = None
 
 __all__ = ["RoPEKernelSpec", "build_rope", "build", "Spec", "STATIC", "LO", "DIGITS", "MAX_POSITION", "ARGS",
            "MAX_BLOCK_THREADS", "MAX_GRID_Y", "position", "angles", "rotate", "rotate_one", "copy_one", "rotate_vals",
-           "lane_angles", "store_one", "pair_offsets",
+           "lane_angles", "pair_angle", "store_one", "pair_offsets",
            "CUDA_HELPERS"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
@@ -282,20 +282,26 @@ def position(spec: RoPEKernelSpec):
 
 
 def _compose(spec: RoPEKernelSpec):
-    """C: a macro ``compose(TD, cst, j, d0, d1, d2)``: ``cst[0, j], cst[1, j]`` = cos, sin of pair
-    ``j``'s angle at the position of digits ``d2 d1 d0`` (times the amplitude folded into ``TD[0]``;
-    sin negated for ``inverse``), by angle addition over the three digit tables."""
+    """C (and :func:`pair_angle`): a macro ``compose(TD, cst, j, d0, d1, d2, at=None)``: ``cst[0, j],
+    cst[1, j]`` = cos, sin of pair ``j``'s angle at the position of digits ``d2 d1 d0`` (times the
+    amplitude folded into ``TD[0]``; sin negated for ``inverse``), by angle addition over the three
+    digit tables; with ``at``, ``cst[at, 0, j], cst[at, 1, j]`` (a block's buffer of several tokens).
+    The same fp32 operations in the same order as :func:`lane_angles`' composition."""
     sgn = -1.0 if spec.inverse else 1.0
 
     @T.macro
-    def compose(TD, cst, j, d0, d1, d2):
+    def compose(TD, cst, j, d0, d1, d2, at=None):
         c2, s2 = TD[2, d2, 0, j], TD[2, d2, 1, j]
         c1, s1 = TD[1, d1, 0, j], TD[1, d1, 1, j]
         c0, s0 = TD[0, d0, 0, j], TD[0, d0, 1, j]
         c12 = c2 * c1 - s2 * s1
         s12 = s2 * c1 + c2 * s1
-        cst[0, j] = c12 * c0 - s12 * s0
-        cst[1, j] = (s12 * c0 + c12 * s0) * sgn
+        if at is None:
+            cst[0, j] = c12 * c0 - s12 * s0
+            cst[1, j] = (s12 * c0 + c12 * s0) * sgn
+        else:
+            cst[at, 0, j] = c12 * c0 - s12 * s0
+            cst[at, 1, j] = (s12 * c0 + c12 * s0) * sgn
 
     return compose
 
@@ -530,14 +536,17 @@ def copy_one(spec: RoPEKernelSpec):
     return copy_one
 
 
-def lane_angles(spec: RoPEKernelSpec):
+def lane_angles(spec: RoPEKernelSpec, vector_pick: bool = False):
     """CUDA: cos and sin of one lane's ``V`` pairs from pair ``j0`` on, a macro ``lane_angles(TD, j0,
     p, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn)``: the digit tables' rows of the position ``p``
     (:func:`position`; with MRoPE ``p`` is None and ``pt``, ``ph``, ``pw`` are the three streams'
     positions, each pair taking its stream's, ``_pick``) loaded as vectors into ``c2 .. s0`` (local
     fp32, ``V`` each) and composed by angle addition into ``cs``, ``sn`` (sin negated for
     ``inverse``). Where every section is a multiple of ``V`` pairs (``uniform_streams``) the ``V``
-    pairs share one stream and the loads stay vectors; otherwise each pair gathers its own rows."""
+    pairs share one stream and the loads stay vectors; otherwise each pair gathers its own rows
+    (``6 V`` scalar loads), or with ``vector_pick`` each table's row of each stream's position is
+    loaded as a vector (``18`` vector loads) and each pair picks its stream's value (``_pick``) before
+    the same composition: the same values composed, so the same cos/sin."""
     _tl()
     V = spec.vec
     mrope = spec.mrope_section is not None
@@ -545,8 +554,32 @@ def lane_angles(spec: RoPEKernelSpec):
     sgn = -1.0 if spec.inverse else 1.0
 
     @T.macro
+    def picked(TD, j0, k, sc, dt, dh, dw, out):
+        """``out[v]`` = table ``k``'s cos (``sc`` 0) or sin (1) of pair ``j0 + v`` at the row of its
+        stream's digit (``dt``, ``dh``, ``dw``): the three rows loaded as vectors, then picked."""
+        rt = T.alloc_local((V,), "float32")
+        rh = T.alloc_local((V,), "float32")
+        rw = T.alloc_local((V,), "float32")
+        for v in T.vectorized(V):
+            rt[v] = TD[k, dt, sc, j0 + v]
+        for v in T.vectorized(V):
+            rh[v] = TD[k, dh, sc, j0 + v]
+        for v in T.vectorized(V):
+            rw[v] = TD[k, dw, sc, j0 + v]
+        for v in T.unroll(V):
+            out[v] = _pick(spec, j0 + v, rt[v], rh[v], rw[v])
+
+    @T.macro
     def lane_angles(TD, j0, p, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn):
-        if gather:  # per pair: its stream's position, its own table rows
+        if gather and vector_pick:  # each stream's rows as vectors, each pair picking its stream's
+            # each stream's digits, as the gather takes them
+            picked(TD, j0, 2, 0, pt // (LO * LO), ph // (LO * LO), pw // (LO * LO), c2)
+            picked(TD, j0, 2, 1, pt // (LO * LO), ph // (LO * LO), pw // (LO * LO), s2)
+            picked(TD, j0, 1, 0, (pt // LO) % LO, (ph // LO) % LO, (pw // LO) % LO, c1)
+            picked(TD, j0, 1, 1, (pt // LO) % LO, (ph // LO) % LO, (pw // LO) % LO, s1)
+            picked(TD, j0, 0, 0, pt % LO, ph % LO, pw % LO, c0)
+            picked(TD, j0, 0, 1, pt % LO, ph % LO, pw % LO, s0)
+        elif gather:  # per pair: its stream's position, its own table rows
             for v in T.unroll(V):
                 pv = T.alloc_var("int64")  # a variable: the pick is not repeated in each load
                 pv = _pick(spec, j0 + v, pt, ph, pw)
@@ -585,6 +618,30 @@ def lane_angles(spec: RoPEKernelSpec):
             sn[v] = (s12 * c0[v] + c12 * s0[v]) * sgn
 
     return lane_angles
+
+
+def pair_angle(spec: RoPEKernelSpec):
+    """CUDA, cos/sin shared by a block: a macro ``pair_angle(TD, cst, P, ERR, psb, pss, psc, limit,
+    tag, b, s, j, at, word=0)`` that composes pair ``j`` alone into ``cst[at, 0, j]``, ``cst[at, 1,
+    j]`` (a buffer of the block's tokens, say shared memory): the position of row ``(b, s)``
+    (:func:`position`; with MRoPE only the stream pair ``j`` takes, ``_pick``, read and checked, a bad
+    one reported in ``ERR[word]``) and 6 scalar table loads composed as :func:`lane_angles` composes
+    them (the C schedule's ``_compose``): the same cos/sin, each thread of a block one pair."""
+    _tl()
+    mrope = spec.mrope_section is not None
+    pos, compose = position(spec), _compose(spec)
+
+    @T.macro
+    def pair_angle(TD, cst, P, ERR, psb, pss, psc, limit, tag, b, s, j, at, word=0):
+        if mrope:  # pair j's stream alone
+            stream = T.alloc_var("int64")  # a variable: the pick is not repeated in each use
+            stream = _pick(spec, j, T.int64(0), T.int64(1), T.int64(2))
+            p = pos(P, ERR, psb, pss, limit, tag, b, s, stream, psc, word)
+        else:
+            p = pos(P, ERR, psb, pss, limit, tag, b, s, None, None, word)
+        compose(TD, cst, j, p % LO, (p // LO) % LO, p // (LO * LO), at)
+
+    return pair_angle
 
 
 def _build_cuda(spec: RoPEKernelSpec):

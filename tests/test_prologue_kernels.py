@@ -192,19 +192,21 @@ def cache_rows(cache, layout, slot, bs):
 def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, pos_dtype=torch.int64,
          slot_dtype=torch.int64, bad_positions=(), bad_slots=(), amplitude=1.0, pairing="neox", section=None,
          interleaved=False, rounding="llama", offset=0.0, norm_check=None, backend="c", head_lanes=16, mutate=None,
-         fp8=False):
+         fp8=False, schedule=None, outputs=None):
     """Build inputs, run, check every output against :func:`reference`; returns the error words.
     ``section``: MRoPE (positions ``[3, s]``, a bad position ``(t, value)`` set in every stream, or
     ``(t, value, stream)`` in one). ``norm_check(x, w, q_cols)``, when given, gets each q head's input
     columns past ``rot`` (of the dtype), its weight and the kernel's q there (with ``qk_norm``).
     ``backend="cuda"``: the CUDA schedule (``head_lanes`` lane groups a token) on the CPU harness.
     ``fp8``: float8 e4m3fn caches, k stored over a scale small enough that some keys saturate (0.01:
-    past 4.48) and v over one that makes some e4m3 subnormals (0.5: below 2^-7)."""
+    past 4.48) and v over one that makes some e4m3 subnormals (0.5: below 2^-7). ``schedule``: more
+    spec fields (the CUDA schedule's variants); ``outputs``: a list that gets ``(q, key cache, value
+    cache, error words)`` appended, for a bitwise comparison of two schedules on the same inputs."""
     spec = get_spec("prologue")(dtype=_name(dtype), head_dim=d, rot=rot, hq=hq, hkv=hkv,
                                 cache="float8_e4m3fn" if fp8 else "", positions=_name(pos_dtype),
                                 slots=_name(slot_dtype), qk_norm=qk_norm, pairing=pairing, mrope_section=section,
                                 mrope_interleaved=interleaved, rounding=rounding, offset=offset, backend=backend,
-                                head_lanes=head_lanes)
+                                head_lanes=head_lanes, **(schedule or {}))
     width = (hq + 2 * hkv) * d
     # a row-strided slice of a wider buffer, as a column slice of a projection's output is
     qkv = torch.randn(s, width + 24, generator=gen).to(dtype)[:, 8:8 + width]
@@ -236,6 +238,8 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
     before = qkv.clone()
     run(spec, qkv, positions, slots, tables, qw, kw, q, kfull, vfull, err, hq, hkv, bs, nslots, layout, tag, mutate,
         scales)
+    if outputs is not None:
+        outputs.append((q, kfull, vfull, err))
 
     assert torch.equal(qkv, before), "qkv was modified"
     assert (kfull[blocks:] == 7.0).all() and (vfull[blocks:] == 7.0).all(), "wrote past the cache"
@@ -542,6 +546,60 @@ def test_cuda_float8_caches(gen, dtype):
         err, tag = case(gen, dtype, s=13, hq=4, hkv=2, d=32, rot=16, qk_norm=True, layout=layout, bs=4, blocks=4,
                         bad_slots=((5, 16),), head_lanes=2, fp8=True, **CUDA)
         assert err.tolist() == [0, tag]
+
+
+#: the CUDA schedule's variants (``PrologueKernelSpec``'s schedule fields, off by default): each must
+#: store the default schedule's bits
+VARIANTS = {"share": dict(share_angles=True), "pairs": dict(share_angles=True, pair_angles=True),
+            "vector_pick": dict(mrope_vector_pick=True), "share_pick": dict(share_angles=True, mrope_vector_pick=True)}
+#: the cases they run: every dtype, both pairings, partial rotary, the norm on and off, float8 caches,
+#: MRoPE's per-pair streams (Qwen3-VL's map, consecutive sections that are not multiples of the
+#: vector) and its uniform sections, several tokens a block (``tokens_per_block`` 2 and 16: the shared
+#: buffer's token slots) and threads composing several pairs each (pair_angles with fewer threads a
+#: token than pairs), bad positions (one stream's alone) and slots
+VARIANT_CASES = {
+    "bf16-fp8-hnd": dict(dtype=torch.bfloat16, s=13, hq=4, hkv=2, d=32, rot=32, qk_norm=True, layout="HND", bs=4,
+                         blocks=4, fp8=True, head_lanes=2, bad_positions=((3, LIMIT),), bad_slots=((5, 16),)),
+    "fp16-interleaved-partial-2tok": dict(dtype=torch.float16, s=9, hq=3, hkv=1, d=32, rot=16, qk_norm=False,
+                                          layout="NHD", pairing="interleaved", amplitude=1.25),
+    "fp32-mrope-map-partial": dict(dtype=torch.float32, s=9, hq=2, hkv=1, d=48, rot=40, qk_norm=True, layout="HND",
+                                   section=(6, 7, 7), interleaved=True, head_lanes=2, pos_dtype=torch.int32,
+                                   bad_positions=((2, -5, 1), (6, LIMIT, 2))),
+    "bf16-mrope-sections-16tok": dict(dtype=torch.bfloat16, s=21, hq=2, hkv=1, d=64, rot=64, qk_norm=True,
+                                      layout="NHD", section=(12, 10, 10), head_lanes=2, slot_dtype=torch.int32),
+    "bf16-mrope-uniform": dict(dtype=torch.bfloat16, s=7, hq=2, hkv=1, d=64, rot=64, qk_norm=False, layout="NHD",
+                               section=(8, 8, 16), head_lanes=2),
+}
+
+
+@needs_gxx
+@pytest.mark.parametrize("variant", [v if v in ("pairs",) else pytest.param(v, marks=SLOW) for v in VARIANTS])
+@pytest.mark.parametrize("name", VARIANT_CASES)
+def test_cuda_schedule_variants_store_the_default_bits(variant, name):
+    """Each schedule variant stores q, both caches and the error words bit for bit as the default
+    schedule does on the same inputs (and both are within the float64 math's bound)."""
+    fields = dict(VARIANT_CASES[name])
+    dtype = fields.pop("dtype")
+    got = []
+    for schedule in (None, VARIANTS[variant]):
+        case(torch.Generator().manual_seed(5), dtype, **fields, schedule=schedule, outputs=got, **CUDA)
+    (q0, k0, v0, e0), (q1, k1, v1, e1) = got
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    for what, a, b in (("q", q0, q1), ("key cache", k0, k1), ("value cache", v0, v1), ("error words", e0, e1)):
+        a, b = a.view(bits[a.element_size()]), b.view(bits[b.element_size()])  # NaN == NaN, -0 != 0
+        assert torch.equal(a, b), f"{what}: {int((a != b).sum())} of {a.numel()} elements differ from the default's bits"
+
+
+@pytest.mark.parametrize("variant", ["share", "pairs"])
+def test_cuda_shared_angles_barrier_is_reached_by_every_thread(variant):
+    """With share_angles the cos/sin go through one ``__shared__`` buffer and one ``__syncthreads``,
+    at the kernel body's top level (in no branch: every thread reaches it). The harness cannot show a
+    missing barrier here (its threads run in order, and the writers have the lowest ids)."""
+    spec = get_spec("prologue")(dtype="bfloat16", head_dim=128, rot=128, hq=32, hkv=8, qk_norm=True, backend="cuda",
+                                mrope_section=(24, 20, 20), mrope_interleaved=True, **VARIANTS[variant])
+    src = emit_source("prologue", spec, "cuda", "sm_90")
+    assert src.count("__syncthreads()") == 1 and re.search(r"^  __syncthreads\(\);$", src, re.M), src
+    assert src.count("__shared__") == 1
 
 
 def _break_pairing(src: str) -> str:
