@@ -53,6 +53,9 @@ Cost and knobs:
   caches and the norm weights in 16-byte vectors where they lie: a wider last dim is padded by a
   whole vector there, and a view one element off a boundary must raise the ValueError naming the
   input.
+* ``TILEOPS_FUZZ_OPS=A,B`` draws only those ops (and compiles ahead only their kernels on a GPU),
+  e.g. ``AttnPrologueFwdOp`` and the rope ops it composes, for a GPU run of one family within a
+  few minutes.
 * ``max_position`` is drawn up to the manifest's cap, 2**24 (``2**28 // rotary_dim`` by default).
 
 Run with ``--hypothesis-show-statistics`` to see how examples spread over ops, dtypes, layouts and
@@ -94,7 +97,10 @@ pytestmark = pytest.mark.slow
 #: ops the fuzzer does not draw yet, and why (their own tests cover them meanwhile): none today
 NOT_FUZZED: dict[str, str] = {}
 ALL = registry()
-REGISTRY = {n: m for n, m in ALL.items() if n not in NOT_FUZZED}
+ONLY = [n for n in os.environ.get("TILEOPS_FUZZ_OPS", "").split(",") if n.strip()]
+if unknown := [n for n in ONLY if n.strip() not in ALL]:
+    raise ValueError(f"TILEOPS_FUZZ_OPS: expected op names among {', '.join(sorted(ALL))}, got {unknown}")
+REGISTRY = {n: m for n, m in ALL.items() if n not in NOT_FUZZED and (not ONLY or n in {o.strip() for o in ONLY})}
 FULL = os.environ.get("TILEOPS_FUZZ_WIDE", "") not in ("", "0")
 DEVICE = os.environ.get("TILEOPS_FUZZ_DEVICE", "cpu")
 EXAMPLES = int(os.environ.get("TILEOPS_FUZZ_EXAMPLES", "40"))
