@@ -52,25 +52,34 @@ def rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t + (r - t).detach()  # the rounded value, with t's gradient
 
 
-def reference(op_name: str, params: dict, inputs: dict) -> dict[str, torch.Tensor]:
+def _prepared(op_name: str, params: dict, inputs: dict) -> tuple[dict, torch.dtype, torch.Tensor]:
+    """The params with their defaults, x's dtype, and ``h`` (x, or x + residual rounded to x's dtype)."""
     p = {**DEFAULTS[op_name], **{k: v for k, v in params.items() if v is not None}}
     dtype = params.get("input_dtypes", {}).get("x", inputs["x"].dtype)
+    x, r = inputs["x"].to(F64), inputs.get("residual")
+    return p, dtype, x if r is None else rounded(x + r.to(F64), dtype)
+
+
+def _llama(op_name: str, p: dict) -> bool:
+    return op_name == "RMSNormFwdOp" and p.get("rounding", "llama" if p["offset"] == 0 else "fp32") == "llama"
+
+
+def reference(op_name: str, params: dict, inputs: dict) -> dict[str, torch.Tensor]:
+    p, dtype, h = _prepared(op_name, params, inputs)
 
     def f64(name: str) -> torch.Tensor | None:
         t = inputs.get(name)
         return None if t is None else t.to(F64)
 
-    x, r = f64("x"), f64("residual")
-    h = x if r is None else rounded(x + r, dtype)
     if op_name == "RMSNormFwdOp":
         w = f64("weight")
-        if p.get("rounding", "llama" if p["offset"] == 0 else "fp32") == "llama":
+        if _llama(op_name, p):
             out = rounded(rms_norm(h, None, p["eps"]), dtype) * w  # LlamaRMSNorm: weight * n.to(input_dtype)
         else:
             out = rms_norm(h, w, p["eps"], p["offset"])
     else:
         out = layer_norm(h, f64("weight"), f64("bias"), p["eps"])
-    return {"out": out} if r is None else {"out": out, "residual_out": h}
+    return {"out": out} if inputs.get("residual") is None else {"out": out, "residual_out": h}
 
 
 def scale(op_name: str, params: dict, inputs: dict) -> dict[str, torch.Tensor]:
@@ -83,13 +92,11 @@ def scale(op_name: str, params: dict, inputs: dict) -> dict[str, torch.Tensor]:
     RMSNorm subtracts nothing: its own value."""
     if op_name != "LayerNormFwdOp":
         return {}
-    p = {**DEFAULTS[op_name], **{k: v for k, v in params.items() if v is not None}}
-    dtype = params.get("input_dtypes", {}).get("x", inputs["x"].dtype)
-    x, r = inputs["x"].to(F64), inputs.get("residual")
-    h = x if r is None else rounded(x + r.to(F64), dtype)
+    p, _, h = _prepared(op_name, params, inputs)
     mean = h.mean(-1, keepdim=True)
     rstd = 1 / torch.sqrt(((h - mean) ** 2).mean(-1, keepdim=True) + p["eps"])
     w = inputs.get("weight")
     wmag = 1.0 if w is None else w.to(F64).abs()
     y = reference(op_name, params, inputs)["out"]
     return {"out": y.abs() + wmag * rstd * mean.abs()}
+
