@@ -9,9 +9,11 @@ reference module defines
                                           output name when the op has several
 
 where ``params`` are the op's constructor arguments and ``inputs`` the call's tensors by name, on
-the CPU. Gradients are float64 autograd of it. A reference is written from the mathematics and must
-share no code with the package or its kernels: loading one that imports ``tileops`` or ``kernels``
-fails here, before any test compares against it.
+the CPU. Gradients are float64 autograd of it. Optionally, what errors are measured against where
+that is not an element's own value: ``scale(op_name, params, inputs)`` for outputs (:func:`scales`),
+``grad_scale(op_name, params, inputs, grad_outs)`` for gradients (:func:`grad_scales`). A reference
+is written from the mathematics and must share no code with the package or its kernels: loading one
+that imports ``tileops`` or ``kernels`` fails here, before any test compares against it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import torch
 
 from tileops.families import roots
 
-__all__ = ["reference_module", "outputs", "written", "scales", "grads", "check_independent", "output_dtype",
-           "output_shape"]
+__all__ = ["reference_module", "outputs", "written", "scales", "grads", "grad_scales", "check_independent",
+           "output_dtype", "output_shape"]
 
 HERE = Path(__file__).resolve().parent
 #: the first family's reference predates the convention
@@ -121,6 +123,20 @@ def grads(m: Any, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor],
     got = torch.autograd.grad([outs[n] for n in names], [leaves[n] for n in wrt],
                               [grad_outs[n].double() for n in names], allow_unused=True)
     return {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(wrt, got)}
+
+
+def grad_scales(m: Any, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor], wrt: list[str],
+                grad_outs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the error of each gradient of :func:`grads` is measured against, by input name, where the
+    family's reference says (its ``grad_scale``, given the same inputs and output gradients): for a
+    gradient summed over rows (``backward.reduce``: a norm's weight), the magnitudes of the terms the
+    op may round differently, not only the sum's own value, which cancels. Absent: the element's own
+    value."""
+    fn = getattr(reference_module(m.family), "grad_scale", None)
+    if fn is None:
+        return {}
+    got = fn(m.name, dict(params), dict(inputs), dict(grad_outs))
+    return {n: got[n] for n in wrt if n in got}
 
 
 def output_dtype(m: Any, params: Mapping[str, Any], name: str, inputs: Mapping[str, torch.Tensor]) -> torch.dtype:

@@ -679,10 +679,12 @@ def check_call(op, spec: Spec, state: dict | None = None) -> None:
         g = torch.Generator().manual_seed(spec.seed ^ 0x5EED)
         grads_out = [torch.randn(out.shape, generator=g).to(out.dtype).to(out.device) for out in outs]
         got = torch.autograd.grad(outs, list(leaves.values()), grads_out)
-        refs = family_references.grads(m, params, cpu, list(leaves), {o.name: g.cpu() for o, g in zip(specs, grads_out)})
+        gouts = {o.name: g.cpu() for o, g in zip(specs, grads_out)}
+        refs = family_references.grads(m, params, cpu, list(leaves), gouts)
+        gscales = family_references.grad_scales(m, params, cpu, list(leaves), gouts)
         for (n, leaf), gr in zip(leaves.items(), got):
             assert (gr.shape, gr.dtype) == (leaf.shape, leaf.dtype)
-            _assert_matches(gr, refs[n], spec.dtype, f"grad of {n}")
+            _assert_matches(gr, refs[n], spec.dtype, f"grad of {n}", gscales.get(n))
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -698,9 +700,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _assert_matches(got: torch.Tensor, ref: torch.Tensor, dtype: str, what: str, scale: torch.Tensor | None = None,
                     before: torch.Tensor | None = None) -> None:
     """``|got - ref| <= atol + rtol * scale``, ``scale`` the reference's own magnitude unless the
-    family's reference gives another (:func:`family_references.scales`). For an input written in place,
-    ``before`` is its NaN-filled state: where the reference keeps that NaN (nothing written there),
-    ``got`` must keep its bits. Where an output's definition is undefined, the reference's NaN (0 / 0:
+    family's reference gives another (:func:`family_references.scales`,
+    :func:`family_references.grad_scales`). For an input written in place, ``before`` is its
+    NaN-filled state: where the reference keeps that NaN (nothing written there), ``got`` must keep
+    its bits. Where an output's definition is undefined, the reference's NaN (0 / 0:
     LayerNorm of a row whose elements round to one value, with eps 0), ``got`` must be NaN too, as
     torch's layer_norm gives."""
     got = got.detach().cpu()

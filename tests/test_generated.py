@@ -117,17 +117,20 @@ def check_backward(gcase: GeneratedCase, m, w, op, before, seed, gen) -> None:
         assert torch.equal(t, before[name]), f"input {name} was modified {seed}"
     cpu = {k: v.detach().cpu() for k, v in inputs.items()}
     made = [o.name for o in m.outputs if o.like in w.inputs]
-    refs = family_references.grads(m, w.params, cpu, wrt, {n: g.cpu() for n, g in zip(made, gs)})
+    grad_outs = {n: g.cpu() for n, g in zip(made, gs)}
+    refs = family_references.grads(m, w.params, cpu, wrt, grad_outs)
+    scales = family_references.grad_scales(m, w.params, cpu, wrt, grad_outs)  # a weight's: its terms'
     for name, g in zip(wrt, got):
         assert (g.shape, g.dtype) == (leaves[name].shape, leaves[name].dtype), seed
         assert bool(torch.isfinite(g).all()), f"non-finite gradient of {name} {seed}"
-        assert_close(g, refs[name], gcase.dtype, f"grad of {name} {seed}")
+        assert_close(g, refs[name], gcase.dtype, f"grad of {name} {seed}", scales.get(name))
 
 
 def assert_close(got_t: torch.Tensor, ref: torch.Tensor, dtype: str, seed: str,
                  scale: torch.Tensor | None = None) -> None:
     """``|got - ref| <= atol + rtol * scale``, ``scale`` the reference's own magnitude unless the
-    family's reference gives another (:func:`family_references.scales`)."""
+    family's reference gives another (:func:`family_references.scales`, for a gradient
+    :func:`family_references.grad_scales`)."""
     got = got_t.detach().cpu().double()
     atol, rtol = TOLERANCES[dtype]
     err = (got - ref).abs()
