@@ -212,6 +212,38 @@ def test_tokens_past_the_static_cache_are_reported_not_written_into_the_next_seq
         tt.unpatch(model)
 
 
+def test_projections_are_one_matmul_unless_a_hook_or_a_subclass_must_run(gen):
+    """q/k/v are projected by one matmul of the concatenated weights (and biases: Qwen2's), giving the
+    three projections' values; a forward hook on a projection is still called (that layer calls the
+    modules), and a Linear subclass's own forward runs, not its weight through F.linear."""
+    from tileops.integrations.transformers_prologue import project_qkv
+
+    for kind in ("qwen2", "qwen3"):
+        attn = _model(kind, gen).model.layers[0].self_attn
+        hidden = torch.randn(2, 3, TINY["hidden_size"], generator=gen)
+        want = torch.cat([attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)], -1)
+        torch.testing.assert_close(project_qkv(attn, hidden), want, rtol=1e-6, atol=1e-6)
+    seen = []
+    handle = attn.k_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    try:
+        torch.testing.assert_close(project_qkv(attn, hidden), want, rtol=1e-6, atol=1e-6)
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([2, 3, attn.k_proj.out_features])], seen  # called once, on its own output
+
+    class Doubled(torch.nn.Linear):  # computes otherwise from its weight, as a quantized linear does
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    doubled = Doubled(attn.v_proj.in_features, attn.v_proj.out_features, bias=attn.v_proj.bias is not None)
+    doubled.load_state_dict(attn.v_proj.state_dict())
+    attn.v_proj = doubled
+    v = want.shape[-1] - doubled.out_features
+    got = project_qkv(attn, hidden)
+    torch.testing.assert_close(got[..., :v], want[..., :v], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[..., v:], 2 * want[..., v:], rtol=1e-6, atol=1e-6)
+
+
 def test_a_sliding_window_layer_runs_transformers_attention(gen):
     """Mistral's default config has a window (4096): its static cache holds sliding-window layers,
     which the fused layer does not write (their slots wrap), so those calls are HF's."""

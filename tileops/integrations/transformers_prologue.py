@@ -6,9 +6,12 @@ Qwen3.
 What a patched attention layer does, per call (read from those classes' ``forward`` in transformers
 5.17 and 5.24, which agree on everything used here):
 
-1. q, k and v are projected as HF projects them (the module's own ``q_proj``/``k_proj``/``v_proj``)
-   and laid side by side as one ``[tokens, (Hq + 2 Hkv) * head_dim]`` buffer (one concatenation: HF
-   keeps three weights, and fusing them into one would hold a second copy of them in memory);
+1. q, k and v are projected as one ``[tokens, (Hq + 2 Hkv) * head_dim]`` buffer: one matmul with the
+   three weights (and biases) concatenated at the call, where the projections are plain
+   ``torch.nn.Linear`` modules with no hooks (a decode step is bound by the host's launches: one
+   concatenation of the weights and one matmul instead of three matmuls and a concatenation of
+   their outputs; the weights stay HF's three, so nothing is held twice and an update to them is
+   seen at the next call); else each module is called, as HF calls it, and the outputs concatenated;
 2. the op normalises q and k per head (Qwen3's ``q_norm``/``k_norm``, Llama's rounding, the modules'
    own weights read at each call), rotates them at the ``position_ids`` the model's rotary embedding
    received (the RoPE patch tags its ``cos`` with them), writes k and v into the layer's static
@@ -38,6 +41,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _nn_module
 
 from .transformers_norm import LLAMA, norm_form
 
@@ -125,6 +129,21 @@ def _static_layer(cache: Any, layer_idx: int, static_type: type) -> Any:
     return layer if type(layer) is static_type else None
 
 
+def project_qkv(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``cat([q_proj(hidden), k_proj(hidden), v_proj(hidden)], -1)``, as one matmul where that is the
+    same computation: every projection exactly a ``torch.nn.Linear`` (a subclass, a quantized linear,
+    may compute otherwise from its ``weight``), with a bias on all or none, and no forward hook on
+    them or on every module (a hook would not be called)."""
+    projs = (module.q_proj, module.k_proj, module.v_proj)
+    plain = (all(type(p) is torch.nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in projs)
+             and not (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
+             and len({p.bias is None for p in projs}) == 1)
+    if not plain:
+        return torch.cat([p(hidden) for p in projs], -1)
+    bias = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
+    return torch.nn.functional.linear(hidden, torch.cat([p.weight for p in projs]), bias)
+
+
 def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set[str]) -> Any:
     """The attention module's forward through ``layer.op`` (:func:`prologue_plan`); ``original`` is
     the forward it replaces (HF's, with the RoPE patch's position check), ``tag_of(pe)`` the
@@ -163,8 +182,7 @@ def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set
     def fused(static: Any, tag: tuple[Any, torch.Tensor], kwargs: dict[str, Any]) -> Any:
         hidden = kwargs["hidden_states"]
         batch, seq = hidden.shape[:2]
-        qkv = torch.cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)], -1)
-        qkv = qkv.view(batch * seq, (hq + 2 * hkv) * d)
+        qkv = project_qkv(module, hidden).view(batch * seq, (hq + 2 * hkv) * d)
         if not static.is_initialized:  # HF allocates the layer at its first update, from k's shape and dtype
             empty = qkv.new_empty(batch, hkv, 0, d)
             static.lazy_initialization(empty, empty)
