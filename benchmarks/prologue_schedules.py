@@ -8,12 +8,12 @@ with the default's on the same inputs.
     python -m benchmarks.prologue_schedules --cpu      # the plumbing on the CPU (the C kernel: the
                                                        # fields are CUDA's), wall-clock times, 1 round
 
-The variants are :class:`kernels.prologue.PrologueKernelSpec` fields, off by default:
-``share_angles`` (one lane group composes the token's cos/sin into shared memory, one barrier, every
-group reads them), ``pair_angles`` (with it: thread j composes pair j alone, one stream's position
-each under MRoPE), ``mrope_vector_pick`` (MRoPE's per-pair streams as vector loads of all three
-streams' rows, then a pick), each also at other ``min_blocks``. The script patches
-``tileops.attention.builtin._spec`` per config; a manifest does not set them yet.
+The variants are :class:`kernels.prologue.PrologueKernelSpec` fields: ``share_angles`` (one lane
+group composes the token's cos/sin into shared memory, one barrier, every group reads them),
+``pair_angles`` (with it: thread j composes pair j alone, one stream's position each under MRoPE) and
+``min_blocks``. The manifest's ``kernel.static`` sets all three (both switches on, ``min_blocks`` 7:
+the fastest of the first sweep); the other configs turn them back. The script patches
+``tileops.attention.builtin._spec`` per config.
 
 Per row, one line ``SWEEP {json}``: the same-bytes copy (us), us per config (the median over
 ``ROUNDS`` rounds of :func:`benchmarks.timing.gpu_time`'s median; the configs interleaved within each
@@ -38,16 +38,13 @@ import tileops.attention.builtin as B
 from benchmarks import prologue as P
 
 ROWS = ("mrope (Qwen3-VL) 2048 tok", "fp8 cache 2048 tok", "qwen3 2048 tok", "qwen3 16384 tok")
-#: config -> the spec fields it sets over the manifest's (kernel.static: min_blocks 6)
+#: config -> the spec fields it sets over the manifest's (the first, "manifest", sets none: the others'
+#: bits are compared with its); "plain/mb6" is the schedule the manifest had before the switches
 CONFIGS = {
-    "default": {},
-    "share": dict(share_angles=True),
-    "pairs": dict(share_angles=True, pair_angles=True),
-    "share/mb7": dict(share_angles=True, min_blocks=7),
-    "pairs/mb7": dict(share_angles=True, pair_angles=True, min_blocks=7),
-    "vpick": dict(mrope_vector_pick=True),
-    "vpick/mb5": dict(mrope_vector_pick=True, min_blocks=5),
-    "share+vpick": dict(share_angles=True, mrope_vector_pick=True),
+    "manifest": {},
+    "plain/mb6": dict(share_angles=False, pair_angles=False, min_blocks=6),
+    "share/mb7": dict(share_angles=True, pair_angles=False, min_blocks=7),
+    "pairs/mb6": dict(share_angles=True, pair_angles=True, min_blocks=6),
 }
 ROUNDS = 3
 ORIG = B._spec
@@ -59,13 +56,10 @@ def default_spec(op, backend="cuda"):
 
 
 def row_configs(op) -> dict:
-    """config -> its kernel spec for this row's op; vector-pick configs only where MRoPE gathers per pair
-    (elsewhere they build the default's kernel again)."""
+    """config -> its kernel spec for this row's op (or why it could not be made)."""
     base = default_spec(op)
     out = {}
     for name, fields in CONFIGS.items():
-        if fields.get("mrope_vector_pick") and (base.mrope_section is None or base.rope_spec.uniform_streams):
-            continue
         try:
             out[name] = dataclasses.replace(base, **fields)
         except (TypeError, ValueError) as e:  # a tree without the fields, or a refused combination
@@ -115,7 +109,7 @@ def main() -> int:
         for r in rows:
             print("DRY " + json.dumps({"row": r.name, "configs": {n: s if isinstance(s, str) else {
                 f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name in (
-                    "min_blocks", "share_angles", "pair_angles", "mrope_vector_pick", "cache", "mrope_section")}
+                    "min_blocks", "share_angles", "pair_angles", "cache", "mrope_section")}
                 for n, s in specs[r.name].items()}}, default=str), flush=True)
         if a.lower:
             from tileops.compile import build, cuda_build
@@ -170,7 +164,7 @@ def main() -> int:
             finally:
                 B._spec = ORIG
             if ref is None:
-                ref = got  # the first config is the default
+                ref = got  # the first config is the manifest's
             else:
                 res["mismatch"][name] = {k: int((bits(got[k]) != bits(ref[k])).sum()) for k in ref}
             live[name] = op

@@ -64,6 +64,10 @@ STATIC = {
     "head_lanes": (1, 64, "lane groups that split one token's head rows, a power of two (CUDA)"),
     "min_blocks": (1, 32, "blocks an SM must hold at once, asked of nvcc (__launch_bounds__): it caps the "
                           "registers a thread at 65536 / (min_blocks * block threads) (CUDA)"),
+    # switches: a (False, True) range is a bool in a manifest (tileops.manifest.loader._static)
+    "share_angles": (False, True, "a token's cos/sin composed once into shared memory, read by every lane "
+                                  "group after one barrier (CUDA)"),
+    "pair_angles": (False, True, "with share_angles: each of a token's threads composes single pairs (CUDA)"),
 }
 
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -122,10 +126,6 @@ class PrologueKernelSpec:
     #: ``pair_angles`` (with ``share_angles``): each of a token's threads composes single pairs
     #: (6 scalar table loads each; with MRoPE, only its pair's stream's position read) instead
     pair_angles: bool = False
-    #: ``mrope_vector_pick``: MRoPE whose lanes' pairs take several streams loads each table's row of
-    #: each stream's position as vectors and picks per pair, instead of 6 scalar loads a pair
-    #: (:func:`tileops.kernels.rope.lane_angles`); nothing changes where the loads are vectors already
-    mrope_vector_pick: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -150,7 +150,7 @@ class PrologueKernelSpec:
                 raise ValueError(f"{name}: expected a power of two in [{low}, {high}], got {n!r}")
         if type(self.min_blocks) is not int or not 1 <= self.min_blocks <= 32:
             raise ValueError(f"min_blocks: expected an int in [1, 32], got {self.min_blocks!r}")
-        for name in ("share_angles", "pair_angles", "mrope_vector_pick"):
+        for name in ("share_angles", "pair_angles"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.pair_angles and not self.share_angles:
@@ -361,24 +361,24 @@ def _build_cuda(spec: PrologueKernelSpec):
     integer form is about 30 instructions an element, next to a store of one byte), ``vec`` bytes in
     one store: sm_89 and later (the host refuses older GPUs).
 
-    Variants of the cos/sin step, spec fields that are off by default (the schedule above), for the
-    rows where the position -> table loads -> composition chain shows (81% of a copy at 2,048 tokens
-    with MRoPE's per-pair streams and with float8 caches, against 87% plain); each composes the same
-    fp32 operations on the same table values, so every variant stores the default's bits; none is
-    measured on the GPU yet:
+    Variants of the cos/sin step (spec fields; the manifest turns both on, ``kernel.static``). Each
+    composes the same fp32 operations on the same table values, so every variant stores the same bits
+    (``benchmarks/prologue_schedules.py`` compares them bit for bit on the GPU):
 
-    * ``share_angles``: every group composes the same cos/sin today (``head_lanes`` times the table
-      reads and FMAs a token). Instead lane group 0 reads the position(s) and composes, writes its
-      lanes' ``[2, R/2]`` into shared memory (a slot per token of the block), and after one block
-      barrier (after the row loads, the slot and the weights are issued; every thread reaches it)
-      every lane reads its ``V`` pairs back;
+    * ``share_angles``: without it every lane group composes the same cos/sin (``head_lanes`` times
+      the table reads and FMAs a token). With it lane group 0 reads the position(s) and composes,
+      writes its lanes' ``[2, R/2]`` into shared memory (a slot per token of the block), and after
+      one block barrier (after the row loads, the slot and the weights are issued; every thread
+      reaches it) every lane reads its ``V`` pairs back;
     * ``pair_angles`` (with ``share_angles``): the token's threads compose single pairs instead,
       pair ``j`` by thread ``j`` (``tileops.kernels.rope.pair_angle``: 6 scalar loads, coalesced
       across a warp, one pair's arithmetic; with MRoPE only the pair's stream's position is read), so
-      the chain before the barrier is one position, one round of table loads and one pair;
-    * ``mrope_vector_pick``: MRoPE whose lanes' ``V`` pairs take several streams (Qwen3-VL's map)
-      gathers 6 scalar loads a pair; this loads each table row of each stream's position as a vector
-      (18 vector loads instead of ``6 V`` scalar ones) and picks per pair (``lane_angles``).
+      the chain before the barrier is one position, one round of table loads and one pair.
+
+    H200, one run side by side, % of a same-bytes copy (``results/prologue_schedules.md``): both
+    switches at ``min_blocks`` 7 against neither at 6, Qwen3 2,048 tokens 94.0 / 88.4, 16,384 91.6 /
+    91.1, MRoPE 2,048 89.1 / 80.2, fp8 2,048 83.3 / 81.4. Loading MRoPE's three streams' rows as
+    vectors and picking per pair was slower (57-71%) and is gone.
     """
     D, R, half = spec.head_dim, spec.rot, spec.rot // 2
     dt = spec.dtype
@@ -392,7 +392,7 @@ def _build_cuda(spec: PrologueKernelSpec):
     mrope = spec.mrope_section is not None
     rs, ns = spec.rope_spec, spec.norm_spec
     pos, rotated, store = position(rs), rotate_vals(rs), store_one(rs)
-    angles_of = lane_angles(rs, vector_pick=spec.mrope_vector_pick)
+    angles_of = lane_angles(rs)
     norm = spec.qk_norm
     share, pairs = spec.share_angles, spec.pair_angles
     NT = L * HL  # a token's threads

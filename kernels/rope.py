@@ -536,7 +536,7 @@ def copy_one(spec: RoPEKernelSpec):
     return copy_one
 
 
-def lane_angles(spec: RoPEKernelSpec, vector_pick: bool = False):
+def lane_angles(spec: RoPEKernelSpec):
     """CUDA: cos and sin of one lane's ``V`` pairs from pair ``j0`` on, a macro ``lane_angles(TD, j0,
     p, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn)``: the digit tables' rows of the position ``p``
     (:func:`position`; with MRoPE ``p`` is None and ``pt``, ``ph``, ``pw`` are the three streams'
@@ -544,9 +544,9 @@ def lane_angles(spec: RoPEKernelSpec, vector_pick: bool = False):
     fp32, ``V`` each) and composed by angle addition into ``cs``, ``sn`` (sin negated for
     ``inverse``). Where every section is a multiple of ``V`` pairs (``uniform_streams``) the ``V``
     pairs share one stream and the loads stay vectors; otherwise each pair gathers its own rows
-    (``6 V`` scalar loads), or with ``vector_pick`` each table's row of each stream's position is
-    loaded as a vector (``18`` vector loads) and each pair picks its stream's value (``_pick``) before
-    the same composition: the same values composed, so the same cos/sin."""
+    (``6 V`` scalar loads). Loading each stream's rows as vectors and picking per pair instead (``18``
+    vector loads) measured slower on the H200 (57-71% of a copy for the prologue's MRoPE rows against
+    80% for the gather, ``benchmarks/prologue_schedules.py``), and was removed."""
     _tl()
     V = spec.vec
     mrope = spec.mrope_section is not None
@@ -554,32 +554,8 @@ def lane_angles(spec: RoPEKernelSpec, vector_pick: bool = False):
     sgn = -1.0 if spec.inverse else 1.0
 
     @T.macro
-    def picked(TD, j0, k, sc, dt, dh, dw, out):
-        """``out[v]`` = table ``k``'s cos (``sc`` 0) or sin (1) of pair ``j0 + v`` at the row of its
-        stream's digit (``dt``, ``dh``, ``dw``): the three rows loaded as vectors, then picked."""
-        rt = T.alloc_local((V,), "float32")
-        rh = T.alloc_local((V,), "float32")
-        rw = T.alloc_local((V,), "float32")
-        for v in T.vectorized(V):
-            rt[v] = TD[k, dt, sc, j0 + v]
-        for v in T.vectorized(V):
-            rh[v] = TD[k, dh, sc, j0 + v]
-        for v in T.vectorized(V):
-            rw[v] = TD[k, dw, sc, j0 + v]
-        for v in T.unroll(V):
-            out[v] = _pick(spec, j0 + v, rt[v], rh[v], rw[v])
-
-    @T.macro
     def lane_angles(TD, j0, p, pt, ph, pw, c2, s2, c1, s1, c0, s0, cs, sn):
-        if gather and vector_pick:  # each stream's rows as vectors, each pair picking its stream's
-            # each stream's digits, as the gather takes them
-            picked(TD, j0, 2, 0, pt // (LO * LO), ph // (LO * LO), pw // (LO * LO), c2)
-            picked(TD, j0, 2, 1, pt // (LO * LO), ph // (LO * LO), pw // (LO * LO), s2)
-            picked(TD, j0, 1, 0, (pt // LO) % LO, (ph // LO) % LO, (pw // LO) % LO, c1)
-            picked(TD, j0, 1, 1, (pt // LO) % LO, (ph // LO) % LO, (pw // LO) % LO, s1)
-            picked(TD, j0, 0, 0, pt % LO, ph % LO, pw % LO, c0)
-            picked(TD, j0, 0, 1, pt % LO, ph % LO, pw % LO, s0)
-        elif gather:  # per pair: its stream's position, its own table rows
+        if gather:  # per pair: its stream's position, its own table rows
             for v in T.unroll(V):
                 pv = T.alloc_var("int64")  # a variable: the pick is not repeated in each load
                 pv = _pick(spec, j0 + v, pt, ph, pw)

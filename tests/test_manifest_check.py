@@ -228,6 +228,33 @@ def test_static_choices_match_each_builders_spec():
             assert isinstance(getattr(spec, key), int) and low <= getattr(spec, key) <= high, key
 
 
+def test_a_schedule_switch_in_kernel_static_is_a_bool(tmp_path):
+    """A ``STATIC`` range of ``(False, True)`` is a switch: the manifest gives ``true``/``false`` and the
+    spec gets a bool; an integer there, or a bool for an integer choice, is a FILE:LINE error."""
+    from tileops.kernels import STATIC
+    from tileops.manifest import ManifestError
+    from tileops.manifest.loader import load_file
+
+    assert STATIC["prologue"]["share_angles"][:2] == (False, True)
+    src = (Path(__file__).parent.parent / "manifests" / "attention" / "AttnPrologueFwdOp.yaml").read_text()
+    line = "static: {min_blocks: 7, share_angles: true, pair_angles: true}"
+    assert line in src
+    path = tmp_path / "AttnPrologueFwdOp.yaml"
+    path.write_text(src.replace(line, "static: {min_blocks: 7, share_angles: true, pair_angles: false}"))
+    static = load_file(path)[0].kernel.static
+    assert static == {"min_blocks": 7, "share_angles": True, "pair_angles": False}
+    assert type(static["share_angles"]) is bool and type(static["min_blocks"]) is int
+    for bad, want in (("share_angles: 1", r"kernel.static.share_angles: expected a bool \(true or false\), found"),
+                      ("min_blocks: true", r"kernel.static.min_blocks: expected an integer, found")):
+        key = bad.split(":")[0]
+        text = src.replace(line, line.replace(f"{key}: " + ("true" if key == "share_angles" else "7"), bad))
+        assert text != src
+        path.write_text(text)
+        with pytest.raises(ManifestError, match=want) as e:
+            load_file(path)
+        assert e.value.line == _line_of(text, bad), str(e.value)
+
+
 def test_builders_are_found_by_their_file(tmp_path):
     """A module of kernels/ with a module-level ``build`` is a builder (its STATIC read without
     importing it); a helper module without one is not; a STATIC that is not a literal is an error."""

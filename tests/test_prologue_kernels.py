@@ -548,10 +548,9 @@ def test_cuda_float8_caches(gen, dtype):
         assert err.tolist() == [0, tag]
 
 
-#: the CUDA schedule's variants (``PrologueKernelSpec``'s schedule fields, off by default): each must
-#: store the default schedule's bits
-VARIANTS = {"share": dict(share_angles=True), "pairs": dict(share_angles=True, pair_angles=True),
-            "vector_pick": dict(mrope_vector_pick=True), "share_pick": dict(share_angles=True, mrope_vector_pick=True)}
+#: the CUDA schedule's variants (``PrologueKernelSpec``'s schedule fields, off in the spec's defaults,
+#: both on in the manifest's ``kernel.static``): each must store the plain schedule's bits
+VARIANTS = {"share": dict(share_angles=True), "pairs": dict(share_angles=True, pair_angles=True)}
 #: the cases they run: every dtype, both pairings, partial rotary, the norm on and off, float8 caches,
 #: MRoPE's per-pair streams (Qwen3-VL's map, consecutive sections that are not multiples of the
 #: vector) and its uniform sections, several tokens a block (``tokens_per_block`` 2 and 16: the shared

@@ -636,13 +636,16 @@ def _hooks(ctx: _Ctx, node: yaml.Node) -> str:
 
 def _static(ctx: _Ctx, node: yaml.Node, builder: str, params: dict) -> dict[str, Any]:
     """``kernel.static`` checked against the builder's schedule choices (``tileops.kernels.STATIC``):
-    known keys only, each an integer in its range or a map from every ``input_layout`` choice to one."""
+    known keys only, each an integer in its range or a map from every ``input_layout`` choice to one; a
+    key whose range is ``(False, True)`` is a switch, and takes a bool (``true``/``false``)."""
     from tileops.kernels import STATIC
 
     allowed = STATIC.get(builder, {})
     out: dict[str, Any] = {}
 
     def integer(vnode: yaml.Node, what: str, low: int, high: int) -> int:
+        if low is False and high is True:
+            return ctx.typed(vnode, (bool,), what, "a bool (true or false)")
         value = ctx.typed(vnode, (int,), what, "an integer")
         if not low <= value <= high:
             raise ctx.err(vnode, f"{what}: expected an integer in [{low}, {high}], found {value}")

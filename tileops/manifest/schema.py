@@ -155,8 +155,9 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
                                  "root) that defines `build`, `Spec` and `STATIC`."),
         "static": (False, "map", "The builder's schedule choices, each an integer in the range the builder's "
                                  "`STATIC` declares (`tileops.kernels.STATIC`; for `rope`: `threads`, "
-                                 "`head_lanes`, `tokens_per_thread`); unknown keys and values out of range are "
-                                 "errors at FILE:LINE. A value may instead map every `input_layout` choice to one."),
+                                 "`head_lanes`, `tokens_per_thread`), or a bool where the range is `(False, True)` "
+                                 "(a switch); unknown keys and values out of range are errors at FILE:LINE. A "
+                                 "value may instead map every `input_layout` choice to one."),
         "specialize": (False, "list[dim]", "Dims a kernel is compiled for (e.g. head_dim); every other dim is "
                                            "dynamic, so new sizes of it reuse the compiled kernel."),
     },
