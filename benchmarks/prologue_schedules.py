@@ -10,9 +10,10 @@ with the default's on the same inputs.
 
 The variants are :class:`kernels.prologue.PrologueKernelSpec` fields: ``share_angles`` (one lane
 group composes the token's cos/sin into shared memory, one barrier, every group reads them),
-``pair_angles`` (with it: thread j composes pair j alone, one stream's position each under MRoPE) and
-``min_blocks``. The manifest's ``kernel.static`` sets all three (both switches on, ``min_blocks`` 7:
-the fastest of the first sweep); the other configs turn them back. The script patches
+``pair_angles`` (with it: thread j composes pair j alone, one stream's position each under MRoPE),
+``reciprocal_scale`` (a float8 cache's ``x / scale`` by the reciprocal and a correction, the same
+bits) and ``min_blocks``. The manifest's ``kernel.static`` sets them all (the switches on,
+``min_blocks`` 7: the fastest of the first sweep); the other configs turn them back. The script patches
 ``tileops.attention.builtin._spec`` per config.
 
 Per row, one line ``SWEEP {json}``: the same-bytes copy (us), us per config (the median over
@@ -37,15 +38,20 @@ import torch
 import tileops.attention.builtin as B
 from benchmarks import prologue as P
 
-ROWS = ("mrope (Qwen3-VL) 2048 tok", "fp8 cache 2048 tok", "qwen3 2048 tok", "qwen3 16384 tok")
+ROWS = ("mrope (Qwen3-VL) 2048 tok", "fp8 cache 2048 tok", "fp8 cache 16384 tok", "qwen3 2048 tok",
+        "qwen3 16384 tok")
 #: config -> the spec fields it sets over the manifest's (the first, "manifest", sets none: the others'
 #: bits are compared with its); "plain/mb6" is the schedule the manifest had before the switches
 CONFIGS = {
     "manifest": {},
-    "plain/mb6": dict(share_angles=False, pair_angles=False, min_blocks=6),
+    "plain/mb6": dict(share_angles=False, pair_angles=False, reciprocal_scale=False, min_blocks=6),
     "share/mb7": dict(share_angles=True, pair_angles=False, min_blocks=7),
     "pairs/mb6": dict(share_angles=True, pair_angles=True, min_blocks=6),
+    "mb8": dict(min_blocks=8),
+    "no-rcp": dict(reciprocal_scale=False),
 }
+#: configs that change only a float8 cache's kernel: run on those rows alone
+FP8_ONLY = ("no-rcp",)
 ROUNDS = 3
 ORIG = B._spec
 
@@ -60,6 +66,8 @@ def row_configs(op) -> dict:
     base = default_spec(op)
     out = {}
     for name, fields in CONFIGS.items():
+        if name in FP8_ONLY and not base.fp8:
+            continue
         try:
             out[name] = dataclasses.replace(base, **fields)
         except (TypeError, ValueError) as e:  # a tree without the fields, or a refused combination
@@ -109,7 +117,7 @@ def main() -> int:
         for r in rows:
             print("DRY " + json.dumps({"row": r.name, "configs": {n: s if isinstance(s, str) else {
                 f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name in (
-                    "min_blocks", "share_angles", "pair_angles", "cache", "mrope_section")}
+                    "min_blocks", "share_angles", "pair_angles", "reciprocal_scale", "cache", "mrope_section")}
                 for n, s in specs[r.name].items()}}, default=str), flush=True)
         if a.lower:
             from tileops.compile import build, cuda_build

@@ -43,8 +43,8 @@ no TileLang (:mod:`tileops.kernels` reads helpers' sources without executing the
 
 from __future__ import annotations
 
-__all__ = ["CVT_FUNCTION", "CVT_MIN_SM", "CVT_SOURCE", "E4M3_MAX", "STORE_SOURCE", "UNSIGNED_SOURCE", "e4m3_bits",
-           "e4m3_bits_cvt", "e4m3_bits_scaled", "store_e4m3"]
+__all__ = ["CVT_FUNCTION", "CVT_MIN_SM", "CVT_SOURCE", "DIV_SOURCE", "E4M3_MAX", "RCP_SCALES", "STORE_SOURCE",
+           "UNSIGNED_SOURCE", "e4m3_bits", "e4m3_bits_cvt", "e4m3_bits_scaled", "reciprocal_scale", "store_e4m3"]
 
 #: the largest finite float8 e4m3fn, ``1.75 * 2^8``: where the saturating conversion stops
 E4M3_MAX = 448.0
@@ -97,18 +97,75 @@ __device__ __forceinline__ unsigned char {CVT_FUNCTION}(float x) {{
 }}
 """
 
+#: the scales :data:`DIV_SOURCE`'s reciprocal form serves, ``[2^-64, 2^64]``: inside it the correction
+#: step's residual is exact wherever the quotient can reach e4m3fn's range (``|x / s| >= 2^-10``
+#: needs ``|x| >= 2^-74``, whose residual is a multiple of ``2^-121``, above fp32's ``2^-149``), and
+#: ``1 / s`` is a normal number. On the host, 10^9 random pairs (a tenth of them outside the range,
+#: which take the division): the fp32 bits differed from the division's in 486,266, every one with
+#: ``|x| < 2^-120`` and a quotient below ``2^-70`` (e4m3fn's 0 either way); none where ``|x / s| >=
+#: 2^-12``, and none in sign or NaN (``tests/test_float8.py`` draws fresh ones each run)
+RCP_SCALES = (2.0 ** -64, 2.0 ** 64)
+
+#: CUDA: ``x / s`` rounded to nearest, bit for bit what ``div.rn.f32`` gives, from ``r = 1 / s``
+#: (``tileops_rcp_scale``: correctly rounded, once a thread; 0 for a scale outside
+#: :data:`RCP_SCALES`, which takes the division) by a multiply and Markstein's correction
+#: (``tileops_div_fast``): ``q = x r`` is within an ulp of ``x / s``, the residual ``x - q s`` is exact
+#: in one FMA, and ``q + e r`` rounded once is the correctly rounded quotient (Markstein 1990; Muller
+#: et al., *Handbook of Floating-Point Arithmetic*, the theorem on Markstein's iteration) while nothing
+#: underflows or overflows. Where that cannot be promised the division runs instead
+#: (``tileops_div_rn``): ``r`` 0, or a quotient that is not finite (``x`` infinite or NaN, or ``x r``
+#: overflowing: the FMAs would give NaN where the division gives the infinity that saturates to 448).
+#: The sign is ``q``'s (``x``'s times ``s``'s, the division's; ``q + e r`` of ``x = -0`` is ``+0``).
+#: ``__fmul_rn``: a multiply nvcc never contracts into an FMA. sm_90: the division is a reciprocal,
+#: four FMAs and a range check with an out-of-line slow path an element; this is a multiply, two FMAs,
+#: a sign and a compare.
+DIV_SOURCE = """\
+__device__ __forceinline__ float tileops_rcp_scale(float s) {
+  return fabsf(s) >= %rf && fabsf(s) <= %rf ? 1.0f / s : 0.0f;
+}
+__device__ __forceinline__ float tileops_div_fast(float x, float s, float r) {
+  const float q = __fmul_rn(x, r);
+  return copysignf(fmaf(fmaf(-q, s, x), r, q), q);
+}
+__device__ __forceinline__ float tileops_div_rn(float x, float s, float r) {
+  if (r != 0.0f) {
+    const float q = tileops_div_fast(x, s, r);
+    if (fabsf(q) <= 3.402823466e38f) return q;
+  }
+  return x / s;
+}
+""" % RCP_SCALES
+
 #: CUDA: ``n`` values (``n`` of 1, 2, 4, 8 or 16, a constant at the call) converted by
-#: :data:`CVT_FUNCTION` after one IEEE division by ``scale`` each, stored as one ``n``-byte access
-#: (``dst`` on an ``n``-byte boundary). TileLang lowers a vectorized loop of single-byte stores of
-#: converted values as ``n`` byte stores (it finds no vectorization plan for them); a cache row of
-#: bf16 at 16-byte vectors is 8 bytes a lane, one 8-byte store here. Holds :data:`CVT_SOURCE`.
-STORE_SOURCE = CVT_SOURCE + f"""\
+#: :data:`CVT_FUNCTION` after one IEEE division by ``scale`` each, or, with ``rscale`` (the kernel's
+#: ``tileops_rcp_scale(scale)``) not 0, the same quotients by :data:`DIV_SOURCE`'s reciprocal form
+#: (all ``n`` divided instead where one is not finite: ``tileops_div_rn``'s values, one branch a
+#: store), stored as one ``n``-byte access (``dst`` on an ``n``-byte boundary). TileLang lowers a
+#: vectorized loop of single-byte stores of converted values as ``n`` byte stores (it finds no
+#: vectorization plan for them); a cache row of bf16 at 16-byte vectors is 8 bytes a lane, one 8-byte
+#: store here. Holds :data:`CVT_SOURCE`.
+STORE_SOURCE = CVT_SOURCE + DIV_SOURCE + f"""\
 template <typename T>
-__device__ __forceinline__ void tileops_st_e4m3(uchar* dst, const T* src, float scale, int n) {{
+__device__ __forceinline__ void tileops_st_e4m3(uchar* dst, const T* src, float scale, float rscale, int n) {{
+  float q[16];
+  bool fast = rscale != 0.0f;
+  if (fast) {{
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (i < n) {{
+        q[i] = tileops_div_fast((float)src[i], scale, rscale);
+        fast &= fabsf(q[i]) <= 3.402823466e38f;
+      }}
+  }}
+  if (!fast) {{
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (i < n) q[i] = (float)src[i] / scale;
+  }}
   uint w[4] = {{0u, 0u, 0u, 0u}};
 #pragma unroll
   for (int i = 0; i < 16; ++i)
-    if (i < n) w[i >> 2] |= (uint){CVT_FUNCTION}((float)src[i] / scale) << ((i & 3) * 8);
+    if (i < n) w[i >> 2] |= (uint){CVT_FUNCTION}(q[i]) << ((i & 3) * 8);
   if (n == 16) {{
     uint4 v; v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
     *reinterpret_cast<uint4*>(dst) = v;
@@ -124,13 +181,24 @@ __device__ __forceinline__ void tileops_st_e4m3(uchar* dst, const T* src, float 
 """
 
 
-def store_e4m3(dst, offset, vals, scale, n: int):
+def store_e4m3(dst, offset, vals, scale, n: int, rscale=None):
     """CUDA: ``dst[offset : offset + n]`` (a ``uint8`` buffer, the cache's bytes) = the e4m3fn bits of
     ``vals[0 : n] / scale`` (a local buffer of any float type; ``scale`` an fp32 expression), one
-    ``n``-byte store (:data:`STORE_SOURCE`, which the kernel imports)."""
+    ``n``-byte store (:data:`STORE_SOURCE`, which the kernel imports). ``rscale``: the kernel's
+    :func:`reciprocal_scale` of ``scale`` (the same quotients without a division an element), or None
+    for the division."""
     import tilelang.language as T
 
-    return T.call_extern("handle", "tileops_st_e4m3", T.address_of(dst[offset]), T.address_of(vals[0]), scale, n)
+    return T.call_extern("handle", "tileops_st_e4m3", T.address_of(dst[offset]), T.address_of(vals[0]), scale,
+                         T.float32(0) if rscale is None else rscale, n)
+
+
+def reciprocal_scale(scale):
+    """CUDA: ``1 / scale`` for :func:`store_e4m3`'s ``rscale`` (``tileops_rcp_scale``: 0 outside
+    :data:`RCP_SCALES`), an fp32 expression; computed once a thread, not once a store."""
+    import tilelang.language as T
+
+    return T.call_extern("float32", "tileops_rcp_scale", scale)
 
 
 def _u32(v: int):

@@ -49,7 +49,7 @@ from typing import Any
 from .norm import CUDA_HELPERS, NormKernelSpec, lane_allsum, lane_rstd, lane_value, norm_row
 from .rope import (DIGITS, LO, RoPEKernelSpec, angles, lane_angles, pair_angle, pair_offsets, position, rotate,
                    rotate_vals, store_one)
-from .float8 import STORE_SOURCE, e4m3_bits, store_e4m3
+from .float8 import STORE_SOURCE, e4m3_bits, reciprocal_scale, store_e4m3
 from .storage import load_f32, storage_dtype
 
 #: ``tilelang.language``, imported when a kernel is first built (:func:`build_prologue`)
@@ -68,6 +68,8 @@ STATIC = {
     "share_angles": (False, True, "a token's cos/sin composed once into shared memory, read by every lane "
                                   "group after one barrier (CUDA)"),
     "pair_angles": (False, True, "with share_angles: each of a token's threads composes single pairs (CUDA)"),
+    "reciprocal_scale": (False, True, "a float8 cache's x / scale by the scale's reciprocal and one correction, "
+                                      "the division's bits (CUDA)"),
 }
 
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -126,6 +128,10 @@ class PrologueKernelSpec:
     #: ``pair_angles`` (with ``share_angles``): each of a token's threads composes single pairs
     #: (6 scalar table loads each; with MRoPE, only its pair's stream's position read) instead
     pair_angles: bool = False
+    #: ``reciprocal_scale``: a float8 cache's ``x / scale`` as ``x`` times the scale's reciprocal with
+    #: Markstein's correction, the division's bits in fewer instructions
+    #: (:data:`tileops.kernels.float8.DIV_SOURCE`); nothing changes for other caches
+    reciprocal_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -150,7 +156,7 @@ class PrologueKernelSpec:
                 raise ValueError(f"{name}: expected a power of two in [{low}, {high}], got {n!r}")
         if type(self.min_blocks) is not int or not 1 <= self.min_blocks <= 32:
             raise ValueError(f"min_blocks: expected an int in [1, 32], got {self.min_blocks!r}")
-        for name in ("share_angles", "pair_angles"):
+        for name in ("share_angles", "pair_angles", "reciprocal_scale"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.pair_angles and not self.share_angles:
@@ -359,7 +365,10 @@ def _build_cuda(spec: PrologueKernelSpec):
     write nothing. A float8 cache stores each k and v element as ``cvt.rn.satfinite`` of ``x /
     scale`` (:func:`tileops.kernels.float8.store_e4m3`: the hardware's ``cvt.rn.satfinite``; the
     integer form is about 30 instructions an element, next to a store of one byte), ``vec`` bytes in
-    one store: sm_89 and later (the host refuses older GPUs).
+    one store: sm_89 and later (the host refuses older GPUs). With ``reciprocal_scale`` the quotient
+    is the scale's reciprocal times ``x`` with one correction (:data:`tileops.kernels.float8.DIV_SOURCE`:
+    the division's bits), not a division an element: a float8 row's k and v rows are 32 divisions a
+    thread at head_dim 128, and the fp8 2,048-token row was the slowest for its bytes (83% of a copy).
 
     Variants of the cos/sin step (spec fields; the manifest turns both on, ``kernel.static``). Each
     composes the same fp32 operations on the same table values, so every variant stores the same bits
@@ -389,6 +398,7 @@ def _build_cuda(spec: PrologueKernelSpec):
     TOK, TPB = spec.tokens_per_block, spec.block_threads
     HQ, HKV, NR, K = spec.hq, spec.hkv, spec.rows, spec.steps
     fp8 = spec.fp8
+    rcp = fp8 and spec.reciprocal_scale
     mrope = spec.mrope_section is not None
     rs, ns = spec.rope_spec, spec.norm_spec
     pos, rotated, store = position(rs), rotate_vals(rs), store_one(rs)
@@ -407,22 +417,23 @@ def _build_cuda(spec: PrologueKernelSpec):
             buf[at + v] = QKV[xr + o + v]
 
     @T.macro
-    def put_cache(CC, yc, o, buf, scale):
-        """``buf`` into a cache at ``CC[yc + o]``: as it is, or a float8 cache's ``e4m3(x / scale)``."""
+    def put_cache(CC, yc, o, buf, scale, rscale):
+        """``buf`` into a cache at ``CC[yc + o]``: as it is, or a float8 cache's ``e4m3(x / scale)``
+        (``rscale``: the scale's reciprocal with ``reciprocal_scale``)."""
         if fp8:
-            T.evaluate(store_e4m3(CC, yc + o, buf, scale, V))
+            T.evaluate(store_e4m3(CC, yc + o, buf, scale, V, rscale if rcp else None))
         else:
             store(CC, yc + o, buf)
 
     @T.macro
-    def put(Q, KC, VC, isq, isk, yq, yc, o, buf, ks, vs):
+    def put(Q, KC, VC, isq, isk, yq, yc, o, buf, ks, vs, kr, vr):
         """``buf`` to the row's destination: q (``Q[yq + o]``), k or v (``KC``/``VC[yc + o]``)."""
         if isq:
             store(Q, yq + o, buf)
         elif isk:
-            put_cache(KC, yc, o, buf, ks)
+            put_cache(KC, yc, o, buf, ks, kr)
         else:
-            put_cache(VC, yc, o, buf, vs)
+            put_cache(VC, yc, o, buf, vs, vr)
 
     @T.macro
     def normed(buf, wq, wk, isq, rstd):
@@ -524,9 +535,16 @@ def _build_cuda(spec: PrologueKernelSpec):
             vs = T.alloc_var("float32")
             ks = T.float32(1)
             vs = T.float32(1)
+            kr = T.alloc_var("float32")  # their reciprocals, with reciprocal_scale (once a thread)
+            vr = T.alloc_var("float32")
+            kr = T.float32(0)
+            vr = T.float32(0)
             if fp8:
                 ks = KS[0]
                 vs = VS[0]
+                if rcp:
+                    kr = reciprocal_scale(ks)
+                    vr = reciprocal_scale(vs)
             if lane < C:
                 if not share:  # (shared: read after the barrier below)
                     if mrope:
@@ -582,13 +600,13 @@ def _build_cuda(spec: PrologueKernelSpec):
                     if lane < C:
                         if isq or isk:
                             rotated(xa, xb, cs, sn, ya, yb)
-                            put(Q, KC, VC, isq, isk, yq, yc, o1, ya, ks, vs)
-                            put(Q, KC, VC, isq, isk, yq, yc, o2, yb, ks, vs)
+                            put(Q, KC, VC, isq, isk, yq, yc, o1, ya, ks, vs, kr, vr)
+                            put(Q, KC, VC, isq, isk, yq, yc, o2, yb, ks, vs, kr, vr)
                         else:
-                            put(Q, KC, VC, isq, isk, yq, yc, o1, xa, ks, vs)
-                            put(Q, KC, VC, isq, isk, yq, yc, o2, xb, ks, vs)
+                            put(Q, KC, VC, isq, isk, yq, yc, o1, xa, ks, vs, kr, vr)
+                            put(Q, KC, VC, isq, isk, yq, yc, o2, xb, ks, vs, kr, vr)
                     elif lane < CL:
-                        put(Q, KC, VC, isq, isk, yq, yc, oc, xa, ks, vs)
+                        put(Q, KC, VC, isq, isk, yq, yc, oc, xa, ks, vs, kr, vr)
 
     return prologue_cuda
 

@@ -11,7 +11,8 @@ the blocks of the grid one after another, the threads of a block as cooperative 
 * ``__shfl_xor_sync`` through a per-warp exchange array between two barriers of the warp's 32
   threads (so every lane of a warp must reach each shuffle, as on the GPU, or the run hangs);
 * ``bfloat16_t``/``half_t`` converted with round-to-nearest-even (``_Float16`` for fp16), as the
-  GPU's ``cvt.rn`` does; ``rsqrtf`` is ``1 / sqrtf`` (the GPU's is within 2 ulp of it);
+  GPU's ``cvt.rn`` does; ``rsqrtf`` is ``1 / sqrtf`` (the GPU's is within 2 ulp of it); ``fmaf``
+  and ``__fmul_rn`` the host's IEEE ``fmaf`` and product (the GPU's give the same bits);
   ``min``/``max`` of two values of one type, and TileLang's ``uchar``/``ushort``/``uint``;
   the float8 conversion's ``cvt.rn.satfinite.e4m3x2.f32`` by a search over e4m3fn's values.
 
@@ -69,6 +70,7 @@ struct half_t {
   operator float() const { return (float)v; }
 };
 static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+static inline float __fmul_rn(float a, float b) { return a * b; }  // fmaf, fabsf, copysignf: <cmath>
 /* TileLang's names for uint8/16/32 (macros of its common.h) and CUDA's integer min/max */
 typedef unsigned char uchar;
 typedef unsigned short ushort;

@@ -164,6 +164,77 @@ def test_scaled_divides_in_fp32(gen):
         pytest.skip("a reciprocal multiply gives the same bits as the division for all 8 scales drawn")
 
 
+_DIV = r"""
+#include <cmath>
+#define __device__
+#define __forceinline__ inline
+static inline float __fmul_rn(float a, float b) { return a * b; }
+%s
+extern "C" void tileops_div_many(const float* x, float* y, long n, float s) {
+  const float r = tileops_rcp_scale(s);
+  for (long i = 0; i < n; ++i) y[i] = tileops_div_rn(x[i], s, r);
+}
+"""
+
+
+@functools.cache
+def _host_division(where: str):
+    """:data:`float8.DIV_SOURCE` (the CUDA stores' reciprocal form of ``x / s``) compiled for the host,
+    whose ``fmaf`` and product round as the GPU's ``fma.rn.f32`` and ``mul.rn.f32`` do."""
+    src, lib = os.path.join(where, "div.cpp"), os.path.join(where, "div.so")
+    with open(src, "w") as f:
+        f.write(_DIV % float8.DIV_SOURCE)
+    cxx = os.environ.get("CXX", "g++")
+    subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC", src, "-o", lib], check=True,
+                   capture_output=True)
+    model = ctypes.CDLL(lib)
+    model.tileops_div_many.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_float]
+    return model
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
+def test_reciprocal_form_gives_the_divisions_bits(tmp_path, gen):
+    """``DIV_SOURCE``: ``x / s`` from ``1 / s`` by a multiply and Markstein's correction, against fp32
+    division (torch's, correctly rounded), for fresh scales inside ``RCP_SCALES`` and past it (the
+    division then), both signs: on every input whose quotient reaches e4m3fn's range (``>= 2^-12``)
+    the same fp32 bits, everywhere the same e4m3fn bits, sign and NaN. The inputs: the edge values,
+    e4m3's values and midpoints times the scale and their neighbours (where a plain reciprocal
+    multiply rounds to the other side: checked, so the correction is what is tested), fresh random
+    bit patterns and log-uniform values."""
+    lo, hi = float8.RCP_SCALES
+    finite = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    points = torch.cat([finite, (finite[1:] + finite[:-1]) / 2]).float()
+    inside = torch.exp2(torch.rand(12, generator=gen, dtype=torch.float64) * 128 - 64)  # [2^-64, 2^64)
+    kv = torch.empty(12, dtype=torch.float64).uniform_(0.005, 8.0, generator=gen)  # a KV cache's scales
+    edges = torch.tensor([lo, hi, lo * (1 - 2.0**-24), hi * (1 + 2.0**-23), 2.0**-100, 2.0**90, 1e-40])
+    scales = torch.cat([inside, kv, edges]).float()
+    scales = torch.cat([scales, -scales[::5]])
+    model = _host_division(str(tmp_path))
+    told_apart = 0
+    for s in scales.tolist():
+        s32 = torch.tensor(s, dtype=torch.float32)
+        near = [points * s32]
+        up, down = near[0].clone(), near[0].clone()
+        for _ in range(3):
+            up, down = torch.nextafter(up, torch.tensor(3e38)), torch.nextafter(down, torch.tensor(0.0))
+            near += [up, down]
+        x = torch.cat([edge_values(), *near, random_values(gen, 1 << 16)])
+        x = torch.cat([x, -x]).contiguous()
+        got = torch.full_like(x, float("nan"))
+        model.tileops_div_many(x.data_ptr(), got.data_ptr(), len(x), s)
+        want = x / s32
+        what = f"x / {s!r}"
+        assert_bits(reference(got), reference(want), x, what + ", e4m3fn")
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan), what
+        assert torch.equal(got.signbit()[~nan], want.signbit()[~nan]), what
+        big = want.abs() >= 2.0**-12
+        gb, wb = got[big].view(torch.int32), want[big].view(torch.int32)
+        assert torch.equal(gb, wb), f"{what}: {int((gb != wb).sum())} fp32 quotients differ from the division's"
+        told_apart += lo <= abs(s) <= hi and bool((reference(x * (1 / s32)) != reference(want)).any())
+    assert told_apart, "a plain reciprocal multiply gave the division's bits on every scale: nothing was tested"
+
+
 # ------------------------------------------------------------------------------ CUDA
 def _cuda_kernel(cvt: bool):
     """The conversion as a 128-thread CUDA kernel (integer form, or the hardware one)."""

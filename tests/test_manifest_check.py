@@ -237,12 +237,12 @@ def test_a_schedule_switch_in_kernel_static_is_a_bool(tmp_path):
 
     assert STATIC["prologue"]["share_angles"][:2] == (False, True)
     src = (Path(__file__).parent.parent / "manifests" / "attention" / "AttnPrologueFwdOp.yaml").read_text()
-    line = "static: {min_blocks: 7, share_angles: true, pair_angles: true}"
+    line = "static: {min_blocks: 7, share_angles: true, pair_angles: true, reciprocal_scale: true}"
     assert line in src
     path = tmp_path / "AttnPrologueFwdOp.yaml"
     path.write_text(src.replace(line, "static: {min_blocks: 7, share_angles: true, pair_angles: false}"))
     static = load_file(path)[0].kernel.static
-    assert static == {"min_blocks": 7, "share_angles": True, "pair_angles": False}
+    assert static == {"min_blocks": 7, "share_angles": True, "pair_angles": False}  # the rest: the spec's
     assert type(static["share_angles"]) is bool and type(static["min_blocks"]) is int
     for bad, want in (("share_angles: 1", r"kernel.static.share_angles: expected a bool \(true or false\), found"),
                       ("min_blocks: true", r"kernel.static.min_blocks: expected an integer, found")):

@@ -549,8 +549,10 @@ def test_cuda_float8_caches(gen, dtype):
 
 
 #: the CUDA schedule's variants (``PrologueKernelSpec``'s schedule fields, off in the spec's defaults,
-#: both on in the manifest's ``kernel.static``): each must store the plain schedule's bits
-VARIANTS = {"share": dict(share_angles=True), "pairs": dict(share_angles=True, pair_angles=True)}
+#: all on in the manifest's ``kernel.static``): each must store the plain schedule's bits
+VARIANTS = {"share": dict(share_angles=True), "pairs": dict(share_angles=True, pair_angles=True),
+            "rcp": dict(reciprocal_scale=True),
+            "manifest": dict(share_angles=True, pair_angles=True, reciprocal_scale=True, min_blocks=7)}
 #: the cases they run: every dtype, both pairings, partial rotary, the norm on and off, float8 caches,
 #: MRoPE's per-pair streams (Qwen3-VL's map, consecutive sections that are not multiples of the
 #: vector) and its uniform sections, several tokens a block (``tokens_per_block`` 2 and 16: the shared
@@ -572,7 +574,7 @@ VARIANT_CASES = {
 
 
 @needs_gxx
-@pytest.mark.parametrize("variant", [v if v in ("pairs",) else pytest.param(v, marks=SLOW) for v in VARIANTS])
+@pytest.mark.parametrize("variant", [v if v in ("manifest",) else pytest.param(v, marks=SLOW) for v in VARIANTS])
 @pytest.mark.parametrize("name", VARIANT_CASES)
 def test_cuda_schedule_variants_store_the_default_bits(variant, name):
     """Each schedule variant stores q, both caches and the error words bit for bit as the default
