@@ -81,6 +81,18 @@ def random_values(gen: torch.Generator, n: int = 1 << 21) -> torch.Tensor:
     return torch.cat([bits.view(torch.float32), (mag * sign).float()])
 
 
+def scaled_points(scale: torch.Tensor, ulps: int) -> torch.Tensor:
+    """Each e4m3fn value and midpoint (0 .. 448) times the fp32 ``scale``, rounded to fp32, and its
+    ``ulps`` neighbours on either side: where ``x / scale`` lands next to a rounding boundary."""
+    finite = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    near = [torch.cat([finite, (finite[1:] + finite[:-1]) / 2]).float() * scale]
+    up, down = near[0].clone(), near[0].clone()
+    for _ in range(ulps):
+        up, down = torch.nextafter(up, torch.tensor(3e38)), torch.nextafter(down, torch.tensor(0.0))
+        near += [up, down]
+    return torch.cat(near)
+
+
 def assert_bits(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, what: str) -> None:
     bad = (got != want).nonzero().flatten()
     if len(bad):
@@ -145,17 +157,10 @@ def test_scaled_divides_in_fp32(gen):
     scales. The inputs include ``x = point * scale`` rounded to fp32 (``point`` each e4m3 value and
     midpoint) and its neighbours, where a reciprocal multiply (``x * (1 / scale)``) lands on the other
     side of a midpoint for most scales: checked, so this test tells the two apart."""
-    finite = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    points = torch.cat([finite, (finite[1:] + finite[:-1]) / 2]).float()
     told_apart = 0
     for scale in torch.empty(8).uniform_(0.01, 4.0, generator=gen).tolist():
         s32 = torch.tensor(scale, dtype=torch.float32)
-        near = [points * s32]
-        up, down = near[0].clone(), near[0].clone()
-        for _ in range(4):
-            up, down = torch.nextafter(up, torch.tensor(1e30)), torch.nextafter(down, torch.tensor(0.0))
-            near += [up, down]
-        x = torch.cat([*near, torch.randn(1 << 16, generator=gen) * 100])
+        x = torch.cat([scaled_points(s32, 4), torch.randn(1 << 16, generator=gen) * 100])
         x = torch.cat([x, -x])
         want = reference(x / s32)
         assert_bits(_launch_c(x, scale, scaled=True), want, x, f"x / {float(s32)!r}")
@@ -202,8 +207,6 @@ def test_reciprocal_form_gives_the_divisions_bits(tmp_path, gen):
     multiply rounds to the other side: checked, so the correction is what is tested), fresh random
     bit patterns and log-uniform values."""
     lo, hi = float8.RCP_SCALES
-    finite = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    points = torch.cat([finite, (finite[1:] + finite[:-1]) / 2]).float()
     inside = torch.exp2(torch.rand(12, generator=gen, dtype=torch.float64) * 128 - 64)  # [2^-64, 2^64)
     kv = torch.empty(12, dtype=torch.float64).uniform_(0.005, 8.0, generator=gen)  # a KV cache's scales
     edges = torch.tensor([lo, hi, lo * (1 - 2.0**-24), hi * (1 + 2.0**-23), 2.0**-100, 2.0**90, 1e-40])
@@ -213,12 +216,7 @@ def test_reciprocal_form_gives_the_divisions_bits(tmp_path, gen):
     told_apart = 0
     for s in scales.tolist():
         s32 = torch.tensor(s, dtype=torch.float32)
-        near = [points * s32]
-        up, down = near[0].clone(), near[0].clone()
-        for _ in range(3):
-            up, down = torch.nextafter(up, torch.tensor(3e38)), torch.nextafter(down, torch.tensor(0.0))
-            near += [up, down]
-        x = torch.cat([edge_values(), *near, random_values(gen, 1 << 16)])
+        x = torch.cat([edge_values(), scaled_points(s32, 3), random_values(gen, 1 << 16)])
         x = torch.cat([x, -x]).contiguous()
         got = torch.full_like(x, float("nan"))
         model.tileops_div_many(x.data_ptr(), got.data_ptr(), len(x), s)
