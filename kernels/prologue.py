@@ -370,7 +370,7 @@ def _build_cuda(spec: PrologueKernelSpec):
     the division's bits), not a division an element: a float8 row's k and v rows are 32 divisions a
     thread at head_dim 128, and the fp8 2,048-token row was the slowest for its bytes (83% of a copy).
 
-    Variants of the cos/sin step (spec fields; the manifest turns both on, ``kernel.static``). Each
+    Variants of the cos/sin step (spec fields; the manifest turns ``share_angles`` on). Each
     composes the same fp32 operations on the same table values, so every variant stores the same bits
     (``benchmarks/prologue_schedules.py`` compares them bit for bit on the GPU):
 
@@ -384,10 +384,11 @@ def _build_cuda(spec: PrologueKernelSpec):
       across a warp, one pair's arithmetic; with MRoPE only the pair's stream's position is read), so
       the chain before the barrier is one position, one round of table loads and one pair.
 
-    H200, one run side by side, % of a same-bytes copy (``results/prologue_schedules.md``): both
-    switches at ``min_blocks`` 7 against neither at 6, Qwen3 2,048 tokens 94.0 / 88.4, 16,384 91.6 /
-    91.1, MRoPE 2,048 89.1 / 80.2, fp8 2,048 83.3 / 81.4. Loading MRoPE's three streams' rows as
-    vectors and picking per pair was slower (57-71%) and is gone.
+    H200, one run side by side, % of a same-bytes copy (``results/prologue_schedules.md``), share
+    / share and pairs / neither (``min_blocks`` 7, 7, 6): Qwen3 2,048 tokens 91.7 / 92.9 / 88.0,
+    16,384 90.5 / 91.4 / 90.9, MRoPE 2,048 88.9 / 89.3 / 80.5, fp8 2,048 87.1 / 84.1 / 79.9 (with
+    ``reciprocal_scale`` but in the last; without it, share and pairs 82.2). Loading
+    MRoPE's three streams' rows as vectors and picking per pair was slower (57-71%) and is gone.
     """
     D, R, half = spec.head_dim, spec.rot, spec.rot // 2
     dt = spec.dtype

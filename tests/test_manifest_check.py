@@ -237,7 +237,7 @@ def test_a_schedule_switch_in_kernel_static_is_a_bool(tmp_path):
 
     assert STATIC["prologue"]["share_angles"][:2] == (False, True)
     src = (Path(__file__).parent.parent / "manifests" / "attention" / "AttnPrologueFwdOp.yaml").read_text()
-    line = "static: {min_blocks: 7, share_angles: true, pair_angles: true, reciprocal_scale: true}"
+    line = "static: {min_blocks: 7, share_angles: true, reciprocal_scale: true}"
     assert line in src
     path = tmp_path / "AttnPrologueFwdOp.yaml"
     path.write_text(src.replace(line, "static: {min_blocks: 7, share_angles: true, pair_angles: false}"))

@@ -552,7 +552,8 @@ def test_cuda_float8_caches(gen, dtype):
 #: all on in the manifest's ``kernel.static``): each must store the plain schedule's bits
 VARIANTS = {"share": dict(share_angles=True), "pairs": dict(share_angles=True, pair_angles=True),
             "rcp": dict(reciprocal_scale=True),
-            "manifest": dict(share_angles=True, pair_angles=True, reciprocal_scale=True, min_blocks=7)}
+            "manifest": dict(share_angles=True, reciprocal_scale=True, min_blocks=7),
+            "all": dict(share_angles=True, pair_angles=True, reciprocal_scale=True)}
 #: the cases they run: every dtype, both pairings, partial rotary, the norm on and off, float8 caches,
 #: MRoPE's per-pair streams (Qwen3-VL's map, consecutive sections that are not multiples of the
 #: vector) and its uniform sections, several tokens a block (``tokens_per_block`` 2 and 16: the shared
