@@ -56,6 +56,11 @@ reversed every other run so that all see the same noise; the ratios are the mode
   only cache the prologue writes; ``disable_compile=True`` keeps HF from compiling it on a GPU);
 * eager training step: forward with labels and backward, batch 4 x 2048.
 
+A second table gives the process's CPU time over the same runs (``time.process_time``, every
+thread; the waits in CUDA synchronisation count too), with the same ratios: a decode step is bound
+by the host's launches, and on a shared host the wall time also counts the time the process waited
+for a core (the H200 runs of 2026-12-02 saw one variant's five generates spread over 115-202 ms).
+
 Agreement, for each generate row (a second table): the tokens of each variant's last timed run
 against the unpatched model's, greedy: the fraction of the 8 x 128 generated tokens equal, the rows
 whose 128 tokens are all equal, the first step (1-based) at which any row differs, and the largest
@@ -171,23 +176,28 @@ def _graphs() -> int:
 
 def _side_by_side(calls: dict[str, Callable[[], Any]], device: torch.device, warmup: int,
                   reps: int) -> tuple[dict[str, dict], dict[str, Any]]:
-    """Median ms of each call, the calls alternating, and the graphs Dynamo compiled during each;
-    what each call returned the last time."""
+    """Median ms of each call (wall clock, and the process's CPU time: on a shared host the wall
+    time of a host-bound generate also counts the time the process waited for a core, which the CPU
+    time does not), the calls alternating, and the graphs Dynamo compiled during each; what each call
+    returned the last time."""
     graphs = dict.fromkeys(calls, 0)
     times: dict[str, list[float]] = {name: [] for name in calls}
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
     last: dict[str, Any] = {}
     for i in range(warmup + reps):
         for name, call in calls.items() if i % 2 == 0 else reversed(list(calls.items())):
             before = _graphs()
             _sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             last[name] = call()
             _sync(device)
             if i >= warmup:
                 times[name].append((time.perf_counter() - t0) * 1e3)
+                cpu[name].append((time.process_time() - c0) * 1e3)
             graphs[name] += _graphs() - before
     stats = {name: {"ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts),
-                    "graphs_compiled": graphs[name]} for name, ts in times.items()}
+                    "cpu_ms": statistics.median(cpu[name]), "graphs_compiled": graphs[name]}
+             for name, ts in times.items()}
     return stats, last
 
 
@@ -288,7 +298,8 @@ def run(model: str, size: dict, device: torch.device, backend: str, warmup: int,
 
 
 def ratio_row(got: dict[str, dict], ratios: tuple[tuple[str, str], ...]) -> dict:
-    return {"times": got, "ratios": {f"{a} / {b}": got[a]["ms"] / got[b]["ms"] for a, b in ratios}}
+    return {"times": got, "ratios": {f"{a} / {b}": got[a]["ms"] / got[b]["ms"] for a, b in ratios},
+            "cpu_ratios": {f"{a} / {b}": got[a]["cpu_ms"] / got[b]["cpu_ms"] for a, b in ratios}}
 
 
 def markdown(rows: list[dict], info: dict) -> str:
@@ -311,6 +322,14 @@ def markdown(rows: list[dict], info: dict) -> str:
         rs = " | ".join(f"{r['ratios'][k]:.2f}" for k in ratios)
         graphs = " / ".join(str(t[n]["graphs_compiled"]) for n in names)
         lines.append(f"| {r['setup']} | {ms} | {rs} | {graphs} |")
+    lines += ["", "The process's CPU time over the same runs (medians, ms; `time.process_time`, all threads, the "
+                  "waits in CUDA synchronisation included):", "",
+              f"| setup | {' | '.join(f'{n}' for n in names)} | {' | '.join(ratios)} |",
+              f"|---|{'---:|' * (len(names) + len(ratios))}"]
+    for r in rows:
+        ms = " | ".join(f"{r['times'][n]['cpu_ms']:.1f}" for n in names)
+        rs = " | ".join(f"{r['cpu_ratios'][k]:.2f}" for k in ratios)
+        lines.append(f"| {r['setup']} | {ms} | {rs} |")
     for r in rows:
         if "ops" in r:
             calls = "; ".join(f"{n}: {', '.join(f'{k} x {v}' for k, v in sorted(r['ops'][n].items())) or 'none'}"

@@ -184,7 +184,7 @@ def test_the_hf_benchmark_builds_its_variants_and_reports_each(model):
         for m in models.values():
             if tt.is_patched(m):
                 tt.unpatch(m)
-    times = {k: {"ms": ms, "min_ms": ms, "max_ms": ms, "graphs_compiled": 2} for k, ms in
+    times = {k: {"ms": ms, "min_ms": ms, "max_ms": ms, "cpu_ms": 2 * ms, "graphs_compiled": 2} for k, ms in
              zip(spec.variants, (4.0, 2.0, 1.0, 0.5))}
     info = {"model": model, "size": size, "dtype": "fp32", "device": "CPU", "torch": "t", "transformers": "t",
             "reps": 1, "warmup": 0}
@@ -192,6 +192,9 @@ def test_the_hf_benchmark_builds_its_variants_and_reports_each(model):
     want = {"llama": "| s | 4.0 | 2.0 | 1.0 | 0.50 | 0.25 | 0.50 | 2 / 2 / 2 |",
             "qwen3": "| s | 4.0 | 2.0 | 1.0 | 0.5 | 0.25 | 0.12 | 0.50 | 2 / 2 / 2 / 2 |"}
     assert want[model] in md, md
+    cpu = {"llama": "| s | 8.0 | 4.0 | 2.0 | 0.50 | 0.25 | 0.50 |",  # the CPU times' table, its own ratios
+           "qwen3": "| s | 8.0 | 4.0 | 2.0 | 1.0 | 0.25 | 0.12 | 0.50 |"}
+    assert cpu[model] in md, md
 
 
 def test_the_hf_benchmark_agreement_finds_the_first_differing_step():
