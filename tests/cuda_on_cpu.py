@@ -108,6 +108,7 @@ static inline float __shfl_xor_sync(unsigned, float v, int mask, int width = 32)
 static inline unsigned short tileops_cvt_e4m3(float x) {
   if (std::isnan(x)) return 0x7F;
   unsigned short sign = std::signbit(x) ? 0x80 : 0;
+  if (std::isinf(x)) return sign | 0x7E;  // every code is infinitely far: the search below would keep 0
   double a = std::fabs((double)x), best = 1e300;
   unsigned short code = 0;
   for (unsigned short c = 0; c <= 0x7E; ++c) {

@@ -192,14 +192,15 @@ def cache_rows(cache, layout, slot, bs):
 def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, pos_dtype=torch.int64,
          slot_dtype=torch.int64, bad_positions=(), bad_slots=(), amplitude=1.0, pairing="neox", section=None,
          interleaved=False, rounding="llama", offset=0.0, norm_check=None, backend="c", head_lanes=16, mutate=None,
-         fp8=False, schedule=None, outputs=None):
+         fp8=False, fp8_scales=(0.01, 0.5), v_inf=0, schedule=None, outputs=None):
     """Build inputs, run, check every output against :func:`reference`; returns the error words.
     ``section``: MRoPE (positions ``[3, s]``, a bad position ``(t, value)`` set in every stream, or
     ``(t, value, stream)`` in one). ``norm_check(x, w, q_cols)``, when given, gets each q head's input
     columns past ``rot`` (of the dtype), its weight and the kernel's q there (with ``qk_norm``).
     ``backend="cuda"``: the CUDA schedule (``head_lanes`` lane groups a token) on the CPU harness.
     ``fp8``: float8 e4m3fn caches, k stored over a scale small enough that some keys saturate (0.01:
-    past 4.48) and v over one that makes some e4m3 subnormals (0.5: below 2^-7). ``schedule``: more
+    past 4.48) and v over one that makes some e4m3 subnormals (0.5: below 2^-7), or ``fp8_scales``;
+    ``v_inf``: that many v elements set to +-inf (stored as +-448). ``schedule``: more
     spec fields (the CUDA schedule's variants); ``outputs``: a list that gets ``(q, key cache, value
     cache, error words)`` appended, for a bitwise comparison of two schedules on the same inputs."""
     spec = get_spec("prologue")(dtype=_name(dtype), head_dim=d, rot=rot, hq=hq, hkv=hkv,
@@ -210,6 +211,10 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
     width = (hq + 2 * hkv) * d
     # a row-strided slice of a wider buffer, as a column slice of a projection's output is
     qkv = torch.randn(s, width + 24, generator=gen).to(dtype)[:, 8:8 + width]
+    if v_inf:  # v's columns: no norm or rotation, so only the cache store sees them
+        at = torch.randperm(s * hkv * d, generator=gen)[:v_inf]
+        signs = torch.where(torch.rand(v_inf, generator=gen) < 0.5, -1.0, 1.0)
+        qkv[at // (hkv * d), (hq + hkv) * d + at % (hkv * d)] = (signs * float("inf")).to(dtype)
     pshape = (s,) if section is None else (3, s)
     positions = torch.randint(0, LIMIT, pshape, generator=gen, dtype=pos_dtype)
     nslots = blocks * bs
@@ -232,7 +237,7 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
     cdt = torch.float8_e4m3fn if fp8 else dtype
     kfull, vfull = torch.full(shape, NAN, dtype=cdt), torch.full(shape, NAN, dtype=cdt)
     kfull[blocks:], vfull[blocks:] = 7.0, 7.0  # a guard past the cache: must stay 7
-    scales = (torch.tensor([0.01]), torch.tensor([0.5])) if fp8 else None
+    scales = (torch.tensor([fp8_scales[0]]), torch.tensor([fp8_scales[1]])) if fp8 else None
     err = torch.zeros(2, dtype=torch.int32)
     tag = int(torch.randint(1, 2**31 - 1, (1,), generator=gen))
     before = qkv.clone()
@@ -562,6 +567,10 @@ VARIANTS = {"share": dict(share_angles=True), "pairs": dict(share_angles=True, p
 VARIANT_CASES = {
     "bf16-fp8-hnd": dict(dtype=torch.bfloat16, s=13, hq=4, hkv=2, d=32, rot=32, qk_norm=True, layout="HND", bs=4,
                          blocks=4, fp8=True, head_lanes=2, bad_positions=((3, LIMIT),), bad_slots=((5, 16),)),
+    # reciprocal_scale's fallbacks: infinite v values (the division for that store) and a k scale
+    # outside RCP_SCALES (the division for every k store), the v scale negative
+    "bf16-fp8-inf-scales": dict(dtype=torch.bfloat16, s=11, hq=2, hkv=2, d=32, rot=32, qk_norm=False, layout="NHD",
+                                bs=4, blocks=4, fp8=True, fp8_scales=(2.0**-70, -0.75), v_inf=9, head_lanes=2),
     "fp16-interleaved-partial-2tok": dict(dtype=torch.float16, s=9, hq=3, hkv=1, d=32, rot=16, qk_norm=False,
                                           layout="NHD", pairing="interleaved", amplitude=1.25),
     "fp32-mrope-map-partial": dict(dtype=torch.float32, s=9, hq=2, hkv=1, d=48, rot=40, qk_norm=True, layout="HND",
