@@ -51,6 +51,10 @@ reversed every other run so that all see the same noise; the ratios are the mode
   does not serve falls back silently while Dynamo traces: it cannot warn there). (Inductor fuses
   HF's RMSNorm with its neighbours; a routed norm traced by Dynamo runs the module's own code for
   that reason, so rope+norm's graphs call RoPE's op alone.)
+* compiled generate + CUDA graphs (Inductor only): the same, compiled with Inductor's CUDA graphs
+  (``triton.cudagraphs``, what mode ``"reduce-overhead"`` sets, and what HF's own compile of a
+  static-cache generate uses): the launches are replayed, so the row shows the GPU's work rather than
+  the host's. A failure of this row is reported in the table and the run goes on;
 * eager generate: the same generation, nothing compiled, with the model's :attr:`Model.eager_cache`:
   the default dynamic cache for ``llama`` (as measured before), the static cache for ``qwen3`` (the
   only cache the prologue writes; ``disable_compile=True`` keeps HF from compiling it on a GPU);
@@ -269,17 +273,26 @@ def run(model: str, size: dict, device: torch.device, backend: str, warmup: int,
         return rows[-1]
 
     shape = f"{size['batch']} x ({size['prompt']} + {n})"
-    torch._dynamo.reset()
-    backends = {name: _Recording(backend) for name in models}
-    for name, m in models.items():
-        m.forward = torch.compile(m.forward, backend=backends[name])
-    try:
-        row = timed(f"compiled generate ({backend}, static cache), {shape}",
-                    lambda m: generate(m, cache_implementation="static", disable_compile=True), True)
-        row["ops"] = {name: dict(b.ops) for name, b in backends.items()}
-    finally:
-        for m in models.values():
-            del m.forward
+    # Inductor's CUDA graphs as a second row (what HF's own compile of a static-cache generate uses,
+    # mode "reduce-overhead"): the launches leave the host, so the GPU's work shows
+    graphs = [("", {})] + ([(" + CUDA graphs", {"triton.cudagraphs": True})] if backend == "inductor" else [])
+    for label, config in graphs:
+        torch._dynamo.reset()
+        backends = {name: _Recording(backend) for name in models}
+        for name, m in models.items():
+            m.forward = torch.compile(m.forward, backend=backends[name])
+        setup = f"compiled generate ({backend}{label}, static cache), {shape}"
+        try:
+            with torch._inductor.config.patch(config):
+                row = timed(setup, lambda m: generate(m, cache_implementation="static", disable_compile=True), True)
+            row["ops"] = {name: dict(b.ops) for name, b in backends.items()}
+        except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
+            if not label:
+                raise
+            rows.append({"setup": setup, "error": f"{type(e).__name__}: {e}"[:300]})
+        finally:
+            for m in models.values():
+                del m.forward
 
     static = {"cache_implementation": "static", "disable_compile": True} if spec.eager_cache == "static" else {}
     timed(f"eager generate ({spec.eager_cache} cache), {shape}", lambda m: generate(m, **static), True)
@@ -316,12 +329,15 @@ def markdown(rows: list[dict], info: dict) -> str:
              f"| setup | {' | '.join(f'{n} ms' for n in names)} | {' | '.join(ratios)} | graphs compiled "
              f"({' / '.join(names)}) |",
              f"|---|{'---:|' * (len(names) + len(ratios) + 1)}"]
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     for r in rows:
         t = r["times"]
         ms = " | ".join(f"{t[n]['ms']:.1f}" for n in names)
         rs = " | ".join(f"{r['ratios'][k]:.2f}" for k in ratios)
         graphs = " / ".join(str(t[n]["graphs_compiled"]) for n in names)
         lines.append(f"| {r['setup']} | {ms} | {rs} | {graphs} |")
+    lines += [f"| {r['setup']} | failed: {r['error']} |" for r in failed]
     lines += ["", "The process's CPU time over the same runs (medians, ms; `time.process_time`, all threads, the "
                   "waits in CUDA synchronisation included):", "",
               f"| setup | {' | '.join(f'{n}' for n in names)} | {' | '.join(ratios)} |",
