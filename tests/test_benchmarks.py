@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -269,3 +270,23 @@ def test_prologue_benchmark_columns_compute_the_same_thing():
     from benchmarks import prologue
 
     assert prologue.smoke() == []
+
+
+@pytest.mark.slow  # three Inductor compiles on the CPU
+def test_the_hf_profile_reports_each_variant(capsys, tmp_path):
+    """``python -m benchmarks.hf_profile --quick``: a summary line per variant (host CPU time, launches,
+    matmuls) and its full table in ``--out``; an unknown variant is refused before anything is built."""
+    pytest.importorskip("transformers")
+    from benchmarks import hf_profile
+
+    with pytest.raises(SystemExit):
+        hf_profile.main(["--quick", "--variants", "unpatched,nope"])
+    assert "--variants: nope not among" in capsys.readouterr().err
+    assert hf_profile.main(["--quick", "--reps", "1", "--new", "2", "--variants", "unpatched,prologue",
+                            "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for name in ("unpatched", "prologue"):
+        assert re.search(rf"^{name}: wall median [0-9.]+ ms", out, re.M), out
+        assert re.search(rf"^{name}: host CPU self [0-9.]+ ms, GPU [0-9.]+ ms, launches \d+, aten::mm [1-9]", out,
+                         re.M), out
+        assert (tmp_path / f"hf_profile_{name}.txt").read_text().count("aten::mm") >= 1
