@@ -246,16 +246,24 @@ def agreement(outs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, d
     return got
 
 
+def greedy_inputs(size: dict, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The prompt (``batch x prompt`` random token ids from ``gen``) and ``generate``'s keywords for a
+    greedy generation of exactly ``size["new"]`` tokens."""
+    prompt = torch.randint(3, size["vocab"], (size["batch"], size["prompt"]), generator=gen).to(device)
+    n = size["new"]
+    return prompt, dict(attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                        pad_token_id=0)
+
+
 def run(model: str, size: dict, device: torch.device, backend: str, warmup: int, reps: int) -> list[dict]:
     spec = MODELS[model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     models = build_models(model, size, device, dtype)
     gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, size["vocab"], (size["batch"], size["prompt"]), generator=gen).to(device)
+    prompt, kwargs = greedy_inputs(size, device, gen)
     n = size["new"]
     # output_logits keeps the float32 copy of each step's logits that HF's greedy loop makes anyway
-    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                  pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    kwargs.update(return_dict_in_generate=True, output_logits=True)
     rows = []
 
     def generate(m, **extra) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,8 +283,8 @@ def run(model: str, size: dict, device: torch.device, backend: str, warmup: int,
     shape = f"{size['batch']} x ({size['prompt']} + {n})"
     # Inductor's CUDA graphs as a second row (what HF's own compile of a static-cache generate uses,
     # mode "reduce-overhead"): the launches leave the host, so the GPU's work shows
-    graphs = [("", {})] + ([(" + CUDA graphs", {"triton.cudagraphs": True})] if backend == "inductor" else [])
-    for label, config in graphs:
+    compiles = [("", {})] + ([(" + CUDA graphs", {"triton.cudagraphs": True})] if backend == "inductor" else [])
+    for label, config in compiles:
         torch._dynamo.reset()
         backends = {name: _Recording(backend) for name in models}
         for name, m in models.items():

@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="hf_generate's --quick model, on the CPU")
     p.add_argument("--out", default=None, help="a folder for each variant's full profiler tables")
     a = p.parse_args(argv)
+    for flag in ("new", "reps"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag}: expected an integer >= 1, got {getattr(a, flag)}")
     dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
     if dev.type != "cuda" and not a.quick:
         print("the full run needs a CUDA GPU (--quick runs on the CPU)", file=sys.stderr)
@@ -47,10 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     size = {**H.sizes(a.model, a.quick), "new": a.new}
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     models = {k: m for k, m in H.build_models(a.model, size, dev, dtype).items() if k in names}
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(3, size["vocab"], (size["batch"], size["prompt"]), generator=gen).to(dev)
-    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False,
-              pad_token_id=0, cache_implementation="static", disable_compile=True)
+    prompt, kw = H.greedy_inputs(size, dev, torch.Generator().manual_seed(1))
+    kw.update(cache_implementation="static", disable_compile=True)
 
     def generate(m) -> None:
         with torch.no_grad():
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
     t0 = time.perf_counter()
-    for m in models.values():
+    for name, m in models.items():  # Inductor's compile: tens of seconds a model on a GPU's host
+        print(f"compiling and warming up {name} ...", flush=True)
         m.forward = torch.compile(m.forward)
         generate(m)
         generate(m)

@@ -14,8 +14,7 @@ group composes the token's cos/sin into shared memory, one barrier, every group 
 ``reciprocal_scale`` (a float8 cache's ``x / scale`` by the reciprocal and a correction, the same
 bits) and ``min_blocks``. The manifest's ``kernel.static`` sets ``share_angles``,
 ``reciprocal_scale`` and ``min_blocks`` 7 (the lowest row's best in the last sweep); the other
-configs change them. The script patches
-``tileops.attention.builtin._spec`` per config.
+configs change them. The script patches ``tileops.attention.builtin._spec`` per config.
 
 Per row, one line ``SWEEP {json}``: the same-bytes copy (us), us per config (the median over
 ``ROUNDS`` rounds of :func:`benchmarks.timing.gpu_time`'s median; the configs interleaved within each

@@ -282,6 +282,9 @@ def test_the_hf_profile_reports_each_variant(capsys, tmp_path):
     with pytest.raises(SystemExit):
         hf_profile.main(["--quick", "--variants", "unpatched,nope"])
     assert "--variants: nope not among" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        hf_profile.main(["--quick", "--reps", "0"])
+    assert "--reps: expected an integer >= 1, got 0" in capsys.readouterr().err
     assert hf_profile.main(["--quick", "--reps", "1", "--new", "2", "--variants", "unpatched,prologue",
                             "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -553,8 +553,8 @@ def test_cuda_float8_caches(gen, dtype):
         assert err.tolist() == [0, tag]
 
 
-#: the CUDA schedule's variants (``PrologueKernelSpec``'s schedule fields, off in the spec's defaults,
-#: all on in the manifest's ``kernel.static``): each must store the plain schedule's bits
+#: the CUDA schedule's variants (``PrologueKernelSpec``'s schedule fields, off in the spec's defaults;
+#: "manifest" is what the manifest's ``kernel.static`` sets): each must store the plain schedule's bits
 VARIANTS = {"share": dict(share_angles=True), "pairs": dict(share_angles=True, pair_angles=True),
             "rcp": dict(reciprocal_scale=True),
             "manifest": dict(share_angles=True, reciprocal_scale=True, min_blocks=7),

@@ -643,7 +643,7 @@ def _static(ctx: _Ctx, node: yaml.Node, builder: str, params: dict) -> dict[str,
     allowed = STATIC.get(builder, {})
     out: dict[str, Any] = {}
 
-    def integer(vnode: yaml.Node, what: str, low: int, high: int) -> int:
+    def choice(vnode: yaml.Node, what: str, low: int, high: int) -> int:
         if low is False and high is True:
             return ctx.typed(vnode, (bool,), what, "a bool (true or false)")
         value = ctx.typed(vnode, (int,), what, "an integer")
@@ -658,7 +658,7 @@ def _static(ctx: _Ctx, node: yaml.Node, builder: str, params: dict) -> dict[str,
         low, high, _ = allowed[key]
         what = f"kernel.static.{key}"
         if not isinstance(vnode, yaml.MappingNode):
-            out[key] = integer(vnode, what, low, high)
+            out[key] = choice(vnode, what, low, high)
             continue
         layout = params.get("input_layout")
         choices = getattr(layout, "choices", None)
@@ -668,7 +668,7 @@ def _static(ctx: _Ctx, node: yaml.Node, builder: str, params: dict) -> dict[str,
         for lk, (lknode, lvnode) in ctx.mapping(vnode, what).items():
             if lk not in choices:
                 raise ctx.err(lknode, f"{what}: {lk!r} is not an input_layout; choices: {', '.join(map(str, choices))}")
-            by_layout[lk] = integer(lvnode, f"{what}.{lk}", low, high)
+            by_layout[lk] = choice(lvnode, f"{what}.{lk}", low, high)
         missing = [c for c in choices if c not in by_layout]
         if missing:
             raise ctx.err(vnode, f"{what}: no value for input_layout {', '.join(map(repr, missing))}")
