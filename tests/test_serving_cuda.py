@@ -262,6 +262,51 @@ def test_opcheck_and_compile_on_cuda():
                 assert torch.equal(a, b), mode
 
 
+@pytest.mark.parametrize("name", ["RoPEFwdOp", "Phi3LongRoPEFwdOp-partial", "RoPEDynamicNTKFwdOp-partial",
+                                  "AttnPrologueFwdOp"])
+def test_first_call_inside_reduce_overhead(name):
+    """An op first called inside ``torch.compile``'s CUDA graphs (mode ``"reduce-overhead"``, whose
+    warm-up routes the thread's allocations into the graphs' pool) builds the tensors it keeps (cos/sin
+    tables, Phi-3's stacked sets, dynamic NTK's state and tables) outside that pool: the next run
+    refused ("tensor(s) in the cudagraph pool not tracked as outputs", found with a patched Qwen3 on
+    the H200). Every replay equals an eager op's call on the same inputs."""
+    from tests.test_attention_prologue import rope_variants
+    from tileops.attention import AttnPrologueFwdOp
+
+    ropes = [rope_variants(), rope_variants()]  # fresh ops: the compiled one's first call is in the graph
+    prologue = name == "AttnPrologueFwdOp"
+    ops = ([AttnPrologueFwdOp(4, 2, 64, r["RoPENeoxPositionIdsFwdOp"], qk_norm=True) for r in ropes] if prologue
+           else [r[name] for r in ropes])
+    caches = [[torch.full((4, 16, 2, 64), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+              for _ in ops]
+    for kc, vc in caches:  # as transformers' StaticCache marks its tensors: graphs may write them in place
+        torch._dynamo.mark_static_address(kc)
+        torch._dynamo.mark_static_address(vc)
+    w = torch.rand(2, 64, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def call(i: int, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if prologue:
+            return ops[i](x, pos, *caches[i], slots, q_norm_weight=w[0], k_norm_weight=w[1]) * 1
+        return ops[i](x, position_ids=pos) * 1
+
+    compiled = torch.compile(lambda *a: call(0, *a), mode="reduce-overhead", fullgraph=True)
+    limit = min(ops[0].params["rope"].position_limit() if prologue else ops[0].position_limit(), 1 << 16)
+    for step in range(4):
+        tokens = 24 if prologue else 96  # the standalone ops' layout is 1d: [tokens, head_dim]
+        x = torch.randn(tokens, 8 * 64 if prologue else 64, device="cuda", dtype=torch.bfloat16)
+        pos = torch.randint(0, limit, (tokens,), device="cuda")
+        slots = torch.randperm(64, device="cuda")[:24]
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(x, pos, slots).clone()
+        want = call(1, x, pos, slots)
+        assert torch.equal(got, want), step
+        if prologue:
+            for a, b in zip(*caches):
+                assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), step
+    for op in ops:
+        op.check()
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_one_op_on_two_gpus_from_two_threads(on):
     op = on(RoPEFwdOp(input_layout="2d"))

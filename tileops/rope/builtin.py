@@ -23,6 +23,7 @@ import torch
 from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
 from ..runtime.binding import Binding, bind
+from ..runtime.memory import persistent
 from . import hooks
 from .tables import DIGITS, LO
 
@@ -179,7 +180,7 @@ class RoPEKernels:
         if isinstance(choice, int):
             return sets[choice]
         if self._stacked is None:  # built once (this object serves one device): no stack per call
-            self._stacked = torch.stack(sets)
+            self._stacked = persistent(lambda: torch.stack(sets), self.device)
         # picked on the device, no host read
         return self._stacked.index_select(0, choice.reshape(1).to(self.device, torch.int64))[0]
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..op import Op
+from ..runtime.memory import persistent
 from . import freqs
 from .tables import DIGITS, LO, DynamicNTKTables, RoPETables
 
@@ -300,8 +301,9 @@ class RoPEDynamicNTKFwdHooks(_PartialRotary):
         states = self.__dict__.setdefault("_ntk_state", {})
         st = states.get(device)
         if st is None:
-            st = states.setdefault(device, torch.full((), float(self.params["max_position_embeddings"]),
-                                                      dtype=torch.float64, device=device))
+            mpe = float(self.params["max_position_embeddings"])
+            st = states.setdefault(device, persistent(
+                lambda: torch.full((), mpe, dtype=torch.float64, device=device), device))
         return st
 
     def dynamic_inv_freq(self, position_ids: torch.Tensor | None, seq_len: int, rot: int,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..compile.entry import encode_arg
+from ..runtime.memory import persistent
 
 __all__ = ["RoPETables", "DynamicNTKTables", "digit_tables"]
 
@@ -59,7 +60,7 @@ class RoPETables:
             with self._lock:
                 t = self._on.get(device)
                 if t is None:
-                    t = self._on[device] = self._host.to(device)
+                    t = self._on[device] = persistent(lambda: self._host.to(device), device)
         return t
 
 
@@ -84,10 +85,12 @@ class DynamicNTKTables:
             raise RuntimeError("tileops.rope.tables and kernels/ntk.py split positions differently")
         self.state, self.rot, self.device = state, rot, device
         self.backend, self.arch = device_backend(device)
-        self.tables = torch.empty((DIGITS, LO, 2, rot // 2), dtype=torch.float32, device=device)
+        self.tables = persistent(lambda: torch.empty((DIGITS, LO, 2, rot // 2), dtype=torch.float32, device=device),
+                                 device)
         # the length each block's share of the tables was built for; NaN: not built yet
         blocks = NtkTablesSpec(rot, backend=self.backend).blocks
-        self.stamps = torch.full((blocks,), float("nan"), dtype=torch.float64, device=device)
+        self.stamps = persistent(lambda: torch.full((blocks,), float("nan"), dtype=torch.float64, device=device),
+                                 device)
         # doubles travel as their bits (the kernel's ``*_bits`` arguments are int64)
         doubles = {"base": base, "factor": factor, "mpe": max_position_embeddings, "power": rot / (rot - 2)}
         self._doubles = {f"{n}_bits": encode_arg("double", float(v)) for n, v in doubles.items()}

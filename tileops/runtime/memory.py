@@ -1,4 +1,5 @@
-"""Where tensors lie in memory: whether two may share bytes, and the spans a launch checks per call.
+"""Where tensors lie in memory: whether two may share bytes, the spans a launch checks per call, and
+where a tensor an op keeps across calls is allocated.
 
 The ops refuse an output that overlaps another argument (except its own input exactly: in place),
 at the first call of a signature (:meth:`tileops.op.Op._check_outs`) and, from the pointers alone,
@@ -8,9 +9,12 @@ only when the spans meet).
 
 from __future__ import annotations
 
+import threading
+from typing import Callable
+
 import torch
 
-__all__ = ["disjoint", "same_view", "span"]
+__all__ = ["disjoint", "persistent", "same_view", "span"]
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -44,3 +48,40 @@ def disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
     sa, sb = span(a, 1), span(b, 1)
     r = (b0 - a0) % period if period else 0
     return period > 0 and sa <= period and r >= sa and r + sb <= period
+
+
+def persistent(make: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``make()``: a tensor an op keeps across calls (its cos/sin tables, dynamic NTK's state),
+    allocated outside any CUDA-graph memory pool.
+
+    ``torch.compile``'s CUDA graphs (mode ``"reduce-overhead"``) run a graph's warm-up with the
+    calling thread's allocations routed into the graph's private pool, and refuse the next run while
+    a tensor from that pool outlives it untracked: "Detected 1 tensor(s) in the cudagraph pool not
+    tracked as outputs" (torch 2.11 on the H200, the RoPE tables of an op whose first call ran
+    there). On CUDA ``make`` therefore runs on a short thread of its own, which the pool does not
+    route, and that thread's stream is synchronised before the tensor is handed over; once per op
+    and device, at the first call. Inside a CUDA graph capture nothing is allocated: it raises,
+    asking for one call of the op before the capture.
+    """
+    if device.type != "cuda":
+        return make()
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"tileops: the first call of this op on {device} is inside a CUDA graph capture, where "
+                           f"its tables cannot be built: call it once on {device} before capturing")
+    got: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            with torch.cuda.device(device):
+                t = make()
+                torch.cuda.current_stream(device).synchronize()
+            got["tensor"] = t
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            got["error"] = e
+
+    worker = threading.Thread(target=build, name="tileops-persistent", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in got:
+        raise got["error"]  # type: ignore[misc]
+    return got["tensor"]  # type: ignore[return-value]
