@@ -36,7 +36,7 @@ The variants, copies with the same weights so that all stay compiled side by sid
   column runs transformers' attention with the rope+norm routing (it warns once saying so), a
   control that should equal rope+norm's.
 
-Rows (each a median of ``--reps`` timings after ``--warmup`` runs, the variants in turn, their order
+Rows (``--rows`` picks some; each a median of ``--reps`` timings after ``--warmup`` runs, the variants in turn, their order
 reversed every other run so that all see the same noise; the ratios are the model's
 :attr:`Model.ratios`, e.g. ``prologue / unpatched``):
 
@@ -51,16 +51,23 @@ reversed every other run so that all see the same noise; the ratios are the mode
   does not serve falls back silently while Dynamo traces: it cannot warn there). (Inductor fuses
   HF's RMSNorm with its neighbours; a routed norm traced by Dynamo runs the module's own code for
   that reason, so rope+norm's graphs call RoPE's op alone.)
-* compiled generate + CUDA graphs (Inductor only): the same, compiled with Inductor's CUDA graphs
-  (``triton.cudagraphs``, what mode ``"reduce-overhead"`` sets, and what HF's own compile of a
-  static-cache generate uses): the launches are replayed, so the row shows the GPU's work rather than
-  the host's. A failure of this row is reported in the table and the run goes on;
+* HF's compiled generate (CUDA only): ``generate(..., cache_implementation="static")`` left to
+  compile itself, as transformers does by default for a static cache on a GPU: the prefill runs
+  eager, the decode steps through ``torch.compile(model.__call__, mode="reduce-overhead")``
+  (Inductor with CUDA graphs, HF's default ``CompileConfig``), so the launches of a step are
+  replayed and the row shows the GPU's work more than the host's. (A manual ``torch.compile`` of
+  ``forward`` with Inductor's CUDA graphs fails for the unpatched model too: transformers' generate
+  keeps each step's outputs, which the next replay overwrites; HF's own compile path copes);
 * eager generate: the same generation, nothing compiled, with the model's :attr:`Model.eager_cache`:
   the default dynamic cache for ``llama`` (as measured before), the static cache for ``qwen3`` (the
   only cache the prologue writes; ``disable_compile=True`` keeps HF from compiling it on a GPU);
 * eager training step: forward with labels and backward, batch 4 x 2048.
 
-A second table gives the process's CPU time over the same runs (``time.process_time``, every
+Per-run ratios: the median, over the timed runs, of each run's ratio to the run of the other variant
+next to it in time (the same repetition), which a drift of the host's load over the whole run
+moves less than the ratio of medians does.
+
+A further table gives the process's CPU time over the same runs (``time.process_time``, every
 thread; the waits in CUDA synchronisation count too), with the same ratios: a decode step is bound
 by the host's launches, and on a shared host the wall time also counts the time the process waited
 for a core (the H200 runs of 2026-12-02 saw one variant's five generates spread over 115-202 ms).
@@ -199,7 +206,7 @@ def _side_by_side(calls: dict[str, Callable[[], Any]], device: torch.device, war
                 times[name].append((time.perf_counter() - t0) * 1e3)
                 cpu[name].append((time.process_time() - c0) * 1e3)
             graphs[name] += _graphs() - before
-    stats = {name: {"ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts),
+    stats = {name: {"ms": statistics.median(ts), "min_ms": min(ts), "max_ms": max(ts), "runs_ms": ts,
                     "cpu_ms": statistics.median(cpu[name]), "graphs_compiled": graphs[name]}
              for name, ts in times.items()}
     return stats, last
@@ -255,7 +262,12 @@ def greedy_inputs(size: dict, device: torch.device, gen: torch.Generator) -> tup
                         pad_token_id=0)
 
 
-def run(model: str, size: dict, device: torch.device, backend: str, warmup: int, reps: int) -> list[dict]:
+#: the rows ``--rows`` picks from, in the order they run
+ROWS = ("compiled", "hf-compile", "eager", "train")
+
+
+def run(model: str, size: dict, device: torch.device, backend: str, warmup: int, reps: int,
+        which: tuple[str, ...] = ROWS) -> list[dict]:
     spec = MODELS[model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     models = build_models(model, size, device, dtype)
@@ -281,29 +293,32 @@ def run(model: str, size: dict, device: torch.device, backend: str, warmup: int,
         return rows[-1]
 
     shape = f"{size['batch']} x ({size['prompt']} + {n})"
-    # Inductor's CUDA graphs as a second row (what HF's own compile of a static-cache generate uses,
-    # mode "reduce-overhead"): the launches leave the host, so the GPU's work shows
-    compiles = [("", {})] + ([(" + CUDA graphs", {"triton.cudagraphs": True})] if backend == "inductor" else [])
-    for label, config in compiles:
+    if "compiled" in which:
         torch._dynamo.reset()
         backends = {name: _Recording(backend) for name in models}
         for name, m in models.items():
             m.forward = torch.compile(m.forward, backend=backends[name])
-        setup = f"compiled generate ({backend}{label}, static cache), {shape}"
         try:
-            with torch._inductor.config.patch(config):
-                row = timed(setup, lambda m: generate(m, cache_implementation="static", disable_compile=True), True)
+            row = timed(f"compiled generate ({backend}, static cache), {shape}",
+                        lambda m: generate(m, cache_implementation="static", disable_compile=True), True)
             row["ops"] = {name: dict(b.ops) for name, b in backends.items()}
-        except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
-            if not label:
-                raise
-            rows.append({"setup": setup, "error": f"{type(e).__name__}: {e}"[:300]})
         finally:
             for m in models.values():
                 del m.forward
 
-    static = {"cache_implementation": "static", "disable_compile": True} if spec.eager_cache == "static" else {}
-    timed(f"eager generate ({spec.eager_cache} cache), {shape}", lambda m: generate(m, **static), True)
+    if "hf-compile" in which and device.type == "cuda":
+        torch._dynamo.reset()
+        setup = f"HF's compiled generate (prefill eager, decode reduce-overhead), {shape}"
+        try:
+            timed(setup, lambda m: generate(m, cache_implementation="static"), True)
+        except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
+            rows.append({"setup": setup, "error": f"{type(e).__name__}: {e}"[:300]})
+
+    if "eager" in which:
+        static = {"cache_implementation": "static", "disable_compile": True} if spec.eager_cache == "static" else {}
+        timed(f"eager generate ({spec.eager_cache} cache), {shape}", lambda m: generate(m, **static), True)
+    if "train" not in which:
+        return rows
 
     ids = torch.randint(3, size["vocab"], (size["train_batch"], size["train_seq"]), generator=gen).to(device)
 
@@ -319,7 +334,10 @@ def run(model: str, size: dict, device: torch.device, backend: str, warmup: int,
 
 
 def ratio_row(got: dict[str, dict], ratios: tuple[tuple[str, str], ...]) -> dict:
+    paired = {f"{a} / {b}": statistics.median(x / y for x, y in zip(got[a]["runs_ms"], got[b]["runs_ms"]))
+              for a, b in ratios}
     return {"times": got, "ratios": {f"{a} / {b}": got[a]["ms"] / got[b]["ms"] for a, b in ratios},
+            "paired_ratios": paired,
             "cpu_ratios": {f"{a} / {b}": got[a]["cpu_ms"] / got[b]["cpu_ms"] for a, b in ratios}}
 
 
@@ -346,6 +364,11 @@ def markdown(rows: list[dict], info: dict) -> str:
         graphs = " / ".join(str(t[n]["graphs_compiled"]) for n in names)
         lines.append(f"| {r['setup']} | {ms} | {rs} | {graphs} |")
     lines += [f"| {r['setup']} | failed: {r['error']} |" for r in failed]
+    lines += ["", "Per-run ratios (the median over the timed runs of each run's ratio to the other variant's run "
+                  "of the same repetition):", "", f"| setup | {' | '.join(ratios)} |", f"|---|{'---:|' * len(ratios)}"]
+    for r in rows:
+        paired = " | ".join(f"{r['paired_ratios'][k]:.2f}" for k in ratios)
+        lines.append(f"| {r['setup']} | {paired} |")
     lines += ["", "The process's CPU time over the same runs (medians, ms; `time.process_time`, all threads, the "
                   "waits in CUDA synchronisation included):", "",
               f"| setup | {' | '.join(f'{n}' for n in names)} | {' | '.join(ratios)} |",
@@ -381,7 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None, help="timed runs per variant (default llama 10, qwen3 5; "
                                                           "--quick 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs per variant (default llama 2, qwen3 1)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows to run, of {', '.join(ROWS)} "
+                                                          "(default all; hf-compile runs on CUDA only)")
     args = p.parse_args(argv)
+    which = tuple(args.rows.split(","))
+    if not which or any(r not in ROWS for r in which):
+        p.error(f"--rows: expected a comma-separated subset of {', '.join(ROWS)}, got {args.rows!r}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not args.quick and device.type != "cuda":
         print("the full benchmark needs a CUDA GPU (--quick runs on the CPU)", file=sys.stderr)
@@ -393,11 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or ("inductor" if device.type == "cuda" else "aot_eager")
     reps = args.reps or (2 if args.quick else spec.reps)
     warmup = spec.warmup if args.warmup is None else args.warmup
-    rows = run(args.model, size, device, backend, warmup, reps)
+    rows = run(args.model, size, device, backend, warmup, reps, which)
     info = {"model": args.model, "size": size,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "dtype": "bf16" if device.type == "cuda" else "fp32", "torch": torch.__version__,
-            "transformers": transformers.__version__, "backend": backend, "reps": reps, "warmup": warmup}
+            "transformers": transformers.__version__, "backend": backend, "reps": reps, "warmup": warmup,
+            "rows": list(which)}
     md = markdown(rows, info)
     print(md)
     out = args.out or (None if args.quick else str(HERE / "results"))

@@ -185,8 +185,9 @@ def test_the_hf_benchmark_builds_its_variants_and_reports_each(model):
         for m in models.values():
             if tt.is_patched(m):
                 tt.unpatch(m)
-    times = {k: {"ms": ms, "min_ms": ms, "max_ms": ms, "cpu_ms": 2 * ms, "graphs_compiled": 2} for k, ms in
-             zip(spec.variants, (4.0, 2.0, 1.0, 0.5))}
+    times = {k: {"ms": ms, "min_ms": ms, "max_ms": ms, "cpu_ms": 2 * ms, "graphs_compiled": 2,
+                 "runs_ms": [4.0, 1.0] if k == "unpatched" else [ms, ms]}
+             for k, ms in zip(spec.variants, (4.0, 2.0, 1.0, 0.5))}
     info = {"model": model, "size": size, "dtype": "fp32", "device": "CPU", "torch": "t", "transformers": "t",
             "reps": 1, "warmup": 0}
     md = hf_generate.markdown([{"setup": "s", **hf_generate.ratio_row(times, spec.ratios)}], info)
@@ -196,6 +197,19 @@ def test_the_hf_benchmark_builds_its_variants_and_reports_each(model):
     cpu = {"llama": "| s | 8.0 | 4.0 | 2.0 | 0.50 | 0.25 | 0.50 |",  # the CPU times' table, its own ratios
            "qwen3": "| s | 8.0 | 4.0 | 2.0 | 1.0 | 0.25 | 0.12 | 0.50 |"}
     assert cpu[model] in md, md
+    # per-run ratios: the median of each repetition's ratio (unpatched ran 4 then 1 ms), not of the medians
+    paired = {"llama": "| s | 1.25 | 0.62 | 0.50 |", "qwen3": "| s | 0.62 | 0.31 | 0.50 |"}
+    assert paired[model] in md, md
+
+
+def test_the_hf_benchmark_refuses_an_unknown_row(capsys):
+    from benchmarks import hf_generate
+
+    with pytest.raises(SystemExit) as e:
+        hf_generate.main(["--quick", "--rows", "compiled,graphs"])
+    assert e.value.code == 2
+    assert "--rows: expected a comma-separated subset of compiled, hf-compile, eager, train, got " \
+           "'compiled,graphs'" in capsys.readouterr().err
 
 
 def test_the_hf_benchmark_agreement_finds_the_first_differing_step():
