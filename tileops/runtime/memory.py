@@ -61,7 +61,9 @@ def persistent(make: Callable[[], torch.Tensor], device: torch.device) -> torch.
     there). On CUDA ``make`` therefore runs on a short thread of its own, which the pool does not
     route, and that thread's stream is synchronised before the tensor is handed over; once per op
     and device, at the first call. Inside a CUDA graph capture nothing is allocated: it raises,
-    asking for one call of the op before the capture.
+    asking for one call of the op before the capture. (Not yet shown enough:
+    ``tests/test_serving_cuda.py::test_first_call_inside_reduce_overhead`` failed on the H200 with
+    the pool error before this and still failed after it, on 2026-12-02, for a reason not read.)
     """
     if device.type != "cuda":
         return make()
