@@ -51,17 +51,20 @@ reversed every other run so that all see the same noise; the ratios are the mode
   does not serve falls back silently while Dynamo traces: it cannot warn there). (Inductor fuses
   HF's RMSNorm with its neighbours; a routed norm traced by Dynamo runs the module's own code for
   that reason, so rope+norm's graphs call RoPE's op alone.)
+* eager generate: the same generation, nothing compiled, with the model's :attr:`Model.eager_cache`:
+  the default dynamic cache for ``llama`` (as measured before), the static cache for ``qwen3`` (the
+  only cache the prologue writes; ``disable_compile=True`` keeps HF from compiling it on a GPU);
+* eager training step: forward with labels and backward, batch 4 x 2048;
 * HF's compiled generate (CUDA only): ``generate(..., cache_implementation="static")`` left to
   compile itself, as transformers does by default for a static cache on a GPU: the prefill runs
   eager, the decode steps through ``torch.compile(model.__call__, mode="reduce-overhead")``
   (Inductor with CUDA graphs, HF's default ``CompileConfig``), so the launches of a step are
   replayed and the row shows the GPU's work more than the host's. (A manual ``torch.compile`` of
   ``forward`` with Inductor's CUDA graphs fails for the unpatched model too: transformers' generate
-  keeps each step's outputs, which the next replay overwrites; HF's own compile path copes);
-* eager generate: the same generation, nothing compiled, with the model's :attr:`Model.eager_cache`:
-  the default dynamic cache for ``llama`` (as measured before), the static cache for ``qwen3`` (the
-  only cache the prologue writes; ``disable_compile=True`` keeps HF from compiling it on a GPU);
-* eager training step: forward with labels and backward, batch 4 x 2048.
+  keeps each step's outputs, which the next replay overwrites. Whether HF's own compile path
+  serves the patched models is what this row is for: not yet run on a GPU). It runs last, after the
+  others are written (each row is written as it completes): a failure inside torch's CUDA graphs
+  may take the process down.
 
 Per-run ratios: the median, over the timed runs, of each run's ratio to the run of the other variant
 next to it in time (the same repetition), which a drift of the host's load over the whole run
@@ -263,11 +266,12 @@ def greedy_inputs(size: dict, device: torch.device, gen: torch.Generator) -> tup
 
 
 #: the rows ``--rows`` picks from, in the order they run
-ROWS = ("compiled", "hf-compile", "eager", "train")
+ROWS = ("compiled", "eager", "train", "hf-compile")
 
 
 def run(model: str, size: dict, device: torch.device, backend: str, warmup: int, reps: int,
-        which: tuple[str, ...] = ROWS) -> list[dict]:
+        which: tuple[str, ...] = ROWS, save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """The rows ``which`` names, in :data:`ROWS`' order; ``save(rows)`` after each row but the last."""
     spec = MODELS[model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     models = build_models(model, size, device, dtype)
@@ -305,7 +309,30 @@ def run(model: str, size: dict, device: torch.device, backend: str, warmup: int,
         finally:
             for m in models.values():
                 del m.forward
+        save(rows)
 
+    if "eager" in which:
+        static = {"cache_implementation": "static", "disable_compile": True} if spec.eager_cache == "static" else {}
+        timed(f"eager generate ({spec.eager_cache} cache), {shape}", lambda m: generate(m, **static), True)
+        save(rows)
+
+    if "train" in which:
+        ids = torch.randint(3, size["vocab"], (size["train_batch"], size["train_seq"]), generator=gen).to(device)
+
+        def train_step(m):
+            m.zero_grad(set_to_none=True)
+            m(ids, labels=ids).loss.backward()
+
+        for m in models.values():
+            m.train()
+        timed(f"eager training step (forward + backward), {size['train_batch']} x {size['train_seq']}", train_step,
+              False)
+        for m in models.values():
+            m.eval()
+        save(rows)
+
+    # last, after the others are saved: a failure inside torch's CUDA graphs may take the process
+    # down (a segfault in Triton's launcher was seen once on the H200 after recompiling with them)
     if "hf-compile" in which and device.type == "cuda":
         torch._dynamo.reset()
         setup = f"HF's compiled generate (prefill eager, decode reduce-overhead), {shape}"
@@ -313,23 +340,6 @@ def run(model: str, size: dict, device: torch.device, backend: str, warmup: int,
             timed(setup, lambda m: generate(m, cache_implementation="static"), True)
         except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
             rows.append({"setup": setup, "error": f"{type(e).__name__}: {e}"[:300]})
-
-    if "eager" in which:
-        static = {"cache_implementation": "static", "disable_compile": True} if spec.eager_cache == "static" else {}
-        timed(f"eager generate ({spec.eager_cache} cache), {shape}", lambda m: generate(m, **static), True)
-    if "train" not in which:
-        return rows
-
-    ids = torch.randint(3, size["vocab"], (size["train_batch"], size["train_seq"]), generator=gen).to(device)
-
-    def train_step(m):
-        m.zero_grad(set_to_none=True)
-        m(ids, labels=ids).loss.backward()
-
-    for m in models.values():
-        m.train()
-    timed(f"eager training step (forward + backward), {size['train_batch']} x {size['train_seq']}", train_step,
-          False)
     return rows
 
 
@@ -421,20 +431,23 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or ("inductor" if device.type == "cuda" else "aot_eager")
     reps = args.reps or (2 if args.quick else spec.reps)
     warmup = spec.warmup if args.warmup is None else args.warmup
-    rows = run(args.model, size, device, backend, warmup, reps, which)
     info = {"model": args.model, "size": size,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "dtype": "bf16" if device.type == "cuda" else "fp32", "torch": torch.__version__,
             "transformers": transformers.__version__, "backend": backend, "reps": reps, "warmup": warmup,
             "rows": list(which)}
-    md = markdown(rows, info)
-    print(md)
     out = args.out or (None if args.quick else str(HERE / "results"))
-    if out is not None:
-        stem = "hf_generate" if args.model == "llama" else f"hf_generate_{args.model}"
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"{stem}.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-        (Path(out) / f"{stem}.md").write_text(md)
+    stem = "hf_generate" if args.model == "llama" else f"hf_generate_{args.model}"
+
+    def save(rows: list[dict]) -> str:
+        md = markdown(rows, info)
+        if out is not None:  # after each row: a run that dies later keeps what it measured
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / f"{stem}.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+            (Path(out) / f"{stem}.md").write_text(md)
+        return md
+
+    print(save(run(args.model, size, device, backend, warmup, reps, which, save)))
     return 0
 
 
