@@ -62,3 +62,34 @@ def test_strict_mode_and_check_on_the_cpu():
             op(x, torch.tensor([0, 1, 10]))
     assert not tileops.runtime.errors.is_strict()
     op.check()  # nothing pending
+
+
+def test_a_report_whose_tensor_was_freed_or_changed_says_so_and_names_the_rest():
+    """The tracker holds a checked tensor weakly (tileops.runtime.errors): a deferred report may find
+    it freed (the runtime passes None) or rewritten since the kernel read it. The error still names
+    the op, the argument, the range and which call; it says why the index is missing instead of
+    naming a wrong one."""
+    from tileops.attention import AttnPrologueFwdOp
+    from tileops.runtime import errors
+
+    rope = RoPENeoxPositionIdsFwdOp(1000)
+    with pytest.raises(ValueError) as freed:
+        rope._raise_bad_value("position_ids", None, errors.WHEN_EARLIER)
+    assert str(freed.value).startswith("RoPENeoxPositionIdsFwdOp: position_ids: expected every value in "
+                                       "[0, max_position=1000); the kernel read one outside")
+    assert errors.WHEN_EARLIER in str(freed.value) and "freed before this report" in str(freed.value)
+    with pytest.raises(ValueError, match=r"has changed since, so its index is unknown"):
+        rope._raise_bad_value("position_ids", torch.tensor([0, 999]), errors.WHEN_GRAPH)
+    with pytest.raises(ValueError, match=r"got position_ids\[1\] = 1000 \(in a CUDA graph replay\)$"):
+        rope._raise_bad_value("position_ids", torch.tensor([0, 1000]), errors.WHEN_GRAPH)
+
+    op = AttnPrologueFwdOp(4, 2, 64, rope)
+    with pytest.raises(ValueError, match=r"^AttnPrologueFwdOp: positions: expected .* of RoPENeoxPositionIdsFwdOp; "
+                                         r"the kernel read one outside; the tensor was freed"):
+        op._raise_bad_value("positions", None)
+    op.note_slot_limit(32)
+    with pytest.raises(ValueError, match=r"^AttnPrologueFwdOp: slot_mapping: expected every slot below .*; the kernel "
+                                         r"read one past the cache \(in a CUDA graph replay\); the tensor was freed"):
+        op._raise_bad_value("slot_mapping", None, errors.WHEN_GRAPH)
+    with pytest.raises(ValueError, match=r"got slot_mapping\[2\] = 32$"):
+        op._raise_bad_value("slot_mapping", torch.tensor([-1, 31, 32]))

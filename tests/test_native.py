@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -492,8 +493,8 @@ class _FakeDriver:
 class _Judged:
     """Stands in for an op: the tracker's errors name the call (its positions' first value)."""
 
-    def _raise_bad_value(self, name: str, values: torch.Tensor, when: str = "") -> None:
-        raise ValueError(f"{int(values[0])}: {when}")
+    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "") -> None:
+        raise ValueError(f"{'freed' if values is None else int(values[0])}: {when}")
 
 
 def _fake_cuda(mod: Any, drv: Any, make_event: Callable[[int], int]) -> tuple:
@@ -509,7 +510,8 @@ def test_pending_calls_are_judged_in_order_once_each_on_a_fake_driver():
     """The deferred tracker's GPU logic on a fake driver: calls pending per stream, judged in order
     without waiting at the next call, each bad call raising once (up to the first bad one per
     judgement), check() waiting for the rest, strict mode, a graph-captured call judged (and
-    cleared) by check()."""
+    cleared) by check(); the checked tensors held weakly: a pending or captured call's tensor the
+    caller let go is freed at once (torch's CUDA-graph trees require it) and its report says so."""
     mod = native_module()
     drv = _FakeDriver()
     old = _fake_cuda(mod, drv, drv.make_event)
@@ -518,19 +520,27 @@ def test_pending_calls_are_judged_in_order_once_each_on_a_fake_driver():
         d = mod.Dispatch(library.register(owner), ("x", "position_ids"), ("out",), (0,))
         log: list = []
         event_of: dict[int, int] = {}
+        kept: list = []  # the callers' tensors, alive until the test ends (but those let go)
 
-        def launch(n: int, bad: bool, stream: int) -> None:
+        def launch(n: int, bad: bool, stream: int, keep: bool = True) -> None:
             def kernel(args: list, st: int, record: int, event: int, capturing: int) -> bool:
                 event_of[n] = event
                 if bad:
                     ctypes.c_int32.from_address(args[0]).value = args[1]
                 return drv.capturing
 
+            values = torch.tensor([n])
+            gone = weakref.ref(values)
+            if keep:
+                kept.append(values)
             try:
-                d._track(kernel, torch.tensor([n]), stream, FAKE_DEVICE)
+                d._track(kernel, values, stream, FAKE_DEVICE)
                 log.append((n, "queued"))
             except ValueError as e:
                 log.append((n, str(e)))
+            del values
+            if not keep:
+                log.append((n, "freed" if gone() is None else "kept alive"))
 
         def judge(what: str, fn: Callable[[], None]) -> None:
             try:
@@ -560,13 +570,22 @@ def test_pending_calls_are_judged_in_order_once_each_on_a_fake_driver():
         log.append(("pending", d.has_pending(), d.stats()["graph_words"]))
         judge("graph a", d.check)
         judge("graph b", d.check)  # cleared by the first
+        launch(8, True, 7, keep=False)
+        drv.finished.add(event_of[8])
+        judge("reap freed", d.reap)
+        drv.capturing = True
+        launch(9, True, 9, keep=False)
+        drv.capturing = False
+        judge("graph freed", d.check)
     finally:
         mod.set_driver(*old)
     assert log == [(1, "queued"), (2, "queued"), (3, "queued"), (4, "queued"),
                    ("reap a", f"2: {errors.WHEN_EARLIER}"), ("reap b", "nothing"), ("pending", True),
                    ("check a", f"3: {errors.WHEN_EARLIER}"), ("check b", f"4: {errors.WHEN_EARLIER}"),
                    ("check c", "nothing"), ("pending", False), (5, "5: "), (6, "queued"), (7, "queued"),
-                   ("pending", False, 1), ("graph a", f"7: {errors.WHEN_GRAPH}"), ("graph b", "nothing")], log
+                   ("pending", False, 1), ("graph a", f"7: {errors.WHEN_GRAPH}"), ("graph b", "nothing"),
+                   (8, "queued"), (8, "freed"), ("reap freed", f"freed: {errors.WHEN_EARLIER}"),
+                   (9, "queued"), (9, "freed"), ("graph freed", f"freed: {errors.WHEN_GRAPH}")], log
 
 
 _SPIN = """

@@ -256,10 +256,11 @@ class Op:
     def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:  # pragma: no cover
         raise ValueError(f"{self.name}: position_ids: a position is out of range ({when or 'this call'})")
 
-    def _raise_bad_value(self, name: str, values: torch.Tensor, when: str = "") -> None:
+    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "") -> None:
         """Raise the ValueError of a call whose kernel found a value of input ``name`` out of range
-        (the runtime's tracker calls this through :func:`tileops.runtime.library.raise_bad`); by default
-        the family's position error, which names ``position_ids``."""
+        (the runtime's tracker calls this through :func:`tileops.runtime.library.raise_bad`; ``values``
+        is None when the tensor was freed before the report); by default the family's position error,
+        which names ``position_ids``."""
         self._raise_bad_position(values, when)
 
     def check(self) -> None:

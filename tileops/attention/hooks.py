@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..op import Op
+from ..runtime.errors import unnamed
 
 __all__ = ["AttnPrologueFwdHooks", "kernel_fields", "kernel_spec", "rope_of"]
 
@@ -131,18 +132,21 @@ class AttnPrologueFwdHooks(Op):
         bad slot's error (the kernel reports that a slot was bad, not the cache it was bad for)."""
         self.__dict__.setdefault("_slot_limits", set()).add(int(slots))
 
-    def _raise_bad_value(self, name: str, values: torch.Tensor, when: str = "") -> None:
-        """The ValueError naming ``positions`` (as the rope op words it) or ``slot_mapping``."""
+    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "") -> None:
+        """The ValueError naming ``positions`` (as the rope op words it) or ``slot_mapping``
+        (``values`` None: freed before the report)."""
         if name == "slot_mapping":
             # the slot counts of the caches this op was launched for (:meth:`note_slot_limit`); with one,
             # the bad call's. A server keeps one cache; with several (caches of several sizes), a slot is
             # named only where it is past every one of them, so a slot valid for its own cache never is
             limits = self.__dict__.get("_slot_limits") or set()
             limit = max(limits, default=None)
-            bad = (values >= limit).nonzero() if limit is not None else values.new_zeros((0, 1))
-            if bad.shape[0] == 0:
+            bad = (values >= limit).nonzero() if limit is not None and values is not None else None
+            if bad is None or bad.shape[0] == 0:
+                why = unnamed(values) if values is None or limit is not None else "its cache's size is unknown"
                 raise ValueError(f"{self.name}: slot_mapping: expected every slot below num_blocks * block_size "
-                                 f"(or negative: skipped); {when or 'this call'} read one past the cache")
+                                 f"(or negative: skipped); the kernel read one past the cache"
+                                 f"{f' ({when})' if when else ''}; {why}")
             i = int(bad[0, 0])
             below = f"= {limit}" if len(limits) == 1 else f"(this op's caches hold {', '.join(map(str, sorted(limits)))})"
             raise ValueError(f"{self.name}: slot_mapping: expected every slot below num_blocks * block_size {below} "

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..op import Op
+from ..runtime.errors import unnamed
 from ..runtime.memory import persistent
 from . import freqs
 from .tables import DIGITS, LO, DynamicNTKTables, RoPETables
@@ -118,21 +119,22 @@ class RoPEHooks(Op):
             t = cache[rot] = [RoPETables(inv, amp) for inv, amp in self.table_choices(rot)]
         return t
 
-    def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:
+    def _raise_bad_position(self, position_ids: "torch.Tensor | None", when: str = "") -> None:
         """Raise the ValueError naming the first position outside ``[0, position_limit())``;
         ``when`` says which call it was, if not this one."""
         self.raise_bad_position(self.name, "position_ids", position_ids, when)
 
-    def raise_bad_position(self, op_name: str, arg: str, positions: torch.Tensor, when: str = "") -> None:
+    def raise_bad_position(self, op_name: str, arg: str, positions: "torch.Tensor | None", when: str = "") -> None:
         """The ValueError of :meth:`_raise_bad_position` for a call of op ``op_name`` (this op, or one
-        composing it: the attention prologue) whose input ``arg`` held ``positions``."""
+        composing it: the attention prologue) whose input ``arg`` held ``positions`` (None: freed
+        before the report, see :func:`tileops.runtime.errors.unnamed`)."""
         limit = self.position_limit()
         bound = "max_position" if "max_position" in self.params else "2^24"
-        bad = ((positions < 0) | (positions >= limit)).nonzero()
         of = "" if op_name == self.name else f" of {self.name}"
-        if bad.shape[0] == 0:  # the caller changed the tensor since the kernel read it
-            raise ValueError(f"{op_name}: {arg}: expected every value in [0, {bound}={limit}){of}; "
-                             f"{when or 'this call'} read one outside (the tensor has changed since)")
+        bad = ((positions < 0) | (positions >= limit)).nonzero() if positions is not None else None
+        if bad is None or bad.shape[0] == 0:
+            raise ValueError(f"{op_name}: {arg}: expected every value in [0, {bound}={limit}){of}; the kernel "
+                             f"read one outside{f' ({when})' if when else ''}; {unnamed(positions)}")
         idx = tuple(int(i) for i in bad[0])
         raise ValueError(f"{op_name}: {arg}: expected every value in [0, {bound}={limit}){of}, "
                          f"got {arg}[{', '.join(map(str, idx))}] = {int(positions[idx])}"

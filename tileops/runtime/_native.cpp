@@ -397,8 +397,17 @@ std::shared_ptr<BindingData> native_binding(PyObject* pb) {
 }
 
 // ------------------------------------------------------------------------------ one op
+// A reference that does not keep a tensor's memory alive. The tracker holds a call's checked inputs
+// only to name the bad value in its report: a strong reference kept them until the call was judged
+// (for a graph-captured call, for the graph's life), and torch's CUDA-graph trees (torch.compile's
+// "reduce-overhead") free a recording's inputs and temporaries and then refuse the run, finding our
+// tensor alive in their pool. A tensor gone by the report is reported without its index.
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+WeakTensor weak(const at::Tensor& t) { return WeakTensor(t.getIntrusivePtr()); }
+at::Tensor lock(const WeakTensor& w) { return at::Tensor(w.lock()); }  // undefined once freed
+
 struct Checked {  // the inputs a call's kernel checks: values[k] is judged by ERR[k]; input[k] -1: none
-  std::array<at::Tensor, kWords> values;
+  std::array<WeakTensor, kWords> values{weak({}), weak({}), weak({}), weak({})};
   std::array<int, kWords> input{-1, -1, -1, -1};
 };
 struct Pending {  // a call whose words are not judged yet (a graph-captured call's: no event)
@@ -470,7 +479,8 @@ std::unordered_map<int64_t, std::weak_ptr<Core>>& registry() {  // handle -> op,
 [[noreturn]] void raise_bad(const Core& core, const Checked& c, int k, PyObject* when) {
   Gil g;
   Ref handle(PyLong_FromLongLong((long long)core.handle));
-  Ref p(THPVariable_Wrap(c.values[k]));
+  at::Tensor values = lock(c.values[k]);
+  Ref p(values.defined() ? THPVariable_Wrap(values) : Py_NewRef(Py_None));
   const std::string& name = core.names[(size_t)c.input[k]];
   Ref n(PyUnicode_FromStringAndSize(name.data(), (Py_ssize_t)name.size()));
   Ref r(PyObject_CallFunctionObjArgs(cfg.raise_bad, handle.p, p.p, when, n.p, nullptr));
@@ -623,7 +633,7 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
              const at::Tensor* t, void* stream) {
   Checked values;
   for (auto& c : b.checks) {
-    values.values[c[1]] = t[c[0]];
+    values.values[c[1]] = weak(t[c[0]]);
     values.input[c[1]] = c[0];
   }
   Pool& pool = pool_for(b.device);

@@ -27,6 +27,14 @@ word is reused only after its call was judged, never while a stream may still wr
 graph capture no event is recorded: a captured call's word is kept for the graph (never reused), and
 ``op.check()`` reads it after a replay (synchronise first) and clears it for the next replay.
 
+To name the bad value, the tracker keeps a weak reference to each checked input of a pending or
+captured call, never a strong one: keeping the tensor alive until the report would hold memory the
+caller freed, which torch's CUDA-graph trees (``torch.compile(mode="reduce-overhead")``) refuse, as
+they free a recording's inputs and then check that nothing else holds their pool. A report whose
+tensor was freed by then (a temporary passed to a deferred call) says so instead of naming the index
+(:func:`unnamed`); the tensor's values when the report is made are the ones named (a tensor changed
+since the kernel read it may no longer hold the bad value, and the report says that too).
+
 The tracker that defers is the native extension's (:mod:`tileops.runtime.native`), the one
 implementation. Without the extension (``TILEOPS_NATIVE=0``, no compiler) nothing is deferred:
 :class:`tileops.runtime.executor.PythonRuntime` judges a call that checks values at the call itself,
@@ -47,7 +55,7 @@ import torch
 
 from . import native
 
-__all__ = ["strict", "is_strict", "WORDS", "Words", "words_for", "driver_addresses", "make_event", "WHEN_NOW", "WHEN_EARLIER",
+__all__ = ["strict", "is_strict", "unnamed", "WORDS", "Words", "words_for", "driver_addresses", "make_event", "WHEN_NOW", "WHEN_EARLIER",
            "WHEN_GRAPH"]
 
 #: error entries per chunk of a device's pool (a chunk is 64 KiB of pinned memory)
@@ -92,6 +100,15 @@ def strict(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         swap(before)
+
+
+def unnamed(values: "torch.Tensor | None") -> str:
+    """Why a report cannot name the bad value's index: its tensor was freed before the report (None),
+    or no longer holds a bad value (changed since the kernel read it)."""
+    if values is None:
+        return ("the tensor was freed before this report, so its index is unknown: check the call with "
+                "op.check() right after it, or in tileops.strict(), to have it named")
+    return "the tensor has changed since, so its index is unknown"
 
 
 def is_strict() -> bool:

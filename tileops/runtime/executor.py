@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -50,7 +51,7 @@ class PythonRuntime:
 
     def __init__(self, handle: int):
         self.handle = handle
-        self._graph: list[tuple[Any, int, int, torch.Tensor]] = []  # words of captured calls
+        self._graph: list[tuple[Any, int, int, list]] = []  # words of captured calls
         self._lock = threading.Lock()
 
     def clear(self) -> None:
@@ -119,9 +120,10 @@ class PythonRuntime:
         except BaseException:
             words.give_back(w)
             raise
-        if capturing:  # replays write the words: check() reads and clears them
+        if capturing:  # replays write the words: check() reads and clears them; the tensors are
+            # referred to weakly, as the native tracker does (tileops.runtime.errors says why)
             with self._lock:
-                self._graph.append((words, w, tag, checked))
+                self._graph.append((words, w, tag, [(k, weakref.ref(t), name) for k, t, name in checked]))
             return
         if words.cuda:  # without the extension nothing is deferred: judged now
             torch.cuda.current_stream(kernel.device_index).synchronize()
@@ -140,7 +142,7 @@ class PythonRuntime:
                 bad = _bad(words, w, tag, checked)
             words.clear(w)
         if bad is not None:
-            library.raise_bad(self.handle, bad[1], errors.WHEN_GRAPH, bad[2])
+            library.raise_bad(self.handle, bad[1](), errors.WHEN_GRAPH, bad[2])
 
 
 def _bad(words: Any, w: int, tag: int, checked: list) -> Any:

@@ -63,10 +63,11 @@ def lookup(handle: int) -> Any:
     return op
 
 
-def raise_bad(handle: int, values: torch.Tensor, when: str, name: str = "") -> None:
-    """Raise the error of a call whose kernel found a value of its checked input ``name`` (``values``)
-    out of range (the runtime's tracker calls this; ``when`` is one of :mod:`tileops.runtime.errors`'
-    words). An op whose kernel checks one input only may leave ``name`` empty."""
+def raise_bad(handle: int, values: "torch.Tensor | None", when: str, name: str = "") -> None:
+    """Raise the error of a call whose kernel found a value of its checked input ``name`` (``values``,
+    or None when that tensor was freed before the report) out of range (the runtime's tracker calls
+    this; ``when`` is one of :mod:`tileops.runtime.errors`' words). An op whose kernel checks one
+    input only may leave ``name`` empty."""
     lookup(handle)._raise_bad_value(name, values, when)
 
 
