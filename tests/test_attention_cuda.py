@@ -102,7 +102,9 @@ def test_graph_replays_on_new_data_positions_and_slots(gen):
 
 def test_bad_positions_and_slots_deferred_and_never_out_of_bounds(gen):
     """A bad position or slot is reported at a later sync point (``op.check()``), not at the call, and
-    nothing past the cache is written; ``tileops.strict()`` raises at the call."""
+    nothing past the cache is written; ``tileops.strict()`` raises at the call. The report names the
+    bad index while the caller holds the tensor; one freed before the report (the tracker holds it
+    weakly) is reported without it."""
     rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]  # max_position 8192
     op = AttnPrologueFwdOp(8, 1, 64, rope)
     qkv = torch.randn(4, 10 * 64, generator=gen).to(torch.bfloat16).to(DEV)
@@ -112,11 +114,19 @@ def test_bad_positions_and_slots_deferred_and_never_out_of_bounds(gen):
     good = torch.tensor([0, 1, 2, 3], device=DEV)
     op(qkv, good, kc, vc, good)
     op.check()
-    op(qkv, torch.tensor([0, 1, 8192, 3], device=DEV), kc, vc, good)  # no raise here: deferred
-    with pytest.raises(ValueError, match=r"positions: expected every value in \[0, max_position=8192\)"):
+    bad_pos = torch.tensor([0, 1, 8192, 3], device=DEV)
+    op(qkv, bad_pos, kc, vc, good)  # no raise here: deferred
+    with pytest.raises(ValueError, match=r"positions: expected every value in \[0, max_position=8192\) of "
+                                         r"RoPENeoxPositionIdsFwdOp, got positions\[2\] = 8192 \(reported for an earlier"):
         op.check()
-    op(qkv, good, kc, vc, torch.tensor([0, 16, 2**40, 3], device=DEV))
-    with pytest.raises(ValueError, match=r"slot_mapping: expected every slot below num_blocks \* block_size = 16"):
+    bad_slots = torch.tensor([0, 16, 2**40, 3], device=DEV)
+    op(qkv, good, kc, vc, bad_slots)
+    with pytest.raises(ValueError, match=r"slot_mapping: expected every slot below num_blocks \* block_size = 16 "
+                                         r"\(or negative: skipped\), got slot_mapping\[1\] = 16 \(reported"):
+        op.check()
+    op(qkv, good, kc, vc, torch.tensor([0, 1, 16, 3], device=DEV))  # a temporary: freed before the report
+    with pytest.raises(ValueError, match=r"slot_mapping: expected every slot below num_blocks \* block_size = 16 .*"
+                                         r"the tensor was freed before this report"):
         op.check()
     with tileops.strict(), pytest.raises(ValueError, match="positions"):
         op(qkv, torch.tensor([-1, 1, 2, 3], device=DEV), kc, vc, good)

@@ -80,7 +80,8 @@ def test_a_report_whose_tensor_was_freed_or_changed_says_so_and_names_the_rest()
     assert errors.WHEN_EARLIER in str(freed.value) and "freed before this report" in str(freed.value)
     with pytest.raises(ValueError, match=r"has changed since, so its index is unknown"):
         rope._raise_bad_value("position_ids", torch.tensor([0, 999]), errors.WHEN_GRAPH)
-    with pytest.raises(ValueError, match=r"got position_ids\[1\] = 1000 \(in a CUDA graph replay\)$"):
+    with pytest.raises(ValueError, match=r"got position_ids\[1\] = 1000 \(in a CUDA graph replay, whose kernel read "
+                                         r"it as position 0\)$"):
         rope._raise_bad_value("position_ids", torch.tensor([0, 1000]), errors.WHEN_GRAPH)
 
     op = AttnPrologueFwdOp(4, 2, 64, rope)
@@ -88,8 +89,10 @@ def test_a_report_whose_tensor_was_freed_or_changed_says_so_and_names_the_rest()
                                          r"the kernel read one outside; the tensor was freed"):
         op._raise_bad_value("positions", None)
     op.note_slot_limit(32)
-    with pytest.raises(ValueError, match=r"^AttnPrologueFwdOp: slot_mapping: expected every slot below .*; the kernel "
-                                         r"read one past the cache \(in a CUDA graph replay\); the tensor was freed"):
+    with pytest.raises(ValueError, match=r"^AttnPrologueFwdOp: slot_mapping: expected every slot below num_blocks \* "
+                                         r"block_size = 32 \(or negative: skipped\); the kernel read one past the cache "
+                                         r"\(in a CUDA graph replay, whose kernel skipped that token's cache write\); "
+                                         r"the tensor was freed"):
         op._raise_bad_value("slot_mapping", None, errors.WHEN_GRAPH)
     with pytest.raises(ValueError, match=r"got slot_mapping\[2\] = 32$"):
         op._raise_bad_value("slot_mapping", torch.tensor([-1, 31, 32]))

@@ -131,14 +131,15 @@ class RoPEHooks(Op):
         limit = self.position_limit()
         bound = "max_position" if "max_position" in self.params else "2^24"
         of = "" if op_name == self.name else f" of {self.name}"
+        # a call reported after it ran has its output: made with the bad position read as 0
+        when = f" ({when}, whose kernel read it as position 0)" if when else ""
         bad = ((positions < 0) | (positions >= limit)).nonzero() if positions is not None else None
         if bad is None or bad.shape[0] == 0:
             raise ValueError(f"{op_name}: {arg}: expected every value in [0, {bound}={limit}){of}; the kernel "
-                             f"read one outside{f' ({when})' if when else ''}; {unnamed(positions)}")
+                             f"read one outside{when}; {unnamed(positions)}")
         idx = tuple(int(i) for i in bad[0])
         raise ValueError(f"{op_name}: {arg}: expected every value in [0, {bound}={limit}){of}, "
-                         f"got {arg}[{', '.join(map(str, idx))}] = {int(positions[idx])}"
-                         + (f" ({when})" if when else ""))
+                         f"got {arg}[{', '.join(map(str, idx))}] = {int(positions[idx])}{when}")
 
 
 class RoPEFwdHooks(RoPEHooks):

@@ -68,7 +68,7 @@ _tags = itertools.count(1)
 
 #: how a reported call is named in the error, after the op's name and position (``when``)
 WHEN_NOW = ""
-WHEN_EARLIER = "reported for an earlier call of this op, whose kernel read the position as 0"
+WHEN_EARLIER = "reported for an earlier call of this op"
 WHEN_GRAPH = "in a CUDA graph replay"
 
 #: ``TILEOPS_STRICT`` is read once, when tileops is imported (reading the environment costs about
