@@ -117,7 +117,8 @@ def test_bad_positions_and_slots_deferred_and_never_out_of_bounds(gen):
     bad_pos = torch.tensor([0, 1, 8192, 3], device=DEV)
     op(qkv, bad_pos, kc, vc, good)  # no raise here: deferred
     with pytest.raises(ValueError, match=r"positions: expected every value in \[0, max_position=8192\) of "
-                                         r"RoPENeoxPositionIdsFwdOp, got positions\[2\] = 8192 \(reported for an earlier"):
+                                         r"RoPENeoxPositionIdsFwdOp, got positions\[2\] = 8192 "
+                                         r"\(reported for an earlier"):
         op.check()
     bad_slots = torch.tensor([0, 16, 2**40, 3], device=DEV)
     op(qkv, good, kc, vc, bad_slots)

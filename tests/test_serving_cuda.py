@@ -166,7 +166,8 @@ def test_cuda_graph_replays_new_data_and_positions_with_key_and_out(on):
     pos[3] = 1 << 24
     g.replay()
     torch.cuda.synchronize()
-    with pytest.raises(ValueError, match=r"position_ids\[3\] = 16777216 \(in a CUDA graph replay, whose kernel read it as position 0\)"):
+    with pytest.raises(ValueError, match=r"position_ids\[3\] = 16777216 \(in a CUDA graph replay, whose kernel "
+                                         r"read it as position 0\)"):
         op.check()
     pos[3] = 7
     g.replay()

@@ -141,13 +141,16 @@ class AttnPrologueFwdHooks(Op):
             # named only where it is past every one of them, so a slot valid for its own cache never is
             limits = self.__dict__.get("_slot_limits") or set()
             limit = max(limits, default=None)
-            below = ("num_blocks * block_size" + (f" = {limit}" if len(limits) == 1 else
-                     f" (this op's caches hold {', '.join(map(str, sorted(limits)))})" if limits else ""))
+            below = "num_blocks * block_size"
+            if len(limits) == 1:
+                below += f" = {limit}"
+            elif limits:
+                below += f" (this op's caches hold {', '.join(map(str, sorted(limits)))})"
             # a call reported after it ran has written the cache, but for the bad slot's token
             when = f" ({when}, whose kernel skipped that token's cache write)" if when else ""
             bad = (values >= limit).nonzero() if limit is not None and values is not None else None
             if bad is None or bad.shape[0] == 0:
-                why = unnamed(values) if values is None or limit is not None else "its cache's size is unknown"
+                why = "its cache's size is unknown" if limit is None and values is not None else unnamed(values)
                 raise ValueError(f"{self.name}: slot_mapping: expected every slot below {below} (or negative: "
                                  f"skipped); the kernel read one past the cache{when}; {why}")
             i = int(bad[0, 0])

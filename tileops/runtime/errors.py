@@ -55,8 +55,8 @@ import torch
 
 from . import native
 
-__all__ = ["strict", "is_strict", "unnamed", "WORDS", "Words", "words_for", "driver_addresses", "make_event", "WHEN_NOW", "WHEN_EARLIER",
-           "WHEN_GRAPH"]
+__all__ = ["strict", "is_strict", "unnamed", "WORDS", "Words", "words_for", "driver_addresses", "make_event",
+           "WHEN_NOW", "WHEN_EARLIER", "WHEN_GRAPH"]
 
 #: error entries per chunk of a device's pool (a chunk is 64 KiB of pinned memory)
 CHUNK = 4096
