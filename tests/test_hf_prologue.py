@@ -10,6 +10,7 @@ eagerly and with ``model.forward`` compiled (``aot_eager``, ``fullgraph=True``).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 
@@ -20,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.cache_utils import StaticLayer  # noqa: E402
 
+from tests.test_hf import _rel  # noqa: E402
 from tileops.integrations import transformers as tt  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -48,9 +50,14 @@ def _model(kind: str, gen: torch.Generator) -> torch.nn.Module:
     return m
 
 
+def _generate_output(model: torch.nn.Module, ids: torch.Tensor, new: int = 8, **extra):
+    """Greedy static-cache generation of ``new`` tokens: transformers' whole output."""
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                          cache_implementation="static", return_dict_in_generate=True, **extra)
+
+
 def _generate(model: torch.nn.Module, ids: torch.Tensor, new: int = 8, **extra):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                         cache_implementation="static", return_dict_in_generate=True, **extra)
+    out = _generate_output(model, ids, new, **extra)
     return out.sequences, out.past_key_values
 
 
@@ -124,18 +131,25 @@ class _AotEager:
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
-def _compiled_generate(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, object, list]:
-    """``_generate`` with ``model.forward`` compiled whole (``fullgraph=True``; no HF compile of its
-    own): the tokens, the static cache and the graphs compiled."""
-    backend = _AotEager()
+@contextlib.contextmanager
+def _forward_compiled(model: torch.nn.Module, backend: object = "inductor"):
+    """``model.forward`` compiled whole (``fullgraph=True``) by ``backend`` inside the block, the
+    model's own forward and a fresh Dynamo after it."""
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
     try:
-        with torch.no_grad():
-            tokens, cache = _generate(model, ids, disable_compile=True)
+        yield
     finally:
         del model.forward
         torch._dynamo.reset()
+
+
+def _compiled_generate(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, object, list]:
+    """``_generate`` with ``model.forward`` compiled whole (no HF compile of its own): the tokens,
+    the static cache and the graphs compiled."""
+    backend = _AotEager()
+    with _forward_compiled(model, backend), torch.no_grad():
+        tokens, cache = _generate(model, ids, disable_compile=True)
     return tokens, cache, backend.graphs
 
 
@@ -276,20 +290,10 @@ def test_prologue_needs_rope_and_a_served_model_type(gen):
 
 # ---------------------------------------------------------------------------------- bf16 on the GPU
 def _bf16_generate(model: torch.nn.Module, ids: torch.Tensor, new: int, compiled: bool):
-    """Greedy static-cache generation: the tokens, each step's logits and the cache; ``compiled``:
+    """Greedy static-cache generation: the new tokens, each step's logits and the cache; ``compiled``:
     ``model.forward`` compiled whole by Inductor (HF's own compile off), as a serving loop would."""
-    if compiled:
-        torch._dynamo.reset()
-        model.forward = torch.compile(model.forward, fullgraph=True)
-    try:
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                                 cache_implementation="static", return_dict_in_generate=True, output_logits=True,
-                                 disable_compile=True)
-    finally:
-        if compiled:
-            del model.forward
-            torch._dynamo.reset()
+    with _forward_compiled(model) if compiled else contextlib.nullcontext(), torch.no_grad():
+        out = _generate_output(model, ids, new, output_logits=True, disable_compile=True)
     return out.sequences[:, ids.shape[1]:], [lg.float() for lg in out.logits], out.past_key_values
 
 
@@ -314,7 +318,8 @@ def check_bf16_generate(kind: str, compiled: bool, gen: torch.Generator, device:
     assert rep["prologue_fallbacks"] == [] and len(rep["prologue"]) == 1, rep["prologue_fallbacks"]
     assert rep["prologue"][0].params["qk_norm"] == (kind == "qwen3")
     assert not any(torch.isnan(lg).any() for lg in got_logits), "NaN in the patched model's logits"
-    assert _rel(got_logits[0], want_logits[0]) < 3e-2, f"prefill logits: {_rel(got_logits[0], want_logits[0]):.3g}"
+    rel = _rel(got_logits[0], want_logits[0])
+    assert rel < 3e-2, f"the logits after the prefill differ by {rel:.3g}"
     prompt = ids.shape[1]
     for i, (a, b) in enumerate(zip(got_cache.layers, want_cache.layers, strict=True)):
         for what in ("keys", "values"):
@@ -329,10 +334,6 @@ def check_bf16_generate(kind: str, compiled: bool, gen: torch.Generator, device:
             assert gap <= 3e-2 * float(scores.abs().max()), (
                 f"row {row}, step {step}: token {int(got[row, step])} scores {gap:.4f} below the unpatched "
                 f"model's best {int(want[row, step])} (largest logit {float(scores.abs().max()):.3f}): not a near tie")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
 @pytest.mark.cuda
