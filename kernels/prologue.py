@@ -23,9 +23,10 @@ Inputs (all flat buffers addressed by element strides, as the rope and norm buil
   wider projection output is fine).
 * ``P``: ``[S]`` positions (int32/int64), contiguous; with ``mrope_section``, ``[3, S]``: three
   streams (temporal, height, width), stream ``i`` at ``P[i * psc :]``. One outside ``[0, limit)``
-  reads as position 0 (no table row past the end is touched) and writes ``tag`` into ``ERR[0]``.
+  reads as position 0 (no table row past the end is touched) and is reported as the entry ``ERR``'s
+  checked input 0 (:mod:`tileops.kernels.report`: the call's tag, the element's offset and value).
 * ``SL``: ``[S]`` cache slots (int32/int64). A negative slot skips the token's k and v (vLLM's
-  padding slot -1); a slot at or past ``nslots`` writes ``tag`` into ``ERR[1]`` and skips them, so
+  padding slot -1); a slot at or past ``nslots`` is reported as checked input 1 and skips them, so
   no cache row past the end is written. q is written whatever the slot.
 * ``TD``: the rope family's digit tables ``[3, 256, 2, R/2]`` (``tileops.rope.tables``): any rope
   variant's frequencies and amplitude reach this kernel as they reach the rope kernel.
@@ -50,6 +51,8 @@ from .norm import CUDA_HELPERS, NormKernelSpec, lane_allsum, lane_rstd, lane_val
 from .rope import (DIGITS, LO, RoPEKernelSpec, angles, lane_angles, pair_angle, pair_offsets, position, rotate,
                    rotate_vals, store_one)
 from .float8 import STORE_SOURCE, e4m3_bits, reciprocal_scale, store_e4m3
+from .report import CUDA_SOURCE as REPORT_SOURCE
+from .report import ENTRY, report
 from .storage import load_f32, storage_dtype
 
 #: ``tilelang.language``, imported when a kernel is first built (:func:`build_prologue`)
@@ -253,7 +256,7 @@ def _signature(spec: PrologueKernelSpec, storage: str) -> dict:
                 TD=T.Tensor((DIGITS, LO, 2, half), "float32"), QW=T.Tensor((D,), storage),
                 KW=T.Tensor((D,), storage), Q=T.Tensor((NQ,), storage), KC=T.Tensor((NK,), cache),
                 VC=T.Tensor((NV,), cache), KS=T.Tensor((1,), "float32"), VS=T.Tensor((1,), "float32"),
-                ERR=T.Tensor((2,), "int32"))
+                ERR=T.Tensor((ENTRY,), "int32"))  # the call's error entry (kernels/report.py)
 
 
 def build_prologue(spec: PrologueKernelSpec):
@@ -266,6 +269,7 @@ def build_prologue(spec: PrologueKernelSpec):
     dt = spec.dtype
     st = storage_dtype(dt, spec.backend)
     angles_of = angles(spec.rope_spec)
+    bad_slot = report("c")
     rotate_row = rotate(spec.rope_spec, row=True)
     normed = norm_row(spec.norm_spec) if spec.qk_norm else None
 
@@ -323,7 +327,7 @@ def build_prologue(spec: PrologueKernelSpec):
             for h in T.serial(HQ):
                 head(QKV, f, xo + T.cast(h, "int64") * D, QW, acc, eps, cst, Q, qo + T.cast(h, "int64") * qsh)
             if slot >= nslots:
-                ERR[1] = tag
+                bad_slot(ERR, 1, tag, t, slot)
             if slot >= 0 and slot < nslots:
                 co = (slot // bs) * csb + (slot % bs) * csr
                 for h in T.serial(HKV):
@@ -403,6 +407,7 @@ def _build_cuda(spec: PrologueKernelSpec):
     mrope = spec.mrope_section is not None
     rs, ns = spec.rope_spec, spec.norm_spec
     pos, rotated, store = position(rs), rotate_vals(rs), store_one(rs)
+    bad_slot = report("cuda")
     angles_of = lane_angles(rs)
     norm = spec.qk_norm
     share, pairs = spec.share_angles, spec.pair_angles
@@ -450,7 +455,7 @@ def _build_cuda(spec: PrologueKernelSpec):
     sig = _signature(spec, dt)
     # the norm's helpers (tileops_xor_lane, and the same tileops_st16 as the rope stage's stores), and
     # for a float8 cache the conversion: TileLang keeps one import_source per kernel
-    helpers = CUDA_HELPERS + (STORE_SOURCE if fp8 else "")
+    helpers = CUDA_HELPERS + (STORE_SOURCE if fp8 else "") + REPORT_SOURCE
 
     @T.prim_func
     def prologue_cuda(QKV: sig["QKV"], P: sig["P"], SL: sig["SL"], TD: sig["TD"], QW: sig["QW"], KW: sig["KW"],
@@ -526,7 +531,7 @@ def _build_cuda(spec: PrologueKernelSpec):
                         CSS[tx // NT, 1, j0 + v] = sn[v]
             slot = T.cast(SL[ts], "int64")
             if live and slot >= nslots and tx % (L * HL) == 0:
-                ERR[1] = tag
+                bad_slot(ERR, 1, tag, ts, slot)
             kept = slot >= 0 and slot < nslots  # k and v written; a bad slot is never an address
             co = T.alloc_var("int64")  # the slot's cache row; variables: computed once, not per store
             co = T.int64(0)

@@ -57,6 +57,8 @@ rows. The loads and stores of x are the same 16-byte accesses either way.
 from dataclasses import dataclass
 from typing import Any
 
+from .report import CUDA_SOURCE as REPORT_SOURCE
+from .report import ENTRY, report
 from .storage import load_f32, storage_dtype, to_storage
 
 #: ``tilelang.language``, imported when a kernel is first built (:func:`_tl`): the spec class and the
@@ -223,8 +225,9 @@ def build_rope(spec: RoPEKernelSpec):
     ``X``, ``Y``, ``K``, ``KY`` are flat buffers of the element type addressed through the strides
     that follow, in units of ``spec.stride_unit`` elements; ``TD[3, 256, 2, R/2]`` the fp32 digit
     tables; with positions ``P`` (flat, int32/int64, element ``(b, s)`` at ``b * psb + s * pss``, plus
-    ``stream * psc`` with MRoPE), ``ERR[1]`` (int32, set to ``tag`` when a position lies outside
-    ``[0, limit)``; that position reads as 0, so no table is ever indexed out of bounds), ``limit``
+    ``stream * psc`` with MRoPE), ``ERR`` (the call's error entry: a position outside ``[0, limit)``
+    is reported there, :mod:`tileops.kernels.report`, and reads as 0, so no table is ever indexed
+    out of bounds), ``limit``
     and ``tag``; without positions these are not read (``P`` is then declared int32).
     """
     _tl()
@@ -256,21 +259,24 @@ def position(spec: RoPEKernelSpec):
     """The position read: a macro ``p = position(P, ERR, psb, pss, limit, tag, b, s, stream=None,
     psc=None, word=0)``, the position of row ``(b, s)``: ``s`` itself (``spec.positions`` None), or
     ``P[b * psb + s * pss]`` checked against ``[0, limit)``; one outside reads as 0 (so no table row
-    past the end is ever indexed) and writes the call's ``tag`` into ``ERR[word]``. With ``stream``
+    past the end is ever indexed) and is reported as checked input ``word`` of the call's entry ``ERR``
+    (:func:`tileops.kernels.report.report`: the tag, the element's offset and value). With ``stream``
     (MRoPE), the position of that stream, ``P[stream * psc + b * psb + s * pss]``."""
     _tl()
     by_ids = spec.positions is not None
+    bad = report(spec.backend)
 
     @T.macro
     def position(P, ERR, psb, pss, limit, tag, b, s, stream=None, psc=None, word=0):
         p = T.alloc_var("int64")
         if by_ids:
             if stream is None:
-                raw = T.cast(P[T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
+                at = T.cast(b, "int64") * psb + T.cast(s, "int64") * pss
             else:
-                raw = T.cast(P[stream * psc + T.cast(b, "int64") * psb + T.cast(s, "int64") * pss], "int64")
+                at = stream * psc + T.cast(b, "int64") * psb + T.cast(s, "int64") * pss
+            raw = T.cast(P[at], "int64")
             if raw < 0 or raw >= limit:
-                ERR[word] = tag
+                bad(ERR, word, tag, at, raw)
                 p = 0
             else:
                 p = raw
@@ -388,7 +394,9 @@ def _signature(spec: RoPEKernelSpec, storage: str):
     return dict(
         X=T.Tensor((NX,), storage), Y=T.Tensor((NY,), storage), K=T.Tensor((NK,), storage),
         KY=T.Tensor((NKY,), storage), TD=T.Tensor((DIGITS, LO, 2, half), "float32"),
-        P=T.Tensor((NP,), spec.positions or "int32"), ERR=T.Tensor((1,), "int32"),
+        P=T.Tensor((NP,), spec.positions or "int32"),
+        # a kernel with positions reports a bad one in its call's error entry (kernels/report.py)
+        ERR=T.Tensor((ENTRY if spec.positions else 1,), "int32"),
     )
 
 
@@ -632,6 +640,7 @@ def _build_cuda(spec: RoPEKernelSpec):
     threads = spec.block_threads
     GROUP = spec.group
     mrope = spec.mrope_section is not None
+    by_ids = spec.positions is not None
     sig = _signature(spec, dt)
 
     def heads(n):
@@ -683,7 +692,7 @@ def _build_cuda(spec: RoPEKernelSpec):
     @T.macro
     def body(X, Y, K, KY, TD, P, ERR, S, H, HK, xsb, xss, xsh, ysb, yss, ysh, ksb, kss, ksh, kysb, kyss, kysh,
              psb, pss, psc, limit, tag, bx, bb):
-        T.import_source(CUDA_HELPERS)
+        T.import_source(CUDA_HELPERS + (REPORT_SOURCE if by_ids else ""))  # one import_source a kernel
         tx = T.get_thread_binding()
         lane = tx % CL
         tok = (tx // CL) % TOK

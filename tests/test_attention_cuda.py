@@ -103,8 +103,8 @@ def test_graph_replays_on_new_data_positions_and_slots(gen):
 def test_bad_positions_and_slots_deferred_and_never_out_of_bounds(gen):
     """A bad position or slot is reported at a later sync point (``op.check()``), not at the call, and
     nothing past the cache is written; ``tileops.strict()`` raises at the call. The report names the
-    bad index while the caller holds the tensor; one freed before the report (the tracker holds it
-    weakly) is reported without it."""
+    bad index while the caller holds the tensor, and from the kernel's record when the tensor was
+    freed before the report (the tracker holds it weakly)."""
     rope = VARIANTS["RoPENeoxPositionIdsFwdOp"]  # max_position 8192
     op = AttnPrologueFwdOp(8, 1, 64, rope)
     qkv = torch.randn(4, 10 * 64, generator=gen).to(torch.bfloat16).to(DEV)
@@ -125,9 +125,13 @@ def test_bad_positions_and_slots_deferred_and_never_out_of_bounds(gen):
     with pytest.raises(ValueError, match=r"slot_mapping: expected every slot below num_blocks \* block_size = 16 "
                                          r"\(or negative: skipped\), got slot_mapping\[1\] = 16 \(reported"):
         op.check()
-    op(qkv, good, kc, vc, torch.tensor([0, 1, 16, 3], device=DEV))  # a temporary: freed before the report
-    with pytest.raises(ValueError, match=r"slot_mapping: expected every slot below num_blocks \* block_size = 16 .*"
-                                         r"the tensor was freed before this report"):
+    # temporaries, freed before the report: the kernel's record names the first bad element
+    op(qkv, good, kc, vc, torch.tensor([0, 1, 16, 17], device=DEV))
+    with pytest.raises(ValueError, match=r"slot_mapping: expected every slot below num_blocks \* block_size = 16 "
+                                         r"\(or negative: skipped\), got slot_mapping\[2\] = 16 \(reported"):
+        op.check()
+    op(qkv, torch.tensor([0, 9000, 1, -5], device=DEV), kc, vc, good)
+    with pytest.raises(ValueError, match=r"got positions\[1\] = 9000 \(reported for an earlier"):
         op.check()
     with tileops.strict(), pytest.raises(ValueError, match="positions"):
         op(qkv, torch.tensor([-1, 1, 2, 3], device=DEV), kc, vc, good)

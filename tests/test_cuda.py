@@ -134,6 +134,30 @@ def test_sequence_op_position_out_of_range_cuda(bad):
         op.check()
 
 
+@pytest.mark.parametrize("case", ["ids", "2d", "int64-beyond"])
+def test_a_temporary_position_tensor_is_named_from_the_kernels_record(case):
+    """``op(x, position_ids=pos.to("cuda"))``: the positions are freed before the deferred report, so
+    it names the first bad element from the kernel's record (kernels/report.py), at its index in the
+    caller's tensor, as a report of a tensor the caller keeps does; a later bad element is not the
+    one named, and a value past int32 is named as saturated."""
+    if case == "ids":
+        op, x = RoPENeoxPositionIdsFwdOp(8192), torch.randn(100, 4, 64, device="cuda", dtype=torch.float16)
+        pos = torch.arange(100)
+        pos[64], pos[80], want = 16777216, -1, r"position_ids\[64\] = 16777216 "
+    else:
+        op, x = RoPEFwdOp(input_layout="2d"), torch.randn(2, 100, 2, 64, device="cuda", dtype=torch.float16)
+        pos = torch.arange(200).view(2, 100) % 100
+        if case == "2d":
+            pos[1, 64], pos[1, 90], want = 2**24, -3, r"position_ids\[1, 64\] = 16777216 "
+        else:
+            pos[0, 5], pos[1, 0], want = 2**40, -1, r"position_ids\[0, 5\] = 2147483647 or more "
+    op(x, position_ids=pos.to("cuda"))  # the device copy is gone when the call returns
+    with pytest.raises(ValueError, match=want + r"\(reported for an earlier call"):
+        op.check()
+    op(x, position_ids=torch.zeros_like(pos).to("cuda"))
+    op.check()  # the entry's record was cleared: nothing left to report
+
+
 def test_decode_many_calls_no_recompile():
     from tileops.compile import build
 

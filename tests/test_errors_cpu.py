@@ -96,3 +96,83 @@ def test_a_report_whose_tensor_was_freed_or_changed_says_so_and_names_the_rest()
         op._raise_bad_value("slot_mapping", None, errors.WHEN_GRAPH)
     with pytest.raises(ValueError, match=r"got slot_mapping\[2\] = 32$"):
         op._raise_bad_value("slot_mapping", torch.tensor([-1, 31, 32]))
+
+
+def _record(offset: int, value: int) -> tuple[int, int]:
+    """The two words kernels/report.py stores for a bad element at ``offset`` holding ``value``."""
+    from tileops.kernels import report
+
+    stored = report.RECORD_MAX - ((offset << 32) | (value & 0xFFFFFFFF))
+    signed = (lambda w: w - (1 << 32) if w & 0x80000000 else w)
+    return signed(stored & 0xFFFFFFFF), signed(stored >> 32)
+
+
+def test_a_record_is_placed_at_the_index_its_strides_give():
+    """errors.found turns a record's offset back into an index with the strides the tensor was
+    launched with: a contiguous row, a transposed view, a broadcast (stride 0: index 0); an offset
+    the sizes cannot hold, an empty entry and unknown strides name nothing; a value saturated at
+    int32's range says so."""
+    from tileops.runtime.errors import BadValue, found
+
+    assert found(*_record(64, 16777216), (100,), (1,)) == BadValue((64,), 16777216)
+    assert str(found(*_record(64, 16777216), (100,), (1,))) == "[64] = 16777216"
+    assert found(*_record(2 * 100 + 7, -3), (3, 100), (100, 1)) == BadValue((2, 7), -3)
+    assert found(*_record(7 * 3 + 2, 5), (3, 100), (1, 3)) == BadValue((2, 7), 5)  # a transposed view
+    assert found(*_record(9, 5), (4, 100), (0, 1)) == BadValue((0, 9), 5)  # expanded along dim 0
+    assert found(*_record(2, 5), (3, 100), (1, 3)) == BadValue((2, 0), 5)
+    assert found(*_record(300, 5), (3, 100), (100, 1)) is None  # past the tensor
+    assert found(*_record(301, 5), (3, 100), (200, 2)) is None  # between its elements
+    assert found(0, 0, (3,), (1,)) is None and found(*_record(1, 5), None, None) is None
+    beyond = found(*_record(1, 2**31 - 1), (3,), (1,))
+    assert beyond.beyond and str(beyond) == "[1] = 2147483647 or more"
+    assert str(found(*_record(1, -(2**31)), (3,), (1,))) == "[1] = -2147483648 or less"
+
+
+def test_the_c_kernels_record_the_first_bad_element():
+    """The record a kernel writes (kernels/report.py) holds the bad element at the smallest offset
+    and its value, whichever order the kernel meets them in: RoPE's positions (1-d, 2-d, a strided
+    view, a broadcast, a value past int32) and the prologue's slots; and the report of a live tensor
+    names the same element as the record."""
+    from tileops.attention import AttnPrologueFwdOp
+    from tileops.rope import RoPEFwdOp
+
+    seen: list = []
+
+    def spy(op: Any) -> Any:
+        real = op._raise_bad_value
+
+        def record(name: str, values: Any, when: str = "", found: Any = None) -> None:
+            seen.append(str(found))
+            real(name, values, when, found)
+
+        op._raise_bad_value = record
+        return op
+
+    rope = spy(RoPEFwdOp(input_layout="2d"))
+    x = torch.zeros(2, 100, 2, 16)
+    ids = torch.arange(100)
+    ids[64], ids[70] = 16777216, -3
+    rows = torch.arange(200).view(2, 100) % 100
+    rows[1, 90], rows[1, 5] = -7, 99999999
+    wide = torch.arange(300).view(100, 3)
+    wide[80, 1], wide[64, 1] = -5, 16777216
+    line = torch.arange(100)
+    line[77] = 1 << 40
+    cases = [(ids, "[64] = 16777216"), (rows, "[1, 5] = 99999999"), (wide[:, 1], "[64] = 16777216"),
+             (line.expand(2, 100), "[0, 77] = 2147483647 or more")]
+    for pos, want in cases:
+        with pytest.raises(ValueError) as e:
+            rope(x, position_ids=pos)
+        assert seen[-1] == want, (want, seen[-1])
+        if "or more" not in want:
+            assert f"position_ids{want}" in str(e.value)
+
+    pro = spy(AttnPrologueFwdOp(2, 1, 16, RoPENeoxPositionIdsFwdOp(64)))
+    qkv = torch.zeros(5, 4 * 16)
+    kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    with pytest.raises(ValueError, match=r"got slot_mapping\[2\] = 8$"):
+        pro(qkv, torch.arange(5), kc, vc, torch.tensor([0, -1, 8, 3, 9]))
+    assert seen[-1] == "[2] = 8"
+    with pytest.raises(ValueError, match=r"got positions\[1\] = 64$"):
+        pro(qkv, torch.tensor([0, 64, 1, -2, 3]), kc, vc, torch.arange(5))
+    assert seen[-1] == "[1] = 64"

@@ -24,6 +24,7 @@ import tileops
 from tests.paths import both, native_module, on_python
 from tests.references import reference
 from tileops.compile.entry import build_c_library
+from tileops.kernels import report
 from tileops.runtime import errors, library, native
 from tileops.rope import Phi3LongRoPEFwdOp, RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
 from tileops.testing import tolerance
@@ -491,10 +492,22 @@ class _FakeDriver:
 
 
 class _Judged:
-    """Stands in for an op: the tracker's errors name the call (its positions' first value)."""
+    """Stands in for an op: the tracker's errors name the call (its positions' first value), and
+    for a freed tensor the kernel's record of its bad element."""
 
-    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "") -> None:
-        raise ValueError(f"{'freed' if values is None else int(values[0])}: {when}")
+    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "", found: Any = None) -> None:
+        raise ValueError(f"{f'freed{found}' if values is None else int(values[0])}: {when}")
+
+
+def _write_record(entry: int, k: int, offset: int, value: int) -> None:
+    """What kernels/report.py's ``tileops_report`` stores for a bad element, written from Python:
+    the record of checked input ``k`` at the entry whose address is ``entry`` (kept if a smaller
+    offset is there already, as the kernel's atomicMax keeps it)."""
+    record = report.RECORD_MAX - ((offset << 32) | (value & 0xFFFFFFFF))
+    lo = ctypes.c_int32.from_address(entry + 4 * (report.CHECKS + 2 * k))
+    hi = ctypes.c_int32.from_address(entry + 4 * (report.CHECKS + 2 * k + 1))
+    if record > ((hi.value & 0xFFFFFFFF) << 32 | (lo.value & 0xFFFFFFFF)):
+        lo.value, hi.value = ctypes.c_int32(record & 0xFFFFFFFF).value, ctypes.c_int32(record >> 32).value
 
 
 def _fake_cuda(mod: Any, drv: Any, make_event: Callable[[int], int]) -> tuple:
@@ -511,7 +524,9 @@ def test_pending_calls_are_judged_in_order_once_each_on_a_fake_driver():
     without waiting at the next call, each bad call raising once (up to the first bad one per
     judgement), check() waiting for the rest, strict mode, a graph-captured call judged (and
     cleared) by check(); the checked tensors held weakly: a pending or captured call's tensor the
-    caller let go is freed at once (torch's CUDA-graph trees require it) and its report says so."""
+    caller let go is freed at once (torch's CUDA-graph trees require it) and its report names the
+    element the kernel recorded, placed by the strides it was launched with; an entry's record is
+    cleared with it, so the next call given that entry names its own."""
     mod = native_module()
     drv = _FakeDriver()
     old = _fake_cuda(mod, drv, drv.make_event)
@@ -522,14 +537,15 @@ def test_pending_calls_are_judged_in_order_once_each_on_a_fake_driver():
         event_of: dict[int, int] = {}
         kept: list = []  # the callers' tensors, alive until the test ends (but those let go)
 
-        def launch(n: int, bad: bool, stream: int, keep: bool = True) -> None:
+        def launch(n: int, bad: bool, stream: int, keep: bool = True, at: int = 0) -> None:
             def kernel(args: list, st: int, record: int, event: int, capturing: int) -> bool:
                 event_of[n] = event
                 if bad:
                     ctypes.c_int32.from_address(args[0]).value = args[1]
+                    _write_record(args[0], 0, 2 * at, n)  # the values below lie at stride 2
                 return drv.capturing
 
-            values = torch.tensor([n])
+            values = torch.full((6, 2), n)[:, 0]
             gone = weakref.ref(values)
             if keep:
                 kept.append(values)
@@ -574,9 +590,12 @@ def test_pending_calls_are_judged_in_order_once_each_on_a_fake_driver():
         drv.finished.add(event_of[8])
         judge("reap freed", d.reap)
         drv.capturing = True
-        launch(9, True, 9, keep=False)
+        launch(9, True, 9, keep=False, at=4)
         drv.capturing = False
         judge("graph freed", d.check)
+        launch(10, True, 7, keep=False, at=5)  # the entry call 8 used: its record was cleared
+        drv.finished.add(event_of[10])
+        judge("reap freed again", d.reap)
     finally:
         mod.set_driver(*old)
     assert log == [(1, "queued"), (2, "queued"), (3, "queued"), (4, "queued"),
@@ -584,8 +603,9 @@ def test_pending_calls_are_judged_in_order_once_each_on_a_fake_driver():
                    ("check a", f"3: {errors.WHEN_EARLIER}"), ("check b", f"4: {errors.WHEN_EARLIER}"),
                    ("check c", "nothing"), ("pending", False), (5, "5: "), (6, "queued"), (7, "queued"),
                    ("pending", False, 1), ("graph a", f"7: {errors.WHEN_GRAPH}"), ("graph b", "nothing"),
-                   (8, "queued"), (8, "freed"), ("reap freed", f"freed: {errors.WHEN_EARLIER}"),
-                   (9, "queued"), (9, "freed"), ("graph freed", f"freed: {errors.WHEN_GRAPH}")], log
+                   (8, "queued"), (8, "freed"), ("reap freed", f"freed[0] = 8: {errors.WHEN_EARLIER}"),
+                   (9, "queued"), (9, "freed"), ("graph freed", f"freed[4] = 9: {errors.WHEN_GRAPH}"),
+                   (10, "queued"), (10, "freed"), ("reap freed again", f"freed[5] = 10: {errors.WHEN_EARLIER}")], log
 
 
 _SPIN = """
@@ -652,3 +672,14 @@ def test_every_wait_on_the_gpu_releases_the_gil():
         assert not d.has_pending()
     finally:
         mod.set_driver(*old)
+
+
+def test_the_error_entry_layout_is_one_in_the_kernels_and_both_trackers():
+    """kernels/report.py lays out a call's error entry; the Python tracker reads it with the same
+    constants and the extension's source declares the same sizes (a mismatch would read a record
+    from the next call's tag words)."""
+    src = Path(native.__file__).with_name("_native.cpp").read_text(encoding="utf-8")
+    assert f"constexpr int kWords = {report.CHECKS};" in src
+    assert "constexpr int kEntry = kWords + 2 * kWords;" in src and report.ENTRY == 3 * report.CHECKS
+    assert (errors.WORDS, errors.ENTRY) == (report.CHECKS, report.ENTRY)
+    assert 4 * report.ENTRY % 16 == 0, "tileops_report's 64-bit atomic needs every entry 16-byte aligned"

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .runtime import executor, library
+from .runtime import errors, executor, library
 from .runtime.binding import Binding, with_overlap_checks
 from .runtime.memory import disjoint, same_view
 from . import manifest as _manifest
@@ -253,15 +253,16 @@ class Op:
         return impl
 
     # ----------------------------------------------------------------------------- errors
-    def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:  # pragma: no cover
+    def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "", found: Any = None) -> None:  # pragma: no cover
         raise ValueError(f"{self.name}: position_ids: a position is out of range ({when or 'this call'})")
 
-    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "") -> None:
+    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "",
+                         found: "errors.BadValue | None" = None) -> None:
         """Raise the ValueError of a call whose kernel found a value of input ``name`` out of range
         (the runtime's tracker calls this through :func:`tileops.runtime.library.raise_bad`; ``values``
-        is None when the tensor was freed before the report); by default the family's position error,
-        which names ``position_ids``."""
-        self._raise_bad_position(values, when)
+        is None when the tensor was freed before the report, ``found`` the kernel's record of the
+        first bad element, if any); by default the family's position error, which names ``position_ids``."""
+        self._raise_bad_position(values, when, found)
 
     def check(self) -> None:
         """Wait for this thread's calls of this op and raise the ValueError of the first bad position

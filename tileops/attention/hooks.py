@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..op import Op
-from ..runtime.errors import unnamed
+from ..runtime.errors import BadValue, unnamed
 
 __all__ = ["AttnPrologueFwdHooks", "kernel_fields", "kernel_spec", "rope_of"]
 
@@ -132,9 +132,11 @@ class AttnPrologueFwdHooks(Op):
         bad slot's error (the kernel reports that a slot was bad, not the cache it was bad for)."""
         self.__dict__.setdefault("_slot_limits", set()).add(int(slots))
 
-    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "") -> None:
+    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "",
+                         found: "BadValue | None" = None) -> None:
         """The ValueError naming ``positions`` (as the rope op words it) or ``slot_mapping``
-        (``values`` None: freed before the report)."""
+        (``values`` None: freed before the report; ``found``: the kernel's record of the first bad
+        element, which names it then)."""
         if name == "slot_mapping":
             # the slot counts of the caches this op was launched for (:meth:`note_slot_limit`); with one,
             # the bad call's. A server keeps one cache; with several (caches of several sizes), a slot is
@@ -149,6 +151,9 @@ class AttnPrologueFwdHooks(Op):
             # a call reported after it ran has written the cache, but for the bad slot's token
             when = f" ({when}, whose kernel skipped that token's cache write)" if when else ""
             bad = (values >= limit).nonzero() if limit is not None and values is not None else None
+            if (bad is None or bad.shape[0] == 0) and found is not None:
+                raise ValueError(f"{self.name}: slot_mapping: expected every slot below {below} "
+                                 f"(or negative: skipped), got slot_mapping{found}{when}")
             if bad is None or bad.shape[0] == 0:
                 why = "its cache's size is unknown" if limit is None and values is not None else unnamed(values)
                 raise ValueError(f"{self.name}: slot_mapping: expected every slot below {below} (or negative: "
@@ -156,4 +161,4 @@ class AttnPrologueFwdHooks(Op):
             i = int(bad[0, 0])
             raise ValueError(f"{self.name}: slot_mapping: expected every slot below {below} "
                              f"(or negative: skipped), got slot_mapping[{i}] = {int(values[i])}{when}")
-        self.params["rope"].raise_bad_position(self.name, "positions", values, when)
+        self.params["rope"].raise_bad_position(self.name, "positions", values, when, found)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..op import Op
-from ..runtime.errors import unnamed
+from ..runtime.errors import BadValue, unnamed
 from ..runtime.memory import persistent
 from . import freqs
 from .tables import DIGITS, LO, DynamicNTKTables, RoPETables
@@ -119,21 +119,27 @@ class RoPEHooks(Op):
             t = cache[rot] = [RoPETables(inv, amp) for inv, amp in self.table_choices(rot)]
         return t
 
-    def _raise_bad_position(self, position_ids: "torch.Tensor | None", when: str = "") -> None:
+    def _raise_bad_position(self, position_ids: "torch.Tensor | None", when: str = "",
+                            found: "BadValue | None" = None) -> None:
         """Raise the ValueError naming the first position outside ``[0, position_limit())``;
         ``when`` says which call it was, if not this one."""
-        self.raise_bad_position(self.name, "position_ids", position_ids, when)
+        self.raise_bad_position(self.name, "position_ids", position_ids, when, found)
 
-    def raise_bad_position(self, op_name: str, arg: str, positions: "torch.Tensor | None", when: str = "") -> None:
+    def raise_bad_position(self, op_name: str, arg: str, positions: "torch.Tensor | None", when: str = "",
+                           found: "BadValue | None" = None) -> None:
         """The ValueError of :meth:`_raise_bad_position` for a call of op ``op_name`` (this op, or one
         composing it: the attention prologue) whose input ``arg`` held ``positions`` (None: freed
-        before the report, see :func:`tileops.runtime.errors.unnamed`)."""
+        before the report, see :func:`tileops.runtime.errors.unnamed`); ``found``, the kernel's record
+        of the first bad element, names it when the tensor no longer does."""
         limit = self.position_limit()
         bound = "max_position" if "max_position" in self.params else "2^24"
         of = "" if op_name == self.name else f" of {self.name}"
         # a call reported after it ran has its output: made with the bad position read as 0
         when = f" ({when}, whose kernel read it as position 0)" if when else ""
         bad = ((positions < 0) | (positions >= limit)).nonzero() if positions is not None else None
+        if (bad is None or bad.shape[0] == 0) and found is not None:
+            raise ValueError(f"{op_name}: {arg}: expected every value in [0, {bound}={limit}){of}, "
+                             f"got {arg}{found}{when}")
         if bad is None or bad.shape[0] == 0:
             raise ValueError(f"{op_name}: {arg}: expected every value in [0, {bound}={limit}){of}; the kernel "
                              f"read one outside{when}; {unnamed(positions)}")

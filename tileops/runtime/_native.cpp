@@ -59,8 +59,12 @@ constexpr int kMaxTensors = 16;  // inputs and outputs of one op (the attention 
 constexpr int kMaxDims = 8;
 constexpr size_t kMaxKey = 256;
 constexpr size_t kMaxArgs = 128;
-constexpr int kChunk = 4096;  // error entries per chunk of a pool (64 KiB)
-constexpr int kWords = 4;  // words per entry: a kernel may check up to 4 inputs, ERR[0..3], one tag per call
+constexpr int kChunk = 4096;  // error entries per chunk of a pool (192 KiB)
+// an entry (tileops/kernels/report.py): a kernel may check up to kWords inputs, ERR[0..3] holding the
+// call's tag for each that was bad, then a two-word record of each one's first bad element
+constexpr int kWords = 4;
+constexpr int kEntry = kWords + 2 * kWords;
+constexpr int kRecordDims = 4;  // a checked tensor's dims the tracker keeps to place a record (positions: 3)
 constexpr int kMaxChunks = 4096;
 enum Mode : int8_t { ABSENT = 0, NEW = 1, IN_PLACE = 2, GIVEN = 3 };  // as tileops/runtime/binding.py
 
@@ -177,7 +181,7 @@ struct Pool {
       auto opts = at::TensorOptions().dtype(at::kInt);
       if (index >= 0 && (d == nullptr || d->pinned)) opts = opts.pinned_memory(true);
       auto* c = new Chunk();
-      c->buf = at::zeros({kChunk * kWords}, opts);
+      c->buf = at::zeros({kChunk * kEntry}, opts);
       c->base = c->buf.data_ptr<int32_t>();
       int first = n_chunks * kChunk;
       chunks[n_chunks++] = c;
@@ -191,8 +195,11 @@ struct Pool {
     std::lock_guard<std::mutex> g(mu);
     free_list.push_back(i);
   }
-  // the first of entry i's kWords words (the kernel's ERR)
-  volatile int32_t* word(int i) const { return chunks[i / kChunk]->base + (i % kChunk) * kWords; }
+  // the first of entry i's kEntry words (the kernel's ERR)
+  volatile int32_t* word(int i) const { return chunks[i / kChunk]->base + (i % kChunk) * kEntry; }
+  void clear(int i) const {  // after a bad call: its records would outrank the next call's
+    for (int j = 0; j < kEntry; ++j) word(i)[j] = 0;
+  }
   void* event(int i, const Driver& d) {  // the word's event, made at its first use (by its taker)
     void*& ev = chunks[i / kChunk]->events[i % kChunk];
     if (ev == nullptr) {
@@ -406,10 +413,32 @@ using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensor
 WeakTensor weak(const at::Tensor& t) { return WeakTensor(t.getIntrusivePtr()); }
 at::Tensor lock(const WeakTensor& w) { return at::Tensor(w.lock()); }  // undefined once freed
 
+struct Shape {  // a checked tensor's sizes and strides as launched, to place its record's offset
+  int ndim = -1;  // -1: more than kRecordDims dims (the report then names no index)
+  int64_t sizes[kRecordDims];
+  int64_t strides[kRecordDims];
+};
+Shape shape_of(const at::Tensor& t) {
+  Shape s;
+  if (t.dim() > kRecordDims) return s;
+  s.ndim = (int)t.dim();
+  for (int d = 0; d < s.ndim; ++d) {
+    s.sizes[d] = t.size(d);
+    s.strides[d] = t.stride(d);
+  }
+  return s;
+}
 struct Checked {  // the inputs a call's kernel checks: values[k] is judged by ERR[k]; input[k] -1: none
   std::array<WeakTensor, kWords> values{weak({}), weak({}), weak({}), weak({})};
   std::array<int, kWords> input{-1, -1, -1, -1};
+  std::array<Shape, kWords> shapes;
 };
+struct Record {  // the two words of a bad input's record, read before its entry is given back
+  int32_t lo = 0, hi = 0;
+};
+Record record_of(const Pool& pool, int w, int k) {
+  return Record{pool.word(w)[kWords + 2 * k], pool.word(w)[kWords + 2 * k + 1]};
+}
 struct Pending {  // a call whose words are not judged yet (a graph-captured call's: no event)
   Pool* pool;
   int word;
@@ -476,14 +505,26 @@ std::unordered_map<int64_t, std::weak_ptr<Core>>& registry() {  // handle -> op,
   return *r;
 }
 
-[[noreturn]] void raise_bad(const Core& core, const Checked& c, int k, PyObject* when) {
+// (low, high, sizes, strides): what tileops.runtime.errors.found places the record with
+PyObject* record_tuple(const Record& r, const Shape& s) {
+  if (s.ndim < 0) return Py_NewRef(Py_None);
+  Ref sizes(PyTuple_New(s.ndim)), strides(PyTuple_New(s.ndim));
+  for (int d = 0; d < s.ndim; ++d) {
+    PyTuple_SET_ITEM(sizes.p, d, checked(PyLong_FromLongLong((long long)s.sizes[d])));
+    PyTuple_SET_ITEM(strides.p, d, checked(PyLong_FromLongLong((long long)s.strides[d])));
+  }
+  return checked(Py_BuildValue("(iiOO)", (int)r.lo, (int)r.hi, sizes.p, strides.p));
+}
+
+[[noreturn]] void raise_bad(const Core& core, const Checked& c, int k, const Record& rec, PyObject* when) {
   Gil g;
   Ref handle(PyLong_FromLongLong((long long)core.handle));
   at::Tensor values = lock(c.values[k]);
   Ref p(values.defined() ? THPVariable_Wrap(values) : Py_NewRef(Py_None));
   const std::string& name = core.names[(size_t)c.input[k]];
   Ref n(PyUnicode_FromStringAndSize(name.data(), (Py_ssize_t)name.size()));
-  Ref r(PyObject_CallFunctionObjArgs(cfg.raise_bad, handle.p, p.p, when, n.p, nullptr));
+  Ref found(record_tuple(rec, c.shapes[k]));
+  Ref r(PyObject_CallFunctionObjArgs(cfg.raise_bad, handle.p, p.p, when, n.p, found.p, nullptr));
   PyErr_SetString(PyExc_RuntimeError, "tileops: a checked value was out of range");  // raise_bad always raises
   throw_python();
 }
@@ -521,6 +562,7 @@ void reap(const Core& core, bool wait) {
   auto& streams = it->second.streams;
   const Driver& d = need_driver();  // pending calls are CUDA calls
   Checked failed;
+  Record failed_record;
   int failed_word = -1;
   for (size_t s = 0; s < streams.size() && failed_word < 0;) {
     StreamCalls& sc = streams[s];
@@ -529,6 +571,10 @@ void reap(const Core& core, bool wait) {
       if (!finished(d, c.event, wait)) break;
       int k = bad_word(*c.pool, c.word, c.tag, c.checked);
       bool bad = k >= 0;
+      if (bad) {
+        failed_record = record_of(*c.pool, c.word, k);
+        c.pool->clear(c.word);
+      }
       c.pool->give_back(c.word);  // only after reading it
       if (bad) {
         failed = std::move(c.checked);
@@ -542,12 +588,13 @@ void reap(const Core& core, bool wait) {
     else
       ++s;
   }
-  if (failed_word >= 0) raise_bad(core, failed, failed_word, cfg.when_earlier);
+  if (failed_word >= 0) raise_bad(core, failed, failed_word, failed_record, cfg.when_earlier);
 }
 
 void check(Core& core) {  // op.check(): wait for this thread's calls, then judge and clear the graph's words
   reap(core, true);
   Checked bad;
+  Record bad_record;
   int bad_k = -1;
   {
     std::lock_guard<std::mutex> g(core.mu);
@@ -556,11 +603,12 @@ void check(Core& core) {  // op.check(): wait for this thread's calls, then judg
       if (bad_k < 0 && k >= 0) {
         bad = w.checked;
         bad_k = k;
+        bad_record = record_of(*w.pool, w.word, k);
       }
-      for (int j = 0; j < kWords; ++j) w.pool->word(w.word)[j] = 0;
+      w.pool->clear(w.word);
     }
   }
-  if (bad_k >= 0) raise_bad(core, bad, bad_k, cfg.when_graph);
+  if (bad_k >= 0) raise_bad(core, bad, bad_k, bad_record, cfg.when_graph);
 }
 
 void queue_pending(Core& core, std::shared_ptr<Core> owner, void* stream, Pending p) {
@@ -635,6 +683,7 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
   for (auto& c : b.checks) {
     values.values[c[1]] = weak(t[c[0]]);
     values.input[c[1]] = c[0];
+    values.shapes[c[1]] = shape_of(t[c[0]]);
   }
   Pool& pool = pool_for(b.device);
   int w = pool.take();
@@ -666,8 +715,13 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
   }
   if (d != nullptr) finished(*d, ev, true);
   int k = bad_word(pool, w, tag, values);
+  Record rec;
+  if (k >= 0) {
+    rec = record_of(pool, w, k);
+    pool.clear(w);
+  }
   pool.give_back(w);  // only after reading it: another call may take it at once
-  if (k >= 0) raise_bad(core, values, k, cfg.when_now);
+  if (k >= 0) raise_bad(core, values, k, rec, cfg.when_now);
 }
 
 // the exact overlap test (tileops.runtime.memory.disjoint) of pair k, remembered by the offset

@@ -3,7 +3,7 @@ synchronisation: the one error tracker of every family.
 
 A kernel that checks an input's values (a binding's ``checked`` input) clamps one outside its range
 (RoPE reads position 0, so nothing is indexed out of bounds) and writes the call's *tag*, a 31-bit
-number unique to that call, into an error word of its own: pinned host memory the GPU writes
+number unique to that call, into an error entry of its own: pinned host memory the GPU writes
 directly (mapped through unified addressing), so no copy follows the kernel. Right after the kernel,
 in the same C call as the launch, a CUDA event is recorded on the same stream; nothing waits. The
 call is then *pending*:
@@ -30,10 +30,12 @@ graph capture no event is recorded: a captured call's word is kept for the graph
 To name the bad value, the tracker keeps a weak reference to each checked input of a pending or
 captured call, never a strong one: keeping the tensor alive until the report would hold memory the
 caller freed, which torch's CUDA-graph trees (``torch.compile(mode="reduce-overhead")``) refuse, as
-they free a recording's inputs and then check that nothing else holds their pool. A report whose
-tensor was freed by then (a temporary passed to a deferred call) says so instead of naming the index
-(:func:`unnamed`); the tensor's values when the report is made are the ones named (a tensor changed
-since the kernel read it may no longer hold the bad value, and the report says that too).
+they free a recording's inputs and then check that nothing else holds their pool. So the kernel
+records the first bad element itself, its offset and value, beside the tag
+(:mod:`tileops.kernels.report`), and the tracker keeps the sizes and strides each checked tensor was
+launched with: a report whose tensor was freed by then (a temporary passed to a deferred call, the
+common ``op(x, position_ids=pos.to("cuda"))``) names the index and value from the record
+(:class:`BadValue`, :func:`found`), as a report of a live tensor names them from its values.
 
 The tracker that defers is the native extension's (:mod:`tileops.runtime.native`), the one
 implementation. Without the extension (``TILEOPS_NATIVE=0``, no compiler) nothing is deferred:
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import itertools
 import os
 import threading
@@ -53,17 +56,20 @@ from typing import Any, Iterator
 
 import torch
 
+from ..kernels import report
 from . import native
 
-__all__ = ["strict", "is_strict", "unnamed", "WORDS", "Words", "words_for", "driver_addresses", "make_event",
+__all__ = ["strict", "is_strict", "unnamed", "BadValue", "found", "WORDS", "ENTRY", "Words", "words_for", "driver_addresses", "make_event",
            "WHEN_NOW", "WHEN_EARLIER", "WHEN_GRAPH"]
 
-#: error entries per chunk of a device's pool (a chunk is 64 KiB of pinned memory)
+#: error entries per chunk of a device's pool (a chunk is 192 KiB of pinned memory)
 CHUNK = 4096
-#: words per entry, one call's ``ERR[0 .. WORDS - 1]``: a kernel checking several inputs (the attention
-#: prologue's positions and slots) reports each in its own word, all with the call's one tag; the
-#: native extension's ``kWords``
-WORDS = 4
+#: checked inputs one call's entry serves (the attention prologue checks two: positions and slots),
+#: each with its tag word ``ERR[k]`` and a record of its first bad element
+#: (:mod:`tileops.kernels.report`); the native extension's ``kWords``
+WORDS = report.CHECKS
+#: int32 words of one call's entry (the native extension's ``kEntry``)
+ENTRY = report.ENTRY
 _tags = itertools.count(1)
 
 #: how a reported call is named in the error, after the op's name and position (``when``)
@@ -103,12 +109,55 @@ def strict(enabled: bool = True) -> Iterator[None]:
 
 
 def unnamed(values: "torch.Tensor | None") -> str:
-    """Why a report cannot name the bad value's index: its tensor was freed before the report (None),
-    or no longer holds a bad value (changed since the kernel read it)."""
+    """Why a report cannot name the bad value's index: its tensor was freed before the report (None)
+    and the kernel's record could not place it, or the tensor no longer holds a bad value (changed
+    since the kernel read it)."""
     if values is None:
         return ("the tensor was freed before this report, so its index is unknown: check the call with "
                 "op.check() right after it, or in tileops.strict(), to have it named")
     return "the tensor has changed since, so its index is unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class BadValue:
+    """The first bad element a kernel recorded for a checked input (:mod:`tileops.kernels.report`):
+    its index in the tensor as launched, and its value (``beyond``: saturated at int32's range, the
+    value was that or further from 0)."""
+
+    index: tuple[int, ...]
+    value: int
+    beyond: bool = False
+
+    def __str__(self) -> str:
+        """``[i, j] = v`` (the form a report appends to the argument's name)."""
+        more = (" or more" if self.value > 0 else " or less") if self.beyond else ""
+        return f"[{', '.join(map(str, self.index))}] = {self.value}{more}"
+
+
+def found(lo: int, hi: int, sizes: "tuple[int, ...] | None", strides: "tuple[int, ...] | None") -> "BadValue | None":
+    """The :class:`BadValue` of a record's two words (low, high) for a tensor launched with ``sizes``
+    and ``strides`` (None: not known), or None when the entry holds no record (a kernel of an older
+    layout) or its offset cannot be placed in the tensor."""
+    stored = ((hi & 0xFFFFFFFF) << 32) | (lo & 0xFFFFFFFF)
+    if stored == 0 or sizes is None or strides is None:
+        return None
+    packed = report.RECORD_MAX - stored
+    offset, raw = packed >> 32, packed & 0xFFFFFFFF
+    value = raw - (1 << 32) if raw & 0x80000000 else raw
+    if offset >= report.OFFSET_MAX:
+        return None
+    # the offset back to an index: the dims by stride, largest first (a dim of stride 0 or size 1
+    # is index 0, a broadcast's first element, as torch's own first element of it)
+    index = [0] * len(sizes)
+    left = offset
+    for d in sorted(range(len(sizes)), key=lambda d: -strides[d]):
+        if strides[d] > 0 and sizes[d] > 1:
+            index[d], left = divmod(left, strides[d])
+            if index[d] >= sizes[d]:
+                return None
+    if left:
+        return None
+    return BadValue(tuple(index), value, beyond=value in (2**31 - 1, -(2**31)))
 
 
 def is_strict() -> bool:
@@ -164,10 +213,10 @@ class Words:
 
     def _grow(self) -> None:
         # pinned memory from cudaHostAlloc is mapped at the same address on the device (UVA)
-        buf = torch.zeros(CHUNK * WORDS, dtype=torch.int32, pin_memory=self.cuda)
+        buf = torch.zeros(CHUNK * ENTRY, dtype=torch.int32, pin_memory=self.cuda)
         first = len(self._buffers) * CHUNK
         self._buffers.append(buf)
-        self._words.append((ctypes.c_int32 * (CHUNK * WORDS)).from_address(buf.data_ptr()))
+        self._words.append((ctypes.c_int32 * (CHUNK * ENTRY)).from_address(buf.data_ptr()))
         self._free += range(first + CHUNK - 1, first - 1, -1)
 
     def take(self) -> int:
@@ -185,15 +234,20 @@ class Words:
 
     def address(self, i: int) -> int:
         """The address of entry ``i``'s first word (the kernel's ``ERR``)."""
-        return self._buffers[i // CHUNK].data_ptr() + 4 * WORDS * (i % CHUNK)
+        return self._buffers[i // CHUNK].data_ptr() + 4 * ENTRY * (i % CHUNK)
 
     def read(self, i: int, k: int = 0) -> int:
         """Word ``k`` of entry ``i``."""
-        return self._words[i // CHUNK][(i % CHUNK) * WORDS + k]
+        return self._words[i // CHUNK][(i % CHUNK) * ENTRY + k]
+
+    def record(self, i: int, k: int) -> tuple[int, int]:
+        """The two words (low, high) of checked input ``k``'s record in entry ``i``."""
+        return self.read(i, WORDS + 2 * k), self.read(i, WORDS + 2 * k + 1)
 
     def clear(self, i: int) -> None:
-        for k in range(WORDS):
-            self._words[i // CHUNK][(i % CHUNK) * WORDS + k] = 0
+        """Zero entry ``i`` (after a bad call: its records would outrank the next call's)."""
+        for k in range(ENTRY):
+            self._words[i // CHUNK][(i % CHUNK) * ENTRY + k] = 0
 
 
 _pools: dict[torch.device, Words] = {}

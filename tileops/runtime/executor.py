@@ -108,8 +108,8 @@ class PythonRuntime:
         if not b.checks:
             kernel.launch(args, kernel.stream())
             return
-        # (word, values, input name) of each checked input
-        checked = [(k, ts[i], b.names[i]) for i, k in b.checks]
+        # (word, values, input name, (sizes, strides) as launched) of each checked input
+        checked = [(k, ts[i], b.names[i], (tuple(ts[i].shape), ts[i].stride())) for i, k in b.checks]
         words = errors.words_for(checked[0][1].device)
         w, tag = words.take(), errors.next_tag()
         args[b.word_slot], args[b.tag_slot] = words.address(w), tag
@@ -123,28 +123,34 @@ class PythonRuntime:
         if capturing:  # replays write the words: check() reads and clears them; the tensors are
             # referred to weakly, as the native tracker does (tileops.runtime.errors says why)
             with self._lock:
-                self._graph.append((words, w, tag, [(k, weakref.ref(t), name) for k, t, name in checked]))
+                self._graph.append((words, w, tag, [(k, weakref.ref(t), name, sh) for k, t, name, sh in checked]))
             return
         if words.cuda:  # without the extension nothing is deferred: judged now
             torch.cuda.current_stream(kernel.device_index).synchronize()
         bad = _bad(words, w, tag, checked)
+        record = None
+        if bad is not None:
+            record = (*words.record(w, bad[0]), *bad[3])
+            words.clear(w)
         words.give_back(w)  # only after reading it: another call may take it at once
         if bad is not None:
-            library.raise_bad(self.handle, bad[1], errors.WHEN_NOW, bad[2])
+            library.raise_bad(self.handle, bad[1], errors.WHEN_NOW, bad[2], record)
 
     def check(self) -> None:
         """Judge (and clear) the words of calls captured in CUDA graphs; every other call was judged."""
-        bad = None
+        bad = record = None
         with self._lock:
             graph = list(self._graph)
         for words, w, tag, checked in graph:
             if bad is None:
                 bad = _bad(words, w, tag, checked)
+                if bad is not None:
+                    record = (*words.record(w, bad[0]), *bad[3])
             words.clear(w)
         if bad is not None:
-            library.raise_bad(self.handle, bad[1](), errors.WHEN_GRAPH, bad[2])
+            library.raise_bad(self.handle, bad[1](), errors.WHEN_GRAPH, bad[2], record)
 
 
 def _bad(words: Any, w: int, tag: int, checked: list) -> Any:
-    """The first ``(word, values, name)`` of ``checked`` whose word of entry ``w`` holds ``tag``, or None."""
+    """The first ``(word, values, name, shape)`` of ``checked`` whose word of entry ``w`` holds ``tag``, or None."""
     return next((c for c in checked if words.read(w, c[0]) == tag), None)

@@ -63,12 +63,15 @@ def lookup(handle: int) -> Any:
     return op
 
 
-def raise_bad(handle: int, values: "torch.Tensor | None", when: str, name: str = "") -> None:
+def raise_bad(handle: int, values: "torch.Tensor | None", when: str, name: str = "",
+              record: "tuple[int, int, tuple, tuple] | None" = None) -> None:
     """Raise the error of a call whose kernel found a value of its checked input ``name`` (``values``,
     or None when that tensor was freed before the report) out of range (the runtime's tracker calls
     this; ``when`` is one of :mod:`tileops.runtime.errors`' words). An op whose kernel checks one
-    input only may leave ``name`` empty."""
-    lookup(handle)._raise_bad_value(name, values, when)
+    input only may leave ``name`` empty. ``record``: the kernel's record of the first bad element
+    and the tensor's sizes and strides as launched (:func:`tileops.runtime.errors.found`), which
+    names the index when the tensor is gone."""
+    lookup(handle)._raise_bad_value(name, values, when, errors.found(*record) if record is not None else None)
 
 
 def late(handle: int, key: int, inputs: tuple) -> list[torch.Tensor]:
