@@ -96,3 +96,18 @@ def test_a_report_whose_tensor_was_freed_or_changed_says_so_and_names_the_rest()
         op._raise_bad_value("slot_mapping", None, errors.WHEN_GRAPH)
     with pytest.raises(ValueError, match=r"got slot_mapping\[2\] = 32$"):
         op._raise_bad_value("slot_mapping", torch.tensor([-1, 31, 32]))
+
+
+def test_a_family_without_its_own_value_error_gets_the_base_class_words():
+    """The op base class knows no family: its default error names the op, the input and the call,
+    none of RoPE's words (RoPE's position error lives in tileops/rope/hooks.py)."""
+    from tileops.norm import RMSNormFwdOp
+    from tileops.runtime import errors
+
+    op = RMSNormFwdOp()
+    with pytest.raises(ValueError, match=r"^RMSNormFwdOp: x: a value is out of range \(this call\)$"):
+        op._raise_bad_value("x", None)
+    with pytest.raises(ValueError) as e:
+        op._raise_bad_value("x", torch.tensor([1]), errors.WHEN_GRAPH)
+    assert str(e.value) == f"RMSNormFwdOp: x: a value is out of range ({errors.WHEN_GRAPH})"
+    assert "position" not in str(e.value)

@@ -253,21 +253,19 @@ class Op:
         return impl
 
     # ----------------------------------------------------------------------------- errors
-    def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "") -> None:  # pragma: no cover
-        raise ValueError(f"{self.name}: position_ids: a position is out of range ({when or 'this call'})")
-
     def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "") -> None:
         """Raise the ValueError of a call whose kernel found a value of input ``name`` out of range
         (the runtime's tracker calls this through :func:`tileops.runtime.library.raise_bad`; ``values``
-        is None when the tensor was freed before the report); by default the family's position error,
-        which names ``position_ids``."""
-        self._raise_bad_position(values, when)
+        is None when the tensor was freed before the report). A family whose kernels check values
+        words its own error in its hooks (RoPE's names the position and its range); this default,
+        for a family that does not, names the op, the input and the call only."""
+        raise ValueError(f"{self.name}: {name or 'an input'}: a value is out of range ({when or 'this call'})")
 
     def check(self) -> None:
-        """Wait for this thread's calls of this op and raise the ValueError of the first bad position
+        """Wait for this thread's calls of this op and raise the ValueError of the first bad value
         among them (each bad call is reported once: call again for the next); also judges the calls
         captured in CUDA graphs (synchronise after a replay first), and clears their error words for
-        the next replay. Returns None when every position was valid."""
+        the next replay. Returns None when every value was valid."""
         self._runtime.check()
 
     def compile(self, *, dtypes: "tuple[str, ...] | list[str] | None" = None, device: "str | torch.device | None" = None,
