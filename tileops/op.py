@@ -22,6 +22,7 @@ from .manifest import ExprError, OpManifest
 from .manifest.call import DTYPE_NAMES, DTYPES, CallSpec
 from .manifest.schema import DTYPE_PREFIX, LEAD
 from .targets import Target, TargetError, check_target_arg, resolve_target
+from .torch_private import internal_overlap
 
 __all__ = ["Op"]
 
@@ -449,7 +450,7 @@ class Op:
                           spec.name in self._dtype_by else
                           "[" + ", ".join(spec.own_shape) + "]" if what == "shape" and shape else spec.like)
                     raise error(f"{m.name}: {spec.name}: expected {what} {want} (that of {by}), got {got}")
-            if torch._debug_has_internal_overlap(o) == 1:  # as torch refuses an in-place write into one
+            if internal_overlap(o) == 1:  # as torch refuses an in-place write into one
                 raise ValueError(f"{m.name}: {spec.name}: expected a tensor whose elements each have their own "
                                  f"memory, got one whose elements share memory (strides {list(o.stride())}, e.g. "
                                  f"an expanded view)")
@@ -525,7 +526,7 @@ class Op:
             t = tensors.get(spec.name)
             if not spec.written or t is None:
                 continue
-            if torch._debug_has_internal_overlap(t) == 1:
+            if internal_overlap(t) == 1:
                 raise ValueError(f"{m.name}: {spec.name}: expected a tensor whose elements each have their own memory "
                                  f"(it is written), got one whose elements share memory (strides {list(t.stride())})")
             for other in m.inputs:
