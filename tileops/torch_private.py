@@ -6,9 +6,9 @@ a torch that lacks it: a public stand-in where one exists, else an error at the 
 symbol; importing tileops never fails for want of one. ``tests/test_torch_private.py`` checks that
 each resolves in the installed torch and what removing each one gives.
 
-The symbols (each in torch since the 1.x series, so in every torch this project supports, >= 2.4;
-2.13, where this was written, has them all; ``torch._C._cuda_getCurrentRawStream`` only in a CUDA
-build):
+The symbols, all older than torch 2.0 as far as known, so expected in every torch this project
+supports (>= 2.4); checked on 2.13 (a CPU build, which lacks ``torch._C._cuda_getCurrentRawStream``:
+only a CUDA build has it) when this was written:
 
 * ``torch._debug_has_internal_overlap(t)`` (:data:`internal_overlap`): ``tileops/op.py``, whether
   an ``out=`` tensor or an input the op writes has elements sharing memory (an expanded view), which
@@ -18,8 +18,8 @@ build):
 * ``torch._C._cuda_getCurrentRawStream(index)`` (:data:`current_raw_stream`):
   ``tileops/compile/entry.py`` (``RawKernel.stream``), the current CUDA stream as an integer, at
   every launch on a GPU. Stand-in: ``torch.cuda.current_stream(index).cuda_stream``, which builds a
-  ``torch.cuda.Stream`` object per launch (about a microsecond more a call). A CPU build of torch has
-  neither, and tileops launches nothing on a GPU there.
+  ``torch.cuda.Stream`` object per launch (Python work on every launch, where torch's is one C call;
+  not measured). A CPU build of torch has neither, and tileops launches nothing on a GPU there.
 * ``torch._C._AutoDispatchBelowAutograd`` (:data:`below_autograd`): ``tileops/runtime/library.py``,
   the native runtime's backward with ``create_graph=True``, which calls ``tileops::apply_backward``
   below autograd (the op has no backward formula; autograd's node is the :data:`DelayedError` after
@@ -31,9 +31,9 @@ build):
 * ``torch.nn.Module._forward_hooks`` and ``_forward_pre_hooks`` (each module's) and
   ``torch.nn.modules.module._global_forward_hooks`` and ``_global_forward_pre_hooks``
   (:func:`forward_hooked`): ``tileops/integrations/transformers_prologue.py``, whether q, k and v
-  may be computed by one matmul of the concatenated weights without skipping a hook. Stand-in: none
-  is needed; without them every module counts as hooked, and q, k and v take three matmuls (the
-  projections called as modules).
+  may be computed by one matmul of the concatenated weights without skipping a hook. Without them,
+  every module counts as hooked: q, k and v take three matmuls (the projections called as modules)
+  instead of one.
 """
 
 from __future__ import annotations
