@@ -38,7 +38,7 @@ from typing import Any
 
 T: Any = None
 
-__all__ = ["NtkTablesSpec", "build", "Spec", "STATIC", "LO", "DIGITS"]
+__all__ = ["NTKKernelSpec", "build", "Spec", "STATIC", "LO", "DIGITS"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (read without importing this module)
 STATIC = {
@@ -58,7 +58,7 @@ ARGS = ("TD", "ST", "STAMP", "P", "B", "S", "psb", "pss", "limit", "seq",
 
 
 @dataclass(frozen=True)
-class NtkTablesSpec:
+class NTKKernelSpec:
     """Everything the state kernel is compiled for; the op's parameters are runtime arguments."""
 
     rot: int  # rotated width R, even, >= 4 (the scaled base is raised to R / (R - 2))
@@ -109,7 +109,7 @@ def _length(ST, seq, ok, mpe_bits):
     return T.if_then_else(ok, T.if_then_else(seq > old, seq, T.if_then_else(seq < mpe, mpe, old)), old)
 
 
-def _entry_macro(spec: NtkTablesSpec):
+def _entry_macro(spec: NTKKernelSpec):
     """The macro writing table entry ``e`` (digit ``k``, row ``d``, pair ``j``) for the cached
     ``length``, in float64 as :func:`tileops.rope.hooks.ntk_inv_freq` and
     :func:`tileops.rope.tables.digit_tables` compute it, rounded once to fp32."""
@@ -134,7 +134,7 @@ def _entry_macro(spec: NtkTablesSpec):
     return entry
 
 
-def build(spec: NtkTablesSpec):
+def build(spec: NTKKernelSpec):
     """The ``T.prim_func`` for ``spec``; its parameters are :data:`ARGS`. ``TD[3, 256, 2, R/2]`` fp32,
     ``ST[1]`` and ``STAMP[spec.blocks]`` float64, ``P`` flat positions (element ``(b, s)`` at
     ``b * psb + s * pss``, ``B x S`` of them)."""
@@ -142,13 +142,13 @@ def build(spec: NtkTablesSpec):
     return _build_cuda(spec) if spec.backend == "cuda" else _build_c(spec)
 
 
-def _signature(spec: NtkTablesSpec):
+def _signature(spec: NTKKernelSpec):
     NP = T.dynamic("NP")
     return dict(TD=T.Tensor((DIGITS, LO, 2, spec.rot // 2), "float32"), ST=T.Tensor((1,), "float64"),
                 STAMP=T.Tensor((spec.blocks,), "float64"), P=T.Tensor((NP,), spec.positions or "int32"))
 
 
-def _build_c(spec: NtkTablesSpec):
+def _build_c(spec: NTKKernelSpec):
     sig = _signature(spec)
     n = spec.entries
     entry = _entry_macro(spec)
@@ -186,7 +186,7 @@ def _build_c(spec: NtkTablesSpec):
     return ntk_c
 
 
-def _build_cuda(spec: NtkTablesSpec):
+def _build_cuda(spec: NTKKernelSpec):
     sig = _signature(spec)
     n, threads = spec.entries, spec.threads
     entry = _entry_macro(spec)
@@ -248,4 +248,4 @@ def _build_cuda(spec: NtkTablesSpec):
     return ntk_cuda
 
 
-Spec = NtkTablesSpec
+Spec = NTKKernelSpec

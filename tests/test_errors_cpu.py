@@ -176,3 +176,20 @@ def test_the_c_kernels_record_the_first_bad_element():
     with pytest.raises(ValueError, match=r"got positions\[1\] = 64$"):
         pro(qkv, torch.tensor([0, 64, 1, -2, 3]), kc, vc, torch.arange(5))
     assert seen[-1] == "[1] = 64"
+
+
+def test_a_family_without_its_own_value_error_gets_the_base_class_words():
+    """The op base class knows no family: its default error names the op, the input and the call,
+    none of RoPE's words (RoPE's position error lives in tileops/rope/hooks.py)."""
+    from tileops.norm import RMSNormFwdOp
+    from tileops.runtime import errors
+
+    op = RMSNormFwdOp()
+    with pytest.raises(ValueError, match=r"^RMSNormFwdOp: x: a value is out of range \(this call\)$"):
+        op._raise_bad_value("x", None)
+    with pytest.raises(ValueError) as e:
+        op._raise_bad_value("x", torch.tensor([1]), errors.WHEN_GRAPH)
+    assert str(e.value) == f"RMSNormFwdOp: x: a value is out of range ({errors.WHEN_GRAPH})"
+    assert "position" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^RMSNormFwdOp: x: a value is out of range \(x\[3\] = 9\) \(this call\)$"):
+        op._raise_bad_value("x", None, found=errors.BadValue((3,), 9))

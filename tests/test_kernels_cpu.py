@@ -155,11 +155,11 @@ def test_one_prim_func_per_backend_whose_parameters_are_every_argument():
         for spec in (plain, ids, mrope):
             assert params("rope", spec) == list(rope.ARGS) == list(spec.args), spec
             assert prim_func("rope", spec).attrs["global_symbol"] == f"rope_{backend}"
-        for spec in (ntk.NtkTablesSpec(64, backend=backend), ntk.NtkTablesSpec(64, positions="int64", backend=backend)):
+        for spec in (ntk.NTKKernelSpec(64, backend=backend), ntk.NTKKernelSpec(64, positions="int64", backend=backend)):
             assert params("ntk", spec) == list(ntk.ARGS) == list(spec.args), spec
         read = {}
         for name, builder, spec in (("plain", "rope", plain), ("ids", "rope", ids),
-                                    ("ntk-ids", "ntk", ntk.NtkTablesSpec(64, positions="int64", backend=backend))):
+                                    ("ntk-ids", "ntk", ntk.NTKKernelSpec(64, positions="int64", backend=backend))):
             src = emit_source(builder, spec, backend, arch)
             decl = re.search(rf"{builder}_{backend}_kernel\(([^)]*)\)", src).group(1)
             read[name] = {p.split()[-1].lstrip("*") for p in decl.split(",")}

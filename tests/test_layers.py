@@ -10,7 +10,7 @@ against the importing module's package; ``from pkg import name`` is an import of
 
 The layers, lowest first (:data:`LAYERS`); a module may import its own layer or any lower one:
 
-* ``base``: what everything may use (progress lines, where family roots live);
+* ``base``: what everything may use (progress lines, where family roots live, torch's private API);
 * ``kernels``: the kernel builders (``kernels/``, shipped as ``tileops.kernels``): TileLang tile
   programs and the registry that finds them by reading their source. Below ``manifest``: a manifest
   names its builder and the loader checks ``kernel.static`` against the builder's ``STATIC``, while
@@ -43,7 +43,7 @@ FAMILIES = sorted(p.name for p in (ROOT / "manifests").iterdir() if p.is_dir() a
 
 #: (layer, the modules in it), lowest first; ``x.*`` is every module below package ``x``
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("tileops.progress", "tileops.families")),
+    ("base", ("tileops.progress", "tileops.families", "tileops.torch_private")),
     ("kernels", ("tileops.kernels", "tileops.kernels.*")),
     ("manifest", ("tileops.manifest", "tileops.manifest.*", "tileops.manifests")),
     ("compile", ("tileops.compile", "tileops.compile.*")),

@@ -352,7 +352,7 @@ def test_a_test_reference_that_imports_tileops_is_refused(tmp_path: Path):
     except ImportError:  # pragma: no cover - tests/ as a package
         from tests.family_references import check_independent
 
-    for i, line in enumerate(("from tileops.scale.hooks import Scale", "import kernels.scale as k",
+    for i, line in enumerate(("from tileops.scale.hooks import ScaleFwdHooks", "import kernels.scale as k",
                               "from tileops import workloads")):
         path = tmp_path / f"references_bad{i}.py"
         path.write_text(f'"""A reference."""\nimport torch\n{line}\n')

@@ -249,13 +249,13 @@ def test_the_state_kernel_takes_integers_only(positions, tmp_path):
     """Every argument is a pointer or an integer (doubles as their bits), so the launcher's integer
     trampoline serves it as it serves the RoPE kernel (a double would fall back to ctypes, ~4 us a call)."""
     from tileops.compile import cuda_build, build
-    from tileops.kernels.ntk import NtkTablesSpec
+    from tileops.kernels.ntk import NTKKernelSpec
 
     from tests.test_lean_build import _toolchain
 
     if _toolchain() is not None:
         pytest.skip(f"lean build: {_toolchain()}")
-    spec = NtkTablesSpec(128, positions=positions)
+    spec = NTKKernelSpec(128, positions=positions)
     lean = cuda_build.build(build.prim_func("ntk", spec), "sm_90", build.PASS_CONFIGS, out_dir=str(tmp_path))
     assert len(lean.record["args"]) == len(spec.args) + len(lean.record["extents"])
     assert set(lean.record["args"]) <= {"void*", "int32_t", "int64_t"}, lean.record["args"]

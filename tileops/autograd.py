@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from .runtime.library import produced
+from .torch_private import DelayedError
 
 __all__ = ["run_differentiable", "grad_needed", "is_kernel_set", "backward_of"]
 
@@ -59,7 +60,7 @@ class _KernelFunction(torch.autograd.Function):
         if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):
             # create_graph=True: a gradient of this gradient is not implemented; say so if asked
             # (the error node needs an input that requires grad to attach to)
-            err = torch._C._functions.DelayedError(
+            err = DelayedError(
                 f"{ctx.op.name}: double backward (a gradient of the gradient) is not supported; the backward "
                 f"kernel is not itself differentiable", len(got))
             got = err(*[g.detach().requires_grad_(True) for g in got])

@@ -22,6 +22,7 @@ from .manifest import ExprError, OpManifest
 from .manifest.call import DTYPE_NAMES, DTYPES, CallSpec
 from .manifest.schema import DTYPE_PREFIX, LEAD
 from .targets import Target, TargetError, check_target_arg, resolve_target
+from .torch_private import internal_overlap
 
 __all__ = ["Op"]
 
@@ -253,22 +254,22 @@ class Op:
         return impl
 
     # ----------------------------------------------------------------------------- errors
-    def _raise_bad_position(self, position_ids: torch.Tensor, when: str = "", found: Any = None) -> None:  # pragma: no cover
-        raise ValueError(f"{self.name}: position_ids: a position is out of range ({when or 'this call'})")
-
     def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "",
                          found: "errors.BadValue | None" = None) -> None:
         """Raise the ValueError of a call whose kernel found a value of input ``name`` out of range
         (the runtime's tracker calls this through :func:`tileops.runtime.library.raise_bad`; ``values``
         is None when the tensor was freed before the report, ``found`` the kernel's record of the
-        first bad element, if any); by default the family's position error, which names ``position_ids``."""
-        self._raise_bad_position(values, when, found)
+        first bad element, if any). A family whose kernels check values words its own error in its
+        hooks (RoPE's names the position and its range); this default, for a family that does not,
+        names the op, the input, the first bad element where known, and the call."""
+        at = f" ({name}{found})" if found is not None else ""
+        raise ValueError(f"{self.name}: {name or 'an input'}: a value is out of range{at} ({when or 'this call'})")
 
     def check(self) -> None:
-        """Wait for this thread's calls of this op and raise the ValueError of the first bad position
+        """Wait for this thread's calls of this op and raise the ValueError of the first bad value
         among them (each bad call is reported once: call again for the next); also judges the calls
         captured in CUDA graphs (synchronise after a replay first), and clears their error words for
-        the next replay. Returns None when every position was valid."""
+        the next replay. Returns None when every value was valid."""
         self._runtime.check()
 
     def compile(self, *, dtypes: "tuple[str, ...] | list[str] | None" = None, device: "str | torch.device | None" = None,
@@ -452,7 +453,7 @@ class Op:
                           spec.name in self._dtype_by else
                           "[" + ", ".join(spec.own_shape) + "]" if what == "shape" and shape else spec.like)
                     raise error(f"{m.name}: {spec.name}: expected {what} {want} (that of {by}), got {got}")
-            if torch._debug_has_internal_overlap(o) == 1:  # as torch refuses an in-place write into one
+            if internal_overlap(o) == 1:  # as torch refuses an in-place write into one
                 raise ValueError(f"{m.name}: {spec.name}: expected a tensor whose elements each have their own "
                                  f"memory, got one whose elements share memory (strides {list(o.stride())}, e.g. "
                                  f"an expanded view)")
@@ -528,7 +529,7 @@ class Op:
             t = tensors.get(spec.name)
             if not spec.written or t is None:
                 continue
-            if torch._debug_has_internal_overlap(t) == 1:
+            if internal_overlap(t) == 1:
                 raise ValueError(f"{m.name}: {spec.name}: expected a tensor whose elements each have their own memory "
                                  f"(it is written), got one whose elements share memory (strides {list(t.stride())})")
             for other in m.inputs:

@@ -31,6 +31,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..torch_private import current_raw_stream
+
 __all__ = ["RawKernel", "raw_kernel", "raw_kernel_from", "kernel_record", "cache_root", "build_c_library",
            "encode_arg", "RECORD_FAILED", "CAPTURING", "C_TYPES"]
 
@@ -107,7 +109,7 @@ class RawKernel:
 
     def stream(self) -> int:
         """The current raw CUDA stream of the kernel's device (0 on the CPU)."""
-        return 0 if self.device_index is None else torch._C._cuda_getCurrentRawStream(self.device_index)
+        return 0 if self.device_index is None else current_raw_stream(self.device_index)
 
     def __call__(self, *args: Any) -> None:
         """Launch with ``args`` = params then extents (the stream is added here); raises on failure."""

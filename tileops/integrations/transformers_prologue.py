@@ -41,8 +41,8 @@ import warnings
 from typing import Any
 
 import torch
-from torch.nn.modules import module as _nn_module
 
+from ..torch_private import forward_hooked
 from .transformers_norm import LLAMA, norm_form
 
 __all__ = ["PROLOGUE_MODEL_TYPES", "PrologueLayer", "prologue_plan", "prologue_forward"]
@@ -135,8 +135,7 @@ def project_qkv(module: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     may compute otherwise from its ``weight``), with a bias on all or none, and no forward hook on
     them or on every module (a hook would not be called)."""
     projs = (module.q_proj, module.k_proj, module.v_proj)
-    plain = (all(type(p) is torch.nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in projs)
-             and not (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
+    plain = (all(type(p) is torch.nn.Linear for p in projs) and not forward_hooked(projs)
              and len({p.bias is None for p in projs}) == 1)
     if not plain:
         return torch.cat([p(hidden) for p in projs], -1)

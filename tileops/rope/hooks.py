@@ -119,6 +119,12 @@ class RoPEHooks(Op):
             t = cache[rot] = [RoPETables(inv, amp) for inv, amp in self.table_choices(rot)]
         return t
 
+    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "",
+                         found: "BadValue | None" = None) -> None:
+        """The runtime's report of a bad checked value (:meth:`tileops.op.Op._raise_bad_value`): a RoPE
+        kernel checks one input, ``position_ids``, so this is the position error."""
+        self._raise_bad_position(values, when, found)
+
     def _raise_bad_position(self, position_ids: "torch.Tensor | None", when: str = "",
                             found: "BadValue | None" = None) -> None:
         """Raise the ValueError naming the first position outside ``[0, position_limit())``;

@@ -67,7 +67,8 @@ class RoPETables:
 class DynamicNTKTables:
     """Dynamic NTK's digit tables for one rotated width on one device, and the launch that keeps
     them and the op's cached length current: ``kernels/ntk.py``, one small kernel per call in the
-    call's stream, ahead of the RoPE kernel. It updates the length (a float64 tensor on the device,
+    call's stream, ahead of the RoPE kernel. This is the tables' holder at run time; what that
+    kernel is compiled for is a :class:`kernels.ntk.NTKKernelSpec`. It updates the length (a float64 tensor on the device,
     the op's state) from the call's ``seq_len`` or ``max(position_ids) + 1`` and rewrites the
     tables only where the length changed; nothing is read on the host, so a call can be captured in
     a CUDA graph and replayed with other positions.
@@ -79,7 +80,7 @@ class DynamicNTKTables:
     def __init__(self, state: torch.Tensor, rot: int, device: torch.device, base: float, factor: float,
                  max_position_embeddings: int, limit: int):
         from tileops.compile.build import device_backend
-        from tileops.kernels.ntk import DIGITS as KDIGITS, LO as KLO, NtkTablesSpec
+        from tileops.kernels.ntk import DIGITS as KDIGITS, LO as KLO, NTKKernelSpec
 
         if (KLO, KDIGITS) != (LO, DIGITS):
             raise RuntimeError("tileops.rope.tables and kernels/ntk.py split positions differently")
@@ -88,7 +89,7 @@ class DynamicNTKTables:
         self.tables = persistent(lambda: torch.empty((DIGITS, LO, 2, rot // 2), dtype=torch.float32, device=device),
                                  device)
         # the length each block's share of the tables was built for; NaN: not built yet
-        blocks = NtkTablesSpec(rot, backend=self.backend).blocks
+        blocks = NTKKernelSpec(rot, backend=self.backend).blocks
         self.stamps = persistent(lambda: torch.full((blocks,), float("nan"), dtype=torch.float64, device=device),
                                  device)
         # doubles travel as their bits (the kernel's ``*_bits`` arguments are int64)
@@ -101,9 +102,9 @@ class DynamicNTKTables:
         got = self._launchers.get(positions)
         if got is None:
             from tileops.compile.build import load_kernel
-            from tileops.kernels.ntk import NtkTablesSpec
+            from tileops.kernels.ntk import NTKKernelSpec
 
-            spec = NtkTablesSpec(self.rot, positions=positions, backend=self.backend)
+            spec = NTKKernelSpec(self.rot, positions=positions, backend=self.backend)
             kernel = load_kernel("ntk", spec, self.backend, self.arch, self.device, spec.args)
             values = {"TD": self.tables.data_ptr(), "ST": self.state.data_ptr(), "STAMP": self.stamps.data_ptr(),
                       **self._doubles, **({"limit": self.limit} if positions is not None else {})}

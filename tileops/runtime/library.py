@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..compile import entry
+from ..torch_private import DelayedError, below_autograd
 from . import errors, memory, native
 
 __all__ = ["register", "lookup", "pack", "produced", "written", "raise_bad", "late"]
@@ -237,10 +238,10 @@ def _apply_backward_grad(handle: int, grads: list[torch.Tensor], inputs: list[to
     """``tileops::apply_backward`` where autograd records it (``create_graph=True``), with the native
     ops: as the Python op (which has no backward formula) does, the gradients come back and raise
     only when differentiated."""
-    with torch._C._AutoDispatchBelowAutograd():
+    with below_autograd():
         got = torch.ops.tileops.apply_backward.default(handle, grads, inputs, names)
-    fail = torch._C._functions.DelayedError(f"{lookup(handle).name}: double backward (a gradient of the "
-                                            f"gradient) is not supported", len(got))
+    fail = DelayedError(f"{lookup(handle).name}: double backward (a gradient of the gradient) is not supported",
+                        len(got))
     out = fail(*[g.detach().requires_grad_(True) for g in got])
     return list(out) if isinstance(out, tuple) else [out]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from tileops.op import Op
 
-__all__ = ["Scale"]
+__all__ = ["ScaleFwdHooks"]
 
 
-class Scale(Op):
+class ScaleFwdHooks(Op):
     """``ScaleFwdOp``: the factor the kernel multiplies by."""
 
     @property
