@@ -31,7 +31,7 @@ from tileops.workloads import bytes_moved, op_class, workload
 
 from . import plots
 from .baselines import functional_baseline, liger_baseline, make_baseline
-from .timing import copy_rate, gpu_time, rotation, same_bytes_copy_us
+from .timing import copy_rate, gpu_time, graph_us_per_call, rotation, same_bytes_copy_us
 
 HERE = Path(__file__).resolve().parent
 
@@ -159,14 +159,7 @@ def _grad_timer(fn: Callable[..., torch.Tensor], arg_sets: list[tuple], n: int,
     ``autograd.grad(..., retain_graph=True)`` replays only the backward. The arguments at ``wrt``
     (x, and the key where one is given) require grad, and every output gets a gradient: a q+k call's
     backward rotates both gradients, as in training."""
-    graphs = []
-    for args in arg_sets:
-        args = list(args)
-        for i in wrt:
-            args[i] = args[i].detach().requires_grad_(True)
-        out = fn(*args)
-        outs = out if isinstance(out, tuple) else (out,)  # (out, key_out) for a q+k call
-        graphs.append((outs, [args[i] for i in wrt], [torch.randn_like(o) for o in outs]))
+    graphs = [_grad_call(fn, args, wrt) for args in arg_sets]  # (out, key_out) for a q+k call
     return gpu_time(lambda i: torch.autograd.grad(*graphs[i], retain_graph=True), n)
 
 
@@ -219,7 +212,29 @@ def _backward_row(m: Any, case: Any, dtype: str, op: Any, sets: list[dict], base
            "floor_us": nbytes / (ceiling * 1e9) * 1e6, "ours_us": ours, "eager_us": eager, "compile_us": compiled,
            "liger_us": liger, "gbps": nbytes / (ours[0] * 1e-6) / 1e9, "first_call_s": float("nan")}
     row["pct_copy"] = 100 * row["gbps"] / ceiling
+    if nbytes < (1 << 20) or case.label.endswith("small"):
+        # decode sizes: the host time of one autograd backward (a bare one beside it: what any
+        # differentiable op pays), and the backward kernels alone replayed from a CUDA graph
+        graph, leaves, grads = _grad_call(lambda *args: op(**dict(zip(names, args))), tuple(sets[0].values()), wrt)
+        row["host_us"] = host_time_us(lambda: torch.autograd.grad(graph, leaves, grads, retain_graph=True))
+        bare = sets[0][names[wrt[0]]].detach().requires_grad_(True)
+        doubled = bare * 2
+        row["bare_grad_host_us"] = host_time_us(lambda: torch.autograd.grad(doubled, [bare], grads[0],
+                                                                             retain_graph=True))
+        saved = {**sets[0], **{o.name: t for o, t in zip(m.outputs, graph)}}
+        row["graph_us"] = graph_us_per_call(lambda: op._eager_backward(tuple(grads), saved))
     return row
+
+
+def _grad_call(fn: Callable[..., torch.Tensor], args: tuple, wrt: tuple[int, ...]) -> tuple[tuple, list, list]:
+    """``(outputs, leaves, output gradients)`` of one call of ``fn`` on ``args`` whose arguments at
+    ``wrt`` require grad: what ``torch.autograd.grad`` takes."""
+    args = list(args)
+    for i in wrt:
+        args[i] = args[i].detach().requires_grad_(True)
+    out = fn(*args)
+    outs = out if isinstance(out, tuple) else (out,)
+    return outs, [args[i] for i in wrt], [torch.randn_like(o) for o in outs]
 
 
 def _meta(ceiling: float) -> dict[str, Any]:
@@ -269,8 +284,13 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {xl} | {f'{fn[0] / o[0]:.2f}' if fn else '-'} |")
     small = [r for r in result["rows"] if "host_us" in r]
     if small:
-        lines += ["", "| op | case | host us / call (GPU idle) | end to end us / call |", "|---|---|---|---|"]
-        lines += [f"| {r['op']} | {r['case']} | {r['host_us']:.1f} | {r['end_to_end_us']:.1f} |" for r in small]
+        def us(r: dict, key: str) -> str:
+            return f"{r[key]:.1f}" if key in r else "-"
+
+        lines += ["", "| op | case | host us / call (GPU idle) | end to end us / call | bare autograd.grad host us "
+                      "| backward kernels in a CUDA graph, us / call |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['op']} | {r['case']} | {r['host_us']:.1f} | {us(r, 'end_to_end_us')} "
+                  f"| {us(r, 'bare_grad_host_us')} | {us(r, 'graph_us')} |" for r in small]
     lines += ["", "| op | case | first call s (compile included) |", "|---|---|---|"]
     lines += [f"| {r['op']} | {r['case']} | {r['first_call_s']:.2f} |" for r in result["rows"]
               if r["first_call_s"] == r["first_call_s"]]  # backward rows have none (NaN)

@@ -5,7 +5,9 @@ full of dirty lines which the timed kernel then has to write back: on an H200 a 
 6 us that way. Here instead every call reads a different input set (together several times the
 50 MB L2, so nothing is served from L2 by accident), and a spin kernel holds the GPU while the host
 queues all timed calls, so host time does not count; each sample is a batch of 10 calls between two
-events, so a kernel's launch overlaps the previous one's tail as it does in a model. Calls that
+events, so a kernel's launch overlaps the previous one's tail as it does in a model (the spin is
+sized from the host time of a few calls, :func:`spin_cycles`, so that a host-heavy call, an
+autograd backward, is timed on the GPU too). Calls that
 synchronise the host themselves (a device flag read) cannot be queued ahead: for those the spin is
 skipped and their time includes the host's.
 """
@@ -13,11 +15,12 @@ skipped and their time includes the host's.
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["gpu_time", "rotation", "copy_rate", "same_bytes_copy_us", "graph_us_per_call"]
+__all__ = ["gpu_time", "spin_cycles", "rotation", "copy_rate", "same_bytes_copy_us", "graph_us_per_call"]
 
 L2_BYTES = 60 * 2**20
 
@@ -41,7 +44,7 @@ def gpu_time(fn: Callable[[int], Any], sets: int, batches: int = 30, per_batch: 
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(batches)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(batches)]
     if queue_ahead:
-        torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: the host queues every call meanwhile
+        torch.cuda._sleep(spin_cycles(fn, sets, batches * per_batch))  # the host queues every call meanwhile
     i = 0
     for r in range(batches):
         starts[r].record()
@@ -53,6 +56,28 @@ def gpu_time(fn: Callable[[int], Any], sets: int, batches: int = 30, per_batch: 
     times = sorted(s.elapsed_time(e) * 1e3 / per_batch for s, e in zip(starts, ends))
     q = statistics.quantiles(times, n=10)
     return statistics.median(times), q[1], q[7]
+
+
+#: GPU clock cycles a second the spin is sized by (an H200 boosts to 1.98 GHz; a faster clock only
+#: shortens the spin, which :func:`spin_cycles`' margin covers)
+SPIN_HZ = 2.0e9
+
+
+def spin_cycles(fn: Callable[[int], Any], sets: int, calls: int) -> int:
+    """Cycles of ``torch.cuda._sleep`` that hold the GPU while the host queues ``calls`` calls of
+    ``fn``: the host time of a few calls (measured with the GPU free, so they only queue), times
+    ``calls``, twice over, and never under 100 M (~50 ms). A fixed 50 ms held the GPU for 300 calls of
+    up to ~160 us of host time; an autograd backward of a decode-size row takes ~120 us on the H200's
+    host, so the later batches of such a row timed the host instead of the GPU (the runner's
+    decode-4k backward: median 153.6 us, p20 6.3 us, when its GPU time is 3.7 us)."""
+    n = min(20, calls)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(n):
+        fn(i % sets)
+    per_call = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return int(min(max(1e8, 2 * per_call * calls * SPIN_HZ), 8e9))
 
 
 def copy_rate(nbytes: int = 2**30) -> float:

@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from tileops.compile import build
+from tileops.kernels import report
 from tileops.kernels.rope import RoPEKernelSpec
 from tileops.compile.entry import raw_kernel
 from tileops.rope.tables import RoPETables
@@ -107,7 +108,7 @@ def main() -> int:
         extra = {}
         if positions:
             pos = torch.randint(0, 8192, (S,), device=dev)
-            err = torch.zeros(1, dtype=torch.int32, device=dev)
+            err = torch.zeros(report.ENTRY, dtype=torch.int32, device=dev)  # a call's error entry
             extra = dict(P=pos.data_ptr(), ERR=err.data_ptr(), psb=0, pss=1, limit=8192, tag=1, NP=S)
             nbytes += pos.numel() * 8
         results = []

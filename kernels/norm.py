@@ -80,6 +80,8 @@ STATIC = {
                                   "schedule; sets the block size (CUDA)"),
     "bwd_vectors_per_thread": (1, 16, "the same for the backward, whose threads also hold dy and the weight "
                                       "gradient's column sums (CUDA)"),
+    "rows_per_group": (1, 8, "rows each lane group of the forward's row-per-warp schedule holds at once, their "
+                             "loads in flight together (CUDA)"),
 }
 
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -97,6 +99,8 @@ _RESIDENT_THREADS = 1024
 _MAX_VECTORS = 16
 #: at most this many bytes of a row per thread (CUDA): 16 vectors of 16 bytes, 64 registers of x
 _MAX_THREAD_BYTES = 256
+#: at most this many rows a lane group holds at once (the forward's row-per-warp schedule)
+_MAX_GROUP_ROWS = 8
 _MAX_BLOCK_THREADS = 1024
 
 #: the generated functions' parameters, in order, per kind. The launcher binds arguments by these
@@ -135,6 +139,7 @@ class NormKernelSpec:
     threads: int = 256  # cuda: threads per block of the row-per-warp schedule
     vectors_per_thread: int = 4  # cuda: forward, row-per-block schedule
     bwd_vectors_per_thread: int = 1  # cuda: backward, row-per-block schedule
+    rows_per_group: int = 1  # cuda: forward, row-per-warp schedule: rows a lane group holds at once
 
     def __post_init__(self) -> None:
         def one_of(name: str, value: Any, choices: tuple) -> None:
@@ -172,6 +177,8 @@ class NormKernelSpec:
         for name in ("vectors_per_thread", "bwd_vectors_per_thread"):
             if not 1 <= getattr(self, name) <= _MAX_VECTORS:
                 raise ValueError(f"{name}: expected an int in [1, {_MAX_VECTORS}], got {getattr(self, name)}")
+        if not 1 <= self.rows_per_group <= _MAX_GROUP_ROWS:
+            raise ValueError(f"rows_per_group: expected an int in [1, {_MAX_GROUP_ROWS}], got {self.rows_per_group}")
         if self.backend == "cuda" and self._thread_bytes(self.lanes) > _MAX_THREAD_BYTES:
             limit = _MAX_THREAD_BYTES * _MAX_BLOCK_THREADS // _ELEM_BYTES[self.dtype]
             raise ValueError(f"hidden: a {self.dtype} row of {self.hidden} elements puts "
@@ -241,9 +248,21 @@ class NormKernelSpec:
         return max(self.threads, self.lanes) if self.per_warp else self.lanes
 
     @property
+    def group_rows(self) -> int:
+        """CUDA: rows each lane group holds at once: ``rows_per_group`` in the forward's row-per-warp
+        schedule (a head of 128 bf16 is one 16-byte load a lane: a second row doubles the bytes in
+        flight), else 1."""
+        if self.kind == "fwd" and self.per_warp and self.norm == "rms":  # (LayerNorm's mean: one row a group)
+            # up to 4 loads of x in flight a lane, as the row-per-block forward's 4 vectors a thread: on
+            # the H200, per head [16384, 32, 128] bf16 (1 vector a lane) took 73.5 us with one row a
+            # group, 68.9 with two, 71.1 with four; hidden 1024 (4 vectors a lane) 65.9 with one, 67.1 with two
+            return max(1, min(self.rows_per_group, 4 // self.vectors))
+        return 1
+
+    @property
     def rows_per_block(self) -> int:
-        """CUDA: rows one block handles at a time."""
-        return self.block_threads // self.lanes
+        """CUDA: rows one block handles."""
+        return self.block_threads // self.lanes * self.group_rows
 
     @property
     def partials_per_block(self) -> int:
@@ -458,8 +477,9 @@ def _fwd_c(spec: NormKernelSpec, st: dict[str, str]):
 
 
 def lane_value(spec: NormKernelSpec):
-    """The CUDA schedule's per-element stage: a macro ``n = lane_value(xr, wr, br, j, v, mean, rstd)``,
-    element ``j * vec + v`` of a lane's row slice ``xr`` (local, the input dtype) normalised in fp32
+    """The CUDA schedule's per-element stage: a macro ``n = lane_value(xr, wr, br, j, v, mean, rstd,
+    at=0)``, element ``j * vec + v`` of a lane's row slice ``xr[at:]`` (local, the input dtype; ``at``
+    selects one of several rows a lane holds) normalised in fp32
     before its store: ``x - mean`` for LayerNorm, times the row's ``rstd``, rounded to the input dtype
     with ``llama`` rounding, times ``offset + w`` (``wr``, the lane's weights at the same index),
     plus the bias (``br``); ``wr``, ``br`` are not read where the spec has no weight or bias. (Its
@@ -470,8 +490,8 @@ def lane_value(spec: NormKernelSpec):
     has_w = spec.weight is not None
 
     @T.macro
-    def lane_value(xr, wr, br, j, v, mean, rstd):
-        n = _centered(spec, T.cast(xr[j * V + v], "float32"), mean) * rstd
+    def lane_value(xr, wr, br, j, v, mean, rstd, at=0):
+        n = _centered(spec, T.cast(xr[at + j * V + v], "float32"), mean) * rstd
         if spec.rounding == "llama":
             n = round_to(n, dt, dt)
         if has_w:
@@ -502,14 +522,14 @@ def lane_allsum(lanes: int):
 
 
 def lane_rstd(spec: NormKernelSpec):
-    """The CUDA schedule's row statistic: a macro ``rstd = lane_rstd(acc, eps)`` from the row's sum of
-    squares in ``acc[0]`` (local fp32, every lane's the same bits): ``rsqrt(acc[0] / hidden + eps)``."""
+    """The CUDA schedule's row statistic: a macro ``rstd = lane_rstd(acc, eps, i=0)`` from the row's sum
+    of squares in ``acc[i]`` (local fp32, every lane's the same bits): ``rsqrt(acc[i] / hidden + eps)``."""
     _tl()
     H = spec.hidden
 
     @T.macro
-    def lane_rstd(acc, eps):
-        return T.rsqrt(acc[0] / T.float32(H) + eps)
+    def lane_rstd(acc, eps, i=0):
+        return T.rsqrt(acc[i] / T.float32(H) + eps)
 
     return lane_rstd
 
@@ -616,6 +636,12 @@ def _fwd_cuda(spec: NormKernelSpec):
     store_x, store_y = k.store_macro(spec.dtype), k.store_macro(spec.y_dtype)
     value, rstd_of = lane_value(spec), lane_rstd(spec)
 
+    # A lane group holds RG rows at once, GPB groups a block apart: each row's loads are issued before
+    # any row is reduced, so a lane keeps RG 16-byte loads of x in flight (a head of 128 bf16 is one
+    # load a lane). RG is 1 but in the row-per-warp RMSNorm (NormKernelSpec.group_rows).
+    RG = spec.group_rows
+    GPB, RW = RPB // RG, NV * V
+
     @T.macro
     def body(X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits):
         with T.Kernel(T.ceildiv(M, RPB), threads=TPB) as bx:
@@ -623,49 +649,56 @@ def _fwd_cuda(spec: NormKernelSpec):
             T.annotate_min_blocks_per_sm(k.min_blocks)
             tx = T.get_thread_binding()
             lane = tx % L
-            row = bx * RPB + tx // L
-            live = row < M
-            xr = T.alloc_local((NV * V,), dt)
+            first = bx * RPB + tx // L
+            xr = T.alloc_local((RG * RW,), dt)
             rr = T.alloc_local((V,), dt)
-            wr = T.alloc_local((NV * V,), wdt)
-            br = T.alloc_local((NV * V,), bdt)
+            wr = T.alloc_local((RW,), wdt)
+            br = T.alloc_local((RW,), bdt)
             yr = T.alloc_local((V,), ydt)
-            acc = T.alloc_local((1,), "float32")
+            acc = T.alloc_local((RG,), "float32")
             red = T.alloc_shared((2, 1, k.warps), "float32", scope="shared")
-            xo = _row_offset(row, NH, xst, xsh) * V
-            for j in T.unroll(NV):
-                if k.ok(live, lane, j):
-                    c = k.col(lane, j)
-                    for v in T.vectorized(V):
-                        xr[j * V + v] = X[xo + c + v]
-                    if spec.residual:
+            for r in T.unroll(RG):
+                row = first + r * GPB
+                live = row < M
+                xo = _row_offset(row, NH, xst, xsh) * V
+                for j in T.unroll(NV):
+                    if k.ok(live, lane, j):
+                        c = k.col(lane, j)
                         for v in T.vectorized(V):
-                            rr[v] = R[_row_offset(row, NH, rst, rsh) * V + c + v]
-                        for v in T.unroll(V):
-                            xr[j * V + v] = T.cast(T.cast(xr[j * V + v], "float32") + T.cast(rr[v], "float32"), dt)
-                        store_x(RO, _row_offset(row, NH, rost, rosh) * V + c, xr, j * V)
-                    if has_w:
-                        for v in T.vectorized(V):
-                            wr[j * V + v] = W[c + v]
-                    if spec.bias is not None:
-                        for v in T.vectorized(V):
-                            br[j * V + v] = B[c + v]
+                            xr[r * RW + j * V + v] = X[xo + c + v]
+                        if spec.residual:
+                            for v in T.vectorized(V):
+                                rr[v] = R[_row_offset(row, NH, rst, rsh) * V + c + v]
+                            for v in T.unroll(V):
+                                xr[r * RW + j * V + v] = T.cast(T.cast(xr[r * RW + j * V + v], "float32")
+                                                                + T.cast(rr[v], "float32"), dt)
+                            store_x(RO, _row_offset(row, NH, rost, rosh) * V + c, xr, r * RW + j * V)
+                        if r == 0:  # the weight's columns are every row's
+                            if has_w:
+                                for v in T.vectorized(V):
+                                    wr[j * V + v] = W[c + v]
+                            if spec.bias is not None:
+                                for v in T.vectorized(V):
+                                    br[j * V + v] = B[c + v]
             eps = T.reinterpret(eps_bits, "float32")
-            mean = row_mean(xr, acc, red, tx, live, lane)
-            acc[0] = T.float32(0)
-            for j in T.unroll(NV):
-                if k.ok(live, lane, j):
-                    for v in T.unroll(V):
-                        f = _centered(spec, T.cast(xr[j * V + v], "float32"), mean)
-                        acc[0] = acc[0] + f * f
-            allsum(acc, 1, red, 0, tx)
-            rstd = rstd_of(acc, eps)
-            yo = _row_offset(row, NH, yst, ysh) * V
-            for j in T.unroll(NV):
-                if k.ok(live, lane, j):
-                    for v in T.unroll(V):
-                        yr[v] = T.cast(value(xr, wr, br, j, v, mean, rstd), ydt)
-                    store_y(Y, yo + k.col(lane, j), yr, 0)
+            mean = row_mean(xr, acc, red, tx, first < M, lane)  # (LayerNorm: RG is 1)
+            for r in T.unroll(RG):
+                acc[r] = T.float32(0)
+                for j in T.unroll(NV):
+                    if k.ok(first + r * GPB < M, lane, j):
+                        for v in T.unroll(V):
+                            f = _centered(spec, T.cast(xr[r * RW + j * V + v], "float32"), mean)
+                            acc[r] = acc[r] + f * f
+            allsum(acc, RG, red, 0, tx)
+            for r in T.unroll(RG):
+                rstd = rstd_of(acc, eps, r)
+                row = first + r * GPB
+                yo = _row_offset(row, NH, yst, ysh) * V
+                for j in T.unroll(NV):
+                    if k.ok(row < M, lane, j):
+                        for v in T.unroll(V):
+                            yr[v] = T.cast(value(xr, wr, br, j, v, mean, rstd, r * RW), ydt)
+                        store_y(Y, yo + k.col(lane, j), yr, 0)
 
     return body
 

@@ -14,6 +14,7 @@ the blocks of the grid one after another, the threads of a block as cooperative 
   GPU's ``cvt.rn`` does; ``rsqrtf`` is ``1 / sqrtf`` (the GPU's is within 2 ulp of it); ``fmaf``
   and ``__fmul_rn`` the host's IEEE ``fmaf`` and product (the GPU's give the same bits);
   ``min``/``max`` of two values of one type, and TileLang's ``uchar``/``ushort``/``uint``;
+  ``atomicMax`` on ``unsigned long long`` (a bad value's record, ``tileops/kernels/report.py``);
   the float8 conversion's ``cvt.rn.satfinite.e4m3x2.f32`` by a search over e4m3fn's values.
 
 What it cannot show: speed, memory ordering between blocks, and the GPU's approximate ``rsqrtf``.
@@ -78,6 +79,12 @@ typedef unsigned int uint;
 template <typename T> static inline T min(T a, T b) { return b < a ? b : a; }
 template <typename T> static inline T max(T a, T b) { return a < b ? b : a; }
 template <typename T> static inline void __stcg(T* p, T v) { *p = v; }
+// one context runs at a time and none yields inside this: a plain read-compare-store is atomic here
+static inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
+  unsigned long long old = *p;
+  if (v > old) *p = v;
+  return old;
+}
 /* the threads of one block: cooperative contexts on this OS thread, switched at barriers */
 struct TileopsBarrier { int count, arrived; unsigned gen; };
 static ucontext_t tileops_main;

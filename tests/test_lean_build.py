@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tileops.compile import cuda_build, build
+from tileops.kernels import report
 from tileops.kernels.rope import RoPEKernelSpec
 
 
@@ -215,7 +216,7 @@ def test_lean_and_tilelang_builds_agree_bit_for_bit_cuda(spec):
     results = []
     for k in (ours, theirs):
         out, kout = torch.full_like(x, float("nan")), torch.full_like(key, float("nan"))
-        err = torch.zeros(2, dtype=torch.int32, device=dev)
+        err = torch.zeros(report.ENTRY, dtype=torch.int32, device=dev)  # a call's error entry
         _bind_and_run(k, spec, x, out, key, kout, td, pos, err)
         torch.cuda.synchronize()
         assert not out.isnan().any() and not kout.isnan().any()

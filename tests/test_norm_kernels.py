@@ -301,6 +301,46 @@ def test_residual_add_in_place(backend, gen):
     assert_hf_bits(y, ref.hf_rms_norm(x + r, w, 1e-6, "llama"), "strided", rounds=2)
 
 
+def test_rows_a_lane_group_holds():
+    """``rows_per_group`` serves the forward's row-per-warp RMSNorm, keeping at most 4 loads of x in
+    flight a lane; a row-per-block row, the backward and LayerNorm hold one row a group."""
+    S = get_spec("norm")
+    assert S(kind="fwd", hidden=128, rows_per_group=2).group_rows == 2  # 1 vector a lane
+    assert S(kind="fwd", hidden=128, rows_per_group=8).group_rows == 4
+    assert S(kind="fwd", hidden=1024, rows_per_group=2).group_rows == 1  # 4 vectors a lane
+    assert S(kind="fwd", hidden=512, rows_per_group=2).group_rows == 2  # 2 vectors a lane
+    assert S(kind="fwd", hidden=4096, rows_per_group=2).group_rows == 1  # a block a row
+    assert S(kind="bwd", hidden=128, rows_per_group=2).group_rows == 1
+    assert S(kind="fwd", hidden=128, norm="layer", rounding="fp32", rows_per_group=2).group_rows == 1
+    a = S(kind="fwd", hidden=128, rows_per_group=2)
+    assert a.rows_per_block == 2 * S(kind="fwd", hidden=128).rows_per_block
+    with pytest.raises(ValueError, match="rows_per_group: expected an int in"):
+        S(kind="fwd", hidden=128, rows_per_group=0)
+
+
+@pytest.mark.skipif(not cuda_on_cpu.available(), reason="no g++")
+@pytest.mark.parametrize("hidden", [64, 128, 184])
+def test_rows_per_group_gives_the_one_row_bits(hidden, gen):
+    """The CUDA forward holding two rows a lane group (run on the CPU harness) writes the bits of the
+    one-row schedule: a last block with rows of only some groups, a partial one, a residual, and a
+    per-head view of a wider buffer."""
+    one = spec("cuda", kind="fwd", hidden=hidden, dtype="bfloat16", weight="bfloat16")
+    two = dataclasses.replace(one, rows_per_group=2)
+    assert two.group_rows == 2
+    w = (torch.randn(hidden, generator=gen) * 0.2 + 1).to(torch.bfloat16)
+    for m in (1, 5, two.rows_per_block + 3):
+        x = torch.randn(m, hidden, generator=gen).to(torch.bfloat16)
+        assert torch.equal(fwd(two, x, w)[0].view(torch.int16), fwd(one, x, w)[0].view(torch.int16)), m
+    wide = torch.randn(9, 3 * hidden + 16, generator=gen).to(torch.bfloat16)
+    heads = wide[:, 16:16 + 2 * hidden].view(9, 2, hidden)  # two heads of each token, a row stride apart
+    assert torch.equal(fwd(two, heads, w)[0].view(torch.int16), fwd(one, heads, w)[0].view(torch.int16))
+    r = torch.randn(7, hidden, generator=gen).to(torch.bfloat16)
+    x = torch.randn(7, hidden, generator=gen).to(torch.bfloat16)
+    with_r = (dataclasses.replace(one, residual=True), dataclasses.replace(two, residual=True))
+    (y1, h1), (y2, h2) = (fwd(s, x, w, r=r) for s in with_r)
+    assert torch.equal(y1.view(torch.int16), y2.view(torch.int16)) and torch.equal(h1, h2)
+
+
 @pytest.mark.parametrize("affine", ["weight+bias", "none"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layer_norm_fp32_against_float64(affine, backend, gen):

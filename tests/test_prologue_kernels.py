@@ -31,7 +31,8 @@ import torch
 from tests import cuda_on_cpu
 from tests.test_lean_build import needs_toolchain
 from tileops.compile.build import emit_source, load_kernel
-from tileops.kernels import get_spec
+from tileops.kernels import get_spec, report
+from tileops.runtime import errors
 from tileops.rope.tables import digit_tables
 
 CPU = torch.device("cpu")
@@ -238,7 +239,7 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
     kfull, vfull = torch.full(shape, NAN, dtype=cdt), torch.full(shape, NAN, dtype=cdt)
     kfull[blocks:], vfull[blocks:] = 7.0, 7.0  # a guard past the cache: must stay 7
     scales = (torch.tensor([fp8_scales[0]]), torch.tensor([fp8_scales[1]])) if fp8 else None
-    err = torch.zeros(2, dtype=torch.int32)
+    err = torch.zeros(report.ENTRY, dtype=torch.int32)  # the call's error entry: tags, then records
     tag = int(torch.randint(1, 2**31 - 1, (1,), generator=gen))
     before = qkv.clone()
     run(spec, qkv, positions, slots, tables, qw, kw, q, kfull, vfull, err, hq, hkv, bs, nslots, layout, tag, mutate,
@@ -267,7 +268,23 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
             assert torch.equal(vr.double(), vs[slot]), f"v cache slot {slot}: not copied exactly"
         else:
             assert torch.isnan(kr.float()).all() and torch.isnan(vr.float()).all(), f"slot {slot} written"
-    return err, tag
+    check_records(err, positions, slots, nslots)
+    return err[:2], tag
+
+
+def check_records(err: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, nslots: int) -> None:
+    """The kernel's record of each checked input (kernels/report.py; 0 positions, 1 slots) names its
+    first bad element, its index and value, or is empty when there is none."""
+    words = err.tolist()
+    for k, (t, bad) in enumerate(((positions, (positions < 0) | (positions >= LIMIT)), (slots, slots >= nslots))):
+        lo, hi = words[report.CHECKS + 2 * k], words[report.CHECKS + 2 * k + 1]
+        if not bool(bad.any()):
+            assert (lo, hi) == (0, 0), f"a record for input {k}, which held no bad value"
+            continue
+        first = tuple(int(i) for i in bad.nonzero()[0])  # row-major: the smallest offset of a dense tensor
+        value = max(-(2**31), min(2**31 - 1, int(t[first])))
+        got = errors.found(lo, hi, tuple(t.shape), t.stride())
+        assert got is not None and (got.index, got.value) == (first, value), (k, got, first, value)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
@@ -634,7 +651,8 @@ def _break_pairing(src: str) -> str:
 
 def _break_slot_bound(src: str) -> str:
     """A mutation: the slot bound one block too far (a slot up to nslots + bs - 1 would be written)."""
-    out = src.replace("(slot < nslots)", "(slot < (nslots + bs))")
+    # (the slot's variable is named by the macro it is last passed to: kernels/report.py's ``value``)
+    out = re.sub(r"\((\w+) < nslots\)", r"(\1 < (nslots + bs))", src)
     assert out != src
     return out
 
