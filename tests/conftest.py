@@ -1,5 +1,7 @@
-"""Shared test fixtures: the ``cuda`` marker skips without a GPU; a fresh generator per test; the
-native runtime built before any test process imports tileops."""
+"""Shared test fixtures: the ``cuda`` marker skips without a GPU; every test's random inputs seeded
+with a constant of its own (``tests/seeds.py``: ``gen``, the global RNGs, hypothesis derandomized;
+``TILEOPS_EXPLORE=1`` for fresh ones), its seed printed when it fails; the native runtime built
+before any test process imports tileops."""
 
 from __future__ import annotations
 
@@ -8,9 +10,21 @@ import subprocess
 import sys
 
 import pytest
+import seeds
 import torch
+from hypothesis import settings
 
 HAS_CUDA = torch.cuda.is_available()
+SEED = pytest.StashKey[int]()
+
+# Hypothesis: the default profile draws the same examples every run (from each test's code), so the
+# README's command and `-m slow` are reproducible; a failure prints the @reproduce_failure line that
+# replays it. Under TILEOPS_EXPLORE each run draws new examples. No example database: a failure
+# replayed from a local one would make a run depend on the runs before it.
+settings.register_profile("tileops", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("tileops-explore", derandomize=False, database=None, deadline=None, print_blob=True)
+# loaded here, before any test module builds its settings on the current profile (tests/test_fuzz.py)
+settings.load_profile("tileops-explore" if seeds.explore() else "tileops")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -36,9 +50,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def tileops_seed(request: pytest.FixtureRequest) -> int:
+    """This test's seed (``seeds.seed_for`` of its node id), with torch's, ``random``'s and numpy's
+    global RNGs seeded from it: a test drawing from them draws the same inputs whichever worker ran
+    what before it."""
+    seed = seeds.seed_for(request.node.nodeid)
+    request.node.stash[SEED] = seed
+    seeds.seed_globals(seed)
+    return seed
+
+
 @pytest.fixture
-def gen() -> torch.Generator:
-    """A generator seeded afresh from the OS, so every run draws new inputs."""
-    g = torch.Generator()
-    g.seed()
-    return g
+def gen(tileops_seed: int) -> torch.Generator:
+    """A generator seeded with the test's seed."""
+    return torch.Generator().manual_seed(tileops_seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test's report says which seed drew its inputs and how to draw them again (a section
+    of the report, so it reaches the xdist controller with it)."""
+    report = yield
+    seed = item.stash.get(SEED, None)
+    if report.failed and seed is not None:
+        how = ("TILEOPS_SEED pinned it" if seeds.pinned() is not None else
+               "a fresh one (TILEOPS_EXPLORE)" if seeds.explore() else "the CRC-32 of the test's node id")
+        report.sections.append(("tileops seed", (
+            f"seed {seed}: {how}; `TILEOPS_SEED={seed} python -m pytest '{item.nodeid}'` draws the same inputs"
+            # a hypothesis run draws its examples apart from the seed (not every @given is the test's own)
+            + ("; hypothesis's examples are its own: its @reproduce_failure line above replays them"
+               if "@reproduce_failure" in report.longreprtext else ""))))
+    return report
