@@ -6,6 +6,7 @@ before any test process imports tileops."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -13,6 +14,11 @@ import pytest
 import seeds
 import torch
 from hypothesis import settings
+
+try:  # numpy is torch's optional dependency: a test using its global RNG is seeded too
+    import numpy
+except ImportError:  # pragma: no cover
+    numpy = None
 
 HAS_CUDA = torch.cuda.is_available()
 SEED = pytest.StashKey[int]()
@@ -52,12 +58,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def tileops_seed(request: pytest.FixtureRequest) -> int:
-    """This test's seed (``seeds.seed_for`` of its node id), with torch's, ``random``'s and numpy's
-    global RNGs seeded from it: a test drawing from them draws the same inputs whichever worker ran
-    what before it."""
+    """This test's seed (``seeds.seed_for`` of its node id), with torch's global RNGs (the CPU's and
+    every GPU's), ``random``'s and numpy's seeded from it: a test drawing from them draws the same
+    inputs whichever worker ran what before it."""
     seed = seeds.seed_for(request.node.nodeid)
     request.node.stash[SEED] = seed
-    seeds.seed_globals(seed)
+    # seed + 1: gen is seeded with seed, and a test drawing from both must not get the same
+    # numbers twice (torch's CPU generator would repeat them)
+    other = (seed + 1) % seeds.LIMIT
+    torch.manual_seed(other)
+    random.seed(other)
+    if numpy is not None:
+        numpy.random.seed(other)
     return seed
 
 

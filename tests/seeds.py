@@ -2,20 +2,13 @@
 pytest node id, so every run draws the same inputs whatever the process, the xdist worker or the
 order (CI once failed by chance on inputs no later run drew). ``TILEOPS_EXPLORE=1`` draws a fresh
 seed for every test instead, to look for new failures; ``TILEOPS_SEED=<n>`` pins every test's seed
-to ``n``, to replay the seed a failure's report printed (``tests/conftest.py``)."""
+to ``n``, to replay the seed a failure's report printed (``tests/conftest.py``, which seeds the
+RNGs). No torch here: a process that only needs the seed starts fast (``tests/test_determinism.py``)."""
 
 from __future__ import annotations
 
 import os
-import random
 import zlib
-
-import torch
-
-try:  # numpy is torch's optional dependency: a test using its global RNG is seeded too
-    import numpy
-except ImportError:  # pragma: no cover
-    numpy = None
 
 #: seeds are 32-bit: numpy's global RNG takes no more
 LIMIT = 2**32
@@ -45,14 +38,3 @@ def seed_for(key: str) -> int:
     if explore():
         return int.from_bytes(os.urandom(4), "little")
     return zlib.crc32(key.encode())
-
-
-def seed_globals(seed: int) -> None:
-    """Seed torch's global RNG (CUDA's too), ``random``'s and numpy's from ``seed``. From ``seed + 1``:
-    the test's ``gen`` is seeded with ``seed``, and a test drawing from both must not get the same
-    numbers twice (torch's CPU generator would repeat them)."""
-    other = (seed + 1) % LIMIT
-    torch.manual_seed(other)
-    random.seed(other)
-    if numpy is not None:
-        numpy.random.seed(other)
