@@ -37,7 +37,12 @@ def pytest_configure(config: pytest.Config) -> None:
     """Build the native runtime into the cache first (once, in the process that starts the workers;
     about 40 s on 2 cores the first time, a cache check after): tileops loads it when it is
     imported, and on a machine without a GPU an import never builds it, so the tests would
-    otherwise run the Python runtime alone. ``TILEOPS_NATIVE=0`` skips the build (and the extension)."""
+    otherwise run the Python runtime alone. ``TILEOPS_NATIVE=0`` skips the build (and the extension).
+    A bad ``TILEOPS_SEED`` is refused here, once, not in every test's setup."""
+    try:
+        seeds.pinned()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
     if hasattr(config, "workerinput") or os.environ.get("TILEOPS_NATIVE", "1").strip() in ("0", "false", "no", "off"):
         return
     code = ("from tileops.runtime import native\n"
