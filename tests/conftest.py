@@ -1,23 +1,48 @@
-"""Shared test fixtures: the ``cuda`` marker skips without a GPU; a fresh generator per test; the
-native runtime built before any test process imports tileops."""
+"""Shared test fixtures: the ``cuda`` marker skips without a GPU; every test's random inputs seeded
+with a constant of its own (``tests/seeds.py``: ``gen``, the global RNGs, hypothesis derandomized;
+``TILEOPS_EXPLORE=1`` for fresh ones), its seed printed when it fails; the native runtime built
+before any test process imports tileops."""
 
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
 import pytest
+import seeds
 import torch
+from hypothesis import settings
+
+try:  # numpy is torch's optional dependency: a test using its global RNG is seeded too
+    import numpy
+except ImportError:  # pragma: no cover
+    numpy = None
 
 HAS_CUDA = torch.cuda.is_available()
+SEED = pytest.StashKey[int]()
+
+# Hypothesis: the default profile draws the same examples every run (from each test's code), so the
+# README's command and `-m slow` are reproducible; a failure prints the @reproduce_failure line that
+# replays it. Under TILEOPS_EXPLORE each run draws new examples. No example database: a failure
+# replayed from a local one would make a run depend on the runs before it.
+settings.register_profile("tileops", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("tileops-explore", derandomize=False, database=None, deadline=None, print_blob=True)
+# loaded here, before any test module builds its settings on the current profile (tests/test_fuzz.py)
+settings.load_profile("tileops-explore" if seeds.explore() else "tileops")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Build the native runtime into the cache first (once, in the process that starts the workers;
     about 40 s on 2 cores the first time, a cache check after): tileops loads it when it is
     imported, and on a machine without a GPU an import never builds it, so the tests would
-    otherwise run the Python runtime alone. ``TILEOPS_NATIVE=0`` skips the build (and the extension)."""
+    otherwise run the Python runtime alone. ``TILEOPS_NATIVE=0`` skips the build (and the extension).
+    A bad ``TILEOPS_SEED`` is refused here, once, not in every test's setup."""
+    try:
+        seeds.pinned()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
     if hasattr(config, "workerinput") or os.environ.get("TILEOPS_NATIVE", "1").strip() in ("0", "false", "no", "off"):
         return
     code = ("from tileops.runtime import native\n"
@@ -36,9 +61,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def tileops_seed(request: pytest.FixtureRequest) -> int:
+    """This test's seed (``seeds.seed_for`` of its node id), with torch's global RNGs (the CPU's and
+    every GPU's), ``random``'s and numpy's seeded from it: a test drawing from them draws the same
+    inputs whichever worker ran what before it."""
+    seed = seeds.seed_for(request.node.nodeid)
+    request.node.stash[SEED] = seed
+    # seed + 1: gen is seeded with seed, and a test drawing from both must not get the same
+    # numbers twice (torch's CPU generator would repeat them)
+    other = (seed + 1) % seeds.LIMIT
+    torch.manual_seed(other)
+    random.seed(other)
+    if numpy is not None:
+        numpy.random.seed(other)
+    return seed
+
+
 @pytest.fixture
-def gen() -> torch.Generator:
-    """A generator seeded afresh from the OS, so every run draws new inputs."""
-    g = torch.Generator()
-    g.seed()
-    return g
+def gen(tileops_seed: int) -> torch.Generator:
+    """A generator seeded with the test's seed."""
+    return torch.Generator().manual_seed(tileops_seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test's report says which seed drew its inputs and how to draw them again (a section
+    of the report, so it reaches the xdist controller with it)."""
+    report = yield
+    seed = item.stash.get(SEED, None)
+    if report.failed and seed is not None:
+        how = ("TILEOPS_SEED pinned it" if seeds.pinned() is not None else
+               "a fresh one (TILEOPS_EXPLORE)" if seeds.explore() else "the CRC-32 of the test's node id")
+        report.sections.append(("tileops seed", (
+            f"seed {seed}: {how}; `TILEOPS_SEED={seed} python -m pytest '{item.nodeid}'` draws the same inputs"
+            # a hypothesis run draws its examples apart from the seed (not every @given is the test's own)
+            + ("; hypothesis's examples are its own: its @reproduce_failure line above replays them"
+               if "@reproduce_failure" in report.longreprtext else ""))))
+    return report

@@ -9,7 +9,8 @@ the deferred error words (no host sync at the call).
 
 The reference is the float64 unfused chain of ``tests/test_attention_prologue.py`` (its own math and
 ``tests/references.py``, no code shared with the kernels); caches are NaN-filled inside larger
-buffers whose guard block must stay 7; inputs are fresh random draws.
+buffers whose guard block must stay 7; inputs are random draws, seeded per
+test (``tests/conftest.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ The reference: per-head RMSNorm in float64, then the rotation with the rope op's
 ``tests/references.py`` (the RoPE family's own float64 definitions, which import nothing of tileops),
 then the paged cache write in token order. Caches are NaN-filled and live inside larger buffers whose
 guard blocks must stay untouched, so a slot written that should not be, or one past the cache, shows.
-qkv is a column slice of a wider buffer (row-strided). Inputs are fresh random draws.
+qkv is a column slice of a wider buffer (row-strided). Inputs are random draws, seeded per
+test (``tests/conftest.py``).
 
 Kernel compiles (~2.5 s each here) are shared: the specs differ only in dtype, head_dim, rotated
 width, index dtypes and qk_norm, and the cases below reuse a few. Not covered here: the CUDA schedule

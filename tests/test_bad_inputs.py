@@ -90,7 +90,7 @@ def dtypes(m) -> dict[str, str]:
 
 
 def every_input(m, params, dims) -> dict[str, Any]:
-    """Every input of ``m`` (optional ones too) as a valid call passes them, fresh random."""
+    """Every input of ``m`` (optional ones too) as a valid call passes them, random."""
     inputs = make_inputs(m, params, dims, "float32", every=True)
     return {k: v for k, v in inputs.items() if k not in NOT_WITH_BASE.get(m.name, ())}
 

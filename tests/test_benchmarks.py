@@ -43,12 +43,11 @@ def _backward_grads(monkeypatch, name: str, params: dict, inputs: dict) -> list[
     return got
 
 
-def test_a_qk_backward_row_differentiates_x_and_key_for_every_contender(monkeypatch):
+def test_a_qk_backward_row_differentiates_x_and_key_for_every_contender(monkeypatch, gen):
     # the timer once took x's gradient through q's output alone: torch.compile then rotated q's
     # gradient only while ours also rotated the key's, and the row compared unequal work
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    x, key = torch.randn(1, 24, 4, 32, generator=g), torch.randn(1, 24, 2, 32, generator=g)
-    pos = torch.randint(0, 40, (3, 1, 24), generator=g)
+    x, key = torch.randn(1, 24, 4, 32, generator=gen), torch.randn(1, 24, 2, 32, generator=gen)
+    pos = torch.randint(0, 40, (3, 1, 24), generator=gen)
     got = _backward_grads(monkeypatch, "MRoPEFwdOp", {"mrope_section": (4, 6, 6)},
                           {"x": x, "position_ids": pos, "key": key})
     assert len(got) == 3  # ours, eager, torch.compile
@@ -219,11 +218,10 @@ def test_the_hf_benchmark_refuses_an_unknown_row(capsys):
            "'compiled,graphs'" in capsys.readouterr().err
 
 
-def test_the_hf_benchmark_agreement_finds_the_first_differing_step():
+def test_the_hf_benchmark_agreement_finds_the_first_differing_step(gen):
     from benchmarks import hf_generate
 
-    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    want, logits = torch.randint(0, 100, (3, 10), generator=g), torch.randn(3, 50, generator=g)
+    want, logits = torch.randint(0, 100, (3, 10), generator=gen), torch.randn(3, 50, generator=gen)
     late = want.clone()
     late[2, 7:] += 1  # row 2 from step 8 on (1-based)
     early = want.clone()

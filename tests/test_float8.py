@@ -9,8 +9,8 @@ is shared with it. The inputs:
   midpoint past 448 (464) included;
 * the subnormal range on a fine grid, fp32 subnormals, ``±0``, ``±inf``, NaNs of both signs and
   several payloads, values past 448 up to fp32's largest;
-* fresh random draws: uniformly random fp32 bit patterns (every binade, NaNs included) and values
-  log-uniform over the binades around e4m3's range.
+* random draws (the test's seed): uniformly random fp32 bit patterns (every binade, NaNs
+  included) and values log-uniform over the binades around e4m3's range.
 
 Test kernels are built here (they are not builders of the package) with the flags and pass configs
 tileops compiles its own C kernels with (:data:`tileops.compile.build.PASS_CONFIGS`,
@@ -200,12 +200,12 @@ def _host_division(where: str):
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="no C++ compiler")
 def test_reciprocal_form_gives_the_divisions_bits(tmp_path, gen):
     """``DIV_SOURCE``: ``x / s`` from ``1 / s`` by a multiply and Markstein's correction, against fp32
-    division (torch's, correctly rounded), for fresh scales inside ``RCP_SCALES`` and past it (the
+    division (torch's, correctly rounded), for random scales inside ``RCP_SCALES`` and past it (the
     division then), both signs: on every input whose quotient reaches e4m3fn's range (``>= 2^-12``)
     the same fp32 bits, everywhere the same e4m3fn bits, sign and NaN. The inputs: the edge values,
     e4m3's values and midpoints times the scale and their neighbours (where a plain reciprocal
-    multiply rounds to the other side: checked, so the correction is what is tested), fresh random
-    bit patterns and log-uniform values."""
+    multiply rounds to the other side: checked, so the correction is what is tested), random bit
+    patterns and log-uniform values."""
     lo, hi = float8.RCP_SCALES
     inside = torch.exp2(torch.rand(12, generator=gen, dtype=torch.float64) * 128 - 64)  # [2^-64, 2^64)
     kv = torch.empty(12, dtype=torch.float64).uniform_(0.005, 8.0, generator=gen)  # a KV cache's scales

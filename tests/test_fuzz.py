@@ -45,6 +45,9 @@ Cost and knobs:
   head_dim from every even value in 2..512, so most examples compile a kernel: about 2.5 minutes
   for N=300 here.
 * Every test here is marked ``slow``, so run the module as ``python -m pytest -m slow tests/test_fuzz.py``.
+* The examples are the same every run (the derandomized hypothesis profile of ``tests/conftest.py``);
+  ``TILEOPS_EXPLORE=1`` draws new ones, and a failure prints the ``@reproduce_failure`` line that
+  replays it.
 * ``TILEOPS_FUZZ_DEVICE=cuda`` runs the specs on the GPU (``python -m pytest -m slow tests/test_fuzz.py``
   with ``TILEOPS_FUZZ_EXAMPLES=2000`` is issue 12's GPU fuzz run). There head_dim comes from
   ``GPU_HEAD_DIMS`` and the rotary width from three choices, and every kernel those draws can need

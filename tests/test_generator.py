@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -153,7 +154,7 @@ def test_a_damaged_disk_cache_entry_is_rebuilt_with_a_warning(tmp_path, damage):
     if damage.startswith("truncated"):
         target.write_bytes(target.read_bytes()[:1000])
     elif damage.startswith("garbage"):
-        target.write_bytes(os.urandom(target.stat().st_size))
+        target.write_bytes(random.randbytes(target.stat().st_size))  # random: seeded per test (conftest)
     else:
         target.write_text("{not json")
     again = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True)

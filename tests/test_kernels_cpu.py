@@ -1,7 +1,7 @@
 """BUILTIN kernels (TileLang C on the CPU) against the float64 references, on odd shapes.
 
 Every output is compared element by element with ``tests/references.py`` (float64, no shared code
-with the kernels). Inputs are fresh random draws; outputs are new tensors, so an unwritten element
+with the kernels). Inputs are random draws, seeded per test; outputs are new tensors, so an unwritten element
 would hold whatever ``torch.empty`` left there: we also check the kernel writes every element by
 running it into memory pre-filled with NaN (see ``test_every_element_written``).
 """

@@ -188,9 +188,8 @@ _SERVE = textwrap.dedent('''
 ''')
 
 
-def test_builtin_and_torch_serve_it_on_the_cpu(family: Path):
-    proc = _run([sys.executable, "-c", _SERVE, str(family / "tests"), str(int.from_bytes(os.urandom(4), "little"))],
-                family)
+def test_builtin_and_torch_serve_it_on_the_cpu(family: Path, tileops_seed: int):
+    proc = _run([sys.executable, "-c", _SERVE, str(family / "tests"), str(tileops_seed)], family)
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["attr"] is True and "ScaleFwdOp" in got["classes"] and "RoPEFwdOp" in got["classes"]
     assert {t: len(v) for t, v in got["targets"].items()} == {"builtin": 6, "torch": 6}

@@ -8,7 +8,8 @@ CUDA sums, against which the roundings are compared). The generated tests' ``bui
 runs every manifest case at its full size, forward and backward, besides these.
 
 References: float64 math and the HF modules as they compute, from ``tests/norm_references.py``
-(no code shared with the kernels); outputs NaN-filled where a test gives them; fresh random inputs.
+(no code shared with the kernels); outputs NaN-filled where a test gives them; random inputs, seeded
+per test (``tests/conftest.py``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ lie, in place, the fused residual, mixed dtypes, gradients, and what the runtime
 The kernels themselves are tested in ``tests/test_norm_kernels.py``; the generated tests, the fuzzer
 and the bad-input tests run the ops from their manifests. Here: what the op layer adds. References
 are float64 math and the HF modules as they compute (``tests/norm_references.py``, no code shared
-with the kernels); outputs are NaN-filled where a test gives them; inputs are fresh random draws
-(``gen``). The CUDA variants are in ``tests/test_norm_cuda.py``.
+with the kernels); outputs are NaN-filled where a test gives them; inputs are random draws from the
+test's seed (``gen``). The CUDA variants are in ``tests/test_norm_cuda.py``.
 
 Kernels are compiled on first use (about 2.5 s each on the C backend): the tests share specs with
 the generated tests where they can (bf16 hidden 4096, bf16 128 per head, fp32 64).

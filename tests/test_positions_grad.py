@@ -1,7 +1,7 @@
 """Positions for every op and gradients (issue 9), on the CPU's BUILTIN kernels and the torch target.
 
 References are the float64 formulas of ``tests/references.py`` (and float64 autograd of them); inputs
-are fresh random draws.
+are random draws, seeded per test (``tests/conftest.py``).
 """
 
 from __future__ import annotations

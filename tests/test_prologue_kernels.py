@@ -9,7 +9,7 @@ paged cache write): it shares no code with the kernel. The kernel's only input f
 (``tileops.rope.tables.digit_tables``), the tables every rope op hands its kernel.
 
 Every output (q, both caches) is NaN-filled before the launch, so an element the kernel fails to
-write cannot pass, and a cache row no slot names must still be NaN after it. Inputs are fresh random
+write cannot pass, and a cache row no slot names must still be NaN after it. Inputs are seeded random
 draws (``gen``). Bad positions and slots are checked to be reported in the error words and never to
 reach memory outside the cache: each cache is a view of a larger NaN-filled buffer whose tail must
 stay untouched. The norm's two roundings are also checked bit for bit on the columns past a partial
