@@ -28,8 +28,10 @@
 #include <Python.h>
 #include <torch/library.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
@@ -59,6 +61,9 @@ constexpr int kMaxTensors = 16;  // inputs and outputs of one op (the attention 
 constexpr int kMaxDims = 8;
 constexpr size_t kMaxKey = 256;
 constexpr size_t kMaxArgs = 128;
+constexpr int kMaxLaunches = 8;  // kernels of one binding (a plan: the norm backward's two)
+constexpr int kMaxWork = 8;  // per-call workspaces of one binding
+constexpr int kMaxScalars = 8;  // per-call scalars of one execute
 constexpr int kChunk = 4096;  // error entries per chunk of a pool (192 KiB)
 // an entry (tileops/kernels/report.py): a kernel may check up to kWords inputs, ERR[0..3] holding the
 // call's tag for each that was bad, then a two-word record of each one's first bad element
@@ -226,40 +231,52 @@ Pool& pool_for(int index) {
 }
 
 // ------------------------------------------------------------------------------ Binding
-struct BindingData : NoCopy {
+struct LaunchData {  // one kernel of a binding (tileops/runtime/binding.py's Launch)
   struct Ptr {
     int t, slot;
     uint64_t align;
-  };
-  struct Pair {
-    int a, b;
-    int64_t sa, sb;  // byte spans
   };
   std::vector<int64_t> tmpl;
   packed_t packed = nullptr;
   void* entry = nullptr;
   last_error_t last_error = nullptr;
-  PyObject* launch_py = nullptr;  // RawKernel.launch: the launch without a trampoline (no C compiler)
+  PyObject* launch_py = nullptr;  // RawKernel.launch: the launch without a trampoline (no C compiler); a new reference
+  int device = -1;
+  std::vector<Ptr> ptrs;  // t: a tensor of the call (inputs, outputs), then the per-call workspaces
+};
+
+struct BindingData : NoCopy {
+  struct Pair {
+    int a, b;
+    int64_t sa, sb;  // byte spans
+  };
+  std::vector<LaunchData> launches;  // in order, on one device
   int device = -1;
   int n_in = 0, n_out = 0;
-  std::vector<Ptr> ptrs;
+  std::vector<PyObject*> names;  // interned, new references: what execute gathers the call's tensors by
   Mode mode[kMaxTensors] = {};
   int like[kMaxTensors] = {};
+  int dtype[kMaxTensors] = {};  // a new output's scalar type, or -1: its like input's
   std::vector<int64_t> strides[kMaxTensors];  // a new output's (empty_like's for this signature)
   std::vector<int64_t> sizes[kMaxTensors];  // a new output's own shape (empty: its like input's)
   std::vector<Pair> pairs;
-  std::vector<int> late;  // slots whose tensor Python picks per call
+  std::vector<int> late;  // slots of the first launch whose tensor Python picks per call
   int64_t late_key = 0;  // the binding's key for tileops.runtime.library.late
   std::vector<std::array<int, 2>> checks;  // (input, word): the kernel writes the tag into ERR[word] for a bad value
+  int checked = 0;  // the launch that checks them
   int word_slot = -1, tag_slot = -1;
-  std::vector<at::Tensor> keep;  // tensors whose addresses tmpl holds
+  std::vector<int64_t> work;  // the per-call workspaces' byte offsets in one allocation of work_bytes
+  int64_t work_bytes = 0;
+  std::vector<std::array<int, 3>> scalars;  // (launch, slot, index): the call's per-call scalar `index`
+  std::vector<at::Tensor> keep;  // tensors whose addresses the templates hold
   std::mutex memo_mu;  // the exact overlap test's answers by (pair, offset)
   std::vector<std::array<int64_t, 3>> memo;
 
   ~BindingData() {
-    if (launch_py != nullptr && Py_IsInitialized()) {  // the last holder may be a call without the GIL
+    if (Py_IsInitialized()) {  // the last holder may be a call without the GIL
       Gil g;
-      Py_DECREF(launch_py);
+      for (auto& l : launches) Py_XDECREF(l.launch_py);
+      for (PyObject* n : names) Py_XDECREF(n);
     }
   }
 };
@@ -301,33 +318,44 @@ int64_t attr_i64(PyObject* o, const char* name) {
   return v.p == Py_None ? -1 : as_i64(v.p);
 }
 
-// A BindingData from a tileops.runtime.binding.Binding (the GIL held)
-std::shared_ptr<BindingData> binding_from(PyObject* pb) {
-  auto b = std::make_shared<BindingData>();
+// one launch of a binding: its template, its kernel's entry points and device, its pointers (the GIL held)
+void launch_from(PyObject* pl, LaunchData& l, int n_tensors) {
   {
-    Ref tmpl(PyObject_GetAttrString(pb, "template"));
+    Ref tmpl(PyObject_GetAttrString(pl, "template"));
     Py_buffer view;
     if (PyObject_GetBuffer(tmpl.p, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) throw_python();
     bool ok = view.itemsize == 8 && view.format != nullptr &&
               (std::strcmp(view.format, "q") == 0 || std::strcmp(view.format, "l") == 0);
-    if (ok) b->tmpl.assign((const int64_t*)view.buf, (const int64_t*)view.buf + view.len / 8);
+    if (ok) l.tmpl.assign((const int64_t*)view.buf, (const int64_t*)view.buf + view.len / 8);
     PyBuffer_Release(&view);
-    if (!ok || b->tmpl.size() > kMaxArgs) throw std::invalid_argument("tileops: Binding.template: int64, at most 128");
+    if (!ok || l.tmpl.size() > kMaxArgs) throw std::invalid_argument("tileops: Launch.template: int64, at most 128");
   }
-  Ref kernel(PyObject_GetAttrString(pb, "kernel"));
+  Ref kernel(PyObject_GetAttrString(pl, "kernel"));
   Ref addresses(PyObject_GetAttrString(kernel.p, "addresses"));
   std::vector<int64_t> a = ints_of(addresses.p, "addresses");
   if (a.size() != 3) throw std::invalid_argument("tileops: RawKernel.addresses: (trampoline, entry, last error)");
-  b->packed = (packed_t)(intptr_t)a[0];
-  b->entry = (void*)(intptr_t)a[1];
-  b->last_error = (last_error_t)(intptr_t)a[2];
-  if (b->packed == nullptr) b->launch_py = checked(PyObject_GetAttrString(kernel.p, "launch"));
-  b->device = (int)attr_i64(kernel.p, "device_index");
+  l.packed = (packed_t)(intptr_t)a[0];
+  l.entry = (void*)(intptr_t)a[1];
+  l.last_error = (last_error_t)(intptr_t)a[2];
+  if (l.packed == nullptr) l.launch_py = checked(PyObject_GetAttrString(kernel.p, "launch"));
+  l.device = (int)attr_i64(kernel.p, "device_index");
+  Ref ptrs(PyObject_GetAttrString(pl, "pointers"));
+  for (auto& r : int_rows(ptrs.p, 3, "pointers")) {
+    if (r[0] < 0 || r[0] >= n_tensors || r[1] < 0 || r[1] >= (int64_t)l.tmpl.size() || r[2] < 1)
+      throw std::invalid_argument("tileops: Launch.pointers");
+    l.ptrs.push_back({(int)r[0], (int)r[1], (uint64_t)r[2]});
+  }
+}
+
+// A BindingData from a tileops.runtime.binding.Binding (the GIL held)
+std::shared_ptr<BindingData> binding_from(PyObject* pb) {
+  auto b = std::make_shared<BindingData>();
   b->n_in = (int)attr_i64(pb, "inputs");
   Ref outputs(PyObject_GetAttrString(pb, "outputs"));
   Ref likes(PyObject_GetAttrString(pb, "likes"));
   Ref strides(PyObject_GetAttrString(pb, "strides"));
   Ref sizes(PyObject_GetAttrString(pb, "sizes"));
+  Ref dtypes(PyObject_GetAttrString(pb, "dtypes"));
   std::vector<int64_t> modes = ints_of(outputs.p, "outputs"), like = ints_of(likes.p, "likes");
   b->n_out = (int)modes.size();
   if (b->n_in < 1 || b->n_in + b->n_out > kMaxTensors || like.size() != modes.size())
@@ -337,6 +365,7 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
       throw std::invalid_argument("tileops: Binding: an output's mode or like input is out of range");
     b->mode[j] = (Mode)modes[j];
     b->like[j] = (int)like[j];
+    b->dtype[j] = -1;
     if (modes[j] == NEW) {
       Ref st(PySequence_GetItem(strides.p, j));
       b->strides[j] = ints_of(st.p, "strides");
@@ -346,15 +375,47 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
       }
       if (!b->sizes[j].empty() && b->sizes[j].size() != b->strides[j].size())
         throw std::invalid_argument("tileops: Binding.sizes: one size per stride");
+      if (PySequence_Size(dtypes.p) > j) {
+        Ref dt(PySequence_GetItem(dtypes.p, j));
+        if (dt.p != Py_None) {
+          if (!THPDtype_Check(dt.p)) throw std::invalid_argument("tileops: Binding.dtypes: torch dtypes or None");
+          b->dtype[j] = (int)((THPDtype*)dt.p)->scalar_type;
+        }
+      }
     }
   }
-  int n = b->n_in + b->n_out, nargs = (int)b->tmpl.size();
-  auto slot_ok = [&](int64_t s) { return s >= 0 && s < nargs; };
-  Ref ptrs(PyObject_GetAttrString(pb, "pointers"));
-  for (auto& r : int_rows(ptrs.p, 3, "pointers")) {
-    if (r[0] < 0 || r[0] >= n || !slot_ok(r[1]) || r[2] < 1) throw std::invalid_argument("tileops: Binding.pointers");
-    b->ptrs.push_back({(int)r[0], (int)r[1], (uint64_t)r[2]});
+  Ref names(PyObject_GetAttrString(pb, "names"));
+  {
+    Ref fast(PySequence_Fast(names.p, "names"));
+    if (PySequence_Fast_GET_SIZE(fast.p) != b->n_in + b->n_out) throw std::invalid_argument("tileops: Binding.names");
+    for (int i = 0; i < b->n_in + b->n_out; ++i) {
+      PyObject* name = PySequence_Fast_GET_ITEM(fast.p, i);
+      if (!PyUnicode_Check(name)) throw std::invalid_argument("tileops: Binding.names: strings");
+      Py_INCREF(name);
+      PyUnicode_InternInPlace(&name);
+      b->names.push_back(name);
+    }
   }
+  int n = b->n_in + b->n_out;
+  Ref work(PyObject_GetAttrString(pb, "work"));
+  b->work = ints_of(work.p, "work");
+  b->work_bytes = attr_i64(pb, "work_bytes");
+  for (int64_t off : b->work)
+    if (off < 0 || off >= std::max<int64_t>(b->work_bytes, 1)) throw std::invalid_argument("tileops: Binding.work");
+  if (n + (int)b->work.size() > kMaxTensors + kMaxWork) throw std::invalid_argument("tileops: Binding.work: too many");
+  Ref launches(PyObject_GetAttrString(pb, "launches"));
+  {
+    Ref fast(PySequence_Fast(launches.p, "launches"));
+    Py_ssize_t nl = PySequence_Fast_GET_SIZE(fast.p);
+    if (nl < 1 || nl > kMaxLaunches) throw std::invalid_argument("tileops: Binding.launches: 1 to 8");
+    b->launches.resize((size_t)nl);
+    for (Py_ssize_t i = 0; i < nl; ++i)
+      launch_from(PySequence_Fast_GET_ITEM(fast.p, i), b->launches[(size_t)i], n + (int)b->work.size());
+  }
+  b->device = b->launches[0].device;
+  for (auto& l : b->launches)
+    if (l.device != b->device) throw std::invalid_argument("tileops: Binding.launches: one device");
+  int first_args = (int)b->launches[0].tmpl.size();
   Ref pairs(PyObject_GetAttrString(pb, "pairs"));
   for (auto& r : int_rows(pairs.p, 4, "pairs")) {
     if (r[0] < 0 || r[0] >= n || r[2] < 0 || r[2] >= n) throw std::invalid_argument("tileops: Binding.pairs");
@@ -362,7 +423,7 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
   }
   Ref late(PyObject_GetAttrString(pb, "late"));
   for (auto& r : int_rows(late.p, 1, "late")) {
-    if (!slot_ok(r[0])) throw std::invalid_argument("tileops: Binding.late");
+    if (r[0] < 0 || r[0] >= first_args) throw std::invalid_argument("tileops: Binding.late");
     b->late.push_back((int)r[0]);
   }
   b->late_key = (int64_t)(intptr_t)pb;  // tileops.runtime.library.late finds the Binding by id()
@@ -371,10 +432,22 @@ std::shared_ptr<BindingData> binding_from(PyObject* pb) {
     if (r[0] < 0 || r[0] >= b->n_in || r[1] < 0 || r[1] >= kWords) throw std::invalid_argument("tileops: Binding.checks");
     b->checks.push_back({(int)r[0], (int)r[1]});
   }
+  b->checked = (int)attr_i64(pb, "checked");
   b->word_slot = (int)attr_i64(pb, "word_slot");
   b->tag_slot = (int)attr_i64(pb, "tag_slot");
-  if (!b->checks.empty() && (!slot_ok(b->word_slot) || !slot_ok(b->tag_slot)))
-    throw std::invalid_argument("tileops: Binding.checks");
+  if (!b->checks.empty()) {
+    if (b->checked < 0 || b->checked >= (int)b->launches.size()) throw std::invalid_argument("tileops: Binding.checked");
+    int nargs = (int)b->launches[(size_t)b->checked].tmpl.size();
+    if (b->word_slot < 0 || b->word_slot >= nargs || b->tag_slot < 0 || b->tag_slot >= nargs)
+      throw std::invalid_argument("tileops: Binding.checks");
+  }
+  Ref scalars(PyObject_GetAttrString(pb, "scalars"));
+  for (auto& r : int_rows(scalars.p, 3, "scalars")) {
+    if (r[0] < 0 || r[0] >= (int64_t)b->launches.size() || r[1] < 0 ||
+        r[1] >= (int64_t)b->launches[(size_t)r[0]].tmpl.size() || r[2] < 0 || r[2] >= kMaxScalars)
+      throw std::invalid_argument("tileops: Binding.scalars");
+    b->scalars.push_back({(int)r[0], (int)r[1], (int)r[2]});
+  }
   Ref keep(PyObject_GetAttrString(pb, "keep"));
   b->keep = tensors_of(keep.p);
   return b;
@@ -649,7 +722,7 @@ void* current_stream(int index) {
   return impl->getStreamNativeHandle(impl->getStream(c10::Device(c10::DeviceType::CUDA, (c10::DeviceIndex)index)));
 }
 
-void check_rc(const BindingData& b, int32_t rc) {
+void check_rc(const LaunchData& b, int32_t rc) {
   if (rc == 0 || rc == cfg.rc_capturing) return;
   if (rc == cfg.rc_record_failed) throw std::runtime_error("tileops: recording the CUDA event after a kernel failed");
   const char* msg = b.last_error != nullptr ? b.last_error() : "unknown error";
@@ -657,7 +730,7 @@ void check_rc(const BindingData& b, int32_t rc) {
 }
 
 // the kernel queued (run, on the CPU): the entry point's return code, or rc_capturing
-int32_t run_kernel(const BindingData& b, int64_t* args, void* stream, void* event) {
+int32_t run_kernel(const LaunchData& b, int64_t* args, void* stream, void* event) {
   const Driver* d = event != nullptr ? &need_driver() : nullptr;
   void* record = d != nullptr ? d->record : nullptr;
   void* capturing = d != nullptr ? d->capturing : nullptr;
@@ -677,8 +750,8 @@ int32_t run_kernel(const BindingData& b, int64_t* args, void* stream, void* even
 }
 
 // a launch whose kernel checks an input's values: judged now (CPU, strict mode), with a graph, or later
-void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& b, int64_t* args,
-             const at::Tensor* t, void* stream) {
+void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& b, const LaunchData& l,
+             int64_t* args, const at::Tensor* t, void* stream) {
   Checked values;
   for (auto& c : b.checks) {
     values.values[c[1]] = weak(t[c[0]]);
@@ -698,8 +771,8 @@ void tracked(Core& core, const std::shared_ptr<Core>& owner, const BindingData& 
       d = &need_driver();
       ev = pool.event(w, *d);
     }
-    rc = run_kernel(b, args, stream, ev);
-    check_rc(b, rc);
+    rc = run_kernel(l, args, stream, ev);
+    check_rc(l, rc);
   } catch (...) {
     pool.give_back(w);
     throw;
@@ -765,17 +838,20 @@ std::vector<at::Tensor> late_tensors(const Core& core, const BindingData& b, con
   return got;
 }
 
-// Serve a call of binding b on t (inputs, then outputs; undefined: not given): false when the
-// pointers refuse it (nothing done); on success the outputs are in t; throws on failure.
-bool serve(Core& core, const std::shared_ptr<Core>& owner, BindingData& b, at::Tensor* t) {
+// Serve a call of binding b on t (inputs, then outputs; undefined: not given) with the call's per-call
+// scalars: false when the pointers refuse it (nothing done); on success the outputs are in t; throws
+// on failure.
+bool serve(Core& core, const std::shared_ptr<Core>& owner, BindingData& b, at::Tensor* t,
+           const int64_t* scalars = nullptr) {
   const int n_in = b.n_in, n = b.n_in + b.n_out;
   for (int j = 0; j < b.n_out; ++j)
     if (b.mode[j] == IN_PLACE) t[n_in + j] = t[b.like[j]];
-  int64_t ptr[kMaxTensors] = {};
+  int64_t ptr[kMaxTensors + kMaxWork] = {};
   for (int i = 0; i < n; ++i)
     if (t[i].defined()) ptr[i] = (int64_t)(intptr_t)t[i].data_ptr();
-  for (auto& p : b.ptrs)
-    if (t[p.t].defined() && (uint64_t)ptr[p.t] % p.align) return false;
+  for (auto& l : b.launches)
+    for (auto& p : l.ptrs)
+      if (p.t < n && t[p.t].defined() && (uint64_t)ptr[p.t] % p.align) return false;
   for (size_t k = 0; k < b.pairs.size(); ++k) {  // the outputs written into, against the others
     auto& pr = b.pairs[k];
     int64_t a0 = ptr[pr.a], a1 = ptr[pr.b];
@@ -786,28 +862,40 @@ bool serve(Core& core, const std::shared_ptr<Core>& owner, BindingData& b, at::T
   for (int j = 0; j < b.n_out; ++j)
     if (b.mode[j] == NEW) {
       const at::Tensor& like = t[b.like[j]];
+      auto opts = b.dtype[j] < 0 ? like.options() : like.options().dtype((c10::ScalarType)b.dtype[j]);
       if (!b.sizes[j].empty()) {  // a shape of its own (the signature fixes it)
-        t[n_in + j] = at::empty_strided(b.sizes[j], b.strides[j], like.options());
+        t[n_in + j] = at::empty_strided(b.sizes[j], b.strides[j], opts);
       } else {
         if ((int64_t)b.strides[j].size() != like.dim()) throw std::runtime_error("tileops: Binding.strides");
-        t[n_in + j] = at::empty_strided(like.sizes(), b.strides[j], like.options());
+        t[n_in + j] = at::empty_strided(like.sizes(), b.strides[j], opts);
       }
       ptr[n_in + j] = (int64_t)(intptr_t)t[n_in + j].data_ptr();
     }
-  int64_t args[kMaxArgs];
-  std::memcpy(args, b.tmpl.data(), b.tmpl.size() * sizeof(int64_t));
-  for (auto& p : b.ptrs) args[p.slot] = ptr[p.t];
-  std::vector<at::Tensor> late;  // alive until the kernel is queued
-  if (!b.late.empty()) {
-    late = late_tensors(core, b, t);
-    for (size_t i = 0; i < late.size(); ++i) args[b.late[i]] = (int64_t)(intptr_t)late[i].data_ptr();
+  at::Tensor work;  // the per-call workspaces, alive until every launch is queued (stream-ordered reuse)
+  if (b.work_bytes > 0) {
+    auto opts = at::TensorOptions().dtype(at::kByte);
+    if (b.device >= 0) opts = opts.device(c10::Device(c10::DeviceType::CUDA, (c10::DeviceIndex)b.device));
+    work = at::empty({b.work_bytes}, opts);
+    for (size_t w = 0; w < b.work.size(); ++w) ptr[n + (int)w] = (int64_t)(intptr_t)work.data_ptr() + b.work[w];
   }
+  std::vector<at::Tensor> late;  // alive until the kernel is queued
+  if (!b.late.empty()) late = late_tensors(core, b, t);
   DeviceScope scope(b.device);
   void* stream = current_stream(b.device);
-  if (!b.checks.empty())
-    tracked(core, owner, b, args, t, stream);
-  else
-    check_rc(b, run_kernel(b, args, stream, nullptr));
+  int64_t args[kMaxArgs];
+  for (size_t k = 0; k < b.launches.size(); ++k) {
+    const LaunchData& l = b.launches[k];
+    std::memcpy(args, l.tmpl.data(), l.tmpl.size() * sizeof(int64_t));
+    for (auto& p : l.ptrs) args[p.slot] = ptr[p.t];
+    for (auto& sc : b.scalars)
+      if (sc[0] == (int)k) args[sc[1]] = scalars != nullptr ? scalars[sc[2]] : 0;
+    if (k == 0)
+      for (size_t i = 0; i < late.size(); ++i) args[b.late[i]] = (int64_t)(intptr_t)late[i].data_ptr();
+    if (!b.checks.empty() && (int)k == b.checked)
+      tracked(core, owner, b, l, args, t, stream);
+    else
+      check_rc(l, run_kernel(l, args, stream, nullptr));
+  }
   return true;
 }
 
@@ -916,16 +1004,16 @@ struct Dispatch {
 // the call's tensors from its dicts (by the manifest's names) into t, and its Python objects into
 // obj; false: not a call a signature's binding can serve (a name the op lacks; unless `any`, a
 // tensor subclass)
-bool gather(Dispatch* d, PyObject* tensors, PyObject* outs, PyObject** obj, at::Tensor* t, bool any = false) {
-  const Core& c = *d->core;
-  if (!PyDict_CheckExact(tensors) || PyDict_GET_SIZE(tensors) != c.n_in) return false;
+bool gather_by(PyObject* const* names, int n_in, int n_out, PyObject* tensors, PyObject* outs, PyObject** obj,
+               at::Tensor* t, bool any) {
+  if (!PyDict_CheckExact(tensors) || PyDict_GET_SIZE(tensors) != n_in) return false;
   bool has_outs = outs != nullptr && outs != Py_None;
   if (has_outs && !PyDict_CheckExact(outs)) return false;
   Py_ssize_t found = 0;
-  for (int i = 0; i < c.n_in + c.n_out; ++i) {
-    bool output = i >= c.n_in;
-    PyObject* o = output ? (has_outs ? PyDict_GetItemWithError(outs, d->names[i]) : nullptr)
-                         : PyDict_GetItemWithError(tensors, d->names[i]);
+  for (int i = 0; i < n_in + n_out; ++i) {
+    bool output = i >= n_in;
+    PyObject* o = output ? (has_outs ? PyDict_GetItemWithError(outs, names[i]) : nullptr)
+                         : PyDict_GetItemWithError(tensors, names[i]);
     if (o == nullptr) {
       if (PyErr_Occurred() || !output) {
         PyErr_Clear();
@@ -944,13 +1032,18 @@ bool gather(Dispatch* d, PyObject* tensors, PyObject* outs, PyObject** obj, at::
   return !has_outs || found == PyDict_GET_SIZE(outs);  // else a name the op does not have
 }
 
+bool gather(Dispatch* d, PyObject* tensors, PyObject* outs, PyObject** obj, at::Tensor* t, bool any = false) {
+  return gather_by(d->names, d->core->n_in, d->core->n_out, tensors, outs, obj, t, any);
+}
+
 // what the call returns: its one produced output, or a tuple of them
-PyObject* result(const Core& c, const BindingData& b, at::Tensor* t, PyObject* const* obj) {
+PyObject* result(const BindingData& b, at::Tensor* t, PyObject* const* obj) {
   Py_ssize_t n = 0;
-  for (int j = 0; j < c.n_out; ++j) n += b.mode[j] != ABSENT;
+  for (int j = 0; j < b.n_out; ++j) n += b.mode[j] != ABSENT;
+  if (n == 0) Py_RETURN_NONE;
   Ref got(PyTuple_New(n));
-  for (int j = 0, i = 0; j < c.n_out; ++j) {
-    int k = c.n_in + j;
+  for (int j = 0, i = 0; j < b.n_out; ++j) {
+    int k = b.n_in + j;
     if (b.mode[j] == ABSENT) continue;
     PyObject* o = b.mode[j] == NEW ? THPVariable_Wrap(std::move(t[k]))
                                    : Py_NewRef(obj[b.mode[j] == IN_PLACE ? b.like[j] : k]);
@@ -970,20 +1063,28 @@ PyObject* Dispatch_run(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   // autograd must see a call that requires grad: the general path records it
   if (!serve_op(d->core, plain && !any_requires_grad({at::TensorList(t, d->core->n_in)}), t, b))
     Py_RETURN_NOTIMPLEMENTED;
-  return result(*d->core, *b, t, obj);
+  return result(*b, t, obj);
   END_HANDLE_TH_ERRORS
 }
 
-// execute(binding, tensors, outs): the general path's launch, on the tensors it launches with
+// execute(binding, tensors, outs, scalars=()): a binding's launches on the tensors given by the
+// binding's names (the general path's, a plan's), with the call's per-call scalars
 PyObject* Dispatch_execute(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  if (n != 3) throw std::invalid_argument("execute(binding, tensors, outs)");
+  if (n < 3 || n > 4) throw std::invalid_argument("execute(binding, tensors, outs, scalars=())");
   std::shared_ptr<BindingData> b = native_binding(a[0]);
   PyObject* obj[kMaxTensors];
   at::Tensor t[kMaxTensors];
-  if (!gather(d, a[1], a[2], obj, t, true)) throw std::invalid_argument("tileops: execute: tensors the op does not take");
-  if (!serve(*d->core, d->core, *b, t)) Py_RETURN_NOTIMPLEMENTED;
-  return result(*d->core, *b, t, obj);
+  if (!gather_by(b->names.data(), b->n_in, b->n_out, a[1], a[2], obj, t, true))
+    throw std::invalid_argument("tileops: execute: tensors the binding does not take");
+  int64_t scalars[kMaxScalars] = {};
+  if (n == 4) {
+    std::vector<int64_t> got = ints_of(a[3], "scalars");
+    if (got.size() > (size_t)kMaxScalars) throw std::invalid_argument("tileops: execute: at most 8 scalars");
+    std::copy(got.begin(), got.end(), scalars);
+  }
+  if (!serve(*d->core, d->core, *b, t, scalars)) Py_RETURN_NOTIMPLEMENTED;
+  return result(*b, t, obj);
   END_HANDLE_TH_ERRORS
 }
 
@@ -1049,15 +1150,17 @@ PyObject* Dispatch_track(Dispatch* d, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   if (n != 4 || !THPVariable_Check(a[1])) throw std::invalid_argument("_track(launch, values, stream, device)");
   BindingData b;
-  b.tmpl.assign(2, 0);
-  b.device = (int)as_i64(a[3]);
+  b.launches.resize(1);
+  LaunchData& l = b.launches[0];
+  l.tmpl.assign(2, 0);
+  l.device = b.device = (int)as_i64(a[3]);
   b.word_slot = 0;
   b.tag_slot = 1;
   b.checks.push_back({0, 0});  // the values stand for the op's first input
-  b.launch_py = Py_NewRef(a[0]);
+  l.launch_py = Py_NewRef(a[0]);
   int64_t args[2] = {0, 0};
   at::Tensor values = THPVariable_Unpack(a[1]);
-  tracked(*d->core, d->core, b, args, &values, (void*)(intptr_t)as_i64(a[2]));
+  tracked(*d->core, d->core, b, l, args, &values, (void*)(intptr_t)as_i64(a[2]));
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }

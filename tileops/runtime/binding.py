@@ -26,30 +26,41 @@ import torch
 
 from .memory import span
 
-__all__ = ["Binding", "bind", "with_overlap_checks", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
+__all__ = ["Binding", "Launch", "bind", "with_overlap_checks", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
 
 #: how a call gets each output: its ``like`` input not given (no output), a new tensor allocated per
 #: call as ``torch.empty_like(<like input>)``, the like input itself (in place), or a tensor the call gives
 ABSENT, NEW, IN_PLACE, GIVEN = 0, 1, 2, 3
 
 
-@dataclass(frozen=True, eq=False)
-class Binding:
-    """One call signature's launch: everything but the pointers, which each call brings.
-
-    ``template`` holds every argument of the kernel's C entry point (:class:`tileops.compile.entry.RawKernel`:
-    its parameters, then the dynamic extents) as int64 (a pointer as its address, a float as its bits).
-    """
+@dataclass(frozen=True)
+class Launch:
+    """One kernel of a :class:`Binding`: its whole argument array but the pointers, and where they go."""
 
     #: the :class:`tileops.compile.entry.RawKernel` launched
     kernel: Any
+    #: every argument of the kernel's C entry point (its parameters, then the dynamic extents) as
+    #: int64 (a pointer as its address, a float as its bits)
     template: array.array
-    #: the op's input names then output names (tensor ``i`` of a call is the one named ``names[i]``)
+    #: ``(tensor, slot, alignment in bytes)``: the data pointer of tensor ``tensor`` (numbered as
+    #: :attr:`Binding.names`, then the per-call workspaces) goes into ``template[slot]``
+    pointers: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Binding:
+    """One call signature's launches, in order: everything but the pointers, which each call brings.
+
+    A call's tensors are numbered as :attr:`names` lists them (the inputs, then the outputs); the
+    per-call workspaces come after them, workspace ``w`` as tensor ``len(names) + w``.
+    """
+
+    launches: tuple[Launch, ...]
+    #: the input names then output names (tensor ``i`` of a call is the one named ``names[i]``): the
+    #: op's manifest's for a call of the op, or those a plan declares (a backward's gradients)
     names: tuple[str, ...]
     #: how many of ``names`` are inputs
     inputs: int
-    #: ``(tensor, slot, alignment in bytes)``: the tensor's data pointer goes into ``template[slot]``
-    pointers: tuple[tuple[int, int, int], ...]
     #: each output's mode (ABSENT, NEW, IN_PLACE, GIVEN) and its like input (an input's index)
     outputs: tuple[int, ...]
     likes: tuple[int, ...]
@@ -60,18 +71,31 @@ class Binding:
     #: attention prologue's q ``[tokens, Hq, D]`` is not shaped like qkv), which the signature
     #: fixes; () for one shaped like its like input
     sizes: tuple[tuple[int, ...], ...] = ()
+    #: a new output's dtype when it is not its like input's (a backward's dx in x's dtype, like dy),
+    #: else None
+    dtypes: tuple[torch.dtype | None, ...] = ()
     #: ``(tensor, span, tensor, span)``: pairs that must not share memory, spans in bytes
     pairs: tuple[tuple[int, int, int, int], ...] = ()
     #: ``(slot, fn)``: ``fn(inputs)`` (input name -> tensor or None) returns a tensor whose pointer
-    #: goes into the slot (chosen per call, e.g. on the device); kept alive until the kernel is queued
+    #: goes into the slot of the first launch (chosen per call, e.g. on the device); kept alive
+    #: until the kernel is queued
     late: tuple[tuple[int, Callable[[dict], torch.Tensor]], ...] = ()
-    #: ``(input, word)``: the inputs whose values the kernel checks, each writing the call's tag into
-    #: word ``word`` of the call's error words (its ``ERR``) when one is out of range
+    #: ``(input, word)``: the inputs whose values launch ``checked`` checks, each writing the call's
+    #: tag into word ``word`` of the call's error words (its ``ERR``) when one is out of range
     #: (:mod:`tileops.runtime.errors`); empty: the call is not tracked
     checks: tuple[tuple[int, int], ...] = ()
+    checked: int = 0
     word_slot: int = -1
     tag_slot: int = -1
-    #: tensors whose addresses ``template`` holds (kept alive with it)
+    #: the per-call workspaces: each one's byte offset in one allocation of ``work_bytes`` bytes,
+    #: made per call on the launches' device (a workspace kept across calls is among ``keep``,
+    #: its address in the templates)
+    work: tuple[int, ...] = ()
+    work_bytes: int = 0
+    #: ``(launch, slot, index)``: argument ``slot`` of launch ``launch`` takes the call's per-call
+    #: scalar ``index`` (a length that changes every call but no tensor's shape: a decode step's)
+    scalars: tuple[tuple[int, int, int], ...] = ()
+    #: tensors whose addresses the templates hold (kept alive with them)
     keep: tuple[torch.Tensor, ...] = ()
     #: the exact overlap test's answers, by (pair, offset) (one storage: the offset alone decides)
     memo: dict = field(default_factory=dict, repr=False)
@@ -80,6 +104,11 @@ class Binding:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "produced", tuple(j for j, mode in enumerate(self.outputs) if mode != ABSENT))
+
+    @property
+    def kernel(self) -> Any:
+        """The first launch's kernel (the one a single-kernel binding has)."""
+        return self.launches[0].kernel
 
 
 def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[str, Any], *,
@@ -137,7 +166,8 @@ def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[s
     if any(not 0 <= w < WORDS for _, w in checked):
         raise ValueError(f"bind: checks: error words are 0 .. {WORDS - 1}, got {dict(checks or {})}")
     word_slot, tag_slot = (slot[errors[0]], slot[errors[1]]) if checked else (-1, -1)
-    return Binding(kernel, kernel.template(args), names, len(ins), tuple(ptrs), tuple(modes), likes, tuple(strides),
+    return Binding((Launch(kernel, kernel.template(args), tuple(ptrs)),), names, len(ins), tuple(modes), likes,
+                   tuple(strides),
                    sizes=tuple(sizes), late=tuple((slot[a], fn) for a, fn in (late or {}).items()),
                    checks=checked, word_slot=word_slot, tag_slot=tag_slot, keep=tuple(keep))
 

@@ -60,17 +60,19 @@ class PythonRuntime:
     def stats(self) -> dict:
         return {"bindings": 0, "hits": 0, "misses": 0, "graph_words": len(self._graph)}
 
-    def execute(self, b: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None) -> Any:
-        n_in = b.inputs
-        ts = [tensors.get(n) for n in b.names[:n_in]]
-        ts += [outs.get(n) if outs else None for n in b.names[n_in:]]
+    def execute(self, b: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None,
+                scalars: tuple[int, ...] = ()) -> Any:
+        n_in, n = b.inputs, len(b.names)
+        ts = [tensors.get(name) for name in b.names[:n_in]]
+        ts += [outs.get(name) if outs else None for name in b.names[n_in:]]
         for j, mode in enumerate(b.outputs):
             if mode == IN_PLACE:
                 ts[n_in + j] = ts[b.likes[j]]
         ptr = [0 if t is None else t.data_ptr() for t in ts]
-        for i, _, a in b.pointers:
-            if ptr[i] % a:
-                return NotImplemented
+        for launch in b.launches:
+            for i, _, a in launch.pointers:
+                if i < n and ptr[i] % a:
+                    return NotImplemented
         for k, (i, si, j, sj) in enumerate(b.pairs):
             a0, a1 = ptr[i], ptr[j]
             if a0 + si <= a1 or a1 + sj <= a0:
@@ -87,27 +89,41 @@ class PythonRuntime:
             if mode == NEW:  # (the strides the binding was made for: empty_like's, cheaper from Python)
                 like = ts[b.likes[j]]
                 sizes = b.sizes[j] if j < len(b.sizes) else ()
-                t = ts[n_in + j] = (torch.empty_strided(sizes, b.strides[j], dtype=like.dtype, device=like.device)
-                                    if sizes else torch.empty_like(like))
+                dtype = b.dtypes[j] if j < len(b.dtypes) else None
+                t = ts[n_in + j] = (torch.empty_strided(sizes or like.shape, b.strides[j], dtype=dtype or like.dtype,
+                                                        device=like.device)
+                                    if sizes or dtype is not None else torch.empty_like(like))
                 ptr[n_in + j] = t.data_ptr()
-        args = b.template[:]
-        for i, slot, _ in b.pointers:
-            args[slot] = ptr[i]
-        if b.late:
-            named = dict(zip(b.names[:n_in], ts[:n_in]))
-            keep = [fn(named) for _, fn in b.late]  # alive until the kernel is queued
-            for (slot, _), t in zip(b.late, keep):
-                args[slot] = t.data_ptr()
-        self._launch(b, args, ts)
+        work = None
+        if b.work_bytes:  # the per-call workspaces: one allocation, alive until the launches are queued
+            work = torch.empty(b.work_bytes, dtype=torch.uint8, device=_device_of(b))
+            ptr += [work.data_ptr() + offset for offset in b.work]
+        for k, launch in enumerate(b.launches):
+            args = launch.template[:]
+            for i, slot, _ in launch.pointers:
+                args[slot] = ptr[i]
+            for at, slot, index in b.scalars:
+                if at == k:
+                    args[slot] = scalars[index]
+            keep = None
+            if k == 0 and b.late:
+                named = dict(zip(b.names[:n_in], ts[:n_in]))
+                keep = [fn(named) for _, fn in b.late]  # alive until the kernel is queued
+                for (slot, _), t in zip(b.late, keep):
+                    args[slot] = t.data_ptr()
+            if k == b.checked and b.checks:
+                self._tracked(b, launch.kernel, args, ts)
+            else:
+                launch.kernel.launch(args, launch.kernel.stream())
+        del work
+        if not b.produced:
+            return None
         if len(b.produced) == 1:
             return ts[n_in + b.produced[0]]
         return tuple(ts[n_in + j] for j in b.produced)
 
-    def _launch(self, b: Binding, args: Any, ts: list) -> None:
-        kernel = b.kernel
-        if not b.checks:
-            kernel.launch(args, kernel.stream())
-            return
+    def _tracked(self, b: Binding, kernel: Any, args: Any, ts: list) -> None:
+        """Launch the binding's checking kernel with the call's error words, and judge them."""
         # (word, values, input name, (sizes, strides) as launched) of each checked input
         checked = [(k, ts[i], b.names[i], (tuple(ts[i].shape), ts[i].stride())) for i, k in b.checks]
         words = errors.words_for(checked[0][1].device)
@@ -154,3 +170,9 @@ class PythonRuntime:
 def _bad(words: Any, w: int, tag: int, checked: list) -> Any:
     """The first ``(word, values, name, shape)`` of ``checked`` whose word of entry ``w`` holds ``tag``, or None."""
     return next((c for c in checked if words.read(w, c[0]) == tag), None)
+
+
+def _device_of(b: Binding) -> torch.device:
+    """The device of a binding's launches (where its per-call workspaces are allocated)."""
+    index = b.launches[0].kernel.device_index
+    return torch.device("cpu") if index is None else torch.device("cuda", index)

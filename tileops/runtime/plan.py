@@ -1,0 +1,341 @@
+"""Plans: a call's kernels in order, the workspaces they share, and every kernel argument by its role.
+
+A family declares a :class:`Plan` once, as data: the tensors of the call (inputs, then outputs, each
+output like an input or of a shape of its own), the workspaces (sized by expressions, allocated per
+call or kept), and the steps, each a kernel of the family's kernel set with every argument given a
+role:
+
+* :class:`Ptr` the data pointer of a tensor of the call or of a workspace, by name;
+* :class:`Value` an integer from an expression (:mod:`tileops.manifest.expr`, never ``eval``) over
+  the names the family hands to :meth:`Plan.bind`: params, dims, a layout's strides, a block count;
+* :class:`Scalar` an integer each call brings (a decode step's length), not part of the signature;
+* :class:`ErrorWord` and :class:`Tag` the call's error word and tag (:mod:`tileops.runtime.errors`),
+  for a step that checks the values of the inputs ``Plan.checks`` names.
+
+:meth:`Plan.bind` turns a declaration, the kernels and one call's tensors into a
+:class:`tileops.runtime.binding.Binding`: every launch's argument array filled but for the pointers,
+which each call of that signature brings. Both executors run it (:mod:`tileops.runtime.executor`):
+the outputs allocated, one allocation for the per-call workspaces, the launches queued in order on
+the current stream. :class:`Bound` keeps the bindings of one op specialization's plans by call
+signature: the one cache a family's general path binds into.
+
+Example: two kernels sharing a workspace (``tests/test_plans.py`` runs it on the CPU)::
+
+    SUM_ROWS = Plan(
+        "sum rows", inputs=("x",), outputs=(Output("y", like="x", shape=("cols",)),),
+        workspaces=(Workspace("partial", "float32", "blocks * cols"),),
+        steps=(Step("partials", {"X": Ptr("x"), "P": Ptr("partial"), "M": Value("rows"), "N": Value("cols")}),
+               Step("reduce", {"P": Ptr("partial"), "Y": Ptr("y"), "N": Value("cols"), "G": Value("blocks")})))
+    binding = SUM_ROWS.bind({"partials": k1, "reduce": k2}, {"x": x}, {}, env={"rows": 64, "cols": 8, "blocks": 4})
+    y = runtime.execute(binding, {"x": x}, {})
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..manifest.expr import Expr, ExprError, parse_expr
+from .binding import ABSENT, GIVEN, IN_PLACE, NEW, Binding, Launch
+
+__all__ = ["Plan", "Step", "Output", "Workspace", "Ptr", "Value", "Scalar", "ErrorWord", "Tag", "Bound",
+           "PlanError", "WORK_ALIGN"]
+
+#: the bytes each per-call workspace starts on within the call's one allocation: the allocator's own
+#: 512 is more than a kernel's widest access needs; 256 keeps fp32 rows on a TMA/vector boundary
+WORK_ALIGN = 256
+
+
+class PlanError(ValueError):
+    """A plan that does not fit its kernels or the call: an argument the kernel lacks, a name no
+    role gives, an expression that does not evaluate."""
+
+
+# ---------------------------------------------------------------------------------------- roles
+@dataclass(frozen=True)
+class Ptr:
+    """The data pointer of the call's tensor or workspace ``name`` (0 when it is absent)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Value:
+    """An integer computed from ``expr`` over the names :meth:`Plan.bind` is given (a float's bits
+    for a ``double`` argument are the family's to give as an int)."""
+
+    expr: str
+    tree: Expr = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tree", parse_expr(str(self.expr)))
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """The call's per-call scalar ``name`` (one of :attr:`Plan.scalars`), given to ``execute`` each call."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ErrorWord:
+    """The address of the call's error words (the kernel's ``ERR``)."""
+
+
+@dataclass(frozen=True)
+class Tag:
+    """The call's tag, which the kernel writes into a word for a bad value."""
+
+
+Role = Ptr | Value | Scalar | ErrorWord | Tag
+
+
+# ---------------------------------------------------------------------------------- declarations
+@dataclass(frozen=True)
+class Output:
+    """An output of the call: a new tensor unless given, laid out like input ``like`` (absent with
+    it), or of a shape of its own (``shape``: expressions, C-contiguous); in the dtype of input
+    ``dtype_of`` when it is not ``like``'s."""
+
+    name: str
+    like: str
+    shape: tuple[str, ...] | None = None
+    dtype_of: str | None = None
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Memory the steps share that the call neither takes nor returns: ``numel`` elements of ``dtype``
+    (an expression), present when input ``when`` is given (None: always). Per call by default (one
+    allocation for all of a call's workspaces, freed once the launches are queued: the allocator
+    reuses it in stream order); ``kept``: allocated when the signature is bound and reused by every
+    call of it (calls on two streams at once then share it: only for state the kernels own)."""
+
+    name: str
+    dtype: str
+    numel: str
+    when: str | None = None
+    kept: bool = False
+
+
+@dataclass(frozen=True)
+class Step:
+    """One launch: kernel ``kernel`` of the kernel set given to :meth:`Plan.bind`, each of ``args``
+    (the kernel's argument name -> its role; the others are 0) bound by its role. Launched when any
+    of the inputs ``when`` names is given (empty: always)."""
+
+    kernel: str
+    args: Mapping[str, Role]
+    when: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A call's tensors, workspaces and kernels in order (the module's doc)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[Output, ...]
+    steps: tuple[Step, ...]
+    workspaces: tuple[Workspace, ...] = ()
+    #: per-call scalars, in the order ``execute`` takes them
+    scalars: tuple[str, ...] = ()
+    #: input name -> the error word its values are judged by (the step holding :class:`ErrorWord`)
+    checks: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [*self.inputs, *(o.name for o in self.outputs), *(w.name for w in self.workspaces)]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise PlanError(f"plan {self.name!r}: names used twice: {', '.join(sorted(dup))}")
+        for o in self.outputs:
+            for n in (o.like, o.dtype_of):
+                if n is not None and n not in self.inputs:
+                    raise PlanError(f"plan {self.name!r}: output {o.name}: {n!r} is not an input")
+        for w in self.workspaces:
+            if w.when is not None and w.when not in self.inputs:
+                raise PlanError(f"plan {self.name!r}: workspace {w.name}: when {w.when!r} is not an input")
+            if w.dtype not in _ELEMENT:
+                raise PlanError(f"plan {self.name!r}: workspace {w.name}: dtype {w.dtype!r} is not one of "
+                                f"{', '.join(_ELEMENT)}")
+        known = set(names)
+        checking = [i for i, s in enumerate(self.steps) if any(isinstance(r, ErrorWord) for r in s.args.values())]
+        if len(checking) > 1 or (self.checks and not checking):
+            raise PlanError(f"plan {self.name!r}: checks need exactly one step taking the ErrorWord")
+        for s in self.steps:
+            for arg, role in s.args.items():
+                if isinstance(role, Ptr) and role.name not in known:
+                    raise PlanError(f"plan {self.name!r}: {s.kernel}.{arg}: no tensor or workspace {role.name!r}")
+                if isinstance(role, Scalar) and role.name not in self.scalars:
+                    raise PlanError(f"plan {self.name!r}: {s.kernel}.{arg}: {role.name!r} is not among its scalars")
+            for n in s.when:
+                if n not in self.inputs:
+                    raise PlanError(f"plan {self.name!r}: step {s.kernel}: when {n!r} is not an input")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The call's tensors as a binding numbers them: the inputs, then the outputs."""
+        return (*self.inputs, *(o.name for o in self.outputs))
+
+    def bind(self, kernels: Mapping[str, Any], tensors: Mapping[str, Any], outs: Mapping[str, Any], *,
+             env: Mapping[str, Any], align: Mapping[str, int] | None = None,
+             late: Mapping[str, Callable[[dict], torch.Tensor]] | None = None,
+             views: Mapping[str, torch.Tensor] | None = None, keep: tuple[torch.Tensor, ...] = ()) -> Binding:
+        """The :class:`tileops.runtime.binding.Binding` of this plan for calls shaped like this one.
+
+        Args:
+            kernels: Step kernel name -> the :class:`tileops.compile.entry.RawKernel` it launches.
+            tensors: Input name -> the tensor (None: not given).
+            outs: Output name -> the tensor written (given), the like input itself (in place), or
+                None (a new tensor per call).
+            env: The names :class:`Value` expressions and the sizes of workspaces and own-shape
+                outputs are computed from.
+            align: Tensor name -> the bytes its data pointer must be a multiple of (checked per call:
+                a call off it is refused, and its caller copies).
+            late: Argument name of the first step -> ``fn(inputs)``, a tensor chosen per call.
+            views: Output name -> a tensor laid out as a new output of this signature is (default:
+                ``torch.empty_like`` of its like input, or C-contiguous for an own shape).
+            keep: Tensors whose addresses ``env`` holds.
+        """
+        align, views = dict(align or {}), dict(views or {})
+        ins, names = self.inputs, self.names
+        at = {n: i for i, n in enumerate(names)}
+        modes, strides, sizes, dtypes = [], [], [], []
+        for o in self.outputs:
+            src, dst = tensors.get(o.like), outs.get(o.name)
+            mode = ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN
+            modes.append(mode)
+            dtype = None if o.dtype_of is None or tensors.get(o.dtype_of) is None else tensors[o.dtype_of].dtype
+            dtypes.append(None if mode != NEW or dtype == src.dtype else dtype)
+            if mode != NEW:
+                strides.append(())
+                sizes.append(())
+                continue
+            ref = views.get(o.name)
+            if ref is None and o.shape is not None:
+                shape = tuple(self._int(parse_expr(d), env, f"output {o.name}'s shape") for d in o.shape)
+                ref = torch.empty(shape, device="meta")  # C-contiguous; no memory, only its strides
+            if ref is None:
+                ref = torch.empty_like(src, device="meta")  # the strides empty_like gives src
+            strides.append(tuple(ref.stride()))
+            sizes.append(() if tuple(ref.shape) == tuple(src.shape) else tuple(ref.shape))
+        # workspaces: the kept ones allocated now, the per-call ones laid out in one allocation
+        present_work: dict[str, int] = {}
+        work: list[int] = []
+        kept: list[torch.Tensor] = []
+        kept_at: dict[str, int] = {}
+        offset = 0
+        device = _device(kernels)
+        for w in self.workspaces:
+            if w.when is not None and tensors.get(w.when) is None:
+                continue
+            nbytes = self._int(parse_expr(w.numel), env, f"workspace {w.name}'s size") * _ELEMENT[w.dtype]
+            if w.kept:
+                t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
+                kept.append(t)
+                kept_at[w.name] = t.data_ptr()
+                continue
+            present_work[w.name] = len(names) + len(work)
+            work.append(offset)
+            offset += -(-max(nbytes, 1) // WORK_ALIGN) * WORK_ALIGN
+        launches, scalars = [], []
+        checked, word_slot, tag_slot = 0, -1, -1
+        present = {n for n in ins if tensors.get(n) is not None}
+        present |= {o.name for o, m in zip(self.outputs, modes) if m != ABSENT}
+        for s in self.steps:
+            if s.when and not any(tensors.get(n) is not None for n in s.when):
+                continue
+            kernel = kernels.get(s.kernel)
+            if kernel is None:
+                raise PlanError(f"plan {self.name!r}: no kernel {s.kernel!r} among {', '.join(kernels)}")
+            slot = kernel.slot
+            values: dict[str, Any] = {}
+            pointers = []
+            for arg, role in s.args.items():
+                if arg not in slot:
+                    raise PlanError(f"plan {self.name!r}: kernel {s.kernel} has no argument {arg!r}")
+                if isinstance(role, Ptr):
+                    if role.name in kept_at:
+                        values[arg] = kept_at[role.name]
+                    elif role.name in present_work:
+                        pointers.append((present_work[role.name], slot[arg], 1))
+                    elif role.name in present:
+                        pointers.append((at[role.name], slot[arg], max(1, align.get(role.name, 1))))
+                elif isinstance(role, Value):
+                    values[arg] = self._int(role.tree, env, f"{s.kernel}.{arg}")
+                elif isinstance(role, Scalar):
+                    scalars.append((len(launches), slot[arg], self.scalars.index(role.name)))
+                elif isinstance(role, ErrorWord):
+                    checked, word_slot = len(launches), slot[arg]
+                elif isinstance(role, Tag):
+                    tag_slot = slot[arg]
+            launches.append(Launch(kernel, kernel.template(values), tuple(pointers)))
+        checks = tuple((at[n], w) for n, w in self.checks.items() if tensors.get(n) is not None)
+        if checks and (word_slot < 0 or tag_slot < 0):
+            raise PlanError(f"plan {self.name!r}: checks need the ErrorWord and the Tag of one step")
+        first = launches[0].kernel.slot if launches else {}
+        return Binding(tuple(launches), names, len(ins), tuple(modes), tuple(ins.index(o.like) for o in self.outputs),
+                       tuple(strides), tuple(sizes), tuple(dtypes),
+                       late=tuple((first[a], fn) for a, fn in (late or {}).items()),
+                       checks=checks, checked=checked, word_slot=word_slot if checks else -1,
+                       tag_slot=tag_slot if checks else -1, work=tuple(work), work_bytes=offset,
+                       scalars=tuple(scalars), keep=(*keep, *kept))
+
+    def _int(self, expr: Expr, env: Mapping[str, Any], what: str) -> int:
+        try:
+            v = expr.evaluate(env)
+        except ExprError as e:
+            raise PlanError(f"plan {self.name!r}: {what}: `{expr}`: {e}") from None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise PlanError(f"plan {self.name!r}: {what}: `{expr}` gave {v!r}, not an int")
+        return v
+
+
+class Bound:
+    """The bindings of one op specialization's plans, by plan and call signature: a family binds each
+    signature once (:meth:`get`) and the executor serves every later call of it. Bounded: past
+    ``limit`` signatures (a workload of ever-new shapes) it starts over."""
+
+    def __init__(self, limit: int = 256):
+        self.limit = limit
+        self._bindings: dict[tuple, Binding | None] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, make: Callable[[], Binding | None]) -> Binding | None:
+        """The binding of ``key`` (the plan's name and the call's :func:`signature`, and whatever else
+        the binding depends on), made by ``make`` the first time (None: such calls cannot be bound)."""
+        try:
+            return self._bindings[key]
+        except KeyError:
+            pass
+        b = make()
+        with self._lock:
+            if len(self._bindings) >= self.limit:
+                self._bindings.clear()
+            self._bindings[key] = b
+        return b
+
+    def bindings(self) -> list[Binding | None]:
+        """The bindings made so far (None for a signature that cannot be bound), oldest first."""
+        return list(self._bindings.values())
+
+    def __len__(self) -> int:
+        return len(self._bindings)
+
+
+def signature(names: tuple[str, ...], tensors: Mapping[str, Any]) -> tuple:
+    """What a binding of tensors ``names`` depends on: each one's shape, strides and dtype, or None."""
+    return tuple(None if (t := tensors.get(n)) is None else (t.shape, t.stride(), t.dtype) for n in names)
+
+
+#: bytes an element of a workspace's dtype takes
+_ELEMENT = {"float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "float16": 2, "bfloat16": 2}
+
+
+def _device(kernels: Mapping[str, Any]) -> torch.device:
+    index = next(iter(kernels.values())).device_index if kernels else None
+    return torch.device("cpu") if index is None else torch.device("cuda", index)
