@@ -368,16 +368,17 @@ def test_weight_and_bias_gradients_are_written_whole_and_planned_once(nan_empty,
               "bias": torch.randn(64, generator=gen), "residual": torch.randn(5, 11, 64, generator=gen)}
     got, gs = _fp32_gradients_match(op, _layer_reference, inputs, gen)
     kernels = op._impl_for(op._check_call(inputs))
-    (plan,) = kernels._bwd_plans.values()
-    assert plan is not None and plan.wsum is not None
+    (plan,) = kernels._bound.bindings()
+    assert plan is not None and [launch.kernel for launch in plan.launches] == [
+        kernels._kernel(kernels.bwd_spec), kernels._kernel(kernels.wsum_spec)]
     leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
     again = torch.autograd.grad(op(**leaves), list(leaves.values()), gs)
     assert all(torch.equal(a, b) for a, b in zip(again, got.values())), "the plan's launch gave other bits"
-    assert list(kernels._bwd_plans.values()) == [plan]
+    assert kernels._bound.bindings() == [plan]
     strided = tuple(torch.randn(*g.shape, 2, generator=gen)[..., 1] for g in gs)  # last dims at stride 2
     leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
     copied = dict(zip(leaves, torch.autograd.grad(op(**leaves), list(leaves.values()), strided)))
-    assert len(kernels._bwd_plans) == 2 and None in kernels._bwd_plans.values()
+    assert len(kernels._bound) == 2 and None in kernels._bound.bindings()
     want = _grads64(_layer_reference, inputs, strided)
     atol, rtol = tolerance(torch.float32)
     for name in inputs:
@@ -658,10 +659,10 @@ def test_the_cuda_host_path_emulated(emulated_cuda, gen):
         assert b._blocks(10**6) == 132 * (1024 // b.bwd_spec.block_threads)
         # dy one bf16 past the vector: strides as dy's, so the same plan, whose launch the pointer refuses
         off = torch.empty(dy.numel() + 1, dtype=dy.dtype)[1:].view(dy.shape).copy_(dy)
-        plans = dict(b._bwd_plans)
+        plans = b._bound.bindings()
         leaves = [t.clone().requires_grad_(True) for t in (x, w, r)]
         got = torch.autograd.grad(op(leaves[0], leaves[1], residual=leaves[2]), leaves, (off, dh))
-        assert b._bwd_plans == plans and all(torch.equal(u, v) for u, v in zip(got, (gx, gw, gr)))
+        assert b._bound.bindings() == plans and all(torch.equal(u, v) for u, v in zip(got, (gx, gw, gr)))
     assert torch.equal(gx, gr) and torch.equal(cx, cr)
     # the two schedules sum in other orders: dx within a bf16 rounding, dw within its fp32 sums' error
     assert_close(gx, cx.double(), rtol=2.0**-7, atol=2.0**-7 * cx.abs().mean().item(), what="dx")

@@ -18,15 +18,13 @@ calls from it without Python (:meth:`NormKernels.binding`); the general path bin
 launches with, copies included, through the same code and the same executor. The backward runs
 ``bwd`` on ``G`` blocks, each summing its rows' weight (and bias) gradient in fp32 partial rows,
 then ``wsum`` adding the partial rows in a fixed order: ``G`` follows the row count and the device
-alone, so the same rows give the same bits. Both launches come from a :class:`_BackwardPlan` kept per
-shape and strides (both kernels' argument arrays, filled but for the pointers), so a later backward
-encodes no argument in Python; the runtime's executor does not run them, as it takes the tensors
-the op's manifest names and the backward's are gradients and partial rows.
+alone, so the same rows give the same bits. Both launches are one plan, :data:`BACKWARD` (a
+:class:`tileops.runtime.plan.Plan`: the fp32 partial rows its per-call workspace), bound once per
+call signature and run by the op's runtime, so a later backward encodes no argument in Python.
 """
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import math
 from typing import Any, Mapping, Sequence
@@ -36,6 +34,7 @@ import torch
 from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
 from ..runtime.binding import Binding, bind
+from ..runtime.plan import Bound, Output, Plan, Ptr, Step, Value, Workspace, signature
 from . import hooks
 
 __all__ = ["implement", "kernel_specs", "NormKernels", "row_layout", "RESIDENT_THREADS", "C_BLOCKS"]
@@ -143,7 +142,10 @@ class NormKernels:
 
         self.eps_bits = eps_bits(op.params["eps"])
         self._bindings: dict[tuple, Binding] = {}  # the general path's, by what they depend on
-        self._bwd_plans: dict[tuple, _BackwardPlan | None] = {}  # by shape and strides; None: copied
+        self._bound = Bound()  # the backward's bindings, by call signature (None: copied first)
+        # the backward's stand-in for the bias, which it does not read (nor keep): its dtype, db's
+        self._bias_dtype = (torch.empty(0, dtype=DTYPE[self.given["bias"]], device=self.device)
+                            if "bias" in self.given else None)
         self._sms = 0
 
     def _kernel(self, spec: Any) -> Any:
@@ -280,115 +282,97 @@ class NormKernels:
         residual's, the same tensor), then the weight's and bias's summed over the rows."""
         given = self.given
         dy = grads[0]
-        dro = grads[1] if "residual" in given else None
-        h = tensors["residual_out"] if "residual" in given else tensors["x"]
-        dx = torch.empty_like(dy, dtype=DTYPE[given["x"]])
-        # wsum writes every column of dw and db; with no rows it is not launched and they are zeros
-        new = torch.empty if dx.numel() else torch.zeros
-        dw = new(self.hidden, dtype=DTYPE[given["weight"]], device=self.device) if "weight" in given else None
-        db = new(self.hidden, dtype=DTYPE[given["bias"]], device=self.device) if "bias" in given else None
-        if dx.numel():
-            self._run_backward(h, dy, dro, self._param(tensors.get("weight")), dx, dw, db)
+        launch = {"x": tensors["residual_out"] if "residual" in given else tensors["x"], "dy": dy,
+                  "dro": grads[1] if "residual" in given else None, "weight": self._param(tensors.get("weight")),
+                  "bias": self._bias_dtype}
+        if dy.numel():
+            dx, dw, db = self._run_backward(launch)
+        else:  # no rows: nothing to launch; the weight's and bias's gradients are zeros
+            dx = torch.empty_like(dy, dtype=DTYPE[given["x"]])
+            dw, db = (None if n not in given else torch.zeros(self.hidden, dtype=DTYPE[given[n]], device=self.device)
+                      for n in ("weight", "bias"))
         by_name = {"x": dx, "weight": dw, "bias": db, "residual": dx}
         return tuple(by_name[n] for n in self.op.manifest.backward.wrt if n in given)
 
-    def _run_backward(self, h: torch.Tensor, dy: torch.Tensor, dro: torch.Tensor | None, w: torch.Tensor | None,
-                      dx: torch.Tensor, dw: torch.Tensor | None, db: torch.Tensor | None) -> None:
-        """``bwd`` into ``dx`` and fp32 partial rows, then ``wsum`` into ``dw`` and ``db``: from the
-        :class:`_BackwardPlan` of this call's shape and strides (made at its first call), unless a
-        view must be copied first (its strides, or on CUDA a pointer, off the kernel's vector)."""
-        key = (h.shape, h.stride(), dy.stride(), None if dro is None else dro.stride(), dx.stride())
-        plan = self._bwd_plans.get(key, False)
-        if plan is False:
-            lay = self._layout({"x": h, "dy": dy, "dro": dro, "dx": dx}, pointers=False)
-            if len(self._bwd_plans) > 256:
-                self._bwd_plans.clear()
-            plan = self._bwd_plans[key] = None if isinstance(lay, str) else self._backward_plan((h, dy, dro, dx), lay)
-        if plan is not None and all(t is None or t.data_ptr() % a == 0 for t, a in zip((h, dy, dro, dx), plan.align)):
-            plan.launch(h, dy, dro, w, dx, dw, db)
-            return
-        views, lay = self._fit({"x": h, "dy": dy, "dro": dro, "dx": dx}, ("dx",))
-        rows_of = (views["x"], views["dy"], views["dro"], views["dx"])
-        self._backward_plan(rows_of, lay).launch(*rows_of[:3], w, rows_of[3], dw, db)
+    def _run_backward(self, launch: dict) -> tuple:
+        """:data:`BACKWARD` on ``launch`` (x or residual_out, dy, dro, weight, bias): ``(dx, dw, db)``,
+        from the binding of this call's shape and strides (made at its first call), unless a view must
+        be copied first (its strides, or on CUDA a pointer, off the kernel's vector)."""
+        rows_of = ("x", "dy", "dro")
+        key = ("backward", signature(BACKWARD.names, launch))
+        b = self._bound.get(key, lambda: self._backward_binding(launch, {}))
+        if b is not None:
+            got = self.op._runtime.execute(b, launch, {})
+            if got is not NotImplemented:
+                return _gradients(got, launch)
+        # a view the kernel cannot address where it lies: dx written through a dense buffer if need be
+        dx = torch.empty_like(launch["dy"], dtype=launch["x"].dtype)
+        views, lay = self._fit({**{n: launch[n] for n in rows_of}, "dx": dx}, ("dx",))
+        fitted = {**launch, **{n: views[n] for n in rows_of}}
+        got = _gradients(self.op._runtime.execute(self._backward_binding(fitted, {"dx": views["dx"]}, lay),
+                                                  fitted, {"dx": views["dx"]}), fitted)
         if views["dx"] is not dx:
             dx.copy_(views["dx"])
+        return dx, got[1], got[2]
 
-    def _backward_plan(self, rows_of: tuple[torch.Tensor | None, ...],
-                       lay: tuple[int, int, dict[str, tuple[int, int]]]) -> "_BackwardPlan":
-        """The two launches of the row-addressed tensors ``rows_of`` (x or residual_out, dy, dro,
-        dx) laid out as ``lay`` (their :meth:`_layout`)."""
+    def _backward_binding(self, launch: dict, outs: dict, lay: tuple | None = None) -> Binding | None:
+        """:data:`BACKWARD` bound for tensors shaped as ``launch`` (and ``outs``: dx given, or None for
+        a new one), laid out as ``lay`` (default: their :meth:`_layout`, strides alone); None when that
+        layout is not one the kernels address."""
+        dx = outs.get("dx")
+        if lay is None:
+            rows = {n: launch[n] for n in ("x", "dy", "dro")}
+            rows["dx"] = dx if dx is not None else torch.empty_like(launch["dy"], dtype=launch["x"].dtype,
+                                                                    device="meta")
+            lay = self._layout(rows, pointers=False)
+            if isinstance(lay, str):
+                return None
         rows, nh, strides = lay
         g = self._blocks(rows)
-        args: dict[str, Any] = {"M": rows, "NH": nh, "G": g, "eps_bits": self.eps_bits}
-        for name, (st, sh) in strides.items():
-            a, b = _STRIDES["bwd"][name]
-            args[a], args[b] = st // self.unit, sh // self.unit
-        bwd = self._kernel(self.bwd_spec)
-        wsum = None if self.wsum_spec is None else self._kernel(self.wsum_spec)
-        parts = g * self.bwd_spec.partials_per_block
-        align = tuple(1 if t is None else self._align(t) for t in rows_of)
-        align = align if max(align) > 1 else ()  # the C backend's: none to check per call
-        return _BackwardPlan(bwd, bwd.template(args), tuple(bwd.slot[n] for n in _BWD_POINTERS), wsum,
-                             None if wsum is None else wsum.template({"P": parts}),
-                             () if wsum is None else tuple(wsum.slot[n] for n in _WSUM_POINTERS),
-                             parts, self.hidden, self.device, align)
+        env = {"M": rows, "NH": nh, "G": g, "P": g * self.bwd_spec.partials_per_block, "hidden": self.hidden,
+               "eps_bits": self.eps_bits, "dro_st": 0, "dro_sh": 0,  # (no residual: not read)
+               **{f"{n}_{k}": v // self.unit for n, (st, sh) in strides.items() for k, v in (("st", st), ("sh", sh))}}
+        kernels = {"bwd": self._kernel(self.bwd_spec)}
+        if self.wsum_spec is not None:
+            kernels["wsum"] = self._kernel(self.wsum_spec)
+        align = {n: self._align(launch[n]) for n in ("x", "dy", "dro") if launch.get(n) is not None}
+        align["dx"] = align["x"]  # (dx is in x's dtype)
+        return BACKWARD.bind(kernels, launch, outs, env=env, align=align)
 
 
-#: the backward kernels' pointer parameters, in the order :meth:`_BackwardPlan.launch` fills them
-_BWD_POINTERS = ("X", "DY", "DRO", "W", "DX", "DWP", "DBP")
-_WSUM_POINTERS = ("DWP", "DBP", "DW", "DB")
+def _gradients(got: Any, launch: dict) -> tuple:
+    """``(dx, dw, db)`` from what :data:`BACKWARD`'s binding returns (dx, then those of the weight and
+    the bias that are given)."""
+    got = list(got) if isinstance(got, tuple) else [got]
+    dx = got.pop(0)
+    dw = got.pop(0) if launch.get("weight") is not None else None
+    db = got.pop(0) if launch.get("bias") is not None else None
+    return dx, dw, db
 
 
-@dataclasses.dataclass(frozen=True)
-class _BackwardPlan:
-    """One backward signature's two launches, everything but the pointers: each kernel's whole
-    argument array (:meth:`tileops.compile.entry.RawKernel.template`) with the rows, strides, ``G``
-    and ``P`` filled, and the slots the call's pointers go into. A call copies the arrays, writes
-    its pointers and launches: no argument is encoded per call. (The runtime's executor cannot run
-    it: the module's doc says why.)"""
+#: a row-addressed tensor's two stride arguments of the backward kernel
+def _rows(name: str, st: str, sh: str) -> dict:
+    return {st: Value(f"{name}_st"), sh: Value(f"{name}_sh")}
 
-    bwd: Any
-    bwd_args: array.array
-    bwd_slots: tuple[int, ...]
-    wsum: Any
-    wsum_args: array.array | None
-    wsum_slots: tuple[int, ...]
-    #: the fp32 partial rows bwd writes for each of the weight and the bias, and their length
-    parts: int
-    hidden: int
-    device: torch.device
-    #: the bytes the pointer of x (or residual_out), dy, dro and dx must be a multiple of (CUDA;
-    #: () on the C backend, which reads any address)
-    align: tuple[int, ...]
 
-    def launch(self, x: torch.Tensor, dy: torch.Tensor, dro: torch.Tensor | None, w: torch.Tensor | None,
-               dx: torch.Tensor, dw: torch.Tensor | None, db: torch.Tensor | None) -> None:
-        """bwd into ``dx`` and the partial rows, then wsum into ``dw`` and ``db``, on the current stream."""
-        dwp = dbp = 0
-        if dw is not None or db is not None:
-            # the weight's and the bias's partial rows in one allocation, the bias's from a 256-byte
-            # boundary (64 floats): each had an allocation of its own, aligned to 512 by the allocator
-            n = self.parts * self.hidden
-            off = -(-n // 64) * 64 if dw is not None else 0
-            buf = torch.empty(off + (n if db is not None else 0), dtype=torch.float32, device=self.device)
-            dwp = 0 if dw is None else buf.data_ptr()
-            dbp = 0 if db is None else buf.data_ptr() + 4 * off
-        # an absent tensor's slot keeps the template's 0 (the kernel does not read it)
-        args, (sx, sdy, sdro, sw, sdx, sdwp, sdbp) = self.bwd_args[:], self.bwd_slots
-        args[sx], args[sdy], args[sdx], args[sdwp], args[sdbp] = x.data_ptr(), dy.data_ptr(), dx.data_ptr(), dwp, dbp
-        if dro is not None:
-            args[sdro] = dro.data_ptr()
-        if w is not None:
-            args[sw] = w.data_ptr()
-        self.bwd.launch(args, self.bwd.stream())
-        if self.wsum is not None:
-            args, (sdwp, sdbp, sdw, sdb) = self.wsum_args[:], self.wsum_slots
-            args[sdwp], args[sdbp] = dwp, dbp
-            if dw is not None:
-                args[sdw] = dw.data_ptr()
-            if db is not None:
-                args[sdb] = db.data_ptr()
-            self.wsum.launch(args, self.wsum.stream())
+#: The backward: ``bwd`` on ``G`` blocks writes dx and each block's fp32 partial rows of the weight's
+#: (and bias's) gradient, then ``wsum`` adds the ``P`` partial rows in a fixed order into dw (and db).
+#: ``x`` is the forward's x, or its residual_out with a residual; ``dro`` residual_out's gradient;
+#: ``bias`` an empty tensor of the bias's dtype, for its gradient's presence and dtype alone. The layout names (``M`` rows, ``NH``, each
+#: tensor's ``<name>_st`` and ``<name>_sh``) are :meth:`NormKernels._layout`'s.
+BACKWARD = Plan(
+    "norm backward", inputs=("x", "dy", "dro", "weight", "bias"),
+    outputs=(Output("dx", like="dy", dtype_of="x"), Output("dw", like="weight", shape=("hidden",)),
+             Output("db", like="bias", shape=("hidden",))),
+    # the weight's and the bias's partial rows: per call, each from a 256-byte boundary of one allocation
+    workspaces=(Workspace("dwp", "float32", "P * hidden", when="weight"),
+                Workspace("dbp", "float32", "P * hidden", when="bias")),
+    steps=(Step("bwd", {"X": Ptr("x"), "DY": Ptr("dy"), "DRO": Ptr("dro"), "W": Ptr("weight"), "DX": Ptr("dx"),
+                        "DWP": Ptr("dwp"), "DBP": Ptr("dbp"), "M": Value("M"), "NH": Value("NH"), "G": Value("G"),
+                        "eps_bits": Value("eps_bits"), **_rows("x", "xst", "xsh"), **_rows("dy", "dyst", "dysh"),
+                        **_rows("dro", "drost", "drosh"), **_rows("dx", "dxst", "dxsh")}),
+           Step("wsum", {"DWP": Ptr("dwp"), "DBP": Ptr("dbp"), "DW": Ptr("dw"), "DB": Ptr("db"), "P": Value("P")},
+                when=("weight", "bias"))))
 
 
 def implement(op: Any, spec: Any) -> NormKernels:
