@@ -14,7 +14,6 @@ depend on its cached length: :class:`DynamicNTKTables` keeps them on the device 
 
 from __future__ import annotations
 
-import array
 import threading
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 
 from ..compile.entry import encode_arg
 from ..runtime.memory import persistent
+from ..runtime.plan import Bound, Plan, Ptr, Scalar, Step, Value, signature
 
 __all__ = ["RoPETables", "DynamicNTKTables", "digit_tables"]
 
@@ -67,7 +67,7 @@ class RoPETables:
 class DynamicNTKTables:
     """Dynamic NTK's digit tables for one rotated width on one device, and the launch that keeps
     them and the op's cached length current: ``kernels/ntk.py``, one small kernel per call in the
-    call's stream, ahead of the RoPE kernel. This is the tables' holder at run time; what that
+    call's stream, ahead of the RoPE kernel, run by the op's runtime as the plan :data:`NTK_UPDATE`. This is the tables' holder at run time; what that
     kernel is compiled for is a :class:`kernels.ntk.NTKKernelSpec`. It updates the length (a float64 tensor on the device,
     the op's state) from the call's ``seq_len`` or ``max(position_ids) + 1`` and rewrites the
     tables only where the length changed; nothing is read on the host, so a call can be captured in
@@ -94,40 +94,51 @@ class DynamicNTKTables:
                                  device)
         # doubles travel as their bits (the kernel's ``*_bits`` arguments are int64)
         doubles = {"base": base, "factor": factor, "mpe": max_position_embeddings, "power": rot / (rot - 2)}
-        self._doubles = {f"{n}_bits": encode_arg("double", float(v)) for n, v in doubles.items()}
+        self._env = {f"{n}_bits": encode_arg("double", float(v)) for n, v in doubles.items()}
         self.limit = limit
-        self._launchers: dict[str | None, tuple[Any, array.array, dict[str, int]]] = {}
+        self._kernels: dict[str | None, Any] = {}
+        self._bound = Bound()
 
-    def _launcher(self, positions: str | None) -> tuple[Any, array.array, dict[str, int]]:
-        got = self._launchers.get(positions)
+    def _kernel(self, positions: str | None) -> Any:
+        got = self._kernels.get(positions)
         if got is None:
             from tileops.compile.build import load_kernel
             from tileops.kernels.ntk import NTKKernelSpec
 
             spec = NTKKernelSpec(self.rot, positions=positions, backend=self.backend)
-            kernel = load_kernel("ntk", spec, self.backend, self.arch, self.device, spec.args)
-            values = {"TD": self.tables.data_ptr(), "ST": self.state.data_ptr(), "STAMP": self.stamps.data_ptr(),
-                      **self._doubles, **({"limit": self.limit} if positions is not None else {})}
-            got = self._launchers[positions] = (kernel, kernel.template(values), kernel.slot)
+            got = self._kernels[positions] = load_kernel("ntk", spec, self.backend, self.arch, self.device, spec.args)
         return got
 
-    def update(self, position_ids: torch.Tensor | None, seq_len: int) -> torch.Tensor:
+    def update(self, position_ids: torch.Tensor | None, seq_len: int, runtime: Any) -> torch.Tensor:
         """Launch the update for a call of ``seq_len`` rows, or at ``position_ids`` (``[S]`` or
-        ``[B, S]``, on this device); returns the tables (``[DIGITS, LO, 2, R/2]`` fp32), which the
-        next call may rewrite."""
-        if position_ids is None:
-            kernel, template, put = self._launcher(None)
-            a = template[:]
-            a[put["seq"]] = seq_len
-        else:
-            if position_ids.numel() == 0:  # no position, no length: the state and tables stay
-                return self.tables
-            kernel, template, put = self._launcher(str(position_ids.dtype).replace("torch.", ""))
-            a = template[:]
-            a[put["P"]] = position_ids.data_ptr()
-            b = position_ids.shape[0] if position_ids.dim() == 2 else 1  # [S], or [B, S]
-            a[put["B"]], a[put["S"]] = b, position_ids.shape[-1]
-            a[put["psb"]], a[put["pss"]] = (position_ids.stride(0) if b > 1 else 0), position_ids.stride(-1)
-        kernel.launch(a, kernel.stream())
+        ``[B, S]``, on this device), through ``runtime`` (the op's: :mod:`tileops.runtime.executor`);
+        returns the tables (``[DIGITS, LO, 2, R/2]`` fp32), which the next call may rewrite."""
+        if position_ids is not None and position_ids.numel() == 0:  # no position, no length: all stays
+            return self.tables
+        tensors = {"tables": self.tables, "state": self.state, "stamps": self.stamps, "position_ids": position_ids}
+        positions = None if position_ids is None else str(position_ids.dtype).replace("torch.", "")
+        b = self._bound.get((positions, signature(NTK_UPDATE.inputs, tensors)), lambda: self._binding(tensors))
+        # a length that changes every call (a decode step's) is a per-call scalar, not a new binding
+        runtime.execute(b, tensors, {}, (seq_len if position_ids is None else 0,))
         return self.tables
 
+    def _binding(self, tensors: dict) -> Any:
+        p = tensors["position_ids"]
+        env = {**self._env, "limit": 0, "B": 0, "S": 0, "psb": 0, "pss": 0}
+        if p is not None:
+            b = p.shape[0] if p.dim() == 2 else 1  # [S], or [B, S]
+            env.update(limit=self.limit, B=b, S=p.shape[-1], psb=p.stride(0) if b > 1 else 0, pss=p.stride(-1))
+        kernel = self._kernel(None if p is None else str(p.dtype).replace("torch.", ""))
+        return NTK_UPDATE.bind({"ntk": kernel}, tensors, {}, env=env)
+
+
+#: The dynamic-NTK update (``kernels/ntk.py``): the length from ``seq`` (a per-call scalar) or from
+#: ``max(position_ids) + 1``, and the tables' blocks whose stamp differs rewritten; the tables, the
+#: length (``state``) and the stamps are the holder's, written in place.
+NTK_UPDATE = Plan(
+    "dynamic NTK tables", inputs=("tables", "state", "stamps", "position_ids"), outputs=(), scalars=("seq",),
+    steps=(Step("ntk", {"TD": Ptr("tables"), "ST": Ptr("state"), "STAMP": Ptr("stamps"), "P": Ptr("position_ids"),
+                        "B": Value("B"), "S": Value("S"), "psb": Value("psb"), "pss": Value("pss"),
+                        "limit": Value("limit"), "seq": Scalar("seq"), "base_bits": Value("base_bits"),
+                        "factor_bits": Value("factor_bits"), "mpe_bits": Value("mpe_bits"),
+                        "power_bits": Value("power_bits")}),))
