@@ -14,7 +14,7 @@ config's op makes its kernels): ``nh1_path`` (no division in row offsets where N
 ``ROUNDS`` rounds on the same input sets (:func:`benchmarks.timing.gpu_time`, L2 rotated, the median
 of the rounds' medians), beside a same-bytes copy; the forward row also times torch.compile of HF's
 math (a fresh static compile) and Liger where it imports. ``diff``: the largest absolute difference
-of each output (dx, dw; y) from the manifest config's on the same inputs (want 0: the knobs keep
+of each output (dx, dw; y) from the "knobs off" config's on the same inputs (want 0: the knobs keep
 every summation order).
 """
 from __future__ import annotations
@@ -40,8 +40,10 @@ ROWS = [
     ("per head 16384 x 32 x 128", (16384, 32), 128, False, "backward"),
     ("per head 16384 x 32 x 128", (16384, 32), 128, False, "forward"),
 ]
-#: config -> the knobs it sets over the manifest's (the first sets none: the others are compared with it)
+#: config -> the knobs it sets over the manifest's. The first, every knob off, is the schedule before the
+#: knobs (the others' outputs are compared with its); "manifest" is what the manifest sets now.
 CONFIGS = {
+    "knobs off": dict(bwd_prefetch=0, bwd_one_sync=0, bwd_w_shared=0, nh1_path=0),
     "manifest": {},
     "nh1": dict(nh1_path=1),
     "pf1": dict(bwd_prefetch=1),
@@ -53,7 +55,7 @@ CONFIGS = {
     "pf2+nh1": dict(bwd_prefetch=2, nh1_path=1),
 }
 #: the configs a forward row times (the other knobs are the backward's)
-FORWARD_CONFIGS = ("manifest", "nh1")
+FORWARD_CONFIGS = ("knobs off", "manifest", "nh1")
 ROUNDS = 3
 OP = "RMSNormFwdOp"
 ORIG = B.kernel_specs
@@ -207,7 +209,7 @@ def main() -> int:
     n, secs, failures = compile_jobs(jobs(device_backend(torch.device("cuda"))[1]), jobs=a.jobs, progress=False)
     print(f"compiled {n} kernels in {secs:.0f} s; failures: {[f'{s}: {e[:200]}' for s, e in failures]}", flush=True)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {ROUNDS} rounds\n")
-    print("| row | direction | config | us | % same-bytes copy | copy us | max abs diff vs manifest |")
+    print("| row | direction | config | us | % same-bytes copy | copy us | max abs diff vs knobs off |")
     print("|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for label, lead, hidden, residual, direction in ROWS:
