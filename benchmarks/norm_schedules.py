@@ -40,19 +40,23 @@ ROWS = [
     ("per head 16384 x 32 x 128", (16384, 32), 128, False, "backward"),
     ("per head 16384 x 32 x 128", (16384, 32), 128, False, "forward"),
 ]
-#: config -> the knobs it sets over the manifest's. The first, every knob off, is the schedule before the
-#: knobs (the others' outputs are compared with its); "manifest" is what the manifest sets now.
+#: every knob off: the schedule before the knobs
+OFF = dict(bwd_prefetch=0, bwd_one_sync=0, bwd_w_shared=0, nh1_path=0)
+#: config -> its knobs, each config setting all four (whatever the manifest sets), but "manifest", which
+#: sets none: the manifest's own. The first is the reference the others' outputs are compared with.
 CONFIGS = {
-    "knobs off": dict(bwd_prefetch=0, bwd_one_sync=0, bwd_w_shared=0, nh1_path=0),
+    "knobs off": OFF,
     "manifest": {},
-    "nh1": dict(nh1_path=1),
-    "pf1": dict(bwd_prefetch=1),
-    "pf2": dict(bwd_prefetch=2),
-    "ws+1sync": dict(bwd_w_shared=1, bwd_one_sync=1),
-    "ws+1sync+pf1": dict(bwd_w_shared=1, bwd_one_sync=1, bwd_prefetch=1),
-    "ws+1sync+pf2": dict(bwd_w_shared=1, bwd_one_sync=1, bwd_prefetch=2),
-    "all pf2": dict(bwd_w_shared=1, bwd_one_sync=1, bwd_prefetch=2, nh1_path=1),
-    "pf2+nh1": dict(bwd_prefetch=2, nh1_path=1),
+    **{name: {**OFF, **fields} for name, fields in {
+        "nh1": dict(nh1_path=1),
+        "pf1": dict(bwd_prefetch=1),
+        "pf2": dict(bwd_prefetch=2),
+        "ws+1sync": dict(bwd_w_shared=1, bwd_one_sync=1),
+        "ws+1sync+pf1": dict(bwd_w_shared=1, bwd_one_sync=1, bwd_prefetch=1),
+        "ws+1sync+pf2": dict(bwd_w_shared=1, bwd_one_sync=1, bwd_prefetch=2),
+        "all pf2": dict(bwd_w_shared=1, bwd_one_sync=1, bwd_prefetch=2, nh1_path=1),
+        "pf2+nh1": dict(bwd_prefetch=2, nh1_path=1),
+    }.items()},
 }
 #: the configs a forward row times (the other knobs are the backward's)
 FORWARD_CONFIGS = ("knobs off", "manifest", "nh1")
