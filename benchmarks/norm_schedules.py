@@ -90,8 +90,8 @@ def jobs(arch: str) -> list:
 
     out = []
     for _, lead, hidden, residual, direction in ROWS:
-        base = op_kernel_jobs(OP, {}, {"hidden": hidden}, ["bfloat16"], arch, with_inputs=["residual"] if residual else [],
-                              backward=direction == "backward")
+        base = op_kernel_jobs(OP, {}, {"hidden": hidden}, ["bfloat16"], arch,
+                              with_inputs=["residual"] if residual else [], backward=direction == "backward")
         for fields in configs_of(direction).values():
             out += [(b, with_fields(s, fields), be, ar) for b, s, be, ar in base]
     return list(dict.fromkeys(out))
