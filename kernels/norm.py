@@ -82,6 +82,15 @@ STATIC = {
                                       "gradient's column sums (CUDA)"),
     "rows_per_group": (1, 8, "rows each lane group of the forward's row-per-warp schedule holds at once, their "
                              "loads in flight together (CUDA)"),
+    "bwd_prefetch": (0, 4, "the backward asks L2 for the rows (row groups) this many ahead of the one it loads "
+                           "into registers (x, dy, and the residual's gradient), so that more bytes are in "
+                           "flight than registers hold; 0: none (CUDA)"),
+    "bwd_one_sync": (0, 1, "1: the row-per-block backward's row sums alternate between two shared-memory slots, "
+                           "one block barrier a row instead of two (CUDA)"),
+    "bwd_w_shared": (0, 1, "1: the row-per-block backward keeps the weight in shared memory, not registers: a "
+                           "thread of 2 vectors then holds its next row without spilling (CUDA)"),
+    "nh1_path": (0, 1, "1: when a launch's NH is 1 (rows one run of stride st), a row's offset is row * st, "
+                       "without the division and remainder by NH (CUDA)"),
 }
 
 _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -140,6 +149,10 @@ class NormKernelSpec:
     vectors_per_thread: int = 4  # cuda: forward, row-per-block schedule
     bwd_vectors_per_thread: int = 1  # cuda: backward, row-per-block schedule
     rows_per_group: int = 1  # cuda: forward, row-per-warp schedule: rows a lane group holds at once
+    bwd_prefetch: int = 0  # cuda: backward: row groups ahead asked of L2 (0: none)
+    bwd_one_sync: int = 0  # cuda: row-per-block backward: one barrier a row (two reduction slots)
+    bwd_w_shared: int = 0  # cuda: row-per-block backward: the weight in shared memory, not registers
+    nh1_path: int = 0  # cuda: row offsets without a division where the launch's NH is 1
 
     def __post_init__(self) -> None:
         def one_of(name: str, value: Any, choices: tuple) -> None:
@@ -179,6 +192,10 @@ class NormKernelSpec:
                 raise ValueError(f"{name}: expected an int in [1, {_MAX_VECTORS}], got {getattr(self, name)}")
         if not 1 <= self.rows_per_group <= _MAX_GROUP_ROWS:
             raise ValueError(f"rows_per_group: expected an int in [1, {_MAX_GROUP_ROWS}], got {self.rows_per_group}")
+        for name in ("bwd_prefetch", "bwd_one_sync", "bwd_w_shared", "nh1_path"):
+            lo, hi, _ = STATIC[name]
+            if type(getattr(self, name)) is not int or not lo <= getattr(self, name) <= hi:
+                raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {getattr(self, name)!r}")
         if self.backend == "cuda" and self._thread_bytes(self.lanes) > _MAX_THREAD_BYTES:
             limit = _MAX_THREAD_BYTES * _MAX_BLOCK_THREADS // _ELEM_BYTES[self.dtype]
             raise ValueError(f"hidden: a {self.dtype} row of {self.hidden} elements puts "
@@ -316,6 +333,15 @@ template <typename T> __device__ __forceinline__ void tileops_st16(T* dst, const
 }
 """
 
+#: ``bwd_prefetch``'s helper: ask L2 for the line of ``p`` (no register, no wait). Compiled for the device
+#: alone: elsewhere (the CPU harness of the tests) it does nothing.
+PREFETCH_HELPER = """
+template <typename T> __device__ __forceinline__ void tileops_prefetch_l2(const T* p) {
+#ifdef __CUDA_ARCH__
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#endif
+}
+"""
 
 def _storages(spec: NormKernelSpec) -> dict[str, str]:
     """Buffer element type of each tensor role on the spec's backend."""
@@ -324,10 +350,34 @@ def _storages(spec: NormKernelSpec) -> dict[str, str]:
             "b": s(spec.bias or "float32")}
 
 
-def _row_offset(row, NH, st, sh):
+def _row_offset(row, NH, st, sh, one=False):
     """Offset of row ``row`` (``t = row // NH``, ``h = row % NH``) from its two strides, in the
-    strides' unit. Truncating division: both are non-negative, and floor division costs sign fixes."""
+    strides' unit. Truncating division: both are non-negative, and floor division costs sign fixes.
+    ``one``: the caller knows ``NH`` is 1 (:func:`_nh_paths`): ``row * st``."""
+    if one:
+        return T.cast(row, "int64") * st
     return T.cast(T.truncdiv(row, NH), "int64") * st + T.cast(T.truncmod(row, NH), "int64") * sh
+
+
+def _nh_paths(spec: NormKernelSpec, run):
+    """A CUDA kernel's rows through the macro ``run(one, *args)`` (``one``: offsets by :func:`_row_offset`'s
+    ``one``): with ``nh1_path``, two copies of it behind a branch on ``NH == 1`` that every thread of
+    the launch takes alike, so that a launch whose rows are one run of stride ``st`` (a dense
+    ``[rows, hidden]``, and a dense per-head ``[tokens, heads, head_dim]``, whose dims merge) computes
+    each row's offset with a multiply: the division and remainder by the runtime ``NH`` are some
+    twenty instructions, ahead of a row's first load, where a per-head row is a single 16-byte load
+    a lane. Without it, one copy, dividing (the generated code as before the knob)."""
+    @T.macro
+    def paths(NH, *args):
+        if spec.nh1_path:
+            if NH == 1:
+                run(True, *args)
+            else:
+                run(False, *args)
+        else:
+            run(False, *args)
+
+    return paths
 
 
 def _centered(spec: NormKernelSpec, value, mean):
@@ -643,6 +693,54 @@ def _fwd_cuda(spec: NormKernelSpec):
     GPB, RW = RPB // RG, NV * V
 
     @T.macro
+    def rows(one, X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits, tx, lane, first,
+             xr, rr, wr, br, yr, acc, red):
+        for r in T.unroll(RG):
+            row = first + r * GPB
+            live = row < M
+            xo = _row_offset(row, NH, xst, xsh, one) * V
+            for j in T.unroll(NV):
+                if k.ok(live, lane, j):
+                    c = k.col(lane, j)
+                    for v in T.vectorized(V):
+                        xr[r * RW + j * V + v] = X[xo + c + v]
+                    if spec.residual:
+                        for v in T.vectorized(V):
+                            rr[v] = R[_row_offset(row, NH, rst, rsh, one) * V + c + v]
+                        for v in T.unroll(V):
+                            xr[r * RW + j * V + v] = T.cast(T.cast(xr[r * RW + j * V + v], "float32")
+                                                            + T.cast(rr[v], "float32"), dt)
+                        store_x(RO, _row_offset(row, NH, rost, rosh, one) * V + c, xr, r * RW + j * V)
+                    if r == 0:  # the weight's columns are every row's
+                        if has_w:
+                            for v in T.vectorized(V):
+                                wr[j * V + v] = W[c + v]
+                        if spec.bias is not None:
+                            for v in T.vectorized(V):
+                                br[j * V + v] = B[c + v]
+        eps = T.reinterpret(eps_bits, "float32")
+        mean = row_mean(xr, acc, red, tx, first < M, lane)  # (LayerNorm: RG is 1)
+        for r in T.unroll(RG):
+            acc[r] = T.float32(0)
+            for j in T.unroll(NV):
+                if k.ok(first + r * GPB < M, lane, j):
+                    for v in T.unroll(V):
+                        f = _centered(spec, T.cast(xr[r * RW + j * V + v], "float32"), mean)
+                        acc[r] = acc[r] + f * f
+        allsum(acc, RG, red, 0, tx)
+        for r in T.unroll(RG):
+            rstd = rstd_of(acc, eps, r)
+            row = first + r * GPB
+            yo = _row_offset(row, NH, yst, ysh, one) * V
+            for j in T.unroll(NV):
+                if k.ok(row < M, lane, j):
+                    for v in T.unroll(V):
+                        yr[v] = T.cast(value(xr, wr, br, j, v, mean, rstd, r * RW), ydt)
+                    store_y(Y, yo + k.col(lane, j), yr, 0)
+
+    paths = _nh_paths(spec, rows)
+
+    @T.macro
     def body(X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits):
         with T.Kernel(T.ceildiv(M, RPB), threads=TPB) as bx:
             T.import_source(CUDA_HELPERS)
@@ -657,48 +755,8 @@ def _fwd_cuda(spec: NormKernelSpec):
             yr = T.alloc_local((V,), ydt)
             acc = T.alloc_local((RG,), "float32")
             red = T.alloc_shared((2, 1, k.warps), "float32", scope="shared")
-            for r in T.unroll(RG):
-                row = first + r * GPB
-                live = row < M
-                xo = _row_offset(row, NH, xst, xsh) * V
-                for j in T.unroll(NV):
-                    if k.ok(live, lane, j):
-                        c = k.col(lane, j)
-                        for v in T.vectorized(V):
-                            xr[r * RW + j * V + v] = X[xo + c + v]
-                        if spec.residual:
-                            for v in T.vectorized(V):
-                                rr[v] = R[_row_offset(row, NH, rst, rsh) * V + c + v]
-                            for v in T.unroll(V):
-                                xr[r * RW + j * V + v] = T.cast(T.cast(xr[r * RW + j * V + v], "float32")
-                                                                + T.cast(rr[v], "float32"), dt)
-                            store_x(RO, _row_offset(row, NH, rost, rosh) * V + c, xr, r * RW + j * V)
-                        if r == 0:  # the weight's columns are every row's
-                            if has_w:
-                                for v in T.vectorized(V):
-                                    wr[j * V + v] = W[c + v]
-                            if spec.bias is not None:
-                                for v in T.vectorized(V):
-                                    br[j * V + v] = B[c + v]
-            eps = T.reinterpret(eps_bits, "float32")
-            mean = row_mean(xr, acc, red, tx, first < M, lane)  # (LayerNorm: RG is 1)
-            for r in T.unroll(RG):
-                acc[r] = T.float32(0)
-                for j in T.unroll(NV):
-                    if k.ok(first + r * GPB < M, lane, j):
-                        for v in T.unroll(V):
-                            f = _centered(spec, T.cast(xr[r * RW + j * V + v], "float32"), mean)
-                            acc[r] = acc[r] + f * f
-            allsum(acc, RG, red, 0, tx)
-            for r in T.unroll(RG):
-                rstd = rstd_of(acc, eps, r)
-                row = first + r * GPB
-                yo = _row_offset(row, NH, yst, ysh) * V
-                for j in T.unroll(NV):
-                    if k.ok(row < M, lane, j):
-                        for v in T.unroll(V):
-                            yr[v] = T.cast(value(xr, wr, br, j, v, mean, rstd, r * RW), ydt)
-                        store_y(Y, yo + k.col(lane, j), yr, 0)
+            paths(NH, X, R, W, B, Y, RO, M, NH, xst, xsh, rst, rsh, yst, ysh, rost, rosh, eps_bits, tx, lane, first,
+                  xr, rr, wr, br, yr, acc, red)
 
     return body
 
@@ -794,7 +852,17 @@ def _warp_slot(wide: bool, tx):
 def _bwd_cuda(spec: NormKernelSpec):
     """Block ``g`` of ``G`` takes row groups ``g, g + G, ...`` (``rows_per_block`` rows each); each
     thread keeps the weight (bias) gradient of its columns in registers across them, and writes them
-    once to its block's (warp's) partial row."""
+    once to its block's (warp's) partial row.
+
+    ``bwd_prefetch`` (``PF``): while it loads row group ``i + 1`` into registers, a thread asks L2 for
+    its vectors of group ``i + 1 + PF`` (x, dy and the residual's gradient; ``prefetch.global.L2``,
+    which holds no register and waits for nothing), so that a block keeps ``PF`` more groups' bytes
+    in flight than its registers hold; the register loads then find their lines in L2. A row of
+    16384 bf16 held in registers is one 1024-thread block an SM, whose next row's loads are all an
+    SM has in flight while its barriers stall it. ``bwd_one_sync``: the row-per-block schedule's
+    sums alternate between the two shared slots (RMSNorm: by the row's parity; LayerNorm's mean and
+    sums take one each), so a thread that writes a slot has passed the barrier after which every
+    thread read it last: the barrier at each row's end goes."""
     k = RowGroup(spec)
     V, NV, L, TPB, RPB = k.V, k.NV, k.L, k.TPB, k.RPB
     dt, ydt, H = spec.dtype, spec.y_dtype, spec.hidden
@@ -809,12 +877,18 @@ def _bwd_cuda(spec: NormKernelSpec):
     slots_per_warp = 32 // L if not k.wide else 1
     K = 3 if layer else 2  # values each row reduces after the mean
     PPB = spec.partials_per_block
+    PF = spec.bwd_prefetch
+    one_sync = bool(spec.bwd_one_sync) and k.wide
+    # the weight in shared memory (row-per-block, with a weight): each thread stores its own columns and
+    # reads back only those, so no barrier orders them
+    w_sh = bool(spec.bwd_w_shared) and k.wide and has_w
+    wi = (lambda j, v: v) if w_sh else (lambda j, v: j * V + v)  # noqa: E731 - vector j's weight v in wr
 
     @T.macro
-    def load_row(X, DY, xn, gn, row, M, NH, xst, xsh, dyst, dysh, lane):
+    def load_row(one, X, DY, xn, gn, row, M, NH, xst, xsh, dyst, dysh, lane):
         """x and dy of ``row`` (when it exists) into ``xn``, ``gn``."""
-        xo = _row_offset(row, NH, xst, xsh) * V
-        dyo = _row_offset(row, NH, dyst, dysh) * V
+        xo = _row_offset(row, NH, xst, xsh, one) * V
+        dyo = _row_offset(row, NH, dyst, dysh, one) * V
         for j in T.unroll(NV):
             if k.ok(row < M, lane, j):
                 for v in T.vectorized(V):
@@ -823,9 +897,103 @@ def _bwd_cuda(spec: NormKernelSpec):
                     gn[j * V + v] = DY[dyo + k.col(lane, j) + v]
 
     @T.macro
+    def prefetch_row(one, X, DY, DRO, row, M, NH, xst, xsh, dyst, dysh, drost, drosh, lane):
+        """Ask L2 for this thread's vectors of x, dy (and the residual's gradient) of ``row``."""
+        xo = _row_offset(row, NH, xst, xsh, one) * V
+        dyo = _row_offset(row, NH, dyst, dysh, one) * V
+        for j in T.unroll(NV):
+            if k.ok(row < M, lane, j):
+                T.call_extern("handle", "tileops_prefetch_l2", T.address_of(X[xo + k.col(lane, j)]))
+                T.call_extern("handle", "tileops_prefetch_l2", T.address_of(DY[dyo + k.col(lane, j)]))
+                if spec.residual:
+                    T.call_extern("handle", "tileops_prefetch_l2",
+                                  T.address_of(DRO[_row_offset(row, NH, drost, drosh, one) * V + k.col(lane, j)]))
+
+    @T.macro
+    def rows(one, X, DY, DRO, W, DX, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits, g, tx, lane,
+             xr, gr, xn, gn, dr, xo_, wr, ws, dwa, dba, acc, red):
+        eps = T.reinterpret(eps_bits, "float32")
+        # row groups g, g + G, ...: ceil((groups - g) / G) of them; groups - g + G - 1 >= 0 as g < G.
+        # Each iteration first issues the loads of its next row into xn, gn, so that they are in
+        # flight while this row is reduced and written (without, a block's loads and its two
+        # barriers alternate, and the 2 blocks an SM holds keep about 16 KB of loads in flight).
+        load_row(one, X, DY, xn, gn, g * RPB + tx // L, M, NH, xst, xsh, dyst, dysh, lane)
+        if PF:
+            for d in T.unroll(1, PF + 1):
+                prefetch_row(one, X, DY, DRO, (g + d * G) * RPB + tx // L, M, NH, xst, xsh, dyst, dysh, drost,
+                             drosh, lane)
+        for it in T.serial(T.truncdiv(T.ceildiv(M, RPB) - g + G - 1, G)):
+            row = (g + it * G) * RPB + tx // L
+            live = row < M
+            for i in T.unroll(NV * V):
+                xr[i] = xn[i]
+                gr[i] = gn[i]
+            load_row(one, X, DY, xn, gn, row + G * RPB, M, NH, xst, xsh, dyst, dysh, lane)
+            if PF:
+                prefetch_row(one, X, DY, DRO, row + (PF + 1) * G * RPB, M, NH, xst, xsh, dyst, dysh, drost, drosh,
+                             lane)
+            mean = row_mean(xr, acc, red, tx, live, lane)
+            # acc: sum f^2, sum dn * f, and for LayerNorm sum dn (f = x - mean, dn = dy * (offset + w))
+            for i in T.unroll(K):
+                acc[i] = T.float32(0)
+            for j in T.unroll(NV):
+                if k.ok(live, lane, j):
+                    if w_sh:
+                        for v in T.vectorized(V):
+                            wr[v] = ws[k.col(lane, j) + v]
+                    for v in T.unroll(V):
+                        f = _centered(spec, T.cast(xr[j * V + v], "float32"), mean)
+                        dn = _weighted(spec, T.cast(gr[j * V + v], "float32"), T.cast(wr[wi(j, v)], "float32"))
+                        acc[0] = acc[0] + f * f
+                        acc[1] = acc[1] + dn * f
+                        if layer:
+                            acc[2] = acc[2] + dn
+            if one_sync and not layer:
+                allsum(acc, K, red, it % 2, tx)
+            else:
+                allsum(acc, K, red, 0, tx)
+            rstd = T.rsqrt(acc[0] / T.float32(H) + eps)
+            b = acc[1] * rstd * rstd / T.float32(H)
+            a = T.alloc_var("float32")
+            a = T.float32(0)
+            if layer:
+                a = acc[2] / T.float32(H)
+            dxo = _row_offset(row, NH, dxst, dxsh, one) * V
+            for j in T.unroll(NV):
+                if k.ok(live, lane, j):
+                    c = k.col(lane, j)
+                    if spec.residual:
+                        for v in T.vectorized(V):
+                            dr[v] = DRO[_row_offset(row, NH, drost, drosh, one) * V + c + v]
+                    if w_sh:
+                        for v in T.vectorized(V):
+                            wr[v] = ws[c + v]
+                    for v in T.unroll(V):
+                        f = _centered(spec, T.cast(xr[j * V + v], "float32"), mean)
+                        gy = T.cast(gr[j * V + v], "float32")
+                        dn = _weighted(spec, gy, T.cast(wr[wi(j, v)], "float32"))
+                        # dx = rstd * (dn - mean(dn) - n * mean(dn * n)), n = f * rstd; mean(dn) for LayerNorm
+                        d = rstd * (_centered(spec, dn, a) - f * b)
+                        if spec.residual:
+                            d = d + T.cast(dr[v], "float32")
+                        xo_[v] = T.cast(d, dt)
+                        if has_w:
+                            n = f * rstd
+                            if spec.rounding == "llama":
+                                n = round_to(n, dt, dt)
+                            dwa[j * V + v] = dwa[j * V + v] + gy * n
+                        if has_b:
+                            dba[j * V + v] = dba[j * V + v] + gy
+                    store_x(DX, dxo + c, xo_, 0)
+            if k.wide and not one_sync:
+                T.sync_threads()  # the next row's sums reuse the shared slots
+
+    paths = _nh_paths(spec, rows)
+
+    @T.macro
     def body(X, DY, DRO, W, DX, DWP, DBP, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits):
         with T.Kernel(G, threads=TPB) as g:
-            T.import_source(CUDA_HELPERS)
+            T.import_source(CUDA_HELPERS + PREFETCH_HELPER if PF else CUDA_HELPERS)
             T.annotate_min_blocks_per_sm(k.min_blocks)
             tx = T.get_thread_binding()
             lane = tx % L
@@ -835,12 +1003,12 @@ def _bwd_cuda(spec: NormKernelSpec):
             gn = T.alloc_local((NV * V,), ydt)
             dr = T.alloc_local((V,), dt)
             xo_ = T.alloc_local((V,), dt)
-            wr = T.alloc_local((NV * V,), wdt)
+            wr = T.alloc_local((V if w_sh else NV * V,), wdt)
+            ws = T.alloc_shared((H if w_sh else 1,), wdt, scope="shared")
             dwa = T.alloc_local((NV * V,), "float32")
             dba = T.alloc_local((NV * V,), "float32")
             acc = T.alloc_local((3,), "float32")
             red = T.alloc_shared((2, 3, k.warps), "float32", scope="shared")
-            eps = T.reinterpret(eps_bits, "float32")
             for i in T.unroll(NV * V):
                 dwa[i] = T.float32(0)
                 dba[i] = T.float32(0)
@@ -848,65 +1016,12 @@ def _bwd_cuda(spec: NormKernelSpec):
                 for j in T.unroll(NV):
                     if k.ok(True, lane, j):
                         for v in T.vectorized(V):
-                            wr[j * V + v] = W[k.col(lane, j) + v]
-            # row groups g, g + G, ...: ceil((groups - g) / G) of them; groups - g + G - 1 >= 0 as g < G.
-            # Each iteration first issues the loads of its next row into xn, gn, so that they are in
-            # flight while this row is reduced and written (without, a block's loads and its two
-            # barriers alternate, and the 2 blocks an SM holds keep about 16 KB of loads in flight).
-            load_row(X, DY, xn, gn, g * RPB + tx // L, M, NH, xst, xsh, dyst, dysh, lane)
-            for it in T.serial(T.truncdiv(T.ceildiv(M, RPB) - g + G - 1, G)):
-                row = (g + it * G) * RPB + tx // L
-                live = row < M
-                for i in T.unroll(NV * V):
-                    xr[i] = xn[i]
-                    gr[i] = gn[i]
-                load_row(X, DY, xn, gn, row + G * RPB, M, NH, xst, xsh, dyst, dysh, lane)
-                mean = row_mean(xr, acc, red, tx, live, lane)
-                # acc: sum f^2, sum dn * f, and for LayerNorm sum dn (f = x - mean, dn = dy * (offset + w))
-                for i in T.unroll(K):
-                    acc[i] = T.float32(0)
-                for j in T.unroll(NV):
-                    if k.ok(live, lane, j):
-                        for v in T.unroll(V):
-                            f = _centered(spec, T.cast(xr[j * V + v], "float32"), mean)
-                            dn = _weighted(spec, T.cast(gr[j * V + v], "float32"), T.cast(wr[j * V + v], "float32"))
-                            acc[0] = acc[0] + f * f
-                            acc[1] = acc[1] + dn * f
-                            if layer:
-                                acc[2] = acc[2] + dn
-                allsum(acc, K, red, 0, tx)
-                rstd = T.rsqrt(acc[0] / T.float32(H) + eps)
-                b = acc[1] * rstd * rstd / T.float32(H)
-                a = T.alloc_var("float32")
-                a = T.float32(0)
-                if layer:
-                    a = acc[2] / T.float32(H)
-                dxo = _row_offset(row, NH, dxst, dxsh) * V
-                for j in T.unroll(NV):
-                    if k.ok(live, lane, j):
-                        c = k.col(lane, j)
-                        if spec.residual:
-                            for v in T.vectorized(V):
-                                dr[v] = DRO[_row_offset(row, NH, drost, drosh) * V + c + v]
-                        for v in T.unroll(V):
-                            f = _centered(spec, T.cast(xr[j * V + v], "float32"), mean)
-                            gy = T.cast(gr[j * V + v], "float32")
-                            dn = _weighted(spec, gy, T.cast(wr[j * V + v], "float32"))
-                            # dx = rstd * (dn - mean(dn) - n * mean(dn * n)), n = f * rstd; mean(dn) for LayerNorm
-                            d = rstd * (_centered(spec, dn, a) - f * b)
-                            if spec.residual:
-                                d = d + T.cast(dr[v], "float32")
-                            xo_[v] = T.cast(d, dt)
-                            if has_w:
-                                n = f * rstd
-                                if spec.rounding == "llama":
-                                    n = round_to(n, dt, dt)
-                                dwa[j * V + v] = dwa[j * V + v] + gy * n
-                            if has_b:
-                                dba[j * V + v] = dba[j * V + v] + gy
-                        store_x(DX, dxo + c, xo_, 0)
-                if k.wide:
-                    T.sync_threads()  # the next row's sums reuse the shared slots
+                            if w_sh:
+                                ws[k.col(lane, j) + v] = W[k.col(lane, j) + v]
+                            else:
+                                wr[j * V + v] = W[k.col(lane, j) + v]
+            paths(NH, X, DY, DRO, W, DX, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits, g, tx,
+                  lane, xr, gr, xn, gn, dr, xo_, wr, ws, dwa, dba, acc, red)
             # a warp's row slots hold sums of the same columns: merge them, in a fixed butterfly
             for d in T.unroll(slots_per_warp.bit_length() - 1):
                 for i in T.unroll(NV * V):

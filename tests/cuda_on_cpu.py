@@ -15,7 +15,8 @@ the blocks of the grid one after another, the threads of a block as cooperative 
   and ``__fmul_rn`` the host's IEEE ``fmaf`` and product (the GPU's give the same bits);
   ``min``/``max`` of two values of one type, and TileLang's ``uchar``/``ushort``/``uint``;
   ``atomicMax`` on ``unsigned long long`` (a bad value's record, ``tileops/kernels/report.py``);
-  the float8 conversion's ``cvt.rn.satfinite.e4m3x2.f32`` by a search over e4m3fn's values.
+  the float8 conversion's ``cvt.rn.satfinite.e4m3x2.f32`` by a search over e4m3fn's values;
+  ``prefetch.global.L2`` (a hint, no data) as nothing.
 
 What it cannot show: speed, memory ordering between blocks, and the GPU's approximate ``rsqrtf``.
 A kernel that uses anything else of CUDA fails to compile here, which is itself a finding.
@@ -160,6 +161,8 @@ static void tileops_grid(int grid, int threads) {
 """
 
 #: the float8 conversion's inline PTX (``tileops.kernels.float8.CVT_SOURCE``), run by ``tileops_cvt_e4m3``
+#: an L2 prefetch (``kernels/norm.py`` ``PREFETCH_HELPER``): a hint that moves no data, dropped here
+_PREFETCH = re.compile(r'asm volatile\("prefetch\.global\.L2 \[%0\];" :: "l"\(\w+\)\);')
 _CVT_E4M3 = re.compile(r'asm\("\{cvt\.rn\.satfinite\.e4m3x2\.f32.*?"=h"\((\w+)\)\s*:\s*"f"\((\w+)\).*?\);')
 _DECL = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\);')
 
@@ -189,6 +192,7 @@ class CudaOnCpu:
         body = "\n".join(line for line in device_source.splitlines()
                          if not line.lstrip().startswith("#") or line.lstrip().startswith("#pragma"))
         body = _CVT_E4M3.sub(r"\1 = tileops_cvt_e4m3(\2);", body)
+        body = _PREFETCH.sub("", body)
         casts = ", ".join(f"({t})(intptr_t)a[{i}]" if "*" in t else f"({t})a[{i}]"
                           for i, (t, _) in enumerate(self.params))
         runner = (

@@ -341,6 +341,71 @@ def test_rows_per_group_gives_the_one_row_bits(hidden, gen):
     assert torch.equal(y1.view(torch.int16), y2.view(torch.int16)) and torch.equal(h1, h2)
 
 
+@pytest.mark.skipif(not cuda_on_cpu.available(), reason="no g++")
+@pytest.mark.parametrize("hidden", [128, 4096])
+def test_nh1_path_gives_the_dividing_bits(hidden, gen):
+    """The forward's ``nh1_path`` (row offsets without the division where NH is 1; run on the CPU
+    harness) writes the bits of the dividing schedule: dense rows (NH = 1, its own path), a
+    per-head view of a wider buffer (NH = 2, the dividing path) and a residual."""
+    one = spec("cuda", kind="fwd", hidden=hidden, dtype="bfloat16", weight="bfloat16", rows_per_group=2)
+    fast = dataclasses.replace(one, nh1_path=1)
+    w = (torch.randn(hidden, generator=gen) * 0.2 + 1).to(torch.bfloat16)
+    x = torch.randn(fast.rows_per_block + 3, hidden, generator=gen).to(torch.bfloat16)
+    assert torch.equal(fwd(fast, x, w)[0].view(torch.int16), fwd(one, x, w)[0].view(torch.int16))
+    wide = torch.randn(5, 3 * hidden + 16, generator=gen).to(torch.bfloat16)
+    heads = wide[:, 16:16 + 2 * hidden].view(5, 2, hidden)
+    assert torch.equal(fwd(fast, heads, w)[0].view(torch.int16), fwd(one, heads, w)[0].view(torch.int16))
+    r = torch.randn(7, hidden, generator=gen).to(torch.bfloat16)
+    (y1, h1), (y2, h2) = (fwd(dataclasses.replace(s, residual=True), x[:7], w, r=r) for s in (one, fast))
+    assert torch.equal(y1.view(torch.int16), y2.view(torch.int16)) and torch.equal(h1, h2)
+
+
+#: the backward's schedule knobs, and specs where each acts: per head (row per lane group), wide rows
+#: of 2 vectors a thread (a block a row, 256 and 128 threads), LayerNorm's two sums, a residual
+_BWD_KNOBS = dict(bwd_prefetch=2, bwd_one_sync=1, bwd_w_shared=1, nh1_path=1)
+_BWD_KNOB_SPECS = [
+    dict(hidden=128, dtype="bfloat16", weight="bfloat16"),
+    dict(hidden=4096, dtype="bfloat16", weight="bfloat16", bwd_vectors_per_thread=2),
+    dict(hidden=2048, dtype="bfloat16", weight="bfloat16", bwd_vectors_per_thread=2, residual=True),
+    dict(hidden=1024, dtype="float16", weight="float16", bias="float16", norm="layer", rounding="fp32"),
+]
+
+
+@pytest.mark.skipif(not cuda_on_cpu.available(), reason="no g++")
+@pytest.mark.parametrize("fields", _BWD_KNOB_SPECS, ids=lambda f: f"{f.get('norm', 'rms')}-{f['hidden']}"
+                         f"{'-residual' if f.get('residual') else ''}")
+def test_backward_knobs_give_the_default_bits(fields, gen):
+    """The backward with every schedule knob on (L2 prefetch of rows ahead, one barrier a row, the
+    weight in shared memory, offsets without division where NH is 1; on the CPU harness, where the
+    prefetch does nothing) writes the default schedule's bits: dx and the weight (bias) gradient,
+    whose summation order the knobs keep. Blocks that see more and fewer rows than the prefetch
+    distance, dense rows (NH = 1) and per-head views (NH = 3)."""
+    base = spec("cuda", kind="bwd", **fields)
+    knobs = dataclasses.replace(base, **_BWD_KNOBS)
+    H = base.hidden
+    w = (torch.randn(H, generator=gen) * 0.2 + 1).to(torch.bfloat16 if base.dtype == "bfloat16" else torch.float16)
+    dt = w.dtype
+    for shape, blocks in (((9 * base.rows_per_block + 5, H), 3), ((3, H), 4), ((4 * base.rows_per_block + 1, 3, H), 2)):
+        x = (torch.randn(*shape, generator=gen) * 2 + 0.5).to(dt)
+        dy = torch.randn(*shape, generator=gen).to(dt)
+        dro = torch.randn(*shape, generator=gen).to(dt) if base.residual else None
+        b = w if base.bias else None
+        got = bwd(knobs, x, dy, w if base.weight else None, dro, blocks=blocks)
+        want = bwd(base, x, dy, w if base.weight else None, dro, blocks=blocks)
+        for name, g_, w_ in zip(("dx", "dw", "db"), got, want):
+            assert (g_ is None) == (w_ is None), name
+            if g_ is not None:
+                assert torch.equal(g_.view(torch.int16), w_.view(torch.int16)), (name, shape)
+        del b
+
+
+def test_backward_knobs_are_checked():
+    S = get_spec("norm")
+    for name in _BWD_KNOBS:
+        with pytest.raises(ValueError, match=f"{name}: expected an int in"):
+            S(kind="bwd", hidden=128, **{name: 9})
+
+
 @pytest.mark.parametrize("affine", ["weight+bias", "none"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layer_norm_fp32_against_float64(affine, backend, gen):
