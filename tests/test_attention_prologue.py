@@ -25,6 +25,7 @@ import torch
 
 import tileops
 from tileops.attention import AttnPrologueFwdOp
+from tileops.kernels.norm import NormKernelSpec
 from tileops.rope import (LongRoPEFwdOp, MRoPEFwdOp, Phi3LongRoPEFwdOp, RoPEDynamicNTKFwdOp, RoPEFwdOp,
                           RoPELinearFwdOp, RoPELlama31FwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp, from_hf_config)
 
@@ -33,7 +34,6 @@ try:  # pytest puts tests/ on sys.path when it is not a package
 except ImportError:  # pragma: no cover
     from tests import references
 from tests.test_prologue_kernels import assert_e4m3, e4m3  # the float8 cache's bound and bits, one copy
-from tileops.kernels.norm import NormKernelSpec
 
 NAN = float("nan")
 EPS = 1e-6

@@ -51,7 +51,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def prologue_spec(dtype: str, head_dim: int, rot: int, *, pairing: str = "neox", positions: str = "int64",
-                  mrope_section: "tuple[int, int, int] | None" = None, mrope_interleaved: bool = False,
+                  mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
                   qk_norm: bool = False, rounding: str = "llama", offset: float = 0.0, backend: str = "c",
                   **fields):
     """A kernel spec as :mod:`tileops.compose` makes one: the rope stage's spec and (``qk_norm``) the norm

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from .manifest import CallSpec, OpManifest
 from .manifest.schema import ComposeStage
