@@ -2,12 +2,16 @@
 at explicit positions, q written once, k and v written into a paged KV cache, one launch.
 
 Composed from the stages the norm and rope builders export (``USES`` below: their sources are part
-of this builder's cache key), not a copy of their math: :func:`tileops.kernels.rope.angles` (the
-position read, bounds-checked, and the cos/sin composition from the digit tables, MRoPE's per-pair
-stream pick included), :func:`tileops.kernels.rope.rotate` (the pairing, the partial-rotary copy,
-the store in the dtype) and :func:`tileops.kernels.norm.norm_row` (the per-row RMSNorm with the
-spec's ``rounding``/``offset``, its row sum in float64 as the norm's C schedule adds it). A rope
-variant or pairing added to those stages reaches this kernel with no edit here. Two schedules: the C
+of this builder's cache key), not a copy of their math, each given the spec of its stage: the
+spec holds the rope op's and the norm op's own kernel specs (``rope``, ``norm``; made by
+:mod:`tileops.compose` from the manifests the op's ``compose:`` section names) and copies none of
+their fields. :func:`tileops.kernels.rope.angles` (the position read, bounds-checked, and the
+cos/sin composition from the digit tables, MRoPE's per-pair stream pick included),
+:func:`tileops.kernels.rope.rotate` (the pairing, the partial-rotary copy, the store in the dtype)
+and :func:`tileops.kernels.norm.norm_row` (the per-row RMSNorm with the norm stage's rounding and
+offset, its row sum in float64 as the norm's C schedule adds it). A rope variant or pairing, or a
+norm option, added to those stages reaches this kernel with no edit here (:data:`STAGES` lists the
+little this builder fixes in them). Two schedules: the C
 one (a token per loop iteration) and the CUDA one (a lane group per head row, a token's groups
 walking its q, k and v rows with cos/sin composed once: ``_build_cuda`` says why, with the numbers),
 which takes the rope stage's CUDA pieces (:func:`tileops.kernels.rope.lane_angles`, ``rotate_vals``,
@@ -58,7 +62,7 @@ from .storage import load_f32, storage_dtype
 #: ``tilelang.language``, imported when a kernel is first built (:func:`build_prologue`)
 T: Any = None
 
-__all__ = ["PrologueKernelSpec", "build_prologue", "build", "Spec", "STATIC", "USES", "ARGS"]
+__all__ = ["PrologueKernelSpec", "build_prologue", "build", "Spec", "STATIC", "STAGES", "USES", "ARGS"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (:mod:`tileops.kernels` reads this literal
 #: without importing the module); the C schedule has none.
@@ -81,8 +85,6 @@ _ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 #: (:func:`tileops.kernels.used_files`)
 USES = ("norm", "rope")
 
-_DTYPES = ("float16", "bfloat16", "float32")
-
 #: the generated function's parameters, in order; the launcher binds by these names and passes 0 for
 #: the norm weights of a kernel without ``qk_norm``, the scales of a cache that is not float8 and
 #: ``psc`` (the stride between MRoPE's three position streams) of a kernel without ``mrope_section``:
@@ -92,13 +94,35 @@ ARGS = ("QKV", "P", "SL", "TD", "QW", "KW", "Q", "KC", "VC", "KS", "VS", "ERR",
         "psc")
 
 
+#: What this builder's own schedule fixes in each stage it composes (the spec fields named as the
+#: manifest's ``compose`` stages): ``{stage: {field: the values it builds}}``. The schedule rotates
+#: forward at positions read from ``P``, and normalises a head row with a weight of its dtype into
+#: the row itself; every other field of a stage's spec (the rope's pairing, rotated width and MRoPE's
+#: sections, the norm's rounding and offset, one its family adds later) is applied by the stage's
+#: own functions (``angles``, ``rotate``, ``lane_angles``, ``norm_row``, ``lane_value`` ...), so it
+#: reaches this kernel with no edit here. :mod:`tileops.compose` refuses a stage spec with another
+#: value, naming the op's argument that brings it.
+STAGES = {
+    "rope": {"inverse": (False,), "transposed": (False,), "positions": ("int32", "int64")},
+    "norm": {"kind": ("fwd",), "norm": ("rms",), "residual": (False,), "bias": (None,), "out_dtype": (None,)},
+}
+
+
 @dataclass(frozen=True)
 class PrologueKernelSpec:
-    """Everything a prologue kernel is compiled for; two equal specs share one compiled kernel."""
+    """Everything a prologue kernel is compiled for; two equal specs share one compiled kernel.
 
-    dtype: str  # qkv and q out (and the caches, but for a float8 cache): float16 | bfloat16 | float32
-    head_dim: int  # D
-    rot: int  # rotated width R, even, <= D; columns R..D are copied
+    Made of the specs of the stages the op's manifest composes (:mod:`tileops.compose`), each the one
+    the stage's own op compiles its kernel for, less that kernel's schedule: ``rope`` (qkv's dtype,
+    head_dim, the rotated width, the pairing, the positions' dtype, MRoPE's sections, the backend)
+    and ``norm`` (with ``qk_norm``: the rounding, the offset); then the fields of this builder's own
+    stage, the cache write, and its schedule."""
+
+    #: the rope stage: :class:`tileops.kernels.rope.RoPEKernelSpec` of the rope op's forward kernel
+    rope: RoPEKernelSpec
+    #: the norm stage (a per-head RMSNorm with a weight of qkv's dtype): the norm op's forward
+    #: :class:`tileops.kernels.norm.NormKernelSpec`, or None without ``qk_norm``
+    norm: "NormKernelSpec | None" = None
     #: the heads, compiled in: the op fixes them, and the CUDA schedule unrolls its walk over a
     #: token's rows by them (``_build_cuda`` says why)
     hq: int = 1
@@ -107,17 +131,7 @@ class PrologueKernelSpec:
     #: per-tensor fp32 scales ``KS``/``VS`` (:mod:`tileops.kernels.float8`), x rounded to ``dtype``
     #: first, as the unfused chain (rope, then the cache write) rounds it
     cache: str = ""
-    positions: str = "int64"  # int32 | int64
     slots: str = "int64"  # int32 | int64
-    qk_norm: bool = False  # per-head RMSNorm of q and k, weights of ``dtype``
-    pairing: str = "neox"  # neox | interleaved (the rope family's pairings)
-    backend: str = "c"  # c | cuda
-    #: MRoPE: pairs per position stream (temporal, height, width), summing to rot // 2 (as
-    #: :class:`tileops.kernels.rope.RoPEKernelSpec` has it); ``P`` is then ``[3, S]``
-    mrope_section: "tuple[int, int, int] | None" = None
-    mrope_interleaved: bool = False  # Qwen3-VL's stream map instead of consecutive sections
-    rounding: str = "llama"  # the norm's: llama | fp32 (:mod:`tileops.kernels.norm`); with qk_norm
-    offset: float = 0.0  # the norm scales by ``offset + w`` (Gemma: 1.0); with qk_norm
     threads: int = 128  # cuda: target threads per block (a power of two)
     head_lanes: int = 16  # cuda: lane groups that split a token's q, k and v head rows (a power of two)
     #: cuda: blocks an SM must hold at once (``__launch_bounds__``' second number), which caps the
@@ -137,22 +151,24 @@ class PrologueKernelSpec:
     reciprocal_scale: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: expected one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if type(self.head_dim) is not int or self.head_dim < 2:
-            raise ValueError(f"head_dim: expected an int >= 2, got {self.head_dim!r}")
-        if type(self.rot) is not int or self.rot < 2 or self.rot % 2 or self.rot > self.head_dim:
-            raise ValueError(f"rot: expected an even width in [2, {self.head_dim}], got {self.rot!r}")
-        for name in ("positions", "slots"):
-            if getattr(self, name) not in ("int32", "int64"):
-                raise ValueError(f"{name}: expected 'int32' or 'int64', got {getattr(self, name)!r}")
+        if not isinstance(self.rope, RoPEKernelSpec):
+            raise ValueError(f"rope: expected a RoPEKernelSpec, got {self.rope!r}")
+        if self.slots not in ("int32", "int64"):
+            raise ValueError(f"slots: expected 'int32' or 'int64', got {self.slots!r}")
         for name in ("hq", "hkv"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)!r}")
         if self.cache not in ("", "float8_e4m3fn"):
             raise ValueError(f"cache: expected '' (the dtype) or 'float8_e4m3fn', got {self.cache!r}")
-        if self.backend not in ("c", "cuda"):
-            raise ValueError(f"backend: expected 'c' or 'cuda', got {self.backend!r}")
+        n = self.norm
+        if n is not None and not isinstance(n, NormKernelSpec):
+            raise ValueError(f"norm: expected a NormKernelSpec or None, got {n!r}")
+        # the norm normalises the rope's head rows in place: one row, dtype and backend for both
+        if n is not None and (n.hidden, n.dtype, n.weight, n.backend) != (self.head_dim, self.dtype, self.dtype,
+                                                                           self.backend):
+            raise ValueError(f"norm: expected a row of head_dim {self.head_dim} in {self.dtype} with a {self.dtype} "
+                             f"weight on the {self.backend} backend (the rope stage's), got hidden {n.hidden}, "
+                             f"{n.dtype} with a {n.weight} weight on {n.backend}")
         for name, low, high in (("threads", 32, 1024), ("head_lanes", 1, 64)):
             n = getattr(self, name)
             if type(n) is not int or not low <= n <= high or n & (n - 1):
@@ -170,33 +186,51 @@ class PrologueKernelSpec:
                              f"{self.dtype} row of head_dim {self.head_dim}, rot {self.rot} at {self.vec}-element "
                              f"vectors needs {self.row_lanes} (head_dim and rot / 2 multiples of 16 bytes of the "
                              f"dtype keep it at head_dim * bytes / 32 or fewer)")
-        if not self.qk_norm and (self.rounding != "llama" or self.offset != 0.0):
-            raise ValueError(f"rounding, offset: the norm's choices, expected the defaults ('llama', 0.0) "
-                             f"without qk_norm, got {self.rounding!r}, {self.offset!r}")
-        self.rope_spec  # noqa: B018 - the rope stage's own checks (pairing, mrope_section), by field name
-        self.norm_spec  # noqa: B018 - and the norm's (rounding, offset)
+
+    #: what :mod:`tileops.compose` checks each stage against (not a field)
+    stages = STAGES
+
+    # ---------------------------------------------------------------- read from the stages' specs
+    @property
+    def dtype(self) -> str:
+        """qkv and q out (and the caches, but for a float8 cache): the rope stage's dtype."""
+        return self.rope.dtype
 
     @property
-    def rope_spec(self) -> RoPEKernelSpec:
-        """The spec of the rope stages this kernel composes."""
-        return RoPEKernelSpec(dtype=self.dtype, head_dim=self.head_dim, rot=self.rot, pairing=self.pairing,
-                              positions=self.positions, backend=self.backend, mrope_section=self.mrope_section,
-                              mrope_interleaved=self.mrope_interleaved)
+    def head_dim(self) -> int:
+        """D."""
+        return self.rope.head_dim
 
     @property
-    def norm_spec(self) -> "NormKernelSpec | None":
-        """The spec of the norm stage (a per-head RMSNorm forward with a weight of ``dtype``), or None
-        without ``qk_norm``."""
-        if not self.qk_norm:
-            return None
-        return NormKernelSpec(kind="fwd", hidden=self.head_dim, dtype=self.dtype, weight=self.dtype,
-                              rounding=self.rounding, offset=self.offset, backend=self.backend)
+    def rot(self) -> int:
+        """The rotated width R, even, <= D; columns R..D are copied."""
+        return self.rope.rot
+
+    @property
+    def positions(self) -> str:
+        """The positions' dtype, int32 | int64 (``P`` is ``[3, S]`` where the rope stage has MRoPE's sections)."""
+        return self.rope.positions
+
+    @property
+    def backend(self) -> str:
+        """c | cuda: the stages'."""
+        return self.rope.backend
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k (the norm stage), weights of ``dtype``."""
+        return self.norm is not None
+
+    @property
+    def mrope(self) -> bool:
+        """Whether the rope stage takes three position streams (MRoPE)."""
+        return self.rope.mrope_section is not None
 
     @property
     def vec(self) -> int:
         """CUDA: elements per access of x (16 bytes, shrunk until it divides head_dim and rot / 2: the
         rope stage's vector, :attr:`tileops.kernels.rope.RoPEKernelSpec.vec`)."""
-        return self.rope_spec.vec
+        return self.rope.vec
 
     @property
     def stride_unit(self) -> int:
@@ -268,10 +302,10 @@ def build_prologue(spec: PrologueKernelSpec):
     D, half = spec.head_dim, spec.rot // 2
     dt = spec.dtype
     st = storage_dtype(dt, spec.backend)
-    angles_of = angles(spec.rope_spec)
+    angles_of = angles(spec.rope)
     bad_slot = report("c")
-    rotate_row = rotate(spec.rope_spec, row=True)
-    normed = norm_row(spec.norm_spec) if spec.qk_norm else None
+    rotate_row = rotate(spec.rope, row=True)
+    normed = norm_row(spec.norm) if spec.qk_norm else None
 
     @T.macro
     def load_row(QKV, f, xo):
@@ -404,8 +438,8 @@ def _build_cuda(spec: PrologueKernelSpec):
     HQ, HKV, NR, K = spec.hq, spec.hkv, spec.rows, spec.steps
     fp8 = spec.fp8
     rcp = fp8 and spec.reciprocal_scale
-    mrope = spec.mrope_section is not None
-    rs, ns = spec.rope_spec, spec.norm_spec
+    mrope = spec.mrope
+    rs, ns = spec.rope, spec.norm
     pos, rotated, store = position(rs), rotate_vals(rs), store_one(rs)
     bad_slot = report("cuda")
     angles_of = lane_angles(rs)

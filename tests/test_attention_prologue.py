@@ -18,11 +18,14 @@ cache of qkv's dtype, then that cast).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import tileops
 from tileops.attention import AttnPrologueFwdOp
+from tileops.kernels.norm import NormKernelSpec
 from tileops.rope import (LongRoPEFwdOp, MRoPEFwdOp, Phi3LongRoPEFwdOp, RoPEDynamicNTKFwdOp, RoPEFwdOp,
                           RoPELinearFwdOp, RoPELlama31FwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp, from_hf_config)
 
@@ -363,7 +366,7 @@ def test_cuda_kernel_specs():
         assert spec.stride_unit == (8 if backend == "cuda" else 1)
     wide = AttnPrologueFwdOp(1, 1, 1024, RoPENeoxPositionIdsFwdOp(max_position=64))
     call = CallSpec(torch.device("cuda"), dtypes, (("width", 3072),))
-    with pytest.raises(ValueError, match="head_dim: head_dim, rot: the CUDA schedule"):
+    with pytest.raises(ValueError, match="AttnPrologueFwdOp: head_dim, rot: the CUDA schedule"):
         builtin.kernel_specs(wide.manifest, wide.params, call, "cuda")
 
 
@@ -669,3 +672,134 @@ def test_a_new_rope_variant_is_fused_with_no_edit_to_the_fused_op(gen):
     standalone_q, standalone_k = rope(qkv.view(5, 8, 64)[:, :4], positions, key=qkv.view(5, 8, 64)[:, 4:6])
     assert torch.equal(q, standalone_q), "fused q differs from the variant's own op"
     assert torch.equal(kc.view(-1, 2, 64)[3], standalone_k[0])
+
+
+# --------------------------------------------------------------------------- the fused spec is made of the stages'
+
+
+def test_the_fused_spec_holds_the_stage_ops_own_specs():
+    """The rope stage is the spec the rope family gives the rope op's forward kernel, the norm stage
+    the one the norm family gives RMSNormFwdOp's (the op ``compose.norm.from`` names), each less its
+    own kernel's schedule (the manifest's ``kernel.static``: the fused kernel has its own)."""
+    from tileops import compose
+    from tileops.attention.hooks import kernel_spec, stage_calls
+    from tileops.kernels import STATIC
+    from tileops.manifest import CallSpec
+    from tileops.norm import RMSNormFwdOp
+    from tileops.norm.builtin import kernel_specs as norm_specs
+    from tileops.rope.builtin import kernel_specs as rope_specs
+
+    rope = YaRNFwdOp(scale=4.0, original_max_position=4096, rope_layout="interleaved")
+    op = AttnPrologueFwdOp(4, 2, 64, rope, qk_norm=True)
+    spec = kernel_spec(op.manifest, op.params, "float16", "int32", "int64", "cuda")
+    calls = stage_calls(op.params, "float16", "int32", "cuda")
+
+    def unscheduled(s, builder):
+        return dataclasses.replace(s, **{f.name: f.default for f in dataclasses.fields(s) if f.name in STATIC[builder]})
+
+    [(_, own_rope), *_] = rope_specs(rope.manifest, rope.params, calls["rope"], "cuda", backward=False)
+    norm = RMSNormFwdOp()
+    [(_, own_norm)] = norm_specs(norm.manifest, norm.params, calls["norm"], "cuda", backward=False)
+    assert spec.rope == unscheduled(own_rope, "rope") and spec.rope.pairing == "interleaved"
+    assert spec.norm == unscheduled(own_norm, "norm") and spec.norm.rounding == "llama"
+    assert (spec.dtype, spec.head_dim, spec.rot, spec.positions, spec.backend) == ("float16", 64, 64, "int32", "cuda")
+    assert kernel_spec(op.manifest, {**op.params, "qk_norm": False}, "float16", "int32", "int64", "cuda").norm is None
+    # a case's {op: Name, params: {...}} (tileops warmup names kernels so) composes as the op object does
+    case = {**op.params, "rope": {"op": "YaRNFwdOp", "params": {"scale": 4.0, "original_max_position": 4096,
+                                                                 "rope_layout": "interleaved"}}}
+    assert compose.stage_specs(op.manifest, case, calls, "cuda") == {"rope": spec.rope, "norm": spec.norm}
+    assert isinstance(calls["rope"], CallSpec)
+
+
+def test_a_stage_the_fused_builder_does_not_build_is_refused_naming_its_argument(monkeypatch):
+    """What the fused builder fixes in a stage (``Spec.stages``) is checked by :mod:`tileops.compose`, a
+    ValueError naming the op's argument that brings the stage (``rope``; the norm's switch ``qk_norm``),
+    what the builder builds and what came, at construction. Here a builder that would build neox pairs
+    and fp32 rounding only (its declaration patched, the builder untouched)."""
+    from tileops.kernels import get_spec
+
+    spec_cls = get_spec("prologue")
+    stages = spec_cls.stages
+    monkeypatch.setattr(spec_cls, "stages", {"rope": {**stages["rope"], "pairing": ("neox",)},
+                                             "norm": {**stages["norm"], "rounding": ("fp32",)}})
+    with pytest.raises(ValueError, match=r"AttnPrologueFwdOp: rope: the fused kernel cannot compose RoPEFwdOp yet: "
+                                         r"its rope stage has pairing='interleaved', prologue builds 'neox'"):
+        AttnPrologueFwdOp(4, 2, 64, RoPEFwdOp(rope_layout="interleaved"))
+    AttnPrologueFwdOp(4, 2, 64, RoPEFwdOp())
+    with pytest.raises(ValueError, match=r"AttnPrologueFwdOp: qk_norm: the fused kernel cannot compose RMSNormFwdOp "
+                                         r"yet: its norm stage has rounding='llama', prologue builds 'fp32'"):
+        AttnPrologueFwdOp(4, 2, 64, RoPEFwdOp(), qk_norm=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScaledNormSpec(NormKernelSpec):
+    """A throwaway option of the norm stage, written here only: the normalised row times ``out_scale``
+    (on the C schedule: :func:`_scaled_row_value`)."""
+
+    out_scale: float = 1.0
+
+
+def _scaled_row_value(row_value):
+    """``kernels/norm.py``'s C per-element stage with ``out_scale`` applied after it."""
+    import tileops.kernels.norm as norm_kernels
+
+    def scaled_row_value(spec):
+        value = row_value(spec)
+        scale = getattr(spec, "out_scale", 1.0)
+        if scale == 1.0:
+            return value
+        T = norm_kernels.T  # TileLang's language module, imported by the stage before this runs
+
+        @T.macro
+        def scaled(f, c, rstd, W, B):
+            return value(f, c, rstd, W, B) * T.float32(scale)
+
+        return scaled
+
+    return scaled_row_value
+
+
+def test_a_new_norm_option_reaches_the_fused_op_with_no_edit_to_it(gen, monkeypatch, tmp_path):
+    """A norm option the norm family adds (a spec field, the hooks that set it, the stage code that
+    applies it; all patched into the norm family here) reaches the fused kernel through
+    ``compose.norm``, with no edit to ``kernels/prologue.py`` or ``tileops/attention/``: the fused
+    spec's norm stage carries it, and q and the cached k come out twice the plain op's, bit for bit
+    (doubling commutes with every rounding), and within the float64 reference's bound."""
+    import tileops.kernels.norm as norm_kernels
+    from tileops.attention.hooks import kernel_spec
+    from tileops.norm.hooks import RMSNormFwdHooks
+
+    rope = RoPENeoxPositionIdsFwdOp(max_position=4096, base=1e4)
+    hq, hkv, d, tokens = 4, 2, 64, 7
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    slots = torch.tensor([3, 17, -1, 30, 0, 8, 9])
+    qw = (1 + 0.3 * torch.randn(d, generator=gen)).to(torch.bfloat16)
+    kw = (1 + 0.3 * torch.randn(d, generator=gen)).to(torch.bfloat16)
+
+    def run():
+        op = AttnPrologueFwdOp(hq, hkv, d, rope, qk_norm=True, eps=EPS)
+        kc, vc = (torch.full((2, 16, 2, d), NAN, dtype=torch.bfloat16) for _ in range(2))
+        q = op(qkv, positions, kc, vc, slots, q_norm_weight=qw, k_norm_weight=kw)
+        return op, q, kc
+
+    _, plain_q, plain_k = run()
+    # kernels built from patched code go to a cache of their own, never to the one later runs read
+    monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path))
+    fields = RMSNormFwdHooks.kernel_fields_of.__func__
+    monkeypatch.setattr(norm_kernels, "Spec", _ScaledNormSpec)  # what get_spec("norm") returns
+    monkeypatch.setattr(RMSNormFwdHooks, "kernel_fields_of",
+                        classmethod(lambda cls, params, call: {**fields(cls, params, call), "out_scale": 2.0}))
+    monkeypatch.setattr(norm_kernels, "row_value", _scaled_row_value(norm_kernels.row_value))
+    op, q, kc = run()
+    spec = kernel_spec(op.manifest, op.params, "bfloat16", "int64", "int64", "c")
+    assert type(spec.norm) is _ScaledNormSpec and spec.norm.out_scale == 2.0
+    assert torch.equal(q, 2 * plain_q), "the fused q is not twice the plain op's: the option did not reach it"
+    written = slots[slots >= 0]
+    assert torch.equal(kc.view(-1, hkv, d)[written], 2 * plain_k.view(-1, hkv, d)[written])
+    x = qkv.double().view(tokens, -1, d)[:, :hq + hkv]  # the q and k heads
+    w = torch.cat([qw.double().expand(hq, d), kw.double().expand(hkv, d)])
+    normed = 2 * x / torch.sqrt((x * x).mean(-1, keepdim=True) + EPS) * w
+    inv = 1.0 / (1e4 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    want = references.rotate(normed, positions.view(-1, 1), inv, 1.0, "neox")
+    assert_within(q, want[:, :hq], 2 * normed.abs().max() * torch.ones_like(want[:, :hq]), UNIT[torch.bfloat16], "q")

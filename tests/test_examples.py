@@ -57,7 +57,9 @@ NOT_RUN = {
 #: scripts of docs/examples/ with a test of their own that runs them and checks what they print
 SCRIPTS_TESTED_ELSEWHERE = {"hf_patch.py": ("tests/test_hf.py", "test_docs_example_runs")}
 #: what each other script must print (whitespace-split), None when only its exit status is checked
-SCRIPT_OUTPUT = {"first_call.py": ["builtin", "(2,", "128,", "8,", "64)", "torch.float32"]}
+SCRIPT_OUTPUT = {"first_call.py": ["builtin", "(2,", "128,", "8,", "64)", "torch.float32"],
+                 "composed_prologue.py": ["prologue", "rope:", "interleaved", "64", "norm:", "llama", "heads:", "4",
+                                          "2", "q:", "True", "k:", "True"]}
 
 #: pages whose text says to install something before their Python blocks: what the test installs
 PAGE_NEEDS = {"docs/writing-a-target.md": "tileops_target_example"}

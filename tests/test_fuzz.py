@@ -612,8 +612,8 @@ def _refused_layout(op, spec: Spec, inputs: Mapping[str, Any]) -> str | None:
         return None
     from tileops.attention.hooks import kernel_spec
 
-    unit = kernel_spec(op.params, spec.dtype, str(inputs["positions"].dtype).replace("torch.", ""),
-                       str(inputs["slot_mapping"].dtype).replace("torch.", ""), "cuda", op.name).stride_unit
+    unit = kernel_spec(op.manifest, op.params, spec.dtype, str(inputs["positions"].dtype).replace("torch.", ""),
+                       str(inputs["slot_mapping"].dtype).replace("torch.", ""), "cuda").stride_unit
     return next((n for n in CUDA_VECTOR_INPUTS[spec.op] if n in inputs and spec.views.get(n) == "offset"
                  and unit > 1), None)
 

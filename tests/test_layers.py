@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("manifest", ("tileops.manifest", "tileops.manifest.*", "tileops.manifests")),
     ("compile", ("tileops.compile", "tileops.compile.*")),
     ("runtime", ("tileops.runtime", "tileops.runtime.*")),
-    ("op", ("tileops.op", "tileops.autograd", "tileops.targets")),
+    ("op", ("tileops.op", "tileops.autograd", "tileops.targets", "tileops.compose")),
     ("families", tuple(p for f in FAMILIES for p in (f"tileops.{f}", f"tileops.{f}.*"))),
     ("integrations", ("tileops.integrations", "tileops.integrations.*")),
     ("tools", ("tileops", "tileops.__main__", "tileops.cli", "tileops.cli_coverage", "tileops.codegen",

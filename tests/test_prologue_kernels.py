@@ -50,6 +50,19 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def prologue_spec(dtype: str, head_dim: int, rot: int, *, pairing: str = "neox", positions: str = "int64",
+                  mrope_section: tuple[int, int, int] | None = None, mrope_interleaved: bool = False,
+                  qk_norm: bool = False, rounding: str = "llama", offset: float = 0.0, backend: str = "c",
+                  **fields):
+    """A kernel spec as :mod:`tileops.compose` makes one: the rope stage's spec and (``qk_norm``) the norm
+    stage's, as the rope and norm ops' forward kernels have them, then the builder's own ``fields``."""
+    rope = get_spec("rope")(dtype=dtype, head_dim=head_dim, rot=rot, pairing=pairing, positions=positions,
+                            backend=backend, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+    norm = get_spec("norm")(kind="fwd", hidden=head_dim, dtype=dtype, weight=dtype, rounding=rounding, offset=offset,
+                            backend=backend) if qk_norm else None
+    return get_spec("prologue")(rope=rope, norm=norm, **fields)
+
+
 def inv_freq(rot: int) -> torch.Tensor:
     return 1.0 / BASE ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
 
@@ -204,11 +217,10 @@ def case(gen, dtype, *, s, hq, hkv, d, rot, qk_norm, layout, bs=16, blocks=5, po
     ``v_inf``: that many v elements set to +-inf (stored as +-448). ``schedule``: more
     spec fields (the CUDA schedule's variants); ``outputs``: a list that gets ``(q, key cache, value
     cache, error words)`` appended, for a bitwise comparison of two schedules on the same inputs."""
-    spec = get_spec("prologue")(dtype=_name(dtype), head_dim=d, rot=rot, hq=hq, hkv=hkv,
-                                cache="float8_e4m3fn" if fp8 else "", positions=_name(pos_dtype),
-                                slots=_name(slot_dtype), qk_norm=qk_norm, pairing=pairing, mrope_section=section,
-                                mrope_interleaved=interleaved, rounding=rounding, offset=offset, backend=backend,
-                                head_lanes=head_lanes, **(schedule or {}))
+    spec = prologue_spec(_name(dtype), d, rot, hq=hq, hkv=hkv, cache="float8_e4m3fn" if fp8 else "",
+                         positions=_name(pos_dtype), slots=_name(slot_dtype), qk_norm=qk_norm, pairing=pairing,
+                         mrope_section=section, mrope_interleaved=interleaved, rounding=rounding, offset=offset,
+                         backend=backend, head_lanes=head_lanes, **(schedule or {}))
     width = (hq + 2 * hkv) * d
     # a row-strided slice of a wider buffer, as a column slice of a projection's output is
     qkv = torch.randn(s, width + 24, generator=gen).to(dtype)[:, 8:8 + width]
@@ -339,19 +351,29 @@ def test_each_error_word_alone(gen):
 
 
 def test_spec_refuses_what_is_not_built():
-    spec = get_spec("prologue")
+    """The stages' own choices are refused by the stages' specs (the rope's pairing, MRoPE's sections, the
+    norm's rounding); the fused spec refuses stages that do not fit one another, and its own fields."""
     with pytest.raises(ValueError, match="backend"):
-        spec(dtype="bfloat16", head_dim=64, rot=64, backend="rocm")
+        prologue_spec("bfloat16", 64, 64, backend="rocm")
     with pytest.raises(ValueError, match="pairing"):
-        spec(dtype="bfloat16", head_dim=64, rot=64, pairing="gptj")
+        prologue_spec("bfloat16", 64, 64, pairing="gptj")
     with pytest.raises(ValueError, match="mrope_section"):
-        spec(dtype="bfloat16", head_dim=64, rot=64, mrope_section=(8, 8, 8))  # sums to 24, not 32
+        prologue_spec("bfloat16", 64, 64, mrope_section=(8, 8, 8))  # sums to 24, not 32
     with pytest.raises(ValueError, match="rounding"):
-        spec(dtype="bfloat16", head_dim=64, rot=64, qk_norm=True, rounding="gemma")
-    with pytest.raises(ValueError, match="rounding, offset"):
-        spec(dtype="bfloat16", head_dim=64, rot=64, offset=1.0)  # the norm's choice, without a norm
+        prologue_spec("bfloat16", 64, 64, qk_norm=True, rounding="gemma")
     with pytest.raises(ValueError, match="rot"):
-        spec(dtype="bfloat16", head_dim=64, rot=65)
+        prologue_spec("bfloat16", 64, 65)
+    rope = get_spec("rope")(dtype="bfloat16", head_dim=64, rot=64, positions="int64", backend="c")
+    for hidden, dtype, weight in ((32, "bfloat16", "bfloat16"), (64, "float16", "float16"), (64, "bfloat16", None)):
+        norm = get_spec("norm")(kind="fwd", hidden=hidden, dtype=dtype, weight=weight, backend="c")
+        with pytest.raises(ValueError, match="norm: expected a row of head_dim 64 in bfloat16 with a bfloat16 weight"):
+            get_spec("prologue")(rope=rope, norm=norm)
+    with pytest.raises(ValueError, match="rope: expected a RoPEKernelSpec"):
+        get_spec("prologue")(rope=None)
+    with pytest.raises(ValueError, match="slots"):
+        get_spec("prologue")(rope=rope, slots="int16")
+    with pytest.raises(ValueError, match="cache"):
+        get_spec("prologue")(rope=rope, cache="float8_e5m2")
 
 
 def test_it_composes_the_rope_and_norm_stages():
@@ -490,7 +512,7 @@ def test_cuda_partial_rotary_gqa(gen, dtype, index_dtype):
 def test_cuda_head_dims(gen, dtype, d, rot):
     """head_dim 64/80/128/256 at 16-byte vectors: lane groups of 4, 8 (5 of them live: 80 bf16), 16
     and 32 lanes (fp32 256: a whole warp a row), partial rotary with copy lanes; with the norm."""
-    spec = get_spec("prologue")(dtype=_name(dtype), head_dim=d, rot=rot, backend="cuda")
+    spec = prologue_spec(_name(dtype), d, rot, backend="cuda")
     assert spec.vec * torch.tensor([], dtype=dtype).element_size() == 16, "not 16-byte vectors"
     err, _ = case(gen, dtype, s=5, hq=2, hkv=1, d=d, rot=rot, qk_norm=True, layout="HND", bs=4, blocks=3,
                   head_lanes=2, **CUDA)
@@ -635,8 +657,8 @@ def test_cuda_shared_angles_barrier_is_reached_by_every_thread(variant):
     """With share_angles the cos/sin go through one ``__shared__`` buffer and one ``__syncthreads``,
     at the kernel body's top level (in no branch: every thread reaches it). The harness cannot show a
     missing barrier here (its threads run in order, and the writers have the lowest ids)."""
-    spec = get_spec("prologue")(dtype="bfloat16", head_dim=128, rot=128, hq=32, hkv=8, qk_norm=True, backend="cuda",
-                                mrope_section=(24, 20, 20), mrope_interleaved=True, **VARIANTS[variant])
+    spec = prologue_spec("bfloat16", 128, 128, hq=32, hkv=8, qk_norm=True, backend="cuda", mrope_section=(24, 20, 20),
+                         mrope_interleaved=True, **VARIANTS[variant])
     src = emit_source("prologue", spec, "cuda", "sm_90")
     assert src.count("__syncthreads()") == 1 and re.search(r"^  __syncthreads\(\);$", src, re.M), src
     assert src.count("__shared__") == 1
@@ -687,7 +709,7 @@ def test_cuda_source_compiles_lean(fields, arch, tmp_path):
         pytest.skip("float8 caches need sm_89's cvt (the op refuses older GPUs)")
     from tileops.compile import build, cuda_build
 
-    spec = get_spec("prologue")(backend="cuda", **fields)
+    spec = prologue_spec(backend="cuda", **fields)
     lean = cuda_build.build(build.prim_func("prologue", spec), arch, build.PASS_CONFIGS, out_dir=str(tmp_path))
     src = lean.device_source
     assert "*(uint4*)(ra + " in src or "*(float4*)(ra + " in src  # every row loaded up front, 16 bytes at a time
@@ -704,7 +726,7 @@ def test_cuda_source_compiles_lean(fields, arch, tmp_path):
 
 def test_cuda_spec_layout():
     """The lane mapping's numbers for the planned shapes, and what the schedule refuses."""
-    spec = get_spec("prologue")
+    spec = prologue_spec
     q3 = spec(dtype="bfloat16", head_dim=128, rot=128, backend="cuda")
     assert (q3.vec, q3.row_lanes, q3.lanes, q3.block_threads, q3.tokens_per_block, q3.stride_unit) == (
         8, 8, 8, 128, 1, 8)

@@ -162,7 +162,7 @@ class PrologueKernels:
 def _spec(manifest: Any, params: Any, qkv: str, positions: str, slots: str, backend: str, op_name: str) -> Any:
     """The kernel spec of a call: the fields from the op (:func:`tileops.attention.hooks.kernel_spec`),
     on CUDA with the schedule's choices the manifest's ``kernel.static`` sets."""
-    spec = kernel_spec(params, qkv, positions, slots, backend, op_name)
+    spec = kernel_spec(manifest, params, qkv, positions, slots, backend)
     static = dict(manifest.kernel.static or {})
     return dataclasses.replace(spec, **static) if backend == "cuda" and static else spec
 

@@ -1,77 +1,50 @@
 """The attention family's hooks: everything the prologue op does besides its signature.
 
-:class:`AttnPrologueFwdHooks` reads from the ``rope`` op it is given what its manifest's ``compose``
-section says the rope stage takes: the rotated width, the pairing and the kernel-spec fields of the
-rope family (:meth:`tileops.rope.hooks.RoPEHooks.kernel_fields`), and the one set of digit tables a
-cache-writing op may use (:meth:`tileops.rope.hooks.RoPEHooks.deployment_tables`). Nothing about a
-rope variant is written here, so a variant added to the rope family later reaches the fused op with
-no edit to this file. Checks the rule language does not express (the rope's width against
-``head_dim``, MRoPE's ``[3, tokens]`` positions, the caches' strides) are here too.
+:class:`AttnPrologueFwdHooks` says which call each stage its manifest's ``compose`` section names
+sees inside the fused kernel (:func:`stage_calls`); :mod:`tileops.compose` asks the stages' families
+for their specs, as their own ops get them, and makes the kernel spec of them. The rope stage's
+tables are the one set a cache-writing op may use (:meth:`tileops.rope.hooks.RoPEHooks.deployment_tables`).
+Nothing about a rope variant or a norm option is written here, so one added to its family later
+reaches the fused op with no edit to this file. Checks the rule language does not express (the
+rope's width against ``head_dim``, MRoPE's ``[3, tokens]`` positions, the caches' strides) are here too.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from typing import Any
 
 import torch
 
+from .. import compose
+from ..manifest import CallSpec
 from ..op import Op
 from ..runtime.errors import BadValue, unnamed
 
-__all__ = ["AttnPrologueFwdHooks", "kernel_fields", "kernel_spec", "rope_of"]
+__all__ = ["AttnPrologueFwdHooks", "kernel_spec", "stage_calls"]
 
 #: the kernel counts tokens and heads in int32
 MAX_TOKENS = 2**31 - 1
 
 
-def kernel_fields(params: Any, qkv_dtype: str, positions: str, slots: str, backend: str) -> dict[str, Any]:
-    """The fields of :class:`kernels.prologue.PrologueKernelSpec` for a call of an op built with
-    ``params`` (its ``rope`` op among them): the rope op's own fields (pairing, rotated width and
-    whatever its family adds, e.g. MRoPE's sections), passed through unchanged."""
-    cls, rp = rope_of(params["rope"])
+def stage_calls(params: Any, qkv_dtype: str, positions: str, backend: str) -> dict[str, CallSpec]:
+    """The call each composed stage sees: the rope op rotates head rows (``x``, ``head_dim`` wide, in
+    qkv's dtype) at positions of the call's dtype; the norm op normalises those rows (``hidden``)
+    with a weight in qkv's dtype."""
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
     d = params["head_dim"]
+    return {"rope": CallSpec(device, (("x", qkv_dtype), ("position_ids", positions)), (("head_dim", d),)),
+            "norm": CallSpec(device, (("x", qkv_dtype), ("weight", qkv_dtype)), (("hidden", d),))}
+
+
+def kernel_spec(manifest: Any, params: Any, qkv_dtype: str, positions: str, slots: str, backend: str) -> Any:
+    """The kernel spec of a call: the rope and norm stages' specs (:func:`tileops.compose.kernel_spec`)
+    and the cache write's fields. A stage the fused builder does not build (a field of its spec the
+    builder fixes, at another value) is a ValueError naming ``rope`` or ``qk_norm``."""
     fp8 = params["cache_dtype"] == "float8_e4m3fn"
-    return {"dtype": qkv_dtype, "head_dim": d, "rot": cls.rotated_width_of(rp, d), "hq": params["num_q_heads"],
-            "hkv": params["num_kv_heads"], "cache": "float8_e4m3fn" if fp8 else "", "positions": positions,
-            "slots": slots, "qk_norm": params["qk_norm"], "pairing": cls.pairing_of(rp), "backend": backend,
-            **cls.kernel_fields_of(rp, positions)}
-
-
-def rope_of(rope: Any) -> tuple[type, Any]:
-    """``(hook class, params)`` of the rope stage: an op object's, or, for a case's ``{op: Name,
-    params: {...}}`` (``tileops warmup`` names kernels without constructing ops), the class its
-    manifest names and the manifest's defaults under the case's params."""
-    if isinstance(rope, Op):
-        return type(rope), rope.params
-    from .. import manifest
-    from ..rope import hooks as rope_hooks
-
-    m = manifest.get(rope["op"])
-    return getattr(rope_hooks, m.hooks), {**m.defaults(), **rope.get("params", {})}
-
-
-def kernel_spec(params: Any, qkv_dtype: str, positions: str, slots: str, backend: str, op_name: str) -> Any:
-    """The kernel spec for those fields; a field of the rope op the builder does not know yet (MRoPE's
-    sections before the builder has them), or a value it refuses (``pairing="interleaved"``), is a
-    ValueError naming ``rope``."""
-    from tileops.kernels import get_spec
-
-    spec_cls = get_spec("prologue")
-    fields = kernel_fields(params, qkv_dtype, positions, slots, backend)
-    known = {f.name for f in dataclasses.fields(spec_cls)}
-    unknown = [k for k in fields if k not in known]
-    rope = params["rope"]
-    rope_name = rope.name if isinstance(rope, Op) else rope["op"]
-    if unknown:
-        raise ValueError(f"{op_name}: rope: {rope_name} needs the fused kernel's {', '.join(unknown)}, which "
-                         f"kernels/prologue.py does not build yet")
-    try:
-        return spec_cls(**fields)
-    except ValueError as e:
-        if str(e).startswith("head_dim"):  # the CUDA schedule's limit on a row's lanes, not the rope's
-            raise ValueError(f"{op_name}: head_dim: {e}") from None
-        raise ValueError(f"{op_name}: rope: the fused kernel cannot compose {rope_name} yet: {e}") from None
+    return compose.kernel_spec(manifest, params, stage_calls(params, qkv_dtype, positions, backend), backend,
+                               hq=params["num_q_heads"], hkv=params["num_kv_heads"],
+                               cache="float8_e4m3fn" if fp8 else "", slots=slots)
 
 
 class AttnPrologueFwdHooks(Op):
@@ -91,14 +64,14 @@ class AttnPrologueFwdHooks(Op):
         except (ValueError, RuntimeError, IndexError) as e:
             raise ValueError(f"{self.name}: rope: {rope.name} has no tables for head_dim {d} (rotated width "
                              f"{rot}): {e}") from None
-        # what the kernel builder refuses (a pairing, MRoPE's fields) is refused now, not at the first call
-        kernel_spec(params, "bfloat16", "int64", "int64", "c", self.name)
+        # what the kernel builder refuses (a stage it does not build) is refused now, not at the first call
+        kernel_spec(self.manifest, params, "bfloat16", "int64", "int64", "c")
         return params
 
-    @property
+    @functools.cached_property
     def mrope(self) -> bool:
         """Whether the rope stage takes three position streams (``positions`` ``[3, tokens]``)."""
-        return "mrope_section" in self.params["rope"].kernel_fields("int64")
+        return kernel_spec(self.manifest, self.params, "bfloat16", "int64", "int64", "c").mrope
 
     def _check_more(self, tensors: Any, dims: Any) -> None:
         positions, qkv = tensors["positions"], tensors["qkv"]

@@ -37,7 +37,7 @@ from ..runtime.binding import Binding, bind
 from ..runtime.plan import Bound, Output, Plan, Ptr, Step, Value, Workspace, signature
 from . import hooks
 
-__all__ = ["implement", "kernel_specs", "NormKernels", "row_layout", "RESIDENT_THREADS", "C_BLOCKS"]
+__all__ = ["implement", "kernel_spec", "kernel_specs", "NormKernels", "row_layout", "RESIDENT_THREADS", "C_BLOCKS"]
 
 #: CUDA: the threads of the backward's persistent blocks an SM holds at once (kernels/norm.py asks
 #: nvcc for at most 64 registers a thread, so that 1024 fit): ``G`` is at most one wave of them
@@ -62,18 +62,25 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     manifest that declares one, the backward kernel and the kernel summing the weight (and bias)
     gradient's partial rows. What ``tileops warmup`` and ``op.compile`` build ahead, without
     constructing the op."""
-    from tileops.kernels import get_spec
-
-    cls = getattr(hooks, manifest.hooks)
     builder = manifest.kernel.builder
-    fwd = get_spec(builder)(kind="fwd", backend=backend, **cls.kernel_fields_of(params, call),
-                            **manifest.kernel.static)
+    fwd = kernel_spec(getattr(hooks, manifest.hooks), manifest, params, call, backend)
     out = [(builder, fwd)]
     if backward and manifest.backward is not None:
         out.append((builder, dataclasses.replace(fwd, kind="bwd")))
         if fwd.weight is not None or fwd.bias is not None:
             out.append((builder, _wsum_spec(fwd)))
     return out
+
+
+def kernel_spec(cls: type, manifest: Any, params: Any, call: Any, backend: str) -> Any:
+    """The forward :class:`kernels.norm.NormKernelSpec` serving an op of hook class ``cls`` (the op's
+    class, or the class its manifest's ``hooks:`` names) built with ``params``, for one call
+    specialization: the first of :func:`kernel_specs`, and the norm stage of a fused op that composes
+    the op (:mod:`tileops.compose`)."""
+    from tileops.kernels import get_spec
+
+    return get_spec(manifest.kernel.builder)(kind="fwd", backend=backend, **cls.kernel_fields_of(params, call),
+                                             **manifest.kernel.static)
 
 
 def _wsum_spec(spec: Any) -> Any:
