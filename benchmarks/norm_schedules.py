@@ -56,6 +56,7 @@ CONFIGS = {
         "ws+1sync+pf2": dict(bwd_w_shared=1, bwd_one_sync=1, bwd_prefetch=2),
         "all pf2": dict(bwd_w_shared=1, bwd_one_sync=1, bwd_prefetch=2, nh1_path=1),
         "pf2+nh1": dict(bwd_prefetch=2, nh1_path=1),
+        "ws+1sync+nh1": dict(bwd_w_shared=1, bwd_one_sync=1, nh1_path=1),
     }.items()},
 }
 #: the configs a forward row times (the other knobs are the backward's)
@@ -80,8 +81,13 @@ def patch(fields: dict) -> None:
     B.kernel_specs = specs if fields else ORIG
 
 
+#: the configs a run measures (``--configs``; default: all)
+CHOSEN: set[str] | None = None
+
+
 def configs_of(direction: str) -> dict:
-    return {n: c for n, c in CONFIGS.items() if direction == "backward" or n in FORWARD_CONFIGS}
+    return {n: c for n, c in CONFIGS.items() if (direction == "backward" or n in FORWARD_CONFIGS)
+            and (CHOSEN is None or n in CHOSEN or n == "knobs off")}
 
 
 def jobs(arch: str) -> list:
@@ -191,7 +197,15 @@ def main() -> int:
     ap.add_argument("--dry", action="store_true", help="no GPU: print the rows' kernel specs per config")
     ap.add_argument("--lower", action="store_true", help="with --dry: lower every kernel for sm_90")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--configs", help="comma-separated configs to measure beside 'knobs off' (default: all)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds per row (default {ROUNDS})")
     a = ap.parse_args()
+    global CHOSEN
+    if a.configs:
+        CHOSEN = set(a.configs.split(","))
+        unknown = CHOSEN - set(CONFIGS)
+        if unknown:
+            ap.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     if a.dry or not torch.cuda.is_available():
         todo = jobs("sm_90")
         for _, s, _, _ in todo:
@@ -212,7 +226,7 @@ def main() -> int:
     t0 = time.perf_counter()
     n, secs, failures = compile_jobs(jobs(device_backend(torch.device("cuda"))[1]), jobs=a.jobs, progress=False)
     print(f"compiled {n} kernels in {secs:.0f} s; failures: {[f'{s}: {e[:200]}' for s, e in failures]}", flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {ROUNDS} rounds\n")
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {a.rounds} rounds\n")
     print("| row | direction | config | us | % same-bytes copy | copy us | max abs diff vs knobs off |")
     print("|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
@@ -232,7 +246,7 @@ def main() -> int:
             diffs[name] = max_diff(out, ref)
             fns[name] = timer(ops[name], sets, direction)
         times = {name: [] for name in fns}
-        for _ in range(ROUNDS):  # interleaved, so that a drift of the clocks hits every config alike
+        for _ in range(a.rounds):  # interleaved, so that a drift of the clocks hits every config alike
             for name, fn in fns.items():
                 times[name].append(gpu_time(fn, len(sets))[0])
         for name in fns:
