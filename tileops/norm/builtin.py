@@ -37,7 +37,7 @@ from ..runtime.binding import Binding, bind
 from ..runtime.plan import Bound, Output, Plan, Ptr, Step, Value, Workspace, signature
 from . import hooks
 
-__all__ = ["implement", "kernel_spec", "kernel_specs", "NormKernels", "row_layout", "RESIDENT_THREADS", "C_BLOCKS"]
+__all__ = ["implement", "kernel_spec", "kernel_specs", "WIDE_BACKWARD_MIN_HIDDEN", "NormKernels", "row_layout", "RESIDENT_THREADS", "C_BLOCKS"]
 
 #: CUDA: the threads of the backward's persistent blocks an SM holds at once (kernels/norm.py asks
 #: nvcc for at most 64 registers a thread, so that 1024 fit): ``G`` is at most one wave of them
@@ -47,6 +47,13 @@ ROWS_PER_BLOCK = 8
 #: the C backend's backward blocks (its "blocks" run one after another): each sums at most
 #: ``ceil(rows / 32)`` rows' weight gradient in sequence in fp32, 2048 for 65,536 rows
 C_BLOCKS = 32
+#: the row-per-block backward keeps the weight in shared memory and syncs once a row (``bwd_w_shared``
+#: and ``bwd_one_sync``, which the manifest sets) on rows of at least this many elements, or with a
+#: residual; narrower plain rows keep the weight in registers. H200, bf16, with ``nh1_path``
+#: (``python -m benchmarks.norm_schedules --configs nh1,ws+1sync,ws+1sync+nh1 --rounds 5``), % of a
+#: same-bytes copy with them and without: 4096 x 8192 87 / 81, 2048 x 16384 85 / 72, 16384 x 4096 with
+#: a residual 90 / 71, but 16384 x 4096 alone 82 / 85 (65536 x 2048: 86 / 85)
+WIDE_BACKWARD_MIN_HIDDEN = 8192
 #: the forward kernel's pointer parameters, by the manifest's tensor names
 _POINTERS = {"X": "x", "R": "residual", "W": "weight", "B": "bias", "Y": "out", "RO": "residual_out"}
 #: each row-addressed tensor's two stride parameters, per kernel kind
@@ -66,7 +73,10 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     fwd = kernel_spec(getattr(hooks, manifest.hooks), manifest, params, call, backend)
     out = [(builder, fwd)]
     if backward and manifest.backward is not None:
-        out.append((builder, dataclasses.replace(fwd, kind="bwd")))
+        bwd = dataclasses.replace(fwd, kind="bwd")
+        if bwd.hidden < WIDE_BACKWARD_MIN_HIDDEN and not bwd.residual:
+            bwd = dataclasses.replace(bwd, bwd_w_shared=0, bwd_one_sync=0)
+        out.append((builder, bwd))
         if fwd.weight is not None or fwd.bias is not None:
             out.append((builder, _wsum_spec(fwd)))
     return out
