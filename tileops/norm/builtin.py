@@ -12,10 +12,12 @@ third stride, a last dim that is not contiguous, a weight or bias that is not co
 CUDA to a pointer or a row stride that is not a multiple of the kernel's vector (16 bytes, less
 for a narrow row).
 
-What a call's views mean to the forward kernel is said once, in :meth:`NormKernels._binding` (a
-:class:`tileops.runtime.binding.Binding`): the runtime keeps it per call signature and serves later
-calls from it without Python (:meth:`NormKernels.binding`); the general path binds the tensors it
-launches with, copies included, through the same code and the same executor. The backward runs
+What a call's views mean to the kernels is declared once, as plans (:data:`FORWARD`,
+:data:`BACKWARD`; :mod:`tileops.runtime.plan`): every kernel argument by its role, the strides and
+rows from the layout (:meth:`NormKernels._env`). The runtime binds them per call signature and serves
+later forward calls without Python (:meth:`NormKernels.binding`); the general path binds the tensors
+it launches with, copies included (the runtime's :func:`tileops.runtime.plan.fit`), into the same
+cache (:class:`tileops.runtime.plan.Bound`) and runs them on the same executor. The backward runs
 ``bwd`` on ``G`` blocks, each summing its rows' weight (and bias) gradient in fp32 partial rows,
 then ``wsum`` adding the partial rows in a fixed order: ``G`` follows the row count and the device
 alone, so the same rows give the same bits. Both launches are one plan, :data:`BACKWARD` (a
@@ -33,8 +35,8 @@ import torch
 
 from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
-from ..runtime.binding import Binding, bind
-from ..runtime.plan import Bound, Output, Plan, Ptr, Step, Value, Workspace, signature
+from ..runtime.binding import Binding
+from ..runtime.plan import Bound, Output, Plan, Ptr, Step, Value, Workspace, copy_back, fit, signature
 from . import hooks
 
 __all__ = ["implement", "kernel_spec", "kernel_specs", "WIDE_BACKWARD_MIN_HIDDEN", "NormKernels", "row_layout", "RESIDENT_THREADS", "C_BLOCKS"]
@@ -54,12 +56,8 @@ C_BLOCKS = 32
 #: same-bytes copy with them and without: 4096 x 8192 87 / 81, 2048 x 16384 85 / 72, 16384 x 4096 with
 #: a residual 90 / 71, but 16384 x 4096 alone 82 / 85 (65536 x 2048: 86 / 85)
 WIDE_BACKWARD_MIN_HIDDEN = 8192
-#: the forward kernel's pointer parameters, by the manifest's tensor names
-_POINTERS = {"X": "x", "R": "residual", "W": "weight", "B": "bias", "Y": "out", "RO": "residual_out"}
-#: each row-addressed tensor's two stride parameters, per kernel kind
-_STRIDES = {"fwd": {"x": ("xst", "xsh"), "residual": ("rst", "rsh"), "out": ("yst", "ysh"),
-                    "residual_out": ("rost", "rosh")},
-            "bwd": {"x": ("xst", "xsh"), "dy": ("dyst", "dysh"), "dro": ("drost", "drosh"), "dx": ("dxst", "dxsh")}}
+#: the tensors the kernels address by rows (each with two strides: :func:`row_layout`)
+_ROW_ADDRESSED = ("x", "residual", "out", "residual_out", "dy", "dro", "dx")
 
 
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
@@ -158,8 +156,9 @@ class NormKernels:
         from tileops.kernels.norm import eps_bits
 
         self.eps_bits = eps_bits(op.params["eps"])
-        self._bindings: dict[tuple, Binding] = {}  # the general path's, by what they depend on
-        self._bound = Bound()  # the backward's bindings, by call signature (None: copied first)
+        #: the forward's plan (:data:`FORWARD` for this op's tensors)
+        self.plan = Plan.of(op.manifest, FORWARD)
+        self._bound = Bound()  # the general path's bindings, by call signature (None: copied first)
         # the backward's stand-in for the bias, which it does not read (nor keep): its dtype, db's
         self._bias_dtype = (torch.empty(0, dtype=DTYPE[self.given["bias"]], device=self.device)
                             if "bias" in self.given else None)
@@ -195,19 +194,6 @@ class NormKernels:
                 return n
         return lay
 
-    def _fit(self, views: dict[str, torch.Tensor | None], outputs: tuple[str, ...]) -> tuple[dict, tuple]:
-        """``views`` with every tensor the kernel cannot address where it lies replaced by a dense one
-        (an input by a copy, one of ``outputs`` by a new buffer, to be copied into the original after
-        the launch), and their layout."""
-        views = dict(views)
-        while True:
-            lay = self._layout(views)
-            if not isinstance(lay, str):
-                return views, lay
-            t = views[lay]
-            views[lay] = (torch.empty(t.shape, dtype=t.dtype, device=t.device) if lay in outputs
-                          else t.contiguous() if not t.is_contiguous() else t.clone())  # a clone lands aligned
-
     def _param_fits(self, t: torch.Tensor | None, pointer: bool = True) -> bool:
         """Whether a weight or bias can be read where it lies: contiguous (and aligned, on CUDA)."""
         return t is None or ((t.stride(0) == 1 or t.shape[0] == 1)
@@ -228,38 +214,34 @@ class NormKernels:
         h = None if r is None else outs.get("residual_out")
         h = torch.empty_like(r) if r is not None and h is None else h
         if x.numel():
-            views, lay = self._fit({"x": x, "residual": r, "out": y, "residual_out": h}, ("out", "residual_out"))
+            given = {"out": y, "residual_out": h}
+            views, lay = fit({"x": x, "residual": r, **given}, tuple(given), self._layout)
             launch = {n: views[n] if n in views else self._param(tensors.get(n)) for n in tensors}
-            writes = {"out": views["out"], "residual_out": views["residual_out"]}
-            key = (*(None if t is None else (t.shape, t.stride(), t.dtype) for t in (*launch.values(), *writes.values())),
-                   writes["out"] is launch["x"], writes["residual_out"] is not None and writes["residual_out"] is launch["residual"])
-            b = self._bindings.get(key)
-            if b is None:
-                if len(self._bindings) > 256:
-                    self._bindings.clear()
-                b = self._bindings[key] = self._binding(launch, writes, {**launch, **writes}, lay)
+            writes = {n: views[n] for n in given}
+            key = ("forward", signature(self.plan.names, {**launch, **writes}), writes["out"] is launch["x"],
+                   writes["residual_out"] is not None and writes["residual_out"] is launch["residual"])
+            b = self._bound.get(key, lambda: self._binding(launch, writes, {**launch, **writes}, lay))
             self.op._runtime.execute(b, launch, writes)
-            if writes["out"] is not y:
-                y.copy_(writes["out"])
-            if h is not None and writes["residual_out"] is not h:
-                h.copy_(writes["residual_out"])
+            copy_back(writes, given)
         return y if r is None else (y, h)
 
     def _binding(self, tensors: dict, outs: dict, views: dict, lay: tuple) -> Binding:
-        """The :class:`tileops.runtime.binding.Binding` of the forward kernel for these inputs and
-        outputs (``outs``: a tensor, the input itself for in place, or None for a new one); ``views``:
-        the tensor each name is seen as, ``lay`` their layout (:meth:`_layout`)."""
-        rows, nh, strides = lay
-        args: dict[str, Any] = {"M": rows, "NH": nh, "eps_bits": self.eps_bits}
-        for name, (st, sh) in strides.items():
-            a, b = _STRIDES["fwd"][name]
-            args[a], args[b] = st // self.unit, sh // self.unit
+        """:attr:`plan` bound for these inputs and outputs (``outs``: a tensor, the input itself for in
+        place, or None for a new one); ``views``: the tensor each name is seen as, ``lay`` their
+        layout (:meth:`_layout`)."""
         align = {n: self._align(t) for n, t in views.items() if t is not None}
-        m = self.op.manifest
-        names = {t.name for t in (*m.inputs, *m.outputs)}  # LayerNorm's bias; RMSNorm has none
-        return bind(self._kernel(self.spec), m, tensors, outs, args=args, align=align,
-                    pointers={k: v for k, v in _POINTERS.items() if v in names},
-                    views={n: views[n] for n in ("out", "residual_out") if views.get(n) is not None})
+        return self.plan.bind({"fwd": self._kernel(self.spec)}, tensors, outs, env=self._env(lay), align=align,
+                              views={n: views[n] for n in ("out", "residual_out") if views.get(n) is not None})
+
+    def _env(self, lay: tuple) -> dict[str, int]:
+        """The names a plan's values are computed from: the rows ``M``, ``NH``, each row-addressed
+        tensor's two strides in the kernel's units (``<name>_st``, ``<name>_sh``; 0 for one the call
+        lacks, which the kernel does not read), ``eps_bits``."""
+        rows, nh, strides = lay
+        env = {"M": rows, "NH": nh, "eps_bits": self.eps_bits, "hidden": self.hidden}
+        env.update({f"{n}_{k}": 0 for n in _ROW_ADDRESSED for k in ("st", "sh")})
+        env.update({f"{n}_{k}": v // self.unit for n, (st, sh) in strides.items() for k, v in (("st", st), ("sh", sh))})
+        return env
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one, or None (such calls take the general
@@ -324,12 +306,11 @@ class NormKernels:
                 return _gradients(got, launch)
         # a view the kernel cannot address where it lies: dx written through a dense buffer if need be
         dx = torch.empty_like(launch["dy"], dtype=launch["x"].dtype)
-        views, lay = self._fit({**{n: launch[n] for n in rows_of}, "dx": dx}, ("dx",))
+        views, lay = fit({**{n: launch[n] for n in rows_of}, "dx": dx}, ("dx",), self._layout)
         fitted = {**launch, **{n: views[n] for n in rows_of}}
         got = _gradients(self.op._runtime.execute(self._backward_binding(fitted, {"dx": views["dx"]}, lay),
                                                   fitted, {"dx": views["dx"]}), fitted)
-        if views["dx"] is not dx:
-            dx.copy_(views["dx"])
+        copy_back({"dx": views["dx"]}, {"dx": dx})
         return dx, got[1], got[2]
 
     def _backward_binding(self, launch: dict, outs: dict, lay: tuple | None = None) -> Binding | None:
@@ -344,11 +325,8 @@ class NormKernels:
             lay = self._layout(rows, pointers=False)
             if isinstance(lay, str):
                 return None
-        rows, nh, strides = lay
-        g = self._blocks(rows)
-        env = {"M": rows, "NH": nh, "G": g, "P": g * self.bwd_spec.partials_per_block, "hidden": self.hidden,
-               "eps_bits": self.eps_bits, "dro_st": 0, "dro_sh": 0,  # (no residual: not read)
-               **{f"{n}_{k}": v // self.unit for n, (st, sh) in strides.items() for k, v in (("st", st), ("sh", sh))}}
+        g = self._blocks(lay[0])
+        env = {**self._env(lay), "G": g, "P": g * self.bwd_spec.partials_per_block}
         kernels = {"bwd": self._kernel(self.bwd_spec)}
         if self.wsum_spec is not None:
             kernels["wsum"] = self._kernel(self.wsum_spec)
@@ -367,9 +345,18 @@ def _gradients(got: Any, launch: dict) -> tuple:
     return dx, dw, db
 
 
-#: a row-addressed tensor's two stride arguments of the backward kernel
 def _rows(name: str, st: str, sh: str) -> dict:
+    """A row-addressed tensor's two stride arguments (:meth:`NormKernels._env`'s names)."""
     return {st: Value(f"{name}_st"), sh: Value(f"{name}_sh")}
+
+
+#: The forward: ``fwd`` on ``M`` rows of x (and the residual) into out (and residual_out), with the
+#: weight (and bias); the layout names are :meth:`NormKernels._env`'s. RMSNorm has no bias:
+#: :meth:`tileops.runtime.plan.Plan.of` leaves its pointer out.
+FORWARD = (Step("fwd", {"X": Ptr("x"), "R": Ptr("residual"), "W": Ptr("weight"), "B": Ptr("bias"), "Y": Ptr("out"),
+                        "RO": Ptr("residual_out"), "M": Value("M"), "NH": Value("NH"), "eps_bits": Value("eps_bits"),
+                        **_rows("x", "xst", "xsh"), **_rows("residual", "rst", "rsh"), **_rows("out", "yst", "ysh"),
+                        **_rows("residual_out", "rost", "rosh")}),)
 
 
 #: The backward: ``bwd`` on ``G`` blocks writes dx and each block's fp32 partial rows of the weight's

@@ -42,7 +42,7 @@ from ..manifest.expr import Expr, ExprError, parse_expr
 from .binding import ABSENT, GIVEN, IN_PLACE, NEW, Binding, Launch
 
 __all__ = ["Plan", "Step", "Output", "Workspace", "Ptr", "Value", "Scalar", "ErrorWord", "Tag", "Bound",
-           "PlanError", "WORK_ALIGN"]
+           "PlanError", "WORK_ALIGN", "fit", "copy_back", "signature"]
 
 #: the bytes each per-call workspace starts on within the call's one allocation: the allocator's own
 #: 512 is more than a kernel's widest access needs; 256 keeps fp32 rows on a TMA/vector boundary
@@ -176,6 +176,18 @@ class Plan:
                 if n not in self.inputs:
                     raise PlanError(f"plan {self.name!r}: step {s.kernel}: when {n!r} is not an input")
 
+    @classmethod
+    def of(cls, manifest: Any, steps: tuple[Step, ...], **kw: Any) -> "Plan":
+        """The plan of a call of an op: its manifest's inputs and outputs (each output like its like
+        input), and ``steps``. A step's pointer to a tensor the op does not have is left out (its
+        argument stays 0): one family's steps serve ops with and without it (LayerNorm's bias)."""
+        names = {t.name for t in (*manifest.inputs, *manifest.outputs)}
+        names |= {w.name for w in kw.get("workspaces", ())}
+        steps = tuple(Step(s.kernel, {a: r for a, r in s.args.items() if not (isinstance(r, Ptr) and r.name not in names)},
+                           s.when) for s in steps)
+        return cls(manifest.name, tuple(t.name for t in manifest.inputs),
+                   tuple(Output(o.name, like=o.like) for o in manifest.outputs), steps, **kw)
+
     @property
     def names(self) -> tuple[str, ...]:
         """The call's tensors as a binding numbers them: the inputs, then the outputs."""
@@ -293,6 +305,34 @@ class Plan:
         if isinstance(v, bool) or not isinstance(v, int):
             raise PlanError(f"plan {self.name!r}: {what}: `{expr}` gave {v!r}, not an int")
         return v
+
+
+def fit(views: Mapping[str, torch.Tensor | None], outputs: tuple[str, ...],
+        layout: Callable[[dict], Any]) -> tuple[dict, Any]:
+    """The copy fallback a family declares for layouts its kernels do not address (the runtime applies
+    it): ``views`` with each tensor that ``layout(views)`` names (a str: the kernel cannot address it
+    where it lies) replaced by a dense one, until it returns the layout (anything else); an input by
+    a dense copy, one of ``outputs`` by a new dense buffer, which :func:`copy_back` copies into the
+    original after the launch. Returns the views and their layout."""
+    views = dict(views)
+    while True:
+        lay = layout(views)
+        if not isinstance(lay, str):
+            return views, lay
+        t = views[lay]
+        if t is None:
+            raise PlanError(f"fit: the layout names {lay!r}, which the call does not have")
+        views[lay] = (torch.empty(t.shape, dtype=t.dtype, device=t.device) if lay in outputs
+                      else t.contiguous() if not t.is_contiguous() else t.clone())  # a clone lands aligned
+
+
+def copy_back(written: Mapping[str, torch.Tensor | None], given: Mapping[str, torch.Tensor | None]) -> None:
+    """After a launch on :func:`fit`'s views: each output written through a buffer of its own
+    (``written[name]`` is not ``given[name]``) copied into the tensor the call gave."""
+    for name, t in written.items():
+        g = given.get(name)
+        if t is not None and g is not None and t is not g:
+            g.copy_(t)
 
 
 class Bound:
