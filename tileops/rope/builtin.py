@@ -22,8 +22,9 @@ import torch
 
 from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
-from ..runtime.binding import Binding, bind
+from ..runtime.binding import Binding
 from ..runtime.memory import persistent
+from ..runtime.plan import Bound, ErrorWord, Plan, Ptr, Step, Tag, Value, copy_back, signature
 from . import hooks
 from .tables import DIGITS, LO
 
@@ -112,7 +113,9 @@ class RoPEKernels:
         self.tables = op._tables(rot)
         self._stacked: torch.Tensor | None = None  # every set, for a choice made on the device
         self.limit = op.position_limit()
-        self._bindings: dict[tuple, Binding] = {}  # the general path's, by what they depend on
+        #: the call's plan (:data:`FORWARD` for this op's tensors), and its bindings by signature
+        self.plan = Plan.of(op.manifest, FORWARD, checks={"position_ids": 0})
+        self._bound = Bound()
         from tileops.kernels.rope import DIGITS as KDIGITS, LO as KLO
 
         if (KLO, KDIGITS) != (LO, DIGITS):
@@ -272,20 +275,11 @@ class RoPEKernels:
         writes = {"out": y, "key_out": ky}
         # the same views with the op's fixed tables bind the same way: bound once
         cached = len(self.tables) == 1 and tables is self.tables[0].on(self.device)
-        k = (id(kernel), *(None if t is None else (t.shape, t.stride(), t.dtype) for t in (*launch.values(), y, ky)),
-             y is src_x, ky is not None and ky is src_k) if cached else ()
-        b = self._bindings.get(k) if cached else None
-        if b is None:
-            b = self._binding(kernel, launch, writes, {**launch, **writes}, tables)
-            if cached:
-                if len(self._bindings) > 256:
-                    self._bindings.clear()
-                self._bindings[k] = b
+        make = lambda: self._binding(kernel, launch, writes, {**launch, **writes}, tables)  # noqa: E731
+        b = self._bound.get((id(kernel), signature(self.plan.names, {**launch, **writes}), y is src_x,
+                             ky is not None and ky is src_k), make) if cached else make()
         self.op._runtime.execute(b, launch, writes)
-        if y is not out:
-            out.copy_(y)
-        if key is not None and ky is not key_out:
-            key_out.copy_(ky)
+        copy_back({"out": y, "key_out": ky}, {"out": out, "key_out": key_out})
         return out, key_out
 
     def _run_wide(self, x: torch.Tensor, position_ids: torch.Tensor | None, tables: torch.Tensor, inverse: bool,
@@ -306,35 +300,32 @@ class RoPEKernels:
 
     # ------------------------------------------------------------------------------ bindings
     def _binding(self, kernel: Any, tensors: dict, outs: dict, views: dict, tables: torch.Tensor | None) -> Binding:
-        """The :class:`tileops.runtime.binding.Binding` of ``kernel`` for these inputs and outputs
-        (``outs``: a tensor, the input itself for in place, or None for a new one); ``views``: the
-        tensor each name is seen as (a new output's strides are those of ``torch.empty_like``);
-        ``tables`` fixed, or None: picked per call (:meth:`tables_for`)."""
+        """:attr:`plan` bound with ``kernel`` for these inputs and outputs (``outs``: a tensor, the input
+        itself for in place, or None for a new one); ``views``: the tensor each name is seen as (a new
+        output's strides are those of ``torch.empty_like``); ``tables`` fixed, or None: picked per call
+        (:meth:`tables_for`)."""
         u = self.unit
         x, key, pos = views["x"], views["key"], views["position_ids"]
-        vx, vy = self._view4(x), self._view4(views["out"])
-        args = {"B": vx[0], "S": vx[1], "H": vx[2] if x.numel() else 0,
-                "xsb": vx[3] // u, "xss": vx[4] // u, "xsh": vx[5] // u, "ysb": vy[3] // u, "yss": vy[4] // u,
-                "ysh": vy[5] // u}
+        env = dict.fromkeys(("HK", "ksb", "kss", "ksh", "kysb", "kyss", "kysh", "limit", "psb", "pss", "psc", "TD"), 0)
+        for prefix, name in (("x", "x"), ("y", "out"), ("k", "key"), ("ky", "key_out")):
+            if views.get(name) is not None:
+                _, _, _, sb, ss, sh = self._view4(views[name])
+                env.update({f"{prefix}sb": sb // u, f"{prefix}ss": ss // u, f"{prefix}sh": sh // u})
+        b, s, h = self._view4(x)[:3]
+        env.update(B=b, S=s, H=h if x.numel() else 0)
         if key is not None and key.numel():  # else HK = 0: the key loop never runs
-            vk, vky = self._view4(key), self._view4(views["key_out"])
-            args.update(HK=vk[2], ksb=vk[3] // u, kss=vk[4] // u, ksh=vk[5] // u, kysb=vky[3] // u,
-                        kyss=vky[4] // u, kysh=vky[5] // u)
+            env["HK"] = self._view4(key)[2]
         if pos is not None:
-            args["limit"] = self.limit
-            args.update(zip(("psb", "pss", "psc"), self._position_strides(pos)))
-        align = u * x.element_size()
+            env["limit"] = self.limit
+            env.update(zip(("psb", "pss", "psc"), self._position_strides(pos)))
         late, keep = {}, ()
         if tables is None:
             late["TD"] = lambda named: self.tables_for(named["x"], named["position_ids"])  # picked on the device
         else:
-            args["TD"], keep = tables.data_ptr(), (tables,)
-        return bind(kernel, self.op.manifest, tensors, outs, args=args, late=late, keep=keep, views=views,
-                    pointers={"X": "x", "Y": "out", "K": "key", "KY": "key_out", "P": "position_ids"},
-                    align={"x": align, "out": align, "key": align, "key_out": align},
-                    # a position out of range is read as 0 (nothing is indexed out of bounds) and the
-                    # kernel writes the call's tag into its error word: reported without a host sync
-                    checks={"position_ids": 0})
+            env["TD"], keep = tables.data_ptr(), (tables,)
+        align = u * x.element_size()
+        return self.plan.bind({"rope": kernel}, tensors, outs, env=env, late=late, keep=keep, views=views,
+                              align={"x": align, "out": align, "key": align, "key_out": align})
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one, or None (such calls take the
@@ -351,6 +342,22 @@ class RoPEKernels:
         single = len(self.tables) == 1 and not hasattr(self.op, "device_tables")
         kernel = self._kernel(False, self._head_major(self._view4(x)))
         return self._binding(kernel, tensors, outs, views, self.tables[0].on(self.device) if single else None)
+
+
+def _strides(prefix: str) -> dict:
+    """A tensor's three strides in the kernel's units (``<prefix>sb``, ``ss``, ``sh``: batch, sequence, head)."""
+    return {f"{prefix}{d}": Value(f"{prefix}{d}") for d in ("sb", "ss", "sh")}
+
+
+#: The rotation: x (and the key, in the same launch) at the positions into out (and key_out), each
+#: tensor seen as ``[B, S, H, D]`` by its strides (:meth:`RoPEKernels._view4`); ``TD`` the digit
+#: tables' address (or bound per call); a position out of range is read as 0 (nothing is indexed out
+#: of bounds) and the kernel writes the call's tag into its error word: reported without a host sync.
+FORWARD = (Step("rope", {"X": Ptr("x"), "Y": Ptr("out"), "K": Ptr("key"), "KY": Ptr("key_out"), "P": Ptr("position_ids"),
+                         "TD": Value("TD"), "B": Value("B"), "S": Value("S"), "H": Value("H"), "HK": Value("HK"),
+                         **_strides("x"), **_strides("y"), **_strides("k"), **_strides("ky"), "psb": Value("psb"),
+                         "pss": Value("pss"), "psc": Value("psc"), "limit": Value("limit"), "ERR": ErrorWord(),
+                         "tag": Tag()}),)
 
 
 def implement(op: Any, spec: Any) -> RoPEKernels:
