@@ -59,7 +59,9 @@ SCRIPTS_TESTED_ELSEWHERE = {"hf_patch.py": ("tests/test_hf.py", "test_docs_examp
 #: what each other script must print (whitespace-split), None when only its exit status is checked
 SCRIPT_OUTPUT = {"first_call.py": ["builtin", "(2,", "128,", "8,", "64)", "torch.float32"],
                  "composed_prologue.py": ["prologue", "rope:", "interleaved", "64", "norm:", "llama", "heads:", "4",
-                                          "2", "q:", "True", "k:", "True"]}
+                                          "2", "q:", "True", "k:", "True"],
+                 "two_kernel_plan.py": ["launches:", "2", "workspace", "bytes:", "256", "scale", "1", "y:", "[30.0,",
+                                        "36.0]", "scale", "10", "y:", "[300.0,", "360.0]"]}
 
 #: pages whose text says to install something before their Python blocks: what the test installs
 PAGE_NEEDS = {"docs/writing-a-target.md": "tileops_target_example"}

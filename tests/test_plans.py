@@ -1,88 +1,27 @@
 """Plans (:mod:`tileops.runtime.plan`): a call's kernels in order, the workspaces they share, every
 argument by its role, bound once per call signature and run by both executors.
 
-The test plan is two TileLang kernels compiled for the CPU: ``partials`` sums each of ``G`` blocks
-of rows of ``x [M, N]`` into a row of a per-call fp32 workspace, ``reduce`` adds the ``G`` rows into
-``y [N]`` and scales it by a per-call scalar. The reference is float64 torch."""
+The test plan is the docs' worked example (``docs/examples/two_kernel_plan.py``): two TileLang
+kernels compiled for the CPU, ``partials`` summing each of ``G`` blocks of rows of ``x [M, N]`` into
+a row of a per-call fp32 workspace, ``reduce`` adding the ``G`` rows into ``y [N]`` times a per-call
+scalar. The reference is float64 torch."""
 
 # (no `from __future__ import annotations`: TileLang reads the prim_funcs' annotations as objects)
-import threading
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.paths import native_module
 from tileops.runtime import executor
-from tileops.runtime.plan import (WORK_ALIGN, Bound, Output, Plan, PlanError, Ptr, Scalar, Step, Value, Workspace,
-                                  signature)
+from tileops.runtime.plan import WORK_ALIGN, Bound, Output, Plan, PlanError, Ptr, Scalar, Step, Workspace, signature
 
-G = 4  # the partial rows: a block sums rows g, g + G, g + 2G, ...
-
-SUM_ROWS = Plan(
-    "sum rows", inputs=("x",), outputs=(Output("y", like="x", shape=("N",), dtype_of="x"),), scalars=("scale",),
-    workspaces=(Workspace("part", "float32", "G * N"),),
-    steps=(Step("partials", {"X": Ptr("x"), "P": Ptr("part"), "M": Value("M"), "N": Value("N"), "xs": Value("xs"),
-                             "G": Value("G")}),
-           Step("reduce", {"P": Ptr("part"), "Y": Ptr("y"), "N": Value("N"), "G": Value("G"),
-                           "scale": Scalar("scale")})))
-
-_lock = threading.Lock()
-_kernels: dict = {}
-
-
-def kernels() -> dict:
-    """The two kernels, compiled for the C backend once per process."""
-    with _lock:
-        if not _kernels:
-            _kernels.update(_compile())
-    return _kernels
-
-
-def _compile() -> dict:
-    from tileops.compile import tilelang_api
-    from tileops.compile.build import PASS_CONFIGS, c_flags
-    from tileops.compile.entry import raw_kernel
-
-    tilelang = tilelang_api.load()
-    from tilelang import language as T
-
-    NX, NP, NY = T.dynamic("NX"), T.dynamic("NP"), T.dynamic("NY")
-
-    @T.prim_func
-    def partials(X: T.Tensor((NX,), "float32"), P: T.Tensor((NP,), "float32"), M: T.int64, N: T.int64,
-                 xs: T.int64, G: T.int64):
-        with T.Kernel(1, threads=1) as _:
-            for g in T.serial(G):
-                for n in T.serial(N):
-                    acc = T.alloc_var("float32")
-                    acc = 0.0
-                    for r in T.serial((M - g + G - 1) // G):
-                        acc = acc + X[(g + r * G) * xs + n]
-                    P[g * N + n] = acc
-
-    @T.prim_func
-    def reduce(P: T.Tensor((NP,), "float32"), Y: T.Tensor((NY,), "float32"), N: T.int64, G: T.int64,
-               scale: T.int64):
-        with T.Kernel(1, threads=1) as _:
-            for n in T.serial(N):
-                acc = T.alloc_var("float32")
-                acc = 0.0
-                for g in T.serial(G):
-                    acc = acc + P[g * N + n]
-                Y[n] = acc * T.cast(scale, "float32")
-
-    out = {}
-    for name, func, params in (("partials", partials, ("X", "P", "M", "N", "xs", "G")),
-                               ("reduce", reduce, ("P", "Y", "N", "G", "scale"))):
-        k = tilelang.compile(func, target="c", execution_backend="cython", pass_configs=PASS_CONFIGS,
-                             compile_flags=list(c_flags()))
-        out[name] = raw_kernel(k, torch.device("cpu"), params)
-    return out
-
-
-def _bind(x, outs=None):
-    return SUM_ROWS.bind(kernels(), {"x": x}, outs or {}, env={"M": x.shape[0], "N": x.shape[1], "xs": x.stride(0),
-                                                             "G": G})
+EXAMPLE = Path(__file__).parents[1] / "docs" / "examples" / "two_kernel_plan.py"
+_spec = importlib.util.spec_from_file_location("two_kernel_plan", EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
+SUM_ROWS, G, kernels, _bind = example.SUM_ROWS, example.G, example.kernels, example.bind
 
 
 @pytest.mark.parametrize("which", ["python", "native"])

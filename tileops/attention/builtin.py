@@ -25,7 +25,7 @@ import torch
 
 from ..compile.build import device_backend, load_kernel
 from ..kernels.float8 import CVT_MIN_SM
-from ..runtime.binding import bind
+from ..runtime.plan import ErrorWord, Plan, Ptr, Step, Tag, Value
 from .hooks import kernel_spec
 
 __all__ = ["implement", "kernel_specs", "PrologueKernels"]
@@ -52,6 +52,8 @@ class PrologueKernels:
         self.tables = p["rope"].deployment_tables(self.kspec.rot)
         self.limit = op.position_limit()
         self.eps_bits = struct.unpack("<i", struct.pack("<f", p["eps"]))[0]
+        #: the call's plan (:data:`FORWARD` for this op's tensors)
+        self.plan = Plan.of(op.manifest, FORWARD, checks={"positions": 0, "slot_mapping": 1})
 
     def prepare(self, tensors: dict) -> torch.Tensor:
         return self.tables.on(self.device)
@@ -118,19 +120,15 @@ class PrologueKernels:
         u, qkv, kc = self.unit, launch["qkv"], launch["key_cache"]
         blocks, bs, csb, csr, csh = cache
         positions = launch["positions"]
-        args = {"S": qkv.shape[0], "xst": qkv.stride(0) // u, "qst": q.stride(0) // u, "qsh": q.stride(1) // u,
-                "csb": csb // u, "csr": csr // u, "csh": csh // u, "bs": bs, "nslots": blocks * bs,
-                "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr(),
-                # MRoPE's three position streams [3, tokens] lie psc elements apart
-                "psc": positions.stride(0) if positions.dim() == 2 else 0}
-        return bind(self.kernel, self.op.manifest, launch, outs, args=args, keep=(tables,), views={"q_out": q},
-                    pointers={"QKV": "qkv", "P": "positions", "SL": "slot_mapping", "QW": "q_norm_weight",
-                              "KW": "k_norm_weight", "Q": "q_out", "KC": "key_cache", "VC": "value_cache",
-                              "KS": "k_scale", "VS": "v_scale"},
-                    # a bad position reads as 0 and a bad slot writes nothing; each marks its word
-                    align={**dict.fromkeys(("qkv", "q_out", "q_norm_weight", "k_norm_weight"), u * qkv.element_size()),
-                           **dict.fromkeys(("key_cache", "value_cache"), u * kc.element_size())},
-                    checks={"positions": 0, "slot_mapping": 1})
+        env = {"S": qkv.shape[0], "xst": qkv.stride(0) // u, "qst": q.stride(0) // u, "qsh": q.stride(1) // u,
+               "csb": csb // u, "csr": csr // u, "csh": csh // u, "bs": bs, "nslots": blocks * bs,
+               "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr(),
+               # MRoPE's three position streams [3, tokens] lie psc elements apart
+               "psc": positions.stride(0) if positions.dim() == 2 else 0}
+        return self.plan.bind({"prologue": self.kernel}, launch, outs, env=env, keep=(tables,), views={"q_out": q},
+                              align={**dict.fromkeys(("qkv", "q_out", "q_norm_weight", "k_norm_weight"),
+                                                     u * qkv.element_size()),
+                                     **dict.fromkeys(("key_cache", "value_cache"), u * kc.element_size())})
 
     def _fits(self, t: torch.Tensor, *strides: int) -> bool:
         """Whether the kernel moves ``t`` where it lies: a contiguous last dim and, on CUDA, the pointer and
@@ -173,6 +171,17 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     spec = _spec(manifest, params, call.dtype("qkv"), call.dtype("positions"), call.dtype("slot_mapping"), backend,
                  manifest.name)
     return [(manifest.kernel.builder, spec)]
+
+
+#: The fused prologue: q and k of qkv normalised and rotated at positions, q into q_out, k and v
+#: written into the caches at slot_mapping (the caches' layout is their strides). A bad position reads
+#: as 0 and a bad slot writes nothing; each marks its word (positions 0, slots 1).
+FORWARD = (Step("prologue", {"QKV": Ptr("qkv"), "P": Ptr("positions"), "SL": Ptr("slot_mapping"),
+                             "QW": Ptr("q_norm_weight"), "KW": Ptr("k_norm_weight"), "Q": Ptr("q_out"),
+                             "KC": Ptr("key_cache"), "VC": Ptr("value_cache"), "KS": Ptr("k_scale"),
+                             "VS": Ptr("v_scale"), "ERR": ErrorWord(), "tag": Tag(),
+                             **{a: Value(a) for a in ("S", "xst", "qst", "qsh", "csb", "csr", "csh", "bs", "nslots",
+                                                      "limit", "eps_bits", "TD", "psc")}}),)
 
 
 def implement(op: Any, spec: Any) -> PrologueKernels:

@@ -6,7 +6,7 @@ call or kept), and the steps, each a kernel of the family's kernel set with ever
 role:
 
 * :class:`Ptr` the data pointer of a tensor of the call or of a workspace, by name;
-* :class:`Value` an integer from an expression (:mod:`tileops.manifest.expr`, never ``eval``) over
+* :class:`Value` a number from an expression (:mod:`tileops.manifest.expr`, never ``eval``) over
   the names the family hands to :meth:`Plan.bind`: params, dims, a layout's strides, a block count;
 * :class:`Scalar` an integer each call brings (a decode step's length), not part of the signature;
 * :class:`ErrorWord` and :class:`Tag` the call's error word and tag (:mod:`tileops.runtime.errors`),
@@ -64,8 +64,8 @@ class Ptr:
 
 @dataclass(frozen=True)
 class Value:
-    """An integer computed from ``expr`` over the names :meth:`Plan.bind` is given (a float's bits
-    for a ``double`` argument are the family's to give as an int)."""
+    """A number computed from ``expr`` over the names :meth:`Plan.bind` is given: an int, or a float
+    for a kernel's float argument (encoded by the argument's type)."""
 
     expr: str
     tree: Expr = field(init=False, repr=False, compare=False)
@@ -278,7 +278,7 @@ class Plan:
                     elif role.name in present:
                         pointers.append((at[role.name], slot[arg], max(1, align.get(role.name, 1))))
                 elif isinstance(role, Value):
-                    values[arg] = self._int(role.tree, env, f"{s.kernel}.{arg}")
+                    values[arg] = self._int(role.tree, env, f"{s.kernel}.{arg}", real=True)
                 elif isinstance(role, Scalar):
                     scalars.append((len(launches), slot[arg], self.scalars.index(role.name)))
                 elif isinstance(role, ErrorWord):
@@ -297,13 +297,15 @@ class Plan:
                        tag_slot=tag_slot if checks else -1, work=tuple(work), work_bytes=offset,
                        scalars=tuple(scalars), keep=(*keep, *kept))
 
-    def _int(self, expr: Expr, env: Mapping[str, Any], what: str) -> int:
+    def _int(self, expr: Expr, env: Mapping[str, Any], what: str, real: bool = False) -> Any:
+        """``expr``'s value: an int (with ``real``, a float too: a kernel's float argument, which
+        :meth:`tileops.compile.entry.RawKernel.template` encodes by the argument's type)."""
         try:
             v = expr.evaluate(env)
         except ExprError as e:
             raise PlanError(f"plan {self.name!r}: {what}: `{expr}`: {e}") from None
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise PlanError(f"plan {self.name!r}: {what}: `{expr}` gave {v!r}, not an int")
+        if isinstance(v, bool) or not isinstance(v, (int, float) if real else int):
+            raise PlanError(f"plan {self.name!r}: {what}: `{expr}` gave {v!r}, not {'a number' if real else 'an int'}")
         return v
 
 

@@ -4,10 +4,11 @@ The kernel reads and writes flat contiguous buffers: a strided ``x`` is copied t
 first, and an ``out=`` that is not contiguous is written through a dense buffer. The backward is the
 same kernel applied to the output's gradient.
 
-How a call's tensors meet the kernel's parameters is said once, in :meth:`ScaleKernels._binding`
-(a :class:`tileops.runtime.binding.Binding`): the runtime keeps it per call signature and serves a
-repeated eager call from it without Python (:meth:`ScaleKernels.binding`), and the general path
-launches through it too.
+How a call's tensors meet the kernel's parameters is declared once, as the plan :data:`STEPS` (every
+kernel argument by its role: :mod:`tileops.runtime.plan`): the runtime binds it per call signature
+and serves a repeated eager call from it without Python (:meth:`ScaleKernels.binding`); the general
+path binds into the runtime's cache and copies what the kernel cannot address with the runtime's
+:func:`tileops.runtime.plan.fit`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 
 from tileops.compile.build import device_backend, load_kernel
-from tileops.runtime.binding import Binding, bind
+from tileops.runtime.binding import Binding
+from tileops.runtime.plan import Bound, Plan, Ptr, Step, Value, copy_back, fit, signature
 
 __all__ = ["implement", "kernel_specs", "ScaleKernels"]
 
@@ -32,6 +34,10 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     return [(builder, get_spec(builder)(dtype=call.dtype("x"), backend=backend, **manifest.kernel.static))]
 
 
+#: ``Y[i] = c * X[i]`` for ``i < N``: the kernel's pointers are the data of ``x`` and ``out``
+STEPS = (Step("scale", {"X": Ptr("x"), "Y": Ptr("out"), "c": Value("c"), "N": Value("N")}),)
+
+
 class ScaleKernels:
     """The kernel of one op specialization, as a kernel set (:mod:`tileops.autograd`)."""
 
@@ -41,30 +47,33 @@ class ScaleKernels:
         # compiled once, then loaded from tileops' index by later processes (no TileLang import there)
         self.kernel = load_kernel(op.manifest.kernel.builder, kspec, backend, arch, spec.device, kspec.args)
         self.op = op
-        self.factor = op.factor
+        self.plan = Plan.of(op.manifest, STEPS)
+        self.bound = Bound()
 
     def _binding(self, tensors: dict, outs: dict) -> Binding:
-        """``X`` and ``Y`` are the data pointers of ``x`` and ``out``; ``c`` the factor, ``N`` the length."""
-        return bind(self.kernel, self.op.manifest, tensors, outs, args={"c": self.factor, "N": tensors["x"].numel()},
-                    pointers={"X": "x", "Y": "out"})
+        return self.plan.bind({"scale": self.kernel}, tensors, outs,
+                              env={"c": self.op.factor, "N": tensors["x"].numel()})
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one: contiguous ``x`` and ``out`` (a new
-        output of a contiguous ``x`` is contiguous); None for others, which take :meth:`run`."""
+        output of a contiguous ``x`` is contiguous); None for others, which the general path copies."""
         x, out = tensors["x"], outs.get("out")
         if x.numel() == 0 or not x.is_contiguous() or (out is not None and not out.is_contiguous()):
             return None
         return self._binding(tensors, outs)
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        src = x.contiguous()
-        y = out if out is not None and out.is_contiguous() else torch.empty_like(src)
-        if src.numel():
-            self.op._runtime.execute(self._binding({"x": src}, {"out": y}), {"x": src}, {"out": y})
-        if out is not None and y is not out:
-            out.copy_(y)
-            return out
-        return y
+        """``c * x`` into ``out`` or a new tensor: a view the kernel cannot address is copied first."""
+        given = {"out": out if out is not None else torch.empty_like(x)}
+        if x.numel():
+            # the kernel addresses contiguous tensors alone: fit names any other, and makes it dense
+            views, _ = fit({"x": x, **given}, ("out",), lambda v: next((n for n, t in v.items()
+                                                                       if not t.is_contiguous()), None))
+            launch, writes = {"x": views["x"]}, {"out": views["out"]}
+            b = self.bound.get(signature(self.plan.names, {**launch, **writes}), lambda: self._binding(launch, writes))
+            self.op._runtime.execute(b, launch, writes)
+            copy_back(writes, given)
+        return given["out"]
 
     def prepare(self, tensors: dict) -> None:
         return None
