@@ -1,18 +1,20 @@
-"""A kernel launch described once per call signature: the :class:`Binding`.
+"""Launches described once per call signature: the :class:`Binding`.
 
-A family (its kernel set) knows what a call's views mean to its kernel; the runtime knows nothing of
-that. So the family computes with :func:`bind`, once per signature (every tensor's shape, strides,
-dtype and device, and which outputs are given or in place), a :class:`Binding`: the kernel's whole
-argument array with every shape, stride and scalar filled, and where each tensor's pointer goes. A
-later call shaped the same way only reads its pointers into a copy of that array: in the C++ executor
-(:mod:`tileops.runtime.native`) without Python, else in :class:`tileops.runtime.executor.PythonRuntime`.
-The family's general path (a signature's first call, views it must copy, gradients) binds the tensors
-it launches with through the same :func:`bind` and runs the same executor.
+A family declares how a call's tensors meet its kernels as a plan (:mod:`tileops.runtime.plan`);
+the runtime binds it, once per signature (every tensor's shape, strides, dtype and device, and which
+outputs are given or in place), into a :class:`Binding`: each kernel's whole argument array with
+every shape, stride and scalar filled, and where each tensor's (and each per-call workspace's)
+pointer goes. A later call shaped the same way only reads its pointers into a copy of those arrays:
+in the C++ executor (:mod:`tileops.runtime.native`) without Python, else in
+:class:`tileops.runtime.executor.PythonRuntime`. The family's general path (a signature's first call,
+views it must copy, gradients) binds the tensors it launches with through the same plan and runs
+the same executor.
 
-Tensors are numbered as the op's manifest lists them: the inputs, then the outputs. Per call the
-executor checks what the pointers alone decide (alignment; the overlap of given outputs with the
-other arguments by byte spans, then exactly where the spans meet) and refuses the call, before it
-has allocated, launched or called Python, when either fails: the general path then copies or raises.
+Tensors are numbered as the binding's names list them: the inputs, then the outputs (an op's
+manifest's, or those a plan declares). Per call the executor checks what the pointers alone decide
+(alignment; the overlap of given outputs with the other arguments by byte spans, then exactly where
+the spans meet) and refuses the call, before it has allocated, launched or called Python, when
+either fails: the general path then copies or raises.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 from .memory import span
 
-__all__ = ["Binding", "Launch", "bind", "with_overlap_checks", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
+__all__ = ["Binding", "Launch", "with_overlap_checks", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
 
 #: how a call gets each output: its ``like`` input not given (no output), a new tensor allocated per
 #: call as ``torch.empty_like(<like input>)``, the like input itself (in place), or a tensor the call gives
@@ -109,67 +111,6 @@ class Binding:
     def kernel(self) -> Any:
         """The first launch's kernel (the one a single-kernel binding has)."""
         return self.launches[0].kernel
-
-
-def bind(kernel: Any, manifest: Any, tensors: Mapping[str, Any], outs: Mapping[str, Any], *,
-         args: Mapping[str, Any], pointers: Mapping[str, str], align: Mapping[str, int] | None = None,
-         late: Mapping[str, Callable[[dict], torch.Tensor]] | None = None,
-         checks: Mapping[str, int] | None = None, errors: tuple[str, str] = ("ERR", "tag"),
-         keep: tuple[torch.Tensor, ...] = (),
-         views: Mapping[str, Any] | None = None) -> Binding:
-    """The :class:`Binding` of ``kernel`` for calls shaped like this one.
-
-    Args:
-        kernel: The :class:`tileops.compile.entry.RawKernel` to launch.
-        manifest: The op's manifest (its inputs and outputs, each output's ``like`` input).
-        tensors: Input name -> the tensor launched with (None: not given).
-        outs: Output name -> the tensor written (given), the like input itself (in place), or None
-            (a new tensor per call, ``torch.empty_like`` of the like input).
-        args: Kernel argument name -> its value (shapes, strides, scalars); the others are 0.
-        pointers: Kernel argument name -> the input or output whose data pointer it takes.
-        align: Input or output name -> the alignment in bytes its pointer needs (default 1).
-        late: Kernel argument name -> ``fn(inputs)``, a tensor chosen per call from the call's
-            inputs (by name).
-        checks: Input name -> the index of the error word the kernel writes the call's tag into when
-            one of that input's values is out of range (RoPE: ``{"position_ids": 0}``; the attention
-            prologue: positions 0, slots 1), for a kernel that checks values; at most
-            :data:`tileops.runtime.errors.WORDS` words. Inputs not given are left out.
-        errors: The kernel's arguments taking the error words' address and the call's tag.
-        keep: Tensors whose addresses ``args`` holds.
-        views: Output name -> a tensor laid out as a new output is (the family's own
-            ``torch.empty_like`` of its like input, or a new tensor of the output's own shape): its
-            sizes and strides are every call's. For a new output not in it, one is made here as
-            ``torch.empty_like`` of its like input.
-    """
-    ins = [t.name for t in manifest.inputs]
-    names = (*ins, *(o.name for o in manifest.outputs))
-    at = {n: i for i, n in enumerate(names)}
-    likes = tuple(ins.index(o.like) for o in manifest.outputs)
-    slot, align, views = kernel.slot, align or {}, views or {}
-    modes, strides, sizes = [], [], []
-    for o in manifest.outputs:
-        src, dst, new = tensors.get(o.like), outs.get(o.name), views.get(o.name)
-        mode = ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN
-        modes.append(mode)
-        ref = None if mode != NEW else torch.empty_like(src) if new is None else new
-        strides.append(() if ref is None else ref.stride())
-        sizes.append(() if ref is None or ref.shape == src.shape else tuple(ref.shape))
-    ptrs = []
-    for arg, tensor in pointers.items():
-        i = at[tensor]
-        present = tensors.get(tensor) is not None if i < len(ins) else modes[i - len(ins)] != ABSENT
-        if present:
-            ptrs.append((i, slot[arg], max(1, align.get(tensor, 1))))
-    from .errors import WORDS
-
-    checked = tuple((at[n], w) for n, w in (checks or {}).items() if tensors.get(n) is not None)
-    if any(not 0 <= w < WORDS for _, w in checked):
-        raise ValueError(f"bind: checks: error words are 0 .. {WORDS - 1}, got {dict(checks or {})}")
-    word_slot, tag_slot = (slot[errors[0]], slot[errors[1]]) if checked else (-1, -1)
-    return Binding((Launch(kernel, kernel.template(args), tuple(ptrs)),), names, len(ins), tuple(modes), likes,
-                   tuple(strides),
-                   sizes=tuple(sizes), late=tuple((slot[a], fn) for a, fn in (late or {}).items()),
-                   checks=checked, word_slot=word_slot, tag_slot=tag_slot, keep=tuple(keep))
 
 
 def with_overlap_checks(binding: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any],
