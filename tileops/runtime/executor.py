@@ -5,10 +5,11 @@ the op's bindings by call signature, served from C++ (``run``), the same executo
 path's bindings (``execute``), and the deferred error tracker. Without it, a :class:`PythonRuntime`:
 the same executor in Python, and errors judged at the call (:mod:`tileops.runtime.errors`). Both have
 
-* ``execute(binding, tensors, outs)``: run a :class:`tileops.runtime.binding.Binding` on a call's
-  tensors (input name -> tensor, output name -> tensor or None); returns what the op returns (its
-  produced outputs: one tensor, or a tuple), or ``NotImplemented``, having done nothing, when the
-  pointers refuse it (alignment, overlap);
+* ``execute(binding, tensors, outs, scalars=())``: run a :class:`tileops.runtime.binding.Binding`'s
+  launches in order on a call's tensors (input name -> tensor, output name -> tensor or None, by the
+  binding's names) and per-call scalars, its per-call workspaces in one allocation; returns the
+  produced outputs (one tensor, a tuple, or None when there are none), or ``NotImplemented``,
+  having done nothing, when the pointers refuse it (alignment, overlap);
 * ``check()``: judge this thread's calls (waiting for them) and the words of captured calls;
 * ``clear()``: forget every binding; ``stats()``: bindings known, calls served and passed on;
 
