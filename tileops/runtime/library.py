@@ -44,8 +44,8 @@ from .served import Layout, Served
 
 __all__ = ["register", "lookup", "layout", "pack", "written", "raise_bad", "general"]
 
-#: handle -> (the op's calls, each held weakly; its layout)
-_ops: "dict[int, tuple[tuple[weakref.WeakMethod, ...], Layout]]" = {}
+#: handle -> (the op's calls, each held weakly; its layout); a handle leaves when its op is collected
+_ops: "dict[int, tuple[Served, Layout]]" = {}
 _ids = itertools.count(1)
 _lock = threading.Lock()
 
@@ -57,29 +57,41 @@ def register(served: Served, layout: Layout) -> int:
     with _lock:
         handle = next(_ids)
         forget = lambda _: _ops.pop(handle, None)  # noqa: E731
-        _ops[handle] = (tuple(weakref.WeakMethod(fn, forget) for fn in served), layout)
+        _ops[handle] = (Served(*(weakref.WeakMethod(fn, forget) for fn in served)), layout)
     return handle
 
 
-def _entry(handle: int) -> "tuple[Served, Layout]":
-    """The calls of the op of ``handle`` and its layout. A fake implementation may get the handle as
-    a SymInt (``dynamic=True`` makes ints symbolic): ``int()`` specializes the graph on it, which is
-    what a handle is for."""
+def _registered(handle: int) -> "tuple[Served, Layout]":
+    """The op of ``handle``: its calls (weak references) and its layout. A fake implementation may get
+    the handle as a SymInt (``dynamic=True`` makes ints symbolic): ``int()`` specializes the graph on
+    it, which is what a handle is for."""
     got = _ops.get(int(handle))
-    calls = [ref() for ref in got[0]] if got is not None else [None]
-    if None in calls:
+    if got is None:
         raise RuntimeError(f"tileops: op handle {handle} names no live op (the op was garbage collected)")
-    return Served(*calls), got[1]
+    return got
+
+
+def _call(handle: int, what: str) -> "tuple[Any, Layout]":
+    """The op of ``handle``'s call ``what`` (a field of :class:`Served`), and its layout."""
+    calls, lay = _registered(handle)
+    return _live(getattr(calls, what), handle), lay
+
+
+def _live(ref: weakref.WeakMethod, handle: int) -> Any:
+    fn = ref()
+    if fn is None:  # collected since the lookup: its handle is leaving
+        raise RuntimeError(f"tileops: op handle {handle} names no live op (the op was garbage collected)")
+    return fn
 
 
 def lookup(handle: int) -> Served:
     """The calls of the op of ``handle``."""
-    return _entry(handle)[0]
+    return Served(*(_live(ref, handle) for ref in _registered(handle)[0]))
 
 
 def layout(handle: int) -> Layout:
     """The layout the op of ``handle`` registered with."""
-    return _entry(handle)[1]
+    return _registered(handle)[1]
 
 
 def raise_bad(handle: int, values: "torch.Tensor | None", when: str, name: str = "",
@@ -90,7 +102,7 @@ def raise_bad(handle: int, values: "torch.Tensor | None", when: str, name: str =
     input only may leave ``name`` empty. ``record``: the kernel's record of the first bad element
     and the tensor's sizes and strides as launched (:func:`tileops.runtime.errors.found`), which
     names the index when the tensor is gone."""
-    lookup(handle).raise_bad_value(name, values, when, errors.found(*record) if record is not None else None)
+    _call(handle, "raise_bad_value")[0](name, values, when, errors.found(*record) if record is not None else None)
 
 
 def pack(layout: Layout, tensors: dict) -> tuple[list[torch.Tensor], str]:
@@ -121,9 +133,9 @@ def written(layout: Layout, tensors: dict) -> list[str]:
 
 # ------------------------------------------------------------------ the general path of each op
 def _apply(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
-    served, lay = _entry(handle)
+    call, lay = _call(handle, "call")
     with torch.no_grad():  # autograd is registered on this op, not traced through its body
-        out = served.call(_inputs(lay, inputs, names), {})
+        out = call(_inputs(lay, inputs, names), {})
     return list(out) if isinstance(out, tuple) else [out]
 
 
@@ -137,9 +149,9 @@ def _apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.T
                     names: str) -> list[torch.Tensor]:
     """Gradients of the inputs ``backward.wrt`` names that are given, in that order, from the outputs'
     (``inputs`` and ``names`` end with the outputs ``backward.saves`` names, when it names any)."""
-    served, lay = _entry(handle)
+    backward, lay = _call(handle, "backward")
     tensors = _inputs(lay, inputs, names, saved=True)
-    got = list(served.backward(tuple(grads), tensors))
+    got = list(backward(tuple(grads), tensors))
     # the strides the fake promised (a compiled graph views the result by them): the kernels' own
     # choice but after a fallback, which is copied
     for i, ref in enumerate(_gradient_layouts(lay, tensors, grads)):
@@ -202,13 +214,13 @@ def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
 
 
 def _apply_out(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
-    served, lay = _entry(handle)
+    call, lay = _call(handle, "call")
     tensors = _inputs(lay, inputs, names)
     made = lay.produced(tensors)
     # the written inputs come after the outputs, in the manifest's order (Op._traced_call); the
     # loader makes every written input a required one, so all of them are there
     tensors |= dict(zip(lay.written, outs[len(made):]))
-    served.call(tensors, {o.name: t for o, t in zip(made, outs)})
+    call(tensors, {o.name: t for o, t in zip(made, outs)})
 
 
 def _apply_out_fake(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
