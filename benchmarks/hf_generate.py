@@ -226,11 +226,11 @@ class _Recording:
         self.ops: Counter[str] = Counter()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        from tileops.runtime.library import lookup
+        from tileops.runtime.library import layout
 
         for n in gm.graph.nodes:
             if n.op == "call_function" and str(n.target).startswith("tileops."):
-                self.ops[type(lookup(n.args[0])).__name__] += 1
+                self.ops[layout(n.args[0]).name] += 1
         return self.compile(gm, example_inputs)
 
 

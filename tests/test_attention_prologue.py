@@ -508,7 +508,7 @@ def test_opcheck_and_compiled_calls_write_the_caches(gen):
     rest = {k: v for k, v in args.items() if k not in ("key_cache", "value_cache")}
     q = torch.empty(args["qkv"].shape[0], 8, 64, dtype=args["qkv"].dtype)
     torch.library.opcheck(torch.ops.tileops.apply_out.default,
-                          (op._handle, *pack(op, rest), [q, args["key_cache"].clone(), args["value_cache"].clone()]))
+                          (op._handle, *pack(op._layout, rest), [q, args["key_cache"].clone(), args["value_cache"].clone()]))
 
     def step(qkv, positions, key_cache, value_cache, slot_mapping):
         return op(qkv, positions, key_cache, value_cache, slot_mapping) * 2
@@ -563,7 +563,7 @@ def test_repeated_calls_are_served_from_the_binding(gen, runtime):
         else:  # what a compiled graph calls (tileops.op.Op._traced_call)
             q = torch.full((tokens, hq, d), NAN, dtype=torch.bfloat16)
             rest = dict(qkv=qkv, positions=positions, slot_mapping=slots, q_norm_weight=qw, k_norm_weight=kw)
-            torch.ops.tileops.apply_out.default(op._handle, *pack(op, rest), [q, kc, vc])
+            torch.ops.tileops.apply_out.default(op._handle, *pack(op._layout, rest), [q, kc, vc])
         op.check()
         assert q.shape == (tokens, hq, d) and all(q is not p for p in qs)
         qs.append(q)

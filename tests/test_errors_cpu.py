@@ -128,7 +128,7 @@ def test_a_record_is_placed_at_the_index_its_strides_give():
     assert str(found(*_record(1, -(2**31)), (3,), (1,))) == "[1] = -2147483648 or less"
 
 
-def test_the_c_kernels_record_the_first_bad_element():
+def test_the_c_kernels_record_the_first_bad_element(monkeypatch):
     """The record a kernel writes (kernels/report.py) holds the bad element at the smallest offset
     and its value, whichever order the kernel meets them in: RoPE's positions (1-d, 2-d, a strided
     view, a broadcast, a value past int32) and the prologue's slots; and the report of a live tensor
@@ -138,17 +138,17 @@ def test_the_c_kernels_record_the_first_bad_element():
 
     seen: list = []
 
-    def spy(op: Any) -> Any:
-        real = op._raise_bad_value
+    def spy(cls: Any) -> Any:  # on the class: an op hands its methods to the runtime when constructed
+        real = cls._raise_bad_value
 
-        def record(name: str, values: Any, when: str = "", found: Any = None) -> None:
+        def record(self: Any, name: str, values: Any, when: str = "", found: Any = None) -> None:
             seen.append(str(found))
-            real(name, values, when, found)
+            real(self, name, values, when, found)
 
-        op._raise_bad_value = record
-        return op
+        monkeypatch.setattr(cls, "_raise_bad_value", record)
+        return cls
 
-    rope = spy(RoPEFwdOp(input_layout="2d"))
+    rope = spy(RoPEFwdOp)(input_layout="2d")
     x = torch.zeros(2, 100, 2, 16)
     ids = torch.arange(100)
     ids[64], ids[70] = 16777216, -3
@@ -167,7 +167,7 @@ def test_the_c_kernels_record_the_first_bad_element():
         if "or more" not in want:
             assert f"position_ids{want}" in str(e.value)
 
-    pro = spy(AttnPrologueFwdOp(2, 1, 16, RoPENeoxPositionIdsFwdOp(64)))
+    pro = spy(AttnPrologueFwdOp)(2, 1, 16, RoPENeoxPositionIdsFwdOp(64))
     qkv = torch.zeros(5, 4 * 16)
     kc, vc = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
     with pytest.raises(ValueError, match=r"got slot_mapping\[2\] = 8$"):

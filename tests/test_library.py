@@ -47,12 +47,12 @@ def test_opcheck_every_op(name, gen):
     h = op._handle
     required = {t.name: inputs[t.name] for t in m.inputs if not t.optional}
     for given in (inputs, required):
-        torch.library.opcheck(torch.ops.tileops.apply.default, (h, *pack(op, given)))
+        torch.library.opcheck(torch.ops.tileops.apply.default, (h, *pack(op._layout, given)))
     wrt = set(m.backward.wrt) if m.backward else set()
     grad = {n: t.clone().requires_grad_(True) if n in wrt else t for n, t in inputs.items()}
-    torch.library.opcheck(torch.ops.tileops.apply.default, (h, *pack(op, grad)))
+    torch.library.opcheck(torch.ops.tileops.apply.default, (h, *pack(op._layout, grad)))
     outs = [torch.empty_like(inputs[o.like]) for o in m.outputs if o.like in inputs]
-    torch.library.opcheck(torch.ops.tileops.apply_out.default, (h, *pack(op, inputs), outs))
+    torch.library.opcheck(torch.ops.tileops.apply_out.default, (h, *pack(op._layout, inputs), outs))
 
 
 def test_compiled_fullgraph_dynamic_no_recompile_and_eager_result(gen):

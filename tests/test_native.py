@@ -26,6 +26,7 @@ from tests.references import reference
 from tileops.compile.entry import build_c_library
 from tileops.kernels import report
 from tileops.runtime import errors, library, native
+from tileops.runtime.served import Layout, Output, Served
 from tileops.rope import Phi3LongRoPEFwdOp, RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
 from tileops.testing import tolerance
 
@@ -455,7 +456,7 @@ def test_an_op_is_garbage_collected_with_its_runtime(gen):
     x = torch.randn(4, 16, generator=gen)
     for _ in range(3):
         op(x, position_ids=torch.arange(4), key=x.clone())  # a binding whose late slot holds op's tables
-    assert op._runtime.stats()["hits"] >= 1 and op._late
+    assert op._runtime.stats()["hits"] >= 1 and any(b is not None and b.late for _, b in op._fast.values())
     handle, ref = op._handle, weakref.ref(op)
     del op
     gc.collect()
@@ -495,8 +496,15 @@ class _Judged:
     """Stands in for an op: the tracker's errors name the call (its positions' first value), and
     for a freed tensor the kernel's record of its bad element."""
 
-    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "", found: Any = None) -> None:
+    def raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str, found: Any) -> None:
         raise ValueError(f"{f'freed{found}' if values is None else int(values[0])}: {when}")
+
+    def unused(self, *args: Any) -> None:
+        raise AssertionError("the tracker calls only raise_bad_value")
+
+    def register(self) -> int:
+        return library.register(Served(self.unused, self.unused, self.raise_bad_value),
+                                Layout("Judged", ("x", "position_ids"), (Output("out", "x"),)))
 
 
 def _write_record(entry: int, k: int, offset: int, value: int) -> None:
@@ -532,7 +540,7 @@ def test_pending_calls_are_judged_in_order_once_each_on_a_fake_driver():
     old = _fake_cuda(mod, drv, drv.make_event)
     try:
         owner = _Judged()
-        d = mod.Dispatch(library.register(owner), ("x", "position_ids"), ("out",), (0,))
+        d = mod.Dispatch(owner.register(), ("x", "position_ids"), ("out",), (0,))
         log: list = []
         event_of: dict[int, int] = {}
         kept: list = []  # the callers' tensors, alive until the test ends (but those let go)
@@ -644,7 +652,7 @@ def test_every_wait_on_the_gpu_releases_the_gil():
     addresses[3] = ctypes.cast(lib.spin_sync, ctypes.c_void_p).value
     old = mod.set_driver(*addresses, make_event, False)
     try:
-        d = mod.Dispatch(library.register(_Judged()), ("x", "position_ids"), ("out",), (0,))
+        d = mod.Dispatch(_Judged().register(), ("x", "position_ids"), ("out",), (0,))
 
         def release_later() -> threading.Thread:
             def set_flags() -> None:

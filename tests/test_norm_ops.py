@@ -424,9 +424,9 @@ def test_opcheck_with_an_output_dtype_of_its_own(gen):
     op = RMSNormFwdOp(out_dtype="float32")
     x = torch.randn(3, 5, 4096, generator=gen).to(torch.bfloat16)
     w = torch.randn(4096, generator=gen) * 0.3 + 1
-    torch.library.opcheck(torch.ops.tileops.apply.default, (op._handle, *pack(op, {"x": x, "weight": w})))
+    torch.library.opcheck(torch.ops.tileops.apply.default, (op._handle, *pack(op._layout, {"x": x, "weight": w})))
     out = torch.empty_like(x, dtype=torch.float32)
-    torch.library.opcheck(torch.ops.tileops.apply_out.default, (op._handle, *pack(op, {"x": x, "weight": w}), [out]))
+    torch.library.opcheck(torch.ops.tileops.apply_out.default, (op._handle, *pack(op._layout, {"x": x, "weight": w}), [out]))
     y = torch.compile(lambda x, w: op(x, w), fullgraph=True)(x, w)
     assert y.dtype == torch.float32 and torch.equal(y, op(x, w))
 

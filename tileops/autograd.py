@@ -25,7 +25,6 @@ from typing import Any, Mapping
 
 import torch
 
-from .runtime.library import produced
 from .torch_private import DelayedError
 
 __all__ = ["run_differentiable", "grad_needed", "is_kernel_set", "backward_of"]
@@ -45,7 +44,8 @@ class _KernelFunction(torch.autograd.Function):
         out = impl.forward(state, full, {})
         bwd = op.manifest.backward
         if bwd.saves:  # what the backward kernels read, kept by autograd (which sees a later in-place change)
-            have = {**dict(zip((o.name for o in produced(op, full)), out if isinstance(out, tuple) else (out,))),
+            made = (o.name for o in op.manifest.outputs if full.get(o.like) is not None)
+            have = {**dict(zip(made, out if isinstance(out, tuple) else (out,))),
                     **{k: v for k, v in full.items() if v is not None}}
             ctx.saved_names = tuple(bwd.saved(have.__contains__))
             ctx.save_for_backward(*(have[n] for n in ctx.saved_names))

@@ -16,6 +16,7 @@ import torch
 from .runtime import errors, executor, library
 from .runtime.binding import Binding, with_overlap_checks
 from .runtime.memory import disjoint, same_view
+from .runtime.served import Served, layout_of
 from . import manifest as _manifest
 from .autograd import backward_of, grad_needed, run_differentiable
 from .manifest import ExprError, OpManifest
@@ -58,16 +59,18 @@ class Op:
         self._impls: dict[CallSpec, Callable[..., Any]] = {}
         #: call signature -> (implementation, its Binding or None): see _eager_call
         self._fast: dict[tuple, tuple[Any, Binding | None]] = {}
-        #: the bindings with late-bound slots, by id (tileops.runtime.library.late finds them)
-        self._late: dict[int, Binding] = {}
-        self._like = {o.name: o.like for o in self.manifest.outputs}
+        #: what the runtime reads of this op, handed down once (tileops.runtime.served)
+        self._layout = layout_of(self.manifest, self.params)
+        self._outputs = {o.name: o for o in self._layout.outputs}
+        self._like = {o.name: o.like for o in self._layout.outputs}
         #: the inputs the op writes in place (``written``: a KV cache), which a binding's calls check for overlap
-        self._written = tuple(t.name for t in self.manifest.inputs if t.written)
-        #: outputs whose dtype a param gives (``dtype_by``): name -> that param's value, a dtype or None
-        self._dtype_by = {o.name: DTYPES[self.params[o.dtype_by]] for o in self.manifest.outputs
-                          if o.dtype_by is not None and self.params[o.dtype_by] is not None}
-        #: this op's name in the torch.library custom ops (a traced call passes it)
-        self._handle: int = library.register(self)
+        self._written = self._layout.written
+        #: outputs whose dtype a param gives (``dtype_by``): name -> that dtype
+        self._dtype_by = {o.name: o.dtype for o in self._layout.outputs if o.dtype is not None}
+        #: this op's name in the torch.library custom ops (a traced call passes it); the runtime
+        #: calls back only these methods, for what only the op can do (tileops.runtime.served.Served)
+        self._handle: int = library.register(Served(self._eager_call, self._eager_backward, self._raise_bad_value),
+                                             self._layout)
         self._use_runtime(executor.new_runtime(self._handle, self.manifest))
 
     def _use_runtime(self, runtime: Any) -> None:
@@ -197,15 +200,15 @@ class Op:
         ``apply_out`` (those not given as new tensors), so the result is what the eager call returns; so
         are the inputs the op writes in place (a KV cache), after the outputs, as ``apply_out``'s mutated
         tensors rather than among its inputs."""
-        made = library.produced(self, tensors)
+        made = self._layout.produced(tensors)
         for o in self.manifest.outputs:
             if outs.get(o.name) is not None and tensors.get(o.like) is None:
                 raise ValueError(f"{self.name}: {o.name}: given without {o.like}, whose result it would hold")
         grad_needed(self, tensors, {k: v for k, v in outs.items() if v is not None})  # raises as the eager call does
-        written = library.written(self, tensors)
-        inputs, names = library.pack(self, {k: v for k, v in tensors.items() if k not in written})
+        written = library.written(self._layout, tensors)
+        inputs, names = library.pack(self._layout, {k: v for k, v in tensors.items() if k not in written})
         if written or any(outs.get(o.name) is not None for o in made):
-            got = [outs[o.name] if outs.get(o.name) is not None else self._new_output(o.name, tensors) for o in made]
+            got = [outs[o.name] if outs.get(o.name) is not None else self._layout.new_output(o, tensors) for o in made]
             torch.ops.tileops.apply_out(self._handle, inputs, names, got + [tensors[n] for n in written])
         else:
             got = torch.ops.tileops.apply(self._handle, inputs, names)
@@ -216,31 +219,9 @@ class Op:
         return self._dtype_by.get(name) or tensors[self._like[name]].dtype
 
     def _new_output(self, name: str, tensors: Mapping[str, Any], zeros: bool = False) -> torch.Tensor:
-        """A new tensor for output ``name`` of a call with ``tensors``: laid out like its like input
-        (``torch.empty_like``), in the output's dtype; filled with zeros with ``zeros``. An output
-        with a shape of its own (``own_shape``) is a new contiguous tensor of that shape."""
-        like = tensors[self._like[name]]
-        shape = self._output_shape(name, tensors)
-        if shape is not None:
-            return (torch.zeros if zeros else torch.empty)(shape, dtype=self._output_dtype(name, tensors),
-                                                           device=like.device)
-        return (torch.zeros_like if zeros else torch.empty_like)(like, dtype=self._output_dtype(name, tensors))
-
-    def _output_shape(self, name: str, tensors: Mapping[str, Any]) -> list[int] | None:
-        """The sizes of output ``name`` when its manifest gives it a shape of its own, from the
-        call's dims (read off the inputs' shapes) and the int params; None for one shaped like its input."""
-        spec = next(o for o in self.manifest.outputs if o.name == name)
-        if not spec.own_shape:
-            return None
-        sizes: dict[str, int] = {}
-        for t in self.manifest.inputs:
-            x = tensors.get(t.name)
-            if x is None:
-                continue
-            for dims in t.shapes_for(self.params):
-                if len(dims) == x.dim() and dims[:1] != (LEAD,):
-                    sizes.update(zip(dims, x.shape))
-        return [int(sizes[d]) if d in sizes else int(self.params[d]) for d in spec.own_shape]
+        """A new tensor for output ``name`` of a call with ``tensors``, as the runtime makes one
+        (:meth:`tileops.runtime.served.Layout.new_output`)."""
+        return self._layout.new_output(self._outputs[name], tensors, zeros)
 
     def _eager_backward(self, grads: tuple, tensors: Mapping[str, Any]) -> tuple:
         """The gradients of the inputs ``backward.wrt`` names (those given), from the outputs'."""
@@ -257,7 +238,7 @@ class Op:
     def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "",
                          found: "errors.BadValue | None" = None) -> None:
         """Raise the ValueError of a call whose kernel found a value of input ``name`` out of range
-        (the runtime's tracker calls this through :func:`tileops.runtime.library.raise_bad`; ``values``
+        (the runtime's tracker calls this, :class:`tileops.runtime.served.Served`'s ``raise_bad_value``; ``values``
         is None when the tensor was freed before the report, ``found`` the kernel's record of the
         first bad element, if any). A family whose kernels check values words its own error in its
         hooks (RoPE's names the position and its range); this default, for a family that does not,
@@ -381,8 +362,6 @@ class Op:
                 if len(self._fast) > 4096:  # many distinct shapes: keep the tables bounded
                     self._forget_bindings()
                 self._fast[sig] = entry
-                if entry[1] is not None and entry[1].late:
-                    self._late[id(entry[1])] = entry[1]
         if self._native_run is not None:  # (the Python runtime keeps no bindings, and defers nothing)
             if sig is not None:
                 rt.add(tensors, outs, entry[1])  # the next such call is served without Python
@@ -404,7 +383,6 @@ class Op:
     def _forget_bindings(self) -> None:
         """Drop every binding (the op's and its runtime's); the next call of each signature binds again."""
         self._fast.clear()
-        self._late.clear()
         runtime = self.__dict__.get("_runtime")
         if runtime is not None:
             runtime.clear()
@@ -444,7 +422,7 @@ class Op:
                 raise ValueError(f"{m.name}: {spec.name}: given without {spec.like}, whose result it would hold")
             # a wrong dtype is a TypeError and a wrong shape or device a ValueError, as for an input
             dtype = self._output_dtype(spec.name, tensors)
-            shape = self._output_shape(spec.name, tensors)
+            shape = self._layout.shape_of(self._outputs[spec.name], tensors)
             for what, want, got, error in (("shape", shape or list(src.shape), list(o.shape), ValueError),
                                            ("dtype", dtype, o.dtype, TypeError),
                                            ("device", src.device, o.device, ValueError)):

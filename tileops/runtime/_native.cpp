@@ -132,19 +132,18 @@ struct Driver {  // cuEventRecord, cuStreamIsCapturing, cuEventQuery, cuEventSyn
 std::atomic<const Driver*> driver{nullptr};  // replaced, never freed: a launch may be reading the old one
 
 struct Config {  // set once by tileops/runtime/library.py (GIL held), before any op exists
+  // data: the launch's return codes (tileops/compile/entry.py), TILEOPS_STRICT, and the `when`
+  // words of tileops.runtime.errors that name a reported call
   int32_t rc_record_failed = 0, rc_capturing = 0;
   bool env_strict = false;
-  PyObject* when_now = nullptr;  // the `when` words of tileops.runtime.errors
+  PyObject* when_now = nullptr;
   PyObject* when_earlier = nullptr;
   PyObject* when_graph = nullptr;
-  PyObject* raise_bad = nullptr;  // (handle, the checked tensor, when) -> raises the op's error
-  PyObject* disjoint = nullptr;  // tileops.runtime.memory.disjoint
-  PyObject* late = nullptr;  // (handle, binding key, inputs) -> tensors of the late-bound slots
-  PyObject* apply = nullptr;  // the general path of each custom op: (handle, ...) as its schema
-  PyObject* apply_out = nullptr;
-  PyObject* apply_backward = nullptr;
-  PyObject* apply_grad = nullptr;  // tileops::apply under autograd: (handle, inputs, names) -> outputs
-  PyObject* apply_backward_grad = nullptr;  // apply_backward under autograd (create_graph=True)
+  // the four ways back into Python, each for what only Python has:
+  PyObject* raise_bad = nullptr;  // (handle, values, when, name, record) -> raises the op's error, worded by its family
+  PyObject* disjoint = nullptr;  // (x, y) -> whether they share no byte: tileops.runtime.memory.disjoint
+  PyObject* late = nullptr;  // (binding key, inputs) -> the tensors of its late-bound slots, picked by the family
+  PyObject* general = nullptr;  // (custom op, handle, *its schema's arguments) -> the Python body of a call not served
 } cfg;
 std::atomic<bool> configured{false};
 
@@ -825,14 +824,13 @@ bool exactly_disjoint(BindingData& b, int k, const at::Tensor& x, const at::Tens
   return ok == 1;
 }
 
-std::vector<at::Tensor> late_tensors(const Core& core, const BindingData& b, const at::Tensor* t) {
+std::vector<at::Tensor> late_tensors(const BindingData& b, const at::Tensor* t) {
   Gil g;
   Ref inputs(PyTuple_New(b.n_in));
   for (int i = 0; i < b.n_in; ++i)
     PyTuple_SET_ITEM(inputs.p, i, t[i].defined() ? checked(THPVariable_Wrap(t[i])) : Py_NewRef(Py_None));
-  Ref handle(PyLong_FromLongLong((long long)core.handle));
   Ref key(PyLong_FromLongLong((long long)b.late_key));
-  Ref r(PyObject_CallFunctionObjArgs(cfg.late, handle.p, key.p, inputs.p, nullptr));
+  Ref r(PyObject_CallFunctionObjArgs(cfg.late, key.p, inputs.p, nullptr));
   std::vector<at::Tensor> got = tensors_of(r.p);
   if (got.size() != b.late.size()) throw std::runtime_error("tileops: a late-bound slot got no tensor");
   return got;
@@ -879,7 +877,7 @@ bool serve(Core& core, const std::shared_ptr<Core>& owner, BindingData& b, at::T
     for (size_t w = 0; w < b.work.size(); ++w) ptr[n + (int)w] = (int64_t)(intptr_t)work.data_ptr() + b.work[w];
   }
   std::vector<at::Tensor> late;  // alive until the kernel is queued
-  if (!b.late.empty()) late = late_tensors(core, b, t);
+  if (!b.late.empty()) late = late_tensors(b, t);
   DeviceScope scope(b.device);
   void* stream = current_stream(b.device);
   int64_t args[kMaxArgs];
@@ -1282,18 +1280,19 @@ PyObject* tensor_list(at::TensorList ts) {  // new reference (the GIL held)
   return Py_NewRef(l.p);
 }
 
-// the Python general path of a custom op: fn(handle, *lists, names, *after) as its schema -> a list
-// of tensors, or None
-std::vector<at::Tensor> python_path(PyObject* fn, int64_t handle, std::initializer_list<at::TensorList> lists,
+// the Python general path of a custom op: general(what, handle, *lists, names, *after) as its schema
+// -> a list of tensors, or None
+std::vector<at::Tensor> python_path(const char* what, int64_t handle, std::initializer_list<at::TensorList> lists,
                                     c10::string_view names, std::initializer_list<at::TensorList> after = {}) {
   Gil g;
-  Ref args(PyTuple_New((Py_ssize_t)(lists.size() + after.size()) + 2));
-  PyTuple_SET_ITEM(args.p, 0, checked(PyLong_FromLongLong((long long)handle)));
-  Py_ssize_t i = 1;
+  Ref args(PyTuple_New((Py_ssize_t)(lists.size() + after.size()) + 3));
+  PyTuple_SET_ITEM(args.p, 0, checked(PyUnicode_FromString(what)));
+  PyTuple_SET_ITEM(args.p, 1, checked(PyLong_FromLongLong((long long)handle)));
+  Py_ssize_t i = 2;
   for (auto l : lists) PyTuple_SET_ITEM(args.p, i++, tensor_list(l));
   PyTuple_SET_ITEM(args.p, i++, checked(PyUnicode_FromStringAndSize(names.data(), (Py_ssize_t)names.size())));
   for (auto l : after) PyTuple_SET_ITEM(args.p, i++, tensor_list(l));
-  Ref r(PyObject_Call(fn, args.p, nullptr));
+  Ref r(PyObject_Call(cfg.general, args.p, nullptr));
   return r.p == Py_None ? std::vector<at::Tensor>() : tensors_of(r.p);
 }
 
@@ -1302,7 +1301,7 @@ std::vector<at::Tensor> apply_kernel(c10::SymInt handle, at::TensorList inputs, 
   auto core = core_of(h);
   at::Tensor t[kMaxTensors];
   std::shared_ptr<BindingData> b;
-  if (!serve_op(core, place(*core, inputs, names, t), t, b)) return python_path(cfg.apply, h, {inputs}, names);
+  if (!serve_op(core, place(*core, inputs, names, t), t, b)) return python_path("apply", h, {inputs}, names);
   std::vector<at::Tensor> got;
   for (int j = 0; j < core->n_out; ++j)
     if (b->mode[j] != ABSENT) got.push_back(std::move(t[core->n_in + j]));
@@ -1326,12 +1325,12 @@ void apply_out_kernel(c10::SymInt handle, at::TensorList inputs, c10::string_vie
     if (k == outs.size() || t[core->written[w]].defined()) placed = false;
     else t[core->written[w]] = outs[k++];
   }
-  if (!serve_op(core, placed && k == outs.size(), t, b)) python_path(cfg.apply_out, h, {inputs}, names, {outs});
+  if (!serve_op(core, placed && k == outs.size(), t, b)) python_path("apply_out", h, {inputs}, names, {outs});
 }
 
 std::vector<at::Tensor> apply_backward_kernel(c10::SymInt handle, at::TensorList grads, at::TensorList inputs,
                                               c10::string_view names) {
-  return python_path(cfg.apply_backward, handle.expect_int(), {grads, inputs}, names);
+  return python_path("apply_backward", handle.expect_int(), {grads, inputs}, names);
 }
 
 // the CPU or CUDA kernel of the custom op `name`, called below autograd (its schema found once)
@@ -1346,7 +1345,7 @@ auto below_autograd(const char* name, Args&&... args) {
 // autograd: a call that needs none goes below autograd in C++; one that does, to Python's
 // autograd.Function around the op (tileops/runtime/library.py)
 std::vector<at::Tensor> apply_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_view names) {
-  if (any_requires_grad({inputs})) return python_path(cfg.apply_grad, handle.expect_int(), {inputs}, names);
+  if (any_requires_grad({inputs})) return python_path("apply_grad", handle.expect_int(), {inputs}, names);
   return below_autograd<apply_kernel>("tileops::apply", std::move(handle), inputs, names);
 }
 
@@ -1360,24 +1359,22 @@ void apply_out_autograd(c10::SymInt handle, at::TensorList inputs, c10::string_v
 std::vector<at::Tensor> apply_backward_autograd(c10::SymInt handle, at::TensorList grads, at::TensorList inputs,
                                                 c10::string_view names) {
   if (any_requires_grad({grads, inputs}))  // create_graph=True: results that raise only when differentiated
-    return python_path(cfg.apply_backward_grad, handle.expect_int(), {grads, inputs}, names);
+    return python_path("apply_backward_grad", handle.expect_int(), {grads, inputs}, names);
   return below_autograd<apply_backward_kernel>("tileops::apply_backward", std::move(handle), grads, inputs, names);
 }
 
 // ------------------------------------------------------------------------------ module
 PyObject* configure(PyObject*, PyObject* args, PyObject* kw) {
   static const char* kwlist[] = {"rc_record_failed", "rc_capturing", "env_strict", "when_now", "when_earlier",
-                                 "when_graph", "raise_bad", "disjoint", "late", "apply", "apply_out",
-                                 "apply_backward", "apply_grad", "apply_backward_grad", nullptr};
+                                 "when_graph", "raise_bad", "disjoint", "late", "general", nullptr};
   if (configured.load()) {  // before parsing: parsing writes into cfg
     PyErr_SetString(PyExc_RuntimeError, "tileops: the native runtime is configured once");
     return nullptr;
   }
   int strict;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOOOOOO", (char**)kwlist, &cfg.rc_record_failed,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "iipUUUOOOO", (char**)kwlist, &cfg.rc_record_failed,
                                    &cfg.rc_capturing, &strict, &cfg.when_now, &cfg.when_earlier, &cfg.when_graph,
-                                   &cfg.raise_bad, &cfg.disjoint, &cfg.late, &cfg.apply, &cfg.apply_out,
-                                   &cfg.apply_backward, &cfg.apply_grad, &cfg.apply_backward_grad))
+                                   &cfg.raise_bad, &cfg.disjoint, &cfg.late, &cfg.general))
     return nullptr;
   cfg.env_strict = strict != 0;
   Py_INCREF(args);  // the objects cfg borrows from the arguments: held for the process's life

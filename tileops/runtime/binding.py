@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -28,7 +29,7 @@ import torch
 
 from .memory import span
 
-__all__ = ["Binding", "Launch", "with_overlap_checks", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
+__all__ = ["Binding", "Launch", "with_overlap_checks", "late_tensors", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
 
 #: how a call gets each output: its ``like`` input not given (no output), a new tensor allocated per
 #: call as ``torch.empty_like(<like input>)``, the like input itself (in place), or a tensor the call gives
@@ -106,11 +107,26 @@ class Binding:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "produced", tuple(j for j, mode in enumerate(self.outputs) if mode != ABSENT))
+        if self.late:
+            _late[id(self)] = self
 
     @property
     def kernel(self) -> Any:
         """The first launch's kernel (the one a single-kernel binding has)."""
         return self.launches[0].kernel
+
+
+#: the bindings with late-bound slots, by ``id()``, while they live: the native executor keeps a
+#: binding's numbers, not its Python functions, and finds them here (:func:`late_tensors`)
+_late: "weakref.WeakValueDictionary[int, Binding]" = weakref.WeakValueDictionary()
+
+
+def late_tensors(key: int, inputs: tuple) -> list[torch.Tensor]:
+    """The tensors of the late-bound slots of the binding whose ``id()`` is ``key``, for a call whose
+    inputs (tensor or None each, in the manifest's order) are ``inputs``."""
+    b = _late[key]
+    named = dict(zip(b.names, inputs))
+    return [fn(named) for _, fn in b.late]
 
 
 def with_overlap_checks(binding: Binding, tensors: Mapping[str, Any], outs: Mapping[str, Any],

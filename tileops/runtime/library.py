@@ -39,29 +39,59 @@ import torch
 from ..compile import entry
 from ..torch_private import DelayedError, below_autograd
 from . import errors, memory, native
+from .binding import late_tensors
+from .served import Layout, Served
 
-__all__ = ["register", "lookup", "pack", "produced", "written", "raise_bad", "late"]
+__all__ = ["register", "lookup", "layout", "pack", "written", "raise_bad", "general"]
 
-_ops: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+#: handle -> (the op's calls, each held weakly; its layout); a handle leaves when its op is collected
+_ops: "dict[int, tuple[Served, Layout]]" = {}
 _ids = itertools.count(1)
 _lock = threading.Lock()
 
 
-def register(op: Any) -> int:
-    """A handle for ``op``, valid while the op lives."""
+def register(served: Served, layout: Layout) -> int:
+    """A handle for an op (:mod:`tileops.runtime.served`: what the runtime may call on it, and what
+    it reads of it), valid while the op lives: ``served`` holds its bound methods, which the runtime
+    holds weakly, forgetting the handle when the op is garbage collected."""
     with _lock:
         handle = next(_ids)
-        _ops[handle] = op
+        forget = lambda _: _ops.pop(handle, None)  # noqa: E731
+        _ops[handle] = (Served(*(weakref.WeakMethod(fn, forget) for fn in served)), layout)
     return handle
 
 
-def lookup(handle: int) -> Any:
-    """The op of ``handle``. A fake implementation may get the handle as a SymInt (``dynamic=True``
-    makes ints symbolic): ``int()`` specializes the graph on it, which is what a handle is for."""
-    op = _ops.get(int(handle))
-    if op is None:
+def _registered(handle: int) -> "tuple[Served, Layout]":
+    """The op of ``handle``: its calls (weak references) and its layout. A fake implementation may get
+    the handle as a SymInt (``dynamic=True`` makes ints symbolic): ``int()`` specializes the graph on
+    it, which is what a handle is for."""
+    got = _ops.get(int(handle))
+    if got is None:
         raise RuntimeError(f"tileops: op handle {handle} names no live op (the op was garbage collected)")
-    return op
+    return got
+
+
+def _call(handle: int, what: str) -> "tuple[Any, Layout]":
+    """The op of ``handle``'s call ``what`` (a field of :class:`Served`), and its layout."""
+    calls, lay = _registered(handle)
+    return _live(getattr(calls, what), handle), lay
+
+
+def _live(ref: weakref.WeakMethod, handle: int) -> Any:
+    fn = ref()
+    if fn is None:  # collected since the lookup: its handle is leaving
+        raise RuntimeError(f"tileops: op handle {handle} names no live op (the op was garbage collected)")
+    return fn
+
+
+def lookup(handle: int) -> Served:
+    """The calls of the op of ``handle``."""
+    return Served(*(_live(ref, handle) for ref in _registered(handle)[0]))
+
+
+def layout(handle: int) -> Layout:
+    """The layout the op of ``handle`` registered with."""
+    return _registered(handle)[1]
 
 
 def raise_bad(handle: int, values: "torch.Tensor | None", when: str, name: str = "",
@@ -72,72 +102,59 @@ def raise_bad(handle: int, values: "torch.Tensor | None", when: str, name: str =
     input only may leave ``name`` empty. ``record``: the kernel's record of the first bad element
     and the tensor's sizes and strides as launched (:func:`tileops.runtime.errors.found`), which
     names the index when the tensor is gone."""
-    lookup(handle)._raise_bad_value(name, values, when, errors.found(*record) if record is not None else None)
+    _call(handle, "raise_bad_value")[0](name, values, when, errors.found(*record) if record is not None else None)
 
 
-def late(handle: int, key: int, inputs: tuple) -> list[torch.Tensor]:
-    """The tensors of a binding's late-bound slots for one call (the native executor calls this;
-    ``key`` is the binding's ``id``, kept by the op while the runtime may use it)."""
-    b = lookup(handle)._late[key]
-    named = dict(zip(b.names, inputs))
-    return [fn(named) for _, fn in b.late]
-
-
-def pack(op: Any, tensors: dict) -> tuple[list[torch.Tensor], str]:
+def pack(layout: Layout, tensors: dict) -> tuple[list[torch.Tensor], str]:
     """The given inputs of a call as the custom ops take them: the tensors in the manifest's order
     and their names, comma-separated (a string is a constant to Dynamo; a list holding None would
     not be differentiable)."""
-    given = [t.name for t in op.manifest.inputs if tensors.get(t.name) is not None]
+    given = [n for n in layout.inputs if tensors.get(n) is not None]
     return [tensors[n] for n in given], ",".join(given)
 
 
-def _inputs(op: Any, inputs: list[torch.Tensor], names: str, saved: bool = False) -> dict:
+def _inputs(layout: Layout, inputs: list[torch.Tensor], names: str, saved: bool = False) -> dict:
     """Every input of the op by name (None for one not given), from :func:`pack`'s list and names;
     with ``saved`` (``apply_backward``), also the outputs the manifest's ``backward.saves`` names
     that the list holds after the inputs."""
     given = dict(zip(names.split(","), inputs)) if names else {}
-    known = {t.name for t in op.manifest.inputs}
-    extra = {n for e in op.manifest.backward.saves for n in e} - known if saved and op.manifest.backward else set()
+    known = set(layout.inputs)
+    bwd = layout.backward
+    extra = {n for e in bwd.saves for n in e} - known if saved and bwd else set()
     if len(given) != len(inputs) or not set(given) <= known | extra:
-        raise TypeError(f"{op.name}: inputs {names!r} do not match its inputs "
-                        f"({', '.join(t.name for t in op.manifest.inputs)})")
-    return {t.name: given.get(t.name) for t in op.manifest.inputs} | {n: given[n] for n in extra if n in given}
+        raise TypeError(f"{layout.name}: inputs {names!r} do not match its inputs ({', '.join(layout.inputs)})")
+    return {n: given.get(n) for n in layout.inputs} | {n: given[n] for n in extra if n in given}
 
 
-def written(op: Any, tensors: dict) -> list[str]:
+def written(layout: Layout, tensors: dict) -> list[str]:
     """The inputs of a call with ``tensors`` that the op writes in place (``written`` in its manifest), given ones."""
-    return [t.name for t in op.manifest.inputs if t.written and tensors.get(t.name) is not None]
-
-
-def produced(op: Any, tensors: dict) -> list:
-    """The manifest's outputs a call with ``tensors`` produces: those whose ``like`` input is given."""
-    return [o for o in op.manifest.outputs if tensors.get(o.like) is not None]
+    return [n for n in layout.written if tensors.get(n) is not None]
 
 
 # ------------------------------------------------------------------ the general path of each op
 def _apply(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
-    op = lookup(handle)
+    call, lay = _call(handle, "call")
     with torch.no_grad():  # autograd is registered on this op, not traced through its body
-        out = op._eager_call(_inputs(op, inputs, names), {})
+        out = call(_inputs(lay, inputs, names), {})
     return list(out) if isinstance(out, tuple) else [out]
 
 
 def _apply_fake(handle: int, inputs: list[torch.Tensor], names: str) -> list[torch.Tensor]:
-    op = lookup(handle)
-    tensors = _inputs(op, inputs, names)
-    return [op._new_output(o.name, tensors) for o in produced(op, tensors)]
+    lay = layout(handle)
+    tensors = _inputs(lay, inputs, names)
+    return [lay.new_output(o, tensors) for o in lay.produced(tensors)]
 
 
 def _apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
                     names: str) -> list[torch.Tensor]:
     """Gradients of the inputs ``backward.wrt`` names that are given, in that order, from the outputs'
     (``inputs`` and ``names`` end with the outputs ``backward.saves`` names, when it names any)."""
-    op = lookup(handle)
-    tensors = _inputs(op, inputs, names, saved=True)
-    got = list(op._eager_backward(tuple(grads), tensors))
+    backward, lay = _call(handle, "backward")
+    tensors = _inputs(lay, inputs, names, saved=True)
+    got = list(backward(tuple(grads), tensors))
     # the strides the fake promised (a compiled graph views the result by them): the kernels' own
     # choice but after a fallback, which is copied
-    for i, ref in enumerate(_gradient_layouts(op, tensors, grads)):
+    for i, ref in enumerate(_gradient_layouts(lay, tensors, grads)):
         if got[i].stride() != ref.stride():
             promised = torch.empty_like(ref)
             if promised.stride() != got[i].stride():
@@ -150,15 +167,15 @@ def _apply_backward(handle: int, grads: list[torch.Tensor], inputs: list[torch.T
     return got
 
 
-def _gradient_layouts(op: Any, tensors: dict, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _gradient_layouts(lay: Layout, tensors: dict, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """For each gradient ``apply_backward`` returns, a tensor it is laid out like (``empty_like``),
     in its input's dtype: the gradient of the output like its input, as the kernels write it, not
     the input (in a compiled training step they differ: an attention's gradient is ``[b, h, s, d]``
     where the op's input was a ``[b, s, h, d]`` view); an input no output is like (``backward.reduce``)
     is its own layout."""
-    like = {o.like: g for o, g in zip(produced(op, tensors), grads)}
+    like = {o.like: g for o, g in zip(lay.produced(tensors), grads)}
     out = []
-    for w in op.manifest.backward.wrt:
+    for w in lay.backward.wrt:
         t = tensors.get(w)
         if t is not None:
             ref = like.get(w, t)
@@ -168,17 +185,17 @@ def _gradient_layouts(op: Any, tensors: dict, grads: list[torch.Tensor]) -> list
 
 def _apply_backward_fake(handle: int, grads: list[torch.Tensor], inputs: list[torch.Tensor],
                          names: str) -> list[torch.Tensor]:
-    op = lookup(handle)
-    return [torch.empty_like(t) for t in _gradient_layouts(op, _inputs(op, inputs, names, saved=True), grads)]
+    lay = layout(handle)
+    return [torch.empty_like(t) for t in _gradient_layouts(lay, _inputs(lay, inputs, names, saved=True), grads)]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
     handle, tensors, names = inputs
-    op = lookup(handle)
+    lay = layout(handle)
     # the outputs the backward reads (backward.saves): passed to apply_backward after the inputs
-    given = _inputs(op, list(tensors), names)
-    made = [o.name for o in produced(op, given)]
-    bwd = op.manifest.backward
+    given = _inputs(lay, list(tensors), names)
+    made = [o.name for o in lay.produced(given)]
+    bwd = lay.backward
     kept = [n for n in bwd.saved(lambda n: n in made or given.get(n) is not None) if n in made] if bwd else []
     ctx.handle, ctx.names, ctx.n_inputs = handle, ",".join([names, *kept]) if kept else names, len(tensors)
     # every input: for the shapes, the kernel choice and what the backward reads (inputs not differentiated)
@@ -186,24 +203,24 @@ def _setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
 
 
 def _backward(ctx: Any, grads: list[torch.Tensor]) -> tuple:
-    op = lookup(ctx.handle)
+    lay = layout(ctx.handle)
     saved = list(ctx.saved_tensors)
-    tensors = _inputs(op, saved, ctx.names, saved=True)
-    grads = [g if g is not None else op._new_output(o.name, tensors, zeros=True)
-             for g, o in zip(grads, produced(op, tensors))]
-    got = dict(zip([w for w in op.manifest.backward.wrt if tensors.get(w) is not None],
+    tensors = _inputs(lay, saved, ctx.names, saved=True)
+    grads = [g if g is not None else lay.new_output(o, tensors, zeros=True)
+             for g, o in zip(grads, lay.produced(tensors))]
+    got = dict(zip([w for w in lay.backward.wrt if tensors.get(w) is not None],
                    torch.ops.tileops.apply_backward(ctx.handle, grads, saved, ctx.names)))
     return None, [got.get(n) for n in ctx.names.split(",")[:ctx.n_inputs]], None
 
 
 def _apply_out(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
-    op = lookup(handle)
-    tensors = _inputs(op, inputs, names)
-    made = produced(op, tensors)
+    call, lay = _call(handle, "call")
+    tensors = _inputs(lay, inputs, names)
+    made = lay.produced(tensors)
     # the written inputs come after the outputs, in the manifest's order (Op._traced_call); the
     # loader makes every written input a required one, so all of them are there
-    tensors |= dict(zip([t.name for t in op.manifest.inputs if t.written], outs[len(made):]))
-    op._eager_call(tensors, {o.name: t for o, t in zip(made, outs)})
+    tensors |= dict(zip(lay.written, outs[len(made):]))
+    call(tensors, {o.name: t for o, t in zip(made, outs)})
 
 
 def _apply_out_fake(handle: int, inputs: list[torch.Tensor], names: str, outs: list[torch.Tensor]) -> None:
@@ -240,10 +257,22 @@ def _apply_backward_grad(handle: int, grads: list[torch.Tensor], inputs: list[to
     only when differentiated."""
     with below_autograd():
         got = torch.ops.tileops.apply_backward.default(handle, grads, inputs, names)
-    fail = DelayedError(f"{lookup(handle).name}: double backward (a gradient of the gradient) is not supported",
+    fail = DelayedError(f"{layout(handle).name}: double backward (a gradient of the gradient) is not supported",
                         len(got))
     out = fail(*[g.detach().requires_grad_(True) for g in got])
     return list(out) if isinstance(out, tuple) else [out]
+
+
+#: the Python body of each custom op (and, with the extension, of its autograd kernel's call that
+#: needs Python autograd), by the name the extension's kernels pass to :func:`general`
+_GENERAL = {"apply": _apply, "apply_out": _apply_out, "apply_backward": _apply_backward,
+            "apply_grad": _apply_grad, "apply_backward_grad": _apply_backward_grad}
+
+
+def general(what: str, handle: int, *args: Any) -> Any:
+    """The extension's one way back into Python for its custom ops: the body ``what`` names
+    (:data:`_GENERAL`) of a call its C++ kernels do not serve, with the op's schema's arguments."""
+    return _GENERAL[what](handle, *args)
 
 
 if native.module is None:
@@ -251,12 +280,11 @@ if native.module is None:
     apply.register_autograd(_backward, setup_context=_setup_context)
     apply_out = torch.library.custom_op("tileops::apply_out", mutates_args=("outs",))(_apply_out)
     apply_backward = torch.library.custom_op("tileops::apply_backward", mutates_args=())(_apply_backward)
-else:  # defined by the extension: its kernels call these bodies for what they do not serve
+else:  # defined by the extension: its kernels call general() for what they do not serve
     native.module.configure(
         rc_record_failed=entry.RECORD_FAILED, rc_capturing=entry.CAPTURING, env_strict=errors.ENV_STRICT,
         when_now=errors.WHEN_NOW, when_earlier=errors.WHEN_EARLIER, when_graph=errors.WHEN_GRAPH,
-        raise_bad=raise_bad, disjoint=memory.disjoint, late=late, apply=_apply, apply_out=_apply_out,
-        apply_backward=_apply_backward, apply_grad=_apply_grad, apply_backward_grad=_apply_backward_grad)
+        raise_bad=raise_bad, disjoint=memory.disjoint, late=late_tensors, general=general)
     try:
         if torch.version.cuda is not None and torch.cuda.device_count() > 0:  # NVML: no CUDA initialised
             native.module.set_driver(*errors.driver_addresses(), errors.make_event)
