@@ -74,6 +74,8 @@ def test_a_plan_names_what_does_not_fit():
         Plan("bad", inputs=("x",), outputs=(), steps=(Step("k", {"S": Scalar("s")}),))
     with pytest.raises(PlanError, match="dtype 'float7'"):
         Plan("bad", inputs=("x",), outputs=(), workspaces=(Workspace("w", "float7", "1"),), steps=())
+    with pytest.raises(PlanError, match=r"error words are 0 \.\. 3, got \{'x': 4\}"):
+        Plan("bad", inputs=("x",), outputs=(), checks={"x": 4}, steps=())
     x = torch.zeros(4, 4)
     with pytest.raises(PlanError, match=r"partials.M: `M`: unknown name 'M'"):
         SUM_ROWS.bind(kernels(), {"x": x}, {}, env={"N": 4, "xs": 4, "G": G})

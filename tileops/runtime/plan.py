@@ -162,6 +162,10 @@ class Plan:
             if w.dtype not in _ELEMENT:
                 raise PlanError(f"plan {self.name!r}: workspace {w.name}: dtype {w.dtype!r} is not one of "
                                 f"{', '.join(_ELEMENT)}")
+        from .errors import WORDS
+
+        if any(not 0 <= w < WORDS for w in self.checks.values()):
+            raise PlanError(f"plan {self.name!r}: checks: error words are 0 .. {WORDS - 1}, got {dict(self.checks)}")
         known = set(names)
         checking = [i for i, s in enumerate(self.steps) if any(isinstance(r, ErrorWord) for r in s.args.values())]
         if len(checking) > 1 or (self.checks and not checking):
