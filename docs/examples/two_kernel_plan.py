@@ -9,6 +9,7 @@ on both executors).
     python docs/examples/two_kernel_plan.py
 """
 # (no `from __future__ import annotations`: TileLang reads the prim_funcs' annotations as objects)
+import logging
 import threading
 
 import torch
@@ -44,6 +45,8 @@ def _compile() -> dict:
     from tileops.compile.entry import raw_kernel
 
     tilelang = tilelang_api.load()
+    # TileLang logs two INFO lines per compile to stdout (tileops drops them from its own compiles)
+    logging.getLogger("tilelang").setLevel(logging.WARNING)
     from tilelang import language as T
 
     NX, NP, NY = T.dynamic("NX"), T.dynamic("NP"), T.dynamic("NY")
