@@ -67,9 +67,10 @@ class RoPETables:
 class DynamicNTKTables:
     """Dynamic NTK's digit tables for one rotated width on one device, and the launch that keeps
     them and the op's cached length current: ``kernels/ntk.py``, one small kernel per call in the
-    call's stream, ahead of the RoPE kernel, run by the op's runtime as the plan :data:`NTK_UPDATE`. This is the tables' holder at run time; what that
-    kernel is compiled for is a :class:`kernels.ntk.NTKKernelSpec`. It updates the length (a float64 tensor on the device,
-    the op's state) from the call's ``seq_len`` or ``max(position_ids) + 1`` and rewrites the
+    call's stream, ahead of the RoPE kernel, run by the op's runtime as the plan :data:`NTK_UPDATE`.
+    This is the tables' holder at run time; what that kernel is compiled for is a
+    :class:`kernels.ntk.NTKKernelSpec`. It updates the length (a float64 tensor on the device, the
+    op's state) from the call's ``seq_len`` or ``max(position_ids) + 1`` and rewrites the
     tables only where the length changed; nothing is read on the host, so a call can be captured in
     a CUDA graph and replayed with other positions.
 
@@ -116,8 +117,7 @@ class DynamicNTKTables:
         if position_ids is not None and position_ids.numel() == 0:  # no position, no length: all stays
             return self.tables
         tensors = {"tables": self.tables, "state": self.state, "stamps": self.stamps, "position_ids": position_ids}
-        positions = None if position_ids is None else str(position_ids.dtype).replace("torch.", "")
-        b = self._bound.get((positions, signature(NTK_UPDATE.inputs, tensors)), lambda: self._binding(tensors))
+        b = self._bound.get(signature(NTK_UPDATE.inputs, tensors), lambda: self._binding(tensors))
         # a length that changes every call (a decode step's) is a per-call scalar, not a new binding
         runtime.execute(b, tensors, {}, (seq_len if position_ids is None else 0,))
         return self.tables
