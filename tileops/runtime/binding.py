@@ -29,7 +29,7 @@ import torch
 
 from .memory import span
 
-__all__ = ["Binding", "Launch", "with_overlap_checks", "late_tensors", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
+__all__ = ["Binding", "Launch", "with_overlap_checks", "late_tensors", "device_of", "ABSENT", "NEW", "IN_PLACE", "GIVEN"]
 
 #: how a call gets each output: its ``like`` input not given (no output), a new tensor allocated per
 #: call as ``torch.empty_like(<like input>)``, the like input itself (in place), or a tensor the call gives
@@ -114,6 +114,12 @@ class Binding:
     def kernel(self) -> Any:
         """The first launch's kernel (the one a single-kernel binding has)."""
         return self.launches[0].kernel
+
+
+def device_of(kernel: Any) -> torch.device:
+    """The device a :class:`tileops.compile.entry.RawKernel` launches on (where a binding's per-call
+    workspaces are allocated)."""
+    return torch.device("cpu") if kernel.device_index is None else torch.device("cuda", kernel.device_index)
 
 
 #: the bindings with late-bound slots, by ``id()``, while they live: the native executor keeps a

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 import torch
 
 from . import errors, library, native
-from .binding import IN_PLACE, NEW, Binding
+from .binding import IN_PLACE, NEW, Binding, device_of
 from .memory import disjoint
 
 __all__ = ["new_runtime", "PythonRuntime"]
@@ -97,7 +97,7 @@ class PythonRuntime:
                 ptr[n_in + j] = t.data_ptr()
         work = None
         if b.work_bytes:  # the per-call workspaces: one allocation, alive until the launches are queued
-            work = torch.empty(b.work_bytes, dtype=torch.uint8, device=_device_of(b))
+            work = torch.empty(b.work_bytes, dtype=torch.uint8, device=device_of(b.kernel))
             ptr += [work.data_ptr() + offset for offset in b.work]
         for k, launch in enumerate(b.launches):
             args = launch.template[:]
@@ -171,9 +171,3 @@ class PythonRuntime:
 def _bad(words: Any, w: int, tag: int, checked: list) -> Any:
     """The first ``(word, values, name, shape)`` of ``checked`` whose word of entry ``w`` holds ``tag``, or None."""
     return next((c for c in checked if words.read(w, c[0]) == tag), None)
-
-
-def _device_of(b: Binding) -> torch.device:
-    """The device of a binding's launches (where its per-call workspaces are allocated)."""
-    index = b.launches[0].kernel.device_index
-    return torch.device("cpu") if index is None else torch.device("cuda", index)

@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..manifest.expr import Expr, ExprError, parse_expr
-from .binding import ABSENT, GIVEN, IN_PLACE, NEW, Binding, Launch
+from .binding import ABSENT, GIVEN, IN_PLACE, NEW, Binding, Launch, device_of
 
 __all__ = ["Plan", "Step", "Output", "Workspace", "Ptr", "Value", "Scalar", "ErrorWord", "Tag", "Bound",
            "PlanError", "WORK_ALIGN", "fit", "copy_back", "signature"]
@@ -245,7 +245,7 @@ class Plan:
         kept: list[torch.Tensor] = []
         kept_at: dict[str, int] = {}
         offset = 0
-        device = _device(kernels)
+        device = device_of(next(iter(kernels.values()))) if kernels else torch.device("cpu")
         for w in self.workspaces:
             if w.when is not None and tensors.get(w.when) is None:
                 continue
@@ -380,8 +380,3 @@ def signature(names: tuple[str, ...], tensors: Mapping[str, Any]) -> tuple:
 
 #: bytes an element of a workspace's dtype takes
 _ELEMENT = {"float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1, "float16": 2, "bfloat16": 2}
-
-
-def _device(kernels: Mapping[str, Any]) -> torch.device:
-    index = next(iter(kernels.values())).device_index if kernels else None
-    return torch.device("cpu") if index is None else torch.device("cuda", index)
