@@ -39,7 +39,8 @@ from ..runtime.binding import Binding
 from ..runtime.plan import Bound, Output, Plan, Ptr, Step, Value, Workspace, copy_back, fit, signature
 from . import hooks
 
-__all__ = ["implement", "kernel_spec", "kernel_specs", "WIDE_BACKWARD_MIN_HIDDEN", "NormKernels", "row_layout", "RESIDENT_THREADS", "C_BLOCKS"]
+__all__ = ["implement", "kernel_spec", "kernel_specs", "WIDE_BACKWARD_MIN_HIDDEN", "NormKernels", "row_layout",
+           "RESIDENT_THREADS", "C_BLOCKS"]
 
 #: CUDA: the threads of the backward's persistent blocks an SM holds at once (kernels/norm.py asks
 #: nvcc for at most 64 registers a thread, so that 1024 fit): ``G`` is at most one wave of them
@@ -160,7 +161,7 @@ class NormKernels:
         self.plan = Plan.of(op.manifest, FORWARD)
         self._bound = Bound()  # the general path's bindings, by call signature (None: copied first)
         # the backward's stand-in for the bias, which it does not read (nor keep): its dtype, db's
-        self._bias_dtype = (torch.empty(0, dtype=DTYPE[self.given["bias"]], device=self.device)
+        self._bias_stand_in = (torch.empty(0, dtype=DTYPE[self.given["bias"]], device=self.device)
                             if "bias" in self.given else None)
         self._sms = 0
 
@@ -283,7 +284,7 @@ class NormKernels:
         dy = grads[0]
         launch = {"x": tensors["residual_out"] if "residual" in given else tensors["x"], "dy": dy,
                   "dro": grads[1] if "residual" in given else None, "weight": self._param(tensors.get("weight")),
-                  "bias": self._bias_dtype}
+                  "bias": self._bias_stand_in}
         if dy.numel():
             dx, dw, db = self._run_backward(launch)
         else:  # no rows: nothing to launch; the weight's and bias's gradients are zeros
