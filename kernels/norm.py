@@ -115,6 +115,10 @@ _MAX_THREAD_BYTES = 256
 #: at most this many rows a lane group holds at once (the forward's row-per-warp schedule)
 _MAX_GROUP_ROWS = 8
 _MAX_BLOCK_THREADS = 1024
+#: CUDA: shared memory an SM of an H100/H200 holds (228 KB), and what the driver keeps of it for each
+#: block (1 KB): ``bwd_async``'s rows ahead are as many as leave the backward's blocks resident
+_SM_SHARED_BYTES = 228 << 10
+_BLOCK_RESERVED_SHARED = 1 << 10
 
 #: the generated functions' parameters, in order, per kind. The launcher binds arguments by these
 #: names; a tensor the spec does not use is passed as 0.
@@ -285,6 +289,26 @@ class NormKernelSpec:
     def rows_per_block(self) -> int:
         """CUDA: rows one block handles."""
         return self.block_threads // self.lanes * self.group_rows
+
+    @property
+    def async_rows(self) -> int:
+        """CUDA backward: the rows ahead ``bwd_async`` copies to shared memory, at most as many as keep
+        ``1024 / block_threads`` blocks an SM, each with its slots (x, dy, and the residual's gradient
+        of ``async_rows + 1`` rows), the weight where ``bwd_w_shared`` puts it there, the row sums and
+        1 KB of alignment beside the driver's 1 KB: at 16384 bf16 wide with a residual, 2 rows ahead
+        would take 288 KB a block (so 1, 192 KB); at 4096 with a residual and the weight, 2 would
+        leave 2 blocks an SM of the 4 the grid counts on. 0 for a row-per-warp schedule."""
+        if self.kind != "bwd" or self.backend != "cuda" or self.per_warp:
+            return 0
+        e = _ELEM_BYTES
+        slot = self.vectors * self.lanes * self.vec * (e[self.dtype] * (2 if self.residual else 1) + e[self.y_dtype])
+        fixed = (self.hidden * e[self.weight] if self.bwd_w_shared and self.weight else 0) + 2 * 3 * 4 * (
+            self.block_threads // 32) + 1024
+        budget = _SM_SHARED_BYTES // max(1, _RESIDENT_THREADS // self.block_threads) - _BLOCK_RESERVED_SHARED
+        d = self.bwd_async
+        while d and (d + 1) * slot + fixed > budget:
+            d -= 1
+        return d
 
     @property
     def partials_per_block(self) -> int:
@@ -919,7 +943,7 @@ def _bwd_cuda(spec: NormKernelSpec):
     has_w = spec.weight is not None
     layer = spec.norm == "layer"
     has_b = spec.bias is not None
-    D = spec.bwd_async if k.wide else 0
+    D = spec.async_rows
     allsum = k.allsum_macro(one_by_one=bool(D))
     row_mean = k.mean_macro(allsum)
     store_x, store_y = k.store_macro(spec.dtype), k.store_macro(spec.y_dtype)
@@ -933,7 +957,7 @@ def _bwd_cuda(spec: NormKernelSpec):
     # reads back only those, so no barrier orders them
     w_sh = bool(spec.bwd_w_shared) and k.wide and has_w
     wi = (lambda j, v: v) if w_sh else (lambda j, v: j * V + v)  # noqa: E731 - vector j's weight v in wr
-    # bwd_async (row-per-block): D rows ahead in shared slots, D + 1 of them: iteration ``it`` reads slot
+    # bwd_async (row-per-block; D: NormKernelSpec.async_rows): D rows ahead in shared slots, D + 1 of them: iteration ``it`` reads slot
     # ``it % (D + 1)`` and refills slot ``(it + D) % (D + 1)``, the one it read the iteration before (whose
     # values its registers had consumed by then), so a copy never lands on a slot still being read
     RW = NV * L * V  # a slot: every vector of a row, lanes past the row included

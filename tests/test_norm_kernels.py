@@ -409,6 +409,24 @@ def test_backward_knobs_give_the_default_bits(fields, knob_set, gen):
         del b
 
 
+def test_async_rows_leave_the_blocks_resident():
+    """``bwd_async`` copies as many rows ahead as keep 1024 threads' blocks an SM in its 228 KB of shared
+    memory: two rows of 16384 bf16 (x and dy, 64 KB a row) beside the next one in a 1024-thread block,
+    one with a residual (three rows of 96 KB would not fit); none beside the weight at 4096 wide with a
+    residual (4 blocks of 2 x 24 KB + 8 KB + 1 KB each are past 228 KB); none in a row-per-warp schedule;
+    and the source then copies with cp.async, 16 bytes at a time."""
+    S = get_spec("norm")
+    wide = {"kind": "bwd", "dtype": "bfloat16", "weight": "bfloat16", "bwd_vectors_per_thread": 2}
+    assert S(hidden=16384, bwd_async=2, **wide).async_rows == 2
+    assert S(hidden=16384, bwd_async=2, residual=True, **wide).async_rows == 1
+    assert S(hidden=4096, bwd_async=1, residual=True, **wide).async_rows == 1
+    assert S(hidden=4096, bwd_async=1, residual=True, bwd_w_shared=1, **wide).async_rows == 0
+    assert S(hidden=128, bwd_async=2, **wide).async_rows == 0
+    assert S(hidden=16384, **wide).async_rows == 0
+    src = emit_source("norm", S(hidden=8192, bwd_async=1, backend="cuda", **wide), "cuda", "sm_90")
+    assert "tileops_cp_async<16>" in src and "extern __shared__" in src
+
+
 def test_backward_knobs_are_checked():
     S = get_spec("norm")
     for name in _BWD_KNOBS:
