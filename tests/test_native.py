@@ -141,6 +141,35 @@ def test_q_and_k_on_hf_views_with_new_outputs_stay_on_the_native_path(gen):
                                       {"x": kh.transpose(1, 2), "position_ids": pos}))
 
 
+def test_a_served_calls_outputs_are_seen_by_dispatch_modes_and_the_profiler(gen):
+    """The extension makes a new output past the dispatcher's first step only while nothing watches:
+    under a TorchDispatchMode the served q+k call's two allocations reach the mode, and the profiler
+    records them, as before (the call still served natively)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    native_module()
+    op = RoPEFwdOp(input_layout="2d")
+    qt = torch.randn(1, 2, 4, 16, generator=gen).transpose(1, 2)
+    kt = torch.randn(1, 1, 4, 16, generator=gen).transpose(1, 2)
+    pos = torch.arange(4)[None]
+    op(qt, position_ids=pos, key=kt)
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    hits = op._runtime.stats()["hits"]
+    with Log():
+        op(qt, position_ids=pos, key=kt)
+    with torch.profiler.profile() as prof:
+        op(qt, position_ids=pos, key=kt)
+    assert seen == ["aten.empty_strided.default"] * 2
+    assert sum(e.name == "aten::empty_strided" for e in prof.events()) == 2
+    assert op._runtime.stats()["hits"] == hits + 2
+
+
 def test_bad_positions_are_reported_once_at_the_same_calls(gen):
     """A run of good and bad calls (new and given outputs, with a key): the same calls raise the
     same messages both ways, and the good calls' results are the same."""
