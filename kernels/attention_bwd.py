@@ -517,9 +517,12 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
                 T.clear(dk)
                 T.clear(dv)
                 first, nq = _q_blocks(spec, n0, BN, BM, q.len, k.len, W)
-                for n in T.Pipelined(G * nq, num_stages=NS):
-                    h = hk * G + T.truncdiv(n, nq)
-                    m0 = (first + T.truncmod(n, nq)) * BM
+                # (first, first + ...): TileLang 0.1.15 lowered a pipelined loop from 0 to a dynamic count at
+                # 2+ stages with a wait count depending on the loop variable (`ptx_wait_group(2 - n * 2)`),
+                # which its codegen refuses; from a dynamic start it schedules the waits as constants
+                for n in T.Pipelined(first * G, (first + nq) * G, num_stages=NS):
+                    h = hk * G + T.truncdiv(n - first * G, nq)
+                    m0 = (first + T.truncmod(n - first * G, nq)) * BM
                     for r, d in T.Parallel(BM, D):
                         Q_s[r, d] = Q[q.row(_last(m0 + r, q.len), h, qsb, qss, qsh, U) + d]
                     for r, d in T.Parallel(BM, D):
@@ -580,8 +583,8 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
                     dl_s[r] = DELTA[q.lse(_last(m0 + r, q.len), h, lsb, lsh)]
                 T.clear(dq)
                 first, nk = _kv_blocks(spec, m0, BM, BN, q.len, k.len, W)
-                for n in T.Pipelined(nk, num_stages=NS):
-                    n0 = (first + n) * BN
+                for n in T.Pipelined(first, first + nk, num_stages=NS):
+                    n0 = n * BN
                     for jj, d in T.Parallel(BN, D):
                         K_s[jj, d] = K[k.row(_last(n0 + jj, k.len), hk, ksb, kss, ksh, U) + d]
                     for jj, d in T.Parallel(BN, D):

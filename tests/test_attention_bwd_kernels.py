@@ -19,7 +19,10 @@ Tolerances (:func:`error_scale`) are bounds from the arithmetic, per element, no
 * an error in s moves p by ``p * |ds|`` (``d exp(x) = exp(x) dx``), carried through to every gradient;
 * inputs in bf16/fp16: the kernels and the reference read the same rounded q, k, v, dO, o; the
   gradients are then rounded once to the dtype: its unit roundoff ``2^-8`` (bf16, 8 significant
-  bits) or ``2^-11`` (fp16, 11) relative, plus the fp32 bound above.
+  bits) or ``2^-11`` (fp16, 11) relative, plus the fp32 bound above; o, rounded once to the dtype,
+  moves delta by at most that roundoff times ``sum |dO o|``;
+* the CUDA schedule rounds p and ds to the dtype before the tensor-core products: one roundoff of
+  each, carried through ``dv = p^T dO``, ``dk = ds^T q``, ``dq = ds k`` (``Case.allowed``).
 """
 
 import functools
@@ -28,7 +31,7 @@ import math
 import pytest
 import torch
 
-from tileops.compile.build import load_kernel
+from tileops.compile.build import device_backend, load_kernel
 from tileops.kernels import get_spec
 
 CPU = torch.device("cpu")
@@ -113,16 +116,17 @@ class Case:
         total = 0.0
         err = {n: torch.zeros_like(t, dtype=dt) for n, t in (("dq", q), ("dk", k), ("dv", v))}
         once = {n: torch.zeros_like(t) for n, t in err.items()}
+        tiles = {n: torch.zeros_like(t) for n, t in err.items()}
         for b, rq, rk in self.seqs():
             o, lse, p, s_raw = attention64(self._part(q, b, rq), self._part(k, b, rk), self._part(v, b, rk),
                                            self.scale, self.causal, self.window, self.softcap)
             os_.append(o)
             lses.append(lse)
             total = total + (o * self._part(do, b, rq)).sum()
-            self._error_scale(err, once, b, rq, rk, o.detach(), lse.detach(), p.detach(), s_raw.detach())
+            self._error_scale(err, once, tiles, b, rq, rk, o.detach(), lse.detach(), p.detach(), s_raw.detach())
         total.backward()
         self.dq, self.dk, self.dv = q.grad, k.grad, v.grad
-        self.err, self.once = err, once
+        self.err, self.once, self.tiles = err, once, tiles
         # what the forward saves: o in the inputs' dtype, lse fp32 ([B, Hq, Sq]; varlen [Hq, total_q])
         if self.varlen:
             self.o = torch.cat([o.detach() for o in os_]).to(self.dtype)
@@ -131,7 +135,7 @@ class Case:
             self.o = torch.stack([o.detach() for o in os_]).to(self.dtype)
             self.lse = torch.stack([x.detach() for x in lses]).float().contiguous()
 
-    def _error_scale(self, err, once, b, rq, rk, o, lse, p, s_raw):
+    def _error_scale(self, err, once, tiles, b, rq, rk, o, lse, p, s_raw):
         """Adds to ``err`` the magnitudes the fp32 bound multiplies (the module's doc): for each gradient,
         the sum of |terms| of its sums, and the reach of the errors of s, dp and delta through them; to
         ``once`` what o's one rounding to the dtype moves (in units of the dtype's roundoff)."""
@@ -165,73 +169,83 @@ class Case:
         self._part(err["dq"], b, rq).add_(dq_mag.transpose(0, 1))
         self._part(once["dk"], b, rk).add_(per_kv(sc * ds_once.transpose(1, 2) @ qh.abs()))
         self._part(once["dq"], b, rq).add_((sc * ds_once @ kk.abs()).transpose(0, 1))
+        # the CUDA schedule rounds p and ds to the dtype for the tensor cores: once each, relative
+        self._part(tiles["dv"], b, rk).add_(per_kv(p.transpose(1, 2) @ doh.abs()))
+        self._part(tiles["dk"], b, rk).add_(per_kv(sc * ds.abs().transpose(1, 2) @ qh.abs()))
+        self._part(tiles["dq"], b, rq).add_((sc * ds.abs() @ kk.abs()).transpose(0, 1))
 
-    def allowed(self, name: str) -> torch.Tensor:
-        """The per-element bound of gradient ``name`` (the module's doc)."""
+    def allowed(self, name: str, tensor_cores: bool = False) -> torch.Tensor:
+        """The per-element bound of gradient ``name`` (the module's doc); ``tensor_cores``: with p and ds
+        rounded to the dtype before their products, as the CUDA schedule computes."""
         n = self.d + (self.hq // self.hkv) * max(self.lens_q) + max(self.lens_k) + 8
         want = getattr(self, name)
-        return n * U32 * self.err[name] + HALF_ULP[self.dtype] * (self.once[name] + want.abs())
+        once = self.once[name] + self.tiles[name] if tensor_cores else self.once[name]
+        return n * U32 * self.err[name] + HALF_ULP[self.dtype] * (once + want.abs())
 
 
 # ------------------------------------------------------------------------------- the kernels
-def spec(kind: str, case: Case, **fields):
+def spec(kind: str, case: Case, backend: str = "c", **fields):
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[case.dtype]
     masks = {} if kind == "prep" else dict(causal=case.causal, window=case.window is not None,
                                            softcap=case.softcap is not None)
-    return get_spec("attention_bwd")(kind=kind, head_dim=case.d, dtype=name, varlen=case.varlen, backend="c",
+    return get_spec("attention_bwd")(kind=kind, head_dim=case.d, dtype=name, varlen=case.varlen, backend=backend,
                                      **masks, **fields)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(s):
-    return load_kernel("attention_bwd", s, "c", "c", CPU, s.args)
+def _kernel(s, device):
+    backend, arch = device_backend(device)
+    return load_kernel("attention_bwd", s, backend, arch, device, s.args)
 
 
-def launch(s, **args) -> None:
-    k = _kernel(s)
+def launch(s, device, **args) -> None:
+    k = _kernel(s, device)
     k(*k.bind(**args, **dict.fromkeys(k.extent_names, 0)))
 
 
-def strides(prefix: str, t: torch.Tensor, varlen: bool) -> dict[str, int]:
-    """``{prefix}sb``, ``ss``, ``sh``: a dense [B, S, H, D] tensor's strides, or varlen [T, H, D]'s (sb 0)."""
+def strides(prefix: str, t: torch.Tensor, varlen: bool, unit: int) -> dict[str, int]:
+    """``{prefix}sb``, ``ss``, ``sh`` in ``unit`` elements: a dense [B, S, H, D] tensor's strides, or
+    varlen [T, H, D]'s (sb 0)."""
     assert t.stride(-1) == 1
-    if varlen:
-        return {f"{prefix}sb": 0, f"{prefix}ss": t.stride(0), f"{prefix}sh": t.stride(1)}
-    return {f"{prefix}sb": t.stride(0), f"{prefix}ss": t.stride(1), f"{prefix}sh": t.stride(2)}
+    got = (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+    assert all(x % unit == 0 for x in got), (prefix, got, unit)
+    return {f"{prefix}s{n}": x // unit for n, x in zip("bsh", got)}
 
 
-def run_backward(case: Case, **fields) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """delta, then dk/dv, then dq through the C schedule; returns (dq, dk, dv), NaN-filled before."""
-    vl = case.varlen
-    dq = torch.full(case.q.shape, NAN, dtype=case.dtype)
-    dk = torch.full(case.k.shape, NAN, dtype=case.dtype)
-    dv = torch.full(case.v.shape, NAN, dtype=case.dtype)
-    delta = torch.full(case.lse.shape, NAN, dtype=torch.float32)
-    cuq = torch.tensor([0, *torch.tensor(case.lens_q).cumsum(0).tolist()], dtype=torch.int32)
-    cuk = torch.tensor([0, *torch.tensor(case.lens_k).cumsum(0).tolist()], dtype=torch.int32)
+def run_backward(case: Case, device: torch.device = CPU, **fields) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """delta, then dk/dv, then dq through the schedule of ``device`` (C on the CPU); returns (dq, dk, dv)
+    on the CPU, NaN-filled before the kernels ran."""
+    vl, backend = case.varlen, device_backend(device)[0]
+    q, k, v, do, o, lse = (t.to(device) for t in (case.q, case.k, case.v, case.do, case.o, case.lse))
+    dq = torch.full(q.shape, NAN, dtype=case.dtype, device=device)
+    dk = torch.full(k.shape, NAN, dtype=case.dtype, device=device)
+    dv = torch.full(v.shape, NAN, dtype=case.dtype, device=device)
+    delta = torch.full(lse.shape, NAN, dtype=torch.float32, device=device)
+    cuq = torch.tensor([0, *torch.tensor(case.lens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cuk = torch.tensor([0, *torch.tensor(case.lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
     b = len(case.lens_q)
     sq, sk = max(case.lens_q), max(case.lens_k)
-    lse_st = dict(lsb=0 if vl else case.lse.stride(0), lsh=case.lse.stride(-2))
+    kinds = {kind: spec(kind, case, backend, **fields) for kind in ("prep", "dkdv", "dq")}
+    unit = kinds["dq"].stride_unit
+    lse_st = dict(lsb=0 if vl else lse.stride(0), lsh=lse.stride(-2))
     cu = dict(CUQ=cuq.data_ptr() if vl else 0, CUK=cuk.data_ptr() if vl else 0)
-    launch(spec("prep", case, **fields), O=case.o.data_ptr(), DO=case.do.data_ptr(), DELTA=delta.data_ptr(),
-           CUQ=cu["CUQ"], B=b, Hq=case.hq, Sq=sq, **strides("o", case.o, vl), **strides("do", case.do, vl),
-           **lse_st)
-    common = dict(Q=case.q.data_ptr(), K=case.k.data_ptr(), V=case.v.data_ptr(), DO=case.do.data_ptr(),
-                  LSE=case.lse.data_ptr(), DELTA=delta.data_ptr(), **cu, B=b, Hkv=case.hkv,
-                  G=case.hq // case.hkv, Sq=sq, Sk=sk, W=case.window or 0, scale=case.scale,
-                  softcap=case.softcap or 0.0, **strides("q", case.q, vl), **strides("k", case.k, vl),
-                  **strides("v", case.v, vl), **strides("do", case.do, vl), **lse_st)
-    launch(spec("dkdv", case, **fields), **common, DK=dk.data_ptr(), DV=dv.data_ptr(), **strides("dk", dk, vl),
-           **strides("dv", dv, vl))
-    launch(spec("dq", case, **fields), **common, DQ=dq.data_ptr(), **strides("dq", dq, vl))
-    return dq, dk, dv
+    launch(kinds["prep"], device, O=o.data_ptr(), DO=do.data_ptr(), DELTA=delta.data_ptr(), CUQ=cu["CUQ"], B=b,
+           Hq=case.hq, Sq=sq, **strides("o", o, vl, unit), **strides("do", do, vl, unit), **lse_st)
+    common = dict(Q=q.data_ptr(), K=k.data_ptr(), V=v.data_ptr(), DO=do.data_ptr(), LSE=lse.data_ptr(),
+                  DELTA=delta.data_ptr(), **cu, B=b, Hkv=case.hkv, G=case.hq // case.hkv, Sq=sq, Sk=sk,
+                  W=case.window or 0, scale=case.scale, softcap=case.softcap or 0.0, **strides("q", q, vl, unit),
+                  **strides("k", k, vl, unit), **strides("v", v, vl, unit), **strides("do", do, vl, unit), **lse_st)
+    launch(kinds["dkdv"], device, **common, DK=dk.data_ptr(), DV=dv.data_ptr(), **strides("dk", dk, vl, unit),
+           **strides("dv", dv, vl, unit))
+    launch(kinds["dq"], device, **common, DQ=dq.data_ptr(), **strides("dq", dq, vl, unit))
+    return dq.cpu(), dk.cpu(), dv.cpu()
 
 
-def check(case: Case, **fields) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    got = run_backward(case, **fields)
+def check(case: Case, device: torch.device = CPU, **fields) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    got = run_backward(case, device, **fields)
     for name, g in zip(("dq", "dk", "dv"), got):
         assert not g.isnan().any(), f"{name}: NaN left (an element was not written, or a masked row leaked)"
-        want, allowed = getattr(case, name), case.allowed(name)
+        want, allowed = getattr(case, name), case.allowed(name, tensor_cores=device.type == "cuda")
         err = (g.double() - want).abs()
         bad = err > allowed
         assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.numel()} off; worst error {err.max().item():.3e}, "
@@ -311,3 +325,45 @@ def test_deterministic(gen):
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a.view(torch.int16),
                            b.view(torch.int32) if b.dtype == torch.float32 else b.view(torch.int16))
+
+
+# ------------------------------------------------------------------------- the CUDA schedule
+# Written to run on the H200 (skipped without a GPU): the tensor-core programs at every head dim, with
+# sequences that cross their 128-row tiles and end inside one.
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_head_dims(gen, d, dtype):
+    check(Case(gen, lens_q=[300, 300], lens_k=[300, 300], hq=8, hkv=2, d=d, dtype=dtype), CUDA)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [
+    dict(lens_q=[200], lens_k=[333], causal=True),  # Sq < Sk
+    dict(lens_q=[333], lens_k=[200], causal=True),  # Sq > Sk: fully masked rows
+    dict(lens_q=[300], lens_k=[300], causal=True, window=77),
+    dict(lens_q=[300], lens_k=[300], window=130),
+    dict(lens_q=[257], lens_k=[257], causal=True, softcap=50.0, scale=4.0),
+    dict(lens_q=[190, 0, 129, 1], lens_k=[250, 0, 64, 300], causal=True, varlen=True),
+], ids=["sq<sk", "sq>sk", "causal+window", "window", "softcap", "varlen"])
+def test_cuda_masks(gen, kw):
+    check(Case(gen, hq=8, hkv=2, d=128, dtype=torch.bfloat16, **kw), CUDA)
+
+
+@pytest.mark.cuda
+def test_cuda_mha_and_tile_shapes(gen):
+    """MHA, and the dk/dv program's q step and the dq program's kv step at 64 (the knobs a sweep tries)."""
+    case = Case(gen, lens_q=[300], lens_k=[300], hq=4, hkv=4, d=128, dtype=torch.bfloat16, causal=True)
+    check(case, CUDA)
+    check(case, CUDA, dkdv_block_q=64, dq_block_kv=128, dq_block_q=64, stages=1)
+
+
+@pytest.mark.cuda
+def test_cuda_deterministic(gen):
+    case = Case(gen, lens_q=[400], lens_k=[400], hq=8, hkv=1, d=128, dtype=torch.bfloat16, causal=True)
+    first, second = run_backward(case, CUDA), run_backward(case, CUDA)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
