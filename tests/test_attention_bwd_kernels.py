@@ -327,6 +327,25 @@ def test_deterministic(gen):
                            b.view(torch.int32) if b.dtype == torch.float32 else b.view(torch.int16))
 
 
+def test_cuda_schedule_lowers_to_tensor_cores_and_async_copies():
+    """The CUDA schedule lowers for sm_90 without a GPU (head_dim 128, every mask, varlen): the tile
+    products on wgmma (the dk/dv and dq products of p and ds from registers), the streamed tiles
+    through 16-byte ``cp.async`` (a predicated load, or two copies in one parallel loop, had left
+    4-byte copies or none). Its build is TileLang's nvcc, not the lean build: the source uses TileLang's
+    templates (``tileops.compile.cuda_build.Unsupported``)."""
+    from tileops.compile import cuda_build
+    from tileops.compile.build import emit_source
+
+    S = get_spec("attention_bwd")
+    for kind in ("dkdv", "dq"):
+        src = emit_source("attention_bwd", S(kind=kind, head_dim=128, dtype="bfloat16", causal=True, window=True,
+                                             softcap=True, varlen=True), "cuda", "sm_90")
+        for word in ("tl::wgmma_ss", "tl::wgmma_rs", "cp_async_gs<16>"):
+            assert word in src, (kind, word)
+        with pytest.raises(cuda_build.Unsupported):
+            cuda_build.device_source(src)
+
+
 # ------------------------------------------------------------------------- the CUDA schedule
 # Written to run on the H200 (skipped without a GPU): the tensor-core programs at every head dim, with
 # sequences that cross their 128-row tiles and end inside one.
