@@ -203,7 +203,7 @@ def main() -> int:
                 err = max(((x.float() - r.float()).abs().max() / r.float().abs().max()).item()
                           for x, r in zip((ours.dq, ours.dk, ours.dv), ref))
             total = time_us(ours.run, a.quick)
-            parts = [time_us(lambda n=n: ours.run(n), a.quick) for n in ("prep", "dkdv", "dq")]
+            parts = [time_us(lambda n=n, o=ours: o.run(n), a.quick) for n in ("prep", "dkdv", "dq")]
             tf = f / total / 1e6
             print(f"| {label} | {cname} | {total:.0f} | {tf:.0f} | {100 * tf / PEAK:.0f}% | {parts[0]:.0f} | "
                   f"{parts[1]:.0f} | {parts[2]:.0f} | {err:.1e} | {f / base['flash'] / 1e6:.0f} | "

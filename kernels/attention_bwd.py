@@ -47,9 +47,9 @@ Two schedules from one description (the same tile bounds and masks, :func:`_q_bl
   ``dK += dsT Q``. Q/dO tiles (dk/dv) and K/V tiles (dq) stream through shared memory under
   ``T.Pipelined`` (``cp.async``). A tile's rows past its sequence load the sequence's last row again
   (:func:`_last`): memory past the tensor may hold a NaN, which would survive ``0 * x`` in a tile
-  product; a real row is finite, and the mask zeroes its p and ds. Strides are in units of 8 elements (16 bytes), so that the
-  compiler can prove every row's alignment and keep 16-byte copies (the host checks pointers and
-  strides divide). Arithmetic fp32; ``p`` and ``ds`` are rounded to the input dtype for the tensor
+  product; a real row is finite, and the mask zeroes its p and ds. Strides are in units of 8
+  elements (16 bytes), so that the compiler can prove every row's alignment and keep 16-byte copies
+  (the host checks pointers and strides divide). Arithmetic fp32; ``p`` and ``ds`` are rounded to the input dtype for the tensor
   cores, as FlashAttention does. ``exp`` through ``exp2`` with log2(e) folded into the scale.
 * ``c``: TileLang's C backend (``T.gemm`` does not lower for target ``c``: its fragment layouts
   need threads), plain loops in fp32 over the same tiles, one program per tile, for CPU correctness.
@@ -486,10 +486,45 @@ def _last(i, n):
     return T.min(i, n - 1)
 
 
+def _p_ds(spec: AttnBwdKernelSpec, qk, dp, lse, delta, i, j, sq, sk, W, scale, softcap):
+    """The CUDA schedule's (p, ds) of query ``i`` and key ``j`` from their tile products ``qk = q.k`` and
+    ``dp = dO.v``: ``p = exp(s - lse)`` through ``exp2`` (0 where j is hidden: a select, so a row of
+    lse -inf never makes a NaN), ``ds = scale * p * (dp - delta)``, times ``1 - t^2`` with a softcap
+    (the scale folded in here, so that dk and dq are the plain tile products ``ds^T q``, ``ds k``)."""
+    s, dcap = _score(spec, qk, scale, softcap)
+    p = T.if_then_else(_visible(spec, i, j, sq, sk, W),
+                       T.exp2(s * T.float32(_LOG2E) - lse * T.float32(_LOG2E)), T.float32(0))
+    ds = p * (dp - delta) * scale
+    return p, (ds * dcap if spec.softcap else ds)
+
+
+def _q_tile(spec: AttnBwdKernelSpec):
+    """The CUDA schedule's load of a q tile (both programs): a macro that copies rows ``m0 .. m0 + BM``
+    of q head ``h`` of batch ``b`` from Q and dO into ``Q_s``, ``G_s`` and their lse and delta into
+    ``lse_s``, ``dl_s`` (rows past the sequence: its last row, :func:`_last`). One copy a parallel
+    loop: TileLang 0.1.15 vectorizes a loop of two stores by the narrowest of their index casts (4-byte
+    copies); alone, each is a 16-byte ``cp.async``. (Its parameters carry the kernel's own names.)"""
+    D, BM, U = spec.head_dim, spec.block_q, _VEC
+
+    @T.macro
+    def load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh, lsb, lsh):
+        q = _Seq(spec, CUQ, b, Sq)
+        for r, d in T.Parallel(BM, D):
+            Q_s[r, d] = Q[q.row(_last(m0 + r, q.len), h, qsb, qss, qsh, U) + d]
+        for r, d in T.Parallel(BM, D):
+            G_s[r, d] = DO[q.row(_last(m0 + r, q.len), h, dosb, doss, dosh, U) + d]
+        for r in T.Parallel(BM):
+            lse_s[r] = LSE[q.lse(_last(m0 + r, q.len), h, lsb, lsh)]
+            dl_s[r] = DELTA[q.lse(_last(m0 + r, q.len), h, lsb, lsh)]
+
+    return load_q
+
+
 def _dkdv_cuda(spec: AttnBwdKernelSpec):
     D, BN, BM, dt, U = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype, _VEC
     NS = spec.tile("stages")
     FULL = T.GemmWarpPolicy.FullRow
+    load_q = _q_tile(spec)
 
     @T.macro
     def body(Q, K, V, DO, LSE, DELTA, DK, DV, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss,
@@ -523,24 +558,17 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
                 for n in T.Pipelined(first * G, (first + nq) * G, num_stages=NS):
                     h = hk * G + T.truncdiv(n - first * G, nq)
                     m0 = (first + T.truncmod(n - first * G, nq)) * BM
-                    for r, d in T.Parallel(BM, D):
-                        Q_s[r, d] = Q[q.row(_last(m0 + r, q.len), h, qsb, qss, qsh, U) + d]
-                    for r, d in T.Parallel(BM, D):
-                        G_s[r, d] = DO[q.row(_last(m0 + r, q.len), h, dosb, doss, dosh, U) + d]
-                    for r in T.Parallel(BM):
-                        lse_s[r] = LSE[q.lse(_last(m0 + r, q.len), h, lsb, lsh)]
-                        dl_s[r] = DELTA[q.lse(_last(m0 + r, q.len), h, lsb, lsh)]
+                    load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh,
+                           lsb, lsh)
                     T.clear(sT)
                     T.gemm(K_s, Q_s, sT, transpose_B=True, policy=FULL)
                     T.clear(dpT)
                     T.gemm(V_s, G_s, dpT, transpose_B=True, policy=FULL)
                     for jj, r in T.Parallel(BN, BM):
-                        s, dcap = _score(spec, sT[jj, r], scale, softcap)
-                        p = T.if_then_else(_visible(spec, m0 + r, n0 + jj, q.len, k.len, W),
-                                           T.exp2(s * T.float32(_LOG2E) - lse_s[r] * T.float32(_LOG2E)), T.float32(0))
-                        ds = p * (dpT[jj, r] - dl_s[r]) * scale
+                        p, ds = _p_ds(spec, sT[jj, r], dpT[jj, r], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len, k.len,
+                                      W, scale, softcap)
                         pT[jj, r] = T.cast(p, dt)
-                        dsT[jj, r] = T.cast(ds * dcap if spec.softcap else ds, dt)
+                        dsT[jj, r] = T.cast(ds, dt)
                     T.gemm(pT, G_s, dv, policy=FULL)
                     T.gemm(dsT, Q_s, dk, policy=FULL)
                 for jj, d in T.Parallel(BN, D):
@@ -555,6 +583,7 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
     D, BN, BM, dt, U = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype, _VEC
     NS = spec.tile("stages")
     FULL = T.GemmWarpPolicy.FullRow
+    load_q = _q_tile(spec)
 
     @T.macro
     def body(Q, K, V, DO, LSE, DELTA, DQ, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss, ksh,
@@ -574,13 +603,8 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
             dq = T.alloc_fragment((BM, D), "float32")
             m0 = mb * BM
             if m0 < q.len:
-                for r, d in T.Parallel(BM, D):
-                    Q_s[r, d] = Q[q.row(_last(m0 + r, q.len), h, qsb, qss, qsh, U) + d]
-                for r, d in T.Parallel(BM, D):
-                    G_s[r, d] = DO[q.row(_last(m0 + r, q.len), h, dosb, doss, dosh, U) + d]
-                for r in T.Parallel(BM):
-                    lse_s[r] = LSE[q.lse(_last(m0 + r, q.len), h, lsb, lsh)]
-                    dl_s[r] = DELTA[q.lse(_last(m0 + r, q.len), h, lsb, lsh)]
+                load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh,
+                       lsb, lsh)
                 T.clear(dq)
                 first, nk = _kv_blocks(spec, m0, BM, BN, q.len, k.len, W)
                 for n in T.Pipelined(first, first + nk, num_stages=NS):
@@ -594,11 +618,9 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
                     T.clear(dp)
                     T.gemm(G_s, V_s, dp, transpose_B=True, policy=FULL)
                     for r, jj in T.Parallel(BM, BN):
-                        s, dcap = _score(spec, s_f[r, jj], scale, softcap)
-                        p = T.if_then_else(_visible(spec, m0 + r, n0 + jj, q.len, k.len, W),
-                                           T.exp2(s * T.float32(_LOG2E) - lse_s[r] * T.float32(_LOG2E)), T.float32(0))
-                        ds = p * (dp[r, jj] - dl_s[r]) * scale
-                        ds_f[r, jj] = T.cast(ds * dcap if spec.softcap else ds, dt)
+                        _, ds = _p_ds(spec, s_f[r, jj], dp[r, jj], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len, k.len,
+                                      W, scale, softcap)
+                        ds_f[r, jj] = T.cast(ds, dt)
                     T.gemm(ds_f, K_s, dq, policy=FULL)
                 for r, d in T.Parallel(BM, D):
                     if m0 + r < q.len:

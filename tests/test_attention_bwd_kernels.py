@@ -68,10 +68,10 @@ def attention64(q, k, v, scale, causal, window, softcap):
     m = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_zeros(*s.shape[:-1], 1)  # (no keys: amax refuses)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()
     e = torch.exp(s - m)
-    l = e.sum(-1, keepdim=True)  # noqa: E741
-    p = e / torch.where(l == 0, torch.ones_like(l), l)
+    tot = e.sum(-1, keepdim=True)
+    p = e / torch.where(tot == 0, torch.ones_like(tot), tot)
     o = (p @ vv).transpose(0, 1)
-    lse = (torch.log(l) + m).squeeze(-1)  # log 0 = -inf for a row that sees nothing
+    lse = (torch.log(tot) + m).squeeze(-1)  # log 0 = -inf for a row that sees nothing
     return o, lse, p, s_raw
 
 
@@ -112,7 +112,7 @@ class Case:
     def _reference(self):
         dt = torch.float64
         q, k, v, do = (t.to(dt).requires_grad_(True) for t in (self.q, self.k, self.v, self.do))
-        os_, lses, mags = [], [], {}
+        os_, lses = [], []
         total = 0.0
         err = {n: torch.zeros_like(t, dtype=dt) for n, t in (("dq", q), ("dk", k), ("dv", v))}
         once = {n: torch.zeros_like(t) for n, t in err.items()}
@@ -192,7 +192,7 @@ def spec(kind: str, case: Case, backend: str = "c", **fields):
                                      **masks, **fields)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel(s, device):
     backend, arch = device_backend(device)
     return load_kernel("attention_bwd", s, backend, arch, device, s.args)
