@@ -350,38 +350,76 @@ def test_cuda_schedule_lowers_to_tensor_cores_and_async_copies():
 # Written to run on the H200 (skipped without a GPU): the tensor-core programs at every head dim, with
 # sequences that cross their 128-row tiles and end inside one.
 CUDA = torch.device("cuda")
+HEAD_DIMS = [64, 80, 96, 128, 256]
+DTYPES = [torch.bfloat16, torch.float16]
+MASKS = {
+    "sq<sk": dict(lens_q=[200], lens_k=[333], causal=True),
+    "sq>sk": dict(lens_q=[333], lens_k=[200], causal=True),  # the first 133 queries see no key
+    "causal+window": dict(lens_q=[300], lens_k=[300], causal=True, window=77),
+    "window": dict(lens_q=[300], lens_k=[300], window=130),
+    "softcap": dict(lens_q=[257], lens_k=[257], causal=True, softcap=50.0, scale=4.0),
+    "varlen": dict(lens_q=[190, 0, 129, 1], lens_k=[250, 0, 64, 300], causal=True, varlen=True),
+}
+#: the tile knobs of test_cuda_mha_and_tile_shapes' second run
+TILES = dict(dkdv_block_q=64, dq_block_kv=128, dq_block_q=64, stages=1)
+
+
+def _specs(d=128, dtype=torch.bfloat16, causal=False, window=None, softcap=None, varlen=False, **fields):
+    """The CUDA specs of a case's three kernels (as :func:`run_backward` makes them)."""
+    class Like:  # what spec() reads of a Case
+        pass
+
+    like = Like()
+    like.dtype, like.d, like.causal, like.window, like.softcap, like.varlen = dtype, d, causal, window, softcap, varlen
+    return [spec(kind, like, "cuda", **fields) for kind in ("prep", "dkdv", "dq")]
+
+
+def _warm(specs) -> None:
+    """Compile ``specs`` into the kernel cache at once, one process a CPU: TileLang's nvcc build of one
+    of these programs takes ~30 s cold (sm_90a, head_dim 128, measured on 2 busy cores), so 30 of them
+    one after another would hold a test run for a quarter of an hour."""
+    from tileops.compile.warmup import compile_jobs
+
+    arch = device_backend(CUDA)[1]
+    _, _, failed = compile_jobs([("attention_bwd", x, "cuda", arch) for x in dict.fromkeys(specs)], progress=False)
+    assert not failed, failed
+
+
+@pytest.fixture(scope="module")
+def warm_head_dims():
+    _warm([x for d in HEAD_DIMS for dt in DTYPES for x in _specs(d, dt)])
+
+
+@pytest.fixture(scope="module")
+def warm_masks():
+    rest = [_specs(**{k: v for k, v in kw.items() if k not in ("lens_q", "lens_k", "scale")}) for kw in MASKS.values()]
+    _warm([x for group in (*rest, _specs(causal=True), _specs(causal=True, **TILES)) for x in group])
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_head_dims(gen, d, dtype):
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_head_dims(gen, warm_head_dims, d, dtype):
     check(Case(gen, lens_q=[300, 300], lens_k=[300, 300], hq=8, hkv=2, d=d, dtype=dtype), CUDA)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kw", [
-    dict(lens_q=[200], lens_k=[333], causal=True),  # Sq < Sk
-    dict(lens_q=[333], lens_k=[200], causal=True),  # Sq > Sk: fully masked rows
-    dict(lens_q=[300], lens_k=[300], causal=True, window=77),
-    dict(lens_q=[300], lens_k=[300], window=130),
-    dict(lens_q=[257], lens_k=[257], causal=True, softcap=50.0, scale=4.0),
-    dict(lens_q=[190, 0, 129, 1], lens_k=[250, 0, 64, 300], causal=True, varlen=True),
-], ids=["sq<sk", "sq>sk", "causal+window", "window", "softcap", "varlen"])
-def test_cuda_masks(gen, kw):
-    check(Case(gen, hq=8, hkv=2, d=128, dtype=torch.bfloat16, **kw), CUDA)
+@pytest.mark.parametrize("name", list(MASKS))
+def test_cuda_masks(gen, warm_masks, name):
+    check(Case(gen, hq=8, hkv=2, d=128, dtype=torch.bfloat16, **MASKS[name]), CUDA)
 
 
 @pytest.mark.cuda
-def test_cuda_mha_and_tile_shapes(gen):
-    """MHA, and the dk/dv program's q step and the dq program's kv step at 64 (the knobs a sweep tries)."""
+def test_cuda_mha_and_tile_shapes(gen, warm_masks):
+    """MHA, and other tiles: the dk/dv program's q step at 64, the dq program's 64-row tiles over
+    128-key steps, one stage (knobs the benchmark's sweep tries)."""
     case = Case(gen, lens_q=[300], lens_k=[300], hq=4, hkv=4, d=128, dtype=torch.bfloat16, causal=True)
     check(case, CUDA)
-    check(case, CUDA, dkdv_block_q=64, dq_block_kv=128, dq_block_q=64, stages=1)
+    check(case, CUDA, **TILES)
 
 
 @pytest.mark.cuda
-def test_cuda_deterministic(gen):
+def test_cuda_deterministic(gen, warm_masks):
     case = Case(gen, lens_q=[400], lens_k=[400], hq=8, hkv=1, d=128, dtype=torch.bfloat16, causal=True)
     first, second = run_backward(case, CUDA), run_backward(case, CUDA)
     for a, b in zip(first, second):
