@@ -79,6 +79,8 @@ STATIC = {
     "dq_block_kv": (0, 256, "kv rows the dq program takes a step (its K/V tile); 0: the default (CUDA, C)"),
     "dq_threads": (0, 512, "threads of a dq program, a multiple of 128; 0: the default (CUDA)"),
     "stages": (0, 4, "shared-memory stages of the streamed tiles (T.Pipelined); 0: the default (CUDA)"),
+    "ds_shared": (0, 2, "where p and ds meet the tensor cores: 1 registers (the A operand of wgmma/mma), 2 shared "
+                        "memory; 0: the default (shared at head_dim 256) (CUDA)"),
 }
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -91,16 +93,19 @@ _PREP_ROWS = 32
 _LOG2E = 1.4426950408889634
 
 #: H200 defaults per head dim: (dkdv_block_kv, dkdv_block_q, dkdv_threads, dq_block_q, dq_block_kv,
-#: dq_threads, stages). The dk/dv program keeps two fp32 [block_kv, D] accumulators in registers:
+#: dq_threads, stages, ds_shared). The dk/dv program keeps two fp32 [block_kv, D] accumulators in registers:
 #: at D 128, 128 rows over 256 threads are 128 registers a thread, so its q step stays at 32
 #: (sT and dpT, [128, 32] fp32: 32 more), as TileLang's GQA backward example chooses; D 256 halves
 #: the kv rows. The dq program holds one [block_q, D] accumulator and two [block_q, block_kv]
-#: score tiles. Starting points for ``benchmarks/attention_bwd.py --configs``, not yet measured.
-_DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 2), 80: (128, 32, 256, 128, 64, 256, 2),
-             96: (128, 32, 256, 128, 64, 256, 2), 128: (128, 32, 256, 128, 64, 256, 2),
-             256: (64, 32, 256, 64, 64, 256, 1)}
+#: score tiles. At D 256 the 64-row tiles split over two warpgroups by columns, so p and ds, the
+#: A operand of the next products, would be needed whole in both: TileLang 0.1.15 refused that
+#: fragment layout (sm_90), and they pass through shared memory (``ds_shared`` 2). Starting points
+#: for ``benchmarks/attention_bwd.py --configs``, not yet measured.
+_DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 2, 1), 80: (128, 32, 256, 128, 64, 256, 2, 1),
+             96: (128, 32, 256, 128, 64, 256, 2, 1), 128: (128, 32, 256, 128, 64, 256, 2, 1),
+             256: (64, 32, 256, 64, 64, 256, 1, 2)}
 #: the C schedule's default tiles: small, so that the CPU tests cross tile edges with short sequences
-_C_DEFAULTS = (16, 16, 1, 16, 16, 1, 1)
+_C_DEFAULTS = (16, 16, 1, 16, 16, 1, 1, 1)
 
 _STRIDES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv"}
 
@@ -143,6 +148,7 @@ class AttnBwdKernelSpec:
     dq_block_kv: int = 0
     dq_threads: int = 0
     stages: int = 0
+    ds_shared: int = 0
 
     def __post_init__(self) -> None:
         for name, value, choices in (("kind", self.kind, _KINDS), ("dtype", self.dtype, _DTYPES),
@@ -525,6 +531,7 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
     NS = spec.tile("stages")
     FULL = T.GemmWarpPolicy.FullRow
     load_q = _q_tile(spec)
+    via_shared = spec.tile("ds_shared") == 2
 
     @T.macro
     def body(Q, K, V, DO, LSE, DELTA, DK, DV, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss,
@@ -543,6 +550,8 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
             dsT = T.alloc_fragment((BN, BM), dt)
             dk = T.alloc_fragment((BN, D), "float32")
             dv = T.alloc_fragment((BN, D), "float32")
+            pT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
+            dsT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
             n0 = nb * BN
             if n0 < k.len:
                 for jj, d in T.Parallel(BN, D):
@@ -569,8 +578,14 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
                                       W, scale, softcap)
                         pT[jj, r] = T.cast(p, dt)
                         dsT[jj, r] = T.cast(ds, dt)
-                    T.gemm(pT, G_s, dv, policy=FULL)
-                    T.gemm(dsT, Q_s, dk, policy=FULL)
+                    if via_shared:
+                        T.copy(pT, pT_s)
+                        T.copy(dsT, dsT_s)
+                        T.gemm(pT_s, G_s, dv, policy=FULL)
+                        T.gemm(dsT_s, Q_s, dk, policy=FULL)
+                    else:
+                        T.gemm(pT, G_s, dv, policy=FULL)
+                        T.gemm(dsT, Q_s, dk, policy=FULL)
                 for jj, d in T.Parallel(BN, D):
                     if n0 + jj < k.len:
                         DK[k.row(n0 + jj, hk, dksb, dkss, dksh, U) + d] = T.cast(dk[jj, d], dt)
@@ -584,6 +599,7 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
     NS = spec.tile("stages")
     FULL = T.GemmWarpPolicy.FullRow
     load_q = _q_tile(spec)
+    via_shared = spec.tile("ds_shared") == 2
 
     @T.macro
     def body(Q, K, V, DO, LSE, DELTA, DQ, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss, ksh,
@@ -601,6 +617,7 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
             dp = T.alloc_fragment((BM, BN), "float32")
             ds_f = T.alloc_fragment((BM, BN), dt)
             dq = T.alloc_fragment((BM, D), "float32")
+            ds_s = T.alloc_shared((BM, BN), dt) if via_shared else None
             m0 = mb * BM
             if m0 < q.len:
                 load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh,
@@ -621,7 +638,11 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
                         _, ds = _p_ds(spec, s_f[r, jj], dp[r, jj], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len, k.len,
                                       W, scale, softcap)
                         ds_f[r, jj] = T.cast(ds, dt)
-                    T.gemm(ds_f, K_s, dq, policy=FULL)
+                    if via_shared:
+                        T.copy(ds_f, ds_s)
+                        T.gemm(ds_s, K_s, dq, policy=FULL)
+                    else:
+                        T.gemm(ds_f, K_s, dq, policy=FULL)
                 for r, d in T.Parallel(BM, D):
                     if m0 + r < q.len:
                         DQ[q.row(m0 + r, h, dqsb, dqss, dqsh, U) + d] = T.cast(dq[r, d], dt)
