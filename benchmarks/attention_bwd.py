@@ -48,6 +48,7 @@ CONFIGS = {
     "dq kv128": dict(dq_block_kv=128),
     "dq 3 stages": dict(stages=3),
     "dkdv t128 dq t128": dict(dkdv_threads=128, dq_threads=128),
+    "ds via shared": dict(ds_shared=2),
 }
 
 
@@ -59,11 +60,11 @@ def flops(batch: int, seq: int, causal: bool) -> float:
 
 def specs(causal: bool, fields: dict) -> dict:
     """The three kernels' specs of a config: each kind takes its own knobs (``dkdv_*``, ``dq_*``) and
-    ``stages``, so that a config changing one program shares the other's compiled kernel."""
+    the shared ones (``stages``, ``ds_shared``), so that a config changing one program shares the other's compiled kernel."""
     S = get_spec("attention_bwd")
 
     def own(kind):
-        return {k: v for k, v in fields.items() if k.startswith(kind + "_") or k == "stages"}
+        return {k: v for k, v in fields.items() if k.startswith(kind + "_") or k in ("stages", "ds_shared")}
 
     return {"prep": S(kind="prep", head_dim=D, dtype="bfloat16"),
             "dkdv": S(kind="dkdv", head_dim=D, dtype="bfloat16", causal=causal, **own("dkdv")),
