@@ -46,7 +46,7 @@ CONFIGS = {
     "1 stage": dict(stages=1),
     "dq q64 kv64 t128": dict(dq_block_q=64, dq_threads=128),
     "dq kv128": dict(dq_block_kv=128),
-    "dq 3 stages": dict(stages=3),
+    "3 stages": dict(stages=3),
     "dkdv t128 dq t128": dict(dkdv_threads=128, dq_threads=128),
     "ds via shared": dict(ds_shared=2),
 }
