@@ -2,6 +2,8 @@
 (:mod:`family_references`): the unfused chain written from the definition, sharing no code with the
 package or its kernels.
 
+``reference("AttnFwdOp", params, inputs)`` returns attention's output (:func:`attention`: a loop over
+sequences, heads and rows with the masks written out, no code shared with the kernels).
 ``reference("AttnPrologueFwdOp", params, inputs)`` returns ``{"q_out": q, "key_cache": ...,
 "value_cache": ...}``: q ``[tokens, Hq, D]`` and the caches after the call (from the caches given,
 which are the state before it). The rope stage's frequencies come from the rope family's own float64
@@ -36,7 +38,9 @@ def rope_params(name: str, params: dict) -> dict:
     return p
 
 
-def reference(op_name: str, params: dict, inputs: dict) -> dict:
+def reference(op_name: str, params: dict, inputs: dict) -> "dict | torch.Tensor":
+    if op_name == "AttnFwdOp":
+        return attention(params, inputs)["out"]
     return _chain(op_name, params, inputs)[0]
 
 
@@ -47,8 +51,65 @@ def scale(op_name: str, params: dict, inputs: dict) -> dict:
     value. The op rounds the normalised q and k to qkv's dtype before rotating them, as the unfused
     chain stores them, so a rotation that cancels (``a cos - c sin`` small) carries the rounding of
     ``a`` and ``c``: up to ``2^-9 (|a| + |c|)``, 0.02-0.08 against a value of 0.1-0.3 (seen in bf16:
-    one element in 65,536 off the value's own tolerance in 8 of 10 runs)."""
+    one element in 65,536 off the value's own tolerance in 8 of 10 runs).
+
+    ``AttnFwdOp``'s output is a convex combination of v's rows: each rounding the op makes (the CUDA
+    kernel's P rounded to the dtype before P V, the output's own) is relative to ``sum_j p_j |v_j|``,
+    not to the output, which cancels towards 0 when v's signs mix."""
+    if op_name == "AttnFwdOp":
+        return {"out": attention(params, inputs)["scale"]}
     return _chain(op_name, params, inputs)[1]
+
+
+def attention(params: dict, inputs: dict) -> dict:
+    """``AttnFwdOp`` in float64 from its definition, one sequence and one head at a time: ``out``, ``lse``
+    (natural log, -inf for a row that sees no key), ``scale`` (``sum_j p_j |v_j|`` per element, the
+    magnitude its roundings act on) and ``smax`` (the largest ``|s|`` of a visible scaled score, which
+    the fp32 exp's error grows with)."""
+    hq, hkv, d = params["num_q_heads"], params["num_kv_heads"], params["head_dim"]
+    scale = params.get("softmax_scale") or 1.0 / d ** 0.5
+    cap, w, causal = params.get("softcap"), params.get("sliding_window"), params.get("causal", False)
+    q, k, v = (inputs[n].detach().cpu().double() for n in ("q", "k", "v"))
+    if q.dim() == 4:  # dense: sequence b is row block b
+        spans = [((b, 0, q.shape[1]), (b, 0, k.shape[1])) for b in range(q.shape[0])]
+        q_rows = lambda b, a, e: q[b, a:e]  # noqa: E731
+        k_rows = lambda b, a, e: (k[b, a:e], v[b, a:e])  # noqa: E731
+    else:
+        cq, ck = inputs["cu_seqlens_q"].tolist(), inputs["cu_seqlens_k"].tolist()
+        spans = [((0, cq[b], cq[b + 1]), (0, ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+        q_rows = lambda b, a, e: q[a:e]  # noqa: E731
+        k_rows = lambda b, a, e: (k[a:e], v[a:e])  # noqa: E731
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    err = torch.zeros(q.shape, dtype=torch.float64)
+    lse_shape = (q.shape[0], hq, q.shape[1]) if q.dim() == 4 else (hq, q.shape[0])
+    lse = torch.full(lse_shape, float("-inf"), dtype=torch.float64)
+    smax = 0.0
+    for (b, q0, q1), (bk, k0, k1) in spans:
+        qs, (ks, vs) = q_rows(b, q0, q1), k_rows(bk, k0, k1)
+        nq, nk = q1 - q0, k1 - k0
+        for h in range(hq):
+            g = h // (hq // hkv)
+            for i in range(nq):
+                seen = [j for j in range(nk) if (not causal or j <= i + nk - nq) and (w is None or j > i + nk - nq - w)]
+                if not seen:
+                    continue
+                s = (ks[seen, g, :] @ qs[i, h, :]) * scale
+                if cap is not None:
+                    s = cap * torch.tanh(s / cap)
+                smax = max(smax, float(s.abs().max()))
+                m = s.max()
+                e = torch.exp(s - m)
+                total = e.sum()
+                p = e / total
+                row = p @ vs[seen, g, :]
+                mag = p @ vs[seen, g, :].abs()
+                if q.dim() == 4:
+                    out[b, q0 + i, h], err[b, q0 + i, h] = row, mag
+                    lse[b, h, q0 + i] = m + torch.log(total)
+                else:
+                    out[q0 + i, h], err[q0 + i, h] = row, mag
+                    lse[h, q0 + i] = m + torch.log(total)
+    return {"out": out, "lse": lse, "scale": err, "smax": smax}
 
 
 def _chain(op_name: str, params: dict, inputs: dict) -> tuple[dict, dict]:
