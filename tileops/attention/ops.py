@@ -21,8 +21,7 @@ __all__ = [
 
 
 class AttnFwdOp(hooks.AttnFwdHooks):
-    """Scaled dot-product attention forward (FlashAttention-class), dense or varlen, causal, windowed,
-    softcapped, GQA.
+    """Attention forward on tensor cores (FlashAttention-class), dense or varlen, masks, softcap, GQA.
 
     ``out[b, i, h] = sum_j softmax_j(s[b, h, i, j]) v[b, j, h // (Hq / Hkv)]`` with ``s = (q . k) *
     softmax_scale`` (default ``1 / sqrt(head_dim)``), then ``softcap * tanh(s / softcap)`` with a softcap
