@@ -25,7 +25,7 @@ from ..compile.build import device_backend, load_kernel
 from ..runtime.binding import Binding
 from ..runtime.plan import Bound, ErrorWord, Output, Plan, Ptr, Step, Tag, Value, copy_back, fit, signature
 
-__all__ = ["AttnKernels", "implement", "kernel_specs", "kernel_arch"]
+__all__ = ["AttnKernels", "implement", "kernel_specs"]
 
 #: the kernel's integer arguments, each bound by value from :meth:`AttnKernels._env` (the CUDA kernel
 #: takes the sizes and strides as its tensors' dynamic extents, the C one as parameters: by name alike)
@@ -43,13 +43,6 @@ FORWARD = Plan("attention forward", inputs=("q", "k", "v", "cu_seqlens_q", "cu_s
                                    "LSE": Value("lse_ptr"), "CUQ": Ptr("cu_seqlens_q"), "CUK": Ptr("cu_seqlens_k"),
                                    "ERR": ErrorWord(), "tag": Tag(), **{a: Value(a) for a in _VALUES}}),),
                checks={"cu_seqlens_q": 0, "cu_seqlens_k": 1})
-
-
-def kernel_arch(backend: str, arch: str) -> str:
-    """The arch the kernels are built for: Hopper's ``sm_90a`` for an ``sm_90`` device, since the CUDA
-    schedule's wgmma and the producer warpgroup's register reallocation (``setmaxnreg``) exist only
-    there (built for plain ``sm_90``, nvcc refused ``tl::warpgroup_reg_alloc``: seen here)."""
-    return "sm_90a" if backend == "cuda" and arch == "sm_90" else arch
 
 
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
@@ -70,8 +63,8 @@ class AttnKernels:
     def __init__(self, op: Any, call: Any):
         self.op = op
         self.device = call.device
-        self.backend, arch = device_backend(self.device)
-        self.arch = kernel_arch(self.backend, arch)
+        # (an sm_90 device's kernels are built as sm_90a: tileops.compile.build._tvm_target)
+        self.backend, self.arch = device_backend(self.device)
         self.spec = kernel_specs(op.manifest, op.params, call, self.backend)[0][1]
         self.varlen = self.spec.varlen
         self.unit = self.spec.stride_unit

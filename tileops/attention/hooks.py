@@ -211,5 +211,12 @@ class AttnFwdHooks(Op):
         rule = f"expected offsets starting at 0, non-decreasing, and ending at the token count of {what}"
         if found is not None:
             raise ValueError(f"{self.name}: {name}: {rule}; {at}got {name}{found}")
+        if values is not None:  # the offsets (on the host): the first bad one, as the kernel judges them
+            cu = values.tolist()
+            total = self.__dict__.get("_totals", {}).get(name)
+            for i, c in enumerate(cu):
+                if (i == 0 and c != 0) or (i and c < cu[i - 1]) or (i == len(cu) - 1 and total is not None
+                                                                     and c != total):
+                    raise ValueError(f"{self.name}: {name}: {rule}; {at}got {name}[{i}] = {c}")
         raise ValueError(f"{self.name}: {name}: {rule}; {at}the kernel found a bad offset"
                          f" ({unnamed(values)})")

@@ -121,6 +121,7 @@ def _attention(op: Any) -> Callable[..., Any]:
             lse = torch.stack([x for _, x in got]) if got else torch.empty(0, hq, q.shape[1], device=q.device)
         else:
             cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+            op.__dict__["_totals"] = {"cu_seqlens_q": q.shape[0], "cu_seqlens_k": k.shape[0]}
             if cq[0] != 0 or cq[-1] != q.shape[0] or any(b < a for a, b in zip(cq, cq[1:])):
                 op._raise_bad_value("cu_seqlens_q", cu_seqlens_q.cpu())
             if ck[0] != 0 or ck[-1] != k.shape[0] or any(b < a for a, b in zip(ck, ck[1:])):
