@@ -20,10 +20,11 @@ zeros and ``lse = -inf``.
 Masks, with ``off = seq_k - seq_q`` (bottom-right alignment): causal hides key ``j > i + off``; a
 window ``w`` hides ``j <= i + off - w``.
 
-Addressing: every tensor is a flat buffer; element ``(b, t, h, d)`` of q/k/v/out lies at
-``b * sb + t * ss + h * sh + d`` (strides are arguments, in units of ``stride_unit`` elements: 16-byte
-vectors on CUDA, so that tile loads are vectorised and a view such as HF's ``[B, H, S, D]`` transposed
-is read where it lies). Varlen (``varlen``): ``sb = 0`` and sequence ``b``'s rows start at
+Addressing: element ``(b, t, h, d)`` of q/k/v/out lies at ``b * sb + t * ss + h * sh + d``, strides
+in elements given as arguments (the C schedule's flat buffers) or as the dynamic strides of 4-D
+tensors (CUDA: TileLang builds the TMA descriptors from them on the host, so they must be positive
+multiples of ``stride_unit`` elements, 16 bytes, which the host checks); a view such as HF's
+``[B, H, S, D]`` transposed is read where it lies. Varlen (``varlen``): ``sb = 0`` and sequence ``b``'s rows start at
 ``CUQ[b]`` / ``CUK[b]``; the grid's x walks ``ceil(total_q / block_M) + batch`` tiles, and a block
 finds its sequence by bisecting ``floor(CUQ[b] / block_M) + b`` (a sequence of ``n`` rows owns at
 least ``ceil(n / block_M)`` of those slots, so every tile has one; spare slots exit). Every
@@ -150,7 +151,7 @@ class AttnKernelSpec:
 
     @property
     def stride_unit(self) -> int:
-        """The elements every stride argument counts in: a 16-byte vector on CUDA, 1 on the CPU."""
+        """The elements every stride must be a multiple of: a 16-byte vector on CUDA (TMA), 1 on the CPU."""
         return 16 // _BYTES[self.dtype] if self.backend == "cuda" else 1
 
     @property
@@ -252,7 +253,10 @@ def _check_cu(spec: AttnKernelSpec):
 def _span(spec: AttnKernelSpec, m0, m1, n_sk, off, window):
     """Keys ``[lo, hi)`` some row of ``[m0, m1)`` may see (``m1 > m0``), by the masks' bounds."""
     hi = n_sk
-    lo = 0
+    # not the literal 0 (it is 0: n_sk >= 0): a T.Pipelined loop from a literal 0 to a dynamic end failed
+    # TileLang 0.1.15's CUDA codegen for sm_80 ("Downcast from tirx.Sub to ir.IntImm" in a cp.async
+    # wait, seen here for every non-windowed kernel); from an expression it lowers, on sm_90 alike
+    lo = T.min(0, n_sk)
     if spec.causal:
         hi = _clamp(m1 - 1 + off + 1, 0, n_sk)
     if spec.window:
@@ -319,12 +323,13 @@ def _c(spec: AttnKernelSpec, st: str):
                 seq[4] = sk
                 seq[5] = 1
             if seq[5] == 1:
-                b = seq[0]
+                # the batch strides step by bz (varlen: 0, one "batch" of every token; seq[0] is the
+                # sequence, whose rows and keys start at its offsets instead)
                 i = r - seq[1]  # the row within its sequence
                 n_sk = seq[4]
                 off = n_sk - seq[2]
                 kvh = h // G
-                qo = T.cast(b, "int64") * qsb + T.cast(r, "int64") * qss + T.cast(h, "int64") * qsh
+                qo = T.cast(bz, "int64") * qsb + T.cast(r, "int64") * qss + T.cast(h, "int64") * qsh
                 for d in T.serial(D):
                     qv[d] = load_f32(Q, qo + d, st, dt)
                     acc[d] = T.float32(0)
@@ -334,8 +339,8 @@ def _c(spec: AttnKernelSpec, st: str):
                 for j in T.serial(lo, T.max(hi, lo)):
                     if _visible(spec, i, j, n_sk, off, window):
                         kr = T.cast(seq[3] + j, "int64")
-                        ko = T.cast(b, "int64") * ksb + kr * kss + T.cast(kvh, "int64") * ksh
-                        vo = T.cast(b, "int64") * vsb + kr * vss + T.cast(kvh, "int64") * vsh
+                        ko = T.cast(bz, "int64") * ksb + kr * kss + T.cast(kvh, "int64") * ksh
+                        vo = T.cast(bz, "int64") * vsb + kr * vss + T.cast(kvh, "int64") * vsh
                         st_[2] = T.float32(0)
                         for d in T.serial(D):
                             st_[2] = st_[2] + qv[d] * load_f32(K, ko + d, st, dt)
@@ -347,11 +352,11 @@ def _c(spec: AttnKernelSpec, st: str):
                         st_[1] = st_[1] * st_[3] + p
                         for d in T.serial(D):
                             acc[d] = acc[d] * st_[3] + p * load_f32(V, vo + d, st, dt)
-                oo = T.cast(b, "int64") * osb + T.cast(r, "int64") * oss + T.cast(h, "int64") * osh
+                oo = T.cast(bz, "int64") * osb + T.cast(r, "int64") * oss + T.cast(h, "int64") * osh
                 for d in T.serial(D):
                     O[oo + d] = to_storage(T.if_then_else(st_[1] > 0, acc[d] / st_[1], T.float32(0)), st, dt)
                 if has_lse != 0:
-                    LSE[T.cast(b, "int64") * lsb + T.cast(h, "int64") * lsh + T.cast(r, "int64")] = T.if_then_else(
+                    LSE[T.cast(bz, "int64") * lsb + T.cast(h, "int64") * lsh + T.cast(r, "int64")] = T.if_then_else(
                         st_[1] > 0, (st_[0] + T.log2(st_[1])) * T.float32(_LN2), -T.infinity("float32"))
 
     return body
@@ -359,11 +364,13 @@ def _c(spec: AttnKernelSpec, st: str):
 
 # --------------------------------------------------------------------------------- CUDA schedule
 def _cuda_func(spec: AttnKernelSpec, common: dict):
-    """The CUDA ``T.prim_func``: q/k/v/out are 4-D strided tensors ``[nb, rows, heads, D]`` whose
-    strides are ``stride * U`` (``U``: :attr:`AttnKernelSpec.stride_unit`), so that TileLang proves every
-    row starts on a 16-byte vector and moves tiles with ``T.copy`` (cp.async or TMA, its choice)."""
+    """The CUDA ``T.prim_func``: q/k/v/out are 4-D strided tensors ``[nb, rows, heads, D]`` with dynamic
+    extents and strides (the launcher passes them by name), so that tiles move with ``T.copy``: TMA on
+    sm_90 (TileLang's descriptors, made on the host from the strides), cp.async on sm_80. (Strides
+    written as ``s * 8`` to prove 16-byte rows could not be bound: TileLang's packed API takes only
+    plain variables.)"""
     D, HQ, HKV = spec.head_dim, spec.hq, spec.hkv
-    dt, U = spec.dtype, spec.stride_unit
+    dt = spec.dtype
     nb, sq, sk = T.dynamic("nb, sq, sk", "int32")
     qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh = T.dynamic(
         "qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh", "int64")

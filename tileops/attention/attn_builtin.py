@@ -79,28 +79,35 @@ class AttnKernels:
 
     # ------------------------------------------------------------------------------ layouts
     def _layout(self, views: dict) -> Any:
-        """None when the kernel addresses every view where it lies, else the name of one to make dense:
-        a last dim that is not contiguous, a stride off the kernel's unit, a pointer off its vector."""
+        """0 when the kernel addresses every view where it lies, else the name of one to make dense:
+        a last dim that is not contiguous, a stride off the kernel's unit (CUDA: 8 elements, 16 bytes,
+        as TMA takes them) or 0, a pointer off 16 bytes (CUDA)."""
         for n, t in views.items():
             if t is None or t.numel() == 0:
                 continue
             if t.stride(-1) != 1 and t.shape[-1] > 1:
                 return n
-            if any(s % self.unit for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1):
-                return n
+            if any(s % self.unit or (s == 0 and self.backend == "cuda")
+                   for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1):
+                return n  # (an expanded view's stride 0: TMA takes positive strides only)
             if self.backend == "cuda" and t.data_ptr() % 16:
                 return n
         return 0  # anything but a str: fit's "it fits"
 
     def _env(self, t: dict, lse: torch.Tensor | None) -> dict[str, int]:
         q, k, v, o = t["q"], t["k"], t["v"], t["out"]
-        u = self.unit
 
         def strides(x: torch.Tensor) -> tuple[int, int, int]:
-            st = x.stride()
-            if x.dim() == 4:
-                return st[0] // u, st[1] // u, st[2] // u
-            return 0, st[0] // u, st[1] // u
+            """(batch, row, head) strides in elements. A dim of size 1 (varlen's batch is one) is
+            given the span of the dims inside it instead of whatever stride torch keeps for it: never
+            read, and a TMA descriptor (CUDA) takes only positive multiples of 16 bytes."""
+            shape, st = (x.shape, x.stride()) if x.dim() == 4 else ((1, *x.shape), (0, *x.stride()))
+            out = list(st[:3])
+            for i in (2, 1, 0):
+                if shape[i] == 1:
+                    inner = out[i + 1] * shape[i + 1] if i < 2 else shape[3]
+                    out[i] = max(inner, out[i + 1] if i < 2 else 1, 1)
+            return out[0], out[1], out[2]
 
         hq = self.spec.hq
         if self.varlen:
