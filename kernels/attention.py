@@ -182,12 +182,13 @@ def build_attention(spec: AttnKernelSpec):
     _tl()
     st = storage_dtype(spec.dtype, spec.backend)
     NL, NC = T.dynamic("NL, NC")
-    common = dict(LSE=T.Tensor((NL,), "float32"), CUQ=T.Tensor((NC,), "int32"), CUK=T.Tensor((NC,), "int32"),
-                  ERR=T.Tensor((ENTRY,), "int32"))
+    common = {"LSE": T.Tensor((NL,), "float32"), "CUQ": T.Tensor((NC,), "int32"), "CUK": T.Tensor((NC,), "int32"),
+              "ERR": T.Tensor((ENTRY,), "int32")}
     if spec.backend == "cuda":
         return _cuda_func(spec, common)
     NQ, NK, NV, NO = T.dynamic("NQ, NK, NV, NO")
-    sig = dict(Q=T.Tensor((NQ,), st), K=T.Tensor((NK,), st), V=T.Tensor((NV,), st), O=T.Tensor((NO,), st), **common)
+    sig = {"Q": T.Tensor((NQ,), st), "K": T.Tensor((NK,), st), "V": T.Tensor((NV,), st), "O": T.Tensor((NO,), st),
+           **common}
     body = _c(spec, st)
 
     @T.prim_func
@@ -374,10 +375,10 @@ def _cuda_func(spec: AttnKernelSpec, common: dict):
     nb, sq, sk = T.dynamic("nb, sq, sk", "int32")
     qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh = T.dynamic(
         "qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh", "int64")
-    sig = dict(Q=T.StridedTensor((nb, sq, HQ, D), (qsb, qss, qsh, 1), dt),
-               K=T.StridedTensor((nb, sk, HKV, D), (ksb, kss, ksh, 1), dt),
-               V=T.StridedTensor((nb, sk, HKV, D), (vsb, vss, vsh, 1), dt),
-               O=T.StridedTensor((nb, sq, HQ, D), (osb, oss, osh, 1), dt), **common)
+    sig = {"Q": T.StridedTensor((nb, sq, HQ, D), (qsb, qss, qsh, 1), dt),
+           "K": T.StridedTensor((nb, sk, HKV, D), (ksb, kss, ksh, 1), dt),
+           "V": T.StridedTensor((nb, sk, HKV, D), (vsb, vss, vsh, 1), dt),
+           "O": T.StridedTensor((nb, sq, HQ, D), (osb, oss, osh, 1), dt), **common}
     body = _cuda(spec)
 
     @T.prim_func

@@ -217,9 +217,9 @@ def test_bad_cu_seqlens_reported_with_index(cu_q, cu_k, name, index, value):
     op = AttnFwdOp(4, 2, 64, causal=True)
     q, k, v = _inputs(20, (7, 4, 64), (6, 2, 64))
     cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
-    with pytest.raises(ValueError, match=rf"{name}: expected offsets starting at 0.*{name}\[{index}\] = {value}"):
-        with tileops.strict():
-            op(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    with pytest.raises(ValueError, match=rf"{name}: expected offsets starting at 0.*{name}\[{index}\] = {value}"), \
+            tileops.strict():
+        op(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
     # without strict: at the call (the CPU's runtime judges its calls there) or at op.check() (a GPU's
     # deferred report); the kernel ran on the offsets clamped into the tokens, reading nothing out of bounds
     with pytest.raises(ValueError, match=rf"{name}\[{index}\] = {value}"):

@@ -106,10 +106,9 @@ def test_bad_cu_seqlens_reported_with_index():
     with pytest.raises(ValueError, match=r"cu_seqlens_q\[2\] = 40"):
         op.check()
     # the keys' last offset 89, not k's 90 rows: index 3, raised at the call under strict
-    with pytest.raises(ValueError, match=r"cu_seqlens_k\[3\] = 89"):
-        with tileops.strict():
-            op(q, k, v, cu_seqlens_q=torch.tensor([0, 40, 60, 100], dtype=torch.int32, device=DEV),
-               cu_seqlens_k=torch.tensor([0, 30, 60, 89], dtype=torch.int32, device=DEV))
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[3\] = 89"), tileops.strict():
+        op(q, k, v, cu_seqlens_q=torch.tensor([0, 40, 60, 100], dtype=torch.int32, device=DEV),
+           cu_seqlens_k=torch.tensor([0, 30, 60, 89], dtype=torch.int32, device=DEV))
 
 
 def test_hf_views_out_given_and_fast_path():

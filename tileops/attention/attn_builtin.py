@@ -23,7 +23,19 @@ import torch
 
 from ..compile.build import device_backend, load_kernel
 from ..runtime.binding import Binding
-from ..runtime.plan import Bound, ErrorWord, Output, Plan, Ptr, Step, Tag, Value, copy_back, fit, signature
+from ..runtime.plan import (
+    Bound,
+    ErrorWord,
+    Output,
+    Plan,
+    Ptr,
+    Step,
+    Tag,
+    Value,
+    copy_back,
+    fit,
+    signature,
+)
 
 __all__ = ["AttnKernels", "implement", "kernel_specs"]
 

@@ -63,9 +63,9 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "cpu_shrink": (False, "cpu_shrink", "How cases are scaled down when tests run on the CPU."),
         "cases": (True, "list[case]", "Labelled workloads used by tests, benchmarks and `tileops demo`."),
         "flags": (False, "map[name -> flag]",
-                  "Bool keyword-only arguments of `forward`, after the outputs, default false, each asking for "
-                  "something the call returns besides its outputs (attention's `return_lse`). The family's hooks "
-                  "serve a call that sets one (`_flagged_call`); a call that sets none runs as any other."),
+                  ("Bool keyword-only arguments of `forward`, after the outputs, default false, each asking for "
+                   "something the call returns besides its outputs (attention's `return_lse`). The family's hooks "
+                   "serve a call that sets one (`_flagged_call`); a call that sets none runs as any other.")),
         "compose": (False, "map[stage -> compose]",
                     "The stages a fused op is composed of, each naming the manifests it comes from (see "
                     "\"Adding an op\", composed ops). Every reference is resolved when the manifests are "
