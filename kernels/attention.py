@@ -60,19 +60,19 @@ STATIC = {
 }
 
 #: CUDA tile shape per head_dim: (block_M, block_N, stages, threads). Shared memory per block is about
-#: ``2 bytes * (2 * block_M + 2 * stages * block_N) * D`` (Q and the output tile, K and V per stage);
-#: an H200 SM has 227 KiB, so the defaults keep two blocks an SM (<= 113 KiB each) where the tile allows:
-#:   D 64:  128 x 128, 2 stages: 2 * (256 + 512) * 64  = 96 KiB
-#:   D 128: 128 x 64,  2 stages: 2 * (256 + 256) * 128 = 128 KiB (one block an SM; TileLang's GQA
-#:          example uses 128 / 128 / 2 / 256: 192 KiB)
-#:   D 256: 64 x 64,   2 stages: 2 * (128 + 256) * 256 = 192 KiB (one block an SM)
-#: 256 threads (two warpgroups) split the 128 rows for wgmma's 64-row atoms. These are starting points
-#: for the sweep (``python -m benchmarks.attention --configs``), not measured optima: no GPU here.
+#: ``2 bytes * (2 * block_M + 2 * stages * block_N) * D`` (Q and the output tile, K and V per stage),
+#: of the 227 KiB an H200 SM has: 128 x 128 at 2 stages is 192 KiB at D 128 (one block an SM, two
+#: consumer warpgroups of 64 rows each for wgmma, plus the producer warpgroup TileLang adds for the
+#: TMA loads: 384 threads), as TileLang's GQA example tunes it; 128 KiB at D 64. D 256 keeps
+#: 64 x 64 (192 KiB; its 64 x 256 fp32 accumulator already takes 128 registers a thread of one
+#: warpgroup: 240 registers, no spill, in the sm_90a build here). Starting points, not measured optima
+#: (no GPU here): ``python -m benchmarks.attention --configs`` sweeps them on the H200.
 DEFAULT_TILES = {
     64: (128, 128, 2, 256),
-    80: (128, 64, 2, 256),
-    96: (128, 64, 2, 256),
-    128: (128, 64, 2, 256),
+    80: (128, 64, 2, 256),  # 128 x 128 at D 80: TileLang 0.1.15 "cannot lower a required shared-memory
+                            # sync inside a divergent region with 186 participating threads" (seen here)
+    96: (128, 128, 2, 256),
+    128: (128, 128, 2, 256),
     256: (64, 64, 2, 128),
 }
 
