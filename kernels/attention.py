@@ -4,7 +4,7 @@ One description, two schedules:
 
 * ``cuda``: FlashAttention's: a block owns ``block_M`` query rows of one q head; K and V tiles of
   ``block_N`` keys stream through shared memory in a software pipeline of ``stages`` buffers
-  (``T.Pipelined``: cp.async, or TMA where TileLang picks it); ``S = Q K^T`` and ``O += P V`` are
+  (``T.Pipelined``: on sm_90 TMA loads issued by a producer warpgroup TileLang adds); ``S = Q K^T`` and ``O += P V`` are
   ``T.gemm`` on tensor cores (TileLang picks wgmma on sm_90, mma on sm_80); the online softmax runs
   in fp32 register fragments. The causal and window masks bound the loop over K/V tiles (a tile no
   row of the block sees is never loaded), and only the tiles a mask cuts (``_needs_mask``) evaluate
@@ -367,9 +367,11 @@ def _c(spec: AttnKernelSpec, st: str):
 def _cuda_func(spec: AttnKernelSpec, common: dict):
     """The CUDA ``T.prim_func``: q/k/v/out are 4-D strided tensors ``[nb, rows, heads, D]`` with dynamic
     extents and strides (the launcher passes them by name), so that tiles move with ``T.copy``: TMA on
-    sm_90 (TileLang's descriptors, made on the host from the strides), cp.async on sm_80. (Strides
-    written as ``s * 8`` to prove 16-byte rows could not be bound: TileLang's packed API takes only
-    plain variables.)"""
+    sm_90 (TileLang's descriptors, made on the host from the strides). On sm_80 the same program
+    lowers to mma with predicated element-wise loads into shared memory: TileLang cannot prove a
+    runtime stride a multiple of 8, so it neither vectorises nor uses cp.async there (strides written
+    as ``s * 8`` to prove it could not be bound: TileLang's packed API takes only plain variables).
+    Correct, and far from mma's speed: the H200 is the target."""
     D, HQ, HKV = spec.head_dim, spec.hq, spec.hkv
     dt = spec.dtype
     nb, sq, sk = T.dynamic("nb, sq, sk", "int32")
