@@ -133,7 +133,11 @@ class AttnFwdOp(hooks.AttnFwdHooks):
             ValueError: A shape that does not match the ones above, tensors on different devices, an output
                 that overlaps another argument; or, by the manifest's rules: q: expected num_q_heads heads
                 (dim -2); q: expected head_dim as the last dim; k: expected num_kv_heads heads (dim -2); k:
-                expected head_dim as the last dim; k: expected q's dtype.
+                expected head_dim as the last dim; k: expected q's dtype; cu_seqlens_q: expected None with a
+                4-D (dense) q; varlen calls pass q [total_q, Hq, D]; cu_seqlens_k: expected None with a 4-D
+                (dense) q; varlen calls pass q [total_q, Hq, D]; cu_seqlens_q: expected int32 offsets [batch +
+                1] with a 3-D (varlen) q; cu_seqlens_k: expected int32 offsets [batch + 1] with a 3-D (varlen)
+                q.
         """
         return self._call({'q': q, 'k': k, 'v': v, 'cu_seqlens_q': cu_seqlens_q, 'cu_seqlens_k':
             cu_seqlens_k}, {'out': out}, {'return_lse': return_lse})
