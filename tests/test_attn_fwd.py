@@ -172,6 +172,7 @@ def _no_kernel(op):
     ("batch", ValueError, r"batch"),
     ("k rank", ValueError, r"k: expected"),
     ("cu with dense", ValueError, r"cu_seqlens_q: expected None with a 4-D"),
+    ("cu_k with dense", ValueError, r"cu_seqlens_k: expected None with a 4-D"),
     ("varlen no cu_k", ValueError, r"cu_seqlens_k: expected int32 offsets"),
     ("cu dtype", TypeError, r"cu_seqlens_q: expected dtype int32"),
     ("grad", RuntimeError, r"backward is not available yet"),
@@ -195,6 +196,8 @@ def test_bad_inputs_are_named(case, kind, match):
         args[1] = args[2] = torch.randn(14, 2, 64)
     elif case == "cu with dense":
         kw = {"cu_seqlens_q": cu, "cu_seqlens_k": cu}
+    elif case == "cu_k with dense":
+        kw = {"cu_seqlens_k": cu}
     elif case == "varlen no cu_k":
         args = [q[0], k[0], v[0]]
         kw = {"cu_seqlens_q": cu}
