@@ -174,6 +174,7 @@ def _no_kernel(op):
     ("cu with dense", ValueError, r"cu_seqlens_q: expected None with a 4-D"),
     ("cu_k with dense", ValueError, r"cu_seqlens_k: expected None with a 4-D"),
     ("varlen no cu_k", ValueError, r"cu_seqlens_k: expected int32 offsets"),
+    ("varlen no cu_q", ValueError, r"cu_seqlens_q: expected int32 offsets"),
     ("cu dtype", TypeError, r"cu_seqlens_q: expected dtype int32"),
     ("grad", RuntimeError, r"backward is not available yet"),
 ])
@@ -201,6 +202,9 @@ def test_bad_inputs_are_named(case, kind, match):
     elif case == "varlen no cu_k":
         args = [q[0], k[0], v[0]]
         kw = {"cu_seqlens_q": cu}
+    elif case == "varlen no cu_q":
+        args = [q[0], k[0], v[0]]
+        kw = {"cu_seqlens_k": torch.tensor([0, 7], dtype=torch.int32)}
     elif case == "cu dtype":
         args = [q[0], k[0], v[0]]
         kw = {"cu_seqlens_q": cu.long(), "cu_seqlens_k": cu.long()}

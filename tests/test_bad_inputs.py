@@ -315,6 +315,8 @@ def _rule_items(needs_dims: bool, per_name: int = 4):
             # its varlen rules, on total_q, do not apply)
             call_dims = {d for t in m.inputs if t.name not in NOT_WITH_BASE.get(m.name, ())
                          for d in t.shapes_for(params)[0]}
+            if (rule.check.names & m.dims) - call_dims:
+                continue  # a rule on another shape's dims (a varlen q): the op's own tests break it
             others = [r for r in m.rules if r is not rule and (needs_dims or not r.needs_dims)
                       and not (r.check.names & m.dims) - call_dims]
             left_out = NOT_WITH_BASE.get(m.name, set())
@@ -373,6 +375,10 @@ BROKEN_ELSEWHERE = {
         "tests/test_attn_fwd.py::test_bad_inputs_are_named[cu with dense-ValueError-...]",
     ("AttnFwdOp", "batch >= 0 and dtype_cu_seqlens_k == none"):
         "tests/test_attn_fwd.py::test_bad_inputs_are_named[cu_k with dense-ValueError-...]",
+    ("AttnFwdOp", "total_q >= 0 and dtype_cu_seqlens_q != none"):
+        "tests/test_attn_fwd.py::test_bad_inputs_are_named[varlen no cu_q-ValueError-...]",
+    ("AttnFwdOp", "total_q >= 0 and dtype_cu_seqlens_k != none"):
+        "tests/test_attn_fwd.py::test_bad_inputs_are_named[varlen no cu_k-ValueError-...]",
 }
 
 
