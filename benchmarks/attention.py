@@ -5,6 +5,7 @@ run (issue 36's table), and a sweep of the CUDA tile shape.
     python -m benchmarks.attention --rows all         # also MHA, head_dim 64/256, varlen
     python -m benchmarks.attention --configs 128x64x2x256,128x128x2x256,64x64x2x128 --rows 16k
                                                       # tile shapes (block_M x block_N x stages x threads)
+    python -m benchmarks.attention --backward         # the backward through the op: vs SDPA flash and cuDNN's
     python -m benchmarks.attention --dry              # anywhere: the rows, configs and kernel specs
 
 TFLOP/s counts ``4 * Sq * Sk * D * Hq`` per sequence, halved when causal (the issue's convention), and
@@ -18,6 +19,13 @@ says FAIL and is not timed. Every kernel of the run is compiled first, in parall
 
 Varlen rows have no SDPA counterpart: the baselines run one SDPA call per sequence (what a caller
 without a varlen kernel does), and the FLOPs sum each sequence's.
+
+``--backward`` times the backward instead: ``torch.autograd.grad`` of the op's output (q, k, v
+requiring grad; the graph kept, so each timed call is the backward plan alone: delta, dk/dv, dq, and
+any copy its views need) and of SDPA flash's and cuDNN's outputs, with the same dO. TFLOP/s counts
+2.5x the forward's FLOPs (the issue's convention). ``err`` is the largest ``|ours - SDPA|`` of dq, dk,
+dv over the largest ``|SDPA|``: both are 16-bit computations, so it is a check that the op computes
+the gradient (near 1e-2), not a bound; ``tests/test_attn_bwd_cuda.py`` bounds it against float64.
 """
 
 from __future__ import annotations
@@ -53,6 +61,20 @@ def flops(row: tuple) -> float:
     b, s, hq, _, d, causal, lens = row
     pairs = sum(n * n for n in lens) if lens else b * s * s
     return 4.0 * pairs * d * hq / (2 if causal else 1)
+
+
+def backward_call(forward: Any, t: dict[str, torch.Tensor], dout: torch.Tensor) -> tuple[Any, tuple]:
+    """``(call, grads)``: ``call()`` runs the backward of one forward of ``forward(leaves)`` (q, k, v of
+    ``t`` requiring grad) with ``dout``, the graph kept so that it can run again; ``grads`` its first
+    result (dq, dk, dv)."""
+    leaves = {n: t[n].detach().requires_grad_(True) for n in ("q", "k", "v")}
+    out = forward({**t, **leaves})
+    wrt = [leaves[n] for n in ("q", "k", "v")]
+
+    def call():
+        return torch.autograd.grad(out, wrt, dout, retain_graph=True)
+
+    return call, call()
 
 
 def parse_config(text: str) -> dict[str, int]:
@@ -139,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baselines", action="store_true", help="time tileops alone")
     ap.add_argument("--batches", type=int, default=10, help="timed batches of 3 calls a config (default 10)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel kernel compiles (default: a CPU each)")
+    ap.add_argument("--backward", action="store_true", help="time the backward (autograd.grad with one dO) against "
+                                                            "SDPA flash's and cuDNN's; TFLOP/s count 2.5x the forward")
     ap.add_argument("--dry", action="store_true", help="print the rows, configs and specs; no GPU needed")
     a = ap.parse_args(argv)
     names = list(ROWS) if a.rows == "all" else [r.strip() for r in a.rows.split(",") if r.strip()]
@@ -161,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 cu = (("cu_seqlens_q", "int32"), ("cu_seqlens_k", "int32")) if ROWS[n][6] else ()
                 call = CallSpec(torch.device("cuda"), (("q", name), ("k", name), ("v", name), *cu),
                                 (("kv_heads", ROWS[n][3]), ("q_dim", ROWS[n][4]), ("q_heads", ROWS[n][2])))
-                print(n, dt, c, kernel_specs(op.manifest, op.params, call, "cuda")[0][1])
+                for _, spec in kernel_specs(op.manifest, op.params, call, "cuda", backward=a.backward):
+                    print(n, dt, c, spec)
         return 0
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.attention times CUDA kernels: no GPU here (--dry prints the plan)")
@@ -177,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             row = ROWS[n]
             dims = {"q_dim": row[4], "q_heads": row[2], "kv_heads": row[3]}
             jobs = op_kernel_jobs("AttnFwdOp", op.params, dims, [{"bf16": "bfloat16", "fp16": "float16"}[dt]], arch,
-                                  with_inputs=("cu_seqlens_q", "cu_seqlens_k") if row[6] else (), backward=False)
+                                  with_inputs=("cu_seqlens_q", "cu_seqlens_k") if row[6] else (),
+                                  backward=a.backward)
             if c is not None:  # the sweep's specs: the job's spec with the config's schedule
                 jobs = [(b, dataclasses.replace(s, **c), be, ar) for b, s, be, ar in jobs]
             todo += jobs
@@ -186,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compiled {count} kernels in {time.perf_counter() - t0:.0f} s"
           + (f"; {len(failures)} failed: {failures[0][1][:300]}" if failures else ""), flush=True)
     baselines = not (a.configs or a.no_baselines)
+    if a.backward:
+        return backward_table(work, configs, baselines, a.batches)
     head = ["row", "dtype", "config", "tileops"] + (["flash", "cudnn", "compile"] if baselines else [])
     print("| " + " | ".join(head) + " |  (TFLOP/s, % of 989; us)", flush=True)
     for n, dt in work:
@@ -230,6 +258,52 @@ def main(argv: list[str] | None = None) -> int:
                 tf = f / us / 1e6
                 extra.append(f"{tf:.0f} ({100 * tf / PEAK_TFLOPS:.0f}%)")
         for label, cell in cells:
+            print(f"| {n} | {dt} | {label} | {cell} | " + " | ".join(extra) + " |", flush=True)
+        del t, ref
+        torch.cuda.empty_cache()
+    return 0
+
+
+def backward_table(work: list, configs: list, baselines: bool, batches: int) -> int:
+    """``--backward``'s table: the op's backward (per config) and SDPA flash's and cuDNN's, one dO."""
+    from benchmarks.timing import gpu_time
+
+    head = ["row", "dtype", "config", "tileops bwd"] + (["flash bwd", "cudnn bwd"] if baselines else [])
+    print("| " + " | ".join(head) + " |  (TFLOP/s at 2.5x the forward's FLOPs, % of 989; us)", flush=True)
+    for n, dt in work:
+        row, dtype = ROWS[n], DTYPES[dt]
+        t = inputs(row, dtype)
+        kw = {k: v for k, v in t.items() if k.startswith("cu_")}
+        dout = torch.randn(t["q"].shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda",
+                           dtype=dtype)
+        f = 2.5 * flops(row)
+        ref = None
+        extra = []
+        for backend in ("cudnn", "flash"):  # cuDNN's gradients are the reference of err when it serves the row
+            if not (baselines or ref is None) or sdpa_fn(backend, row, t) is None:
+                extra.append("-")
+                continue
+            call, grads = backward_call(lambda x, b=backend: sdpa_fn(b, row, x)(), t, dout)
+            ref = grads if ref is None else ref
+            us = gpu_time(lambda i, call=call: call(), 1, batches=batches, per_batch=3)[0]
+            extra.append(f"{f / us / 1e6:.0f} ({100 * f / us / 1e6 / PEAK_TFLOPS:.0f}%, {us:.0f} us)")
+        extra = extra[::-1] if baselines else []  # (flash, cudnn) as the header orders them
+        for c in configs:
+            op = make_op(row, c)
+            label = "x".join(str(v) for v in c.values()) if c else "manifest"
+            try:
+                call, got = backward_call(lambda x, op=op: op(x["q"], x["k"], x["v"], **kw), t, dout)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - reported, and the sweep goes on
+                cell = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            else:
+                err = max(float((g.float() - r.float()).abs().max()) / max(float(r.float().abs().max()), 1e-30)
+                          for g, r in zip(got, ref)) if ref is not None else float("nan")
+                us = gpu_time(lambda i, call=call: call(), 1, batches=batches, per_batch=3)[0]
+                tf = f / us / 1e6
+                cell = f"{tf:.0f} ({100 * tf / PEAK_TFLOPS:.0f}%, {us:.0f} us, err {err:.2g})"
+                rec = {"row": n, "dtype": dt, "config": label, "backward_us": us, "tflops": tf, "err": err}
+                print(f"SWEEP {json.dumps(rec)}", flush=True)
             print(f"| {n} | {dt} | {label} | {cell} | " + " | ".join(extra) + " |", flush=True)
         del t, ref
         torch.cuda.empty_cache()

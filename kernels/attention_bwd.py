@@ -281,12 +281,21 @@ def _clamp(x, hi):
     return T.max(T.min(x, hi), 0)
 
 
+def _zero(W):
+    """0 for the first tile of a loop that starts at the first tile, as an expression of the window
+    scalar ``W`` (the host passes ``W >= 0``, 0 without a window) that the compiler cannot fold: a
+    pipelined loop (CUDA) starting at a literal 0 made TileLang 0.1.15's codegen refuse its stage
+    waits ("Downcast from tirx.Sub to ir.IntImm failed": dq without a window, dk/dv without causal),
+    as commit f3302e0 found for the count."""
+    return T.min(W, 0)
+
+
 def _q_blocks(spec: AttnBwdKernelSpec, n0, BN, BM, sq, sk, W):
     """(first q block, count) that can see any of the kv rows ``n0 .. n0 + BN - 1`` (those past ``sk``
     see nothing): causal hides queries ``i < j - off`` from key j, a window those with
     ``i >= j - off + W``; whole blocks outside are never visited."""
     off = sk - sq
-    lo = _clamp(n0 - off, sq) if spec.causal else 0
+    lo = _clamp(n0 - off, sq) if spec.causal else _zero(W)
     hi = _clamp(T.min(n0 + BN, sk) - 1 - off + W, sq) if spec.window else sq
     first = T.truncdiv(lo, BM)
     return first, T.max(T.truncdiv(hi + BM - 1, BM) - first, 0)
@@ -297,7 +306,7 @@ def _kv_blocks(spec: AttnBwdKernelSpec, m0, BM, BN, sq, sk, W):
     up to ``i + off`` of the last row; a window, keys past ``i + off - W`` of the first."""
     off = sk - sq
     hi = _clamp(T.min(m0 + BM, sq) + off, sk) if spec.causal else sk
-    lo = _clamp(m0 + off - W + 1, sk) if spec.window else 0
+    lo = _clamp(m0 + off - W + 1, sk) if spec.window else _zero(W)
     first = T.truncdiv(lo, BN)
     return first, T.max(T.truncdiv(hi + BN - 1, BN) - first, 0)
 

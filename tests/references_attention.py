@@ -3,7 +3,8 @@
 package or its kernels.
 
 ``reference("AttnFwdOp", params, inputs)`` returns attention's output (:func:`attention`: a loop over
-sequences and heads, the masks written out as matrices, no code shared with the kernels).
+sequences and heads, the masks written out as matrices, no code shared with the kernels);
+:func:`attention_grads` its gradients, by float64 autograd through the same definition.
 ``reference("AttnPrologueFwdOp", params, inputs)`` returns ``{"q_out": q, "key_cache": ...,
 "value_cache": ...}``: q ``[tokens, Hq, D]`` and the caches after the call (from the caches given,
 which are the state before it). The rope stage's frequencies come from the rope family's own float64
@@ -61,16 +62,28 @@ def scale(op_name: str, params: dict, inputs: dict) -> dict:
     return _chain(op_name, params, inputs)[1]
 
 
-def attention(params: dict, inputs: dict) -> dict:
+def attention_grads(params: dict, inputs: dict, dout: torch.Tensor) -> dict:
+    """The gradients ``dq``, ``dk``, ``dv`` (float64, shaped as q, k, v) of ``sum(out * dout)``: float64
+    autograd through :func:`attention`, the definition itself (for ``AttnFwdOp``'s backward)."""
+    leaves = {n: inputs[n].detach().cpu().double().requires_grad_(True) for n in ("q", "k", "v")}
+    with torch.enable_grad():
+        out = attention(params, {**inputs, **leaves}, differentiable=True)["out"]
+        got = torch.autograd.grad(out, [leaves[n] for n in ("q", "k", "v")], dout.detach().cpu().double(),
+                                  allow_unused=True)
+    return {f"d{n}": torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(("q", "k", "v"), got)}
+
+
+def attention(params: dict, inputs: dict, differentiable: bool = False) -> dict:
     """``AttnFwdOp`` in float64 from its definition, one sequence and one q head at a time (the scores
     of a whole sequence as a matrix: the generated CUDA tests run the cases at their full size):
     ``out``, ``lse`` (natural log, -inf for a row that sees no key), ``scale`` (``sum_j p_j |v_j|`` per
     element, the magnitude its roundings act on) and ``smax`` (the largest ``|s|`` of a visible scaled
-    score, which the fp32 exp's error grows with)."""
+    score, which the fp32 exp's error grows with). ``differentiable``: q, k, v are float64 CPU tensors
+    taken as they are (leaves of the caller's graph), so that ``out`` is differentiable in them."""
     hq, hkv, d = params["num_q_heads"], params["num_kv_heads"], params["head_dim"]
     scale = params.get("softmax_scale") or 1.0 / d ** 0.5
     cap, w, causal = params.get("softcap"), params.get("sliding_window"), params.get("causal", False)
-    q, k, v = (inputs[n].detach().cpu().double() for n in ("q", "k", "v"))
+    q, k, v = (inputs[n] if differentiable else inputs[n].detach().cpu().double() for n in ("q", "k", "v"))
     dense = q.dim() == 4
     if dense:  # sequence b is row block b
         spans = [(b, (0, q.shape[1]), (0, k.shape[1])) for b in range(q.shape[0])]
@@ -101,7 +114,7 @@ def attention(params: dict, inputs: dict) -> dict:
             if cap is not None:
                 s = cap * torch.tanh(s / cap)
             if bool(seen.any()):
-                smax = max(smax, float(s[seen].abs().max()))
+                smax = max(smax, float(s.detach()[seen].abs().max()))
             s = s.masked_fill(~seen, float("-inf"))
             m = torch.where(some, s.max(-1).values, torch.zeros(nq, dtype=torch.float64))
             e = torch.exp(s - m[:, None])  # exp(-inf) = 0 where hidden

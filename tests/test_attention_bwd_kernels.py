@@ -346,6 +346,18 @@ def test_cuda_schedule_lowers_to_tensor_cores_and_async_copies():
             cuda_build.device_source(src)
 
 
+def test_cuda_loops_from_the_first_tile_lower():
+    """dq without a window and dk/dv without causal loop from the first tile: TileLang 0.1.15's codegen
+    refused those pipelined loops when they started at a literal 0 (every row of the op's backward but
+    windowed ones failed to build); they start at ``_zero(W)`` now. Head_dim 64, dense (~15 s here)."""
+    from tileops.compile.build import emit_source
+
+    S = get_spec("attention_bwd")
+    for kind in ("dq", "dkdv"):
+        src = emit_source("attention_bwd", S(kind=kind, head_dim=64, dtype="bfloat16"), "cuda", "sm_90")
+        assert "tl::wgmma" in src and "cp_async_gs<16>" in src, kind
+
+
 # ------------------------------------------------------------------------- the CUDA schedule
 # Written to run on the H200 (skipped without a GPU): the tensor-core programs at every head dim, with
 # sequences that cross their 128-row tiles and end inside one.

@@ -176,7 +176,7 @@ def _no_kernel(op):
     ("varlen no cu_k", ValueError, r"cu_seqlens_k: expected int32 offsets"),
     ("varlen no cu_q", ValueError, r"cu_seqlens_q: expected int32 offsets"),
     ("cu dtype", TypeError, r"cu_seqlens_q: expected dtype int32"),
-    ("grad", RuntimeError, r"backward is not available yet"),
+    ("lse with grad", RuntimeError, r"return_lse=True while q requires grad"),
 ])
 def test_bad_inputs_are_named(case, kind, match):
     op = AttnFwdOp(4, 2, 64)
@@ -208,8 +208,9 @@ def test_bad_inputs_are_named(case, kind, match):
     elif case == "cu dtype":
         args = [q[0], k[0], v[0]]
         kw = {"cu_seqlens_q": cu.long(), "cu_seqlens_k": cu.long()}
-    elif case == "grad":
+    elif case == "lse with grad":
         args[0] = q.clone().requires_grad_(True)
+        kw = {"return_lse": True}
     with pytest.raises(kind, match=match):
         op(*args, **kw)
     _no_kernel(op)

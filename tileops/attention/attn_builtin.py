@@ -11,6 +11,17 @@ first (an output written through a buffer and copied back: :func:`tileops.runtim
 for that one call (``keep``), so the runtime's cached bindings (the fast path, which the native
 runtime serves without Python) never write one. Varlen calls check ``cu_seqlens_q``/``cu_seqlens_k``
 on the device: error words 0 and 1 of the plan (:mod:`tileops.kernels.report`).
+
+Gradients (the manifest's ``backward``): a call whose q, k or v requires grad gets a per-call state
+from :meth:`AttnKernels.prepare` (a dict), into which the forward writes the lse it computes for that
+call alone (a no-grad call computes none unless ``return_lse``). :data:`BACKWARD` then runs the three
+programs of ``kernels/attention_bwd.py`` as one plan: ``prep`` (delta = rowsum(dO * O), fp32, laid
+out like lse: the plan's per-call workspace), ``dkdv`` (each kv head's dk/dv summed over its group of
+q heads, written once) and ``dq``; dq, dk, dv are new tensors laid out like q, k, v. No atomics: the
+same inputs give the same bits. Varlen calls pass the token counts (``total_q``, ``total_k``) as the
+kernels' bound on a sequence's length (``Sq``/``Sk``): the max sequence length would need the offsets
+on the host (a synchronisation every backward), and the bound costs only programs that find no rows
+and return (``batch * ceil(total / block)`` of them in place of about ``ceil(total / block) + batch``).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..autograd import grad_needed
 from ..compile.build import device_backend, load_kernel
 from ..runtime.binding import Binding
 from ..runtime.plan import (
@@ -32,12 +44,13 @@ from ..runtime.plan import (
     Step,
     Tag,
     Value,
+    Workspace,
     copy_back,
     fit,
     signature,
 )
 
-__all__ = ["AttnKernels", "implement", "kernel_specs"]
+__all__ = ["AttnKernels", "BACKWARD", "FORWARD", "backward_specs", "implement", "kernel_specs"]
 
 #: the kernel's integer arguments, each bound by value from :meth:`AttnKernels._env` (the CUDA kernel
 #: takes the sizes and strides as its tensors' dynamic extents, the C one as parameters: by name alike)
@@ -57,16 +70,67 @@ FORWARD = Plan("attention forward", inputs=("q", "k", "v", "cu_seqlens_q", "cu_s
                checks={"cu_seqlens_q": 0, "cu_seqlens_k": 1})
 
 
+def _bsh(*tensors: str) -> dict:
+    """The (batch, row, head) stride arguments of ``kernels/attention_bwd.py``'s tensors, each bound by
+    value from :meth:`AttnKernels._backward_env`'s names of the same spelling."""
+    return {f"{t}s{x}": Value(f"{t}s{x}") for t in tensors for x in "bsh"}
+
+
+#: the values every gradient program takes: the sizes (``Sq``/``Sk`` the dense lengths, varlen the
+#: token counts: the module's doc), the window and the fp32 scale and softcap, lse's (and delta's) strides
+_GRAD_VALUES = {"B": Value("B"), "Hkv": Value("Hkv"), "G": Value("G"), "Sq": Value("Sq"), "Sk": Value("Sk"),
+                "W": Value("W"), "scale": Value("scale"), "softcap": Value("softcap"), "lsb": Value("lsb"),
+                "lsh": Value("lsh"), **_bsh("q", "k", "v", "do")}
+_GRAD_PTRS = {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "DO": Ptr("dout"), "LSE": Ptr("lse"),
+              "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"), "CUK": Ptr("cu_seqlens_k")}
+
+#: The backward: delta = rowsum(dO * O) into the per-call workspace (fp32, one element per query row
+#: and q head, laid out like lse: ``Hq * qrows``, qrows ``batch * seq_q`` or ``total_q``), then dk/dv
+#: (a program per kv block and kv head, over its group's q heads), then dq (a program per q block).
+#: ``out`` and ``lse`` are the forward's; ``dout`` out's gradient.
+BACKWARD = Plan(
+    "attention backward", inputs=("q", "k", "v", "out", "dout", "lse", "cu_seqlens_q", "cu_seqlens_k"),
+    outputs=(Output("dq", like="q"), Output("dk", like="k"), Output("dv", like="v")),
+    workspaces=(Workspace("delta", "float32", "Hq * qrows"),),
+    steps=(Step("prep", {"O": Ptr("out"), "DO": Ptr("dout"), "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"),
+                         "B": Value("B"), "Hq": Value("Hq"), "Sq": Value("Sq"), "lsb": Value("lsb"),
+                         "lsh": Value("lsh"), **_bsh("o", "do")}),
+           Step("dkdv", {**_GRAD_PTRS, "DK": Ptr("dk"), "DV": Ptr("dv"), **_GRAD_VALUES, **_bsh("dk", "dv")}),
+           Step("dq", {**_GRAD_PTRS, "DQ": Ptr("dq"), **_GRAD_VALUES, **_bsh("dq")})))
+#: the backward's tensors the kernels address by (batch, row, head) strides, by their stride names
+_BWD_STRIDED = {"q": "q", "k": "k", "v": "v", "out": "o", "dout": "do", "dq": "dq", "dk": "dk", "dv": "dv"}
+
+
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
-    """The ``(builder, spec)`` a call of one specialization launches (the forward; the backward is not
-    declared yet), for ``tileops warmup``, ``op.compile`` and ``tileops emit``."""
+    """The ``(builder, spec)`` a call of one specialization launches, for ``tileops warmup``,
+    ``op.compile`` and ``tileops emit``: the forward, then, with ``backward`` and a manifest that
+    declares one, the backward's ``prep``, ``dkdv`` and ``dq`` (``kernels/attention_bwd.py``, at its
+    default tiles for the head dim)."""
     from tileops.kernels import get_spec
 
     from .hooks import AttnFwdHooks
 
     fields = AttnFwdHooks.kernel_fields_of(params, call)
     static = dict(manifest.kernel.static or {}) if backend == "cuda" else {}
-    return [(manifest.kernel.builder, get_spec(manifest.kernel.builder)(backend=backend, **fields, **static))]
+    out = [(manifest.kernel.builder, get_spec(manifest.kernel.builder)(backend=backend, **fields, **static))]
+    if backward and manifest.backward is not None:
+        out += [(BWD_BUILDER, spec) for spec in backward_specs(fields, backend)]
+    return out
+
+
+#: the builder of the backward's three programs
+BWD_BUILDER = "attention_bwd"
+
+
+def backward_specs(fields: dict, backend: str) -> list[Any]:
+    """The ``prep``, ``dkdv`` and ``dq`` specs of the backward of a forward of ``fields``
+    (:meth:`AttnFwdHooks.kernel_fields_of`). ``prep`` reads o and dO alone: no mask field."""
+    from tileops.kernels import get_spec
+
+    make = get_spec(BWD_BUILDER)
+    common = dict(head_dim=fields["head_dim"], dtype=fields["dtype"], varlen=fields["varlen"], backend=backend)
+    masks = dict(causal=fields["causal"], window=fields["window"], softcap=fields["softcap"])
+    return [make(kind="prep", **common), make(kind="dkdv", **common, **masks), make(kind="dq", **common, **masks)]
 
 
 class AttnKernels:
@@ -83,17 +147,21 @@ class AttnKernels:
         self.kernel = load_kernel(op.manifest.kernel.builder, self.spec, self.backend, self.arch, self.device,
                                   self.spec.args, op_name=op.name)
         p = op.params
-        scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
-        self.scale_bits = _f32_bits(scale)
+        self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
+        self.scale_bits = _f32_bits(self.scale)
         self.cap_bits = _f32_bits(p["softcap"] if p["softcap"] is not None else 1.0)
         self.window = min(p["sliding_window"] or 0, _MAX_WINDOW)
         self._bound = Bound()
+        from .hooks import AttnFwdHooks
+
+        self._fields = AttnFwdHooks.kernel_fields_of(p, call)
+        self._bwd_kernels: dict[str, Any] | None = None  # compiled at the first backward
 
     # ------------------------------------------------------------------------------ layouts
-    def _layout(self, views: dict) -> Any:
+    def _layout(self, views: dict, pointers: bool = True) -> Any:
         """0 when the kernel addresses every view where it lies, else the name of one to make dense:
         a last dim that is not contiguous, a stride off the kernel's unit (CUDA: 8 elements, 16 bytes,
-        as TMA takes them) or 0, a pointer off 16 bytes (CUDA)."""
+        as TMA takes them) or 0, (with ``pointers``) a pointer off 16 bytes (CUDA)."""
         for n, t in views.items():
             if t is None or t.numel() == 0:
                 continue
@@ -102,24 +170,12 @@ class AttnKernels:
             if any(s % self.unit or (s == 0 and self.backend == "cuda")
                    for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1):
                 return n  # (an expanded view's stride 0: TMA takes positive strides only)
-            if self.backend == "cuda" and t.data_ptr() % 16:
+            if pointers and self.backend == "cuda" and t.data_ptr() % 16:
                 return n
         return 0  # anything but a str: fit's "it fits"
 
     def _env(self, t: dict, lse: torch.Tensor | None) -> dict[str, int]:
         q, k, v, o = t["q"], t["k"], t["v"], t["out"]
-
-        def strides(x: torch.Tensor) -> tuple[int, int, int]:
-            """(batch, row, head) strides in elements. A dim of size 1 (varlen's batch is one) is
-            given the span of the dims inside it instead of whatever stride torch keeps for it: never
-            read, and a TMA descriptor (CUDA) takes only positive multiples of 16 bytes."""
-            shape, st = (x.shape, x.stride()) if x.dim() == 4 else ((1, *x.shape), (0, *x.stride()))
-            out = list(st[:3])
-            for i in (2, 1, 0):
-                if shape[i] == 1:
-                    inner = out[i + 1] * shape[i + 1] if i < 2 else shape[3]
-                    out[i] = max(inner, out[i + 1] if i < 2 else 1, 1)
-            return out[0], out[1], out[2]
 
         hq = self.spec.hq
         if self.varlen:
@@ -134,7 +190,7 @@ class AttnKernels:
                "has_lse": int(lse is not None), "lse_ptr": 0 if lse is None else lse.data_ptr(),
                "scale_bits": self.scale_bits, "cap_bits": self.cap_bits, "window": self.window}
         for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
-            env[f"{name}sb"], env[f"{name}ss"], env[f"{name}sh"] = strides(x)
+            env[f"{name}sb"], env[f"{name}ss"], env[f"{name}sh"] = _strides(x)
         return env
 
     def _empty(self, t: dict) -> bool:
@@ -147,23 +203,28 @@ class AttnKernels:
         return rows == 0 or keys == 0 or q.shape[-2] == 0
 
     # ------------------------------------------------------------------------------ calls
-    def prepare(self, tensors: dict) -> None:
-        return None
+    def prepare(self, tensors: dict) -> dict | None:
+        """The call's state: a dict (into which :meth:`forward` writes this call's lse, which the
+        backward reads) when a gradient will be taken, else None (no lse is computed)."""
+        return {} if grad_needed(self.op, tensors, {}) else None
 
-    def forward(self, state: None, tensors: dict, outs: dict, lse: bool = False) -> Any:
-        """out (new unless given), or ``(out, lse)`` with ``lse``."""
+    def forward(self, state: dict | None, tensors: dict, outs: dict, lse: bool = False) -> Any:
+        """out (new unless given), or ``(out, lse)`` with ``lse``; with a ``state`` dict (a gradient
+        will be taken: :meth:`prepare`) the lse is computed too and kept as ``state["lse"]``."""
         q = tensors["q"]
         out = outs.get("out")
         out = self.op._new_output("out", tensors) if out is None else out
         lse_t = None
-        if lse:
+        if lse or state is not None:
             shape = (q.shape[0], self.spec.hq, q.shape[1]) if q.dim() == 4 else (self.spec.hq, q.shape[0])
             lse_t = torch.empty(shape, dtype=torch.float32, device=q.device)
+        if state is not None:
+            state["lse"] = lse_t
         if self._empty(tensors):
             out.zero_()
             if lse_t is not None:
                 lse_t.fill_(-math.inf)
-            return out if lse_t is None else (out, lse_t)
+            return (out, lse_t) if lse else out
         views, _ = fit({"q": q, "k": tensors["k"], "v": tensors["v"], "out": out}, ("out",), self._layout)
         launch = {**tensors, **{n: views[n] for n in ("q", "k", "v")}}
         if self.varlen:
@@ -176,7 +237,7 @@ class AttnKernels:
             b = self._bind(launch, writes, lse_t)  # the lse's address is this call's alone
         self.op._runtime.execute(b, launch, writes)
         copy_back(writes, {"out": out})
-        return out if lse_t is None else (out, lse_t)
+        return (out, lse_t) if lse else out
 
     def _bind(self, tensors: dict, outs: dict, lse: torch.Tensor | None) -> Binding:
         align = {n: 16 for n in ("q", "k", "v", "out")} if self.backend == "cuda" else {}
@@ -198,8 +259,97 @@ class AttnKernels:
             align={n: 16 for n in ("q", "k", "v", "out")} if self.backend == "cuda" else {},
             views={"out": view})
 
-    def backward(self, state: Any, grads: tuple, tensors: dict) -> tuple:  # pragma: no cover - none declared
-        raise NotImplementedError(f"{self.op.name}: the backward is not available yet")
+    # ------------------------------------------------------------------------------ backward
+    def backward(self, state: dict | None, grads: tuple, tensors: dict) -> tuple:
+        """``(dq, dk, dv)`` from out's gradient: :data:`BACKWARD` on the forward's q, k, v, out and lse.
+        A state without the lse (the backward of a ``torch.compile`` graph, whose forward ran as a
+        custom op and kept none) computes it again with a forward."""
+        q, k, v = tensors["q"], tensors["k"], tensors["v"]
+        dout = grads[0]
+        if dout is None:  # (autograd materialises a zero gradient; a direct caller may pass None)
+            dout = torch.zeros_like(tensors["out"])
+        if self._empty(tensors):  # no query rows or no keys: every gradient is zero
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        lse = (state or {}).get("lse")
+        if lse is None:
+            lse = self.forward(None, {n: t for n, t in tensors.items() if n != "out"}, {}, lse=True)[1]
+        launch = {"q": q, "k": k, "v": v, "out": tensors["out"], "dout": dout, "lse": lse,
+                  "cu_seqlens_q": None, "cu_seqlens_k": None}
+        if self.varlen:
+            launch.update(cu_seqlens_q=_monotone(tensors["cu_seqlens_q"], q.shape[0]),
+                          cu_seqlens_k=_monotone(tensors["cu_seqlens_k"], k.shape[0]))
+        key = ("backward", signature(BACKWARD.names, launch))
+        b = self._bound.get(key, lambda: self._backward_binding(launch))
+        if b is not None:
+            got = self.op._runtime.execute(b, launch, {})
+            if got is not NotImplemented:
+                return got
+        # a view the kernels cannot address where it lies (a stride off 8 elements on CUDA, a last dim
+        # not contiguous: an expanded dO of out.sum()): a dense copy; the new gradients are dense then
+        views, _ = fit({n: launch[n] for n in _BWD_STRIDED if n in launch}, (), self._layout)
+        fitted = {**launch, **views}
+        return self.op._runtime.execute(self._backward_binding(fitted), fitted, {})
+
+    def _bwd(self) -> dict[str, Any]:
+        if self._bwd_kernels is None:
+            self._bwd_kernels = {
+                s.kind: load_kernel(BWD_BUILDER, s, self.backend, self.arch, self.device, s.args, op_name=self.op.name)
+                for s in backward_specs(self._fields, self.backend)}
+        return self._bwd_kernels
+
+    def _backward_binding(self, launch: dict) -> Binding | None:
+        """:data:`BACKWARD` bound for tensors shaped as ``launch``; None when a view's strides are not
+        ones the kernels address (the pointers each call brings, the binding checks: ``align``)."""
+        # the new gradients are laid out as empty_like lays out q, k, v (the binding's strides for them)
+        metas = {n: torch.empty_like(launch[like], device="meta") for n, like in (("dq", "q"), ("dk", "k"),
+                                                                                   ("dv", "v"))}
+        views = {**{n: launch[n] for n in ("q", "k", "v", "out", "dout")}, **metas}
+        if isinstance(self._layout(views, pointers=False), str):
+            return None
+        align = {n: 16 for n in _BWD_STRIDED} if self.backend == "cuda" else {}
+        batch = launch["cu_seqlens_q"].shape[0] - 1 if self.varlen else launch["q"].shape[0]
+        return BACKWARD.bind(self._bwd(), launch, {}, env=self._backward_env(views, launch["lse"], batch), align=align)
+
+    def _backward_env(self, views: dict, lse: torch.Tensor, batch: int) -> dict[str, Any]:
+        """The names of :data:`BACKWARD`'s values: sizes, scalars, strides in the kernels' units (lse's
+        and delta's in elements)."""
+        q, k = views["q"], views["k"]
+        hq, hkv = self.spec.hq, self.spec.hkv
+        if self.varlen:  # the token counts bound every sequence's length (the module's doc)
+            sq, sk, qrows = q.shape[0], k.shape[0], q.shape[0]
+            lsb, lsh = 0, lse.stride(0)
+        else:
+            sq, sk, qrows = q.shape[1], k.shape[1], q.shape[0] * q.shape[1]
+            lsb, lsh = lse.stride(0), lse.stride(1)
+        env = {"B": batch, "Hq": hq, "Hkv": hkv, "G": hq // hkv, "Sq": sq, "Sk": sk, "qrows": qrows,
+               "W": self.window, "scale": float(self.scale),
+               "softcap": float(self.op.params["softcap"] or 0.0), "lsb": lsb, "lsh": lsh}
+        for name, short in _BWD_STRIDED.items():
+            for x, st in zip("bsh", _strides(views[name])):
+                env[f"{short}s{x}"] = st // self.unit
+        return env
+
+
+def _monotone(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """Offsets the backward programs may follow whatever the call passed: clamped into ``[0, total]``
+    and made non-decreasing on the device (no synchronisation). The programs trust their offsets;
+    a bad one (which the forward reported, or will at a later call) then addresses nothing outside the
+    tensors. Good offsets come back equal, as a new tensor."""
+    return torch.cummax(cu.clamp(0, total), 0).values.to(torch.int32).contiguous()
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, row, head) strides in elements of a dense ``[B, S, H, D]`` or varlen ``[T, H, D]``
+    tensor. A dim of size 1 (varlen's batch is one) is given the span of the dims inside it instead of
+    whatever stride torch keeps for it: never read, and a TMA descriptor (CUDA) takes only positive
+    multiples of 16 bytes."""
+    shape, st = (x.shape, x.stride()) if x.dim() == 4 else ((1, *x.shape), (0, *x.stride()))
+    out = list(st[:3])
+    for i in (2, 1, 0):
+        if shape[i] == 1:
+            inner = out[i + 1] * shape[i + 1] if i < 2 else shape[3]
+            out[i] = max(inner, out[i + 1] if i < 2 else 1, 1)
+    return out[0], out[1], out[2]
 
 
 def _f32_bits(x: float) -> int:

@@ -139,7 +139,8 @@ class AttnPrologueFwdHooks(Op):
 
 class AttnFwdHooks(Op):
     """``AttnFwdOp``: which kernel a call needs, the dense/varlen checks the rules cannot express,
-    ``return_lse`` (a flag of the manifest) and the deferred report of bad ``cu_seqlens``."""
+    ``return_lse`` (a flag of the manifest; refused while an input requires grad: the backward takes
+    no gradient of lse) and the deferred report of bad ``cu_seqlens``."""
 
     @classmethod
     def kernel_fields_of(cls, params: Any, call: Any) -> dict[str, Any]:
@@ -154,11 +155,6 @@ class AttnFwdHooks(Op):
     def _check_more(self, tensors: Any, dims: Any) -> None:
         q, k = tensors["q"], tensors["k"]
         cq, ck = tensors.get("cu_seqlens_q"), tensors.get("cu_seqlens_k")
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors.values()):
-            name = next(n for n, t in tensors.items() if t is not None and t.requires_grad)
-            raise RuntimeError(f"{self.name}: {name} requires grad, but the attention backward is not available "
-                               f"yet (its kernels are being written); call under torch.no_grad() or pass "
-                               f"{name}.detach()")
         if k.dim() != q.dim():
             raise ValueError(f"{self.name}: k: expected {q.dim()} dims as q ({'dense [batch, seq_k, Hkv, D]' if q.dim() == 4 else 'varlen [total_k, Hkv, D]'}), "
                              f"got {k.dim()} dims {list(k.shape)}")
@@ -192,7 +188,13 @@ class AttnFwdHooks(Op):
         given = {n: t for n, t in outs.items() if t is not None}
         if given:
             self._check_outs(tensors, given)
-        grad_needed(self, tensors, given)
+        needing = grad_needed(self, tensors, given)
+        if needing:
+            # the backward takes out's gradient alone: an lse used in a loss would reach q and k through
+            # nothing (a silently wrong gradient), so a differentiable call returns no lse
+            raise RuntimeError(f"{self.name}: return_lse=True while {needing[0]} requires grad: the backward does "
+                               f"not take lse's gradient; call without return_lse for a differentiable out, or "
+                               f"under torch.no_grad() (or with detached inputs) for the lse")
         impl = self._impl_for(spec)
         if is_kernel_set(impl):
             return impl.forward(impl.prepare(tensors), tensors, given, lse=True)

@@ -46,8 +46,11 @@ class AttnFwdOp(hooks.AttnFwdHooks):
     mma on sm_80), K/V tiles through a shared-memory pipeline (TMA with a producer warpgroup on sm_90), online
     softmax in fp32 fragments, causal and window masks skipping whole tiles and evaluated only on the tiles
     they cut. CUDA: fp16 and bf16, every stride a multiple of 8 elements (16 bytes; a view off it is copied
-    first). Gradients: not yet (the backward kernels are being written); a call whose inputs require grad
-    raises.
+    first).
+
+    Gradients of q, k and v (``backward``; ``kernels/attention_bwd.py``): FlashAttention-2's backward as three
+    programs of one plan, without atomics (the same inputs give the same bits). ``return_lse=True`` is refused
+    while an input requires grad (lse's gradient is not taken).
 
     References: Dao et al., FlashAttention-2 (2023) and FlashAttention-3 (2024); TileLang
         examples/flash_attention (GQA forward, varlen); torch.nn.functional.scaled_dot_product_attention
@@ -105,6 +108,18 @@ class AttnFwdOp(hooks.AttnFwdHooks):
         """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
         are never modified (except by ``out=`` naming an input, which takes the result in place).
 
+        Gradients: differentiable in ``q``, ``k`` and ``v``; an output carries a ``grad_fn`` when an input it
+        is computed from requires grad. dq, dk and dv (new tensors laid out like q, k, v; dk and dv summed
+        over each kv head's group of q heads) from out's gradient, with the forward's lse, as one plan: delta
+        = rowsum(dO * out) in fp32 (a per-call workspace laid out like lse), then a program per kv block and
+        kv head writing dk and dv once, then a program per q block writing dq once: no atomics, so the same
+        inputs give the same bits. Both recompute the scores and their probabilities from the lse (the masks
+        and softcap as the forward applies them); a query that sees no key has zero gradient. Varlen calls
+        bound each sequence by the token counts (no host synchronisation); views the kernels cannot address (a
+        stride off 8 elements on CUDA, an expanded dO) are copied to dense tensors first. Not differentiable
+        twice; lse's gradient is not taken (return_lse=True is refused while an input requires grad). Summed
+        over every row: the gradient of ``k`` and ``v``. A gradient of that gradient (double backward) raises.
+
         Args:
             q (torch.Tensor): The queries; the last dim contiguous, any other strides. Shape ``[batch, seq_q,
                 q_heads, q_dim]`` or ``[total_q, q_heads, q_dim]``; dtype float16, bfloat16, float32.
@@ -138,6 +153,7 @@ class AttnFwdOp(hooks.AttnFwdHooks):
                 (dense) q; varlen calls pass q [total_q, Hq, D]; cu_seqlens_q: expected int32 offsets [batch +
                 1] with a 3-D (varlen) q; cu_seqlens_k: expected int32 offsets [batch + 1] with a 3-D (varlen)
                 q.
+            RuntimeError: ``out=`` or another output given while an input requires grad.
         """
         return self._call({'q': q, 'k': k, 'v': v, 'cu_seqlens_q': cu_seqlens_q, 'cu_seqlens_k':
             cu_seqlens_k}, {'out': out}, {'return_lse': return_lse})
