@@ -222,3 +222,25 @@ def test_bf16_on_the_gpu_matches_within_bf16(kind, gen):
     for n, p in model.named_parameters():
         if n in want_grads:
             assert _rel(p.grad.float(), want_grads[n]) < 5e-2, n
+
+
+def test_a_model_sharing_the_patched_models_config_keeps_its_results(gen):
+    """The implementation is a config attribute, and models built from one config object share it:
+    the unpatched one then reaches the registered function, which runs transformers' sdpa on the
+    spelled-out mask (window included) and says so once; its logits are what they were."""
+    model = _model("mistral", gen)
+    other = transformers.MistralForCausalLM(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 128, (1, 20), generator=gen)
+    with torch.no_grad():
+        want = other(ids).logits
+    _patch(model)
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            got = other(ids).logits
+    finally:
+        tt.unpatch(model)
+    assert _rel(got, want) < 1e-5
+    ours = [str(w.message) for w in caught if "tileops" in str(w.message)]
+    assert len(ours) <= 1 and all("config is shared" in m for m in ours), ours

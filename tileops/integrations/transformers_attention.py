@@ -117,8 +117,12 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     return mask
 
 
+#: the reasons warned of for modules no patch owns (a config shared with a patched model)
+_UNOWNED: set[str] = set()
+
+
 def _warn_once(state: AttentionState | None, why: str, runs: str) -> None:
-    seen = state.fallbacks if state is not None else set()
+    seen = state.fallbacks if state is not None else _UNOWNED
     if why not in seen:
         seen.add(why)
         warnings.warn(f"tileops.integrations.transformers: attention: {why}; such calls run transformers' {runs}",
@@ -193,8 +197,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     window = int(sliding_window) if sliding_window else None
     cap = float(softcap) if softcap else None
-    why = "the module was not patched by tileops" if state is None else _unserved(
-        module, query, attention_mask, dropout, causal, window)
+    # a module not patched by tileops gets here when its config is shared with a patched model's
+    # (the implementation is a config attribute): it runs transformers' attention, as before
+    why = ("the module was not patched by tileops (its config is shared with a patched model)" if state is None
+           else _unserved(
+        module, query, attention_mask, dropout, causal, window))
     if why is None and (key.dtype != query.dtype or value.dtype != query.dtype):
         why = f"q, k, v of dtypes {query.dtype}, {key.dtype}, {value.dtype}"
     if why is not None:
