@@ -9,7 +9,11 @@ and the Python one (ops given :class:`tileops.runtime.executor.PythonRuntime`, w
 or a machine without a compiler gets), next to the bare torch op that does the same kind of write
 (in place: ``x.add_``; a new tensor: ``x.mul``) on a tensor of x's size; the q+k rows with new
 outputs also beside ``torch.empty_like(q)``, ``torch.empty_like(k)`` and one ``x.mul`` together,
-what any such call must do at least. The last row is the example family of
+what any such call must do at least. The HF-view row (the two ``transpose`` calls that make the views
+inside the timed call) is also set beside the bare op that makes the same two views, then ``x.mul``:
+the views are the caller's, a whole torch op each, which the plain ``mul`` does not make. Two more
+rows take the q+k call on views made before apart: without positions (no value checked, so no error
+word and no event) and in place (no new output). The last row is the example family of
 ``docs/examples/scale_family`` (a copy generated in a temporary directory and measured in a process
 of its own, the family being on its ``TILEOPS_FAMILY_PATH``): a second family's eager calls through
 the same runtime, which names no family. Each round times every contender once (the best of three
@@ -99,6 +103,16 @@ def cases(device: torch.device) -> tuple[list[tuple[str, Make, str]], dict, dict
         op = on(RoPEFwdOp(input_layout="2d"))
         return lambda: op(qt, position_ids=pos2, key=kt)
 
+    def hf_qk_views_no_pos(on: Callable[[Any], Any]) -> Callable[[], Any]:
+        op = on(RoPEFwdOp(input_layout="2d"))
+        return lambda: op(qt, key=kt)
+
+    qi, ki = qh.clone().transpose(1, 2), kh.clone().transpose(1, 2)  # rotated in place, call after call
+
+    def hf_qk_in_place(on: Callable[[Any], Any]) -> Callable[[], Any]:
+        op = on(RoPEFwdOp(input_layout="2d"))
+        return lambda: op(qi, position_ids=pos2, key=ki, out=qi, key_out=ki)
+
     def hf_q(on: Callable[[Any], Any]) -> Callable[[], Any]:
         op = on(RoPEFwdOp(input_layout="2d"))
         return lambda: op(qh.transpose(1, 2))
@@ -108,12 +122,16 @@ def cases(device: torch.device) -> tuple[list[tuple[str, Make, str]], dict, dict
         return lambda: op(qt)
 
     bares = {"add_": lambda: x.add_(1.0), "mul": lambda: x.mul(2.0),
-             "2 empty_like + mul": lambda: (torch.empty_like(qt), torch.empty_like(kt), x.mul(2.0))}
+             "2 empty_like + mul": lambda: (torch.empty_like(qt), torch.empty_like(kt), x.mul(2.0)),
+             "2 transpose + mul": lambda: (qh.transpose(1, 2), kh.transpose(1, 2), x.mul(2.0))}
     rows = [("ids q+k in place, positions", ids_qk, "add_"),
             ("ids q alone, new tensor, positions", ids_q, "mul"),
             ("2d q+k on HF views, new tensors, positions", hf_qk, "mul"),
+            ("  the same, beside a bare op that makes the same two views", hf_qk, "2 transpose + mul"),
             ("  the same, views made before the call", hf_qk_views, "mul"),
             ("  the same, beside what it must do at least", hf_qk_views, "2 empty_like + mul"),
+            ("  views made before, no positions", hf_qk_views_no_pos, "mul"),
+            ("  views made before, in place", hf_qk_in_place, "add_"),
             ("2d q alone, new tensor", hf_q, "mul"),
             ("  the same, view made before the call", hf_q_view, "mul")]
     return rows, bares, {**s, "dtype": str(dt).replace("torch.", "")}
@@ -123,26 +141,26 @@ def _measure(specs: list[tuple[str, Make, str]], bares: dict, device: torch.devi
              calls: int) -> list[dict]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     have_native = native_available()
-    contenders: list[tuple[str, str, Callable[[], Any]]] = []
-    for name, make, _ in specs:
+    contenders: dict[tuple[Make, str], Callable[[], Any]] = {}  # a call set beside two bare ops is timed once
+    for _, make, _ in specs:
         for kind, on in [("python", on_python)] + ([("native", lambda op: op)] if have_native else []):
-            fn = make(on)
-            for _ in range(3):  # the first call binds the signature
-                fn()
-            contenders.append((name, kind, fn))
-    times: dict[tuple[str, str], list[float]] = {}
+            if (make, kind) not in contenders:
+                fn = contenders[make, kind] = make(on)
+                for _ in range(3):  # the first call binds the signature
+                    fn()
+    times: dict[Any, list[float]] = {}
     for _ in range(rounds):
         for b, fn in bares.items():
             times.setdefault(("bare", b), []).append(window_us(fn, sync, calls))
-        for name, kind, fn in contenders:
-            times.setdefault((name, kind), []).append(window_us(fn, sync, calls))
+        for key, fn in contenders.items():
+            times.setdefault(key, []).append(window_us(fn, sync, calls))
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = []
-    for name, _, bare_name in specs:
+    for name, make, bare_name in specs:
         row = {"row": name, "bare": bare_name, "bare_host_us": med[("bare", bare_name)],
-               "python_host_us": med[(name, "python")]}
+               "python_host_us": med[(make, "python")]}
         if have_native:
-            row["native_host_us"] = med[(name, "native")]
+            row["native_host_us"] = med[(make, "native")]
         rows.append(row)
     return rows
 

@@ -89,6 +89,10 @@ STATIC = {
                            "one block barrier a row instead of two (CUDA)"),
     "bwd_w_shared": (0, 1, "1: the row-per-block backward keeps the weight in shared memory, not registers: a "
                            "thread of 2 vectors then holds its next row without spilling (CUDA)"),
+    "bwd_async": (0, 2, ("row-per-block backward: the next this many rows' x and dy (and the residual's "
+                         "gradient) copied global -> shared memory by cp.async, no register holding them while in "
+                         "flight (the register prefetch of the next row holds 16 of a thread's 64 at 2 vectors); 0: "
+                         "that prefetch (CUDA)")),
     "nh1_path": (0, 1, "1: when a launch's NH is 1 (rows one run of stride st), a row's offset is row * st, "
                        "without the division and remainder by NH (CUDA)"),
 }
@@ -111,6 +115,10 @@ _MAX_THREAD_BYTES = 256
 #: at most this many rows a lane group holds at once (the forward's row-per-warp schedule)
 _MAX_GROUP_ROWS = 8
 _MAX_BLOCK_THREADS = 1024
+#: CUDA: shared memory an SM of an H100/H200 holds (228 KB), and what the driver keeps of it for each
+#: block (1 KB): ``bwd_async``'s rows ahead are as many as leave the backward's blocks resident
+_SM_SHARED_BYTES = 228 << 10
+_BLOCK_RESERVED_SHARED = 1 << 10
 
 #: the generated functions' parameters, in order, per kind. The launcher binds arguments by these
 #: names; a tensor the spec does not use is passed as 0.
@@ -152,6 +160,7 @@ class NormKernelSpec:
     bwd_prefetch: int = 0  # cuda: backward: row groups ahead asked of L2 (0: none)
     bwd_one_sync: int = 0  # cuda: row-per-block backward: one barrier a row (two reduction slots)
     bwd_w_shared: int = 0  # cuda: row-per-block backward: the weight in shared memory, not registers
+    bwd_async: int = 0  # cuda: row-per-block backward: rows ahead copied to shared memory by cp.async (0: none)
     nh1_path: int = 0  # cuda: row offsets without a division where the launch's NH is 1
 
     def __post_init__(self) -> None:
@@ -192,7 +201,7 @@ class NormKernelSpec:
                 raise ValueError(f"{name}: expected an int in [1, {_MAX_VECTORS}], got {getattr(self, name)}")
         if not 1 <= self.rows_per_group <= _MAX_GROUP_ROWS:
             raise ValueError(f"rows_per_group: expected an int in [1, {_MAX_GROUP_ROWS}], got {self.rows_per_group}")
-        for name in ("bwd_prefetch", "bwd_one_sync", "bwd_w_shared", "nh1_path"):
+        for name in ("bwd_prefetch", "bwd_one_sync", "bwd_w_shared", "bwd_async", "nh1_path"):
             lo, hi, _ = STATIC[name]
             if type(getattr(self, name)) is not int or not lo <= getattr(self, name) <= hi:
                 raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {getattr(self, name)!r}")
@@ -282,6 +291,26 @@ class NormKernelSpec:
         return self.block_threads // self.lanes * self.group_rows
 
     @property
+    def async_rows(self) -> int:
+        """CUDA backward: the rows ahead ``bwd_async`` copies to shared memory, at most as many as keep
+        ``1024 / block_threads`` blocks an SM, each with its slots (x, dy, and the residual's gradient
+        of ``async_rows + 1`` rows), the weight where ``bwd_w_shared`` puts it there, the row sums and
+        1 KB of alignment beside the driver's 1 KB: at 16384 bf16 wide with a residual, 2 rows ahead
+        would take 288 KB a block (so 1, 192 KB); at 4096 with a residual and the weight, 2 would
+        leave 2 blocks an SM of the 4 the grid counts on. 0 for a row-per-warp schedule."""
+        if self.kind != "bwd" or self.backend != "cuda" or self.per_warp:
+            return 0
+        e = _ELEM_BYTES
+        slot = self.vectors * self.lanes * self.vec * (e[self.dtype] * (2 if self.residual else 1) + e[self.y_dtype])
+        fixed = (self.hidden * e[self.weight] if self.bwd_w_shared and self.weight else 0) + 2 * 3 * 4 * (
+            self.block_threads // 32) + 1024
+        budget = _SM_SHARED_BYTES // max(1, _RESIDENT_THREADS // self.block_threads) - _BLOCK_RESERVED_SHARED
+        d = self.bwd_async
+        while d and (d + 1) * slot + fixed > budget:
+            d -= 1
+        return d
+
+    @property
     def partials_per_block(self) -> int:
         """Rows of ``DWP``/``DBP`` one backward block writes: one per warp in the row-per-warp CUDA
         schedule (a warp's row slots are summed by shuffles first), else one. A backward launched on
@@ -342,6 +371,42 @@ template <typename T> __device__ __forceinline__ void tileops_prefetch_l2(const 
 #endif
 }
 """
+
+#: ``bwd_async``'s helpers: ``tileops_cp_async<N>`` copies N bytes global -> shared without a register
+#: (``cp.async``; 16-byte pieces through L2 alone, 4 and 8 through L1; any other size a plain copy), a
+#: group of them committed, then awaited until at most ``N`` groups are pending. Each thread waits for
+#: its own copies, and reads back only what it copied: no barrier. Off the device (the CPU harness of
+#: the tests) the copy is a plain one and the rest does nothing.
+ASYNC_HELPER = """
+template <int N> __device__ __forceinline__ void tileops_cp_async(void* dst, const void* src) {
+#ifdef __CUDA_ARCH__
+  unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  if constexpr (N % 16 == 0) {
+    #pragma unroll
+    for (int i = 0; i < N; i += 16)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s + i), "l"((const char*)src + i) : "memory");
+  } else if constexpr (N == 8 || N == 4) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(s), "l"(src), "n"(N) : "memory");
+  } else {
+    for (int i = 0; i < N; ++i) ((char*)dst)[i] = ((const char*)src)[i];
+  }
+#else
+  __builtin_memcpy(dst, src, N);
+#endif
+}
+__device__ __forceinline__ void tileops_cp_async_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ float tileops_ld_volatile(const float* p) { return *(const volatile float*)p; }
+template <int N> __device__ __forceinline__ void tileops_cp_async_wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+"""
+
 
 def _storages(spec: NormKernelSpec) -> dict[str, str]:
     """Buffer element type of each tensor role on the spec's backend."""
@@ -611,7 +676,11 @@ class RowGroup:
         """First element of vector ``j`` of a lane within its row."""
         return (j * self.L + lane) * self.V
 
-    def allsum_macro(self):
+    def allsum_macro(self, one_by_one: bool = False):
+        """``one_by_one``: the warps' sums are read back through volatile loads (``tileops_ld_volatile``
+        of :data:`ASYNC_HELPER`), in order, not gathered at once: at 1024 threads a row's two sums are 64
+        floats, which nvcc read in 16 ``LDS.128`` into 64 registers and spilled around (the same adds in
+        the same order: the same bits)."""
         L, wide, warps = self.L, self.wide, self.warps
         butterfly = lane_allsum(self.sh)
 
@@ -628,7 +697,11 @@ class RowGroup:
                 for i in T.unroll(k):
                     acc[i] = T.float32(0)
                     for w in T.unroll(warps):
-                        acc[i] = acc[i] + red[stage, i, w]
+                        if one_by_one:
+                            acc[i] = acc[i] + T.call_extern("float32", "tileops_ld_volatile",
+                                                            T.address_of(red[stage, i, w]))
+                        else:
+                            acc[i] = acc[i] + red[stage, i, w]
 
         return allsum
 
@@ -870,7 +943,8 @@ def _bwd_cuda(spec: NormKernelSpec):
     has_w = spec.weight is not None
     layer = spec.norm == "layer"
     has_b = spec.bias is not None
-    allsum = k.allsum_macro()
+    D = spec.async_rows
+    allsum = k.allsum_macro(one_by_one=bool(D))
     row_mean = k.mean_macro(allsum)
     store_x, store_y = k.store_macro(spec.dtype), k.store_macro(spec.y_dtype)
     # row slots of one warp (row-per-warp schedule), whose column sums are merged by shuffles
@@ -883,6 +957,30 @@ def _bwd_cuda(spec: NormKernelSpec):
     # reads back only those, so no barrier orders them
     w_sh = bool(spec.bwd_w_shared) and k.wide and has_w
     wi = (lambda j, v: v) if w_sh else (lambda j, v: j * V + v)  # noqa: E731 - vector j's weight v in wr
+    # bwd_async (row-per-block; D: NormKernelSpec.async_rows): D rows ahead in shared slots, D + 1 of them: iteration ``it`` reads slot
+    # ``it % (D + 1)`` and refills slot ``(it + D) % (D + 1)``, the one it read the iteration before (whose
+    # values its registers had consumed by then), so a copy never lands on a slot still being read
+    RW = NV * L * V  # a slot: every vector of a row, lanes past the row included
+    xb, yb = V * _ELEM_BYTES[dt], V * _ELEM_BYTES[ydt]  # bytes of a vector of x, of dy
+
+    @T.macro
+    def copy_row(one, X, DY, DRO, xs, gs, ds, slot, row, M, NH, xst, xsh, dyst, dysh, drost, drosh, lane):
+        """Start copying this thread's vectors of x, dy (and the residual's gradient) of ``row`` (when it
+        exists) into shared slot ``slot``; one commit group, empty past the last row, so that every
+        thread's groups count alike."""
+        xo = _row_offset(row, NH, xst, xsh, one) * V
+        dyo = _row_offset(row, NH, dyst, dysh, one) * V
+        for j in T.unroll(NV):
+            if k.ok(row < M, lane, j):
+                c = k.col(lane, j)
+                T.call_extern("handle", f"tileops_cp_async<{xb}>", T.address_of(xs[slot * RW + c]),
+                              T.address_of(X[xo + c]))
+                T.call_extern("handle", f"tileops_cp_async<{yb}>", T.address_of(gs[slot * RW + c]),
+                              T.address_of(DY[dyo + c]))
+                if spec.residual:
+                    T.call_extern("handle", f"tileops_cp_async<{xb}>", T.address_of(ds[slot * RW + c]),
+                                  T.address_of(DRO[_row_offset(row, NH, drost, drosh, one) * V + c]))
+        T.call_extern("handle", "tileops_cp_async_commit")
 
     @T.macro
     def load_row(one, X, DY, xn, gn, row, M, NH, xst, xsh, dyst, dysh, lane):
@@ -911,13 +1009,18 @@ def _bwd_cuda(spec: NormKernelSpec):
 
     @T.macro
     def rows(one, X, DY, DRO, W, DX, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits, g, tx, lane,
-             xr, gr, xn, gn, dr, xo_, wr, ws, dwa, dba, acc, red):
+             xr, gr, xn, gn, dr, ds, xo_, wr, ws, dwa, dba, acc, red):
         eps = T.reinterpret(eps_bits, "float32")
         # row groups g, g + G, ...: ceil((groups - g) / G) of them; groups - g + G - 1 >= 0 as g < G.
         # Each iteration first issues the loads of its next row into xn, gn, so that they are in
         # flight while this row is reduced and written (without, a block's loads and its two
         # barriers alternate, and the 2 blocks an SM holds keep about 16 KB of loads in flight).
-        load_row(one, X, DY, xn, gn, g * RPB + tx // L, M, NH, xst, xsh, dyst, dysh, lane)
+        if D:  # (xn, gn are then the shared slots)
+            for d in T.unroll(D):
+                copy_row(one, X, DY, DRO, xn, gn, ds, d, (g + d * G) * RPB + tx // L, M, NH, xst, xsh, dyst, dysh,
+                         drost, drosh, lane)
+        else:
+            load_row(one, X, DY, xn, gn, g * RPB + tx // L, M, NH, xst, xsh, dyst, dysh, lane)
         if PF:
             for d in T.unroll(1, PF + 1):
                 prefetch_row(one, X, DY, DRO, (g + d * G) * RPB + tx // L, M, NH, xst, xsh, dyst, dysh, drost,
@@ -925,10 +1028,21 @@ def _bwd_cuda(spec: NormKernelSpec):
         for it in T.serial(T.truncdiv(T.ceildiv(M, RPB) - g + G - 1, G)):
             row = (g + it * G) * RPB + tx // L
             live = row < M
-            for i in T.unroll(NV * V):
-                xr[i] = xn[i]
-                gr[i] = gn[i]
-            load_row(one, X, DY, xn, gn, row + G * RPB, M, NH, xst, xsh, dyst, dysh, lane)
+            if D:
+                copy_row(one, X, DY, DRO, xn, gn, ds, (it + D) % (D + 1), row + D * G * RPB, M, NH, xst, xsh, dyst,
+                         dysh, drost, drosh, lane)
+                T.call_extern("handle", f"tileops_cp_async_wait<{D}>")  # this row's group is done
+                for j in T.unroll(NV):
+                    if k.ok(live, lane, j):
+                        for v in T.vectorized(V):
+                            xr[j * V + v] = xn[(it % (D + 1)) * RW + k.col(lane, j) + v]
+                        for v in T.vectorized(V):
+                            gr[j * V + v] = gn[(it % (D + 1)) * RW + k.col(lane, j) + v]
+            else:
+                for i in T.unroll(NV * V):
+                    xr[i] = xn[i]
+                    gr[i] = gn[i]
+                load_row(one, X, DY, xn, gn, row + G * RPB, M, NH, xst, xsh, dyst, dysh, lane)
             if PF:
                 prefetch_row(one, X, DY, DRO, row + (PF + 1) * G * RPB, M, NH, xst, xsh, dyst, dysh, drost, drosh,
                              lane)
@@ -963,8 +1077,12 @@ def _bwd_cuda(spec: NormKernelSpec):
                 if k.ok(live, lane, j):
                     c = k.col(lane, j)
                     if spec.residual:
-                        for v in T.vectorized(V):
-                            dr[v] = DRO[_row_offset(row, NH, drost, drosh, one) * V + c + v]
+                        if D:
+                            for v in T.vectorized(V):
+                                dr[v] = ds[(it % (D + 1)) * RW + c + v]
+                        else:
+                            for v in T.vectorized(V):
+                                dr[v] = DRO[_row_offset(row, NH, drost, drosh, one) * V + c + v]
                     if w_sh:
                         for v in T.vectorized(V):
                             wr[v] = ws[c + v]
@@ -993,15 +1111,22 @@ def _bwd_cuda(spec: NormKernelSpec):
     @T.macro
     def body(X, DY, DRO, W, DX, DWP, DBP, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits):
         with T.Kernel(G, threads=TPB) as g:
-            T.import_source(CUDA_HELPERS + PREFETCH_HELPER if PF else CUDA_HELPERS)
+            T.import_source(CUDA_HELPERS + (PREFETCH_HELPER if PF else "") + (ASYNC_HELPER if D else ""))
             T.annotate_min_blocks_per_sm(k.min_blocks)
             tx = T.get_thread_binding()
             lane = tx % L
             xr = T.alloc_local((NV * V,), dt)
             gr = T.alloc_local((NV * V,), ydt)
-            xn = T.alloc_local((NV * V,), dt)
-            gn = T.alloc_local((NV * V,), ydt)
+            if D:
+                # dynamic shared memory: (D + 1) slots of x and dy, 128 KB a block at 16384 wide and D = 1
+                xn = T.alloc_shared(((D + 1) * RW,), dt, scope="shared.dyn")
+                gn = T.alloc_shared(((D + 1) * RW,), ydt, scope="shared.dyn")
+            else:
+                xn = T.alloc_local((NV * V,), dt)
+                gn = T.alloc_local((NV * V,), ydt)
             dr = T.alloc_local((V,), dt)
+            if D and spec.residual:
+                ds = T.alloc_shared(((D + 1) * RW,), dt, scope="shared.dyn")
             xo_ = T.alloc_local((V,), dt)
             wr = T.alloc_local((V if w_sh else NV * V,), wdt)
             ws = T.alloc_shared((H if w_sh else 1,), wdt, scope="shared")
@@ -1021,7 +1146,7 @@ def _bwd_cuda(spec: NormKernelSpec):
                             else:
                                 wr[j * V + v] = W[k.col(lane, j) + v]
             paths(NH, X, DY, DRO, W, DX, M, NH, G, xst, xsh, dyst, dysh, drost, drosh, dxst, dxsh, eps_bits, g, tx,
-                  lane, xr, gr, xn, gn, dr, xo_, wr, ws, dwa, dba, acc, red)
+                  lane, xr, gr, xn, gn, dr, ds if D and spec.residual else dr, xo_, wr, ws, dwa, dba, acc, red)
             # a warp's row slots hold sums of the same columns: merge them, in a fixed butterfly
             for d in T.unroll(slots_per_warp.bit_length() - 1):
                 for i in T.unroll(NV * V):

@@ -16,7 +16,11 @@ the blocks of the grid one after another, the threads of a block as cooperative 
   ``min``/``max`` of two values of one type, and TileLang's ``uchar``/``ushort``/``uint``;
   ``atomicMax`` on ``unsigned long long`` (a bad value's record, ``tileops/kernels/report.py``);
   the float8 conversion's ``cvt.rn.satfinite.e4m3x2.f32`` by a search over e4m3fn's values;
-  ``prefetch.global.L2`` (a hint, no data) as nothing.
+  ``prefetch.global.L2`` (a hint, no data) as nothing;
+* a helper's ``#ifdef __CUDA_ARCH__`` branch dropped for its ``#else`` (``kernels/norm.py``'s ``cp.async``
+  copies are then plain copies, done when issued, and the waits nothing);
+* dynamic shared memory (``extern __shared__ T name[]``) a ``static`` array of 256 KB, past the
+  227 KB a block of an H100/H200 may take.
 
 What it cannot show: speed, memory ordering between blocks, and the GPU's approximate ``rsqrtf``.
 A kernel that uses anything else of CUDA fails to compile here, which is itself a finding.
@@ -163,6 +167,11 @@ static void tileops_grid(int grid, int threads) {
 #: the float8 conversion's inline PTX (``tileops.kernels.float8.CVT_SOURCE``), run by ``tileops_cvt_e4m3``
 #: an L2 prefetch (``kernels/norm.py`` ``PREFETCH_HELPER``): a hint that moves no data, dropped here
 _PREFETCH = re.compile(r'asm volatile\("prefetch\.global\.L2 \[%0\];" :: "l"\(\w+\)\);')
+#: a device-only branch of a helper (``#ifdef __CUDA_ARCH__ ... [#else ...] #endif``, not nested): its
+#: ``#else`` part, or nothing
+_DEVICE_ONLY = re.compile(r"^[ \t]*#ifdef __CUDA_ARCH__\n.*?^[ \t]*(?:#else\n(.*?)^[ \t]*)?#endif[^\n]*\n", re.DOTALL | re.MULTILINE)
+#: dynamic shared memory, sized at launch on the GPU: here one static array of 256 KB
+_DYN_SHARED = re.compile(r"extern __shared__ (__align__\(\d+\) )?(\w+) (\w+)\[\];")
 _CVT_E4M3 = re.compile(r'asm\("\{cvt\.rn\.satfinite\.e4m3x2\.f32.*?"=h"\((\w+)\)\s*:\s*"f"\((\w+)\).*?\);')
 _DECL = re.compile(r'extern "C" __global__ void (\w+)\(([^)]*)\);')
 
@@ -189,6 +198,8 @@ class CudaOnCpu:
         if found is None:
             raise ValueError("no extern \"C\" __global__ kernel declaration in the source")
         self.name, self.params = found.group(1), _params(found.group(2))
+        device_source = _DEVICE_ONLY.sub(lambda m: m.group(1) or "", device_source)
+        device_source = _DYN_SHARED.sub(r"static \1\2 \3[(256 << 10) / sizeof(\2)];", device_source)
         body = "\n".join(line for line in device_source.splitlines()
                          if not line.lstrip().startswith("#") or line.lstrip().startswith("#pragma"))
         body = _CVT_E4M3.sub(r"\1 = tileops_cvt_e4m3(\2);", body)

@@ -2,6 +2,8 @@
 (:mod:`family_references`): the unfused chain written from the definition, sharing no code with the
 package or its kernels.
 
+``reference("AttnFwdOp", params, inputs)`` returns attention's output (:func:`attention`: a loop over
+sequences and heads, the masks written out as matrices, no code shared with the kernels).
 ``reference("AttnPrologueFwdOp", params, inputs)`` returns ``{"q_out": q, "key_cache": ...,
 "value_cache": ...}``: q ``[tokens, Hq, D]`` and the caches after the call (from the caches given,
 which are the state before it). The rope stage's frequencies come from the rope family's own float64
@@ -36,7 +38,9 @@ def rope_params(name: str, params: dict) -> dict:
     return p
 
 
-def reference(op_name: str, params: dict, inputs: dict) -> dict:
+def reference(op_name: str, params: dict, inputs: dict) -> "dict | torch.Tensor":
+    if op_name == "AttnFwdOp":
+        return attention(params, inputs)["out"]
     return _chain(op_name, params, inputs)[0]
 
 
@@ -47,8 +51,70 @@ def scale(op_name: str, params: dict, inputs: dict) -> dict:
     value. The op rounds the normalised q and k to qkv's dtype before rotating them, as the unfused
     chain stores them, so a rotation that cancels (``a cos - c sin`` small) carries the rounding of
     ``a`` and ``c``: up to ``2^-9 (|a| + |c|)``, 0.02-0.08 against a value of 0.1-0.3 (seen in bf16:
-    one element in 65,536 off the value's own tolerance in 8 of 10 runs)."""
+    one element in 65,536 off the value's own tolerance in 8 of 10 runs).
+
+    ``AttnFwdOp``'s output is a convex combination of v's rows: each rounding the op makes (the CUDA
+    kernel's P rounded to the dtype before P V, the output's own) is relative to ``sum_j p_j |v_j|``,
+    not to the output, which cancels towards 0 when v's signs mix."""
+    if op_name == "AttnFwdOp":
+        return {"out": attention(params, inputs)["scale"]}
     return _chain(op_name, params, inputs)[1]
+
+
+def attention(params: dict, inputs: dict) -> dict:
+    """``AttnFwdOp`` in float64 from its definition, one sequence and one q head at a time (the scores
+    of a whole sequence as a matrix: the generated CUDA tests run the cases at their full size):
+    ``out``, ``lse`` (natural log, -inf for a row that sees no key), ``scale`` (``sum_j p_j |v_j|`` per
+    element, the magnitude its roundings act on) and ``smax`` (the largest ``|s|`` of a visible scaled
+    score, which the fp32 exp's error grows with)."""
+    hq, hkv, d = params["num_q_heads"], params["num_kv_heads"], params["head_dim"]
+    scale = params.get("softmax_scale") or 1.0 / d ** 0.5
+    cap, w, causal = params.get("softcap"), params.get("sliding_window"), params.get("causal", False)
+    q, k, v = (inputs[n].detach().cpu().double() for n in ("q", "k", "v"))
+    dense = q.dim() == 4
+    if dense:  # sequence b is row block b
+        spans = [(b, (0, q.shape[1]), (0, k.shape[1])) for b in range(q.shape[0])]
+    else:
+        cq, ck = inputs["cu_seqlens_q"].tolist(), inputs["cu_seqlens_k"].tolist()
+        spans = [(None, (cq[b], cq[b + 1]), (ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    err = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full((q.shape[0], hq, q.shape[1]) if dense else (hq, q.shape[0]), float("-inf"), dtype=torch.float64)
+    smax = 0.0
+    for b, (q0, q1), (k0, k1) in spans:
+        qs = q[b, q0:q1] if dense else q[q0:q1]  # [nq, Hq, D]
+        ks, vs = (k[b, k0:k1], v[b, k0:k1]) if dense else (k[k0:k1], v[k0:k1])
+        nq, nk = q1 - q0, k1 - k0
+        if nq == 0 or nk == 0:  # no rows, or rows that see nothing: zeros and -inf, as initialised
+            continue
+        i = torch.arange(nq)[:, None]
+        j = torch.arange(nk)[None, :]
+        seen = torch.ones(nq, nk, dtype=torch.bool)
+        if causal:
+            seen &= j <= i + nk - nq
+        if w is not None:
+            seen &= j > i + nk - nq - w
+        some = seen.any(-1)  # rows that see at least one key
+        for h in range(hq):
+            g = h // (hq // hkv)
+            s = (qs[:, h] @ ks[:, g].T) * scale  # [nq, nk]
+            if cap is not None:
+                s = cap * torch.tanh(s / cap)
+            if bool(seen.any()):
+                smax = max(smax, float(s[seen].abs().max()))
+            s = s.masked_fill(~seen, float("-inf"))
+            m = torch.where(some, s.max(-1).values, torch.zeros(nq, dtype=torch.float64))
+            e = torch.exp(s - m[:, None])  # exp(-inf) = 0 where hidden
+            total = e.sum(-1)
+            p = e / torch.where(some, total, torch.ones_like(total))[:, None]
+            row, mag = p @ vs[:, g], p @ vs[:, g].abs()
+            ls = torch.where(some, m + torch.log(torch.where(some, total, torch.ones_like(total))),
+                             torch.full_like(total, float("-inf")))
+            if dense:
+                out[b, :, h], err[b, :, h], lse[b, h] = row, mag, ls
+            else:
+                out[q0:q1, h], err[q0:q1, h], lse[h, q0:q1] = row, mag, ls
+    return {"out": out, "lse": lse, "scale": err, "smax": smax}
 
 
 def _chain(op_name: str, params: dict, inputs: dict) -> tuple[dict, dict]:

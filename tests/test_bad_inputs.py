@@ -79,8 +79,9 @@ def base(m) -> tuple[dict[str, Any], dict[str, int]]:
 
 
 #: optional inputs the first case's params refuse, left out of the valid base call: the prologue's
-#: scales need an fp8 cache, and its first case's caches are bf16
-NOT_WITH_BASE = {"AttnPrologueFwdOp": {"k_scale", "v_scale"}}
+#: scales need an fp8 cache, and its first case's caches are bf16; attention's offsets need a varlen
+#: (3-D) q, and the cases' q is dense (the first shape of each input)
+NOT_WITH_BASE = {"AttnPrologueFwdOp": {"k_scale", "v_scale"}, "AttnFwdOp": {"cu_seqlens_q", "cu_seqlens_k"}}
 
 
 def dtypes(m) -> dict[str, str]:

@@ -106,6 +106,70 @@ def test_the_four_serving_calls_and_every_layout_match_the_python_path_bit_for_b
     assert torch.equal(nat[5][:, (Hq + Hk) * D :], inputs["qkv"][:, (Hq + Hk) * D :]), "v was written"
 
 
+def test_q_and_k_on_hf_views_with_new_outputs_stay_on_the_native_path(gen):
+    """The host table's HF-view row (benchmarks/host.py): q and k ``[B, H, S, D]`` passed as the
+    transposed views HF's attention makes in each call, positions, new outputs. Once the first call
+    has bound the signature, every later call is served by the extension: none goes back to Python
+    (on the CPU that costs ~10 us a call, against ~2.5 us served). The outputs are what the Python
+    runtime makes, bit for bit and stride for stride: each a tensor of its own with its input's
+    strides (a transposed view of a dense ``[B, H, S, D]`` block, which HF transposes back), sharing
+    memory with no input and not with each other."""
+    B, Hq, Hk, S, D = 2, 4, 2, 5, 32
+    qh, kh = torch.randn(B, Hq, S, D, generator=gen), torch.randn(B, Hk, S, D, generator=gen)
+    pos = torch.randint(0, 1 << 20, (B, S), generator=gen)
+
+    def scenario(on: Callable[[Any], Any]) -> tuple[list, list]:
+        op = on(RoPEFwdOp(input_layout="2d"))
+        return [op(qh.transpose(1, 2), position_ids=pos, key=kh.transpose(1, 2)) for _ in range(4)], [op]
+
+    py, nat = both(scenario)
+    assert same(py, nat)
+    native_module()
+    op = RoPEFwdOp(input_layout="2d")
+    op(qh.transpose(1, 2), position_ids=pos, key=kh.transpose(1, 2))  # binds the signature
+    before = op._runtime.stats()
+    got = [op(qh.transpose(1, 2), position_ids=pos, key=kh.transpose(1, 2)) for _ in range(5)]
+    after = op._runtime.stats()
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (5, 0), (before, after)
+    for qo, ko in got:
+        assert qo.stride() == qh.transpose(1, 2).stride() and ko.stride() == kh.transpose(1, 2).stride()
+        assert qo.transpose(1, 2).is_contiguous() and ko.transpose(1, 2).is_contiguous()
+        storages = {t.untyped_storage().data_ptr() for t in (qo, ko, qh, kh, pos)}
+        assert len(storages) == 5 and qo.storage_offset() == ko.storage_offset() == 0
+        assert torch.equal(qo, nat[0][0]) and torch.equal(ko, nat[0][1])
+    assert_close(got[0][1], reference("RoPEFwdOp", {"input_layout": "2d"},
+                                      {"x": kh.transpose(1, 2), "position_ids": pos}))
+
+
+def test_a_served_calls_outputs_are_seen_by_dispatch_modes_and_the_profiler(gen):
+    """The extension makes a new output past the dispatcher's first step only while nothing watches:
+    under a TorchDispatchMode the served q+k call's two allocations reach the mode, and the profiler
+    records them, as before (the call still served natively)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    native_module()
+    op = RoPEFwdOp(input_layout="2d")
+    qt = torch.randn(1, 2, 4, 16, generator=gen).transpose(1, 2)
+    kt = torch.randn(1, 1, 4, 16, generator=gen).transpose(1, 2)
+    pos = torch.arange(4)[None]
+    op(qt, position_ids=pos, key=kt)
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    hits = op._runtime.stats()["hits"]
+    with Log():
+        op(qt, position_ids=pos, key=kt)
+    with torch.profiler.profile() as prof:
+        op(qt, position_ids=pos, key=kt)
+    assert seen == ["aten.empty_strided.default"] * 2
+    assert sum(e.name == "aten::empty_strided" for e in prof.events()) == 2
+    assert op._runtime.stats()["hits"] == hits + 2
+
+
 def test_bad_positions_are_reported_once_at_the_same_calls(gen):
     """A run of good and bad calls (new and given outputs, with a key): the same calls raise the
     same messages both ways, and the good calls' results are the same."""

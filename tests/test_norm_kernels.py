@@ -361,8 +361,16 @@ def test_nh1_path_gives_the_dividing_bits(hidden, gen):
 
 
 #: the backward's schedule knobs, and specs where each acts: per head (row per lane group), wide rows
-#: of 2 vectors a thread (a block a row, 256 and 128 threads), LayerNorm's two sums, a residual
-_BWD_KNOBS = dict(bwd_prefetch=2, bwd_one_sync=1, bwd_w_shared=1, nh1_path=1)
+#: of 2 vectors a thread (a block a row, 256 and 128 threads), LayerNorm's two sums, a residual. Three
+#: sets: the L2 prefetch with the register prefetch of the next row, and the rows copied to shared
+#: memory by cp.async one and two rows ahead (with the L2 prefetch, the weight in registers, two
+#: barriers a row in the last)
+_BWD_KNOBS = {"bwd_prefetch": 2, "bwd_one_sync": 1, "bwd_w_shared": 1, "nh1_path": 1, "bwd_async": 2}
+_BWD_KNOB_SETS = {
+    "pf2+ws+1sync+nh1": {"bwd_prefetch": 2, "bwd_one_sync": 1, "bwd_w_shared": 1, "nh1_path": 1},
+    "async1+ws+1sync+nh1": {"bwd_async": 1, "bwd_one_sync": 1, "bwd_w_shared": 1, "nh1_path": 1},
+    "async2+pf1": {"bwd_async": 2, "bwd_prefetch": 1},
+}
 _BWD_KNOB_SPECS = [
     dict(hidden=128, dtype="bfloat16", weight="bfloat16"),
     dict(hidden=4096, dtype="bfloat16", weight="bfloat16", bwd_vectors_per_thread=2),
@@ -372,16 +380,18 @@ _BWD_KNOB_SPECS = [
 
 
 @pytest.mark.skipif(not cuda_on_cpu.available(), reason="no g++")
+@pytest.mark.parametrize("knob_set", list(_BWD_KNOB_SETS))
 @pytest.mark.parametrize("fields", _BWD_KNOB_SPECS, ids=lambda f: f"{f.get('norm', 'rms')}-{f['hidden']}"
                          f"{'-residual' if f.get('residual') else ''}")
-def test_backward_knobs_give_the_default_bits(fields, gen):
-    """The backward with every schedule knob on (L2 prefetch of rows ahead, one barrier a row, the
-    weight in shared memory, offsets without division where NH is 1; on the CPU harness, where the
-    prefetch does nothing) writes the default schedule's bits: dx and the weight (bias) gradient,
-    whose summation order the knobs keep. Blocks that see more and fewer rows than the prefetch
-    distance, dense rows (NH = 1) and per-head views (NH = 3)."""
+def test_backward_knobs_give_the_default_bits(fields, knob_set, gen):
+    """The backward with the schedule knobs on (L2 prefetch of rows ahead, one barrier a row, the
+    weight in shared memory, offsets without division where NH is 1, the next rows copied to shared
+    memory by cp.async; on the CPU harness, where the prefetch does nothing and a copy is done when
+    issued) writes the default schedule's bits: dx and the weight (bias) gradient, whose summation
+    order the knobs keep. Blocks that see more and fewer rows than the prefetch and copy distances,
+    dense rows (NH = 1) and per-head views (NH = 3)."""
     base = spec("cuda", kind="bwd", **fields)
-    knobs = dataclasses.replace(base, **_BWD_KNOBS)
+    knobs = dataclasses.replace(base, **_BWD_KNOB_SETS[knob_set])
     H = base.hidden
     w = (torch.randn(H, generator=gen) * 0.2 + 1).to(torch.bfloat16 if base.dtype == "bfloat16" else torch.float16)
     dt = w.dtype
@@ -397,6 +407,24 @@ def test_backward_knobs_give_the_default_bits(fields, gen):
             if g_ is not None:
                 assert torch.equal(g_.view(torch.int16), w_.view(torch.int16)), (name, shape)
         del b
+
+
+def test_async_rows_leave_the_blocks_resident():
+    """``bwd_async`` copies as many rows ahead as keep 1024 threads' blocks an SM in its 228 KB of shared
+    memory: two rows of 16384 bf16 (x and dy, 64 KB a row) beside the next one in a 1024-thread block,
+    one with a residual (three rows of 96 KB would not fit); none beside the weight at 4096 wide with a
+    residual (4 blocks of 2 x 24 KB + 8 KB + 1 KB each are past 228 KB); none in a row-per-warp schedule;
+    and the source then copies with cp.async, 16 bytes at a time."""
+    S = get_spec("norm")
+    wide = {"kind": "bwd", "dtype": "bfloat16", "weight": "bfloat16", "bwd_vectors_per_thread": 2}
+    assert S(hidden=16384, bwd_async=2, **wide).async_rows == 2
+    assert S(hidden=16384, bwd_async=2, residual=True, **wide).async_rows == 1
+    assert S(hidden=4096, bwd_async=1, residual=True, **wide).async_rows == 1
+    assert S(hidden=4096, bwd_async=1, residual=True, bwd_w_shared=1, **wide).async_rows == 0
+    assert S(hidden=128, bwd_async=2, **wide).async_rows == 0
+    assert S(hidden=16384, **wide).async_rows == 0
+    src = emit_source("norm", S(hidden=8192, bwd_async=1, backend="cuda", **wide), "cuda", "sm_90")
+    assert "tileops_cp_async<16>" in src and "extern __shared__" in src
 
 
 def test_backward_knobs_are_checked():

@@ -60,15 +60,18 @@ def test_forward_signature_and_doc_come_from_the_manifest(m):
     required = [t.name for t in m.inputs if not t.optional]
     positional = [t.name for t in m.inputs if t.optional and t.positional]  # LayerNorm's weight and bias
     keyword = [t.name for t in m.inputs if t.optional and not t.positional] + [o.name for o in m.outputs]
-    assert [p.name for p in params] == required + positional + keyword
+    flags = [f.name for f in m.flags]  # bool keyword-only arguments after the outputs (attention's return_lse)
+    assert [p.name for p in params] == required + positional + keyword + flags
     for p in params:
         if p.name in required:
             assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is inspect.Parameter.empty
         elif p.name in positional:
             assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is None
+        elif p.name in flags:
+            assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is False
         else:
             assert p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is None
-    assert _doc_args(cls.forward) == required + positional + keyword
+    assert _doc_args(cls.forward) == required + positional + keyword + flags
     summary = inspect.getdoc(cls).splitlines()[0]
     assert summary == " ".join(m.summary.split())
 

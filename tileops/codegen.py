@@ -94,6 +94,7 @@ def forward_signature(m: OpManifest) -> list[tuple[str, str, str | None, bool]]:
     out += [(t.name, "torch.Tensor | None", "None", False) for t in m.inputs if t.optional and t.positional]
     out += [(t.name, "torch.Tensor | None", "None", True) for t in m.inputs if t.optional and not t.positional]
     out += [(o.name, "torch.Tensor | None", "None", True) for o in m.outputs]
+    out += [(f.name, "bool", "False", True) for f in m.flags]
     return out
 
 
@@ -236,7 +237,10 @@ def _forward_method(m: OpManifest) -> list[str]:
     ret = f"``{first.name}``, a new tensor unless given"
     for o in rest:
         ret += f"; with ``{o.like}``, the tuple ``({first.name}, {o.name})``"
-    doc += ["", "        Returns:"] + _wrap(ret + ".", 12, "torch.Tensor | tuple: ")
+    for f in m.flags:
+        doc += _wrap(f"Keyword-only. {f.doc.strip()} Default False.", 12, f"{f.name} (bool): ")
+    doc += ["", "        Returns:"] + _wrap(ret + (", unless a flag above says otherwise" if m.flags else "") + ".",
+                                            12, "torch.Tensor | tuple: ")
     checks = [f"{r.arg}: {r.message}" for r in m.rules if r.needs_dims]
     ranged = [t.name for t in m.inputs if t.range is not None]
     doc += ["", "        Raises:"]
@@ -253,7 +257,8 @@ def _forward_method(m: OpManifest) -> list[str]:
         doc += _wrap("``out=`` or another output given while an input requires grad.", 12, "RuntimeError: ")
     tensors = ", ".join(f"{t.name!r}: {t.name}" for t in m.inputs)
     outs = ", ".join(f"{o.name!r}: {o.name}" for o in m.outputs)
-    body = _wrap(f"return self._call({{{tensors}}}, {{{outs}}})", 8)
+    flags = ", ".join(f"{f.name!r}: {f.name}" for f in m.flags)
+    body = _wrap(f"return self._call({{{tensors}}}, {{{outs}}}" + (f", {{{flags}}})" if flags else ")"), 8)
     return [_signature_text("forward", forward_signature(m), "Any")] + _docstring(doc) + body
 
 

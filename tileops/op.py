@@ -180,11 +180,15 @@ class Op:
         return t
 
     # ----------------------------------------------------------------------------- calls
-    def _call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None) -> Any:
+    def _call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any] | None = None,
+              flags: Mapping[str, bool] | None = None) -> Any:
         """Run the op: eagerly, or as a ``torch.library`` custom op while ``torch.compile`` traces.
 
         An eager call goes to the native runtime first (:mod:`tileops.runtime.native`), which serves a
-        call whose signature was bound before and returns ``NotImplemented`` for any other."""
+        call whose signature was bound before and returns ``NotImplemented`` for any other. A call that
+        sets one of the manifest's ``flags`` goes to the family's :meth:`_flagged_call`."""
+        if flags and any(flags.values()):
+            return self._flagged_call(tensors, outs or {}, flags)
         if _is_compiling():
             return self._traced_call(tensors, outs or {})
         run = self._native_run
@@ -193,6 +197,11 @@ class Op:
             if result is not NotImplemented:
                 return result
         return self._eager_call(tensors, outs)
+
+    def _flagged_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any], flags: Mapping[str, bool]) -> Any:
+        """A call that sets a flag of the manifest's ``flags``: the family's hooks serve it (a family
+        that declares flags overrides this)."""
+        raise NotImplementedError(f"{self.name}: {', '.join(n for n, v in flags.items() if v)}: no hook serves it")
 
     def _traced_call(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> Any:
         """The call as one of :mod:`tileops.runtime.library`'s custom ops: inputs and outputs as lists in the

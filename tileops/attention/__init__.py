@@ -1,7 +1,14 @@
-"""Attention operators: the attention prologue (per-head q/k RMSNorm, RoPE at positions and the paged
-KV-cache write) fused into one launch.
+"""Attention operators: the attention forward on tensor cores, and the attention prologue (per-head q/k
+RMSNorm, RoPE at positions and the paged KV-cache write) fused into one launch.
 
-The op is a composition declared in its manifest (``manifests/attention/AttnPrologueFwdOp.yaml``,
+``AttnFwdOp`` (``manifests/attention/AttnFwdOp.yaml``) is softmax attention in one pass over K/V,
+FlashAttention's layout, dense or varlen, causal (bottom-right), sliding window, softcap and GQA; its
+kernels are ``kernels/attention.py`` (a C schedule for the CPU; on CUDA a tile program with ``T.gemm``
+on tensor cores and K/V tiles pipelined through shared memory), its host side
+:mod:`tileops.attention.attn_builtin`. ``return_lse=True`` also returns the fp32 log-sum-exp the
+backward will read. The backward is not available yet: a call whose inputs require grad raises.
+
+The prologue is a composition declared in its manifest (``manifests/attention/AttnPrologueFwdOp.yaml``,
 ``compose:``): a norm stage (the norm family's ``RMSNormFwdOp``), a rope stage (any op of the rope
 family, passed as the constructor's ``rope``: its own frequency tables and kernel-spec fields) and
 the cache write. The class is generated from that manifest (:mod:`tileops.attention.ops`); its

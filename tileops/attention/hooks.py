@@ -21,7 +21,7 @@ from ..manifest import CallSpec
 from ..op import Op
 from ..runtime.errors import BadValue, unnamed
 
-__all__ = ["AttnPrologueFwdHooks", "kernel_spec", "stage_calls"]
+__all__ = ["AttnPrologueFwdHooks", "AttnFwdHooks", "kernel_spec", "stage_calls"]
 
 #: the kernel counts tokens and heads in int32
 MAX_TOKENS = 2**31 - 1
@@ -135,3 +135,88 @@ class AttnPrologueFwdHooks(Op):
             raise ValueError(f"{self.name}: slot_mapping: expected every slot below {below} "
                              f"(or negative: skipped), got slot_mapping[{i}] = {int(values[i])}{when}")
         self.params["rope"].raise_bad_position(self.name, "positions", values, when, found)
+
+
+class AttnFwdHooks(Op):
+    """``AttnFwdOp``: which kernel a call needs, the dense/varlen checks the rules cannot express,
+    ``return_lse`` (a flag of the manifest) and the deferred report of bad ``cu_seqlens``."""
+
+    @classmethod
+    def kernel_fields_of(cls, params: Any, call: Any) -> dict[str, Any]:
+        """The fields of :class:`kernels.attention.AttnKernelSpec` (less ``backend`` and the schedule)
+        for a call of specialization ``call`` (varlen when it passes ``cu_seqlens_q``)."""
+        given = dict(call.dtypes)
+        return {"dtype": given["q"], "head_dim": call.dim("q_dim"), "hq": call.dim("q_heads"),
+                "hkv": call.dim("kv_heads"), "causal": bool(params["causal"]),
+                "window": params["sliding_window"] is not None, "softcap": params["softcap"] is not None,
+                "varlen": "cu_seqlens_q" in given}
+
+    def _check_more(self, tensors: Any, dims: Any) -> None:
+        q, k = tensors["q"], tensors["k"]
+        cq, ck = tensors.get("cu_seqlens_q"), tensors.get("cu_seqlens_k")
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors.values()):
+            name = next(n for n, t in tensors.items() if t is not None and t.requires_grad)
+            raise RuntimeError(f"{self.name}: {name} requires grad, but the attention backward is not available "
+                               f"yet (its kernels are being written); call under torch.no_grad() or pass "
+                               f"{name}.detach()")
+        if k.dim() != q.dim():
+            raise ValueError(f"{self.name}: k: expected {q.dim()} dims as q ({'dense [batch, seq_k, Hkv, D]' if q.dim() == 4 else 'varlen [total_k, Hkv, D]'}), "
+                             f"got {k.dim()} dims {list(k.shape)}")
+        if q.dim() == 4:
+            for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+                if t is not None:
+                    raise ValueError(f"{self.name}: {name}: expected None with a 4-D (dense) q; varlen calls pass "
+                                     f"q [total_q, Hq, D]")
+        else:
+            for name, t in (("cu_seqlens_q", cq), ("cu_seqlens_k", ck)):
+                if t is None:
+                    raise ValueError(f"{self.name}: {name}: expected int32 offsets [batch + 1] with a 3-D (varlen) "
+                                     f"q, got None")
+            if cq.shape[0] < 1:
+                raise ValueError(f"{self.name}: cu_seqlens_q: expected batch + 1 >= 1 offsets, got shape "
+                                 f"{list(cq.shape)}")
+        if q.shape[:-3] and q.shape[0] > MAX_TOKENS or max(q.shape[-3], k.shape[-3]) > MAX_TOKENS:
+            raise ValueError(f"{self.name}: q: expected fewer than 2^31 rows (the kernels count them in int32)")
+        if q.device.type == "cuda" and q.dtype == torch.float32:
+            raise TypeError(f"{self.name}: q: expected float16 or bfloat16 on CUDA (the kernel runs on tensor "
+                            f"cores), got float32")
+
+    def _flagged_call(self, tensors: Any, outs: Any, flags: Any) -> Any:
+        """``return_lse=True``: ``(out, lse)``, always on the general path (its lse is a new tensor)."""
+        from ..autograd import grad_needed, is_kernel_set
+
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(f"{self.name}: return_lse=True is not traced by torch.compile yet; call it "
+                                      f"eagerly (or without return_lse)")
+        spec = self._check_call(tensors)
+        given = {n: t for n, t in outs.items() if t is not None}
+        if given:
+            self._check_outs(tensors, given)
+        grad_needed(self, tensors, given)
+        impl = self._impl_for(spec)
+        if is_kernel_set(impl):
+            return impl.forward(impl.prepare(tensors), tensors, given, lse=True)
+        out, lse = impl(**tensors, return_lse=True)
+        if given:
+            given["out"].copy_(out)
+            out = given["out"]
+        return out, lse
+
+    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "",
+                         found: "BadValue | None" = None) -> None:
+        """The ValueError of a bad ``cu_seqlens_q``/``cu_seqlens_k`` offset the kernel found (``found``:
+        its index and value; ``values``: the offsets, when still alive)."""
+        what = "q's rows (total_q)" if name == "cu_seqlens_q" else "k's rows (total_k)"
+        at = f"{when}: " if when else ""
+        rule = f"expected offsets starting at 0, non-decreasing, and ending at the token count of {what}"
+        if found is not None:
+            raise ValueError(f"{self.name}: {name}: {rule}; {at}got {name}{found}")
+        if values is not None:  # the offsets (on the host): the first bad one, as the kernel judges them
+            cu = values.tolist()
+            total = self.__dict__.get("_totals", {}).get(name)
+            for i, c in enumerate(cu):
+                if (i == 0 and c != 0) or (i and c < cu[i - 1]) or (i == len(cu) - 1 and total is not None
+                                                                     and c != total):
+                    raise ValueError(f"{self.name}: {name}: {rule}; {at}got {name}[{i}] = {c}")
+        raise ValueError(f"{self.name}: {name}: {rule}; {at}the kernel found a bad offset"
+                         f" ({unnamed(values)})")

@@ -16,8 +16,131 @@ from ..targets import Target
 from . import hooks
 
 __all__ = [
-    "AttnPrologueFwdOp",
+    "AttnFwdOp", "AttnPrologueFwdOp",
 ]
+
+
+class AttnFwdOp(hooks.AttnFwdHooks):
+    """Attention forward on tensor cores (FlashAttention-class), dense or varlen, masks, softcap, GQA.
+
+    ``out[b, i, h] = sum_j softmax_j(s[b, h, i, j]) v[b, j, h // (Hq / Hkv)]`` with ``s = (q . k) *
+    softmax_scale`` (default ``1 / sqrt(head_dim)``), then ``softcap * tanh(s / softcap)`` with a softcap
+    (Gemma 2). Inputs in FlashAttention's layout: q ``[batch, seq_q, Hq, D]``, k and v ``[batch, seq_k, Hkv,
+    D]``; Hugging Face's ``[batch, heads, seq, D]`` passed as ``.transpose(1, 2)`` views is read where it lies
+    (the strides are kernel arguments; only the last dim must be contiguous). Varlen: q ``[total_q, Hq, D]``,
+    k and v ``[total_k, Hkv, D]`` with int32 ``cu_seqlens_q``/``cu_seqlens_k`` of ``batch + 1`` offsets;
+    sequences of length 0 are allowed. The offsets are checked on the device without a host synchronisation
+    (first 0, non-decreasing, last the token count): a bad one is reported as a ValueError naming its index,
+    at a later call or ``op.check()`` (``tileops.strict()``: at the call), as positions are; its sequences are
+    computed on the offsets clamped into the tokens, so nothing is addressed out of bounds.
+
+    Masks are aligned bottom-right when ``seq_q != seq_k``: with ``causal`` query ``i`` sees key ``j`` iff ``j
+    <= i + seq_k - seq_q``; ``sliding_window=w`` also hides ``j <= i + seq_k - seq_q - w`` (Mistral, Gemma
+    2/3). A query that sees no key outputs zeros, and its lse is ``-inf``. Arithmetic in fp32, the softmax
+    online in one pass over K and V (in base 2, as FlashAttention; the lse is returned in natural log).
+    ``return_lse=True`` returns ``(out, lse)``, lse fp32 ``[batch, Hq, seq_q]`` (varlen ``[Hq, total_q]``):
+    the contract of the backward.
+
+    Built: the C schedule on the CPU (a query row per iteration, fp32/fp16/bf16) and on CUDA a FlashAttention
+    tile program (``kernels/attention.py``): Q K^T and P V with ``T.gemm`` on tensor cores (wgmma on sm_90,
+    mma on sm_80), K/V tiles through a shared-memory pipeline (TMA with a producer warpgroup on sm_90), online
+    softmax in fp32 fragments, causal and window masks skipping whole tiles and evaluated only on the tiles
+    they cut. CUDA: fp16 and bf16, every stride a multiple of 8 elements (16 bytes; a view off it is copied
+    first). Gradients: not yet (the backward kernels are being written); a call whose inputs require grad
+    raises.
+
+    References: Dao et al., FlashAttention-2 (2023) and FlashAttention-3 (2024); TileLang
+        examples/flash_attention (GQA forward, varlen); torch.nn.functional.scaled_dot_product_attention
+        (enable_gqa); flash_attn_varlen_func.
+
+    Examples:
+        >>> import torch
+        >>> from tileops.attention import AttnFwdOp
+        >>> op = AttnFwdOp(8, 2, 64, causal=True)
+        >>> q = torch.randn(1, 6, 8, 64)   # [batch, seq_q, Hq, D]
+        >>> k, v = torch.randn(2, 1, 9, 2, 64)   # [batch, seq_k, Hkv, D]
+        >>> out, lse = op(q, k, v, return_lse=True)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 6, 8, 64]), torch.Size([1, 8, 6]))
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *, causal: bool = False,
+                 softmax_scale: float | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None, target: str | Target | None = None) -> None:
+        """Build the op; kernels are compiled at the first call.
+
+        Args:
+            num_q_heads (int): Hq, the query heads. Required.
+            num_kv_heads (int): Hkv, the key and value heads; Hq a multiple of it (GQA: q head h reads kv head
+                h // (Hq / Hkv)). Required.
+            head_dim (int): D, the elements of a head: 64, 80, 96, 128 or 256. Required.
+            causal (bool): Keyword-only. Query i sees key j only when j <= i + seq_k - seq_q (bottom-right
+                aligned). Default ``False``.
+            softmax_scale (float | None): Keyword-only. The scores' scale; None: 1 / sqrt(head_dim). Default
+                ``None``.
+            sliding_window (int | None): Keyword-only. w: also hides key j when j <= i + seq_k - seq_q - w
+                (each query sees at most its w latest keys under causal). Default ``None``.
+            softcap (float | None): Keyword-only. c: the scaled scores become c * tanh(s / c) (Gemma 2's
+                attn_logit_softcapping). Default ``None``.
+            target (str | Target | None): Which set of kernels serves this op: a registered target name,
+                BUILTIN for the in-tree kernels, or None to decide from the input device at the first call.
+                Default None.
+
+        Raises:
+            TypeError: A parameter has the wrong type.
+            ValueError: A value outside its choices, an unknown ``target``; or, by the manifest's rules:
+                num_q_heads: expected num_q_heads > 0; num_kv_heads: expected num_kv_heads > 0; num_q_heads:
+                expected num_q_heads a multiple of num_kv_heads (each kv head serves as many q heads);
+                head_dim: expected a head_dim of 64, 80, 96, 128 or 256; sliding_window: expected a window of
+                at least 1 key (or None); softcap: expected softcap > 0 (or None); softmax_scale: expected
+                softmax_scale > 0 (or None).
+        """
+        self._setup({'num_q_heads': num_q_heads, 'num_kv_heads': num_kv_heads, 'head_dim': head_dim, 'causal':
+            causal, 'softmax_scale': softmax_scale, 'sliding_window': sliding_window, 'softcap': softcap},
+            target)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, return_lse: bool = False) -> Any:
+        """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
+
+        Args:
+            q (torch.Tensor): The queries; the last dim contiguous, any other strides. Shape ``[batch, seq_q,
+                q_heads, q_dim]`` or ``[total_q, q_heads, q_dim]``; dtype float16, bfloat16, float32.
+            k (torch.Tensor): The keys; q's dtype, as many dims as q. Shape ``[batch, seq_k, kv_heads,
+                k_dim]`` or ``[total_k, kv_heads, k_dim]``; dtype float16, bfloat16, float32.
+            v (torch.Tensor): The values, shaped as k. The shape and dtype of ``k``, exactly.
+            cu_seqlens_q (torch.Tensor | None): Keyword-only. Varlen: sequence b's queries are rows
+                cu_seqlens_q[b] to cu_seqlens_q[b + 1] of q (3-D q); int32, batch + 1 entries. Shape
+                ``[cu_len]``; dtype int32. Default None.
+            cu_seqlens_k (torch.Tensor | None): Keyword-only. Varlen: sequence b's keys and values are rows
+                cu_seqlens_k[b] to cu_seqlens_k[b + 1] of k and v. The shape and dtype of ``cu_seqlens_q``,
+                exactly. Default None.
+            out (torch.Tensor | None): Keyword-only. Where to write the result (the attention output, shaped
+                and typed like q). Shaped and typed like ``q``, any strides; it may be its own input exactly
+                (in place) but may not otherwise overlap another argument. Not while an input requires grad.
+                Default None.
+            return_lse (bool): Keyword-only. Return ``(out, lse)``: lse fp32 [batch, Hq, seq_q] (varlen [Hq,
+                total_q]), the natural log of each query's softmax denominator (its scores' log-sum-exp), -inf
+                for a query that sees no key. Default False.
+
+        Returns:
+            torch.Tensor | tuple: ``out``, a new tensor unless given, unless a flag above says otherwise.
+
+        Raises:
+            TypeError: An argument is not a tensor, or has a dtype not listed above.
+            ValueError: A shape that does not match the ones above, tensors on different devices, an output
+                that overlaps another argument; or, by the manifest's rules: q: expected num_q_heads heads
+                (dim -2); q: expected head_dim as the last dim; k: expected num_kv_heads heads (dim -2); k:
+                expected head_dim as the last dim; k: expected q's dtype; cu_seqlens_q: expected None with a
+                4-D (dense) q; varlen calls pass q [total_q, Hq, D]; cu_seqlens_k: expected None with a 4-D
+                (dense) q; varlen calls pass q [total_q, Hq, D]; cu_seqlens_q: expected int32 offsets [batch +
+                1] with a 3-D (varlen) q; cu_seqlens_k: expected int32 offsets [batch + 1] with a 3-D (varlen)
+                q.
+        """
+        return self._call({'q': q, 'k': k, 'v': v, 'cu_seqlens_q': cu_seqlens_q, 'cu_seqlens_k':
+            cu_seqlens_k}, {'out': out}, {'return_lse': return_lse})
 
 
 class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):

@@ -1,5 +1,5 @@
-"""A float64 evaluation of the attention prologue's q, for ``tileops demo`` (the tests have their own,
-in ``tests/``)."""
+"""Float64 evaluations of the attention ops, for ``tileops demo`` (the tests have their own, in
+``tests/``): the prologue's q, and ``AttnFwdOp``'s output."""
 
 from __future__ import annotations
 
@@ -22,11 +22,49 @@ def _normed_q(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return q
 
 
+def _attention(op: Any, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``AttnFwdOp``'s output in float64 and ``sum_j p_j |v_j|`` per element (what its roundings act
+    on), a sequence and a q head at a time, the masks as the op defines them."""
+    p = op.params
+    hq, hkv, d = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
+    sc = p["softmax_scale"] or d ** -0.5
+    q, k, v = (inputs[n].detach().cpu().to(torch.float64) for n in ("q", "k", "v"))
+    if q.dim() == 4:
+        seqs = [(q[b], k[b], v[b], b, None) for b in range(q.shape[0])]
+    else:
+        cq, ck = inputs["cu_seqlens_q"].tolist(), inputs["cu_seqlens_k"].tolist()
+        seqs = [(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], None, cq[b]) for b in range(len(cq) - 1)]
+    out, mag = torch.zeros_like(q), torch.zeros_like(q)
+    for qs, ks, vs, b, q0 in seqs:
+        nq, nk = qs.shape[0], ks.shape[0]
+        i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+        seen = torch.ones(nq, nk, dtype=torch.bool)
+        if p["causal"]:
+            seen &= j <= i + nk - nq
+        if p["sliding_window"] is not None:
+            seen &= j > i + nk - nq - p["sliding_window"]
+        for h in range(hq):
+            g = h // (hq // hkv)
+            s = qs[:, h] @ ks[:, g].T * sc
+            if p["softcap"] is not None:
+                s = p["softcap"] * torch.tanh(s / p["softcap"])
+            pr = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
+            o, m = pr @ vs[:, g], pr @ vs[:, g].abs()
+            if b is not None:
+                out[b, :, h], mag[b, :, h] = o, m
+            else:
+                out[q0:q0 + nq, h], mag[q0:q0 + nq, h] = o, m
+    return out, mag
+
+
 def scale(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """What each element of q's error is measured against (``tileops demo``'s tolerance): ``|a| + |c|``
     of its rotation pair (times the amplitude), not its own value. The op rounds the normalised q to
     qkv's dtype before rotating it, so a rotation that cancels carries the rounding of both elements:
-    measured against the element alone, one demo run in six failed in bf16 (seen here)."""
+    measured against the element alone, one demo run in six failed in bf16 (seen here). For
+    ``AttnFwdOp``: ``sum_j p_j |v_j|``, the magnitude of the convex combination its roundings act on."""
+    if op.name == "AttnFwdOp":
+        return _attention(op, inputs)[1]
     q = _normed_q(op, inputs)
     rope = op.params["rope"]
     rot = rope.rotated_width(q.shape[-1])
@@ -42,7 +80,10 @@ def scale(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def reference(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The op's q ``[tokens, Hq, D]`` in float64 on the CPU (norm, then the rope op's rotation)."""
+    """The prologue's q ``[tokens, Hq, D]`` in float64 on the CPU (norm, then the rope op's rotation);
+    ``AttnFwdOp``'s output."""
+    if op.name == "AttnFwdOp":
+        return _attention(op, inputs)[0]
     q = _normed_q(op, inputs)
     rope = op.params["rope"]
     rot = rope.rotated_width(q.shape[-1])

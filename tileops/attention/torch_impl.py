@@ -17,6 +17,8 @@ __all__ = ["implement"]
 
 
 def implement(op: Any, spec: Any) -> Callable[..., Any]:
+    if op.name == "AttnFwdOp":
+        return _attention(op)
     p = op.params
     hq, hkv, d, eps = p["num_q_heads"], p["num_kv_heads"], p["head_dim"], p["eps"]
     rope = p["rope"]
@@ -77,5 +79,59 @@ def implement(op: Any, spec: Any) -> Callable[..., Any]:
             else:
                 key_cache[blk, :, row], value_cache[blk, :, row] = k[i], v[i]
         return q.contiguous()
+
+    return run
+
+
+def _attention(op: Any) -> Callable[..., Any]:
+    """``AttnFwdOp`` in plain PyTorch: scores in fp32 per sequence, the masks as the op defines them
+    (bottom-right causal, the window), softcap, a row with no visible key zeros (lse -inf). One
+    sequence at a time for varlen (offsets read on the host: this target is the plain path)."""
+    p = op.params
+    hq, hkv, d = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
+    scale = p["softmax_scale"] if p["softmax_scale"] is not None else d ** -0.5
+    cap, w, causal = p["softcap"], p["sliding_window"], p["causal"]
+
+    def one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [Sq, Hq, D], k/v [Sk, Hkv, D] -> out [Sq, Hq, D] (fp32), lse [Hq, Sq]
+        g = hq // hkv
+        kf = k.float().repeat_interleave(g, 1)
+        vf = v.float().repeat_interleave(g, 1)
+        s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
+        sq, sk = q.shape[0], k.shape[0]
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+        if causal:
+            seen &= j <= i + sk - sq
+        if w is not None:
+            seen &= j > i + sk - sq - w
+        s = s.masked_fill(~seen, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        pr = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        return torch.einsum("hqk,khd->qhd", pr, vf), lse
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None, return_lse: bool = False) -> Any:
+        if q.dim() == 4:
+            got = [one(q[b], k[b], v[b]) for b in range(q.shape[0])]
+            out = torch.stack([o for o, _ in got]) if got else torch.empty(q.shape, device=q.device)
+            lse = torch.stack([x for _, x in got]) if got else torch.empty(0, hq, q.shape[1], device=q.device)
+        else:
+            cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+            op.__dict__["_totals"] = {"cu_seqlens_q": q.shape[0], "cu_seqlens_k": k.shape[0]}
+            if cq[0] != 0 or cq[-1] != q.shape[0] or any(b < a for a, b in zip(cq, cq[1:])):
+                op._raise_bad_value("cu_seqlens_q", cu_seqlens_q.cpu())
+            if ck[0] != 0 or ck[-1] != k.shape[0] or any(b < a for a, b in zip(ck, ck[1:])):
+                op._raise_bad_value("cu_seqlens_k", cu_seqlens_k.cpu())
+            out = torch.zeros(q.shape, device=q.device)
+            lse = torch.full((hq, q.shape[0]), float("-inf"), device=q.device)
+            for b in range(len(cq) - 1):
+                o, x = one(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]])
+                out[cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]] = o, x
+        out = out.to(q.dtype)
+        return (out, lse.float()) if return_lse else out
 
     return run

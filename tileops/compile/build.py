@@ -117,7 +117,11 @@ def _tvm_target(backend: str, arch: str):
         return "c"
     from tvm import target as tvm_target
 
-    return tvm_target.Target({"kind": "cuda", "arch": arch})
+    # Hopper's arch-specific features (wgmma, setmaxnreg: the attention kernels' producer warpgroup)
+    # exist only in sm_90a code; built for plain sm_90, TileLang's nvcc build refused
+    # tl::warpgroup_reg_alloc (seen here). sm_90a code runs on every sm_90 device, so the other
+    # kernels lose nothing by it; the index keys keep the device's arch name
+    return tvm_target.Target({"kind": "cuda", "arch": "sm_90a" if arch == "sm_90" else arch})
 
 
 def prim_func(builder: str, spec: Any) -> Any:

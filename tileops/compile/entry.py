@@ -294,8 +294,11 @@ def kernel_record(kernel: Any) -> dict[str, Any]:
     lib, params, dyn = compiled_parts(kernel)
     if lib is None or dyn is None:
         raise RuntimeError("tileops needs TileLang's Cython execution backend (the kernel has no C entry point)")
-    if any(ref_kind != 0 for ref_kind, *_ in dyn.values()):
-        raise RuntimeError("a dynamic stride in a tileops kernel: not supported by the launcher")
+    # a dynamic extent is a shape (kind 0) or, for a strided tensor, a stride (kind 1: the attention
+    # kernel's q/k/v strides, from which TileLang's host code builds TMA descriptors); either way the
+    # launcher passes it by name (the family's plan gives every one), never reading it off a tensor
+    if any(ref_kind not in (0, 1) for ref_kind, *_ in dyn.values()):
+        raise RuntimeError("a dynamic extent that is neither a shape nor a stride: not supported by the launcher")
     args = [C_TYPES[str(dtype).removeprefix("torch.")] if dtype is not None else "void*" for dtype in params]
     args += ["int64_t" if str(v.dtype) == "int64" else "int32_t" for v in dyn]
     return {"args": args, "extents": [str(v) for v in dyn]}

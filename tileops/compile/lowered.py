@@ -57,7 +57,8 @@ def _pack(arch: str) -> dict[str, Any]:
 
 
 def lookup(key: str, arch: str) -> Any:
-    """The shipped :class:`tileops.compile.cuda_build.Sources` of the kernel whose lean index key is ``key``, or None."""
+    """The shipped :class:`tileops.compile.cuda_build.Sources` of the kernel whose lean index key is ``key``, or None
+    (not shipped, or shipped as ``unserved``: a kernel the lean build refuses, which TileLang's build serves)."""
     from .cuda_build import Sources
 
     entry = _pack(arch).get(key)

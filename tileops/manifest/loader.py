@@ -15,7 +15,7 @@ import yaml
 from .expr import ExprError, parse_expr
 from .schema import (
     DTYPE_PREFIX, DTYPES, LEAD, PARAM_TYPES, SCHEMA, Backward, Case, ComposeStage, CpuShrink, KernelSpec, OpManifest,
-    ParamSpec, Rule, TensorSpec,
+    FlagSpec, ParamSpec, Rule, TensorSpec,
 )
 
 __all__ = ["ManifestError", "add_op", "load_file", "load_files", "resolve_compose", "packaged_files", "manifest_files"]
@@ -494,6 +494,7 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
         seen.add(case.label)
         cases.append(case)
     compose = _compose_section(ctx, m["compose"][1], params, inputs) if "compose" in m else ()
+    flags = _flags(ctx, m["flags"][1], set(params) | set(inputs) | set(outputs)) if "flags" in m else ()
     return OpManifest(
         name=name, family=ctx.string(m["family"][1], "family"), summary=ctx.string(m["summary"][1], "summary"),
         description=ctx.string(m["description"][1], "description") if "description" in m else "",
@@ -502,8 +503,19 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
         hooks=_hooks(ctx, m["hooks"][1]),
         params=tuple(params.values()), inputs=tuple(inputs.values()), outputs=tuple(outputs.values()),
         rules=tuple(rules), kernel=kernel, cases=tuple(cases), cpu_shrink=shrink, file=ctx.file,
-        line=key.start_mark.line + 1, backward=backward, compose=compose,
+        line=key.start_mark.line + 1, backward=backward, compose=compose, flags=flags,
     )
+
+
+def _flags(ctx: _Ctx, node: yaml.Node, taken: set[str]) -> tuple[FlagSpec, ...]:
+    """``flags``: each an identifier no param, input or output has, with its doc."""
+    out = []
+    for fname, (knode, vnode) in ctx.mapping(node, "flags").items():
+        if not fname.isidentifier() or fname in taken:
+            raise ctx.err(knode, f"flags: {fname!r} must be an identifier no param, input or output has")
+        f = ctx.section(vnode, "flag", f"flags.{fname}", owner=knode)
+        out.append(FlagSpec(fname, ctx.string(f["doc"][1], f"flags.{fname}.doc"), knode.start_mark.line + 1))
+    return tuple(out)
 
 
 def _compose_section(ctx: _Ctx, node: yaml.Node, params: Mapping[str, ParamSpec],

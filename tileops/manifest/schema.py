@@ -14,7 +14,7 @@ from .expr import Expr
 
 __all__ = [
     "SCHEMA", "PARAM_TYPES", "DTYPES", "LEAD", "DTYPE_PREFIX", "ParamSpec", "TensorSpec", "Rule", "KernelSpec",
-    "Case", "Backward", "CpuShrink", "ComposeStage", "OpManifest",
+    "Case", "Backward", "CpuShrink", "ComposeStage", "OpManifest", "FlagSpec",
 ]
 
 #: Types a param may declare, and the Python types a value of it may have.
@@ -62,6 +62,10 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "kernel": (True, "kernel", "The kernel builder in `kernels/` that serves the op."),
         "cpu_shrink": (False, "cpu_shrink", "How cases are scaled down when tests run on the CPU."),
         "cases": (True, "list[case]", "Labelled workloads used by tests, benchmarks and `tileops demo`."),
+        "flags": (False, "map[name -> flag]",
+                  ("Bool keyword-only arguments of `forward`, after the outputs, default false, each asking for "
+                   "something the call returns besides its outputs (attention's `return_lse`). The family's hooks "
+                   "serve a call that sets one (`_flagged_call`); a call that sets none runs as any other.")),
         "compose": (False, "map[stage -> compose]",
                     "The stages a fused op is composed of, each naming the manifests it comes from (see "
                     "\"Adding an op\", composed ops). Every reference is resolved when the manifests are "
@@ -78,6 +82,9 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "inputs": (False, "list[str]", "The call's inputs the stage reads beyond the op's main ones (a norm's "
                                        "weights, a cache's scales)."),
         "doc": (True, "str", "What the stage does in the fused op, for the API reference."),
+    },
+    "flag": {
+        "doc": (True, "str", "What the flag asks for and what the call then returns, for the API reference."),
     },
     "param": {
         "type": (True, "str", f"One of {', '.join(PARAM_TYPES)}."),
@@ -189,6 +196,15 @@ class ParamSpec:
     optional: bool = False
     choices: tuple | None = None
     keyword_only: bool = False
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """A bool keyword-only argument of ``forward`` (``flags``), default False."""
+
+    name: str
+    doc: str
     line: int = 0
 
 
@@ -349,6 +365,8 @@ class OpManifest:
     backward: Backward | None = None
     #: the stages of a composed op (``compose``), in the manifest's order; () for any other op
     compose: tuple[ComposeStage, ...] = ()
+    #: the bool keyword-only arguments of ``forward`` (``flags``), in order; () for most ops
+    flags: tuple[FlagSpec, ...] = ()
 
     def param(self, name: str) -> ParamSpec:
         for p in self.params:

@@ -1,0 +1,240 @@
+"""The attention forward against SDPA's flash and cuDNN backends and torch.compile, side by side in one
+run (issue 36's table), and a sweep of the CUDA tile shape.
+
+    python -m benchmarks.attention                    # the table's rows, bf16 (+ fp16 on two rows)
+    python -m benchmarks.attention --rows all         # also MHA, head_dim 64/256, varlen
+    python -m benchmarks.attention --configs 128x64x2x256,128x128x2x256,64x64x2x128 --rows 16k
+                                                      # tile shapes (block_M x block_N x stages x threads)
+    python -m benchmarks.attention --dry              # anywhere: the rows, configs and kernel specs
+
+TFLOP/s counts ``4 * Sq * Sk * D * Hq`` per sequence, halved when causal (the issue's convention), and
+% of the H200's 989 TFLOP/s dense bf16/fp16 peak. Times are medians of
+:func:`benchmarks.timing.gpu_time` (batches of back-to-back calls between events; an attention call is
+milliseconds, so L2 and launch effects are noise). Before a row is timed, every config's output is
+compared with SDPA's (cuDNN, else flash) on the same inputs: the largest difference must stay within
+4 half-ulps of the dtype times max |v| (both round P to the dtype and the output once), else the row
+says FAIL and is not timed. Every kernel of the run is compiled first, in parallel
+(:func:`tileops.compile.warmup.compile_jobs`: TileLang's nvcc build, ~10-30 s a kernel).
+
+Varlen rows have no SDPA counterpart: the baselines run one SDPA call per sequence (what a caller
+without a varlen kernel does), and the FLOPs sum each sequence's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+PEAK_TFLOPS = 989.0
+#: row name -> (batch, seq, Hq, Hkv, D, causal, varlen lengths or None)
+ROWS: dict[str, tuple] = {
+    "16k": (1, 16384, 32, 8, 128, False, None),
+    "16k-causal": (1, 16384, 32, 8, 128, True, None),
+    "4x4k-causal": (4, 4096, 32, 8, 128, True, None),
+    "16x1k-causal": (16, 1024, 32, 8, 128, True, None),
+    "mha-16k": (1, 16384, 32, 32, 128, False, None),
+    "4x4k-causal-d64": (4, 4096, 32, 8, 64, True, None),
+    "4x4k-causal-d256": (4, 4096, 32, 8, 256, True, None),
+    "varlen-causal": (0, 0, 32, 8, 128, True, [8192, 3000, 2048, 1500, 1024, 700, 256, 100]),
+}
+DEFAULT_ROWS = ["16k", "16k-causal", "4x4k-causal", "16x1k-causal"]
+#: rows also timed in fp16 by default
+FP16_ROWS = ["16k", "4x4k-causal"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def flops(row: tuple) -> float:
+    b, s, hq, _, d, causal, lens = row
+    pairs = sum(n * n for n in lens) if lens else b * s * s
+    return 4.0 * pairs * d * hq / (2 if causal else 1)
+
+
+def parse_config(text: str) -> dict[str, int]:
+    """``128x64x2x256`` -> the manifest's ``kernel.static`` keys."""
+    parts = [int(p) for p in text.lower().split("x")]
+    if len(parts) != 4:
+        raise SystemExit(f"--configs: expected block_M x block_N x stages x threads, got {text!r}")
+    return dict(zip(("block_M", "block_N", "stages", "threads"), parts))
+
+
+def make_op(row: tuple, static: dict[str, int] | None) -> Any:
+    """The op for ``row``, its manifest's tile shape replaced by ``static`` (None: the manifest's)."""
+    from tileops.attention import AttnFwdOp
+
+    _, _, hq, hkv, d, causal, _ = row
+    op = AttnFwdOp(hq, hkv, d, causal=causal)
+    if static is not None:  # an op reads its own manifest object: a copy with another schedule
+        kernel = dataclasses.replace(op.manifest.kernel, static={**op.manifest.kernel.static, **static})
+        op.manifest = dataclasses.replace(op.manifest, kernel=kernel)
+    return op
+
+
+def inputs(row: tuple, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    b, s, hq, hkv, d, _, lens = row
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if lens:
+        tq = sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        return {"q": torch.randn(tq, hq, d, generator=g, device="cuda", dtype=dtype),
+                "k": torch.randn(tq, hkv, d, generator=g, device="cuda", dtype=dtype),
+                "v": torch.randn(tq, hkv, d, generator=g, device="cuda", dtype=dtype),
+                "cu_seqlens_q": cu, "cu_seqlens_k": cu}
+    return {"q": torch.randn(b, s, hq, d, generator=g, device="cuda", dtype=dtype),
+            "k": torch.randn(b, s, hkv, d, generator=g, device="cuda", dtype=dtype),
+            "v": torch.randn(b, s, hkv, d, generator=g, device="cuda", dtype=dtype)}
+
+
+def sdpa_fn(backend: str | None, row: tuple, t: dict[str, torch.Tensor], compiled: bool = False) -> Any:
+    """A call of SDPA on ``t`` (HF's layout as views of ours) with ``backend`` forced (None: torch's
+    choice); per sequence for a varlen row. None when the backend refuses the row."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    causal, lens = row[5], row[6]
+    f = torch.nn.functional.scaled_dot_product_attention
+    if compiled:
+        f = torch.compile(f, dynamic=False)
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, None: None}[backend]
+
+    def one(q, k, v):
+        return f(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), is_causal=causal,
+                 enable_gqa=q.shape[-2] != k.shape[-2]).transpose(-3, -2)
+
+    if lens:
+        cu = t["cu_seqlens_q"].tolist()
+        parts = [(t["q"][a:e][None], t["k"][a:e][None], t["v"][a:e][None]) for a, e in zip(cu, cu[1:])]
+
+        def call():
+            return torch.cat([one(*p)[0] for p in parts])
+    else:
+        def call():
+            return one(t["q"], t["k"], t["v"])
+
+    def run():
+        if which is None:
+            return call()
+        with sdpa_kernel([which]):
+            return call()
+
+    try:
+        run()
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        print(f"  ({backend or 'compile'} refused: {str(e).splitlines()[0][:100]})", flush=True)
+        return None
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated of {', '.join(ROWS)}, or all")
+    ap.add_argument("--dtypes", default=None, help="bf16,fp16 (default: bf16, and fp16 on " + ", ".join(FP16_ROWS) + ")")
+    ap.add_argument("--configs", default=None, help="tile shapes to sweep, BMxBNxSTAGESxTHREADS,... (default: "
+                                                     "the manifest's); baselines are then left out")
+    ap.add_argument("--no-baselines", action="store_true", help="time tileops alone")
+    ap.add_argument("--batches", type=int, default=10, help="timed batches of 3 calls a config (default 10)")
+    ap.add_argument("--jobs", type=int, default=None, help="parallel kernel compiles (default: a CPU each)")
+    ap.add_argument("--dry", action="store_true", help="print the rows, configs and specs; no GPU needed")
+    a = ap.parse_args(argv)
+    names = list(ROWS) if a.rows == "all" else [r.strip() for r in a.rows.split(",") if r.strip()]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; rows: {', '.join(ROWS)}")
+    configs = [parse_config(c) for c in a.configs.split(",")] if a.configs else [None]
+    work = []
+    for n in names:
+        dts = a.dtypes.split(",") if a.dtypes else (["bf16", "fp16"] if n in FP16_ROWS else ["bf16"])
+        work += [(n, dt) for dt in dts]
+    if a.dry:
+        from tileops.attention.attn_builtin import kernel_specs
+        from tileops.manifest import CallSpec
+
+        for n, dt in work:
+            for c in configs:
+                op = make_op(ROWS[n], c)
+                name = {"bf16": "bfloat16", "fp16": "float16"}[dt]
+                cu = (("cu_seqlens_q", "int32"), ("cu_seqlens_k", "int32")) if ROWS[n][6] else ()
+                call = CallSpec(torch.device("cuda"), (("q", name), ("k", name), ("v", name), *cu),
+                                (("kv_heads", ROWS[n][3]), ("q_dim", ROWS[n][4]), ("q_heads", ROWS[n][2])))
+                print(n, dt, c, kernel_specs(op.manifest, op.params, call, "cuda")[0][1])
+        return 0
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.attention times CUDA kernels: no GPU here (--dry prints the plan)")
+    from benchmarks.timing import gpu_time
+    from tileops.compile.build import device_backend
+    from tileops.compile.warmup import compile_jobs, op_kernel_jobs
+
+    arch = device_backend(torch.device("cuda"))[1]
+    todo = []
+    for n, dt in work:
+        for c in configs:
+            op = make_op(ROWS[n], c)
+            row = ROWS[n]
+            dims = {"q_dim": row[4], "q_heads": row[2], "kv_heads": row[3]}
+            jobs = op_kernel_jobs("AttnFwdOp", op.params, dims, [{"bf16": "bfloat16", "fp16": "float16"}[dt]], arch,
+                                  with_inputs=("cu_seqlens_q", "cu_seqlens_k") if row[6] else (), backward=False)
+            if c is not None:  # the sweep's specs: the job's spec with the config's schedule
+                jobs = [(b, dataclasses.replace(s, **c), be, ar) for b, s, be, ar in jobs]
+            todo += jobs
+    t0 = time.perf_counter()
+    count, _, failures = compile_jobs(todo, a.jobs, progress=True)
+    print(f"compiled {count} kernels in {time.perf_counter() - t0:.0f} s"
+          + (f"; {len(failures)} failed: {failures[0][1][:300]}" if failures else ""), flush=True)
+    baselines = not (a.configs or a.no_baselines)
+    head = ["row", "dtype", "config", "tileops"] + (["flash", "cudnn", "compile"] if baselines else [])
+    print("| " + " | ".join(head) + " |  (TFLOP/s, % of 989; us)", flush=True)
+    for n, dt in work:
+        row, dtype = ROWS[n], DTYPES[dt]
+        t = inputs(row, dtype)
+        kw = {k: v for k, v in t.items() if k.startswith("cu_")}
+        f = flops(row)
+        ref_fn = (sdpa_fn("cudnn", row, t) or sdpa_fn("flash", row, t))
+        ref = ref_fn() if ref_fn is not None else None
+        vmax = float(t["v"].abs().max())
+        tol = 4 * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-11) * vmax
+        cells = []
+        for c in configs:
+            op = make_op(row, c)
+            label = "x".join(str(v) for v in c.values()) if c else "manifest"
+            try:  # a tile shape TileLang cannot build (or the device cannot launch) fails its cell only
+                got = op(t["q"], t["k"], t["v"], **kw)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - reported, and the sweep goes on
+                cells.append((label, f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+                print(f"SWEEP {json.dumps({'row': n, 'dtype': dt, 'config': label, 'error': str(e)[:300]})}",
+                      flush=True)
+                continue
+            err = float((got.float() - ref.float()).abs().max()) if ref is not None else float("nan")
+            if ref is not None and not err <= tol:
+                cells.append((label, f"FAIL max err {err:.3g} > {tol:.3g}"))
+                print(f"SWEEP {json.dumps({'row': n, 'dtype': dt, 'config': label, 'fail': err})}", flush=True)
+                continue
+            us = gpu_time(lambda i, op=op, t=t, kw=kw: op(t["q"], t["k"], t["v"], **kw), 1, batches=a.batches,
+                          per_batch=3)[0]
+            tf = f / us / 1e6
+            cells.append((label, f"{tf:.0f} ({100 * tf / PEAK_TFLOPS:.0f}%, {us:.0f} us, err {err:.2g})"))
+            print(f"SWEEP {json.dumps({'row': n, 'dtype': dt, 'config': label, 'us': us, 'tflops': tf})}", flush=True)
+        extra = []
+        if baselines:
+            for name, fn in (("flash", sdpa_fn("flash", row, t)), ("cudnn", sdpa_fn("cudnn", row, t)),
+                             ("compile", sdpa_fn(None, row, t, compiled=True))):
+                if fn is None:
+                    extra.append("-")
+                    continue
+                us = gpu_time(lambda i, fn=fn: fn(), 1, batches=a.batches, per_batch=3)[0]
+                tf = f / us / 1e6
+                extra.append(f"{tf:.0f} ({100 * tf / PEAK_TFLOPS:.0f}%)")
+        for label, cell in cells:
+            print(f"| {n} | {dt} | {label} | {cell} | " + " | ".join(extra) + " |", flush=True)
+        del t, ref
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

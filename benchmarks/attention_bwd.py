@@ -1,0 +1,219 @@
+"""The attention backward's tile programs (``kernels/attention_bwd.py``) against SDPA's flash and cuDNN
+backward, on the H200.
+
+    python -m benchmarks.attention_bwd                  # the issue's rows, the default tiles
+    python -m benchmarks.attention_bwd --configs        # and a sweep of tile shapes, each checked
+    python -m benchmarks.attention_bwd --rows 0 --configs --quick   # one row, fewer samples
+    python -m benchmarks.attention_bwd --dry            # anywhere: rows, configs and their specs
+
+Rows (issue 36's table): GQA 32 q / 8 kv heads, head_dim 128, bf16: 1 x 16384 not causal and causal,
+4 x 4096 causal, 16 x 1024 causal. TFLOP/s counts 2.5 x the forward's ``4 * Sq * Sk * D * Hq``
+(halved when causal), the issue's convention; ``%`` is of the H200's dense bf16 peak, 989 TFLOP/s.
+
+Ours is delta + dk/dv + dq launched back to back (the three kernels' own times are given too), from
+the o and lse of SDPA's flash forward (``aten._scaled_dot_product_flash_attention``, whose lse is
+fp32 ``[B, H, S]``, natural log: the forward's contract). SDPA's backward is timed as
+``torch.autograd.grad`` of its output with the same dO. Times are medians of
+:func:`benchmarks.timing.gpu_time` samples (10 calls a sample, host queued ahead).
+
+Every config's kernels are compiled first, in parallel (:func:`tileops.compile.warmup.compile_jobs`);
+each config's gradients are compared with SDPA flash's (``err``: the largest ``|ours - flash|`` over
+the largest ``|flash|`` of dq, dk, dv; both are bf16 computations, so this is a check that the
+kernels compute the gradient, near 1e-2, not a bound: the CPU tests bound the C schedule, and the
+CUDA tests the CUDA one, against float64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from tileops.compile.build import device_backend, load_kernel
+from tileops.kernels import get_spec
+
+PEAK = 989.0
+#: (label, batch, seq, causal)
+ROWS = [("1 x 16384", 1, 16384, False), ("1 x 16384 causal", 1, 16384, True), ("4 x 4096 causal", 4, 4096, True),
+        ("16 x 1024 causal", 16, 1024, True)]
+HQ, HKV, D = 32, 8, 128
+#: config -> spec fields over the defaults ("default": the H200 defaults of ``kernels/attention_bwd.py``)
+CONFIGS = {
+    "default": {},
+    "dkdv q64": dict(dkdv_block_q=64),
+    "dkdv kv64 q64": dict(dkdv_block_kv=64, dkdv_block_q=64, dkdv_threads=128),
+    "1 stage": dict(stages=1),
+    "dq q64 kv64 t128": dict(dq_block_q=64, dq_threads=128),
+    "dq kv128": dict(dq_block_kv=128),
+    "3 stages": dict(stages=3),
+    "dkdv t128 dq t128": dict(dkdv_threads=128, dq_threads=128),
+    "ds via shared": dict(ds_shared=2),
+}
+
+
+def flops(batch: int, seq: int, causal: bool) -> float:
+    """The backward's FLOPs by the issue's convention."""
+    f = 4.0 * seq * seq * D * HQ * batch * 2.5
+    return f / 2 if causal else f
+
+
+def specs(causal: bool, fields: dict) -> dict:
+    """The three kernels' specs of a config: each kind takes its own knobs (``dkdv_*``, ``dq_*``) and
+    the shared ones (``stages``, ``ds_shared``), so that a config changing one program shares the other's compiled kernel."""
+    S = get_spec("attention_bwd")
+
+    def own(kind):
+        return {k: v for k, v in fields.items() if k.startswith(kind + "_") or k in ("stages", "ds_shared")}
+
+    return {"prep": S(kind="prep", head_dim=D, dtype="bfloat16"),
+            "dkdv": S(kind="dkdv", head_dim=D, dtype="bfloat16", causal=causal, **own("dkdv")),
+            "dq": S(kind="dq", head_dim=D, dtype="bfloat16", causal=causal, **own("dq"))}
+
+
+class Ours:
+    """The three kernels of one config bound to one row's tensors: ``prep()``, ``dkdv()``, ``dq()``."""
+
+    def __init__(self, kinds: dict, q, k, v, o, do, lse):
+        dev = q.device
+        backend, arch = device_backend(dev)
+        self.k = {n: load_kernel("attention_bwd", s, backend, arch, dev, s.args) for n, s in kinds.items()}
+        u = kinds["dq"].stride_unit
+        self.dq, self.dk, self.dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        self.delta = torch.empty_like(lse)
+        b, sq, hq, _ = q.shape
+
+        def st(p, t):
+            return {f"{p}s{n}": x // u for n, x in zip("bsh", t.stride()[:3])}
+
+        lse_st = dict(lsb=lse.stride(0), lsh=lse.stride(1))
+        self.args = {
+            "prep": dict(O=o.data_ptr(), DO=do.data_ptr(), DELTA=self.delta.data_ptr(), CUQ=0, B=b, Hq=hq, Sq=sq,
+                         **st("o", o), **st("do", do), **lse_st)}
+        common = dict(Q=q.data_ptr(), K=k.data_ptr(), V=v.data_ptr(), DO=do.data_ptr(), LSE=lse.data_ptr(),
+                      DELTA=self.delta.data_ptr(), CUQ=0, CUK=0, B=b, Hkv=k.shape[2], G=hq // k.shape[2], Sq=sq,
+                      Sk=k.shape[1], W=0, scale=D ** -0.5, softcap=0.0, **st("q", q), **st("k", k), **st("v", v),
+                      **st("do", do), **lse_st)
+        self.args["dkdv"] = dict(common, DK=self.dk.data_ptr(), DV=self.dv.data_ptr(), **st("dk", self.dk),
+                                 **st("dv", self.dv))
+        self.args["dq"] = dict(common, DQ=self.dq.data_ptr(), **st("dq", self.dq))
+        self.bound = {n: self.k[n].bind(**a, **dict.fromkeys(self.k[n].extent_names, 0)) for n, a in self.args.items()}
+
+    def run(self, *names: str) -> None:
+        for n in names or ("prep", "dkdv", "dq"):
+            self.k[n](*self.bound[n])
+
+
+def inputs(batch: int, seq: int, causal: bool, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, seq, HQ, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, seq, HKV, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, seq, HKV, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(batch, seq, HQ, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    rep = HQ // HKV
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2), v.repeat_interleave(rep, 2).transpose(1, 2),
+        0.0, causal, False, scale=D ** -0.5)
+    o = out[0].transpose(1, 2).contiguous()
+    lse = out[1][..., :seq].float().contiguous()  # (a padded lse: its first seq columns)
+    assert lse.shape == (batch, HQ, seq), lse.shape
+    return q, k, v, o, do, lse
+
+
+def sdpa_grads(q, k, v, do, causal, backend):
+    """(a function running SDPA's backward with ``backend``, its dq/dk/dv in our layout)."""
+    from torch.nn.attention import sdpa_kernel
+
+    qh, kh, vh = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
+    with sdpa_kernel(backend):
+        out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=True)
+    dout = do.transpose(1, 2)
+
+    def run():
+        return torch.autograd.grad(out, (qh, kh, vh), dout, retain_graph=True)
+
+    with sdpa_kernel(backend):
+        grads = run()
+    return run, tuple(g.transpose(1, 2) for g in grads)
+
+
+def time_us(fn, quick: bool) -> float:
+    from benchmarks.timing import gpu_time
+
+    return gpu_time(lambda i: fn(), 1, batches=5 if quick else 15, per_batch=3)[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", action="store_true", help="sweep CONFIGS, not only the default")
+    ap.add_argument("--rows", type=str, default="", help="comma-separated row indices (default: all)")
+    ap.add_argument("--quick", action="store_true", help="fewer samples")
+    ap.add_argument("--dry", action="store_true", help="print the rows, configs and specs; no GPU")
+    ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: one per CPU)")
+    a = ap.parse_args()
+    rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS
+    configs = CONFIGS if a.configs else {"default": {}}
+    if a.dry:
+        for label, b, s, c in rows:
+            print(label, f"{flops(b, s, c) / 1e12:.2f} TFLOP")
+        for name, fields in configs.items():
+            got = specs(True, fields)
+            print(name, {k: (got[k].block_q, got[k].block_kv, got[k].threads, got[k].tile("stages"))
+                         for k in ("dkdv", "dq")}, "(block_q, block_kv, threads, stages)")
+        return 0
+    if not torch.cuda.is_available():
+        print("no GPU: nothing to time (--dry prints the plan)")
+        return 1
+    from torch.nn.attention import SDPBackend
+
+    from tileops.compile.warmup import compile_jobs
+
+    arch = device_backend(torch.device("cuda"))[1]
+    todo = [("attention_bwd", s, "cuda", arch) for c in {r[3] for r in rows} for f in configs.values()
+            for s in specs(c, f).values()]
+    n, secs, failed = compile_jobs(todo, a.jobs, progress=False)
+    print(f"compiled {n} kernels in {secs:.0f} s; {len(failed)} failed", flush=True)
+    bad = {str(spec) for spec, _ in failed}
+    for spec, err in failed:
+        print("FAILED", spec, err.splitlines()[-1][:300] if err else "", flush=True)
+    print("| row | config | ours us | TFLOP/s | % of 989 | prep | dk/dv | dq | err vs flash | flash | cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, b, s, causal in rows:
+        q, k, v, o, do, lse = inputs(b, s, causal)
+        f = flops(b, s, causal)
+        base = {}
+        ref = None
+        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                run, grads = sdpa_grads(q, k, v, do, causal, be)
+                base[name] = time_us(run, a.quick)
+                ref = grads if name == "flash" else ref
+            except RuntimeError as e:
+                base[name] = float("nan")
+                print(f"{label}: SDPA {name} failed: {str(e).splitlines()[0][:200]}", flush=True)
+        for cname, fields in configs.items():
+            kinds = specs(causal, fields)
+            if any(str(sp) in bad for sp in kinds.values()):
+                print(f"| {label} | {cname} | build failed |")
+                continue
+            ours = Ours(kinds, q, k, v, o, do, lse)
+            ours.run()
+            torch.cuda.synchronize()
+            err = float("nan")
+            if ref is not None:
+                err = max(((x.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                          for x, r in zip((ours.dq, ours.dk, ours.dv), ref))
+            total = time_us(ours.run, a.quick)
+            parts = [time_us(lambda n=n, o=ours: o.run(n), a.quick) for n in ("prep", "dkdv", "dq")]
+            tf = f / total / 1e6
+            print(f"| {label} | {cname} | {total:.0f} | {tf:.0f} | {100 * tf / PEAK:.0f}% | {parts[0]:.0f} | "
+                  f"{parts[1]:.0f} | {parts[2]:.0f} | {err:.1e} | {f / base['flash'] / 1e6:.0f} | "
+                  f"{f / base['cuDNN'] / 1e6:.0f} |", flush=True)
+        del q, k, v, o, do, lse
+        torch.cuda.empty_cache()
+    print("TFLOP/s of flash and cuDNN by the same count; medians of", "5" if a.quick else "15", "samples of 3 calls")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

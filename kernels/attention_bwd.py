@@ -1,0 +1,690 @@
+"""The backward of attention as TileLang tile programs: ``delta``, then ``dk``/``dv``, then ``dq``.
+
+One builder serves the three kernels of FlashAttention-2's backward; a spec's ``kind`` picks the
+program:
+
+* ``prep``: ``delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d]`` in fp32, laid out like lse;
+* ``dkdv``: one program per (kv block, kv head, batch). It loads its K and V rows once, then walks
+  the q blocks that can see them (whole tiles outside the causal/window band are skipped: the loop's
+  bounds, :func:`_q_blocks`) for every q head of its GQA group, and accumulates ``dk``, ``dv`` in
+  fp32, written once: each kv head's gradient is the sum over its group, and no other program
+  touches its rows;
+* ``dq``: one program per (q block, q head, batch) over the kv blocks its rows can see
+  (:func:`_kv_blocks`), ``dq`` accumulated in fp32 and written once.
+
+Both gradient programs recompute ``s = q.k`` and ``dp = dO.v`` (seven tile products a tile where an
+atomic ``dq`` needs five), so that every gradient element is a sum in a fixed order: the same inputs
+give the same bits, as the norm's backward does.
+
+The math, per visible (i, j) (``lse``: the forward's natural-log row sums; ``c``: the softcap)::
+
+    s = scale * q_i . k_j;  with softcap: t = tanh(s / c), s = c * t
+    p = exp(s - lse_i)                   (0 where j is hidden from i: masked, never exp'd)
+    dv_j += p * dO_i
+    ds = p * (dO_i . v_j - delta_i);     with softcap: ds *= 1 - t^2  (d/ds c tanh(s / c))
+    dk_j += scale * ds * q_i;  dq_i += scale * ds * k_j
+
+Masks (the forward's contract): with ``off = Sk - Sq`` of the sequence, causal shows key j to query
+i iff ``j <= i + off``; a window ``W`` (runtime scalar) hides ``j <= i + off - W``; rows past a
+sequence's length are hidden. A query that sees no key gets p = 0 everywhere, so zero gradients,
+whatever its lse (-inf).
+
+Layout. q, o, dO, dq ``[B, Sq, Hq, D]`` and k, v, dk, dv ``[B, Sk, Hkv, D]`` with any strides on the
+first three dims (``*sb``, ``*ss``, ``*sh``; head_dim contiguous), or varlen ``[total, H, D]`` with
+int32 ``CUQ``/``CUK`` of ``B + 1`` offsets (the batch strides are then unused; a sequence's rows
+are ``CU[b] .. CU[b + 1]``, length 0 allowed). lse and delta are fp32 ``[B, Hq, Sq]`` (``lsb``,
+``lsh``; varlen ``[Hq, total_q]``: ``lsh`` alone), their token stride 1. ``Sq``/``Sk`` are the
+dense lengths, or for varlen an upper bound of every sequence's length (``max_seqlen``; ``total``
+serves, at the cost of programs that find no rows and return). q head ``h`` reads kv head
+``h // G``; ``Hq = Hkv * G``. ``scale`` and ``softcap`` are fp32 runtime scalars.
+
+Two schedules from one description (the same tile bounds and masks, :func:`_q_blocks`,
+:func:`_kv_blocks`, :func:`_visible`):
+
+* ``cuda``: tensor cores through ``T.gemm`` (wgmma on sm_90, mma on sm_80). dk/dv works transposed
+  as TileLang's own example does: ``sT = K Q^T`` and ``dpT = V dO^T`` are ``[block_kv, block_q]``
+  fragments, so ``pT`` and ``dsT`` are already the A operands of ``dV += pT dO`` and
+  ``dK += dsT Q``. Q/dO tiles (dk/dv) and K/V tiles (dq) stream through shared memory under
+  ``T.Pipelined`` (``cp.async``). A tile's rows past its sequence load the sequence's last row again
+  (:func:`_last`): memory past the tensor may hold a NaN, which would survive ``0 * x`` in a tile
+  product; a real row is finite, and the mask zeroes its p and ds. Strides are in units of 8
+  elements (16 bytes), so that the compiler can prove every row's alignment and keep 16-byte copies
+  (the host checks pointers and strides divide). Arithmetic fp32; ``p`` and ``ds`` are rounded to the input dtype for the tensor
+  cores, as FlashAttention does. ``exp`` through ``exp2`` with log2(e) folded into the scale.
+* ``c``: TileLang's C backend (``T.gemm`` does not lower for target ``c``: its fragment layouts
+  need threads), plain loops in fp32 over the same tiles, one program per tile, for CPU correctness.
+
+Workspace: ``delta``, fp32, one element per (q row, q head): ``B * Hq * Sq`` dense, ``Hq * total_q``
+varlen. Nothing else: dq, dk, dv are written once, in their own dtype and layout.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from .storage import load_f32, storage_dtype, to_storage
+
+#: ``tilelang.language``, imported when a kernel is first built (:func:`_tl`)
+T: Any = None
+
+__all__ = ["AttnBwdKernelSpec", "build_attention_bwd", "build", "Spec", "STATIC", "PREP_ARGS", "DKDV_ARGS",
+           "DQ_ARGS", "HEAD_DIMS", "delta_numel"]
+
+#: The schedule choices a manifest's ``kernel.static`` may set; 0 takes the H200 default for the head
+#: dim (:data:`_DEFAULTS`). Every other field of :class:`AttnBwdKernelSpec` the op derives from the call.
+STATIC = {
+    "dkdv_block_kv": (0, 256, "kv rows of a dk/dv program (its tile of K, V, dK, dV); 0: the default (CUDA, C)"),
+    "dkdv_block_q": (0, 256, "q rows the dk/dv program takes a step (its Q/dO tile); 0: the default (CUDA, C)"),
+    "dkdv_threads": (0, 512, "threads of a dk/dv program, a multiple of 128 (a warpgroup); 0: the default (CUDA)"),
+    "dq_block_q": (0, 256, "q rows of a dq program; 0: the default (CUDA, C)"),
+    "dq_block_kv": (0, 256, "kv rows the dq program takes a step (its K/V tile); 0: the default (CUDA, C)"),
+    "dq_threads": (0, 512, "threads of a dq program, a multiple of 128; 0: the default (CUDA)"),
+    "stages": (0, 4, "shared-memory stages of the streamed tiles (T.Pipelined); 0: the default (CUDA)"),
+    "ds_shared": (0, 2, "where p and ds meet the tensor cores: 1 registers (the A operand of wgmma/mma), 2 shared "
+                        "memory; 0: the default (shared at head_dim 256) (CUDA)"),
+}
+
+HEAD_DIMS = (64, 80, 96, 128, 256)
+_KINDS = ("prep", "dkdv", "dq")
+_DTYPES = ("float16", "bfloat16", "float32")
+#: elements a CUDA stride unit holds: 16 bytes of a 16-bit dtype (every head dim divides by 8)
+_VEC = 8
+#: rows of a ``prep`` program
+_PREP_ROWS = 32
+_LOG2E = 1.4426950408889634
+
+#: H200 defaults per head dim: (dkdv_block_kv, dkdv_block_q, dkdv_threads, dq_block_q, dq_block_kv,
+#: dq_threads, stages, ds_shared). The dk/dv program keeps two fp32 [block_kv, D] accumulators in registers:
+#: at D 128, 128 rows over 256 threads are 128 registers a thread, so its q step stays at 32
+#: (sT and dpT, [128, 32] fp32: 32 more), as TileLang's GQA backward example chooses; D 256 halves
+#: the kv rows. The dq program holds one [block_q, D] accumulator and two [block_q, block_kv]
+#: score tiles. At D 256 the 64-row tiles split over two warpgroups by columns, so p and ds, the
+#: A operand of the next products, would be needed whole in both: TileLang 0.1.15 refused that
+#: fragment layout (sm_90), and they pass through shared memory (``ds_shared`` 2). Starting points
+#: for ``benchmarks/attention_bwd.py --configs``, not yet measured.
+_DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 2, 1), 80: (128, 32, 256, 128, 64, 256, 2, 1),
+             96: (128, 32, 256, 128, 64, 256, 2, 1), 128: (128, 32, 256, 128, 64, 256, 2, 1),
+             256: (64, 32, 256, 64, 64, 256, 1, 2)}
+#: the C schedule's default tiles: small, so that the CPU tests cross tile edges with short sequences
+_C_DEFAULTS = (16, 16, 1, 16, 16, 1, 1, 1)
+
+_STRIDES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv"}
+
+
+def _strides(*tensors: str) -> tuple[str, ...]:
+    return tuple(f"{_STRIDES[t]}s{x}" for t in tensors for x in ("b", "s", "h"))
+
+
+#: the generated functions' parameters, in order, per kind. The launcher binds arguments by these
+#: names; a pointer the spec does not use (CUQ/CUK of a dense call) is passed as 0.
+PREP_ARGS = ("O", "DO", "DELTA", "CUQ", "B", "Hq", "Sq", *_strides("O", "DO"), "lsb", "lsh")
+_GRAD_IN = ("Q", "K", "V", "DO", "LSE", "DELTA")
+_SCALARS = ("CUQ", "CUK", "B", "Hkv", "G", "Sq", "Sk", "W", "scale", "softcap")
+DKDV_ARGS = (*_GRAD_IN, "DK", "DV", *_SCALARS, *_strides("Q", "K", "V", "DO"), "lsb", "lsh",
+             *_strides("DK", "DV"))
+DQ_ARGS = (*_GRAD_IN, "DQ", *_SCALARS, *_strides("Q", "K", "V", "DO"), "lsb", "lsh", *_strides("DQ"))
+
+
+def delta_numel(batch: int, num_q_heads: int, seq_q: int, total_q: "int | None" = None) -> int:
+    """Elements of the fp32 ``delta`` workspace: one per (q row, q head), laid out like lse."""
+    return num_q_heads * total_q if total_q is not None else batch * num_q_heads * seq_q
+
+
+@dataclass(frozen=True)
+class AttnBwdKernelSpec:
+    """Everything an attention-backward kernel is compiled for; two equal specs share one kernel."""
+
+    kind: str  # prep | dkdv | dq
+    head_dim: int  # D, compiled in
+    dtype: str = "bfloat16"  # q, k, v, o, dO and the gradients (fp32 on the C backend only)
+    causal: bool = False
+    window: bool = False  # a sliding window, its width the runtime scalar W
+    softcap: bool = False  # c * tanh(s / c), c the runtime scalar softcap
+    varlen: bool = False  # rows located through CUQ/CUK
+    backend: str = "cuda"  # cuda | c
+    dkdv_block_kv: int = 0
+    dkdv_block_q: int = 0
+    dkdv_threads: int = 0
+    dq_block_q: int = 0
+    dq_block_kv: int = 0
+    dq_threads: int = 0
+    stages: int = 0
+    ds_shared: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value, choices in (("kind", self.kind, _KINDS), ("dtype", self.dtype, _DTYPES),
+                                     ("backend", self.backend, ("cuda", "c")),
+                                     ("head_dim", self.head_dim, HEAD_DIMS)):
+            if value not in choices:
+                raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+        for name in ("causal", "window", "softcap", "varlen"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.backend == "cuda" and self.dtype == "float32":
+            raise ValueError("dtype: the CUDA schedule's tensor cores take float16 or bfloat16, got 'float32'")
+        for key, (low, high, _) in STATIC.items():
+            v = getattr(self, key)
+            if type(v) is not int or not low <= v <= high:
+                raise ValueError(f"{key}: expected an int in [{low}, {high}], got {v!r}")
+        for name in ("dkdv_block_kv", "dkdv_block_q", "dq_block_q", "dq_block_kv"):
+            v = self.tile(name)
+            if v < 1 or v & (v - 1) or (self.backend == "cuda" and v < 16):
+                raise ValueError(f"{name}: expected a power of two (at least 16 on CUDA), got {v}")
+        for name in ("dkdv_threads", "dq_threads"):
+            if self.backend == "cuda" and self.tile(name) % 128:
+                raise ValueError(f"{name}: expected a multiple of 128 (a warpgroup), got {self.tile(name)}")
+
+    def tile(self, name: str) -> int:
+        """A schedule knob's value: the field, or (0) the default for the head dim and backend."""
+        v = getattr(self, name)
+        if v:
+            return v
+        table = _C_DEFAULTS if self.backend == "c" else _DEFAULTS[self.head_dim]
+        return table[tuple(STATIC).index(name)]
+
+    @property
+    def block_q(self) -> int:
+        """q rows of a tile of this kind's program."""
+        return _PREP_ROWS if self.kind == "prep" else self.tile(f"{self.kind}_block_q")
+
+    @property
+    def block_kv(self) -> int:
+        """kv rows of a tile of this kind's program (``prep``: none)."""
+        return 0 if self.kind == "prep" else self.tile(f"{self.kind}_block_kv")
+
+    @property
+    def threads(self) -> int:
+        """Threads of one program (C: 1)."""
+        if self.backend == "c":
+            return 1
+        return 128 if self.kind == "prep" else self.tile(f"{self.kind}_threads")
+
+    @property
+    def stride_unit(self) -> int:
+        """The unit of the tensor strides the kernel takes (lse's are in elements): 8 elements on CUDA,
+        1 on the C backend."""
+        return _VEC if self.backend == "cuda" else 1
+
+    def grid(self, batch: int, num_q_heads: int, num_kv_heads: int, seq_q: int, seq_k: int) -> tuple[int, int, int]:
+        """The launch grid ``(x, y, z)`` for these sizes (``seq_*``: the ``Sq``/``Sk`` arguments)."""
+        if self.kind == "dkdv":
+            return -(-seq_k // self.block_kv), num_kv_heads, batch
+        return -(-seq_q // self.block_q), num_q_heads, batch
+
+    @property
+    def args(self) -> tuple[str, ...]:
+        """The generated function's parameter names, in order."""
+        return {"prep": PREP_ARGS, "dkdv": DKDV_ARGS, "dq": DQ_ARGS}[self.kind]
+
+
+def _tl() -> Any:
+    global T
+    if T is None:
+        import tilelang.language as tl
+
+        T = tl
+    return T
+
+
+def build_attention_bwd(spec: AttnBwdKernelSpec):
+    """The ``T.prim_func`` for ``spec``; its parameters are ``spec.args`` (the module's doc)."""
+    _tl()
+    return {"prep": _prep, "dkdv": _dkdv, "dq": _dq}[spec.kind](spec)
+
+
+# ------------------------------------------------------------------------------ shared pieces
+def _flat(*tensors: str):
+    """The dynamic extents of flat buffers, one per tensor, named ``N<tensor>`` (the launcher passes
+    them after the parameters; the kernels never read them)."""
+    got = T.dynamic(", ".join(f"N{t}" for t in tensors))
+    return got if len(tensors) > 1 else (got,)
+
+
+def _i64(x):
+    return T.cast(x, "int64")
+
+
+class _Seq:
+    """Where batch ``b``'s rows lie: its first row (varlen: ``CU[b]``; dense: 0) and its length."""
+
+    def __init__(self, spec: AttnBwdKernelSpec, CU, b, S):
+        if spec.varlen:
+            self.first, self.len = CU[b], CU[b + 1] - CU[b]
+        else:
+            self.first, self.len = 0, S
+        self.varlen, self.b = spec.varlen, b
+
+    def row(self, i, h, sb, ss, sh, unit: int):
+        """Offset (elements) of row ``i`` of head ``h`` in a tensor of strides ``sb, ss, sh`` (in ``unit``)."""
+        if self.varlen:
+            return (_i64(self.first + i) * ss + _i64(h) * sh) * unit
+        return (_i64(self.b) * sb + _i64(i) * ss + _i64(h) * sh) * unit
+
+    def lse(self, i, h, lsb, lsh):
+        """Offset of row ``i`` of head ``h`` in lse (and delta): ``[B, Hq, S]`` or varlen ``[Hq, total]``."""
+        if self.varlen:
+            return _i64(h) * lsh + _i64(self.first + i)
+        return _i64(self.b) * lsb + _i64(h) * lsh + _i64(i)
+
+
+def _visible(spec: AttnBwdKernelSpec, i, j, sq, sk, W):
+    """Whether query ``i`` sees key ``j`` of a sequence of ``sq`` queries and ``sk`` keys."""
+    off = sk - sq
+    cond = T.And(i < sq, j < sk)
+    if spec.causal:
+        cond = T.And(cond, j <= i + off)
+    if spec.window:
+        cond = T.And(cond, j > i + off - W)
+    return cond
+
+
+def _clamp(x, hi):
+    return T.max(T.min(x, hi), 0)
+
+
+def _q_blocks(spec: AttnBwdKernelSpec, n0, BN, BM, sq, sk, W):
+    """(first q block, count) that can see any of the kv rows ``n0 .. n0 + BN - 1`` (those past ``sk``
+    see nothing): causal hides queries ``i < j - off`` from key j, a window those with
+    ``i >= j - off + W``; whole blocks outside are never visited."""
+    off = sk - sq
+    lo = _clamp(n0 - off, sq) if spec.causal else 0
+    hi = _clamp(T.min(n0 + BN, sk) - 1 - off + W, sq) if spec.window else sq
+    first = T.truncdiv(lo, BM)
+    return first, T.max(T.truncdiv(hi + BM - 1, BM) - first, 0)
+
+
+def _kv_blocks(spec: AttnBwdKernelSpec, m0, BM, BN, sq, sk, W):
+    """(first kv block, count) that rows ``m0 .. m0 + BM - 1`` of the queries can see: causal, keys
+    up to ``i + off`` of the last row; a window, keys past ``i + off - W`` of the first."""
+    off = sk - sq
+    hi = _clamp(T.min(m0 + BM, sq) + off, sk) if spec.causal else sk
+    lo = _clamp(m0 + off - W + 1, sk) if spec.window else 0
+    first = T.truncdiv(lo, BN)
+    return first, T.max(T.truncdiv(hi + BN - 1, BN) - first, 0)
+
+
+def _capped(spec: AttnBwdKernelSpec, s, softcap):
+    """(score after the softcap, ``1 - t^2``, its derivative) of a scaled score ``s``."""
+    if not spec.softcap:
+        return s, None
+    t = T.tanh(s / softcap)
+    return softcap * t, T.float32(1) - t * t
+
+
+def _sig(spec: AttnBwdKernelSpec, names: tuple[str, ...]) -> dict[str, Any]:
+    st = storage_dtype(spec.dtype, spec.backend)
+    ext = _flat(*names)
+    return {n: T.Tensor((e,), "float32" if n in ("LSE", "DELTA") else "int32" if n in ("CUQ", "CUK") else st)
+            for n, e in zip(names, ext)}
+
+
+# ------------------------------------------------------------------------------------ delta
+def _prep(spec: AttnBwdKernelSpec):
+    D, BP, dt = spec.head_dim, _PREP_ROWS, spec.dtype
+    st = storage_dtype(dt, spec.backend)
+    U = spec.stride_unit
+    sig = _sig(spec, ("O", "DO", "DELTA", "CUQ"))
+
+    if spec.backend == "c":
+        @T.macro
+        def body(O, DO, DELTA, CUQ, B, Hq, Sq, osb, oss, osh, dosb, doss, dosh, lsb, lsh):
+            with T.Kernel(T.ceildiv(Sq, BP), Hq, B, threads=1) as (mb, h, b):
+                q = _Seq(spec, CUQ, b, Sq)
+                acc = T.alloc_local((1,), "float32")
+                for r in T.serial(BP):
+                    i = mb * BP + r
+                    if i < q.len:
+                        oo, go = q.row(i, h, osb, oss, osh, U), q.row(i, h, dosb, doss, dosh, U)
+                        acc[0] = T.float32(0)
+                        for d in T.serial(D):
+                            acc[0] = acc[0] + load_f32(O, oo + d, st, dt) * load_f32(DO, go + d, st, dt)
+                        DELTA[q.lse(i, h, lsb, lsh)] = acc[0]
+    else:
+        @T.macro
+        def body(O, DO, DELTA, CUQ, B, Hq, Sq, osb, oss, osh, dosb, doss, dosh, lsb, lsh):
+            with T.Kernel(T.ceildiv(Sq, BP), Hq, B, threads=spec.threads) as (mb, h, b):
+                q = _Seq(spec, CUQ, b, Sq)
+                prod = T.alloc_fragment((BP, D), "float32")
+                dl = T.alloc_fragment((BP,), "float32")
+                if mb * BP < q.len:
+                    for r, d in T.Parallel(BP, D):
+                        i = mb * BP + r
+                        prod[r, d] = T.if_then_else(
+                            i < q.len, T.cast(O[q.row(i, h, osb, oss, osh, U) + d], "float32")
+                            * T.cast(DO[q.row(i, h, dosb, doss, dosh, U) + d], "float32"), T.float32(0))
+                    T.reduce_sum(prod, dl, dim=1)  # a fixed tree: deterministic
+                    for r in T.Parallel(BP):
+                        if mb * BP + r < q.len:
+                            DELTA[q.lse(mb * BP + r, h, lsb, lsh)] = dl[r]
+
+    @T.prim_func
+    def attn_bwd_prep(O: sig["O"], DO: sig["DO"], DELTA: sig["DELTA"], CUQ: sig["CUQ"], B: T.int32, Hq: T.int32,
+                      Sq: T.int32, osb: T.int64, oss: T.int64, osh: T.int64, dosb: T.int64, doss: T.int64,
+                      dosh: T.int64, lsb: T.int64, lsh: T.int64):
+        body(O, DO, DELTA, CUQ, B, Hq, Sq, osb, oss, osh, dosb, doss, dosh, lsb, lsh)
+
+    return attn_bwd_prep
+
+
+# ----------------------------------------------------------------------------- the gradients
+def _score(spec: AttnBwdKernelSpec, qk, scale, softcap):
+    """(s, softcap derivative or None) of a raw product ``q . k``."""
+    return _capped(spec, qk * scale, softcap)
+
+
+def _dkdv_c(spec: AttnBwdKernelSpec):
+    D, BN, BM, dt = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype
+    st = storage_dtype(dt, spec.backend)
+
+    @T.macro
+    def body(Q, K, V, DO, LSE, DELTA, DK, DV, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss,
+             ksh, vsb, vss, vsh, dosb, doss, dosh, lsb, lsh, dksb, dkss, dksh, dvsb, dvss, dvsh):
+        with T.Kernel(T.ceildiv(Sk, BN), Hkv, B, threads=1) as (nb, hk, b):
+            q, k = _Seq(spec, CUQ, b, Sq), _Seq(spec, CUK, b, Sk)
+            kf = T.alloc_local((BN * D,), "float32")
+            vf = T.alloc_local((BN * D,), "float32")
+            dk = T.alloc_local((BN * D,), "float32")
+            dv = T.alloc_local((BN * D,), "float32")
+            qf = T.alloc_local((D,), "float32")
+            gf = T.alloc_local((D,), "float32")
+            sc = T.alloc_local((6,), "float32")  # q.k, dO.v, lse, delta, p, ds
+            n0 = nb * BN
+            if n0 < k.len:
+                for jj in T.serial(BN):
+                    for d in T.serial(D):
+                        dk[jj * D + d] = T.float32(0)
+                        dv[jj * D + d] = T.float32(0)
+                        kf[jj * D + d] = T.float32(0)
+                        vf[jj * D + d] = T.float32(0)
+                    if n0 + jj < k.len:
+                        for d in T.serial(D):
+                            kf[jj * D + d] = load_f32(K, k.row(n0 + jj, hk, ksb, kss, ksh, 1) + d, st, dt)
+                            vf[jj * D + d] = load_f32(V, k.row(n0 + jj, hk, vsb, vss, vsh, 1) + d, st, dt)
+                first, nq = _q_blocks(spec, n0, BN, BM, q.len, k.len, W)
+                for n in T.serial(G * nq):
+                    h = hk * G + T.truncdiv(n, nq)
+                    m0 = (first + T.truncmod(n, nq)) * BM
+                    for r in T.serial(BM):
+                        i = m0 + r
+                        if i < q.len:
+                            for d in T.serial(D):
+                                qf[d] = load_f32(Q, q.row(i, h, qsb, qss, qsh, 1) + d, st, dt)
+                                gf[d] = load_f32(DO, q.row(i, h, dosb, doss, dosh, 1) + d, st, dt)
+                            sc[2] = LSE[q.lse(i, h, lsb, lsh)]
+                            sc[3] = DELTA[q.lse(i, h, lsb, lsh)]
+                            for jj in T.serial(BN):
+                                if _visible(spec, i, n0 + jj, q.len, k.len, W):
+                                    sc[0] = T.float32(0)
+                                    sc[1] = T.float32(0)
+                                    for d in T.serial(D):
+                                        sc[0] = sc[0] + qf[d] * kf[jj * D + d]
+                                        sc[1] = sc[1] + gf[d] * vf[jj * D + d]
+                                    s, dcap = _score(spec, sc[0], scale, softcap)
+                                    sc[4] = T.exp(s - sc[2])
+                                    sc[5] = sc[4] * (sc[1] - sc[3])
+                                    if spec.softcap:
+                                        sc[5] = sc[5] * dcap
+                                    sc[5] = sc[5] * scale
+                                    for d in T.serial(D):
+                                        dv[jj * D + d] = dv[jj * D + d] + sc[4] * gf[d]
+                                        dk[jj * D + d] = dk[jj * D + d] + sc[5] * qf[d]
+                for jj in T.serial(BN):
+                    if n0 + jj < k.len:
+                        for d in T.serial(D):
+                            DK[k.row(n0 + jj, hk, dksb, dkss, dksh, 1) + d] = to_storage(dk[jj * D + d], st, dt)
+                            DV[k.row(n0 + jj, hk, dvsb, dvss, dvsh, 1) + d] = to_storage(dv[jj * D + d], st, dt)
+
+    return body
+
+
+def _dq_c(spec: AttnBwdKernelSpec):
+    D, BN, BM, dt = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype
+    st = storage_dtype(dt, spec.backend)
+
+    @T.macro
+    def body(Q, K, V, DO, LSE, DELTA, DQ, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss, ksh,
+             vsb, vss, vsh, dosb, doss, dosh, lsb, lsh, dqsb, dqss, dqsh):
+        with T.Kernel(T.ceildiv(Sq, BM), Hkv * G, B, threads=1) as (mb, h, b):
+            q, k = _Seq(spec, CUQ, b, Sq), _Seq(spec, CUK, b, Sk)
+            hk = T.truncdiv(h, G)
+            qf = T.alloc_local((D,), "float32")
+            gf = T.alloc_local((D,), "float32")
+            acc = T.alloc_local((D,), "float32")
+            sc = T.alloc_local((5,), "float32")  # q.k, dO.v, lse, delta, ds
+            m0 = mb * BM
+            if m0 < q.len:
+                first, nk = _kv_blocks(spec, m0, BM, BN, q.len, k.len, W)
+                for r in T.serial(BM):
+                    i = m0 + r
+                    if i < q.len:
+                        for d in T.serial(D):
+                            qf[d] = load_f32(Q, q.row(i, h, qsb, qss, qsh, 1) + d, st, dt)
+                            gf[d] = load_f32(DO, q.row(i, h, dosb, doss, dosh, 1) + d, st, dt)
+                            acc[d] = T.float32(0)
+                        sc[2] = LSE[q.lse(i, h, lsb, lsh)]
+                        sc[3] = DELTA[q.lse(i, h, lsb, lsh)]
+                        for n in T.serial(nk):
+                            for jj in T.serial(BN):
+                                j = (first + n) * BN + jj
+                                if _visible(spec, i, j, q.len, k.len, W):
+                                    ko, vo = k.row(j, hk, ksb, kss, ksh, 1), k.row(j, hk, vsb, vss, vsh, 1)
+                                    sc[0] = T.float32(0)
+                                    sc[1] = T.float32(0)
+                                    for d in T.serial(D):
+                                        sc[0] = sc[0] + qf[d] * load_f32(K, ko + d, st, dt)
+                                        sc[1] = sc[1] + gf[d] * load_f32(V, vo + d, st, dt)
+                                    s, dcap = _score(spec, sc[0], scale, softcap)
+                                    sc[4] = T.exp(s - sc[2]) * (sc[1] - sc[3])
+                                    if spec.softcap:
+                                        sc[4] = sc[4] * dcap
+                                    sc[4] = sc[4] * scale
+                                    for d in T.serial(D):
+                                        acc[d] = acc[d] + sc[4] * load_f32(K, ko + d, st, dt)
+                        for d in T.serial(D):
+                            DQ[q.row(i, h, dqsb, dqss, dqsh, 1) + d] = to_storage(acc[d], st, dt)
+
+    return body
+
+
+def _last(i, n):
+    """Row ``i`` clamped to a sequence's last row (``n >= 1`` wherever a tile is loaded): a tile's rows
+    past the sequence read a real row, finite, whose p and ds the mask sets to 0; a predicated load
+    (zeros past the end) kept TileLang from issuing the copy as ``cp.async``, which pipelining needs."""
+    return T.min(i, n - 1)
+
+
+def _p_ds(spec: AttnBwdKernelSpec, qk, dp, lse, delta, i, j, sq, sk, W, scale, softcap):
+    """The CUDA schedule's (p, ds) of query ``i`` and key ``j`` from their tile products ``qk = q.k`` and
+    ``dp = dO.v``: ``p = exp(s - lse)`` through ``exp2`` (0 where j is hidden: a select, so a row of
+    lse -inf never makes a NaN), ``ds = scale * p * (dp - delta)``, times ``1 - t^2`` with a softcap
+    (the scale folded in here, so that dk and dq are the plain tile products ``ds^T q``, ``ds k``)."""
+    s, dcap = _score(spec, qk, scale, softcap)
+    p = T.if_then_else(_visible(spec, i, j, sq, sk, W),
+                       T.exp2(s * T.float32(_LOG2E) - lse * T.float32(_LOG2E)), T.float32(0))
+    ds = p * (dp - delta) * scale
+    return p, (ds * dcap if spec.softcap else ds)
+
+
+def _q_tile(spec: AttnBwdKernelSpec):
+    """The CUDA schedule's load of a q tile (both programs): a macro that copies rows ``m0 .. m0 + BM``
+    of q head ``h`` of batch ``b`` from Q and dO into ``Q_s``, ``G_s`` and their lse and delta into
+    ``lse_s``, ``dl_s`` (rows past the sequence: its last row, :func:`_last`). One copy a parallel
+    loop: TileLang 0.1.15 vectorizes a loop of two stores by the narrowest of their index casts (4-byte
+    copies); alone, each is a 16-byte ``cp.async``. (Its parameters carry the kernel's own names.)"""
+    D, BM, U = spec.head_dim, spec.block_q, _VEC
+
+    @T.macro
+    def load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh, lsb, lsh):
+        q = _Seq(spec, CUQ, b, Sq)
+        for r, d in T.Parallel(BM, D):
+            Q_s[r, d] = Q[q.row(_last(m0 + r, q.len), h, qsb, qss, qsh, U) + d]
+        for r, d in T.Parallel(BM, D):
+            G_s[r, d] = DO[q.row(_last(m0 + r, q.len), h, dosb, doss, dosh, U) + d]
+        for r in T.Parallel(BM):
+            lse_s[r] = LSE[q.lse(_last(m0 + r, q.len), h, lsb, lsh)]
+            dl_s[r] = DELTA[q.lse(_last(m0 + r, q.len), h, lsb, lsh)]
+
+    return load_q
+
+
+def _dkdv_cuda(spec: AttnBwdKernelSpec):
+    D, BN, BM, dt, U = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype, _VEC
+    NS = spec.tile("stages")
+    FULL = T.GemmWarpPolicy.FullRow
+    load_q = _q_tile(spec)
+    via_shared = spec.tile("ds_shared") == 2
+
+    @T.macro
+    def body(Q, K, V, DO, LSE, DELTA, DK, DV, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss,
+             ksh, vsb, vss, vsh, dosb, doss, dosh, lsb, lsh, dksb, dkss, dksh, dvsb, dvss, dvsh):
+        with T.Kernel(T.ceildiv(Sk, BN), Hkv, B, threads=spec.threads) as (nb, hk, b):
+            q, k = _Seq(spec, CUQ, b, Sq), _Seq(spec, CUK, b, Sk)
+            K_s = T.alloc_shared((BN, D), dt)
+            V_s = T.alloc_shared((BN, D), dt)
+            Q_s = T.alloc_shared((BM, D), dt)
+            G_s = T.alloc_shared((BM, D), dt)  # dO
+            lse_s = T.alloc_shared((BM,), "float32")
+            dl_s = T.alloc_shared((BM,), "float32")
+            sT = T.alloc_fragment((BN, BM), "float32")
+            dpT = T.alloc_fragment((BN, BM), "float32")
+            pT = T.alloc_fragment((BN, BM), dt)
+            dsT = T.alloc_fragment((BN, BM), dt)
+            dk = T.alloc_fragment((BN, D), "float32")
+            dv = T.alloc_fragment((BN, D), "float32")
+            pT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
+            dsT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
+            n0 = nb * BN
+            if n0 < k.len:
+                for jj, d in T.Parallel(BN, D):
+                    K_s[jj, d] = K[k.row(_last(n0 + jj, k.len), hk, ksb, kss, ksh, U) + d]
+                for jj, d in T.Parallel(BN, D):
+                    V_s[jj, d] = V[k.row(_last(n0 + jj, k.len), hk, vsb, vss, vsh, U) + d]
+                T.clear(dk)
+                T.clear(dv)
+                first, nq = _q_blocks(spec, n0, BN, BM, q.len, k.len, W)
+                # (first, first + ...): TileLang 0.1.15 lowered a pipelined loop from 0 to a dynamic count at
+                # 2+ stages with a wait count depending on the loop variable (`ptx_wait_group(2 - n * 2)`),
+                # which its codegen refuses; from a dynamic start it schedules the waits as constants
+                for n in T.Pipelined(first * G, (first + nq) * G, num_stages=NS):
+                    h = hk * G + T.truncdiv(n - first * G, nq)
+                    m0 = (first + T.truncmod(n - first * G, nq)) * BM
+                    load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh,
+                           lsb, lsh)
+                    T.clear(sT)
+                    T.gemm(K_s, Q_s, sT, transpose_B=True, policy=FULL)
+                    T.clear(dpT)
+                    T.gemm(V_s, G_s, dpT, transpose_B=True, policy=FULL)
+                    for jj, r in T.Parallel(BN, BM):
+                        p, ds = _p_ds(spec, sT[jj, r], dpT[jj, r], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len, k.len,
+                                      W, scale, softcap)
+                        pT[jj, r] = T.cast(p, dt)
+                        dsT[jj, r] = T.cast(ds, dt)
+                    if via_shared:
+                        T.copy(pT, pT_s)
+                        T.copy(dsT, dsT_s)
+                        T.gemm(pT_s, G_s, dv, policy=FULL)
+                        T.gemm(dsT_s, Q_s, dk, policy=FULL)
+                    else:
+                        T.gemm(pT, G_s, dv, policy=FULL)
+                        T.gemm(dsT, Q_s, dk, policy=FULL)
+                for jj, d in T.Parallel(BN, D):
+                    if n0 + jj < k.len:
+                        DK[k.row(n0 + jj, hk, dksb, dkss, dksh, U) + d] = T.cast(dk[jj, d], dt)
+                        DV[k.row(n0 + jj, hk, dvsb, dvss, dvsh, U) + d] = T.cast(dv[jj, d], dt)
+
+    return body
+
+
+def _dq_cuda(spec: AttnBwdKernelSpec):
+    D, BN, BM, dt, U = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype, _VEC
+    NS = spec.tile("stages")
+    FULL = T.GemmWarpPolicy.FullRow
+    load_q = _q_tile(spec)
+    via_shared = spec.tile("ds_shared") == 2
+
+    @T.macro
+    def body(Q, K, V, DO, LSE, DELTA, DQ, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss, ksh,
+             vsb, vss, vsh, dosb, doss, dosh, lsb, lsh, dqsb, dqss, dqsh):
+        with T.Kernel(T.ceildiv(Sq, BM), Hkv * G, B, threads=spec.threads) as (mb, h, b):
+            q, k = _Seq(spec, CUQ, b, Sq), _Seq(spec, CUK, b, Sk)
+            hk = T.truncdiv(h, G)
+            Q_s = T.alloc_shared((BM, D), dt)
+            G_s = T.alloc_shared((BM, D), dt)  # dO
+            K_s = T.alloc_shared((BN, D), dt)
+            V_s = T.alloc_shared((BN, D), dt)
+            lse_s = T.alloc_shared((BM,), "float32")
+            dl_s = T.alloc_shared((BM,), "float32")
+            s_f = T.alloc_fragment((BM, BN), "float32")
+            dp = T.alloc_fragment((BM, BN), "float32")
+            ds_f = T.alloc_fragment((BM, BN), dt)
+            dq = T.alloc_fragment((BM, D), "float32")
+            ds_s = T.alloc_shared((BM, BN), dt) if via_shared else None
+            m0 = mb * BM
+            if m0 < q.len:
+                load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh,
+                       lsb, lsh)
+                T.clear(dq)
+                first, nk = _kv_blocks(spec, m0, BM, BN, q.len, k.len, W)
+                for n in T.Pipelined(first, first + nk, num_stages=NS):
+                    n0 = n * BN
+                    for jj, d in T.Parallel(BN, D):
+                        K_s[jj, d] = K[k.row(_last(n0 + jj, k.len), hk, ksb, kss, ksh, U) + d]
+                    for jj, d in T.Parallel(BN, D):
+                        V_s[jj, d] = V[k.row(_last(n0 + jj, k.len), hk, vsb, vss, vsh, U) + d]
+                    T.clear(s_f)
+                    T.gemm(Q_s, K_s, s_f, transpose_B=True, policy=FULL)
+                    T.clear(dp)
+                    T.gemm(G_s, V_s, dp, transpose_B=True, policy=FULL)
+                    for r, jj in T.Parallel(BM, BN):
+                        _, ds = _p_ds(spec, s_f[r, jj], dp[r, jj], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len, k.len,
+                                      W, scale, softcap)
+                        ds_f[r, jj] = T.cast(ds, dt)
+                    if via_shared:
+                        T.copy(ds_f, ds_s)
+                        T.gemm(ds_s, K_s, dq, policy=FULL)
+                    else:
+                        T.gemm(ds_f, K_s, dq, policy=FULL)
+                for r, d in T.Parallel(BM, D):
+                    if m0 + r < q.len:
+                        DQ[q.row(m0 + r, h, dqsb, dqss, dqsh, U) + d] = T.cast(dq[r, d], dt)
+
+    return body
+
+
+def _dkdv(spec: AttnBwdKernelSpec):
+    sig = _sig(spec, ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "CUQ", "CUK"))
+    body = _dkdv_cuda(spec) if spec.backend == "cuda" else _dkdv_c(spec)
+
+    @T.prim_func
+    def attn_bwd_dkdv(Q: sig["Q"], K: sig["K"], V: sig["V"], DO: sig["DO"], LSE: sig["LSE"], DELTA: sig["DELTA"],
+                      DK: sig["DK"], DV: sig["DV"], CUQ: sig["CUQ"], CUK: sig["CUK"], B: T.int32, Hkv: T.int32,
+                      G: T.int32, Sq: T.int32, Sk: T.int32, W: T.int32, scale: T.float32, softcap: T.float32,
+                      qsb: T.int64, qss: T.int64, qsh: T.int64, ksb: T.int64, kss: T.int64, ksh: T.int64,
+                      vsb: T.int64, vss: T.int64, vsh: T.int64, dosb: T.int64, doss: T.int64, dosh: T.int64,
+                      lsb: T.int64, lsh: T.int64, dksb: T.int64, dkss: T.int64, dksh: T.int64, dvsb: T.int64,
+                      dvss: T.int64, dvsh: T.int64):
+        body(Q, K, V, DO, LSE, DELTA, DK, DV, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss,
+             ksh, vsb, vss, vsh, dosb, doss, dosh, lsb, lsh, dksb, dkss, dksh, dvsb, dvss, dvsh)
+
+    return attn_bwd_dkdv
+
+
+def _dq(spec: AttnBwdKernelSpec):
+    sig = _sig(spec, ("Q", "K", "V", "DO", "LSE", "DELTA", "DQ", "CUQ", "CUK"))
+    body = _dq_cuda(spec) if spec.backend == "cuda" else _dq_c(spec)
+
+    @T.prim_func
+    def attn_bwd_dq(Q: sig["Q"], K: sig["K"], V: sig["V"], DO: sig["DO"], LSE: sig["LSE"], DELTA: sig["DELTA"],
+                    DQ: sig["DQ"], CUQ: sig["CUQ"], CUK: sig["CUK"], B: T.int32, Hkv: T.int32, G: T.int32,
+                    Sq: T.int32, Sk: T.int32, W: T.int32, scale: T.float32, softcap: T.float32, qsb: T.int64,
+                    qss: T.int64, qsh: T.int64, ksb: T.int64, kss: T.int64, ksh: T.int64, vsb: T.int64,
+                    vss: T.int64, vsh: T.int64, dosb: T.int64, doss: T.int64, dosh: T.int64, lsb: T.int64,
+                    lsh: T.int64, dqsb: T.int64, dqss: T.int64, dqsh: T.int64):
+        body(Q, K, V, DO, LSE, DELTA, DQ, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss, ksh,
+             vsb, vss, vsh, dosb, doss, dosh, lsb, lsh, dqsb, dqss, dqsh)
+
+    return attn_bwd_dq
+
+
+#: the names :mod:`tileops.kernels` looks up in a builder module
+build = build_attention_bwd
+Spec = AttnBwdKernelSpec

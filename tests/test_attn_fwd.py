@@ -1,0 +1,227 @@
+"""``AttnFwdOp`` on the CPU (the C schedule of ``kernels/attention.py``): every mask, softcap, GQA and
+MHA, varlen with empty sequences, HF's transposed views, ``return_lse``, ``out=``, fp32/fp16/bf16, and
+the errors. Against the float64 reference of ``tests/references_attention.py`` (a loop over rows,
+sharing no code with the kernels); outputs start as NaN so an element the kernel skips fails.
+
+Tolerances, from the arithmetic (``tol``): the inputs are exact in their dtype and the reference is
+float64, so the error is the fp32 arithmetic's plus the output's one rounding. A row's dot products
+(D terms), its running max and sum (Sk terms) and the exp of scores up to ``smax`` in size carry at
+most ``(2 D + 2 Sk + 64) * (1 + smax)`` fp32 roundings of 2^-24 relative to ``sum_j p_j |v_j|`` (the
+magnitude the output is a convex combination of), and the store one half-ulp of the dtype (2^-24
+fp32, 2^-11 fp16, 2^-8 bf16) of the same magnitude; lse gets the first term alone, absolute.
+Small shapes (a few compiled kernels of ~2 s each on the CPU, one row a grid cell): CI has 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import tileops
+from tileops.attention import AttnFwdOp
+
+_spec = importlib.util.spec_from_file_location("_attn_fwd_refs", Path(__file__).with_name("references_attention.py"))
+refs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(refs)
+
+#: the unit roundoff of each dtype's store (round to nearest: half an ulp at 1)
+_UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def _inputs(seed: int, q_shape, kv_shape, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(q_shape, generator=g).to(dtype)
+    k = torch.randn(kv_shape, generator=g).to(dtype)
+    v = torch.randn(kv_shape, generator=g).to(dtype)
+    return q, k, v
+
+
+def _params(op: AttnFwdOp) -> dict:
+    return dict(op.params)
+
+
+def _check(op: AttnFwdOp, q, k, v, cu_q=None, cu_k=None, transposed=False) -> None:
+    """Run with a NaN-filled ``out=`` and ``return_lse``; compare out and lse with the reference."""
+    kw = {} if cu_q is None else {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    out = torch.full_like(q, float("nan"))
+    got, lse = op(q, k, v, out=out, return_lse=True, **kw)
+    assert got is out
+    ref = refs.attention(_params(op), {"q": q, "k": k, "v": v, **kw})
+    nk = k.shape[-3]
+    fp32_terms = (2 * q.shape[-1] + 2 * nk + 64) * (1 + ref["smax"]) * 2.0**-24
+    tol = (fp32_terms + _UNIT[q.dtype]) * ref["scale"] + 1e-30
+    err = (got.double() - ref["out"]).abs()
+    assert bool(torch.isfinite(got).all()), "a NaN or inf in out (an element never written?)"
+    assert bool((err <= tol).all()), f"out off by {err.max().item():.3g}, tolerance {tol.max().item():.3g}"
+    assert lse.dtype == torch.float32 and lse.shape == ref["lse"].shape
+    empty = torch.isinf(ref["lse"])
+    assert torch.equal(torch.isneginf(lse), empty), "lse is -inf exactly where a row sees no key"
+    rows = empty.permute(0, 2, 1) if q.dim() == 4 else empty.T  # [.., rows, Hq] as out indexes them
+    assert bool((got[rows] == 0).all()), "a row that sees no key is zeros"
+    lerr = (lse.double() - ref["lse"])[~empty].abs()
+    assert lerr.numel() == 0 or lerr.max().item() <= fp32_terms + 2.0**-24 * ref["lse"][~empty].abs().max().item()
+
+
+# (causal, window, seq_q, seq_k): none; causal square, seq_q < seq_k, seq_q > seq_k (rows that see no key);
+# a window alone; causal with a window
+MASKS = [(False, None, 5, 9), (True, None, 8, 8), (True, None, 5, 9), (True, None, 9, 5), (False, 3, 6, 9),
+         (True, 2, 7, 7), (True, 3, 4, 11)]
+
+
+@pytest.mark.parametrize("causal,window,sq,sk", MASKS)
+def test_masks_gqa(causal, window, sq, sk):
+    op = AttnFwdOp(4, 2, 64, causal=causal, sliding_window=window)
+    q, k, v = _inputs(11, (2, sq, 4, 64), (2, sk, 2, 64))
+    _check(op, q, k, v)
+
+
+def test_rows_that_see_nothing_are_zeros():
+    # causal with seq_q > seq_k: query i sees j <= i - 4; rows 0..3 see no key
+    op = AttnFwdOp(4, 2, 64, causal=True)
+    q, k, v = _inputs(12, (1, 9, 4, 64), (1, 5, 2, 64))
+    out, lse = op(q, k, v, return_lse=True)
+    assert bool((out[:, :4] == 0).all()) and bool(torch.isneginf(lse[:, :, :4]).all())
+    assert bool(torch.isfinite(lse[:, :, 4:]).all())
+
+
+def test_softcap_and_scale():
+    op = AttnFwdOp(4, 2, 64, causal=True, softcap=2.5, softmax_scale=0.3)
+    q, k, v = _inputs(13, (2, 6, 4, 64), (2, 8, 2, 64))
+    _check(op, q, k, v)
+
+
+def test_mha_head_dim_80():
+    op = AttnFwdOp(3, 3, 80)
+    q, k, v = _inputs(14, (2, 5, 3, 80), (2, 7, 3, 80))
+    _check(op, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes(dtype):
+    op = AttnFwdOp(4, 2, 64, causal=True)
+    q, k, v = _inputs(15, (2, 6, 4, 64), (2, 9, 2, 64), dtype)
+    _check(op, q, k, v)
+
+
+def test_varlen_with_empty_sequences():
+    op = AttnFwdOp(4, 2, 64, causal=True)
+    # sequence 1 has no queries, sequence 2 no keys (its queries output zeros), sequence 3 both empty
+    cu_q = torch.tensor([0, 3, 3, 7, 7, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 6, 6, 6, 15], dtype=torch.int32)
+    q, k, v = _inputs(16, (12, 4, 64), (15, 2, 64))
+    _check(op, q, k, v, cu_q, cu_k)
+    out, lse = op(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, return_lse=True)
+    assert lse.shape == (4, 12) and bool((out[3:7] == 0).all()) and bool(torch.isneginf(lse[:, 3:7]).all())
+
+
+def test_hf_transposed_views_are_read_where_they_lie():
+    op = AttnFwdOp(4, 2, 64, causal=True)
+    g = torch.Generator().manual_seed(17)
+    qh, kh, vh = (torch.randn(2, h, s, 64, generator=g) for h, s in ((4, 6), (2, 9), (2, 9)))
+    q, k, v = qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2)  # [B, S, H, D] views, no copy
+    assert not q.is_contiguous()
+    _check(op, q, k, v)
+    dense = op(q.contiguous(), k.contiguous(), v.contiguous())
+    assert torch.equal(op(q, k, v), dense)  # the same arithmetic whatever the strides
+
+
+def test_out_given_with_strides_and_no_lse():
+    op = AttnFwdOp(4, 2, 64)
+    q, k, v = _inputs(18, (2, 5, 4, 64), (2, 7, 2, 64))
+    big = torch.full((2, 4, 5, 64), float("nan")).transpose(1, 2)  # an out= view in HF's layout
+    got = op(q, k, v, out=big)
+    assert got is big
+    ref = refs.attention(_params(op), {"q": q, "k": k, "v": v})
+    assert bool(((got.double() - ref["out"]).abs() <= 1e-4 * ref["scale"] + 1e-30).all())
+
+
+def test_no_keys_gives_zeros():
+    op = AttnFwdOp(4, 2, 64)
+    q = torch.randn(1, 3, 4, 64)
+    k = v = torch.randn(1, 0, 2, 64)
+    out, lse = op(q, k, v, return_lse=True)
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
+# --------------------------------------------------------------------------- errors, before any kernel
+
+
+def test_heads_not_a_multiple_names_both():
+    with pytest.raises(ValueError, match=r"num_q_heads.*num_kv_heads=3.*num_q_heads=8"):
+        AttnFwdOp(8, 3, 64)
+
+
+@pytest.mark.parametrize("d", [32, 100, 512])
+def test_head_dim_refused(d):
+    with pytest.raises(ValueError, match="head_dim"):
+        AttnFwdOp(4, 2, d)
+
+
+def _no_kernel(op):
+    assert not op._impls, "a kernel was made before the error"
+
+
+@pytest.mark.parametrize("case,kind,match", [
+    ("q heads", ValueError, r"q: expected num_q_heads heads"),
+    ("k dim", ValueError, r"k: expected head_dim"),
+    ("k dtype", ValueError, r"k: expected q's dtype; got dtype_k='float16', dtype_q='float32'"),
+    ("v shape", ValueError, r"v: expected shape"),
+    ("batch", ValueError, r"batch"),
+    ("k rank", ValueError, r"k: expected"),
+    ("cu with dense", ValueError, r"cu_seqlens_q: expected None with a 4-D"),
+    ("varlen no cu_k", ValueError, r"cu_seqlens_k: expected int32 offsets"),
+    ("cu dtype", TypeError, r"cu_seqlens_q: expected dtype int32"),
+    ("grad", RuntimeError, r"backward is not available yet"),
+])
+def test_bad_inputs_are_named(case, kind, match):
+    op = AttnFwdOp(4, 2, 64)
+    q, k, v = _inputs(19, (2, 5, 4, 64), (2, 7, 2, 64))
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    args, kw = [q, k, v], {}
+    if case == "q heads":
+        args[0] = torch.randn(2, 5, 3, 64)
+    elif case == "k dim":
+        args[1] = args[2] = torch.randn(2, 7, 2, 32)
+    elif case == "k dtype":
+        args[1], args[2] = k.half(), v.half()
+    elif case == "v shape":
+        args[2] = torch.randn(2, 8, 2, 64)
+    elif case == "batch":
+        args[1] = args[2] = torch.randn(3, 7, 2, 64)
+    elif case == "k rank":
+        args[1] = args[2] = torch.randn(14, 2, 64)
+    elif case == "cu with dense":
+        kw = {"cu_seqlens_q": cu, "cu_seqlens_k": cu}
+    elif case == "varlen no cu_k":
+        args = [q[0], k[0], v[0]]
+        kw = {"cu_seqlens_q": cu}
+    elif case == "cu dtype":
+        args = [q[0], k[0], v[0]]
+        kw = {"cu_seqlens_q": cu.long(), "cu_seqlens_k": cu.long()}
+    elif case == "grad":
+        args[0] = q.clone().requires_grad_(True)
+    with pytest.raises(kind, match=match):
+        op(*args, **kw)
+    _no_kernel(op)
+
+
+@pytest.mark.parametrize("cu_q,cu_k,name,index,value", [
+    ([0, 3, 2, 7], [0, 4, 6, 6], "cu_seqlens_q", 2, 2),   # decreasing
+    ([1, 3, 5, 7], [0, 4, 6, 6], "cu_seqlens_q", 0, 1),   # not starting at 0
+    ([0, 3, 5, 7], [0, 4, 6, 5], "cu_seqlens_k", 3, 5),   # not ending at the keys' count (6)
+])
+def test_bad_cu_seqlens_reported_with_index(cu_q, cu_k, name, index, value):
+    op = AttnFwdOp(4, 2, 64, causal=True)
+    q, k, v = _inputs(20, (7, 4, 64), (6, 2, 64))
+    cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"{name}: expected offsets starting at 0.*{name}\[{index}\] = {value}"), \
+            tileops.strict():
+        op(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    # without strict: at the call (the CPU's runtime judges its calls there) or at op.check() (a GPU's
+    # deferred report); the kernel ran on the offsets clamped into the tokens, reading nothing out of bounds
+    with pytest.raises(ValueError, match=rf"{name}\[{index}\] = {value}"):
+        op(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+        op.check()

@@ -1,0 +1,154 @@
+"""``AttnFwdOp`` on CUDA (skipped without a GPU; run on the H200): the FlashAttention tile program of
+``kernels/attention.py`` over the CPU tests' matrix in bf16 and fp16, every head_dim, varlen, HF's
+views, a view off the 16-byte vectors (copied), ``out=`` and the fast path.
+
+Against the float64 reference of ``tests/references_attention.py``; outputs start as NaN. Tolerance
+(``_tol``), from the arithmetic: the CPU's bound (``tests/test_attn_fwd.py``) with the GPU's exp2
+(``ex2.approx``, about 2^-22 relative, in place of 2^-24) and one more rounding of the dtype: the
+kernel rounds P to the dtype before ``P V`` on the tensor cores (as FlashAttention does), an error of
+at most one half-ulp of each p, so ``u * sum_j p_j |v_j|`` on the output; the output's store adds
+another ``u`` of the same magnitude.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import tileops
+from tileops.attention import AttnFwdOp
+
+pytestmark = pytest.mark.cuda
+
+_spec = importlib.util.spec_from_file_location("_attn_fwd_cuda_refs", Path(__file__).with_name("references_attention.py"))
+refs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(refs)
+
+DEV = "cuda"
+_UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _inputs(seed, q_shape, kv_shape, dtype):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, generator=g).to(dtype).to(DEV) for s in (q_shape, kv_shape, kv_shape))
+
+
+def _check(op, q, k, v, cu_q=None, cu_k=None, out=None):
+    kw = {} if cu_q is None else {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    out = torch.full_like(q, float("nan")) if out is None else out.fill_(float("nan"))
+    got, lse = op(q, k, v, out=out, return_lse=True, **kw)
+    torch.cuda.synchronize()
+    assert got is out
+    cpu = {n: t.cpu() for n, t in {"q": q, "k": k, "v": v, **kw}.items()}
+    ref = refs.attention(dict(op.params), cpu)
+    fp32_terms = (2 * q.shape[-1] + 2 * k.shape[-3] + 64) * (1 + ref["smax"]) * 2.0**-22
+    tol = (fp32_terms + 2 * _UNIT[q.dtype]) * ref["scale"] + 1e-30
+    err = (got.cpu().double() - ref["out"]).abs()
+    assert bool(torch.isfinite(got).all()), "a NaN or inf in out (an element never written?)"
+    bad = err > tol
+    assert not bool(bad.any()), (f"{int(bad.sum())} of {bad.numel()} off; max err {err.max().item():.3g}, "
+                                 f"first at {bad.nonzero()[0].tolist()}")
+    empty = torch.isinf(ref["lse"])
+    lse = lse.cpu()
+    assert torch.equal(torch.isneginf(lse), empty)
+    lerr = (lse.double() - ref["lse"])[~empty].abs()
+    assert lerr.numel() == 0 or lerr.max().item() <= fp32_terms + 2.0**-22 * ref["lse"][~empty].abs().max().item()
+    return got
+
+
+# (causal, window, seq_q, seq_k); lengths off the tiles (block_M 64/128, block_N 64/128)
+MASKS = [(False, None, 200, 333), (True, None, 257, 257), (True, None, 130, 300), (True, None, 300, 130),
+         (False, 70, 150, 260), (True, 50, 260, 260)]
+
+
+@pytest.mark.parametrize("causal,window,sq,sk", MASKS)
+def test_masks_gqa_bf16(causal, window, sq, sk):
+    op = AttnFwdOp(8, 2, 128, causal=causal, sliding_window=window)
+    _check(op, *_inputs(31, (2, sq, 8, 128), (2, sk, 2, 128), torch.bfloat16))
+
+
+def test_softcap():
+    op = AttnFwdOp(8, 2, 128, causal=True, softcap=20.0, softmax_scale=0.2)
+    _check(op, *_inputs(32, (1, 190, 8, 128), (1, 250, 2, 128), torch.bfloat16))
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_head_dims_fp16(d):
+    op = AttnFwdOp(4, 2, d, causal=True)
+    _check(op, *_inputs(33, (2, 140, 4, d), (2, 211, 2, d), torch.float16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mha_d64(dtype):
+    op = AttnFwdOp(4, 4, 64)
+    _check(op, *_inputs(34, (3, 77, 4, 64), (3, 129, 4, 64), dtype))
+
+
+def test_varlen_with_empty_sequences():
+    op = AttnFwdOp(8, 2, 128, causal=True)
+    lens_q, lens_k = [130, 0, 64, 1, 0, 200], [200, 5, 0, 1, 0, 129]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    q, k, v = _inputs(35, (sum(lens_q), 8, 128), (sum(lens_k), 2, 128), torch.bfloat16)
+    _check(op, q, k, v, cu_q, cu_k)
+
+
+def test_bad_cu_seqlens_reported_with_index():
+    op = AttnFwdOp(8, 2, 128, causal=True)
+    q, k, v = _inputs(36, (100, 8, 128), (90, 2, 128), torch.bfloat16)
+    cq = torch.tensor([0, 60, 40, 100], dtype=torch.int32, device=DEV)
+    ck = torch.tensor([0, 30, 60, 90], dtype=torch.int32, device=DEV)
+    op(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)  # no host sync: it returns; the report comes later
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[2\] = 40"):
+        op.check()
+    # the keys' last offset 89, not k's 90 rows: index 3, raised at the call under strict
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[3\] = 89"), tileops.strict():
+        op(q, k, v, cu_seqlens_q=torch.tensor([0, 40, 60, 100], dtype=torch.int32, device=DEV),
+           cu_seqlens_k=torch.tensor([0, 30, 60, 89], dtype=torch.int32, device=DEV))
+
+
+def test_hf_views_out_given_and_fast_path():
+    op = AttnFwdOp(8, 2, 128, causal=True)
+    g = torch.Generator().manual_seed(37)
+    qh, kh, vh = (torch.randn(2, h, s, 128, generator=g).to(torch.bfloat16).to(DEV)
+                  for h, s in ((8, 300), (2, 300), (2, 300)))
+    q, k, v = qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2)
+    out = torch.empty(2, 8, 300, 128, dtype=torch.bfloat16, device=DEV).transpose(1, 2)
+    _check(op, q, k, v, out=out)
+    first = op(q, k, v)
+    again = [op(q, k, v) for _ in range(3)]  # the native runtime serves these from its binding
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, first) for a in again)
+    assert torch.equal(first, op(q.contiguous(), k.contiguous(), v.contiguous()))
+
+
+def test_view_off_the_vectors_is_copied():
+    op = AttnFwdOp(4, 2, 64)
+    big = torch.randn(2, 100, 4, 65, dtype=torch.float16, device=DEV)
+    q = big[..., 1:]  # the last dim contiguous, the row stride 65 elements: off the 8-element vectors
+    _, k, v = _inputs(38, (2, 100, 4, 64), (2, 120, 2, 64), torch.float16)
+    _check(op, q, k, v)
+
+
+def test_float32_refused_on_cuda():
+    op = AttnFwdOp(4, 2, 64)
+    q = torch.randn(1, 8, 4, 64, device=DEV)
+    k = v = torch.randn(1, 8, 2, 64, device=DEV)
+    with pytest.raises(TypeError, match="q: expected float16 or bfloat16 on CUDA"):
+        op(q, k, v)
+
+
+def test_matches_sdpa_at_scale():
+    """One larger GQA call against torch's own SDPA (the benchmark's check, at a size the loop
+    reference would take minutes for): bf16 both, compared in fp32 at 2 bf16 ulps of sum p|v| (~|v|)."""
+    op = AttnFwdOp(32, 8, 128, causal=True)
+    q, k, v = _inputs(39, (1, 2048, 32, 128), (1, 2048, 8, 128), torch.bfloat16)
+    got = op(q, k, v)
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                            is_causal=True, enable_gqa=True).transpose(1, 2)
+    # both round P (or its equivalent) to bf16 and the output once: 4 half-ulps of |v| <= ~4.5
+    assert (got.float() - want.float()).abs().max().item() <= 4 * 2.0**-8 * 4.5
