@@ -35,6 +35,9 @@ The variants, copies with the same weights so that all stay compiled side by sid
   ``tileops.attention.AttnPrologueFwdOp``. It serves a ``StaticCache`` in inference: its training
   column runs transformers' attention with the rope+norm routing (it warns once saying so), a
   control that should equal rope+norm's.
+* ``attention`` (``--attention``): rope+norm and ``patch(model, attention=True)``, attention itself
+  through ``tileops.attention.AttnFwdOp`` (transformers' ``AttentionInterface``) in place of HF's
+  ``sdpa`` (what the unpatched model runs). Results go to ``hf_generate[_MODEL]_attention.*``.
 
 Rows (``--rows`` picks some; each a median of ``--reps`` timings after ``--warmup`` runs, the variants in turn, their order
 reversed every other run so that all see the same noise; the ratios are the model's
@@ -102,6 +105,8 @@ results unless ``--out`` is given.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -123,7 +128,8 @@ QUICK_MODEL = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, interm
 
 #: the variants: the keyword arguments of ``patch``, None for the unpatched model
 VARIANTS: dict[str, dict | None] = {"unpatched": None, "rope": {"rope": True, "norm": False},
-                                   "rope+norm": {"rope": True, "norm": True}, "prologue": {"prologue": True}}
+                                   "rope+norm": {"rope": True, "norm": True}, "prologue": {"prologue": True},
+                                   "attention": {"rope": True, "norm": True, "attention": True}}
 
 
 @dataclass(frozen=True)
@@ -154,19 +160,35 @@ MODELS = {
 }
 
 
-def sizes(model: str, quick: bool) -> dict:
-    """The model's and the run's sizes, in one dict."""
-    return {**(QUICK_MODEL if quick else MODELS[model].size), **(QUICK_RUN if quick else RUN)}
+def model_spec(model: str, attention: bool = False) -> Model:
+    """:data:`MODELS` ``[model]``; with ``attention`` (``--attention``), plus the ``attention``
+    variant (rope+norm and attention through ``AttnFwdOp``) and its ratios to unpatched (HF's
+    ``sdpa``) and to rope+norm (what attention alone changes)."""
+    spec = MODELS[model]
+    if not attention:
+        return spec
+    return dataclasses.replace(spec, variants=(*spec.variants, "attention"),
+                               ratios=(*spec.ratios, ("attention", "unpatched"), ("attention", "rope+norm")))
 
 
-def build_models(model: str, size: dict, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """One ``model`` per variant of :data:`MODELS` ``[model]``, all with the same random weights,
-    patched as :data:`VARIANTS` says."""
+def sizes(model: str, quick: bool, attention: bool = False) -> dict:
+    """The model's and the run's sizes, in one dict (``--quick --attention``: heads of 64, the
+    smallest head_dim the attention op has kernels for)."""
+    size = {**(QUICK_MODEL if quick else MODELS[model].size), **(QUICK_RUN if quick else RUN)}
+    if quick and attention:
+        size["head_dim"] = 64
+    return size
+
+
+def build_models(model: str, size: dict, device: torch.device, dtype: torch.dtype,
+                 attention: bool = False) -> dict[str, Any]:
+    """One ``model`` per variant of :func:`model_spec`, all with the same random weights, patched as
+    :data:`VARIANTS` says."""
     import transformers
 
     from tileops.integrations.transformers import patch
 
-    spec = MODELS[model]
+    spec = model_spec(model, attention)
     cfg = getattr(transformers, spec.config)(
         vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["intermediate"],
         num_hidden_layers=size["layers"], num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
@@ -176,7 +198,9 @@ def build_models(model: str, size: dict, device: torch.device, dtype: torch.dtyp
     for name in spec.variants:
         torch.manual_seed(0)
         # built in dtype as from_pretrained(dtype=...) builds it: the rotary inv_freq stays fp32
-        m = getattr(transformers, spec.causal_lm)._from_config(cfg, dtype=dtype).to(device).eval()
+        # a config of its own: patch(attention=True) sets the model's attention implementation on its
+        # config, which models built from one config object share
+        m = getattr(transformers, spec.causal_lm)._from_config(copy.deepcopy(cfg), dtype=dtype).to(device).eval()
         models[name] = m if VARIANTS[name] is None else patch(m, **VARIANTS[name])
     return models
 
@@ -272,11 +296,12 @@ ROWS = ("compiled", "eager", "train", "hf-compile")
 
 
 def run(model: str, size: dict, device: torch.device, backend: str, warmup: int, reps: int,
-        which: tuple[str, ...] = ROWS, save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+        which: tuple[str, ...] = ROWS, save: Callable[[list[dict]], None] = lambda rows: None,
+        attention: bool = False) -> list[dict]:
     """The rows ``which`` names, in :data:`ROWS`' order; ``save(rows)`` after each row but the last."""
-    spec = MODELS[model]
+    spec = model_spec(model, attention)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    models = build_models(model, size, device, dtype)
+    models = build_models(model, size, device, dtype, attention)
     gen = torch.Generator().manual_seed(1)
     prompt, kwargs = greedy_inputs(size, device, gen)
     n = size["new"]
@@ -354,7 +379,7 @@ def ratio_row(got: dict[str, dict], ratios: tuple[tuple[str, str], ...]) -> dict
 
 
 def markdown(rows: list[dict], info: dict) -> str:
-    spec, s = MODELS[info["model"]], info["size"]
+    spec, s = model_spec(info["model"], info.get("attention", False)), info["size"]
     names = list(spec.variants)
     ratios = [f"{a} / {b}" for a, b in spec.ratios]
     how = ", ".join(f"{n}: patch(model{''.join(f', {k}={v}' for k, v in VARIANTS[n].items())})"
@@ -418,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs per variant (default llama 2, qwen3 1)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows to run, of {', '.join(ROWS)} "
                                                           "(default all; hf-compile runs on CUDA only)")
+    p.add_argument("--attention", action="store_true",
+                   help="add the variant with attention through tileops (patch(attention=True)); results go to "
+                        "hf_generate[_MODEL]_attention.{json,md}")
     args = p.parse_args(argv)
     which = tuple(args.rows.split(","))
     if not which or any(r not in ROWS for r in which):
@@ -428,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import transformers
 
-    spec = MODELS[args.model]
-    size = sizes(args.model, args.quick)
+    spec = model_spec(args.model, args.attention)
+    size = sizes(args.model, args.quick, args.attention)
     backend = args.backend or ("inductor" if device.type == "cuda" else "aot_eager")
     reps = args.reps or (2 if args.quick else spec.reps)
     warmup = spec.warmup if args.warmup is None else args.warmup
@@ -437,9 +465,10 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
             "dtype": "bf16" if device.type == "cuda" else "fp32", "torch": torch.__version__,
             "transformers": transformers.__version__, "backend": backend, "reps": reps, "warmup": warmup,
-            "rows": list(which)}
+            "rows": list(which), "attention": args.attention}
     out = args.out or (None if args.quick else str(HERE / "results"))
-    stem = "hf_generate" if args.model == "llama" else f"hf_generate_{args.model}"
+    stem = ("hf_generate" if args.model == "llama" else f"hf_generate_{args.model}") + (
+        "_attention" if args.attention else "")
 
     def save(rows: list[dict]) -> str:
         md = markdown(rows, info)
@@ -449,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             (Path(out) / f"{stem}.md").write_text(md)
         return md
 
-    print(save(run(args.model, size, device, backend, warmup, reps, which, save)))
+    print(save(run(args.model, size, device, backend, warmup, reps, which, save, args.attention)))
     return 0
 
 

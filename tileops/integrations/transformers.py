@@ -46,6 +46,8 @@ import torch
 
 from ..rope.hf import from_hf_config
 from .transformers_norm import RMSNORM_CLASSES, NormOps, left_alone, norm_form, routed_forward
+from .transformers_attention import NAME as _ATTN_NAME, STATE_ATTR as _ATTN_ATTR, AttentionState, attention_plan
+from .transformers_attention import register as _register_attention
 from .transformers_prologue import prologue_forward, prologue_plan
 
 __all__ = ["patch", "unpatch", "is_patched", "report", "SERVED_MODEL_TYPES", "RMSNORM_CLASSES"]
@@ -104,6 +106,8 @@ class _PatchState:
         self.left_alone: dict[str, int] = {}
         self.prologue_ops: list[Any] = []  # the attention prologue ops (patch(prologue=True))
         self.prologue_fallbacks: set[str] = set()  # why calls ran transformers' attention (warned once each)
+        self.attention: AttentionState | None = None  # patch(attention=True)
+        self.attention_modules: list[torch.nn.Module] = []
 
 
 _NONE = object()
@@ -222,7 +226,8 @@ def _version() -> str:
     return transformers.__version__
 
 
-def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prologue: bool = False) -> torch.nn.Module:
+def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prologue: bool = False,
+          attention: bool = False) -> torch.nn.Module:
     """Make a transformers model run its RoPE and its RMSNorm modules through tileops; returns ``model``.
 
     RoPE (``rope=True``): the op is :func:`tileops.rope.from_hf_config` of ``model.config``; it gets
@@ -246,6 +251,14 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prolo
     (:mod:`tileops.integrations.transformers_prologue` says which calls and how the static cache
     maps onto the op's paged layout).
 
+    Attention (``attention=True``; Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3): every attention
+    layer's softmax(q k^T) v runs :class:`tileops.attention.AttnFwdOp`, registered as the attention
+    implementation ``"tileops"`` through transformers' ``AttentionInterface`` (prefill, decode and
+    training, with the layers' windows and softcaps; a padded batch as one varlen call). A call it
+    does not serve (a 4-D mask, dropout in training) runs transformers' ``sdpa`` and warns once,
+    naming why (:mod:`tileops.integrations.transformers_attention`). Gemma's RoPE is not served:
+    patch it with ``rope=False``.
+
     Other models, patched or not, are unaffected.
 
     Args:
@@ -256,6 +269,7 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prolo
             ``rope=False`` routes the norms alone (Gemma, Olmo2: model types whose RoPE is not served).
         prologue (bool): Fuse each attention layer's q/k norm, RoPE and static-cache write into one
             call. Default False; needs ``rope=True``.
+        attention (bool): Run attention itself through tileops. Default False.
 
     Returns:
         torch.nn.Module: ``model``, patched.
@@ -265,19 +279,20 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prolo
             not served (the message names them), or the model's own frequency tables differ from the
             op's. With ``norm``: the model has no module of a class in :data:`RMSNORM_CLASSES`.
         ValueError: ``model`` (or a module in it) is already patched (call :func:`unpatch` first),
-            ``rope`` and ``norm`` are both False, or ``prologue`` is True without ``rope``.
-        TypeError: ``model`` is not a torch module with a ``config``, or ``rope``/``norm``/``prologue``
-            is not a bool.
+            ``rope``, ``norm`` and ``attention`` are all False, or ``prologue`` is True without ``rope``.
+        TypeError: ``model`` is not a torch module with a ``config``, or ``rope``/``norm``/``prologue``/
+            ``attention`` is not a bool.
     """
     name = "tileops.integrations.transformers.patch"
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
         raise TypeError(f"{name}: model: expected a transformers model "
                         f"(a torch.nn.Module with a config), got {type(model).__name__}")
-    for key, value in (("rope", rope), ("norm", norm), ("prologue", prologue)):
+    for key, value in (("rope", rope), ("norm", norm), ("prologue", prologue), ("attention", attention)):
         if not isinstance(value, bool):
             raise TypeError(f"{name}: {key}: expected a bool, got {type(value).__name__} {value!r}")
-    if not (rope or norm):
-        raise ValueError(f"{name}: rope, norm: expected at least one of them True, got both False (nothing to patch)")
+    if not (rope or norm or attention):
+        raise ValueError(f"{name}: rope, norm, attention: expected at least one of them True, got all False "
+                         f"(nothing to patch)")
     if prologue and not rope:
         raise ValueError(f"{name}: prologue: expected rope=True with it (the fused layers take the positions "
                          f"the patched rotary embedding tags cos with), got rope=False")
@@ -293,6 +308,7 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prolo
     plan = _rope_plan(model, model_type) if rope else None
     fused = (prologue_plan(model, model_type, plan["op"], [a for a, _ in plan["attentions"]], plan["head_dim"])
              if prologue else [])
+    attentions = attention_plan(model, model_type) if attention else []
 
     swap = None
     if plan is not None:
@@ -324,6 +340,13 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prolo
         _wrap(state, m, routed_forward(m, ops, m.forward))
         state.norms[type(m).__name__] = state.norms.get(type(m).__name__, 0) + 1
     state.left_alone = left_alone(model)
+    if attention:
+        _register_attention()
+        state.attention = AttentionState(model.config._attn_implementation)
+        state.attention_modules = attentions
+        for a in attentions:
+            object.__setattr__(a, _ATTN_ATTR, state.attention)
+        model.set_attn_implementation(_ATTN_NAME)
     object.__setattr__(model, _STATE, state)
     return model
 
@@ -438,6 +461,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         else:
             module.forward = previous
     state.wrapped.clear()
+    if state.attention is not None:
+        model.set_attn_implementation(state.attention.previous)
+        for a in state.attention_modules:
+            object.__delattr__(a, _ATTN_ATTR)
     swap = state.swap
     if swap is not None:
         with _LOCK:
@@ -466,7 +493,9 @@ def report(model: torch.nn.Module) -> dict[str, Any]:
         one per distinct (eps, offset, rounding, out_dtype); ``left_alone``: the model's other norm
         modules (a class name holding ``Norm``) by class name, which stay transformers';
         ``prologue``: the attention prologue ops (empty without ``prologue=True``);
-        ``prologue_fallbacks``: why attention calls ran unfused so far (each kind once).
+        ``prologue_fallbacks``: why attention calls ran unfused so far (each kind once);
+        ``attention``: the attention ops built so far (``attention=True``); ``attention_fallbacks``:
+        why attention calls ran transformers' attention so far (each kind once).
 
     Raises:
         ValueError: ``model`` is not patched.
@@ -475,4 +504,6 @@ def report(model: torch.nn.Module) -> dict[str, Any]:
     return {"rope": state.op, "norm": dict(state.norms),
             "norm_ops": list(state.norm_ops.ops.values()) if state.norm_ops else [],
             "left_alone": dict(state.left_alone), "prologue": list(state.prologue_ops),
-            "prologue_fallbacks": sorted(state.prologue_fallbacks)}
+            "prologue_fallbacks": sorted(state.prologue_fallbacks),
+            "attention": list(state.attention.ops.values()) if state.attention else [],
+            "attention_fallbacks": sorted(state.attention.fallbacks) if state.attention else []}

@@ -1,0 +1,246 @@
+"""``patch(model, attention=True)``: attention through ``AttnFwdOp`` in tiny Llama, Mistral, Qwen2,
+Qwen3, Gemma 2 and Gemma 3 models built from configs (no downloads), against the same models
+unpatched with transformers' eager attention (plain fp32 matmuls and softmax) as the reference.
+
+fp32 on the CPU: logits within 1e-5 relative (the op accumulates q.k and p.v in fp32 over at most
+40 keys in another order than the reference's matmuls: a few ulps of fp32, 2^-24 each, per layer),
+greedy tokens identical (a dynamic cache: prefill, then decode steps whose one query sees the whole
+cache; a left-padded batch: the varlen path), and gradients of every weight within 1e-4 relative
+(the backward sums over the same keys, twice over). The windows of Mistral, Gemma 2 and 3 are
+shorter than the sequences, and Gemma 2 caps its scores, so both reach the op. bf16 on a GPU
+(``-m cuda``): within bf16's tolerance.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_hf import _rel  # noqa: E402
+from tileops.integrations import transformers as tt  # noqa: E402
+
+#: head_dim 64, a size the op has kernels for; 4 q heads over 2 kv heads: GQA
+TINY = dict(vocab_size=128, hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+WINDOW = 8  # shorter than the 24-token prompts: the window hides keys
+
+
+def _configs() -> dict:
+    T = transformers
+    return {
+        "llama": lambda: T.LlamaConfig(**TINY),
+        "mistral": lambda: T.MistralConfig(**TINY, sliding_window=WINDOW),
+        "qwen2": lambda: T.Qwen2Config(**TINY),
+        "qwen3": lambda: T.Qwen3Config(**TINY),
+        "gemma2": lambda: T.Gemma2Config(**TINY, query_pre_attn_scalar=48, attn_logit_softcapping=5.0,
+                                         final_logit_softcapping=None, sliding_window=WINDOW,
+                                         layer_types=["sliding_attention", "full_attention"]),
+        "gemma3": lambda: T.Gemma3TextConfig(**TINY, query_pre_attn_scalar=64, sliding_window=WINDOW,
+                                             layer_types=["sliding_attention", "full_attention"]),
+    }
+
+
+MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+          "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+KINDS = tuple(MODELS)
+
+
+def _model(kind: str, gen: torch.Generator, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    cfg = _configs()[kind]()
+    cfg._attn_implementation = "eager"
+    m = getattr(transformers, MODELS[kind])(cfg).eval()
+    with torch.no_grad():  # larger scores than the init's, so that the softmax is not near uniform
+        for name, p in m.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+    return m.to(device, dtype)
+
+
+def _patch(model: torch.nn.Module) -> None:
+    tt.patch(model, rope=False, norm=False, attention=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_and_gradients_match_eager_attention(kind, gen):
+    """Prefill logits within 1e-5 and every weight's gradient within 1e-4 of the unpatched model
+    (transformers' eager attention), with no call falling back."""
+    model = _model(kind, gen).train()
+    ids = torch.randint(3, 128, (2, 24), generator=gen)
+    want = model(ids).logits
+    want.square().mean().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    _patch(model)
+    try:
+        got = model(ids).logits
+        got.square().mean().backward()
+        rep = tt.report(model)
+    finally:
+        tt.unpatch(model)
+    assert rep["attention_fallbacks"] == [] and rep["attention"], rep["attention_fallbacks"]
+    rel = _rel(got, want)
+    assert rel < 1e-5, f"{kind}: logits differ by {rel:.3g}"
+    for n, p in model.named_parameters():
+        if n in want_grads:
+            rel = _rel(p.grad, want_grads[n])
+            assert rel < 1e-4, f"{kind}: {n}.grad differs by {rel:.3g}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_greedy_generation_gives_the_unpatched_tokens_left_padded_too(kind, gen):
+    """Dynamic-cache greedy generation (prefill, then one query over the cache a step), a full batch
+    and a left-padded one (the varlen path): the same tokens as the unpatched model."""
+    model = _model(kind, gen)
+    ids = torch.randint(3, 128, (3, 20), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: rows of 20, 15 and 17 tokens
+    mask[2, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    for m in (torch.ones_like(ids), mask):
+        with torch.no_grad():
+            want = model.generate(ids, attention_mask=m, max_new_tokens=6, do_sample=False)
+        _patch(model)
+        try:
+            with torch.no_grad():
+                got = model.generate(ids, attention_mask=m, max_new_tokens=6, do_sample=False)
+            rep = tt.report(model)
+        finally:
+            tt.unpatch(model)
+        assert rep["attention_fallbacks"] == [], rep["attention_fallbacks"]
+        assert torch.equal(got, want), f"{kind}: tokens differ:\n{got}\n{want}"
+
+
+def test_padded_prefill_logits_match_at_the_real_tokens(gen):
+    """A right-padded training batch runs as one varlen call: the real tokens' logits equal the
+    unpatched model's (a padded query's output is zero, as transformers' FlashAttention path gives it)."""
+    model = _model("qwen3", gen)
+    ids = torch.randint(3, 128, (2, 16), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, 11:] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        _patch(model)
+        try:
+            got = model(ids, attention_mask=mask).logits
+        finally:
+            tt.unpatch(model)
+    real = mask.bool()
+    rel = _rel(got[real], want[real])
+    assert rel < 1e-5, f"logits at the real tokens differ by {rel:.3g}"
+
+
+def test_what_the_op_does_not_serve_runs_transformers_attention_and_says_why_once(gen):
+    """Dropout in training and a caller's 4-D mask are not the op's: such calls run transformers'
+    sdpa on the mask spelled out, warn once each (naming why), and give sdpa's result."""
+    model = _model("llama", gen)
+    model.config.attention_dropout = 0.0
+    ids = torch.randint(3, 128, (2, 12), generator=gen)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None].expand(2, 1, 12, 12)
+    four_d = torch.zeros(2, 1, 12, 12).masked_fill(~causal, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        want = model(ids).logits
+    _patch(model)
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            got = model(ids, attention_mask=four_d).logits
+            model(ids, attention_mask=four_d)
+        rep = tt.report(model)
+    finally:
+        tt.unpatch(model)
+    ours = [w for w in caught if "tileops" in str(w.message)]
+    assert len(ours) == 1 and "a mask that is not a padding mask" in str(ours[0].message), [str(w.message) for w in ours]
+    assert rep["attention_fallbacks"] == ["a mask that is not a padding mask (a 4-D or custom mask)"]
+    assert _rel(got, want) < 1e-5
+
+
+def test_unpatch_restores_the_implementation_and_patch_checks_its_arguments(gen):
+    model = _model("llama", gen)
+    before = model.config._attn_implementation
+    _patch(model)
+    assert model.config._attn_implementation == "tileops"
+    tt.unpatch(model)
+    assert model.config._attn_implementation == before
+    assert not any(hasattr(m, "_tileops_attention") for m in model.modules())
+    with pytest.raises(TypeError, match=r"attention: expected a bool"):
+        tt.patch(model, attention=1)
+    with pytest.raises(ValueError, match=r"expected at least one of them True"):
+        tt.patch(model, rope=False, norm=False, attention=False)
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(**TINY)).eval()
+    with pytest.raises(NotImplementedError, match=r"attention: model type 'phi3' is not served"):
+        tt.patch(phi3, rope=False, norm=False, attention=True)
+    assert not tt.is_patched(phi3)
+
+
+def test_compiled_forward_has_no_graph_break(gen):
+    """``model.forward`` compiled whole (``fullgraph=True``: a graph break is an error) through the
+    op, equal to the eager patched model."""
+    model = _model("qwen3", gen)
+    ids = torch.randint(3, 128, (1, 16), generator=gen)
+    _patch(model)
+    try:
+        with torch.no_grad():
+            eager = model(ids).logits
+            torch._dynamo.reset()
+            compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+            got = compiled(ids).logits
+    finally:
+        torch._dynamo.reset()
+        tt.unpatch(model)
+    assert _rel(got, eager) < 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen3", "gemma2", "gemma3"])
+def test_bf16_on_the_gpu_matches_within_bf16(kind, gen):
+    """bf16 on the GPU: prefill logits within 3e-2 of the unpatched model's (2-3 roundings of 2^-8 a
+    layer, as tests/test_hf.py's bf16 comparison) and the gradients of the attention weights within
+    5e-2 (the backward's products are rounded to bf16 once more)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (none here)")
+    model = _model(kind, gen, torch.bfloat16, "cuda").train()
+    ids = torch.randint(3, 128, (2, 40), generator=gen).cuda()
+    want = model(ids).logits.float()
+    want.square().mean().backward()
+    want_grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None and "proj" in n}
+    model.zero_grad()
+    _patch(model)
+    try:
+        got = model(ids).logits.float()
+        got.square().mean().backward()
+        rep = tt.report(model)
+    finally:
+        tt.unpatch(model)
+    assert rep["attention_fallbacks"] == [], rep["attention_fallbacks"]
+    assert _rel(got, want) < 3e-2
+    for n, p in model.named_parameters():
+        if n in want_grads:
+            assert _rel(p.grad.float(), want_grads[n]) < 5e-2, n
+
+
+def test_a_model_sharing_the_patched_models_config_keeps_its_results(gen):
+    """The implementation is a config attribute, and models built from one config object share it:
+    the unpatched one then reaches the registered function, which runs transformers' sdpa on the
+    spelled-out mask (window included) and says so once; its logits are what they were."""
+    model = _model("mistral", gen)
+    other = transformers.MistralForCausalLM(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 128, (1, 20), generator=gen)
+    with torch.no_grad():
+        want = other(ids).logits
+    _patch(model)
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            got = other(ids).logits
+    finally:
+        tt.unpatch(model)
+    assert _rel(got, want) < 1e-5
+    ours = [str(w.message) for w in caught if "tileops" in str(w.message)]
+    assert len(ours) <= 1 and all("config is shared" in m for m in ours), ours

@@ -1,0 +1,239 @@
+"""The attention part of :mod:`tileops.integrations.transformers`: ``patch(model, attention=True)``
+runs every attention layer's softmax(q k^T) v through :class:`tileops.attention.AttnFwdOp`.
+
+How it plugs in: through transformers' own extension points, nothing of the model's code replaced.
+An attention function and a mask function are registered under the name :data:`NAME` in
+``AttentionInterface`` and ``AttentionMaskInterface``, and the patched model's
+``set_attn_implementation(NAME)`` makes its layers call them (``unpatch`` sets back the one it had).
+
+What a layer's call becomes (read from the ``forward`` of Llama, Mistral, Qwen2, Qwen3, Gemma 2 and
+Gemma 3 in transformers 5.17 and 5.24, which pass ``scaling``, ``sliding_window`` and Gemma 2's
+``softcap`` to the attention function):
+
+* the mask function returns what FlashAttention's does (``flash_attention_mask``): ``None`` when no
+  token is padding and the keys are exactly the cache's tokens, else the 2-D boolean padding mask
+  of the keys. No ``[batch, 1, q, k]`` mask is ever built on the served path;
+* ``None``: one dense call on the layer's ``[batch, heads, seq, head_dim]`` q, k and v as
+  ``[batch, seq, heads, head_dim]`` views (no copies), GQA without repeating k and v, the causal mask
+  aligned bottom-right (a decode step's query sees the whole cache) and the layer's window and
+  softcap;
+* a padding mask: the padded tokens are dropped and the batch runs as one varlen call
+  (``cu_seqlens``), the output scattered back with zeros at padded queries. Finding the tokens
+  reads the mask on the host, as transformers' FlashAttention path does; the unpadded case never
+  reads anything back;
+* anything else the op cannot compute exactly (a 4-D mask the caller passed, dropout in training,
+  a bidirectional window, a dtype or head size the op does not take) runs transformers' ``sdpa``
+  (``eager`` where Gemma 2's softcap needs it) with the mask spelled out in full, and warns once
+  per patched model and reason, naming it.
+
+One op serves every layer with the same (heads, kv heads, head_dim, causal, scale, window,
+softcap): Gemma 2/3's sliding and full layers take two.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["NAME", "ATTENTION_MODEL_TYPES", "AttentionState", "attention_plan", "register", "attention_forward",
+           "attention_mask"]
+
+#: the name the attention and mask functions are registered under in transformers' interfaces
+NAME = "tileops"
+#: model types whose attention ``forward`` was read (see the module's docstring)
+ATTENTION_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text")
+#: head sizes the op has kernels for (``AttnFwdOp``'s manifest)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+#: the attribute of a patched attention module pointing at its model's :class:`AttentionState`
+STATE_ATTR = "_tileops_attention"
+
+
+class AttentionState:
+    """What ``patch(attention=True)`` set on one model: the ops by configuration, the
+    implementation it replaced, and the reasons calls ran transformers' attention (warned once each)."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+        self.ops: dict[tuple, Any] = {}
+        self.fallbacks: set[str] = set()
+
+    def op(self, hq: int, hkv: int, d: int, causal: bool, scale: float, window: int | None,
+           softcap: float | None) -> Any:
+        key = (hq, hkv, d, causal, scale, window, softcap)
+        op = self.ops.get(key)
+        if op is None:
+            from ..attention import AttnFwdOp
+
+            op = self.ops[key] = AttnFwdOp(hq, hkv, d, causal=causal, softmax_scale=scale, sliding_window=window,
+                                           softcap=softcap)
+        return op
+
+
+def _config(model: torch.nn.Module) -> Any:
+    return getattr(model.config, "text_config", None) or model.config
+
+
+def attention_plan(model: torch.nn.Module, model_type: Any) -> list[torch.nn.Module]:
+    """The attention modules ``patch(attention=True)`` serves; raises where the model is not served,
+    before anything is touched."""
+    name = "tileops.integrations.transformers.patch"
+    if model_type not in ATTENTION_MODEL_TYPES:
+        raise NotImplementedError(f"{name}: attention: model type {model_type!r} is not served; served: "
+                                  f"{', '.join(ATTENTION_MODEL_TYPES)}")
+    if not hasattr(model, "set_attn_implementation"):
+        raise NotImplementedError(f"{name}: attention: expected a transformers model with set_attn_implementation "
+                                  f"(transformers >= 4.56), got {type(model).__name__}")
+    modules = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "scaling")
+               and hasattr(m, "q_proj")]
+    if not modules:
+        raise NotImplementedError(f"{name}: attention: model has no attention module with q_proj and scaling")
+    return modules
+
+
+def register() -> None:
+    """Register the attention and mask functions under :data:`NAME` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, attention_mask)
+
+
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                   mask_function: Any = None, attention_mask: torch.Tensor | None = None,
+                   **kwargs: Any) -> torch.Tensor | None:
+    """The mask a layer gets: None (nothing padded, the keys are the cache's tokens), or the 2-D
+    boolean padding mask of the keys ``[batch, <= kv_length]`` (a static cache's mask is shorter than
+    its ``kv_length``: the slots past it are not filled yet). The pattern itself (causal, window)
+    comes from the layer's own arguments."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:].to(torch.bool)
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+#: the reasons warned of for modules no patch owns (a config shared with a patched model)
+_UNOWNED: set[str] = set()
+
+
+def _warn_once(state: AttentionState | None, why: str, runs: str) -> None:
+    seen = state.fallbacks if state is not None else _UNOWNED
+    if why not in seen:
+        seen.add(why)
+        warnings.warn(f"tileops.integrations.transformers: attention: {why}; such calls run transformers' {runs}",
+                      stacklevel=3)
+
+
+def _visible(sq: int, sk: int, causal: bool, window: int | None, keys: torch.Tensor | None,
+             device: torch.device) -> torch.Tensor:
+    """``[batch or 1, 1, sq, sk]`` bool, True where query i sees key j: the op's rule (causal aligned
+    bottom-right, the window behind it) and, with ``keys`` (``[batch, <= sk]``), the padding."""
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    see = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        see &= j <= i
+    if window is not None:
+        see &= j > i - window
+    see = see[None, None]
+    if keys is not None:
+        pad = torch.zeros(keys.shape[0], sk, dtype=torch.bool, device=device)
+        pad[:, :keys.shape[1]] = keys
+        see = see & pad[:, None, None, :]
+    return see
+
+
+def _fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              mask: torch.Tensor | None, causal: bool, window: int | None, softcap: float | None,
+              dropout: float, scaling: float, kwargs: dict) -> tuple[torch.Tensor, None]:
+    """transformers' own attention on an explicit mask (sdpa; eager for a softcap, which sdpa refuses)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if mask is None or mask.dim() == 2:
+        mask = _visible(query.shape[2], key.shape[2], causal, window, mask, query.device)
+    if softcap is not None:
+        from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                ~mask, torch.finfo(query.dtype).min)
+        return eager_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                       softcap=softcap, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                  is_causal=False, **kwargs)
+
+
+def _unserved(module: torch.nn.Module, query: torch.Tensor, mask: Any, dropout: float, causal: bool,
+              window: int | None) -> str | None:
+    """Why the op cannot compute this call exactly, or None."""
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool):
+        return "a mask that is not a padding mask (a 4-D or custom mask)"
+    if dropout:
+        return f"attention dropout {dropout} in training"
+    if window is not None and not causal:
+        return "a sliding window without the causal mask (bidirectional windows are not served)"
+    if query.shape[-1] not in HEAD_DIMS:
+        return f"head_dim {query.shape[-1]} (served: {', '.join(map(str, HEAD_DIMS))})"
+    if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
+        return f"{query.dtype} on CUDA (served: float16, bfloat16)"
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {query.dtype}"
+    return None
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function protocol: q ``[batch, Hq, seq_q, D]``, k and v ``[batch, Hkv,
+    seq_k, D]`` -> ``([batch, seq_q, Hq, D], None)``."""
+    state = getattr(module, STATE_ATTR, None)
+    causal = bool(getattr(module, "is_causal", True))
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    window = int(sliding_window) if sliding_window else None
+    cap = float(softcap) if softcap else None
+    # a module not patched by tileops gets here when its config is shared with a patched model's
+    # (the implementation is a config attribute): it runs transformers' attention, as before
+    why = ("the module was not patched by tileops (its config is shared with a patched model)" if state is None
+           else _unserved(
+        module, query, attention_mask, dropout, causal, window))
+    if why is None and (key.dtype != query.dtype or value.dtype != query.dtype):
+        why = f"q, k, v of dtypes {query.dtype}, {key.dtype}, {value.dtype}"
+    if why is not None:
+        _warn_once(state, why, "eager attention" if cap is not None else "sdpa")
+        return _fallback(module, query, key, value, attention_mask, causal, window, cap, dropout, scale, kwargs)
+    b, hq, sq, d = query.shape
+    op = state.op(hq, key.shape[1], d, causal, scale, window, cap)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, S, H, D] views
+    if attention_mask is None:
+        return op(q, k, v), None
+    return _varlen(op, q, k, v, attention_mask), None
+
+
+def _varlen(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """A padded batch as one varlen call: ``keys`` ``[batch, <= seq_k]`` marks the real keys (slots
+    past its length are unfilled cache slots); the queries are the last ``seq_q`` key slots. Padded
+    queries get zeros, as transformers' FlashAttention path gives them."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    kmask = torch.zeros(b, sk, dtype=torch.bool, device=k.device)
+    kmask[:, :keys.shape[1]] = keys.to(k.device)
+    # the queries' own slots: the last sq of the filled ones (a static cache's mask ends at them)
+    end = keys.shape[1]
+    qmask = kmask[:, end - sq:end]
+    kidx, qidx = kmask.flatten().nonzero().flatten(), qmask.flatten().nonzero().flatten()  # host reads
+    cu_k = torch.zeros(b + 1, dtype=torch.int32, device=k.device)
+    cu_q = torch.zeros(b + 1, dtype=torch.int32, device=k.device)
+    cu_k[1:] = kmask.sum(1).cumsum(0)
+    cu_q[1:] = qmask.sum(1).cumsum(0)
+    hkv = k.shape[2]
+    out = op(q.reshape(b * sq, hq, d).index_select(0, qidx), k.reshape(b * sk, hkv, d).index_select(0, kidx),
+             v.reshape(b * sk, hkv, d).index_select(0, kidx), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    full = out.new_zeros(b * sq, hq, d)
+    full.index_copy_(0, qidx, out)
+    return full.view(b, sq, hq, d)
