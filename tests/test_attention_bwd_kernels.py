@@ -358,6 +358,17 @@ def test_cuda_loops_from_the_first_tile_lower():
         assert "tl::wgmma" in src and "cp_async_gs<16>" in src, kind
 
 
+def test_cuda_prep_lowers_at_head_dims_80_and_96():
+    """delta's row sum over a fragment padded to a power of two wide (TileLang 0.1.15 found no layout for
+    ``T.reduce_sum`` over [32, 80] or [32, 96] on 128 threads)."""
+    from tileops.compile.build import emit_source
+
+    S = get_spec("attention_bwd")
+    for d in (80, 96):
+        assert "attn_bwd_prep" in emit_source("attention_bwd", S(kind="prep", head_dim=d, dtype="float16"), "cuda",
+                                              "sm_90")
+
+
 # ------------------------------------------------------------------------- the CUDA schedule
 # Written to run on the H200 (skipped without a GPU): the tensor-core programs at every head dim, with
 # sequences that cross their 128-row tiles and end inside one.
