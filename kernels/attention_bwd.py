@@ -56,6 +56,10 @@ Two schedules from one description (the same tile bounds and masks, :func:`_q_bl
 
 Workspace: ``delta``, fp32, one element per (q row, q head): ``B * Hq * Sq`` dense, ``Hq * total_q``
 varlen. Nothing else: dq, dk, dv are written once, in their own dtype and layout.
+
+Run by ``AttnFwdOp``'s backward, one plan of the three (``tileops/attention/attn_builtin.py``:
+``BACKWARD``): delta the plan's per-call workspace, lse the forward's, ``Sq``/``Sk`` the token counts
+for varlen calls (no host synchronisation for the max length), ``W`` 0 without a window.
 """
 
 from dataclasses import dataclass

@@ -1,7 +1,8 @@
 """The attention backward's tile programs (``kernels/attention_bwd.py``), driven directly on the CPU.
 
 The C schedule's delta, dk/dv and dq kernels, built with :func:`tileops.compile.build.load_kernel`
-and called through their C entry points with arguments bound by name, as a plan will bind them,
+and called through their C entry points with arguments bound by name, as ``AttnFwdOp``'s backward plan
+(``tileops/attention/attn_builtin.py``: ``BACKWARD``; its tests ``tests/test_attn_bwd.py``) binds them,
 against float64 autograd of a reference attention written here from the definition (it shares no
 code with the kernels). The kernels take the reference's own o and lse (o rounded to the inputs'
 dtype, lse to fp32, as the forward saves them), so what is checked is the backward alone.
