@@ -56,6 +56,10 @@ Two schedules from one description (the same tile bounds and masks, :func:`_q_bl
 
 Workspace: ``delta``, fp32, one element per (q row, q head): ``B * Hq * Sq`` dense, ``Hq * total_q``
 varlen. Nothing else: dq, dk, dv are written once, in their own dtype and layout.
+
+Run by ``AttnFwdOp``'s backward, one plan of the three (``tileops/attention/attn_builtin.py``:
+``BACKWARD``): delta the plan's per-call workspace, lse the forward's, ``Sq``/``Sk`` the token counts
+for varlen calls (no host synchronisation for the max length), ``W`` 0 without a window.
 """
 
 from dataclasses import dataclass
@@ -329,6 +333,9 @@ def _sig(spec: AttnBwdKernelSpec, names: tuple[str, ...]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ delta
 def _prep(spec: AttnBwdKernelSpec):
     D, BP, dt = spec.head_dim, _PREP_ROWS, spec.dtype
+    # the CUDA row sum's fragment is a power of two wide, its columns past D zero: TileLang 0.1.15 found
+    # no layout for T.reduce_sum over [32, 80] or [32, 96] on 128 threads ("no available layout found")
+    DP = 1 << (D - 1).bit_length()
     st = storage_dtype(dt, spec.backend)
     U = spec.stride_unit
     sig = _sig(spec, ("O", "DO", "DELTA", "CUQ"))
@@ -352,13 +359,14 @@ def _prep(spec: AttnBwdKernelSpec):
         def body(O, DO, DELTA, CUQ, B, Hq, Sq, osb, oss, osh, dosb, doss, dosh, lsb, lsh):
             with T.Kernel(T.ceildiv(Sq, BP), Hq, B, threads=spec.threads) as (mb, h, b):
                 q = _Seq(spec, CUQ, b, Sq)
-                prod = T.alloc_fragment((BP, D), "float32")
+                prod = T.alloc_fragment((BP, DP), "float32")
                 dl = T.alloc_fragment((BP,), "float32")
                 if mb * BP < q.len:
-                    for r, d in T.Parallel(BP, D):
+                    for r, d in T.Parallel(BP, DP):
                         i = mb * BP + r
                         prod[r, d] = T.if_then_else(
-                            i < q.len, T.cast(O[q.row(i, h, osb, oss, osh, U) + d], "float32")
+                            T.And(i < q.len, d < D) if DP > D else i < q.len,
+                            T.cast(O[q.row(i, h, osb, oss, osh, U) + d], "float32")
                             * T.cast(DO[q.row(i, h, dosb, doss, dosh, U) + d], "float32"), T.float32(0))
                     T.reduce_sum(prod, dl, dim=1)  # a fixed tree: deterministic
                     for r in T.Parallel(BP):

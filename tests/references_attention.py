@@ -40,9 +40,59 @@ def rope_params(name: str, params: dict) -> dict:
 
 
 def reference(op_name: str, params: dict, inputs: dict) -> "dict | torch.Tensor":
-    if op_name == "AttnFwdOp":
-        return attention(params, inputs)["out"]
+    if op_name == "AttnFwdOp":  # differentiable when the caller's float64 leaves ask (family_references.grads)
+        return attention(params, inputs, differentiable=any(inputs[n].requires_grad for n in ("q", "k", "v")))["out"]
     return _chain(op_name, params, inputs)[0]
+
+
+def grad_scale(op_name: str, params: dict, inputs: dict, grad_outs: dict) -> dict:
+    """What ``AttnFwdOp``'s gradients' errors are measured against (:func:`family_references.grad_scales`):
+    the magnitudes of the terms each one sums, which bound it and every rounding of its sums. With
+    ``dO`` out's gradient and p the probabilities: dv ``sum_i p_ij |dO_i|``; ds's terms
+    ``m_ij = p_ij (|dO_i| . |v_j| + |dO_i| . |o_i|)`` (dp = dO . v less delta = dO . o; a softcap's
+    ``1 - t^2`` is at most 1); dk ``scale sum_i m_ij |q_i|``, dq ``scale sum_j m_ij |k_j|``; dk and dv summed
+    over each kv head's group."""
+    if op_name != "AttnFwdOp":
+        return {}
+    hq, hkv, d = params["num_q_heads"], params["num_kv_heads"], params["head_dim"]
+    grp, sc = hq // hkv, params.get("softmax_scale") or 1.0 / d ** 0.5
+    q, k, v = (inputs[n].detach().cpu().double() for n in ("q", "k", "v"))
+    do = grad_outs["out"].detach().cpu().double()
+    fwd = attention(params, inputs)
+    o = fwd["out"]
+    mags = {n: torch.zeros_like(t) for n, t in (("q", q), ("k", k), ("v", v))}
+    if q.dim() == 4:
+        parts = [((b,), (b,)) for b in range(q.shape[0])]
+    else:
+        cq, ck = inputs["cu_seqlens_q"].tolist(), inputs["cu_seqlens_k"].tolist()
+        parts = [((slice(cq[b], cq[b + 1]),), (slice(ck[b], ck[b + 1]),)) for b in range(len(cq) - 1)]
+    for a, b in parts:
+        lse = (fwd["lse"][b[0]] if q.dim() == 4 else fwd["lse"][:, a[0]]).unsqueeze(-1)  # [Hq, nq, 1]
+        qa, doa, oa = (t[a].abs().transpose(0, 1) for t in (q, do, o))  # [Hq, nq, D]
+        ks, vs = (t[b].repeat_interleave(grp, dim=1).transpose(0, 1) for t in (k, v))  # [Hq, nk, D]
+        if qa.shape[1] == 0 or ks.shape[1] == 0:
+            continue
+        s = sc * q[a].transpose(0, 1) @ ks.transpose(1, 2)
+        if params.get("softcap") is not None:
+            s = params["softcap"] * torch.tanh(s / params["softcap"])
+        nq, nk = s.shape[1], s.shape[2]
+        i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+        seen = torch.ones(nq, nk, dtype=torch.bool)
+        if params.get("causal"):
+            seen &= j <= i + nk - nq
+        if params.get("sliding_window") is not None:
+            seen &= j > i + nk - nq - params["sliding_window"]
+        # p from the reference's lse: 0 where key j is hidden from query i, and in a row that sees nothing
+        p = torch.where(seen & torch.isfinite(lse), torch.exp(s - lse.nan_to_num(neginf=0.0)), torch.zeros_like(s))
+        m = p * (doa @ vs.abs().transpose(1, 2) + (doa * oa).sum(-1, keepdim=True))
+
+        def per_kv(x):  # [Hq, nk, D] -> [nk, Hkv, D]
+            return x.reshape(hkv, grp, *x.shape[1:]).sum(1).transpose(0, 1)
+
+        mags["v"][b] += per_kv(p.transpose(1, 2) @ doa)
+        mags["k"][b] += per_kv(sc * m.transpose(1, 2) @ qa)
+        mags["q"][a] += (sc * m @ ks.abs()).transpose(0, 1)
+    return mags
 
 
 def scale(op_name: str, params: dict, inputs: dict) -> dict:

@@ -1,7 +1,8 @@
 """The attention backward's tile programs (``kernels/attention_bwd.py``), driven directly on the CPU.
 
 The C schedule's delta, dk/dv and dq kernels, built with :func:`tileops.compile.build.load_kernel`
-and called through their C entry points with arguments bound by name, as a plan will bind them,
+and called through their C entry points with arguments bound by name, as ``AttnFwdOp``'s backward plan
+(``tileops/attention/attn_builtin.py``: ``BACKWARD``; its tests ``tests/test_attn_bwd.py``) binds them,
 against float64 autograd of a reference attention written here from the definition (it shares no
 code with the kernels). The kernels take the reference's own o and lse (o rounded to the inputs'
 dtype, lse to fp32, as the forward saves them), so what is checked is the backward alone.
@@ -356,6 +357,17 @@ def test_cuda_loops_from_the_first_tile_lower():
     for kind in ("dq", "dkdv"):
         src = emit_source("attention_bwd", S(kind=kind, head_dim=64, dtype="bfloat16"), "cuda", "sm_90")
         assert "tl::wgmma" in src and "cp_async_gs<16>" in src, kind
+
+
+def test_cuda_prep_lowers_at_head_dims_80_and_96():
+    """delta's row sum over a fragment padded to a power of two wide (TileLang 0.1.15 found no layout for
+    ``T.reduce_sum`` over [32, 80] or [32, 96] on 128 threads)."""
+    from tileops.compile.build import emit_source
+
+    S = get_spec("attention_bwd")
+    for d in (80, 96):
+        assert "attn_bwd_prep" in emit_source("attention_bwd", S(kind="prep", head_dim=d, dtype="float16"), "cuda",
+                                              "sm_90")
 
 
 # ------------------------------------------------------------------------- the CUDA schedule

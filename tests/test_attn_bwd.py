@@ -282,3 +282,19 @@ def test_return_lse_refused_while_a_gradient_is_needed():
     with pytest.raises(RuntimeError, match=r"return_lse=True while k requires grad: the backward does not take "
                                            r"lse's gradient"):
         op(t["q"], t["k"].requires_grad_(True), t["v"], return_lse=True)
+
+
+def test_compiled_gradients_equal_eager():
+    """Under torch.compile the forward runs as the library's custom op and keeps no lse: the backward
+    computes it again with a forward (``AttnKernels.backward``), and gives the eager gradients' bits."""
+    op = AttnFwdOp(4, 2, 64, causal=True)
+    t = dense(41, 2, 9, 12, 4, 2)
+
+    def loss(q, k, v):
+        return (op(q, k, v) * t["dout"]).sum()
+
+    eager = [x.clone().requires_grad_(True) for x in (t["q"], t["k"], t["v"])]
+    loss(*eager).backward()
+    compiled = [x.clone().requires_grad_(True) for x in (t["q"], t["k"], t["v"])]
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(*compiled).backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager, compiled))
