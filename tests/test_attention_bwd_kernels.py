@@ -32,6 +32,12 @@ import math
 import pytest
 import torch
 
+from tileops.attention.attn_builtin import CUDA_ENV, cuda_enabled
+
+#: the attention kernels on CUDA run only where they are let (tileops.attention.attn_builtin.cuda_enabled)
+ATTN_CUDA = pytest.mark.skipif(not cuda_enabled(), reason=f"the attention CUDA kernels are refused until validated "
+                               f"on a GPU (set {CUDA_ENV}=1 to run them)")
+
 from tileops.compile.build import device_backend, load_kernel
 from tileops.kernels import get_spec
 
@@ -424,6 +430,7 @@ def warm_masks():
 
 
 @pytest.mark.cuda
+@ATTN_CUDA
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_head_dims(gen, warm_head_dims, d, dtype):
@@ -431,12 +438,14 @@ def test_cuda_head_dims(gen, warm_head_dims, d, dtype):
 
 
 @pytest.mark.cuda
+@ATTN_CUDA
 @pytest.mark.parametrize("name", list(MASKS))
 def test_cuda_masks(gen, warm_masks, name):
     check(Case(gen, hq=8, hkv=2, d=128, dtype=torch.bfloat16, **MASKS[name]), CUDA)
 
 
 @pytest.mark.cuda
+@ATTN_CUDA
 def test_cuda_mha_and_tile_shapes(gen, warm_masks):
     """MHA, and other tiles: the dk/dv program's q step at 64, the dq program's 64-row tiles over
     128-key steps, one stage (knobs the benchmark's sweep tries)."""
@@ -446,6 +455,7 @@ def test_cuda_mha_and_tile_shapes(gen, warm_masks):
 
 
 @pytest.mark.cuda
+@ATTN_CUDA
 def test_cuda_deterministic(gen, warm_masks):
     case = Case(gen, lens_q=[400], lens_k=[400], hq=8, hkv=1, d=128, dtype=torch.bfloat16, causal=True)
     first, second = run_backward(case, CUDA), run_backward(case, CUDA)

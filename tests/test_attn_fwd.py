@@ -233,3 +233,33 @@ def test_bad_cu_seqlens_reported_with_index(cu_q, cu_k, name, index, value):
     with pytest.raises(ValueError, match=rf"{name}\[{index}\] = {value}"):
         op(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
         op.check()
+
+
+def test_cuda_calls_are_refused_until_the_kernels_are_validated(monkeypatch):
+    """The CUDA tile programs deadlocked at their first run on the H200: a CUDA call (here the
+    backend the op sees on this machine, made CUDA) refuses before any kernel is built or run, naming
+    the torch target and the variable that lets the kernels run."""
+    from tileops.attention import attn_builtin
+
+    monkeypatch.delenv(attn_builtin.CUDA_ENV, raising=False)
+    monkeypatch.setattr(attn_builtin, "device_backend", lambda device: ("cuda", "sm_90"))
+    monkeypatch.setattr(attn_builtin, "load_kernel", lambda *a, **k: pytest.fail("a kernel was loaded"))
+    op = AttnFwdOp(4, 2, 64)
+    q, k, v = _inputs(3, (1, 4, 4, 64), (1, 4, 2, 64))
+    with pytest.raises(NotImplementedError, match=r"CUDA: the attention tile programs have not run correctly.*"
+                                                   r"target='torch'.*TILEOPS_ATTENTION_CUDA=1"):
+        op(q, k, v)
+
+
+@pytest.mark.cuda
+def test_cuda_calls_are_refused_on_a_gpu():
+    from tileops.attention.attn_builtin import cuda_enabled
+
+    if not torch.cuda.is_available() or cuda_enabled():
+        pytest.skip("needs an NVIDIA GPU, and the kernels not let run")
+    q = torch.randn(1, 4, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"CUDA: the attention tile programs"):
+        AttnFwdOp(4, 2, 64)(q, k, k)
+    out = AttnFwdOp(4, 2, 64, target="torch")(q, k, k)  # the named alternative serves the call
+    assert out.shape == q.shape and bool(torch.isfinite(out).all())

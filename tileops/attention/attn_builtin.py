@@ -50,7 +50,24 @@ from ..runtime.plan import (
     signature,
 )
 
-__all__ = ["AttnKernels", "BACKWARD", "FORWARD", "backward_specs", "implement", "kernel_specs"]
+__all__ = ["AttnKernels", "BACKWARD", "FORWARD", "CUDA_ENV", "backward_specs", "cuda_enabled", "implement",
+           "kernel_specs"]
+
+#: The environment variable that lets CUDA calls run the attention tile programs (for the work on them).
+CUDA_ENV = "TILEOPS_ATTENTION_CUDA"
+
+
+def cuda_enabled() -> bool:
+    """Whether CUDA calls may launch the attention kernels. Not by default: on the H200
+    (2026-12-03, the first run of these programs) the forward's first call (1 x 128 tokens, GQA 4/2,
+    head_dim 128, bf16, not causal) never returned: ``torch.cuda.synchronize`` after it was still
+    waiting 40 s later, a deadlock of the warp-specialised TMA pipeline TileLang generated, not found
+    yet (``benchmarks/NOTES.md``). A call that hangs the process is worse than one that refuses, so
+    the op refuses CUDA calls, naming ``target="torch"`` and this variable, until a run on a GPU shows
+    the programs correct; the C schedules (CPU) are tested in CI."""
+    import os
+
+    return os.environ.get(CUDA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 #: the kernel's integer arguments, each bound by value from :meth:`AttnKernels._env` (the CUDA kernel
 #: takes the sizes and strides as its tensors' dynamic extents, the C one as parameters: by name alike)
@@ -141,6 +158,12 @@ class AttnKernels:
         self.device = call.device
         # (an sm_90 device's kernels are built as sm_90a: tileops.compile.build._tvm_target)
         self.backend, self.arch = device_backend(self.device)
+        if self.backend == "cuda" and not cuda_enabled():
+            raise NotImplementedError(
+                f"{op.name}: CUDA: the attention tile programs have not run correctly on a GPU yet (on the H200 "
+                f"the forward's first call deadlocked), so CUDA calls are refused rather than risk a hang; "
+                f"target='torch' computes attention with PyTorch on any device ({CUDA_ENV}=1 runs the kernels, "
+                f"for the work on them)")
         self.spec = kernel_specs(op.manifest, op.params, call, self.backend)[0][1]
         self.varlen = self.spec.varlen
         self.unit = self.spec.stride_unit

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ..attention.attn_builtin import cuda_enabled
+
 __all__ = ["NAME", "ATTENTION_MODEL_TYPES", "AttentionState", "attention_plan", "register", "attention_forward",
            "attention_mask"]
 
@@ -179,6 +181,8 @@ def _unserved(module: torch.nn.Module, query: torch.Tensor, mask: Any, dropout: 
         return "a sliding window without the causal mask (bidirectional windows are not served)"
     if query.shape[-1] not in HEAD_DIMS:
         return f"head_dim {query.shape[-1]} (served: {', '.join(map(str, HEAD_DIMS))})"
+    if query.is_cuda and not cuda_enabled():
+        return "CUDA (the attention kernels are refused until validated on a GPU: AttnFwdOp's CUDA note)"
     if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
         return f"{query.dtype} on CUDA (served: float16, bfloat16)"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
