@@ -283,7 +283,7 @@ def test_bad_choices_and_unserved_models_are_refused_before_anything_changes():
     model = _model("gemma3")
     with pytest.raises(NotImplementedError, match=r"'gemma3_text'.*not served for RoPE.*patch\(model, rope=False\)"):
         tt.patch(model)  # rope=True by default: Gemma 3's per-layer-type rope is not served
-    with pytest.raises(ValueError, match="rope, norm: expected at least one of them True"):
+    with pytest.raises(ValueError, match="rope, norm, attention: expected at least one of them True"):
         tt.patch(model, rope=False, norm=False)
     with pytest.raises(TypeError, match="norm: expected a bool, got int 1"):
         tt.patch(model, rope=False, norm=1)
