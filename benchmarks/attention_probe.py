@@ -139,7 +139,8 @@ def run_child(v: dict, timeout: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backward", action="store_true", help="the backward plan (dq, dk, dv) instead of the forward")
-    ap.add_argument("--pipelines", default=None, help="kernels/attention.py pipeline values (default 1,2; --backward: 1)")
+    ap.add_argument("--pipelines", default=None,
+                    help="kernels/attention.py pipeline values (default 1,2; --backward: 1)")
     ap.add_argument("--seqs", default="128,2048", help="sequence lengths (default 128,2048)")
     ap.add_argument("--dims", default="64,128", help="head dims (default 64,128)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a variant's call may take (default 60)")

@@ -221,7 +221,8 @@ def index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = Fal
     """The index entry of a kernel built TileLang's way, or (``lean``) by :mod:`tileops.compile.cuda_build`."""
     how = ("lean", _lean_digest()) if lean else "tilelang"
     text = repr((_INDEX_FORMAT, builder, spec, backend, arch, _builder_digest(builder), _tilelang_version(),
-                 sorted(pass_configs(spec).items()), platform.machine(), how) + ((c_flags(),) if backend == "c" else ()))
+                 sorted(pass_configs(spec).items()), platform.machine(), how)
+                + ((c_flags(),) if backend == "c" else ()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -166,7 +166,8 @@ def _tir(job: tuple[str, Any, str, str]) -> tuple[str, str]:
 
     logging.getLogger("tilelang").setLevel(logging.ERROR)
     builder, spec, backend, arch = job
-    return index_key(builder, spec, backend, arch, lean=True), lowering_digest(prim_func(builder, spec), arch, pass_configs(spec))
+    digest = lowering_digest(prim_func(builder, spec), arch, pass_configs(spec))
+    return index_key(builder, spec, backend, arch, lean=True), digest
 
 
 def write_lowered(arch: str = "sm_90", jobs: int | None = None, names: Any = None,
