@@ -1,6 +1,6 @@
 """Does each attention variant return, and is it right? One call per variant, each in its own process
 with a timeout, so that a deadlocked kernel (the forward's first call on the H200 never returned:
-``benchmarks/NOTES.md``, "The forward's deadlock") is reported as TIMEOUT and the probe goes on.
+``benchmarks/NOTES.md``, "the forward's deadlock") is reported as TIMEOUT and the probe goes on.
 
     python -m benchmarks.attention_probe                  # forward: pipeline 1 and 2, causal or not,
                                                           # seq 128 and 2048, head_dim 64 and 128

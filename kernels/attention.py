@@ -4,7 +4,8 @@ One description, two schedules:
 
 * ``cuda``: FlashAttention's: a block owns ``block_M`` query rows of one q head; K and V tiles of
   ``block_N`` keys stream through shared memory in a software pipeline of ``stages`` buffers
-  (``T.Pipelined``: on sm_90 TMA loads issued by a producer warpgroup TileLang adds); ``S = Q K^T`` and ``O += P V`` are
+  (``T.Pipelined``; how the tiles are loaded is the ``pipeline`` knob, :data:`PIPELINES`: by default every
+  thread loads, since TileLang's TMA producer warpgroup deadlocked on the H200); ``S = Q K^T`` and ``O += P V`` are
   ``T.gemm`` on tensor cores (TileLang picks wgmma on sm_90, mma on sm_80); the online softmax runs
   in fp32 register fragments. The causal and window masks bound the loop over K/V tiles (a tile no
   row of the block sees is never loaded), and only the tiles a mask cuts (``_needs_mask``) evaluate
@@ -64,7 +65,7 @@ STATIC = {
 
 #: The CUDA schedule's ``pipeline`` knob -> the TileLang pass configs it lowers with. 2 is TileLang's
 #: default on sm_90: TMA loads issued by a producer warpgroup it adds (warp specialisation). Its first
-#: call on the H200 deadlocked, and the generated code shows why (benchmarks/NOTES.md, "The forward's
+#: call on the H200 deadlocked, and the generated code shows why (benchmarks/NOTES.md, "the forward's
 #: deadlock"): TileLang 0.1.15's warp-specialisation pass gives the producer its own copy of every local
 #: buffer it reads (``seq`` -> ``seq_producer_ws``) but copies none of the values written to ``seq``
 #: before the pipelined loop, so the producer's K/V loop runs from uninitialised registers (its count
@@ -82,8 +83,8 @@ DEFAULT_PIPELINE = 1
 #: CUDA tile shape per head_dim: (block_M, block_N, stages, threads). Shared memory per block is about
 #: ``2 bytes * (2 * block_M + 2 * stages * block_N) * D`` (Q and the output tile, K and V per stage),
 #: of the 227 KiB an H200 SM has: 128 x 128 at 2 stages is 192 KiB at D 128 (one block an SM, two
-#: consumer warpgroups of 64 rows each for wgmma, plus the producer warpgroup TileLang adds for the
-#: TMA loads: 384 threads), as TileLang's GQA example tunes it; 128 KiB at D 64. D 256 keeps
+#: consumer warpgroups of 64 rows each for wgmma; with ``pipeline`` 2, plus the producer warpgroup TileLang
+#: adds for the TMA loads: 384 threads), as TileLang's GQA example tunes it; 128 KiB at D 64. D 256 keeps
 #: 64 x 64 (192 KiB; its 64 x 256 fp32 accumulator already takes 128 registers a thread of one
 #: warpgroup: 240 registers, no spill, in the sm_90a build here). Starting points, not measured optima
 #: (no GPU here): ``python -m benchmarks.attention --configs`` sweeps them on the H200.
