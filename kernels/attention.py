@@ -4,7 +4,8 @@ One description, two schedules:
 
 * ``cuda``: FlashAttention's: a block owns ``block_M`` query rows of one q head; K and V tiles of
   ``block_N`` keys stream through shared memory in a software pipeline of ``stages`` buffers
-  (``T.Pipelined``: on sm_90 TMA loads issued by a producer warpgroup TileLang adds); ``S = Q K^T`` and ``O += P V`` are
+  (``T.Pipelined``; how the tiles are loaded is the ``pipeline`` knob, :data:`PIPELINES`: by default every
+  thread loads, since TileLang's TMA producer warpgroup deadlocked on the H200); ``S = Q K^T`` and ``O += P V`` are
   ``T.gemm`` on tensor cores (TileLang picks wgmma on sm_90, mma on sm_80); the online softmax runs
   in fp32 register fragments. The causal and window masks bound the loop over K/V tiles (a tile no
   row of the block sees is never loaded), and only the tiles a mask cuts (``_needs_mask``) evaluate
@@ -48,7 +49,8 @@ from .storage import load_f32, storage_dtype, to_storage
 #: ``tilelang.language``, imported when a kernel is first built
 T: Any = None
 
-__all__ = ["AttnKernelSpec", "build_attention", "build", "Spec", "STATIC", "ARGS", "DEFAULT_TILES", "tile_defaults"]
+__all__ = ["AttnKernelSpec", "build_attention", "build", "Spec", "STATIC", "ARGS", "DEFAULT_TILES", "tile_defaults",
+           "PIPELINES", "DEFAULT_PIPELINE"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (read without importing the module). 0
 #: means "the default for the head_dim" (:data:`DEFAULT_TILES`); the C schedule has none.
@@ -57,13 +59,32 @@ STATIC = {
     "block_N": (0, 256, "keys a K/V tile holds, a multiple of 16 (CUDA; 0: by head_dim)"),
     "stages": (0, 4, "K/V tiles in flight through shared memory, T.Pipelined's num_stages (CUDA; 0: by head_dim)"),
     "threads": (0, 512, "threads a block, 128 a warpgroup (CUDA; 0: by head_dim)"),
+    "pipeline": (0, 2, "how K/V tiles reach shared memory (CUDA): 0 the default (1), 1 every thread loads "
+                       "(no TMA, no producer warpgroup), 2 TMA from TileLang's producer warpgroup (PIPELINES)"),
 }
+
+#: The CUDA schedule's ``pipeline`` knob -> the TileLang pass configs it lowers with. 2 is TileLang's
+#: default on sm_90: TMA loads issued by a producer warpgroup it adds (warp specialisation). Its first
+#: call on the H200 deadlocked, and the generated code shows why (benchmarks/NOTES.md, "the forward's
+#: deadlock"): TileLang 0.1.15's warp-specialisation pass gives the producer its own copy of every local
+#: buffer it reads (``seq`` -> ``seq_producer_ws``) but copies none of the values written to ``seq``
+#: before the pipelined loop, so the producer's K/V loop runs from uninitialised registers (its count
+#: and its K/V row offset) while the consumers count from ``sk``: one side waits on an mbarrier the
+#: other never arrives at. 1 lowers with warp specialisation and TMA off: every thread loads K/V
+#: tiles (predicated element loads, as the sm_80 build does) and computes, with the same loop bounds,
+#: so there is no producer to disagree. Slower, not measured; 2 stays selectable for the probe.
+PIPELINES = {
+    1: {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True},
+    2: {},
+}
+#: the knob's value when the spec leaves it 0
+DEFAULT_PIPELINE = 1
 
 #: CUDA tile shape per head_dim: (block_M, block_N, stages, threads). Shared memory per block is about
 #: ``2 bytes * (2 * block_M + 2 * stages * block_N) * D`` (Q and the output tile, K and V per stage),
 #: of the 227 KiB an H200 SM has: 128 x 128 at 2 stages is 192 KiB at D 128 (one block an SM, two
-#: consumer warpgroups of 64 rows each for wgmma, plus the producer warpgroup TileLang adds for the
-#: TMA loads: 384 threads), as TileLang's GQA example tunes it; 128 KiB at D 64. D 256 keeps
+#: consumer warpgroups of 64 rows each for wgmma; with ``pipeline`` 2, plus the producer warpgroup TileLang
+#: adds for the TMA loads: 384 threads), as TileLang's GQA example tunes it; 128 KiB at D 64. D 256 keeps
 #: 64 x 64 (192 KiB; its 64 x 256 fp32 accumulator already takes 128 registers a thread of one
 #: warpgroup: 240 registers, no spill, in the sm_90a build here). Starting points, not measured optima
 #: (no GPU here): ``python -m benchmarks.attention --configs`` sweeps them on the H200.
@@ -116,6 +137,7 @@ class AttnKernelSpec:
     block_N: int = 0
     stages: int = 0
     threads: int = 0
+    pipeline: int = 0  # :data:`PIPELINES` (CUDA); 0: :data:`DEFAULT_PIPELINE`
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16", "float32"):
@@ -142,12 +164,22 @@ class AttnKernelSpec:
                 raise ValueError(f"threads: expected 128, 256, 384 or 512 (warpgroups), got {th}")
             if not 1 <= st <= 4:
                 raise ValueError(f"stages: expected 1 to 4, got {st}")
+        if self.pipeline not in (0, *PIPELINES):
+            raise ValueError(f"pipeline: expected 0 or one of {sorted(PIPELINES)}, got {self.pipeline!r}")
 
     @property
     def tiles(self) -> tuple[int, int, int, int]:
         """(block_M, block_N, stages, threads), the zeros replaced by :func:`tile_defaults`'s."""
         d = tile_defaults(self.head_dim)
         return (self.block_M or d[0], self.block_N or d[1], self.stages or d[2], self.threads or d[3])
+
+    @property
+    def pass_configs(self) -> dict[str, bool]:
+        """The TileLang pass configs this kernel lowers with beyond tileops' own
+        (:func:`tileops.compile.build.pass_configs`): the ``pipeline`` knob's; none for the C schedule."""
+        if self.backend != "cuda":
+            return {}
+        return PIPELINES[self.pipeline or DEFAULT_PIPELINE]
 
     @property
     def stride_unit(self) -> int:

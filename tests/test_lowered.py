@@ -43,7 +43,7 @@ def test_shipped_sources_are_what_lowering_gives_now(i):
     job = [j for j in _jobs([f for f in FAMILIES if f not in NOT_SHIPPED])
            if "device" in shipped.get(build.index_key(*j, lean=True), {})][i]
     shipped = lowered.lookup(build.index_key(*job, lean=True), "sm_90")
-    fresh = cuda_build.lower_sources(build.prim_func(job[0], job[1]), "sm_90", build.PASS_CONFIGS)
+    fresh = cuda_build.lower_sources(build.prim_func(job[0], job[1]), "sm_90", build.pass_configs(job[1]))
     assert shipped == fresh
 
 
@@ -92,7 +92,7 @@ def test_an_entry_whose_tir_is_unchanged_moves_to_its_new_key_without_lowering(t
 
     jobs = [j for j in kernel_jobs(["RoPEFwdOp"], "sm_90") if j[2] == "cuda"][:3]
     keys = [build.index_key(*j, lean=True) for j in jobs]
-    tirs = [build.lowering_digest(build.prim_func(j[0], j[1]), "sm_90") for j in jobs]
+    tirs = [build.lowering_digest(build.prim_func(j[0], j[1]), "sm_90", build.pass_configs(j[1])) for j in jobs]
     old = {f"old{i}": {"spec": "?", "device": f"d{i}", "host": f"h{i}", "record": {}, "name": f"n{i}", "tir": t}
            for i, t in enumerate(tirs[:2])}
     old["old1"]["tir"] = "another kernel's TIR"  # the second kernel's code changed: it must be lowered

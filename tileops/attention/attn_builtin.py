@@ -61,8 +61,10 @@ def cuda_enabled() -> bool:
     """Whether CUDA calls may launch the attention kernels. Not by default: on the H200
     (2026-12-03, the first run of these programs) the forward's first call (1 x 128 tokens, GQA 4/2,
     head_dim 128, bf16, not causal) never returned: ``torch.cuda.synchronize`` after it was still
-    waiting 40 s later, a deadlock of the warp-specialised TMA pipeline TileLang generated, not found
-    yet (``benchmarks/NOTES.md``). A call that hangs the process is worse than one that refuses, so
+    waiting 40 s later, a deadlock of the warp-specialised TMA pipeline TileLang generated (its producer
+    warpgroup's K/V loop count read from an uninitialised copy of a local buffer; the default schedule
+    now lowers without it: ``kernels/attention.py`` ``pipeline``; ``benchmarks/NOTES.md``, "the forward's
+    deadlock", and ``benchmarks/attention_probe.py`` to check it on a GPU). A call that hangs the process is worse than one that refuses, so
     the op refuses CUDA calls, naming ``target="torch"`` and this variable, until a run on a GPU shows
     the programs correct; the C schedules (CPU) are tested in CI."""
     import os

@@ -43,7 +43,7 @@ from . import cuda_build, entry, lowered, tilelang_api
 _log = logging.getLogger("tileops.compile.build")
 
 __all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "stats", "CompileStats", "index_key",
-           "prim_func", "index_kernel", "kernel_label", "PASS_CONFIGS"]
+           "prim_func", "index_kernel", "kernel_label", "PASS_CONFIGS", "pass_configs"]
 
 
 @dataclass
@@ -74,6 +74,14 @@ _guard = threading.Lock()
 #: turns the kernels' 16-byte accesses into scalar ones. The kernels address flat buffers through
 #: strides the host has checked (every index lies inside the tensor the op was given), so it is off.
 PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
+
+
+def pass_configs(spec: Any) -> dict[str, Any]:
+    """:data:`PASS_CONFIGS` plus the spec's own (a ``pass_configs`` property, where a schedule knob is a
+    lowering option: the attention forward's ``pipeline`` turns TileLang's warp specialisation and TMA
+    off). Every compile, lowering and index key of a kernel goes through this."""
+    own = getattr(spec, "pass_configs", None)
+    return {**PASS_CONFIGS, **own} if own else PASS_CONFIGS
 
 #: Flags for the C backend's compile. TileLang builds C kernels as ``g++ -std=c++17 -fPIC -shared``:
 #: no optimisation at all, so every element went through an unoptimised loop body and every fp16
@@ -153,7 +161,7 @@ def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
         with _own_compile():
             # the Cython backend exposes the library's C entry point, which tileops.compile.entry calls directly
             kernel = tilelang.compile(prim_func(builder, spec), target=_tvm_target(backend, arch),
-                                      execution_backend="cython", pass_configs=PASS_CONFIGS,
+                                      execution_backend="cython", pass_configs=pass_configs(spec),
                                       compile_flags=list(c_flags()) if backend == "c" else None)
         stats.seconds += time.perf_counter() - t0
         stats.compiles += 1
@@ -213,17 +221,20 @@ def index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = Fal
     """The index entry of a kernel built TileLang's way, or (``lean``) by :mod:`tileops.compile.cuda_build`."""
     how = ("lean", _lean_digest()) if lean else "tilelang"
     text = repr((_INDEX_FORMAT, builder, spec, backend, arch, _builder_digest(builder), _tilelang_version(),
-                 sorted(PASS_CONFIGS.items()), platform.machine(), how) + ((c_flags(),) if backend == "c" else ()))
+                 sorted(pass_configs(spec).items()), platform.machine(), how)
+                + ((c_flags(),) if backend == "c" else ()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def lowering_digest(func: Any, arch: str) -> str:
+def lowering_digest(func: Any, arch: str, configs: dict[str, Any] | None = None) -> str:
     """A digest of everything lowering ``func`` (a kernel's ``T.prim_func``) for the lean build reads:
     its TIR as TVMScript prints it, ``arch``, the pass configs, TileLang's version and
     :mod:`tileops.compile.cuda_build`'s source. Two kernels with equal digests lower to the same
     sources whatever their builders' files look like, so an edit that leaves a kernel's TIR alone
-    (a refactor, a comment) need not lower it again (:func:`tileops.compile.warmup.write_lowered`)."""
-    text = repr((func.script(), arch, sorted(PASS_CONFIGS.items()), _tilelang_version(), _lean_digest()))
+    (a refactor, a comment) need not lower it again (:func:`tileops.compile.warmup.write_lowered`).
+    ``configs``: the kernel's pass configs (:func:`pass_configs`), :data:`PASS_CONFIGS` if not given."""
+    configs = PASS_CONFIGS if configs is None else configs
+    text = repr((func.script(), arch, sorted(configs.items()), _tilelang_version(), _lean_digest()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -386,7 +397,7 @@ def _lean_build(builder: str, spec: Any, arch: str, key: str) -> Any:
             lean = cuda_build.compile_sources(shipped, arch)
         else:
             with _own_compile():
-                lean = cuda_build.build(prim_func(builder, spec), arch, PASS_CONFIGS)
+                lean = cuda_build.build(prim_func(builder, spec), arch, pass_configs(spec))
     except cuda_build.Unsupported as e:
         _log.debug("tileops: %s built by TileLang (%s)", spec, e)
         return None
@@ -470,12 +481,12 @@ def emit_source(builder: str, spec: Any, backend: str, arch: str) -> str:
     func = prim_func(builder, spec)
     with _own_compile():
         if backend == "c":
-            return tilelang.compile(func, target="c", pass_configs=PASS_CONFIGS,
+            return tilelang.compile(func, target="c", pass_configs=pass_configs(spec),
                                     compile_flags=list(c_flags())).get_kernel_source()
         target = _tvm_target(backend, arch)
         from tvm import transform
 
-        with target, transform.PassContext(config=PASS_CONFIGS):
+        with target, transform.PassContext(config=pass_configs(spec)):
             return tilelang.lower(func, target=target).kernel_source
 
 

@@ -142,31 +142,32 @@ def _lower(job: tuple[str, Any, str, str]) -> tuple[str, dict[str, Any] | None]:
     """Lower one kernel for the lean build: its lean index key, and its sources as
     :mod:`tileops.compile.lowered` keeps them, with the digest of its TIR (``tir``: what
     :func:`tileops.compile.build.lowering_digest` gives); None for a kernel the lean build does not serve."""
-    from .build import PASS_CONFIGS, index_key, lowering_digest, prim_func
+    from .build import index_key, lowering_digest, pass_configs, prim_func
 
     logging.getLogger("tilelang").setLevel(logging.ERROR)
     builder, spec, backend, arch = job
     key = index_key(builder, spec, backend, arch, lean=True)
     func = prim_func(builder, spec)
     try:
-        src = cuda_build.lower_sources(func, arch, PASS_CONFIGS)
+        src = cuda_build.lower_sources(func, arch, pass_configs(spec))
     except cuda_build.Unsupported as e:
         # kept in the file as such (no sources: lowered.lookup gives None and TileLang's own build serves
         # it), so a later run keeps it rather than lowering it again, and the file accounts for every
         # warmup kernel (the attention forward's TMA descriptors: ~10-40 s to lower on 2 cores)
-        return key, {"spec": repr(spec), "unserved": str(e), "tir": lowering_digest(func, arch)}
+        return key, {"spec": repr(spec), "unserved": str(e), "tir": lowering_digest(func, arch, pass_configs(spec))}
     return key, {"spec": repr(spec), "device": src.device, "host": src.host, "record": src.record, "name": src.name,
-                 "tir": lowering_digest(func, arch)}
+                 "tir": lowering_digest(func, arch, pass_configs(spec))}
 
 
 def _tir(job: tuple[str, Any, str, str]) -> tuple[str, str]:
     """One kernel's lean index key and :func:`tileops.compile.build.lowering_digest` (its prim_func
     built, not lowered: 0.17 s a kernel here, against 8 s to lower one on 2 cores)."""
-    from .build import index_key, lowering_digest, prim_func
+    from .build import index_key, lowering_digest, pass_configs, prim_func
 
     logging.getLogger("tilelang").setLevel(logging.ERROR)
     builder, spec, backend, arch = job
-    return index_key(builder, spec, backend, arch, lean=True), lowering_digest(prim_func(builder, spec), arch)
+    digest = lowering_digest(prim_func(builder, spec), arch, pass_configs(spec))
+    return index_key(builder, spec, backend, arch, lean=True), digest
 
 
 def write_lowered(arch: str = "sm_90", jobs: int | None = None, names: Any = None,
