@@ -26,6 +26,28 @@ compile layer builds them (``tests/test_layers.py``).
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "kernels":
+    # Imported by its bare name: this folder sits at the top of the repository, which pytest (and
+    # ``python -m`` from the root) puts on sys.path, so a bare ``import kernels`` finds it. Hugging
+    # Face's ``kernels`` distribution has that name too, and transformers 5.25 imports it whenever it
+    # is installed (``from kernels import CUDAProperties, ...``): a test run in the repository broke
+    # at every transformers import. The installed distribution, if any, takes the name (the import
+    # system hands back whatever sys.modules holds once this module has run); tileops itself only
+    # ever imports this package as ``tileops.kernels``.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _elsewhere = [p for p in sys.path if _os.path.abspath(p or _os.curdir) != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _spec is not None and _spec.loader is not None:
+        _module = _util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)
+
 import ast
 import importlib
 import re
