@@ -54,10 +54,15 @@ def register(served: Served, layout: Layout) -> int:
     """A handle for an op (:mod:`tileops.runtime.served`: what the runtime may call on it, and what
     it reads of it), valid while the op lives: ``served`` holds its bound methods, which the runtime
     holds weakly, forgetting the handle when the op is garbage collected."""
+    refs = Served(*(weakref.WeakMethod(fn) for fn in served))
     with _lock:
         handle = next(_ids)
-        forget = lambda _: _ops.pop(handle, None)  # noqa: E731
-        _ops[handle] = (Served(*(weakref.WeakMethod(fn, forget) for fn in served)), layout)
+        _ops[handle] = (refs, layout)
+    # forgotten when an owner of the calls (the op) is collected: a finalizer, not WeakMethod callbacks,
+    # whose callback fails at interpreter exit once the WeakMethod itself is gone first ("'NoneType'
+    # object has no attribute '_alive'" on stderr, which a -W error child process reported as a failure)
+    for owner in {id(fn.__self__): fn.__self__ for fn in served}.values():
+        weakref.finalize(owner, _ops.pop, handle, None).atexit = False
     return handle
 
 
