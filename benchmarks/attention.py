@@ -3,8 +3,9 @@ run (issue 36's table), and a sweep of the CUDA tile shape.
 
     python -m benchmarks.attention                    # the table's rows, bf16 (+ fp16 on two rows)
     python -m benchmarks.attention --rows all         # also MHA, head_dim 64/256, varlen
-    python -m benchmarks.attention --configs 128x64x2x256,128x128x2x256,64x64x2x128 --rows 16k
-                                                      # tile shapes (block_M x block_N x stages x threads)
+    python -m benchmarks.attention --configs 128x64x2x256,128x128x2x256,128x128x2x256x2 --rows 16k
+                                                      # schedules: block_M x block_N x stages x threads
+                                                      # [x pipeline], beside the baselines
     python -m benchmarks.attention --backward         # the backward through the op: vs SDPA flash and cuDNN's
     python -m benchmarks.attention --dry              # anywhere: the rows, configs and kernel specs
 
@@ -78,11 +79,12 @@ def backward_call(forward: Any, t: dict[str, torch.Tensor], dout: torch.Tensor) 
 
 
 def parse_config(text: str) -> dict[str, int]:
-    """``128x64x2x256`` -> the manifest's ``kernel.static`` keys."""
+    """``128x64x2x256`` -> the manifest's ``kernel.static`` keys; a fifth number is the ``pipeline``
+    knob (``128x128x2x256x2``: TMA loads from TileLang's producer warpgroup)."""
     parts = [int(p) for p in text.lower().split("x")]
-    if len(parts) != 4:
-        raise SystemExit(f"--configs: expected block_M x block_N x stages x threads, got {text!r}")
-    return dict(zip(("block_M", "block_N", "stages", "threads"), parts))
+    if len(parts) not in (4, 5):
+        raise SystemExit(f"--configs: expected block_M x block_N x stages x threads [x pipeline], got {text!r}")
+    return dict(zip(("block_M", "block_N", "stages", "threads", "pipeline"), parts))
 
 
 def make_op(row: tuple, static: dict[str, int] | None) -> Any:
@@ -156,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated of {', '.join(ROWS)}, or all")
     ap.add_argument("--dtypes", default=None, help="bf16,fp16 (default: bf16, and fp16 on " + ", ".join(FP16_ROWS) + ")")
-    ap.add_argument("--configs", default=None, help="tile shapes to sweep, BMxBNxSTAGESxTHREADS,... (default: "
-                                                     "the manifest's); baselines are then left out")
+    ap.add_argument("--configs", default=None, help="schedules to sweep, BMxBNxSTAGESxTHREADS[xPIPELINE],... "
+                                                     "(default: the manifest's)")
     ap.add_argument("--no-baselines", action="store_true", help="time tileops alone")
     ap.add_argument("--batches", type=int, default=10, help="timed batches of 3 calls a config (default 10)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel kernel compiles (default: a CPU each)")
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     count, _, failures = compile_jobs(todo, a.jobs, progress=True)
     print(f"compiled {count} kernels in {time.perf_counter() - t0:.0f} s"
           + (f"; {len(failures)} failed: {failures[0][1][:300]}" if failures else ""), flush=True)
-    baselines = not (a.configs or a.no_baselines)
+    baselines = not a.no_baselines
     if a.backward:
         return backward_table(work, configs, baselines, a.batches)
     head = ["row", "dtype", "config", "tileops"] + (["flash", "cudnn", "compile"] if baselines else [])

@@ -174,12 +174,19 @@ class AttnKernelSpec:
         return (self.block_M or d[0], self.block_N or d[1], self.stages or d[2], self.threads or d[3])
 
     @property
+    def loads(self) -> int:
+        """The :data:`PIPELINES` entry this kernel lowers with: the knob's, but 1 for varlen, whose block
+        finds its sequence in registers before the K/V loop (a bisection), which TileLang 0.1.15's
+        producer warpgroup would read uninitialised (see :data:`PIPELINES`)."""
+        return 1 if self.varlen else (self.pipeline or DEFAULT_PIPELINE)
+
+    @property
     def pass_configs(self) -> dict[str, bool]:
         """The TileLang pass configs this kernel lowers with beyond tileops' own
-        (:func:`tileops.compile.build.pass_configs`): the ``pipeline`` knob's; none for the C schedule."""
+        (:func:`tileops.compile.build.pass_configs`): those of :attr:`loads`; none for the C schedule."""
         if self.backend != "cuda":
             return {}
-        return PIPELINES[self.pipeline or DEFAULT_PIPELINE]
+        return PIPELINES[self.loads]
 
     @property
     def stride_unit(self) -> int:
@@ -432,8 +439,70 @@ def _cuda(spec: AttnKernelSpec):
     acc_t = "float32"
     check = _check_cu(spec)
     masked = spec.causal or spec.window
+    tma = spec.loads == 2
     # bisection steps that find a tile's sequence among up to 2^31 sequences
     steps = 31
+
+    @T.macro
+    def work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, q0, nq, k0, n_sk, tile,
+             lsb, lsh, has_lse, scale, cap, window):
+        # one q tile of one sequence: rows [q0 + tile * BM, + BM) against the keys [k0, k0 + n_sk)
+        off = n_sk - nq
+        m0 = tile * BM
+        kvh = h // G
+        # rows past the sequence but inside the buffer are read (another sequence's, varlen) and
+        # never written back; past the buffer T.copy fills zeros
+        T.copy(Q[bz, q0 + m0:q0 + m0 + BM, h, :], Qs)
+        T.fill(Acc, 0)
+        T.fill(lsum, 0)
+        T.fill(m, -T.infinity(acc_t))
+        lo, hi = _span(spec, m0, T.min(m0 + BM, nq), n_sk, off, window)
+        t0 = lo // BN
+        t1 = T.max(T.ceildiv(hi, BN), t0)
+        for t in T.Pipelined(t0, t1, num_stages=STAGES):
+            n0 = t * BN
+            T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
+            T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+            # only a tile a mask or the keys' end cuts is masked element by element
+            cut = n0 + BN > n_sk
+            if spec.causal:
+                cut = T.Or(cut, n0 + BN - 1 > m0 + off)
+            if spec.window:
+                cut = T.Or(cut, n0 <= m0 + BM - 1 + off - window)
+            for i, j in T.Parallel(BM, BN):
+                S[i, j] = T.if_then_else(
+                    T.Or(T.Not(cut), _visible(spec, m0 + i, n0 + j, n_sk, off, window)),
+                    _score(spec, S[i, j], scale, cap), -T.infinity(acc_t))
+            T.copy(m, m_prev)
+            T.reduce_max(S, m, dim=1, clear=False)
+            # a row with no visible key so far keeps m = -inf: its rescale is 1 and its p are
+            # exp2(-inf - 0) = 0, never exp2(-inf + inf) = NaN
+            for i in T.Parallel(BM):
+                resc[i] = T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(1), T.exp2(m_prev[i] - m[i]))
+            for i, j in T.Parallel(BM, BN):
+                S[i, j] = T.exp2(S[i, j] - T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(0), m[i]))
+            T.reduce_sum(S, rsum, dim=1)
+            for i in T.Parallel(BM):
+                lsum[i] = lsum[i] * resc[i] + rsum[i]
+            T.copy(S, P)
+            for i, d in T.Parallel(BM, D):
+                Acc[i, d] *= resc[i]
+            # V rows past the keys are zeros (T.copy's bound) or another sequence's finite values,
+            # both times p = 0: never a NaN of uninitialised memory
+            T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
+            T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
+        for i, d in T.Parallel(BM, D):
+            Acc[i, d] = T.if_then_else(lsum[i] > 0, Acc[i, d] / lsum[i], T.float32(0))
+        T.copy(Acc, Os)
+        for i, d in T.Parallel(BM, D):
+            if m0 + i < nq:
+                O[bz, q0 + m0 + i, h, d] = Os[i, d]
+        if has_lse != 0:
+            for i in T.Parallel(BM):
+                if m0 + i < nq:
+                    LSE[T.cast(bz, "int64") * lsb + T.cast(h, "int64") * lsh
+                        + T.cast(q0 + m0 + i, "int64")] = T.if_then_else(
+                        lsum[i] > 0, (m[i] + T.log2(lsum[i])) * T.float32(_LN2), -T.infinity(acc_t))
 
     @T.macro
     def body(Q, K, V, O, LSE, CUQ, CUK, ERR, tag, batch, nb, sq, sk, tiles, lsb, lsh, has_lse, scale_bits, cap_bits,
@@ -453,11 +522,12 @@ def _cuda(spec: AttnKernelSpec):
             resc = T.alloc_fragment((BM,), acc_t)
             rsum = T.alloc_fragment((BM,), acc_t)
             lsum = T.alloc_fragment((BM,), acc_t)
-            seq = T.alloc_local((8,), "int32")  # b, q0, nq, k0, nk, tile, live, (bisection scratch)
             scale = T.reinterpret(scale_bits, "float32")
             cap = T.reinterpret(cap_bits, "float32")
 
             if spec.varlen:
+                # the block's sequence and tile, in registers: b, q0, nq, k0, nk, tile, live, bisection scratch
+                seq = T.alloc_local((8,), "int32")
                 if bx == 0 and h == 0:
                     check(CUQ, CUK, ERR, tag, batch, sq, sk)
                 # slot base(b) = floor(CUQ[b] / BM) + b is non-decreasing; the block's sequence is the
@@ -477,76 +547,28 @@ def _cuda(spec: AttnKernelSpec):
                 seq[4] = _clamp(CUK[seq[0] + 1], seq[3], sk) - seq[3]
                 seq[5] = bx - (seq[1] // BM + seq[0])
                 seq[6] = T.if_then_else(T.And(seq[5] >= 0, seq[5] * BM < seq[2]), 1, 0)
+                if seq[6] == 1:
+                    work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, seq[1], seq[2],
+                         seq[3], seq[4], seq[5], lsb, lsh, has_lse, scale, cap, window)
             else:
-                seq[1] = 0
-                seq[2] = sq
-                seq[3] = 0
-                seq[4] = sk
-                # the last row tiles first: under a causal mask they have the most keys, so the
-                # longest blocks start in the first wave
-                seq[5] = T.if_then_else(masked, tiles - 1 - bx, bx)
-                seq[6] = 1
-            if seq[6] == 1:
-                q0 = seq[1]
-                nq = seq[2]
-                k0 = seq[3]
-                n_sk = seq[4]
-                off = n_sk - nq
-                m0 = seq[5] * BM
-                kvh = h // G
-                # rows past the sequence but inside the buffer are read (another sequence's, varlen) and
-                # never written back; past the buffer T.copy fills zeros
-                T.copy(Q[bz, q0 + m0:q0 + m0 + BM, h, :], Qs)
-                T.fill(Acc, 0)
-                T.fill(lsum, 0)
-                T.fill(m, -T.infinity(acc_t))
-                lo, hi = _span(spec, m0, T.min(m0 + BM, nq), n_sk, off, window)
-                t0 = lo // BN
-                t1 = T.max(T.ceildiv(hi, BN), t0)
-                for t in T.Pipelined(t0, t1, num_stages=STAGES):
-                    n0 = t * BN
-                    T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
-                    T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    # only a tile a mask or the keys' end cuts is masked element by element
-                    cut = n0 + BN > n_sk
-                    if spec.causal:
-                        cut = T.Or(cut, n0 + BN - 1 > m0 + off)
-                    if spec.window:
-                        cut = T.Or(cut, n0 <= m0 + BM - 1 + off - window)
-                    for i, j in T.Parallel(BM, BN):
-                        S[i, j] = T.if_then_else(
-                            T.Or(T.Not(cut), _visible(spec, m0 + i, n0 + j, n_sk, off, window)),
-                            _score(spec, S[i, j], scale, cap), -T.infinity(acc_t))
-                    T.copy(m, m_prev)
-                    T.reduce_max(S, m, dim=1, clear=False)
-                    # a row with no visible key so far keeps m = -inf: its rescale is 1 and its p are
-                    # exp2(-inf - 0) = 0, never exp2(-inf + inf) = NaN
-                    for i in T.Parallel(BM):
-                        resc[i] = T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(1), T.exp2(m_prev[i] - m[i]))
-                    for i, j in T.Parallel(BM, BN):
-                        S[i, j] = T.exp2(S[i, j] - T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(0), m[i]))
-                    T.reduce_sum(S, rsum, dim=1)
-                    for i in T.Parallel(BM):
-                        lsum[i] = lsum[i] * resc[i] + rsum[i]
-                    T.copy(S, P)
-                    for i, d in T.Parallel(BM, D):
-                        Acc[i, d] *= resc[i]
-                    # V rows past the keys are zeros (T.copy's bound) or another sequence's finite values,
-                    # both times p = 0: never a NaN of uninitialised memory
-                    T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
-                    T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
-                for i, d in T.Parallel(BM, D):
-                    Acc[i, d] = T.if_then_else(lsum[i] > 0, Acc[i, d] / lsum[i], T.float32(0))
-                T.copy(Acc, Os)
-                for i, d in T.Parallel(BM, D):
-                    if m0 + i < nq:
-                        O[bz, q0 + m0 + i, h, d] = Os[i, d]
-                if has_lse != 0:
-                    for i in T.Parallel(BM):
-                        if m0 + i < nq:
-                            LSE[T.cast(bz, "int64") * lsb + T.cast(h, "int64") * lsh
-                                + T.cast(q0 + m0 + i, "int64")] = T.if_then_else(
-                                lsum[i] > 0, (m[i] + T.log2(lsum[i])) * T.float32(_LN2), -T.infinity(acc_t))
+                # dense: what the K/V loop reads is an expression of the block's indices and the arguments,
+                # never a register written first. TileLang 0.1.15's warp specialisation (pipeline 2) gives
+                # its producer warpgroup a copy of each local buffer the loop reads, but not the values
+                # stored into it before the loop: the producer's bounds were garbage and the first H200
+                # call deadlocked (benchmarks/NOTES.md, "the forward's deadlock"). The last row tiles
+                # go first: under a causal mask they have the most keys, so the longest blocks start in
+                # the first wave.
+                if tma:
+                    work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, 0, sq, 0, sk,
+                         T.if_then_else(masked, tiles - 1 - bx, bx), lsb, lsh, has_lse, scale, cap, window)
+                else:
+                    # the key count from a register: with the K/V loop's start an expression TVM proves 0,
+                    # TileLang 0.1.15's cp.async pipeline (pipeline 1, and sm_80) fails to lower ("Downcast
+                    # from tirx.Sub to ir.IntImm" in a cp.async wait, seen here); from a load it lowers
+                    nk = T.alloc_local((1,), "int32")
+                    nk[0] = sk
+                    work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, 0, sq, 0,
+                         nk[0], T.if_then_else(masked, tiles - 1 - bx, bx), lsb, lsh, has_lse, scale, cap, window)
 
     return body
 
