@@ -444,10 +444,14 @@ def _cuda(spec: AttnKernelSpec):
     steps = 31
 
     @T.macro
-    def work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, q0, nq, k0, n_sk, tile,
+    def work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, q0, sq, k0, sk, tile,
              lsb, lsh, has_lse, scale, cap, window):
-        # one q tile of one sequence: rows [q0 + tile * BM, + BM) against the keys [k0, k0 + n_sk)
-        off = n_sk - nq
+        # one q tile of one sequence: rows [q0 + tile * BM, + BM) of its sq against the keys [k0, k0 + sk).
+        # The row and key counts are named as the kernel's extents on purpose: a macro's parameter
+        # renames the variable it is given, and a dense call gives the extents themselves, which
+        # TileLang's launcher then passes by the parameter's name (named otherwise, 'sq' went missing
+        # from the kernel's arguments and the plan could not bind it: seen on the H200)
+        off = sk - sq
         m0 = tile * BM
         kvh = h // G
         # rows past the sequence but inside the buffer are read (another sequence's, varlen) and
@@ -456,7 +460,7 @@ def _cuda(spec: AttnKernelSpec):
         T.fill(Acc, 0)
         T.fill(lsum, 0)
         T.fill(m, -T.infinity(acc_t))
-        lo, hi = _span(spec, m0, T.min(m0 + BM, nq), n_sk, off, window)
+        lo, hi = _span(spec, m0, T.min(m0 + BM, sq), sk, off, window)
         t0 = lo // BN
         t1 = T.max(T.ceildiv(hi, BN), t0)
         for t in T.Pipelined(t0, t1, num_stages=STAGES):
@@ -464,14 +468,14 @@ def _cuda(spec: AttnKernelSpec):
             T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
             T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
             # only a tile a mask or the keys' end cuts is masked element by element
-            cut = n0 + BN > n_sk
+            cut = n0 + BN > sk
             if spec.causal:
                 cut = T.Or(cut, n0 + BN - 1 > m0 + off)
             if spec.window:
                 cut = T.Or(cut, n0 <= m0 + BM - 1 + off - window)
             for i, j in T.Parallel(BM, BN):
                 S[i, j] = T.if_then_else(
-                    T.Or(T.Not(cut), _visible(spec, m0 + i, n0 + j, n_sk, off, window)),
+                    T.Or(T.Not(cut), _visible(spec, m0 + i, n0 + j, sk, off, window)),
                     _score(spec, S[i, j], scale, cap), -T.infinity(acc_t))
             T.copy(m, m_prev)
             T.reduce_max(S, m, dim=1, clear=False)
@@ -495,11 +499,11 @@ def _cuda(spec: AttnKernelSpec):
             Acc[i, d] = T.if_then_else(lsum[i] > 0, Acc[i, d] / lsum[i], T.float32(0))
         T.copy(Acc, Os)
         for i, d in T.Parallel(BM, D):
-            if m0 + i < nq:
+            if m0 + i < sq:
                 O[bz, q0 + m0 + i, h, d] = Os[i, d]
         if has_lse != 0:
             for i in T.Parallel(BM):
-                if m0 + i < nq:
+                if m0 + i < sq:
                     LSE[T.cast(bz, "int64") * lsb + T.cast(h, "int64") * lsh
                         + T.cast(q0 + m0 + i, "int64")] = T.if_then_else(
                         lsum[i] > 0, (m[i] + T.log2(lsum[i])) * T.float32(_LN2), -T.infinity(acc_t))

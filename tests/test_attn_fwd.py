@@ -263,3 +263,38 @@ def test_cuda_calls_are_refused_on_a_gpu():
         AttnFwdOp(4, 2, 64)(q, k, k)
     out = AttnFwdOp(4, 2, 64, target="torch")(q, k, k)  # the named alternative serves the call
     assert out.shape == q.shape and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(causal=True, pipeline=2), dict(causal=True, window=True, varlen=True)],
+                         ids=["dense", "dense-causal-tma", "varlen-window"])
+def test_cuda_kernels_take_every_argument_their_plan_binds(fields):
+    """Each CUDA kernel of a call (the forward, then the backward's three) takes every argument its
+    plan step binds by name: a parameter of its prim_func, or a variable of a tensor's shape or
+    strides (TileLang's launcher takes those as extents, by name). A macro parameter renames the
+    variable it is handed: the forward handed the extent ``sq`` to a parameter named ``nq``, its Q
+    took the shape ``[nb, nq, ...]``, and every call of the first H200 run refused with "kernel fwd
+    has no argument 'sq'". Built here, not lowered (the names are the prim_func's)."""
+    pytest.importorskip("tilelang")
+    from tileops.attention.attn_builtin import BACKWARD, FORWARD, backward_specs
+    from tileops.compile.build import prim_func
+    from tileops.kernels import get_spec
+
+    pipeline = fields.pop("pipeline", 0)
+    base = dict(dtype="bfloat16", head_dim=64, varlen=fields.get("varlen", False), causal=fields.get("causal", False),
+                window=fields.get("window", False), softcap=False)
+    fwd = get_spec("attention")(backend="cuda", hq=4, hkv=2, pipeline=pipeline, **base)
+    steps = {s.kernel: s for s in BACKWARD.steps}
+    jobs = [("attention", fwd, FORWARD.steps[0])]
+    jobs += [("attention_bwd", s, steps[s.kind]) for s in backward_specs(base, "cuda")]
+    for builder, spec, step in jobs:
+        func = prim_func(builder, spec)
+        takes = set()
+        for p in func.params:
+            buf = func.buffer_map.get(p)
+            if buf is None:
+                takes.add(p.name)
+                continue
+            takes.add(buf.name)
+            takes |= {str(x) for x in (*buf.shape, *buf.strides) if not str(x).isdigit()}
+        missing = sorted(set(step.args) - takes)
+        assert not missing, f"{builder} {spec}: the plan binds {missing}, which the kernel does not take"
