@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=None, help="schedules to sweep, BMxBNxSTAGESxTHREADS[xPIPELINE],... "
                                                      "(default: the manifest's)")
     ap.add_argument("--no-baselines", action="store_true", help="time tileops alone")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline (its compile "
+                                                              "takes ~20 s a row)")
     ap.add_argument("--batches", type=int, default=10, help="timed batches of 3 calls a config (default 10)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel kernel compiles (default: a CPU each)")
     ap.add_argument("--backward", action="store_true", help="time the backward (autograd.grad with one dO) against "
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = []
         if baselines:
             for name, fn in (("flash", sdpa_fn("flash", row, t)), ("cudnn", sdpa_fn("cudnn", row, t)),
-                             ("compile", sdpa_fn(None, row, t, compiled=True))):
+                             ("compile", None if a.no_compile else sdpa_fn(None, row, t, compiled=True))):
                 if fn is None:
                     extra.append("-")
                     continue

@@ -4,8 +4,8 @@ One description, two schedules:
 
 * ``cuda``: FlashAttention's: a block owns ``block_M`` query rows of one q head; K and V tiles of
   ``block_N`` keys stream through shared memory in a software pipeline of ``stages`` buffers
-  (``T.Pipelined``; how the tiles are loaded is the ``pipeline`` knob, :data:`PIPELINES`: by default every
-  thread loads, since TileLang's TMA producer warpgroup deadlocked on the H200); ``S = Q K^T`` and ``O += P V`` are
+  (``T.Pipelined``; how the tiles are loaded is the ``pipeline`` knob, :data:`PIPELINES`: by default TMA
+  from a producer warpgroup TileLang adds on sm_90, varlen by every thread); ``S = Q K^T`` and ``O += P V`` are
   ``T.gemm`` on tensor cores (TileLang picks wgmma on sm_90, mma on sm_80); the online softmax runs
   in fp32 register fragments. The causal and window masks bound the loop over K/V tiles (a tile no
   row of the block sees is never loaded), and only the tiles a mask cuts (``_needs_mask``) evaluate
@@ -59,26 +59,29 @@ STATIC = {
     "block_N": (0, 256, "keys a K/V tile holds, a multiple of 16 (CUDA; 0: by head_dim)"),
     "stages": (0, 4, "K/V tiles in flight through shared memory, T.Pipelined's num_stages (CUDA; 0: by head_dim)"),
     "threads": (0, 512, "threads a block, 128 a warpgroup (CUDA; 0: by head_dim)"),
-    "pipeline": (0, 2, "how K/V tiles reach shared memory (CUDA): 0 the default (1), 1 every thread loads "
+    "pipeline": (0, 2, "how K/V tiles reach shared memory (CUDA): 0 the default (2), 1 every thread loads "
                        "(no TMA, no producer warpgroup), 2 TMA from TileLang's producer warpgroup (PIPELINES)"),
 }
 
 #: The CUDA schedule's ``pipeline`` knob -> the TileLang pass configs it lowers with. 2 is TileLang's
 #: default on sm_90: TMA loads issued by a producer warpgroup it adds (warp specialisation). Its first
-#: call on the H200 deadlocked, and the generated code shows why (benchmarks/NOTES.md, "the forward's
-#: deadlock"): TileLang 0.1.15's warp-specialisation pass gives the producer its own copy of every local
-#: buffer it reads (``seq`` -> ``seq_producer_ws``) but copies none of the values written to ``seq``
-#: before the pipelined loop, so the producer's K/V loop runs from uninitialised registers (its count
-#: and its K/V row offset) while the consumers count from ``sk``: one side waits on an mbarrier the
-#: other never arrives at. 1 lowers with warp specialisation and TMA off: every thread loads K/V
-#: tiles (predicated element loads, as the sm_80 build does) and computes, with the same loop bounds,
-#: so there is no producer to disagree. Slower, not measured; 2 stays selectable for the probe.
+#: call on the H200 deadlocked (benchmarks/NOTES.md, "the forward's deadlock"): TileLang 0.1.15's
+#: warp-specialisation pass gives the producer its own copy of every local buffer it reads but none
+#: of the values stored into it before the pipelined loop, and the kernel then kept its sequence's
+#: bounds in such a buffer, so the producer's K/V loop ran from uninitialised registers while the
+#: consumers counted from ``sk``. The dense kernel now reads no register in the loop's bounds or
+#: addresses (``_cuda``), and on the H200 pipeline 2 returned and agreed with SDPA (causal, 128 and
+#: 2048 tokens); varlen, which finds its sequence by a bisection in registers, lowers as 1
+#: (:attr:`AttnKernelSpec.loads`). 1 lowers with warp specialisation and TMA off: every thread loads
+#: K/V tiles element by element (TileLang cannot prove a runtime stride a multiple of 8, so it neither
+#: vectorises nor uses cp.async) and computes: correct on the H200, and slow (110 TFLOP/s at 1 x 16384
+#: against cuDNN's 612, `benchmarks/NOTES.md`). On sm_80 both lower to that path (no TMA there).
 PIPELINES = {
     1: {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True},
     2: {},
 }
 #: the knob's value when the spec leaves it 0
-DEFAULT_PIPELINE = 1
+DEFAULT_PIPELINE = 2
 
 #: CUDA tile shape per head_dim: (block_M, block_N, stages, threads). Shared memory per block is about
 #: ``2 bytes * (2 * block_M + 2 * stages * block_N) * D`` (Q and the output tile, K and V per stage),
@@ -245,7 +248,36 @@ def build_attention(spec: AttnKernelSpec):
 
 
 def build(spec: AttnKernelSpec):
-    return build_attention(spec)
+    """The prim_func of ``spec``, checked: its tensors' shapes and strides keep the extents' names."""
+    func = build_attention(spec)
+    if spec.backend == "cuda":
+        _check_extent_names(func)
+    return func
+
+
+#: the names of the CUDA kernel's dynamic extents and strides: TileLang's launcher takes them by name
+#: (``NL``, ``NC``: the lse's and the offsets' lengths, which no plan binds and the launcher passes as 0)
+EXTENTS = ("nb", "sq", "sk", "qsb", "qss", "qsh", "ksb", "kss", "ksh", "vsb", "vss", "vsh", "osb", "oss", "osh",
+           "NL", "NC")
+
+
+def _check_extent_names(func) -> None:
+    """Refuse a prim_func whose tensor shape or stride variable was renamed. In a macro, binding an
+    extent to a name (``hi = sk``, or passing ``sq`` to a parameter ``nq``) renames the variable
+    itself; the launcher then takes an argument of the new name, which no plan binds: every call of
+    the first H200 run refused for it. Caught here, when a kernel is built, on any machine."""
+    bad = set()
+    for p in func.params:
+        buf = func.buffer_map.get(p)
+        if buf is None:
+            continue
+        for x in (*buf.shape, *buf.strides):
+            name = getattr(x, "name", None)
+            if name is not None and name not in EXTENTS:
+                bad.add(f"{buf.name}: {name}")
+    if bad:
+        raise RuntimeError(f"attention kernel: an extent was renamed while building ({', '.join(sorted(bad))}; "
+                           f"expected the names {EXTENTS}): a macro bound it to another name")
 
 
 # ------------------------------------------------------------------------------ shared pieces
@@ -293,10 +325,12 @@ def _check_cu(spec: AttnKernelSpec):
 def _span(spec: AttnKernelSpec, m0, m1, n_sk, off, window):
     """Keys ``[lo, hi)`` some row of ``[m0, m1)`` may see (``m1 > m0``), by the masks' bounds."""
     hi = n_sk
-    # not the literal 0 (it is 0: n_sk >= 0): a T.Pipelined loop from a literal 0 to a dynamic end failed
-    # TileLang 0.1.15's CUDA codegen for sm_80 ("Downcast from tirx.Sub to ir.IntImm" in a cp.async
-    # wait, seen here for every non-windowed kernel); from an expression it lowers, on sm_90 alike
-    lo = T.min(0, n_sk)
+    # 0, written so that TVM cannot prove it (the window argument is >= 0, which only the host knows):
+    # a T.Pipelined loop from a provable 0 to a dynamic end fails TileLang 0.1.15's cp.async pipeline
+    # (sm_80, and sm_90 with pipeline 1: "Downcast from tirx.Sub to ir.IntImm" in a cp.async wait,
+    # seen here for every non-windowed kernel); from an opaque start it lowers. Not min(0, the key
+    # count): a shape variable is known >= 0, so TVM folds that to 0
+    lo = T.min(0, window)
     if spec.causal:
         hi = _clamp(m1 - 1 + off + 1, 0, n_sk)
     if spec.window:
@@ -439,7 +473,6 @@ def _cuda(spec: AttnKernelSpec):
     acc_t = "float32"
     check = _check_cu(spec)
     masked = spec.causal or spec.window
-    tma = spec.loads == 2
     # bisection steps that find a tile's sequence among up to 2^31 sequences
     steps = 31
 
@@ -460,9 +493,12 @@ def _cuda(spec: AttnKernelSpec):
         T.fill(Acc, 0)
         T.fill(lsum, 0)
         T.fill(m, -T.infinity(acc_t))
-        lo, hi = _span(spec, m0, T.min(m0 + BM, sq), sk, off, window)
-        t0 = lo // BN
-        t1 = T.max(T.ceildiv(hi, BN), t0)
+        # the K/V tiles [t0, t1) as expressions, never a name bound to the bare extent: assigning `sk`
+        # to a name (``lo, hi = _span(...)``, hi being sk when nothing masks) renames the variable
+        # itself, K's shape read [nb, hi, ...] and TileLang's launcher took "hi" for "sk" (seen on the
+        # H200; :func:`build` now refuses a renamed extent)
+        t0 = _span(spec, m0, T.min(m0 + BM, sq), sk, off, window)[0] // BN
+        t1 = T.max(T.ceildiv(_span(spec, m0, T.min(m0 + BM, sq), sk, off, window)[1], BN), t0)
         for t in T.Pipelined(t0, t1, num_stages=STAGES):
             n0 = t * BN
             T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
@@ -562,17 +598,8 @@ def _cuda(spec: AttnKernelSpec):
                 # call deadlocked (benchmarks/NOTES.md, "the forward's deadlock"). The last row tiles
                 # go first: under a causal mask they have the most keys, so the longest blocks start in
                 # the first wave.
-                if tma:
-                    work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, 0, sq, 0, sk,
-                         T.if_then_else(masked, tiles - 1 - bx, bx), lsb, lsh, has_lse, scale, cap, window)
-                else:
-                    # the key count from a register: with the K/V loop's start an expression TVM proves 0,
-                    # TileLang 0.1.15's cp.async pipeline (pipeline 1, and sm_80) fails to lower ("Downcast
-                    # from tirx.Sub to ir.IntImm" in a cp.async wait, seen here); from a load it lowers
-                    nk = T.alloc_local((1,), "int32")
-                    nk[0] = sk
-                    work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, 0, sq, 0,
-                         nk[0], T.if_then_else(masked, tiles - 1 - bx, bx), lsb, lsh, has_lse, scale, cap, window)
+                work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, 0, sq, 0, sk,
+                     T.if_then_else(masked, tiles - 1 - bx, bx), lsb, lsh, has_lse, scale, cap, window)
 
     return body
 

@@ -58,15 +58,14 @@ CUDA_ENV = "TILEOPS_ATTENTION_CUDA"
 
 
 def cuda_enabled() -> bool:
-    """Whether CUDA calls may launch the attention kernels. Not by default: on the H200
-    (2026-12-03, the first run of these programs) the forward's first call (1 x 128 tokens, GQA 4/2,
-    head_dim 128, bf16, not causal) never returned: ``torch.cuda.synchronize`` after it was still
-    waiting 40 s later, a deadlock of the warp-specialised TMA pipeline TileLang generated (its producer
-    warpgroup's K/V loop count read from an uninitialised copy of a local buffer; the default schedule
-    now lowers without it: ``kernels/attention.py`` ``pipeline``; ``benchmarks/NOTES.md``, "the forward's
-    deadlock", and ``benchmarks/attention_probe.py`` to check it on a GPU). A call that hangs the process is worse than one that refuses, so
-    the op refuses CUDA calls, naming ``target="torch"`` and this variable, until a run on a GPU shows
-    the programs correct; the C schedules (CPU) are tested in CI."""
+    """Whether CUDA calls may launch the attention kernels. Not by default, until the attention CUDA
+    tests pass on a GPU. On the H200 (2026-12-03) the forward's first call deadlocked (TileLang's
+    producer warpgroup read its K/V loop bounds from an uninitialised copy of a local buffer:
+    ``kernels/attention.py`` ``PIPELINES``); with that fixed, ``benchmarks/attention_probe.py``'s
+    forward and backward variants returned and agreed with SDPA, but the CUDA test files did not
+    finish in the time the session had (each kernel is a TileLang build of 20-45 s). A call that
+    could hang the process or answer wrongly is worse than one that refuses, so the op refuses CUDA
+    calls, naming ``target="torch"`` and this variable; the C schedules (CPU) are tested in CI."""
     import os
 
     return os.environ.get(CUDA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
@@ -162,8 +161,8 @@ class AttnKernels:
         self.backend, self.arch = device_backend(self.device)
         if self.backend == "cuda" and not cuda_enabled():
             raise NotImplementedError(
-                f"{op.name}: CUDA: the attention tile programs have not run correctly on a GPU yet (on the H200 "
-                f"the forward's first call deadlocked), so CUDA calls are refused rather than risk a hang; "
+                f"{op.name}: CUDA: the attention tile programs have not passed their CUDA tests on a GPU yet "
+                f"(their first H200 run deadlocked; fixed, not yet fully tested), so CUDA calls are refused; "
                 f"target='torch' computes attention with PyTorch on any device ({CUDA_ENV}=1 runs the kernels, "
                 f"for the work on them)")
         self.spec = kernel_specs(op.manifest, op.params, call, self.backend)[0][1]
