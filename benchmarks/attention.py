@@ -81,7 +81,10 @@ def backward_call(forward: Any, t: dict[str, torch.Tensor], dout: torch.Tensor) 
 def parse_config(text: str) -> dict[str, int]:
     """``128x64x2x256`` -> the manifest's ``kernel.static`` keys; a fifth number is the ``pipeline``
     knob (``128x128x2x256x2``: TMA loads from TileLang's producer warpgroup)."""
-    parts = [int(p) for p in text.lower().split("x")]
+    try:
+        parts = [int(p) for p in text.lower().split("x")]
+    except ValueError:
+        parts = []
     if len(parts) not in (4, 5):
         raise SystemExit(f"--configs: expected block_M x block_N x stages x threads [x pipeline], got {text!r}")
     return dict(zip(("block_M", "block_N", "stages", "threads", "pipeline"), parts))
@@ -208,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             jobs = op_kernel_jobs("AttnFwdOp", op.params, dims, [{"bf16": "bfloat16", "fp16": "float16"}[dt]], arch,
                                   with_inputs=("cu_seqlens_q", "cu_seqlens_k") if row[6] else (),
                                   backward=a.backward)
-            if c is not None:  # the sweep's specs: the job's spec with the config's schedule
-                jobs = [(b, dataclasses.replace(s, **c), be, ar) for b, s, be, ar in jobs]
+            if c is not None:  # the sweep's specs: the forward's with the config's schedule (the
+                # backward's programs keep their own tiles: their spec has none of these fields)
+                jobs = [(b, dataclasses.replace(s, **c) if b == "attention" else s, be, ar) for b, s, be, ar in jobs]
             todo += jobs
     t0 = time.perf_counter()
     count, _, failures = compile_jobs(todo, a.jobs, progress=True)

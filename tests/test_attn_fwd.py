@@ -246,8 +246,8 @@ def test_cuda_calls_are_refused_until_the_kernels_are_validated(monkeypatch):
     monkeypatch.setattr(attn_builtin, "load_kernel", lambda *a, **k: pytest.fail("a kernel was loaded"))
     op = AttnFwdOp(4, 2, 64)
     q, k, v = _inputs(3, (1, 4, 4, 64), (1, 4, 2, 64))
-    with pytest.raises(NotImplementedError, match=r"CUDA: the attention tile programs have not passed their CUDA tests.*"
-                                                   r"target='torch'.*TILEOPS_ATTENTION_CUDA=1"):
+    with pytest.raises(NotImplementedError, match=r"CUDA: the attention tile programs have not passed their "
+                                                   r"CUDA tests.*target='torch'.*TILEOPS_ATTENTION_CUDA=1"):
         op(q, k, v)
 
 
@@ -282,7 +282,7 @@ def test_cuda_kernels_take_every_argument_their_plan_binds(fields):
     from tileops.compile.build import prim_func
     from tileops.kernels import get_spec
 
-    pipeline = fields.pop("pipeline", 0)
+    pipeline = fields.get("pipeline", 0)
     base = dict(dtype="bfloat16", head_dim=64, varlen=fields.get("varlen", False), causal=fields.get("causal", False),
                 window=fields.get("window", False), softcap=False)
     fwd = get_spec("attention")(backend="cuda", hq=4, hkv=2, pipeline=pipeline, **base)
