@@ -235,34 +235,41 @@ def test_bad_cu_seqlens_reported_with_index(cu_q, cu_k, name, index, value):
         op.check()
 
 
-def test_cuda_calls_are_refused_until_the_kernels_are_validated(monkeypatch):
-    """The CUDA tile programs deadlocked at their first run on the H200: a CUDA call (here the
-    backend the op sees on this machine, made CUDA) refuses before any kernel is built or run, naming
-    the torch target and the variable that lets the kernels run."""
+def test_cuda_gradients_are_refused_until_the_backward_is_validated(monkeypatch):
+    """The backward's tile programs have not passed their CUDA tests yet: a CUDA call (here the backend
+    the op sees on this machine, made CUDA) whose inputs require grad refuses before any kernel is
+    built or run, naming no_grad, the torch target and the variable that lets the kernels run."""
     from tileops.attention import attn_builtin
 
     monkeypatch.delenv(attn_builtin.CUDA_ENV, raising=False)
     monkeypatch.setattr(attn_builtin, "device_backend", lambda device: ("cuda", "sm_90"))
-    monkeypatch.setattr(attn_builtin, "load_kernel", lambda *a, **k: pytest.fail("a kernel was loaded"))
+    monkeypatch.setattr(attn_builtin, "load_kernel", lambda *a, **k: object())  # no GPU here: nothing to build
+    monkeypatch.setattr(attn_builtin.AttnKernels, "binding", lambda *a, **k: None)  # (its fast path: no launch)
+    monkeypatch.setattr(attn_builtin.AttnKernels, "_bind", lambda *a, **k: pytest.fail("a kernel was bound"))
     op = AttnFwdOp(4, 2, 64)
-    q, k, v = _inputs(3, (1, 4, 4, 64), (1, 4, 2, 64))
-    with pytest.raises(NotImplementedError, match=r"CUDA: the attention tile programs have not passed their "
-                                                   r"CUDA tests.*target='torch'.*TILEOPS_ATTENTION_CUDA=1"):
-        op(q, k, v)
+    q, k, v = _inputs(3, (1, 4, 4, 64), (1, 4, 2, 64), torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"CUDA gradients: the attention backward's tile programs have "
+                                                   r"not passed.*no_grad.*target='torch'.*TILEOPS_ATTENTION_CUDA=1"):
+        op(q.requires_grad_(), k, v)
 
 
 @pytest.mark.cuda
-def test_cuda_calls_are_refused_on_a_gpu():
+def test_cuda_gradients_are_refused_on_a_gpu():
+    """On a GPU the forward runs; a call that will take gradients is refused, and the torch target
+    serves it."""
     from tileops.attention.attn_builtin import cuda_enabled
 
-    if not torch.cuda.is_available() or cuda_enabled():
-        pytest.skip("needs an NVIDIA GPU, and the kernels not let run")
-    q = torch.randn(1, 4, 4, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 4, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match=r"CUDA: the attention tile programs"):
-        AttnFwdOp(4, 2, 64)(q, k, k)
-    out = AttnFwdOp(4, 2, 64, target="torch")(q, k, k)  # the named alternative serves the call
-    assert out.shape == q.shape and bool(torch.isfinite(out).all())
+    if not torch.cuda.is_available() or cuda_enabled(backward=True):
+        pytest.skip("needs an NVIDIA GPU, and the backward kernels not let run")
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in _inputs(4, (1, 4, 4, 64), (1, 4, 2, 64)))
+    op = AttnFwdOp(4, 2, 64)
+    want = AttnFwdOp(4, 2, 64, target="torch")(q, k, v)
+    assert bool(torch.isfinite(op(q, k, v)).all())
+    with pytest.raises(NotImplementedError, match=r"CUDA gradients"):
+        op(q.requires_grad_(), k, v)
+    out = AttnFwdOp(4, 2, 64, target="torch")(q, k, v)  # the named alternative serves the call
+    out.float().sum().backward()
+    assert q.grad is not None and out.shape == want.shape
 
 
 @pytest.mark.parametrize("fields", [dict(), dict(pipeline=2), dict(causal=True, pipeline=2),

@@ -21,12 +21,7 @@ import torch
 import tileops
 from tileops.attention import AttnFwdOp
 
-from tileops.attention.attn_builtin import CUDA_ENV, cuda_enabled  # noqa: E402
-
-#: the attention kernels on CUDA run only where they are let (tileops.attention.attn_builtin.cuda_enabled)
-ATTN_CUDA = pytest.mark.skipif(not cuda_enabled(), reason=f"the attention CUDA kernels are refused until validated "
-                               f"on a GPU (set {CUDA_ENV}=1 to run them)")
-pytestmark = [pytest.mark.cuda, ATTN_CUDA]
+pytestmark = pytest.mark.cuda
 
 _spec = importlib.util.spec_from_file_location("_attn_fwd_cuda_refs", Path(__file__).with_name("references_attention.py"))
 refs = importlib.util.module_from_spec(_spec)

@@ -46,10 +46,11 @@ class AttnFwdOp(hooks.AttnFwdHooks):
     mma on sm_80), K/V tiles through a shared-memory pipeline (TMA with a producer warpgroup on sm_90), online
     softmax in fp32 fragments, causal and window masks skipping whole tiles and evaluated only on the tiles
     they cut. CUDA: fp16 and bf16, every stride a multiple of 8 elements (16 bytes; a view off it is copied
-    first). **CUDA calls are refused for now** (``NotImplementedError``, before any kernel runs): at their
-    first run on the H200 the forward's first call deadlocked; with that fixed, the forward and backward agree
-    with SDPA there, but the CUDA tests have not all run on a GPU yet. ``target="torch"`` computes attention
-    with PyTorch on any device; ``TILEOPS_ATTENTION_CUDA=1`` lets the kernels run, for the work on them.
+    first). The forward's CUDA tests passed on the H200. **CUDA calls that will take gradients are refused for
+    now** (``NotImplementedError``, before any kernel runs): the backward agrees with SDPA on the H200, but
+    its CUDA tests have not run to the end there yet. Under ``torch.no_grad()`` (or with inputs that do not
+    require grad) the forward runs; ``target="torch"`` computes attention and its gradients with PyTorch on
+    any device; ``TILEOPS_ATTENTION_CUDA=1`` lets the backward kernels run, for the work on them.
 
     Gradients of q, k and v (``backward``; ``kernels/attention_bwd.py``): FlashAttention-2's backward as three
     programs of one plan, without atomics (the same inputs give the same bits). ``return_lse=True`` is refused

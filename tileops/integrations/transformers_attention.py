@@ -171,8 +171,9 @@ def _fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 
 def _unserved(module: torch.nn.Module, query: torch.Tensor, mask: Any, dropout: float, causal: bool,
-              window: int | None) -> str | None:
-    """Why the op cannot compute this call exactly, or None."""
+              window: int | None, tensors: tuple = ()) -> str | None:
+    """Why the op cannot compute this call exactly, or None (``tensors``: q, k and v, for whether a
+    gradient will be taken)."""
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool):
         return "a mask that is not a padding mask (a 4-D or custom mask)"
     if dropout:
@@ -181,8 +182,9 @@ def _unserved(module: torch.nn.Module, query: torch.Tensor, mask: Any, dropout: 
         return "a sliding window without the causal mask (bidirectional windows are not served)"
     if query.shape[-1] not in HEAD_DIMS:
         return f"head_dim {query.shape[-1]} (served: {', '.join(map(str, HEAD_DIMS))})"
-    if query.is_cuda and not cuda_enabled():
-        return "CUDA (the attention kernels are refused until validated on a GPU: AttnFwdOp's CUDA note)"
+    if query.is_cuda and torch.is_grad_enabled() and not cuda_enabled(backward=True) and any(
+            t.requires_grad for t in tensors):
+        return "CUDA gradients (the attention backward's kernels are refused until validated: AttnFwdOp's note)"
     if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
         return f"{query.dtype} on CUDA (served: float16, bfloat16)"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -204,8 +206,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # a module not patched by tileops gets here when its config is shared with a patched model's
     # (the implementation is a config attribute): it runs transformers' attention, as before
     why = ("the module was not patched by tileops (its config is shared with a patched model)" if state is None
-           else _unserved(
-        module, query, attention_mask, dropout, causal, window))
+           else _unserved(module, query, attention_mask, dropout, causal, window, (query, key, value)))
     if why is None and (key.dtype != query.dtype or value.dtype != query.dtype):
         why = f"q, k, v of dtypes {query.dtype}, {key.dtype}, {value.dtype}"
     if why is not None:
