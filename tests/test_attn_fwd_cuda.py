@@ -65,6 +65,31 @@ MASKS = [(False, None, 200, 333), (True, None, 257, 257), (True, None, 130, 300)
          (False, 70, 150, 260), (True, 50, 260, 260)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def warm():
+    """Every forward kernel of this module's ops, compiled at once, a process a CPU (TileLang's build of
+    one takes 16-18 s on the H200; one after another they held a run for minutes). Under pytest-xdist
+    the first worker compiles and the others wait for it (:func:`tileops.compile.warmup.compile_jobs`).
+    A kernel that fails to build fails its own test, where it is built again."""
+    if not torch.cuda.is_available():
+        return
+    from tileops.compile.build import device_backend
+    from tileops.compile.warmup import compile_jobs, op_kernel_jobs
+
+    arch = device_backend(torch.device(DEV))[1]
+    ops = ([(8, 2, 128, dict(causal=c, sliding_window=w), "bfloat16", False) for c, w, _, _ in MASKS]
+           + [(8, 2, 128, dict(causal=True, softcap=20.0, softmax_scale=0.2), "bfloat16", False)]
+           + [(4, 2, d, dict(causal=True), "float16", False) for d in (64, 80, 96, 128, 256)]
+           + [(4, 4, 64, {}, dt, False) for dt in ("bfloat16", "float16")]
+           + [(8, 2, 128, dict(causal=True), "bfloat16", True), (4, 2, 64, {}, "float16", False)])
+    jobs = []
+    for hq, hkv, d, kw, dtype, varlen in ops:
+        op = AttnFwdOp(hq, hkv, d, **kw)
+        jobs += op_kernel_jobs(op.name, dict(op.params), {"q_dim": d, "q_heads": hq, "kv_heads": hkv}, [dtype], arch,
+                               with_inputs=("cu_seqlens_q", "cu_seqlens_k") if varlen else (), backward=False)
+    compile_jobs(jobs, progress=False)
+
+
 @pytest.mark.parametrize("causal,window,sq,sk", MASKS)
 def test_masks_gqa_bf16(causal, window, sq, sk):
     op = AttnFwdOp(8, 2, 128, causal=causal, sliding_window=window)

@@ -210,3 +210,56 @@ def test_tilelang_memory_cache_hint_alone_is_filtered():
     other = logging.LogRecord(log.name, logging.WARNING, __file__, 1, "Cache directory %s is not writable",
                               ("/x",), None)
     assert not log.filter(hint) and log.filter(other)
+
+
+def _rope_job():
+    from tileops.compile.warmup import op_kernel_jobs
+
+    jobs = op_kernel_jobs("RoPENeoxPositionIdsFwdOp", {"max_position": 4096, "rotary_dim": 32}, {"head_dim": 48},
+                          ["float32"], "c", with_inputs=[], backward=False)
+    return jobs[:1]
+
+
+def test_compile_jobs_skips_indexed_kernels_without_a_process(tmp_path, monkeypatch):
+    """A batch whose kernels the index has starts no process and compiles nothing: a test module's
+    warm-up run by every pytest-xdist worker costs the first worker only."""
+    from tileops.compile import build, warmup
+
+    for k, v in cache_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    job = _rope_job()
+    assert not build.indexed(*job[0])
+    n, _, failures = warmup.compile_jobs(job, jobs=1, progress=False)
+    assert (n, failures) == (1, []) and build.indexed(*job[0])
+    monkeypatch.setattr(warmup, "map_jobs", lambda *a, **k: pytest.fail("an indexed kernel was compiled again"))
+    assert warmup.compile_jobs(job + job, jobs=4, progress=False)[::2] == (1, [])
+
+
+def test_compile_jobs_wait_for_another_batch(tmp_path, monkeypatch, capfd):
+    """While another process holds the cache's compile lock, a batch waits (saying so) before it
+    looks at the index; it goes on when the lock is released."""
+    import fcntl
+    import threading
+
+    from tileops.compile import warmup
+
+    for k, v in cache_env(tmp_path).items():
+        monkeypatch.setenv(k, v)
+    looked = threading.Event()
+
+    def indexed(*job):
+        looked.set()
+        return True
+
+    monkeypatch.setattr("tileops.compile.build.indexed", indexed)
+    lock_dir = tmp_path / "tileops" / "kernels"
+    lock_dir.mkdir(parents=True)
+    with open(lock_dir / "compile.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        done = []
+        t = threading.Thread(target=lambda: done.append(warmup.compile_jobs(_rope_job(), progress=True)))
+        t.start()
+        assert not looked.wait(1.0)  # a lock that did not hold would let it look at once
+    t.join(60)
+    assert looked.is_set() and done and done[0][0] == 1
+    assert "waiting for another process's kernel compiles" in capfd.readouterr().err

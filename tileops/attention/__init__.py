@@ -6,7 +6,8 @@ FlashAttention's layout, dense or varlen, causal (bottom-right), sliding window,
 kernels are ``kernels/attention.py`` (a C schedule for the CPU; on CUDA a tile program with ``T.gemm``
 on tensor cores and K/V tiles pipelined through shared memory), its host side
 :mod:`tileops.attention.attn_builtin`. ``return_lse=True`` also returns the fp32 log-sum-exp the
-backward will read. The backward is not available yet: a call whose inputs require grad raises.
+backward reads. Gradients of q, k and v: ``kernels/attention_bwd.py``'s three programs as one plan (on
+CUDA refused for now, until their CUDA tests have run on a GPU: ``attn_builtin.cuda_enabled``).
 
 The prologue is a composition declared in its manifest (``manifests/attention/AttnPrologueFwdOp.yaml``,
 ``compose:``): a norm stage (the norm family's ``RMSNormFwdOp``), a rope stage (any op of the rope

@@ -430,6 +430,17 @@ def _keep_lean(index_key: str, lean: Any, use_disk: bool) -> tuple[Any, dict[str
         shutil.rmtree(os.path.dirname(lean.libpath), ignore_errors=True)
 
 
+def indexed(builder: str, spec: Any, backend: str, arch: str) -> bool:
+    """Whether the disk index has an entry for the kernel (either build's, on CUDA), by its name alone:
+    no TileLang, no library loaded (an entry found damaged when it is loaded is rebuilt then)."""
+    if not _disk_cache_on():
+        return False
+    keys = [index_key(builder, spec, backend, arch)]
+    if backend == "cuda" and cuda_build.enabled():
+        keys.append(index_key(builder, spec, backend, arch, lean=True))
+    return any(os.path.exists(os.path.join(_index_dir(), k + ".json")) for k in keys)
+
+
 def index_kernel(builder: str, spec: Any, backend: str, arch: str) -> bool:
     """Compile ``spec`` (unless the index has it) and make sure tileops' index has it; whether it compiled."""
     return _obtain(builder, spec, backend, arch)[1]
