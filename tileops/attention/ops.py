@@ -52,6 +52,11 @@ class AttnFwdOp(hooks.AttnFwdHooks):
     require grad) the forward runs; ``target="torch"`` computes attention and its gradients with PyTorch on
     any device; ``TILEOPS_ATTENTION_CUDA=1`` lets the backward kernels run, for the work on them.
 
+    CUDA kernels are built by TileLang's own nvcc build, not tileops' lean one, which refuses their dynamic
+    shared memory: the cold first call of a new specialization compiles for 16-18 s on the H200 (the forward;
+    the backward's three programs 7-23 s each), and needs nvcc there. ``op.compile(...)`` or ``tileops
+    warmup`` compiles them ahead of time, in parallel, into the disk cache that later processes load from.
+
     Gradients of q, k and v (``backward``; ``kernels/attention_bwd.py``): FlashAttention-2's backward as three
     programs of one plan, without atomics (the same inputs give the same bits). ``return_lse=True`` is refused
     while an input requires grad (lse's gradient is not taken).
