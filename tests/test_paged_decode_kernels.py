@@ -1,0 +1,270 @@
+"""The paged decode programs of ``kernels/paged_decode.py`` (split-KV ``partial``, then ``merge``),
+launched directly on the CPU (the C schedule) against a float64 reference written from the
+definition, sharing no code with the kernels.
+
+The reference (:func:`reference`) reads each sequence's keys through its block table from the caches
+as given (NHD or HND; a float8 cache's bytes as torch reads them, times the scale), skips a key whose
+block-table entry lies outside the cache and clamps a length into the table (the kernels' documented
+answer for a bad value, which they also report), applies the window and softcap, and takes the
+softmax in float64. Outputs start as NaN.
+
+The bound (:func:`bound`), from the arithmetic (``u = 2^-24``, fp32 throughout): a logit is a dot
+product of D fp32 products, scaled twice: its absolute error is at most ``(D + 4) u`` times ``A``, the
+largest ``scale * sum_d |q_d k_d|`` (a softcap's tanh has slope at most 1 and adds a few ulps of
+``c``); ``2^(s - m)`` then has relative error at most that plus ``2 u A`` for the subtraction and a
+few ``u`` for exp2: ``e_p <= (D + 8) u (A + c) + 4 u``. The output, a convex combination of the
+value rows with weights off by ``e_p`` relatively, moves at most ``2 e_p max|v|``; the running
+rescales and sums add about ``3 u`` of ``max|v|`` per key and per split; then one rounding to the
+output's dtype (its unit roundoff times the fp32 value's magnitude).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tileops.compile.build import load_kernel
+from tileops.kernels import get_spec
+from tileops.kernels.report import CHECKS, ENTRY, RECORD_MAX
+
+CPU = torch.device("cpu")
+U = 2.0**-24
+#: each output dtype's unit roundoff: a rounding to nearest moves a value by at most this, relatively
+#: (half an ulp of the smallest value of its binade: 2^-p for p bits of precision)
+UNIT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+         torch.float8_e4m3fn: "float8_e4m3fn"}
+
+
+# ------------------------------------------------------------------------------ the reference
+def reference(q, kc, vc, bt, sl, layout, scale, softcap=None, window=None, k_scale=1.0, v_scale=1.0):
+    """``(out, terms)``: out float64 ``[B, Hq, D]``; terms the magnitudes :func:`bound` needs (A, max|v|,
+    the most keys a query saw)."""
+    B, hq, d = q.shape
+    hkv = kc.shape[2] if layout == "NHD" else kc.shape[1]
+    bs = kc.shape[1] if layout == "NHD" else kc.shape[2]
+    nblocks, g = kc.shape[0], hq // hkv
+    kf = kc.to(torch.float32).double() * k_scale
+    vf = vc.to(torch.float32).double() * v_scale
+    if layout == "HND":  # [blocks, Hkv, bs, D] -> [blocks, bs, Hkv, D]
+        kf, vf = kf.transpose(1, 2), vf.transpose(1, 2)
+    out = torch.zeros(B, hq, d, dtype=torch.float64)
+    a_max, v_max, n_max = 0.0, 0.0, 0
+    for b in range(B):
+        n = min(max(int(sl[b]), 0), bt.shape[1] * bs)
+        lo = max(n - window, 0) if window else 0
+        rows = [(int(bt[b, j // bs]), j % bs) for j in range(lo, n)]
+        rows = [(p, r) for p, r in rows if 0 <= p < nblocks]
+        n_max = max(n_max, len(rows))
+        if not rows:
+            continue
+        for h in range(hq):
+            keys = torch.stack([kf[p, r, h // g] for p, r in rows])
+            vals = torch.stack([vf[p, r, h // g] for p, r in rows])
+            qh = q[b, h].to(torch.float32).double()
+            s = keys @ qh * scale
+            a_max = max(a_max, float((keys.abs() @ qh.abs()).max()) * scale)
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            out[b, h] = torch.softmax(s, 0) @ vals
+            v_max = max(v_max, float(vals.abs().max()))
+    return out, dict(a=a_max, v=v_max, n=n_max)
+
+
+def bound(terms: dict, d: int, splits: int, softcap: float | None, out: torch.Tensor, dtype) -> torch.Tensor:
+    """The module docstring's bound on ``|kernel - reference|``, elementwise."""
+    e_p = (d + 8) * U * (terms["a"] + (softcap or 0.0)) + 4 * U
+    fp32 = terms["v"] * (2 * e_p + 3 * (terms["n"] + splits + 4) * U)
+    return fp32 + UNIT[dtype] * (out.abs() + fp32) + 1e-300
+
+
+# ------------------------------------------------------------------------------ launching
+def spec(kind: str, dtype, cache_dtype=None, d=64, hq=8, hkv=2, **fields):
+    return get_spec("paged_decode")(kind=kind, dtype=NAMES[dtype], cache_dtype=NAMES[cache_dtype or dtype],
+                                    head_dim=d, hq=hq, hkv=hkv, **fields)
+
+
+def _launch(s, **args) -> None:
+    k = load_kernel("paged_decode", s, "c", "c", CPU, s.args)
+    k(*k.bind(**args, **dict.fromkeys(k.extent_names, 0)))
+
+
+def run(q, kc, vc, bt, sl, *, layout="NHD", splits=1, scale=0.125, softcap=None, window=None, k_scale=None,
+        v_scale=None, tag=7, fields=None):
+    """``(out, err)``: both programs on the CPU (workspaces and out NaN-filled first), and the error
+    entry they wrote."""
+    B, hq, d = q.shape
+    hkv = kc.shape[2] if layout == "NHD" else kc.shape[1]
+    bs = kc.shape[1] if layout == "NHD" else kc.shape[2]
+    cache_dtype = kc.dtype
+    if layout == "NHD":
+        csb, csr, csh = kc.stride(0), kc.stride(1), kc.stride(2)
+    else:
+        csb, csr, csh = kc.stride(0), kc.stride(2), kc.stride(1)
+    assert vc.stride() == kc.stride()
+    fields = dict(window=window is not None, softcap=softcap is not None, **(fields or {}))
+    max_blocks = bt.shape[1]
+    chunk = max(1, math.ceil(max_blocks * bs / splits))
+    op_ws = torch.full((B * hq * splits * d,), float("nan"), dtype=torch.float32)
+    lp_ws = torch.full((B * hq * splits,), float("nan"), dtype=torch.float32)
+    err = torch.zeros(ENTRY, dtype=torch.int32)
+    ks = torch.tensor([k_scale or 1.0], dtype=torch.float32)
+    vs = torch.tensor([v_scale or 1.0], dtype=torch.float32)
+    raw = (lambda t: t.view(torch.uint8)) if cache_dtype == torch.float8_e4m3fn else (lambda t: t)
+    part = spec("partial", q.dtype, cache_dtype, d, hq, hkv, **fields)
+    _launch(part, Q=q.data_ptr(), KC=raw(kc).data_ptr(), VC=raw(vc).data_ptr(), BT=bt.data_ptr(), SL=sl.data_ptr(),
+            KS=ks.data_ptr(), VS=vs.data_ptr(), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(), ERR=err.data_ptr(), tag=tag,
+            batch=B, splits=splits, chunk=chunk, nblocks=kc.shape[0], bs=bs, max_blocks=max_blocks,
+            btb=bt.stride(0), qsb=q.stride(0), qsh=q.stride(1), csb=csb, csr=csr, csh=csh, scale=scale,
+            softcap=softcap or 1.0, window=window or 0)
+    out = torch.full_like(q, float("nan"))
+    _launch(spec("merge", q.dtype, cache_dtype, d, hq, hkv, **fields), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(),
+            O=out.data_ptr(), batch=B, splits=splits, osb=out.stride(0), osh=out.stride(1))
+    return out, err
+
+
+def record(err: torch.Tensor, k: int) -> tuple[int, int] | None:
+    """(offset, value) of check ``k``'s first bad element in an error entry, or None."""
+    lo, hi = int(err[CHECKS + 2 * k]) & 0xFFFFFFFF, int(err[CHECKS + 2 * k + 1]) & 0xFFFFFFFF
+    held = hi << 32 | lo
+    if held == 0:
+        return None
+    packed = RECORD_MAX - held
+    value = packed & 0xFFFFFFFF
+    return packed >> 32, value - (1 << 32) if value >= 1 << 31 else value
+
+
+# ------------------------------------------------------------------------------ inputs
+def make(seed, *, lens, bs, layout="NHD", hq=8, hkv=2, d=64, dtype=torch.float32, cache_dtype=None, spare=3):
+    """q ``[B, Hq, D]``, caches of ``sum(blocks) + spare`` blocks, each sequence's blocks scattered
+    through them (a shuffled table), int32 block tables ``[B, max_blocks]`` (unused entries -1, which
+    no length reaches) and lengths."""
+    g = torch.Generator().manual_seed(seed)
+    per = [max(1, math.ceil(n / bs)) for n in lens]
+    nblocks = sum(per) + spare
+    shape = (nblocks, bs, hkv, d) if layout == "NHD" else (nblocks, hkv, bs, d)
+    kc, vc = (torch.randn(shape, generator=g) for _ in range(2))
+    if cache_dtype == torch.float8_e4m3fn:
+        kc, vc = (x.mul(40).clamp(-448, 448).to(torch.float8_e4m3fn) for x in (kc, vc))
+    else:
+        kc, vc = kc.to(dtype), vc.to(dtype)
+    order = torch.randperm(nblocks, generator=g).to(torch.int32)
+    bt = torch.full((len(lens), max(per) + 1), -1, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(per):
+        bt[b, :n] = order[at:at + n]
+        at += n
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    return q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32)
+
+
+def check(q, kc, vc, bt, sl, *, layout="NHD", splits=1, scale=0.125, softcap=None, window=None, k_scale=1.0,
+          v_scale=1.0, fields=None):
+    fp8 = kc.dtype == torch.float8_e4m3fn
+    got, err = run(q, kc, vc, bt, sl, layout=layout, splits=splits, scale=scale, softcap=softcap, window=window,
+                   k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None, fields=fields)
+    want, terms = reference(q, kc, vc, bt, sl, layout, scale, softcap, window, k_scale if fp8 else 1.0,
+                            v_scale if fp8 else 1.0)
+    assert not got.isnan().any(), "a NaN in out (an element never written?)"
+    e = (got.double() - want).abs()
+    tol = bound(terms, q.shape[-1], splits, softcap, want, q.dtype)
+    bad = e > tol
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} off; worst {e.max().item():.3e}, "
+                           f"{(e / tol).max().item():.2f} x its bound, first at {bad.nonzero()[0].tolist()}")
+    return got, err
+
+
+# ------------------------------------------------------------------------------ tests
+LENS = [37, 0, 1, 16, 64, 23]  # an empty sequence, one token, a block exactly, blocks and a part
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("bs", [1, 16, 5])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_layouts_block_sizes_and_splits(layout, bs, splits):
+    t = make(41, lens=LENS, bs=bs, layout=layout)
+    got, err = check(*t, layout=layout, splits=splits)
+    assert bool((got[1] == 0).all()), "a sequence of no token outputs zeros"
+    assert int(err[0]) == 0 and int(err[1]) == 0, "nothing reported for good tables"
+
+
+def test_splits_agree_with_one_split():
+    """More splits than a sequence has tokens: splits that see no key weigh nothing in the merge."""
+    t = make(42, lens=[3, 40], bs=4)
+    check(*t, splits=7)  # chunks of 7 tokens over a table of 11 blocks: sequence 0 has one split of keys
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes(dtype):
+    check(*make(43, lens=LENS, bs=16, dtype=dtype), splits=2)
+
+
+def test_float8_cache_with_scales():
+    t = make(44, lens=LENS, bs=16, layout="HND", dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
+    check(*t, layout="HND", splits=2, k_scale=0.03, v_scale=0.5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 100])
+def test_window_and_softcap(window):
+    check(*make(45, lens=LENS, bs=16), splits=3, window=window, softcap=5.0, scale=0.3)
+
+
+def test_mha_head_dim_128():
+    check(*make(46, lens=[70, 2], bs=16, hq=4, hkv=4, d=128), splits=2)
+
+
+def test_bad_block_table_entries_and_lengths_are_reported_and_skipped():
+    """An entry outside the cache (negative, or at num_blocks) is skipped and reported, the first one by
+    its offset in the table; a length past the table reads the table's tokens and is reported; the
+    other sequences are untouched."""
+    q, kc, vc, bt, sl = make(47, lens=[40, 30, 20], bs=8)
+    nblocks = kc.shape[0]
+    bt[0, 2] = nblocks  # sequence 0's third block (tokens 16-23)
+    bt[0, 4] = -5
+    sl[2] = bt.shape[1] * 8 + 9  # sequence 2: past its table (whose unused entries are -1: skipped too)
+    got, err = check(q, kc, vc, bt, sl, splits=2)
+    assert int(err[0]) == 7 and int(err[1]) == 7, "the call's tag in both words"
+    assert record(err, 0) == (0 * bt.stride(0) + 2, nblocks), record(err, 0)
+    assert record(err, 1) == (2, int(sl[2])), record(err, 1)
+    *_, bt0, sl0 = make(47, lens=[40, 30, 20], bs=8)
+    good, _ = run(q, kc, vc, bt0, sl0, splits=2)
+    assert torch.equal(got[1], good[1]), "sequence 1, whose table and length are good, is as it was"
+
+
+def test_e4m3_decode_every_bit_pattern():
+    """The float8 read, alone: every one of the 256 bit patterns against torch's float8 -> float32."""
+    from tileops.compile import build, tilelang_api
+    from tileops.kernels import paged_decode
+
+    tilelang = tilelang_api.load()
+    paged_decode._tl()
+    import tilelang.language as T
+
+    @T.prim_func
+    def decode(X: T.Tensor((256,), "uint8"), Y: T.Tensor((256,), "float32")):
+        with T.Kernel(1, threads=1):
+            for i in T.serial(256):
+                Y[i] = paged_decode.e4m3_f32(X[i])
+
+    k = tilelang.compile(decode, target="c", execution_backend="cython", pass_configs=build.PASS_CONFIGS,
+                         compile_flags=list(build.c_flags()))
+    x = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    y = torch.full((256,), 12345.0)
+    k(x, y)
+    want = x.view(torch.float8_e4m3fn).to(torch.float32)
+    nan = want.isnan()
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y[~nan], want[~nan]) and torch.equal(y[~nan].signbit(), want[~nan].signbit())
+
+
+def test_spec_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError, match=r"backend: the paged decode's CUDA schedule is not written yet"):
+        spec("partial", torch.bfloat16, backend="cuda")
+    with pytest.raises(ValueError, match=r"cache_dtype: expected the query's dtype 'bfloat16' or 'float8_e4m3fn'"):
+        spec("partial", torch.bfloat16, torch.float16)
+    with pytest.raises(ValueError, match=r"hq: expected a multiple of hkv=3, got 8"):
+        spec("partial", torch.float32, hq=8, hkv=3)
+    with pytest.raises(ValueError, match=r"kind: expected 'partial' or 'merge'"):
+        spec("fwd", torch.float32)
