@@ -40,6 +40,8 @@ def rope_params(name: str, params: dict) -> dict:
 
 
 def reference(op_name: str, params: dict, inputs: dict) -> "dict | torch.Tensor":
+    if op_name == "PagedAttnDecodeFwdOp":
+        return paged_decode(params, inputs)[0]
     if op_name == "AttnFwdOp":  # differentiable when the caller's float64 leaves ask (family_references.grads)
         return attention(params, inputs, differentiable=any(inputs[n].requires_grad for n in ("q", "k", "v")))["out"]
     return _chain(op_name, params, inputs)[0]
@@ -109,6 +111,8 @@ def scale(op_name: str, params: dict, inputs: dict) -> dict:
     not to the output, which cancels towards 0 when v's signs mix."""
     if op_name == "AttnFwdOp":
         return {"out": attention(params, inputs)["scale"]}
+    if op_name == "PagedAttnDecodeFwdOp":
+        return {"out": paged_decode(params, inputs)[1]}
     return _chain(op_name, params, inputs)[1]
 
 
@@ -237,3 +241,41 @@ def _rotate_by(x: torch.Tensor, angle: torch.Tensor, amp: float, rot: int) -> to
     out[..., :h] = (a * angle.cos() - c * angle.sin()) * amp
     out[..., h:rot] = (c * angle.cos() + a * angle.sin()) * amp
     return out
+
+
+def paged_decode(params: dict, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``PagedAttnDecodeFwdOp`` in float64 from its definition: ``(out, sum_j p_j |v_j|)``, both ``[batch,
+    Hq, D]``. Sequence b's token j is row ``j % block_size`` of block ``block_tables[b, j // block_size]``
+    (an entry outside the cache is skipped and a length clamped into the table: the op's documented
+    answer to a value it reports); the window keeps the keys ``j >= L - w``; a float8 cache's values
+    times the scale."""
+    hq, hkv, d = params["num_q_heads"], params["num_kv_heads"], params["head_dim"]
+    sc = params.get("softmax_scale") or d ** -0.5
+    cap, w = params.get("softcap"), params.get("sliding_window")
+    q = inputs["q"].detach().cpu().double()
+    kc, vc = (inputs[n].detach().cpu().float().double() for n in ("key_cache", "value_cache"))
+    if params.get("cache_dtype") == "float8_e4m3fn":
+        kc = kc * float(inputs["k_scale"].reshape(()))
+        vc = vc * float(inputs["v_scale"].reshape(()))
+    if params.get("cache_layout", "NHD") == "HND":
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    bt, lens = inputs["block_tables"].cpu(), inputs["seq_lens"].cpu()
+    blocks, bs = kc.shape[0], kc.shape[1]
+    out, mag = torch.zeros_like(q), torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        n = min(max(int(lens[b]), 0), bt.shape[1] * bs)
+        lo = max(n - w, 0) if w else 0
+        pairs = [(int(bt[b, j // bs]), j % bs) for j in range(lo, n)]
+        pairs = [(k, r) for k, r in pairs if 0 <= k < blocks]
+        if not pairs:
+            continue
+        keys = torch.stack([kc[k, r] for k, r in pairs])
+        vals = torch.stack([vc[k, r] for k, r in pairs])
+        for h in range(hq):
+            g = h // (hq // hkv)
+            s = keys[:, g] @ q[b, h] * sc
+            if cap:
+                s = cap * torch.tanh(s / cap)
+            pr = torch.softmax(s, 0)
+            out[b, h], mag[b, h] = pr @ vals[:, g], pr @ vals[:, g].abs()
+    return out, mag

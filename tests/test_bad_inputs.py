@@ -81,7 +81,8 @@ def base(m) -> tuple[dict[str, Any], dict[str, int]]:
 #: optional inputs the first case's params refuse, left out of the valid base call: the prologue's
 #: scales need an fp8 cache, and its first case's caches are bf16; attention's offsets need a varlen
 #: (3-D) q, and the cases' q is dense (the first shape of each input)
-NOT_WITH_BASE = {"AttnPrologueFwdOp": {"k_scale", "v_scale"}, "AttnFwdOp": {"cu_seqlens_q", "cu_seqlens_k"}}
+NOT_WITH_BASE = {"AttnPrologueFwdOp": {"k_scale", "v_scale"}, "AttnFwdOp": {"cu_seqlens_q", "cu_seqlens_k"},
+                 "PagedAttnDecodeFwdOp": {"k_scale", "v_scale"}}
 
 
 def dtypes(m) -> dict[str, str]:
@@ -371,6 +372,19 @@ BROKEN_ELSEWHERE = {
     ("AttnPrologueFwdOp", "cache_dtype == none or cache_dtype == 'float8_e4m3fn' or cache_dtype == dtype_qkv"):
         "tests/test_attention_prologue.py::test_a_cache_dtype_other_than_qkvs_or_float8_is_refused",
     # the base call's q is dense, and passes no offsets (NOT_WITH_BASE)
+    # the base call's caches are its first case's (no fp8, blocks and tables of it): broken there
+    ("PagedAttnDecodeFwdOp", "block_size > 0 and num_blocks > 0"):
+        "tests/test_paged_decode.py::test_bad_inputs_are_refused_before_any_kernel[cache-no-blocks]",
+    ("PagedAttnDecodeFwdOp", "max_blocks > 0"):
+        "tests/test_paged_decode.py::test_bad_inputs_are_refused_before_any_kernel[table-no-blocks]",
+    ("PagedAttnDecodeFwdOp", "cache_dtype == none or cache_dtype == 'float8_e4m3fn' or cache_dtype == dtype_q"):
+        "tests/test_paged_decode.py::test_bad_inputs_are_refused_before_any_kernel[q-not-cache-dtype]",
+    ("PagedAttnDecodeFwdOp", "cache_dtype != 'float8_e4m3fn' or (dtype_k_scale != none and dtype_v_scale != none)"):
+        "tests/test_paged_decode.py::test_bad_inputs_are_refused_before_any_kernel[fp8-without-scales]",
+    ("PagedAttnDecodeFwdOp", "cache_dtype == 'float8_e4m3fn' or (dtype_k_scale == none and dtype_v_scale == none)"):
+        "tests/test_paged_decode.py::test_bad_inputs_are_refused_before_any_kernel[scale-without-fp8]",
+    ("PagedAttnDecodeFwdOp", "scale_len == 1"):
+        "tests/test_paged_decode.py::test_bad_inputs_are_refused_before_any_kernel[fp8-two-scales]",
     ("AttnFwdOp", "batch >= 0 and dtype_cu_seqlens_q == none"):
         "tests/test_attn_fwd.py::test_bad_inputs_are_named[cu with dense-ValueError-...]",
     ("AttnFwdOp", "batch >= 0 and dtype_cu_seqlens_k == none"):

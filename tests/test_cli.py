@@ -161,6 +161,7 @@ def test_warmup_prints_a_line_per_kernel_when_not_a_terminal(capsys, monkeypatch
     from tileops.compile import warmup
 
     monkeypatch.setattr(warmup, "_compile", lambda job: None)  # the steps, not the compiles
+    monkeypatch.setattr("tileops.compile.build.indexed", lambda *job: False)  # none cached by an earlier run
     monkeypatch.setattr(native, "build", lambda progress=None: None)
     jobs = warmup.kernel_jobs(["RoPEFwdOp"], "c")
     assert main(["warmup", "RoPEFwdOp", "--arch", "c", "--jobs", "1"]) == 0

@@ -22,7 +22,8 @@ def _small(name: str, gen: torch.Generator, every: bool = True) -> tuple:
     params = {p.name: p.default for p in m.params if p.has_default} | dict(case.params)
     dims = {d: 3 for d in m.dims} | {"head_dim": 32, "hidden": 64}  # RoPE's head size, a norm's row
     # attention's head counts and sizes are the op's params (a rule ties them): the case's own
-    dims |= {d: v for d, v in case.dims.items() if d in ("q_heads", "kv_heads", "q_dim", "k_dim")}
+    dims |= {d: v for d, v in case.dims.items() if d in ("q_heads", "kv_heads", "q_dim", "k_dim", "cache_heads",
+                                                        "cache_dim")}
     if "max_position" in params:
         params["max_position"] = 1000
     if params.get("rotary_dim"):
@@ -38,8 +39,9 @@ def _small(name: str, gen: torch.Generator, every: bool = True) -> tuple:
     return m, op_class(name)(**params), inputs
 
 
-#: optional inputs the case's call refuses: attention's offsets need a varlen (3-D) q, the case's is dense
-DENSE_REFUSES = {"AttnFwdOp": ("cu_seqlens_q", "cu_seqlens_k")}
+#: optional inputs the case's call refuses: attention's offsets need a varlen (3-D) q, the case's is dense;
+#: the paged decode's scales need an fp8 cache, the case's is not
+DENSE_REFUSES = {"AttnFwdOp": ("cu_seqlens_q", "cu_seqlens_k"), "PagedAttnDecodeFwdOp": ("k_scale", "v_scale")}
 
 
 #: ops that write an input in place (the prologue's KV caches) go through apply_out alone, with the

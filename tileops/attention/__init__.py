@@ -9,6 +9,11 @@ on tensor cores and K/V tiles pipelined through shared memory), its host side
 backward reads. Gradients of q, k and v: ``kernels/attention_bwd.py``'s three programs as one plan (on
 CUDA refused for now, until their CUDA tests have run on a GPU: ``attn_builtin.cuda_enabled``).
 
+``PagedAttnDecodeFwdOp`` (``manifests/attention/PagedAttnDecodeFwdOp.yaml``) reads the paged KV cache
+the prologue writes, one query token a sequence, as a plan of two programs (``kernels/paged_decode.py``:
+split-KV partials, then their merge); its host side is :mod:`tileops.attention.decode_builtin`. C
+schedule only so far: CUDA calls are refused.
+
 The prologue is a composition declared in its manifest (``manifests/attention/AttnPrologueFwdOp.yaml``,
 ``compose:``): a norm stage (the norm family's ``RMSNormFwdOp``), a rope stage (any op of the rope
 family, passed as the constructor's ``rope``: its own frequency tables and kernel-spec fields) and

@@ -26,7 +26,7 @@ import torch
 from ..compile.build import device_backend, load_kernel
 from ..kernels.float8 import CVT_MIN_SM
 from ..runtime.plan import ErrorWord, Plan, Ptr, Step, Tag, Value
-from . import attn_builtin
+from . import attn_builtin, decode_builtin
 from .hooks import kernel_spec
 
 __all__ = ["implement", "kernel_specs", "PrologueKernels"]
@@ -169,9 +169,12 @@ def _spec(manifest: Any, params: Any, qkv: str, positions: str, slots: str, back
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
     """The ``(builder, spec)`` a call of one specialization launches, for ``tileops warmup`` and
     ``op.compile`` (no backward: the manifest declares none); ``AttnFwdOp``'s are
-    :func:`tileops.attention.attn_builtin.kernel_specs`."""
+    :func:`tileops.attention.attn_builtin.kernel_specs`, ``PagedAttnDecodeFwdOp``'s
+    :func:`tileops.attention.decode_builtin.kernel_specs`."""
     if manifest.name == "AttnFwdOp":
         return attn_builtin.kernel_specs(manifest, params, call, backend, backward)
+    if manifest.name == "PagedAttnDecodeFwdOp":
+        return decode_builtin.kernel_specs(manifest, params, call, backend, backward)
     spec = _spec(manifest, params, call.dtype("qkv"), call.dtype("positions"), call.dtype("slot_mapping"), backend,
                  manifest.name)
     return [(manifest.kernel.builder, spec)]
@@ -191,4 +194,6 @@ FORWARD = (Step("prologue", {"QKV": Ptr("qkv"), "P": Ptr("positions"), "SL": Ptr
 def implement(op: Any, spec: Any) -> Any:
     if op.name == "AttnFwdOp":
         return attn_builtin.implement(op, spec)
+    if op.name == "PagedAttnDecodeFwdOp":
+        return decode_builtin.implement(op, spec)
     return PrologueKernels(op, spec)

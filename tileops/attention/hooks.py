@@ -21,7 +21,7 @@ from ..manifest import CallSpec
 from ..op import Op
 from ..runtime.errors import BadValue, unnamed
 
-__all__ = ["AttnPrologueFwdHooks", "AttnFwdHooks", "kernel_spec", "stage_calls"]
+__all__ = ["AttnPrologueFwdHooks", "AttnFwdHooks", "PagedAttnDecodeFwdHooks", "kernel_spec", "stage_calls"]
 
 #: the kernel counts tokens and heads in int32
 MAX_TOKENS = 2**31 - 1
@@ -45,6 +45,18 @@ def kernel_spec(manifest: Any, params: Any, qkv_dtype: str, positions: str, slot
     return compose.kernel_spec(manifest, params, stage_calls(params, qkv_dtype, positions, backend), backend,
                                hq=params["num_q_heads"], hkv=params["num_kv_heads"],
                                cache="float8_e4m3fn" if fp8 else "", slots=slots)
+
+
+def _check_caches(op_name: str, kc: torch.Tensor, vc: torch.Tensor) -> None:
+    """A paged cache pair as the kernels address it: a contiguous head row, and one set of strides for
+    both (the kernel takes them once)."""
+    for name, c in (("key_cache", kc), ("value_cache", vc)):
+        if c.stride(-1) != 1:
+            raise ValueError(f"{op_name}: {name}: expected a contiguous last dim (head_dim), got strides "
+                             f"{list(c.stride())}")
+    if kc.stride() != vc.stride():
+        raise ValueError(f"{op_name}: value_cache: expected the strides of key_cache {list(kc.stride())} (one "
+                         f"kernel addresses both), got {list(vc.stride())}")
 
 
 class AttnPrologueFwdHooks(Op):
@@ -83,14 +95,7 @@ class AttnPrologueFwdHooks(Op):
                              f"{list(positions.shape)}")
         if qkv.shape[0] > MAX_TOKENS:
             raise ValueError(f"{self.name}: qkv: expected at most 2^31 - 1 tokens, got {qkv.shape[0]}")
-        kc, vc = tensors["key_cache"], tensors["value_cache"]
-        for name, c in (("key_cache", kc), ("value_cache", vc)):
-            if c.stride(-1) != 1:
-                raise ValueError(f"{self.name}: {name}: expected a contiguous last dim (head_dim), got strides "
-                                 f"{list(c.stride())}")
-        if kc.stride() != vc.stride():
-            raise ValueError(f"{self.name}: value_cache: expected the strides of key_cache {list(kc.stride())} (one "
-                             f"kernel addresses both), got {list(vc.stride())}")
+        _check_caches(self.name, tensors["key_cache"], tensors["value_cache"])
         for name in ("q_norm_weight", "k_norm_weight"):
             w = tensors.get(name)
             if w is not None and w.stride(0) != 1 and w.shape[0] > 1:
@@ -222,3 +227,50 @@ class AttnFwdHooks(Op):
                     raise ValueError(f"{self.name}: {name}: {rule}; {at}got {name}[{i}] = {c}")
         raise ValueError(f"{self.name}: {name}: {rule}; {at}the kernel found a bad offset"
                          f" ({unnamed(values)})")
+
+
+class PagedAttnDecodeFwdHooks(Op):
+    """``PagedAttnDecodeFwdOp``: the caches' strides (one layout for both), the counts the kernels take in
+    int32, and the deferred report of a bad block-table entry or length."""
+
+    def _check_more(self, tensors: Any, dims: Any) -> None:
+        q = tensors["q"]
+        _check_caches(self.name, tensors["key_cache"], tensors["value_cache"])
+        bt = tensors["block_tables"]
+        if bt.shape[1] * dims["block_size"] > MAX_TOKENS or dims["num_blocks"] > MAX_TOKENS:
+            raise ValueError(f"{self.name}: block_tables: expected at most 2^31 - 1 tokens a sequence "
+                             f"(max_blocks * block_size) and blocks (the kernels count them in int32), got "
+                             f"{bt.shape[1]} x {dims['block_size']} over {dims['num_blocks']} blocks")
+        if q.shape[0] > 65535:
+            raise ValueError(f"{self.name}: q: expected at most 65535 sequences (a grid dimension), got {q.shape[0]}")
+
+    def _raise_bad_value(self, name: str, values: "torch.Tensor | None", when: str = "",
+                         found: "BadValue | None" = None) -> None:
+        """The ValueError naming the first bad ``block_tables`` entry or ``seq_lens`` length the kernel
+        found (``found``: its record), else the first the host finds in ``values``, as the kernel judges
+        them (an entry is bad only where its sequence's length reaches it)."""
+        at = f" ({when})" if when else ""
+        limits = self.__dict__.get("_decode_limits", {})
+        if name == "block_tables":
+            blocks = f" = {limits['blocks']}" if "blocks" in limits else ""
+            rule = (f"expected block numbers in [0, num_blocks{blocks}) where a sequence's length reaches; the "
+                    f"kernel skipped that block's keys")
+            if found is not None:
+                raise ValueError(f"{self.name}: block_tables: {rule}; got block_tables{found}{at}")
+            raise ValueError(f"{self.name}: block_tables: {rule}{at}; {unnamed(values)}")
+        rule = (f"expected lengths in [0, max_blocks * block_size"
+                f"{' = ' + str(limits['tokens']) if 'tokens' in limits else ''}]; the kernel read the sequence "
+                f"clamped into its table")
+        if found is not None:
+            raise ValueError(f"{self.name}: seq_lens: {rule}; got seq_lens{found}{at}")
+        if values is not None and "tokens" in limits:
+            bad = ((values < 0) | (values > limits["tokens"])).nonzero()
+            if bad.shape[0]:
+                i = int(bad[0, 0])
+                raise ValueError(f"{self.name}: seq_lens: {rule}; got seq_lens[{i}] = {int(values[i])}{at}")
+        raise ValueError(f"{self.name}: seq_lens: {rule}{at}; {unnamed(values)}")
+
+    def note_decode_limits(self, blocks: int, tokens: int) -> None:
+        """Note the cache's block count and a sequence's token limit a call was launched with, for a bad
+        value's error (the kernel reports the value, not the limit it broke)."""
+        self.__dict__["_decode_limits"] = {"blocks": int(blocks), "tokens": int(tokens)}

@@ -16,7 +16,7 @@ from ..targets import Target
 from . import hooks
 
 __all__ = [
-    "AttnFwdOp", "AttnPrologueFwdOp",
+    "AttnFwdOp", "AttnPrologueFwdOp", "PagedAttnDecodeFwdOp",
 ]
 
 
@@ -333,3 +333,143 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
         return self._call({'qkv': qkv, 'positions': positions, 'key_cache': key_cache, 'value_cache':
             value_cache, 'slot_mapping': slot_mapping, 'q_norm_weight': q_norm_weight, 'k_norm_weight':
             k_norm_weight, 'k_scale': k_scale, 'v_scale': v_scale}, {'q_out': q_out})
+
+
+class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
+    """Decode attention over the paged KV cache the prologue writes, split-KV and merged, GQA, float8 caches.
+
+    One query token a sequence: ``out[b, h] = sum_j softmax_j(s[b, h, j]) v[b, j, h // (Hq / Hkv)]`` over the
+    ``L = seq_lens[b]`` tokens of sequence ``b`` in the caches (the current one included: the prologue has
+    written it), ``s = (q . k) * softmax_scale`` (default ``1 / sqrt(head_dim)``), then ``softcap * tanh(s /
+    softcap)`` with a softcap. Token ``j`` of sequence ``b`` lies in cache block ``block_tables[b, j //
+    block_size]`` at row ``j % block_size``: the caches are exactly what ``AttnPrologueFwdOp`` writes, with
+    the same ``cache_layout`` (NHD ``[num_blocks, block_size, Hkv, D]``, vLLM's; HND ``[num_blocks, Hkv,
+    block_size, D]``, a transformers static cache with one block a sequence) and ``cache_dtype`` (a float8
+    cache reads as ``e4m3 * k_scale`` and ``e4m3 * v_scale``). ``sliding_window=w`` hides the keys ``j < L -
+    w`` (the query is token ``L - 1``: bottom-right, as ``AttnFwdOp``). A sequence of no visible key outputs
+    zeros.
+
+    The block tables and lengths are checked on the device, without a host synchronisation: an entry outside
+    ``[0, num_blocks)`` that a sequence reaches is skipped (nothing is read out of bounds) and a length
+    outside ``[0, max_blocks * block_size]`` is read clamped into its table; each is reported as a ValueError
+    naming ``block_tables[b, i]`` or ``seq_lens[b]``, at a later call or ``op.check()`` (``tileops.strict()``:
+    at the call), as the prologue reports slots.
+
+    A call is a plan of two programs (``kernels/paged_decode.py``): ``partial``, a program per (split, kv
+    head, sequence) that reads its split of the sequence's tokens once, every key serving the kv head's group
+    of q heads, into per-split outputs and log-sum-exps (the plan's workspaces, fp32); then ``merge``, a
+    program per (q head, sequence) that weighs the splits. The splits come from the shapes alone (no
+    synchronisation): enough programs to fill the device at small batches, none finer than 256 tokens.
+    Arithmetic in fp32, the softmax online.
+
+    Built: the C schedule on the CPU (fp32, fp16, bf16; float8 caches), tested in CI. **CUDA calls are refused
+    for now** (``NotImplementedError`` before anything runs): the CUDA schedule is not written yet;
+    ``target="torch"`` (a gather and a softmax in PyTorch) runs on any device.
+
+    References: vLLM paged_attention (v1/v2: split-KV partitions and their reduce); flashinfer
+        BatchDecodeWithPagedKVCache; Dao et al., Flash-Decoding (2023).
+
+    Examples:
+        >>> import torch
+        >>> from tileops.attention import PagedAttnDecodeFwdOp
+        >>> op = PagedAttnDecodeFwdOp(8, 2, 64)
+        >>> kc, vc = torch.randn(2, 6, 16, 2, 64)   # [num_blocks, block_size, Hkv, D] (NHD)
+        >>> tables = torch.tensor([[4, 0], [5, -1]], dtype=torch.int32)   # sequence 1 holds one block
+        >>> out = op(torch.randn(2, 8, 64), kc, vc, tables, torch.tensor([20, 3], dtype=torch.int32))
+        >>> out.shape
+        torch.Size([2, 8, 64])
+    """
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
+                 softmax_scale: float | None = None, sliding_window: int | None = None,
+                 softcap: float | None = None, cache_layout: str = "NHD",
+                 cache_dtype: torch.dtype | None = None, target: str | Target | None = None) -> None:
+        """Build the op; kernels are compiled at the first call.
+
+        Args:
+            num_q_heads (int): Hq, the query heads. Required.
+            num_kv_heads (int): Hkv, the caches' heads; Hq a multiple of it (q head h reads kv head h // (Hq /
+                Hkv)). Required.
+            head_dim (int): D, the elements of a head: 64, 128 or 256. Required.
+            softmax_scale (float | None): Keyword-only. The scores' scale; None: 1 / sqrt(head_dim). Default
+                ``None``.
+            sliding_window (int | None): Keyword-only. w: the query (token L - 1) sees the keys j >= L - w
+                only. Default ``None``.
+            softcap (float | None): Keyword-only. c: the scaled scores become c * tanh(s / c) (Gemma 2).
+                Default ``None``.
+            cache_layout (str): Keyword-only. NHD: caches [num_blocks, block_size, num_kv_heads, head_dim];
+                HND: [num_blocks, num_kv_heads, block_size, head_dim] (AttnPrologueFwdOp's meanings). One of
+                ``"NHD"``, ``"HND"``. Default ``"NHD"``.
+            cache_dtype (torch.dtype | None): Keyword-only. The caches' dtype: None (or q's dtype) for q's;
+                torch.float8_e4m3fn reads e4m3 * scale with k_scale and v_scale. One of ``"float16"``,
+                ``"bfloat16"``, ``"float32"``, ``"float8_e4m3fn"``. Default ``None``.
+            target (str | Target | None): Which set of kernels serves this op: a registered target name,
+                BUILTIN for the in-tree kernels, or None to decide from the input device at the first call.
+                Default None.
+
+        Raises:
+            TypeError: A parameter has the wrong type.
+            ValueError: A value outside its choices, an unknown ``target``; or, by the manifest's rules:
+                num_q_heads: expected num_q_heads > 0; num_kv_heads: expected num_kv_heads > 0; num_q_heads:
+                expected num_q_heads a multiple of num_kv_heads (each kv head serves as many q heads);
+                head_dim: expected a head_dim of 64, 128 or 256; sliding_window: expected a window of at least
+                1 key (or None); softcap: expected softcap > 0 (or None); softmax_scale: expected
+                softmax_scale > 0 (or None).
+        """
+        self._setup({'num_q_heads': num_q_heads, 'num_kv_heads': num_kv_heads, 'head_dim': head_dim,
+            'softmax_scale': softmax_scale, 'sliding_window': sliding_window, 'softcap': softcap,
+            'cache_layout': cache_layout, 'cache_dtype': cache_dtype}, target)
+
+    def forward(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+                v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Any:
+        """Run the op; ``op(...)`` calls this. Shapes and dtypes are taken from the first call, and inputs
+        are never modified (except by ``out=`` naming an input, which takes the result in place).
+
+        Args:
+            q (torch.Tensor): The current token of each sequence, [batch, Hq, D]; the last dim contiguous, any
+                other strides. Shape ``[batch, q_heads, q_dim]``; dtype float16, bfloat16, float32.
+            key_cache (torch.Tensor): The paged key cache, as AttnPrologueFwdOp writes it (read here, never
+                written). Shape ``[num_blocks, block_size, cache_heads, cache_dim]`` (``cache_layout="NHD"``);
+                ``[num_blocks, cache_heads, block_size, cache_dim]`` (``cache_layout="HND"``); dtype float16,
+                bfloat16, float32, float8_e4m3fn.
+            value_cache (torch.Tensor): The paged value cache, laid out as key_cache (the same strides). The
+                shape and dtype of ``key_cache``, exactly.
+            block_tables (torch.Tensor): Sequence b's cache blocks in order: token j in block block_tables[b,
+                j // block_size]; int32 [batch, max_blocks]. Entries past a sequence's length are not read
+                (any value). Shape ``[table_rows, max_blocks]``; dtype int32. Each value in ``[0,
+                num_blocks)``.
+            seq_lens (torch.Tensor): The tokens of each sequence in the caches, the current one included;
+                int32 [batch], at most max_blocks * block_size. Shape ``[lens]``; dtype int32. Each value in
+                ``[0, max_blocks * block_size + 1)``.
+            k_scale (torch.Tensor | None): Keyword-only. The key cache's per-tensor scale (fp8 caches only): a
+                key reads as e4m3 * k_scale; read on the device. Shape ``[]`` or ``[scale_len]``; dtype
+                float32. Default None.
+            v_scale (torch.Tensor | None): Keyword-only. The value cache's per-tensor scale (fp8 caches only).
+                The shape and dtype of ``k_scale``, exactly. Default None.
+            out (torch.Tensor | None): Keyword-only. Where to write the result (the attention output [batch,
+                Hq, D], typed like q). Shaped and typed like ``q``, any strides; it may be its own input
+                exactly (in place) but may not otherwise overlap another argument. Not while an input requires
+                grad. Default None.
+
+        Returns:
+            torch.Tensor | tuple: ``out``, a new tensor unless given.
+
+        Raises:
+            TypeError: An argument is not a tensor, or has a dtype not listed above.
+            ValueError: A shape that does not match the ones above, tensors on different devices, an output
+                that overlaps another argument; or, by the manifest's rules: q: expected num_q_heads heads
+                (dim 1); q: expected head_dim as the last dim; key_cache: expected num_kv_heads heads in the
+                cache's heads dim (dim 2 for NHD, dim 1 for HND: is cache_layout right?); key_cache: expected
+                head_dim as the cache's last dim; key_cache: expected at least one block of at least one row;
+                q: expected q in cache_dtype, or cache_dtype None or float8_e4m3fn; key_cache: expected the
+                cache in cache_dtype (None: q's dtype); block_tables: expected a row per sequence (q's batch);
+                block_tables: expected at least one block a sequence; seq_lens: expected a length per sequence
+                (q's batch); k_scale: expected one scale per tensor, [] or [1]; k_scale: expected no k_scale
+                or v_scale without an fp8 cache (cache_dtype=torch.float8_e4m3fn); k_scale: expected k_scale
+                and v_scale with an fp8 cache. A value of ``block_tables``, ``seq_lens`` outside its range
+                raises ValueError naming its index and value, without a host sync (see the API page, Positions
+                and gradients).
+        """
+        return self._call({'q': q, 'key_cache': key_cache, 'value_cache': value_cache, 'block_tables':
+            block_tables, 'seq_lens': seq_lens, 'k_scale': k_scale, 'v_scale': v_scale}, {'out': out})

@@ -1,5 +1,5 @@
 """Float64 evaluations of the attention ops, for ``tileops demo`` (the tests have their own, in
-``tests/``): the prologue's q, and ``AttnFwdOp``'s output."""
+``tests/``): the prologue's q, ``AttnFwdOp``'s output and ``PagedAttnDecodeFwdOp``'s."""
 
 from __future__ import annotations
 
@@ -57,6 +57,41 @@ def _attention(op: Any, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tenso
     return out, mag
 
 
+def _decode(op: Any, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``PagedAttnDecodeFwdOp``'s output in float64 and ``sum_j p_j |v_j|``: each sequence's keys read
+    through its block table (an entry outside the cache skipped, a length clamped into the table, as the
+    op defines them), a float8 cache times its scale."""
+    p = op.params
+    hq, hkv, d = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
+    sc = p["softmax_scale"] or d ** -0.5
+    q = inputs["q"].detach().cpu().to(torch.float64)
+    kc, vc = (inputs[n].detach().cpu().to(torch.float32).to(torch.float64) for n in ("key_cache", "value_cache"))
+    if p["cache_dtype"] == "float8_e4m3fn":
+        kc = kc * float(inputs["k_scale"].reshape(()))
+        vc = vc * float(inputs["v_scale"].reshape(()))
+    if p["cache_layout"] == "HND":  # -> [blocks, bs, Hkv, D]
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+    bt, lens = inputs["block_tables"].cpu(), inputs["seq_lens"].cpu()
+    blocks, bs = kc.shape[0], kc.shape[1]
+    out, mag = torch.zeros_like(q), torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        n = min(max(int(lens[b]), 0), bt.shape[1] * bs)
+        lo = max(n - p["sliding_window"], 0) if p["sliding_window"] else 0
+        rows = [(int(bt[b, j // bs]), j % bs) for j in range(lo, n)]
+        rows = [(k, r) for k, r in rows if 0 <= k < blocks]
+        if not rows:
+            continue
+        ks, vs = torch.stack([kc[k, r] for k, r in rows]), torch.stack([vc[k, r] for k, r in rows])
+        for h in range(hq):
+            g = h // (hq // hkv)
+            s = ks[:, g] @ q[b, h] * sc
+            if p["softcap"] is not None:
+                s = p["softcap"] * torch.tanh(s / p["softcap"])
+            pr = torch.softmax(s, 0)
+            out[b, h], mag[b, h] = pr @ vs[:, g], pr @ vs[:, g].abs()
+    return out, mag
+
+
 def scale(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """What each element of q's error is measured against (``tileops demo``'s tolerance): ``|a| + |c|``
     of its rotation pair (times the amplitude), not its own value. The op rounds the normalised q to
@@ -65,6 +100,8 @@ def scale(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     ``AttnFwdOp``: ``sum_j p_j |v_j|``, the magnitude of the convex combination its roundings act on."""
     if op.name == "AttnFwdOp":
         return _attention(op, inputs)[1]
+    if op.name == "PagedAttnDecodeFwdOp":
+        return _decode(op, inputs)[1]
     q = _normed_q(op, inputs)
     rope = op.params["rope"]
     rot = rope.rotated_width(q.shape[-1])
@@ -84,6 +121,8 @@ def reference(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     ``AttnFwdOp``'s output."""
     if op.name == "AttnFwdOp":
         return _attention(op, inputs)[0]
+    if op.name == "PagedAttnDecodeFwdOp":
+        return _decode(op, inputs)[0]
     q = _normed_q(op, inputs)
     rope = op.params["rope"]
     rot = rope.rotated_width(q.shape[-1])

@@ -19,6 +19,8 @@ __all__ = ["implement"]
 def implement(op: Any, spec: Any) -> Callable[..., Any]:
     if op.name == "AttnFwdOp":
         return _attention(op)
+    if op.name == "PagedAttnDecodeFwdOp":
+        return _decode(op)
     p = op.params
     hq, hkv, d, eps = p["num_q_heads"], p["num_kv_heads"], p["head_dim"], p["eps"]
     rope = p["rope"]
@@ -135,3 +137,57 @@ def _attention(op: Any) -> Callable[..., Any]:
         return (out, lse.float()) if return_lse else out
 
     return run
+
+
+def _decode(op: Any) -> Callable[..., Any]:
+    """``PagedAttnDecodeFwdOp`` in plain PyTorch: each sequence's keys gathered through its block table
+    (read on the host: this target is the plain path, and checks the tables and lengths there), scores
+    and softmax in fp32, a float8 cache times its scale."""
+    p = op.params
+    hq, hkv, d = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
+    scale = p["softmax_scale"] if p["softmax_scale"] is not None else d ** -0.5
+    cap, w = p["softcap"], p["sliding_window"]
+
+    def run(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        kc, vc = key_cache.float(), value_cache.float()
+        if k_scale is not None:
+            kc, vc = kc * k_scale.float().reshape(()), vc * v_scale.float().reshape(())
+        if p["cache_layout"] == "HND":
+            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+        blocks, bs = kc.shape[0], kc.shape[1]
+        limit = block_tables.shape[1] * bs
+        op.note_decode_limits(blocks, limit)
+        lens = seq_lens.tolist()
+        if any(n < 0 or n > limit for n in lens):
+            op._raise_bad_value("seq_lens", seq_lens.cpu())
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for b, n in enumerate(lens):
+            lo = max(n - w, 0) if w else 0
+            if n <= lo:
+                continue
+            j = torch.arange(lo, n, device=q.device)
+            pages = block_tables[b].to(q.device).long()[j // bs]
+            if bool(((pages < 0) | (pages >= blocks)).any()):
+                op._raise_bad_value("block_tables", None, found=_first_bad(block_tables, b, j // bs, blocks))
+            k, v = kc[pages, j % bs], vc[pages, j % bs]  # [n, Hkv, D]
+            g = hq // hkv
+            s = torch.einsum("hd,nhd->hn", q[b].float(), k.repeat_interleave(g, 1)) * scale
+            if cap is not None:
+                s = cap * torch.tanh(s / cap)
+            out[b] = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), v.repeat_interleave(g, 1))
+        return out.to(q.dtype)
+
+    return run
+
+
+def _first_bad(tables: torch.Tensor, b: int, idx: torch.Tensor, blocks: int) -> Any:
+    """The first entry of row ``b`` at ``idx`` outside ``[0, blocks)``, as the kernels' record names it."""
+    from ..runtime.errors import BadValue
+
+    row = tables[b].cpu().long()
+    for i in idx.cpu().tolist():
+        if not 0 <= int(row[i]) < blocks:
+            return BadValue((b, i), int(row[i]))
+    return None

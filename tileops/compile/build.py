@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import importlib.metadata
@@ -428,6 +429,33 @@ def _keep_lean(index_key: str, lean: Any, use_disk: bool) -> tuple[Any, dict[str
         return _init_library(path), lean.record
     finally:
         shutil.rmtree(os.path.dirname(lean.libpath), ignore_errors=True)
+
+
+@contextlib.contextmanager
+def index_lock(progress: bool | None = None) -> Iterator[None]:
+    """Hold the index's compile lock (``<cache>/kernels/compile.lock``) for a batch of compiles; say so
+    on stderr (``progress``: :func:`tileops.progress.wanted`) while another process holds it. Without a
+    disk cache, or one that cannot be created, there is nothing to share: no lock."""
+    from ..progress import wanted
+
+    if not _disk_cache_on():
+        yield
+        return
+    try:
+        os.makedirs(_index_dir(), exist_ok=True)
+        lock = open(os.path.join(_index_dir(), "compile.lock"), "a+")
+    except OSError:
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if wanted(progress):
+                print(f"tileops: waiting for another process's kernel compiles ({lock.name})", file=sys.stderr,
+                      flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # released when the file closes
 
 
 def indexed(builder: str, spec: Any, backend: str, arch: str) -> bool:

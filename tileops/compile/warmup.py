@@ -20,8 +20,6 @@ ran the script again in every worker and died with ``BrokenProcessPool``.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
-import fcntl
 import importlib
 import logging
 import os
@@ -31,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from . import cuda_build, lowered
 from .cuda_build import MIN_SM
@@ -309,48 +307,24 @@ def compile_jobs(todo: list[tuple[str, Any, str, str]], jobs: int | None = None,
     per CPU), one progress step per kernel. Returns ``(kernels, seconds, failures)`` as :func:`warmup` does.
 
     Kernels the index already has are not compiled again, and no process is started for them. One
-    batch compiles at a time per cache (a lock file, :func:`_one_batch`): a second caller (a test
+    batch compiles at a time per cache (a lock file, :func:`tileops.compile.build.index_lock`): a second caller (a test
     module's warm-up in each of pytest-xdist's 14 workers, two servers warming up) waits for the first,
     then compiles what is still missing. Without it, each worker compiled every kernel of the module
     in a process per CPU: 14 x 16 TileLang builds of the same 65 kernels, and the H200 run of the
     attention backward's tests spent its 600 s on them (``benchmarks/NOTES.md``, 2026-12-03)."""
-    from .build import indexed
+    from ..progress import wanted
+    from .build import index_lock, indexed
 
     todo = list(dict.fromkeys(todo))
     t0 = time.perf_counter()
-    with _one_batch(progress):
+    with index_lock(progress):
         missing = [job for job in todo if not indexed(*job)]
+        if len(missing) < len(todo) and wanted(progress):
+            print(f"tileops: {len(todo) - len(missing)} of {len(todo)} kernels already in the cache", file=sys.stderr,
+                  flush=True)
         errors = map_jobs(_compile, missing, jobs, progress=progress, what="compiling kernels") if missing else []
     failures = [(job[1], err) for job, err in zip(missing, errors) if err]
     return len(todo), time.perf_counter() - t0, failures
-
-
-@contextlib.contextmanager
-def _one_batch(progress: bool | None) -> Iterator[None]:
-    """Hold the cache's compile lock (``<cache>/kernels/compile.lock``) for a batch; say so on stderr
-    (``progress``) when another process holds it. Without a writable cache there is nothing to share:
-    no lock."""
-    from ..progress import wanted
-    from .build import _disk_cache_on, _index_dir
-
-    if not _disk_cache_on():
-        yield
-        return
-    try:
-        os.makedirs(_index_dir(), exist_ok=True)
-        lock = open(os.path.join(_index_dir(), "compile.lock"), "a+")
-    except OSError:
-        yield
-        return
-    with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if wanted(progress):
-                print(f"tileops: waiting for another process's kernel compiles ({lock.name})", file=sys.stderr,
-                      flush=True)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # released when the file closes
 
 
 if __name__ == "__main__":

@@ -1,0 +1,223 @@
+"""``PagedAttnDecodeFwdOp`` on the CPU: the op's plan (split-KV partials, then the merge) against the
+float64 reference of ``tests/references_attention.py``, the decode of a cache the prologue wrote, the
+reports of bad block tables and lengths, the checks before any kernel runs, the torch target, and
+the CUDA refusal.
+
+Bounds: the kernel tests' (``tests/test_paged_decode_kernels.py``: from the arithmetic, :func:`bound`),
+with the magnitudes the reference returns.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import tileops
+from tests.test_paged_decode_kernels import bound
+from tileops.attention import AttnPrologueFwdOp, PagedAttnDecodeFwdOp
+from tileops.rope import RoPENeoxPositionIdsFwdOp
+
+_spec = importlib.util.spec_from_file_location("_decode_refs", Path(__file__).with_name("references_attention.py"))
+refs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(refs)
+
+
+def _inputs(seed, lens, *, bs=16, hq=8, hkv=2, d=64, dtype=torch.float32, layout="NHD", spare=2):
+    """q, caches of shuffled blocks, block tables (unused entries -1) and lengths."""
+    g = torch.Generator().manual_seed(seed)
+    per = [max(1, -(-n // bs)) for n in lens]
+    blocks = sum(per) + spare
+    shape = (blocks, bs, hkv, d) if layout == "NHD" else (blocks, hkv, bs, d)
+    kc, vc = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    order = torch.randperm(blocks, generator=g).to(torch.int32)
+    bt = torch.full((len(lens), max(per)), -1, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(per):
+        bt[b, :n] = order[at:at + n]
+        at += n
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    return {"q": q, "key_cache": kc, "value_cache": vc, "block_tables": bt,
+            "seq_lens": torch.tensor(lens, dtype=torch.int32)}
+
+
+def _check(op, t, **call):
+    got = op(**t, **call)
+    want, mag = refs.paged_decode(dict(op.params), t)
+    _, terms = _terms(op, t)
+    tol = bound(terms, op.params["head_dim"], 64, op.params["softcap"], want, t["q"].dtype)
+    err = (got.double() - want).abs()
+    assert bool(torch.isfinite(got).all())
+    assert not bool((err > tol).any()), f"off by {err.max().item():.3g} (bound {tol.max().item():.3g})"
+    return got
+
+
+def _terms(op, t):
+    """The magnitudes :func:`bound` takes: A (the largest scale * sum |q_d k_d|), max |v|, keys seen."""
+    p = op.params
+    d = p["head_dim"]
+    sc = p["softmax_scale"] or d ** -0.5
+    kc, vc = t["key_cache"].float().double(), t["value_cache"].float().double()
+    if p["cache_dtype"] == "float8_e4m3fn":
+        kc, vc = kc * float(t["k_scale"]), vc * float(t["v_scale"])
+    a = float(t["q"].double().abs().amax()) * float(kc.abs().amax()) * d * sc  # a bound on every key's
+    n = int(t["seq_lens"].clamp(min=0).max())
+    return None, {"a": a, "v": float(vc.abs().amax()), "n": n}
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_layouts_match_the_reference(layout):
+    op = PagedAttnDecodeFwdOp(8, 2, 64, cache_layout=layout)
+    _check(op, _inputs(61, [37, 0, 1, 16, 300], layout=layout))
+
+
+def test_many_splits_and_a_window_and_softcap():
+    """Two sequences of kv heads 2: the plan splits each into up to 66 (264 programs) of at least 256
+    tokens, so a 2,000-token context takes 8 splits; a window of 300 leaves most of them empty."""
+    from tileops.attention.decode_builtin import splits
+
+    assert splits(2, 2, 2048) == 8 and splits(64, 8, 4096) == 1 and splits(1, 8, 100) == 1
+    op = PagedAttnDecodeFwdOp(8, 2, 64, sliding_window=300, softcap=30.0, softmax_scale=0.2)
+    _check(op, _inputs(62, [2000, 700]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes(dtype):
+    _check(PagedAttnDecodeFwdOp(8, 2, 64), _inputs(63, [40, 3], dtype=dtype))
+
+
+def test_float8_cache():
+    op = PagedAttnDecodeFwdOp(8, 2, 64, cache_dtype=torch.float8_e4m3fn)
+    t = _inputs(64, [40, 3, 77], dtype=torch.bfloat16)
+    t["key_cache"] = (t["key_cache"].float() * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+    t["value_cache"] = (t["value_cache"].float() * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+    _check(op, {**t, "k_scale": torch.tensor([0.02]), "v_scale": torch.tensor([0.5])})
+
+
+def test_views_out_and_the_fast_path():
+    """q as a view with a non-contiguous last dim (copied first), ``out=`` given, and the same call again
+    (the runtime's binding): bit for bit the plain call's."""
+    op = PagedAttnDecodeFwdOp(4, 2, 64)
+    t = _inputs(65, [50, 20], hq=4)
+    plain = op(**t)
+    wide = torch.randn(2, 4, 64, 2, generator=torch.Generator().manual_seed(5))
+    wide[..., 0] = t["q"]
+    out = torch.full_like(t["q"], float("nan"))
+    got = op(**{**t, "q": wide[..., 0]}, out=out)
+    assert got is out and torch.equal(out, plain)
+    assert all(torch.equal(op(**t), plain) for _ in range(3))
+
+
+def test_reads_the_cache_the_prologue_wrote():
+    """16 decode steps: each appends one token a sequence with the prologue (its slots from the block
+    tables), then decodes it with the q the prologue returned. Every step's output agrees with the
+    reference on the caches as written: the two ops agree on the layout, the slots and the lengths
+    (the current token included)."""
+    hq, hkv, d, bs = 4, 2, 64, 4
+    rope = RoPENeoxPositionIdsFwdOp(max_position=4096)
+    g = torch.Generator().manual_seed(66)
+    for layout in ("NHD", "HND"):
+        pro = AttnPrologueFwdOp(hq, hkv, d, rope, cache_layout=layout)
+        dec = PagedAttnDecodeFwdOp(hq, hkv, d, cache_layout=layout)
+        blocks = 12
+        shape = (blocks, bs, hkv, d) if layout == "NHD" else (blocks, hkv, bs, d)
+        kc, vc = torch.zeros(shape), torch.zeros(shape)
+        bt = torch.tensor([[7, 2, 9, 0, 11], [4, 1, 10, 3, 5]], dtype=torch.int32)
+        lens = torch.tensor([0, 3], dtype=torch.int32)
+        for _ in range(16):
+            qkv = torch.randn(2, (hq + 2 * hkv) * d, generator=g)
+            pos = lens.clone()
+            slots = (bt[torch.arange(2), (pos // bs).long()] * bs + pos % bs).to(torch.int32)
+            q = pro(qkv, pos, kc, vc, slots)
+            lens = lens + 1
+            t = {"q": q, "key_cache": kc, "value_cache": vc, "block_tables": bt, "seq_lens": lens}
+            _check(dec, t)
+        k_last = kc[bt[1, (18 // bs)], 18 % bs] if layout == "NHD" else kc[bt[1, 18 // bs], :, 18 % bs]
+        assert bool((k_last != 0).any()), "the second sequence's last token was written where the table says"
+
+
+def test_bad_tables_and_lengths_are_reported_with_their_index():
+    op = PagedAttnDecodeFwdOp(8, 2, 64)
+    t = _inputs(67, [40, 30])
+    blocks = t["key_cache"].shape[0]
+    bad = t["block_tables"].clone()
+    bad[1, 1] = blocks + 3
+    with pytest.raises(ValueError, match=rf"block_tables: expected block numbers in \[0, num_blocks = {blocks}\).*"
+                                         rf"got block_tables\[1, 1\] = {blocks + 3}"):
+        op(**{**t, "block_tables": bad})
+    with pytest.raises(ValueError, match=r"seq_lens: expected lengths in \[0, max_blocks \* block_size = 48\].*"
+                                         r"got seq_lens\[0\] = 49"):
+        op(**{**t, "seq_lens": torch.tensor([49, 30], dtype=torch.int32)})
+    with tileops.strict(), pytest.raises(ValueError, match=r"got seq_lens\[1\] = -2"):
+        op(**{**t, "seq_lens": torch.tensor([40, -2], dtype=torch.int32)})
+    assert torch.equal(op(**t), op(**t)), "a good call after the bad ones runs as before"
+
+
+def test_an_entry_past_the_length_is_never_read():
+    """Entries past a sequence's length (the table's padding, any value) are not checked or read."""
+    op = PagedAttnDecodeFwdOp(8, 2, 64)
+    t = _inputs(68, [10, 30])
+    t["block_tables"][0, 1] = 10**6  # sequence 0 has 10 tokens: one block
+    _check(op, t)
+
+
+def _fp8(t):
+    return {n: t[n].to(torch.float8_e4m3fn) for n in ("key_cache", "value_cache")}
+
+
+FP8 = dict(cache_dtype=torch.float8_e4m3fn)
+# id -> (op kwargs, the call's changes, what the error says)
+BAD = {
+    "table-rows": ({}, lambda t: {"block_tables": t["block_tables"][:1]}, r"block_tables: expected a row per sequence"),
+    "table-no-blocks": ({}, lambda t: {"block_tables": t["block_tables"][:, :0]},
+                        r"block_tables: expected at least one block a sequence"),
+    "lens-count": ({}, lambda t: {"seq_lens": t["seq_lens"][:1]}, r"seq_lens: expected a length per sequence"),
+    "cache-dtype": ({}, lambda t: {n: t[n].to(torch.float16) for n in ("key_cache", "value_cache")},
+                    r"key_cache: expected the cache in cache_dtype"),
+    "cache-no-blocks": ({}, lambda t: {n: t[n][:0] for n in ("key_cache", "value_cache")},
+                        r"key_cache: expected at least one block of at least one row"),
+    "q-heads": ({}, lambda t: {"q": t["q"][:, :4]}, r"q: expected num_q_heads heads"),
+    "value-strides": ({}, lambda t: {"value_cache": t["value_cache"].transpose(0, 1).contiguous().transpose(0, 1)},
+                      r"value_cache: expected the strides of key_cache"),
+    "scale-without-fp8": ({}, lambda t: {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)},
+                          r"k_scale: expected no k_scale"),
+    "q-not-cache-dtype": (dict(cache_dtype=torch.float16), lambda t: {n: t[n].half() for n in ("key_cache", "value_cache")},
+                          r"q: expected q in cache_dtype"),
+    "fp8-without-scales": (FP8, _fp8, r"k_scale: expected k_scale and v_scale with an fp8 cache"),
+    "fp8-two-scales": (FP8, lambda t: {**_fp8(t), "k_scale": torch.ones(2), "v_scale": torch.ones(2)},
+                       r"k_scale: expected one scale per tensor"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_inputs_are_refused_before_any_kernel(name, monkeypatch):
+    from tileops.attention import decode_builtin
+
+    monkeypatch.setattr(decode_builtin, "load_kernel", lambda *a, **k: pytest.fail("a kernel was built"))
+    kw, change, match = BAD[name]
+    t = _inputs(69, [10, 30])
+    with pytest.raises((ValueError, TypeError), match=match):
+        PagedAttnDecodeFwdOp(8, 2, 64, **kw)(**{**t, **change(t)})
+
+
+def test_torch_target_agrees():
+    t = _inputs(70, [37, 0, 5], layout="HND")
+    ours = PagedAttnDecodeFwdOp(8, 2, 64, cache_layout="HND")(**t)
+    plain = PagedAttnDecodeFwdOp(8, 2, 64, cache_layout="HND", target="torch")(**t)
+    want, _ = refs.paged_decode({**PagedAttnDecodeFwdOp(8, 2, 64, cache_layout="HND").params}, t)
+    _, terms = _terms(PagedAttnDecodeFwdOp(8, 2, 64, cache_layout="HND"), t)
+    tol = bound(terms, 64, 64, None, want, torch.float32)
+    assert bool(((plain.double() - want).abs() <= tol).all())  # the same sums in another order: the same bound
+    assert bool(((ours.double() - want).abs() <= tol).all())
+
+
+def test_cuda_calls_are_refused(monkeypatch):
+    from tileops.attention import decode_builtin
+
+    monkeypatch.setattr(decode_builtin, "device_backend", lambda device: ("cuda", "sm_90"))
+    t = _inputs(71, [10])
+    with pytest.raises(NotImplementedError, match=r"CUDA: the paged decode's CUDA schedule is not written yet; "
+                                                   r"target='torch'"):
+        PagedAttnDecodeFwdOp(8, 2, 64)(**t)

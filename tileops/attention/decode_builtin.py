@@ -1,0 +1,166 @@
+"""BUILTIN implementation of ``PagedAttnDecodeFwdOp``: the two programs of ``kernels/paged_decode.py``
+as one plan (:data:`FORWARD`).
+
+``partial`` reads each split of each sequence's tokens through the block table into two workspaces
+of the plan (per-split outputs and base-2 log-sum-exps, fp32, allocated per call), ``merge`` weighs
+the splits into ``out``. The split count comes from the shapes alone (:func:`splits`), so a call never
+waits for the device; the same rule on every backend, so the CPU's tests run the plan a GPU runs.
+q and out are read and written where they lie (strides as values; a last dim that is not contiguous
+is copied first), the caches by their strides (the layout is the strides, as the prologue writes
+them). The kernel checks the block tables and lengths: error words 0 (``block_tables``) and 1
+(``seq_lens``), reported by the op's runtime with the index (:mod:`tileops.runtime.errors`).
+
+CUDA: the schedule is not written yet; a CUDA call is refused when its kernels would be built.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..compile.build import device_backend, load_kernel
+from ..runtime.binding import Binding
+from ..runtime.plan import Bound, ErrorWord, Plan, Ptr, Step, Tag, Value, Workspace, copy_back, fit, signature
+
+__all__ = ["DecodeKernels", "FORWARD", "WORKSPACES", "kernel_specs", "implement", "splits"]
+
+#: the builder of both programs
+BUILDER = "paged_decode"
+
+#: programs the partial step aims for: two a streaming multiprocessor of an H200 (132), so that a small
+#: batch still fills the device; the CPU runs the same split (its tests then cover the merge)
+TARGET_PROGRAMS = 264
+#: the fewest tokens a split reads: below this the merge's reads (a row of D fp32 a split and q head)
+#: stop being small next to the split's own (256 keys of D elements, for its G q heads)
+MIN_SPLIT_TOKENS = 256
+
+_PARTIAL_VALUES = ("batch", "splits", "chunk", "nblocks", "bs", "max_blocks", "btb", "qsb", "qsh", "csb", "csr",
+                   "csh", "scale", "softcap", "window")
+
+#: The call: partial outputs and log-sum-exps per (sequence, q head, split) into the workspaces, then
+#: their merge into out. Error words: 0 block_tables, 1 seq_lens.
+FORWARD = (Step("partial", {"Q": Ptr("q"), "KC": Ptr("key_cache"), "VC": Ptr("value_cache"), "BT": Ptr("block_tables"),
+                            "SL": Ptr("seq_lens"), "KS": Ptr("k_scale"), "VS": Ptr("v_scale"),
+                            "OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "ERR": ErrorWord(), "tag": Tag(),
+                            **{a: Value(a) for a in _PARTIAL_VALUES}}),
+           Step("merge", {"OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "O": Ptr("out"), "batch": Value("batch"),
+                          "splits": Value("splits"), "osb": Value("osb"), "osh": Value("osh")}))
+#: the workspaces the two steps share, per call
+WORKSPACES = (Workspace("partial_out", "float32", "batch * hq * splits * head_dim"),
+              Workspace("partial_lse", "float32", "batch * hq * splits"))
+
+
+def splits(batch: int, hkv: int, tokens: int) -> int:
+    """The splits of a sequence of at most ``tokens`` (``max_blocks * block_size``) for ``batch``
+    sequences of ``hkv`` kv heads: enough for :data:`TARGET_PROGRAMS` programs, none shorter than
+    :data:`MIN_SPLIT_TOKENS`, at least one."""
+    want = math.ceil(TARGET_PROGRAMS / max(batch * hkv, 1))
+    return max(1, min(want, math.ceil(tokens / MIN_SPLIT_TOKENS)))
+
+
+def _fields(params: Any, call: Any) -> dict[str, Any]:
+    """The fields of :class:`kernels.paged_decode.PagedDecodeSpec` (less ``backend`` and ``kind``)."""
+    given = dict(call.dtypes)
+    cache = given["key_cache"]
+    return {"dtype": given["q"], "cache_dtype": cache, "head_dim": call.dim("q_dim"), "hq": call.dim("q_heads"),
+            "hkv": call.dim("cache_heads"), "window": params["sliding_window"] is not None,
+            "softcap": params["softcap"] is not None}
+
+
+def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
+    """The ``(builder, spec)`` a call of one specialization launches (``tileops warmup``, ``op.compile``):
+    ``partial`` and ``merge``; none on CUDA, which has no schedule yet."""
+    if backend == "cuda":
+        return []
+    from tileops.kernels import get_spec
+
+    spec = get_spec(BUILDER)
+    fields = _fields(params, call)
+    return [(BUILDER, spec(backend=backend, kind=kind, **fields)) for kind in ("partial", "merge")]
+
+
+class DecodeKernels:
+    """The two programs of one op specialization, and how a call's tensors are handed to them."""
+
+    def __init__(self, op: Any, call: Any):
+        self.op = op
+        self.device = call.device
+        self.backend, self.arch = device_backend(self.device)
+        if self.backend == "cuda":
+            raise NotImplementedError(f"{op.name}: CUDA: the paged decode's CUDA schedule is not written yet; "
+                                      f"target='torch' computes it with PyTorch on any device")
+        self.kernels = {s.kind: load_kernel(BUILDER, s, self.backend, self.arch, self.device, s.args, op_name=op.name)
+                        for _, s in kernel_specs(op.manifest, op.params, call, self.backend)}
+        p = op.params
+        self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
+        self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, checks={"block_tables": 0, "seq_lens": 1})
+        self._bound = Bound()
+
+    def prepare(self, tensors: dict) -> None:
+        return None
+
+    def backward(self, state: Any, grads: tuple, tensors: dict) -> tuple:  # pragma: no cover - no backward declared
+        raise NotImplementedError(f"{self.op.name} has no backward")
+
+    def forward(self, state: Any, tensors: dict, outs: dict) -> torch.Tensor:
+        """out ``[batch, Hq, D]`` (new unless given)."""
+        q = tensors["q"]
+        out = outs.get("out")
+        out = torch.empty_like(q) if out is None else out
+        if q.shape[0] == 0:
+            return out
+        views, _ = fit({"q": q, "out": out}, ("out",), self._layout)
+        launch = {**tensors, "q": views["q"], **{n: tensors[n].contiguous() for n in ("block_tables", "seq_lens")}}
+        writes = {"out": views["out"]}
+        key = signature(self.plan.names, {**launch, **writes})
+        b = self._bound.get(key, lambda: self._bind(launch, writes))
+        self.op._runtime.execute(b, launch, writes)
+        copy_back(writes, {"out": out})
+        return out
+
+    def binding(self, tensors: dict, outs: dict) -> Binding | None:
+        """The binding of every later call shaped like this one, or None where the general path must copy
+        (a last dim not contiguous, tables or lengths not contiguous) or has nothing to launch."""
+        q, out = tensors["q"], outs.get("out")
+        if q.shape[0] == 0 or q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+            return None
+        if not all(tensors[n].is_contiguous() for n in ("block_tables", "seq_lens")):
+            return None
+        return self._bind(tensors, {"out": out})
+
+    @staticmethod
+    def _layout(views: dict) -> Any:
+        """For :func:`tileops.runtime.plan.fit`: the name of the first of q and out whose last dim is not
+        contiguous (the kernels step through a head row by 1), else True."""
+        for name, t in views.items():
+            if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+                return name
+        return True
+
+    def _cache(self, kc: torch.Tensor) -> tuple[int, int, int, int, int]:
+        """``(blocks, block_size, block stride, row stride, head stride)`` of a cache in the op's layout."""
+        if self.op.params["cache_layout"] == "NHD":  # [blocks, bs, Hkv, D]
+            return kc.shape[0], kc.shape[1], kc.stride(0), kc.stride(1), kc.stride(2)
+        return kc.shape[0], kc.shape[2], kc.stride(0), kc.stride(2), kc.stride(1)  # HND [blocks, Hkv, bs, D]
+
+    def _bind(self, tensors: dict, outs: dict) -> Binding:
+        q, bt = tensors["q"], tensors["block_tables"]
+        out = outs.get("out")
+        view = out if out is not None else torch.empty_like(q, device="meta")
+        p = self.op.params
+        blocks, bs, csb, csr, csh = self._cache(tensors["key_cache"])
+        batch, max_blocks = q.shape[0], bt.shape[1]
+        n = splits(batch, p["num_kv_heads"], max_blocks * bs)
+        self.op.note_decode_limits(blocks, max_blocks * bs)
+        env = {"batch": batch, "splits": n, "chunk": math.ceil(max_blocks * bs / n), "nblocks": blocks, "bs": bs,
+               "max_blocks": max_blocks, "btb": bt.stride(0), "qsb": q.stride(0), "qsh": q.stride(1),
+               "csb": csb, "csr": csr, "csh": csh, "scale": float(self.scale),
+               "softcap": float(p["softcap"] or 1.0), "window": min(p["sliding_window"] or 0, 2**31 - 1),
+               "osb": view.stride(0), "osh": view.stride(1), "hq": p["num_q_heads"], "head_dim": p["head_dim"]}
+        return self.plan.bind(self.kernels, tensors, outs, env=env, views={"out": view})
+
+
+def implement(op: Any, call: Any) -> DecodeKernels:
+    return DecodeKernels(op, call)
