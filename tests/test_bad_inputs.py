@@ -591,6 +591,8 @@ def test_values_out_of_range_name_the_index(m, spec, target):
         # otherwise carry the length of one dtype's good call into the next)
         op = op_class(m.name)(**params, target=target)
         info = torch.iinfo(DTYPES[dtype])
+        if (m.name, spec.name) in UNREACHED:
+            pytest.skip(UNREACHED[(m.name, spec.name)])
         below = () if (m.name, spec.name) in BELOW_ALLOWED else (low - 1, info.min)
         for bad in {b for b in (*below, high, info.max) if not low <= b < high}:
             if not info.min <= bad <= info.max:
@@ -615,6 +617,11 @@ def test_values_out_of_range_name_the_index(m, spec, target):
 #: ranged inputs whose values below the range are accepted by design (the range's low end is what
 #: the tests draw): (op, input) -> why
 BELOW_ALLOWED = {("AttnPrologueFwdOp", "slot_mapping"): "every negative slot is padding, skipped (vLLM's -1)"}
+#: ranged inputs whose elements are checked only where the call reaches them, so a bad value at a fixed
+#: index need not be one: (op, input) -> why, and where the reached ones are broken
+UNREACHED = {("PagedAttnDecodeFwdOp", "block_tables"):
+             "entries past a sequence's length are padding, never read or checked; "
+             "tests/test_paged_decode.py breaks the entries a length reaches"}
 
 
 def test_longrope_bad_rescale_factors():

@@ -170,10 +170,12 @@ def _fp8(t):
 FP8 = dict(cache_dtype=torch.float8_e4m3fn)
 # id -> (op kwargs, the call's changes, what the error says)
 BAD = {
-    "table-rows": ({}, lambda t: {"block_tables": t["block_tables"][:1]}, r"block_tables: expected a row per sequence"),
+    "table-rows": ({}, lambda t: {"block_tables": t["block_tables"][:1]},
+                   r"block_tables: expected batch=2 \(as in q\), got batch=1"),
     "table-no-blocks": ({}, lambda t: {"block_tables": t["block_tables"][:, :0]},
                         r"block_tables: expected at least one block a sequence"),
-    "lens-count": ({}, lambda t: {"seq_lens": t["seq_lens"][:1]}, r"seq_lens: expected a length per sequence"),
+    "lens-count": ({}, lambda t: {"seq_lens": t["seq_lens"][:1]},
+                   r"seq_lens: expected batch=2 \(as in q\), got batch=1"),
     "cache-dtype": ({}, lambda t: {n: t[n].to(torch.float16) for n in ("key_cache", "value_cache")},
                     r"key_cache: expected the cache in cache_dtype"),
     "cache-no-blocks": ({}, lambda t: {n: t[n][:0] for n in ("key_cache", "value_cache")},
@@ -183,7 +185,8 @@ BAD = {
                       r"value_cache: expected the strides of key_cache"),
     "scale-without-fp8": ({}, lambda t: {"k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)},
                           r"k_scale: expected no k_scale"),
-    "q-not-cache-dtype": (dict(cache_dtype=torch.float16), lambda t: {n: t[n].half() for n in ("key_cache", "value_cache")},
+    "q-not-cache-dtype": (dict(cache_dtype=torch.float16),
+                          lambda t: {n: t[n].half() for n in ("key_cache", "value_cache")},
                           r"q: expected q in cache_dtype"),
     "fp8-without-scales": (FP8, _fp8, r"k_scale: expected k_scale and v_scale with an fp8 cache"),
     "fp8-two-scales": (FP8, lambda t: {**_fp8(t), "k_scale": torch.ones(2), "v_scale": torch.ones(2)},

@@ -437,10 +437,9 @@ class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
                 shape and dtype of ``key_cache``, exactly.
             block_tables (torch.Tensor): Sequence b's cache blocks in order: token j in block block_tables[b,
                 j // block_size]; int32 [batch, max_blocks]. Entries past a sequence's length are not read
-                (any value). Shape ``[table_rows, max_blocks]``; dtype int32. Each value in ``[0,
-                num_blocks)``.
+                (any value). Shape ``[batch, max_blocks]``; dtype int32. Each value in ``[0, num_blocks)``.
             seq_lens (torch.Tensor): The tokens of each sequence in the caches, the current one included;
-                int32 [batch], at most max_blocks * block_size. Shape ``[lens]``; dtype int32. Each value in
+                int32 [batch], at most max_blocks * block_size. Shape ``[batch]``; dtype int32. Each value in
                 ``[0, max_blocks * block_size + 1)``.
             k_scale (torch.Tensor | None): Keyword-only. The key cache's per-tensor scale (fp8 caches only): a
                 key reads as e4m3 * k_scale; read on the device. Shape ``[]`` or ``[scale_len]``; dtype
@@ -463,13 +462,12 @@ class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
                 cache's heads dim (dim 2 for NHD, dim 1 for HND: is cache_layout right?); key_cache: expected
                 head_dim as the cache's last dim; key_cache: expected at least one block of at least one row;
                 q: expected q in cache_dtype, or cache_dtype None or float8_e4m3fn; key_cache: expected the
-                cache in cache_dtype (None: q's dtype); block_tables: expected a row per sequence (q's batch);
-                block_tables: expected at least one block a sequence; seq_lens: expected a length per sequence
-                (q's batch); k_scale: expected one scale per tensor, [] or [1]; k_scale: expected no k_scale
-                or v_scale without an fp8 cache (cache_dtype=torch.float8_e4m3fn); k_scale: expected k_scale
-                and v_scale with an fp8 cache. A value of ``block_tables``, ``seq_lens`` outside its range
-                raises ValueError naming its index and value, without a host sync (see the API page, Positions
-                and gradients).
+                cache in cache_dtype (None: q's dtype); block_tables: expected at least one block a sequence;
+                k_scale: expected one scale per tensor, [] or [1]; k_scale: expected no k_scale or v_scale
+                without an fp8 cache (cache_dtype=torch.float8_e4m3fn); k_scale: expected k_scale and v_scale
+                with an fp8 cache. A value of ``block_tables``, ``seq_lens`` outside its range raises
+                ValueError naming its index and value, without a host sync (see the API page, Positions and
+                gradients).
         """
         return self._call({'q': q, 'key_cache': key_cache, 'value_cache': value_cache, 'block_tables':
             block_tables, 'seq_lens': seq_lens, 'k_scale': k_scale, 'v_scale': v_scale}, {'out': out})
