@@ -65,10 +65,11 @@ def cuda_enabled(backward: bool = False) -> bool:
     fp16 and bf16, varlen with empty sequences, offsets checked on the device, HF's views) and the
     manifest's generated CUDA cases passed on the H200 on 2026-12-03 (``benchmarks/NOTES.md``). The
     backward's tile programs agreed with SDPA in ``benchmarks/attention_probe.py --backward`` there,
-    but their CUDA test files have not yet run to the end (each of their 45 kernels is a TileLang build
-    of 20-45 s). A call that could answer wrongly is worse than one that refuses, so a CUDA call that
-    needs gradients refuses before any kernel runs, naming ``target="torch"`` and this variable; the
-    backward's C schedules (CPU) are tested in CI."""
+    but their CUDA test files have not yet run to the end (each of their kernels is a TileLang build of
+    7-23 s there, and every test worker compiled all of them at once: now one worker does). A call that
+    could answer wrongly is worse than one that refuses, so a CUDA call that needs gradients refuses
+    before any kernel runs, naming ``target="torch"`` and this variable; the backward's C schedules
+    (CPU) are tested in CI."""
     if not backward:
         return True
     import os

@@ -359,11 +359,18 @@ def _say_compiled(op_name: str, builder: str, spec: Any, arch: str, seconds: flo
                      f"cached in {where}" if _disk_cache_on() else "kept in memory only")
 
 
+def _index_keys(builder: str, spec: Any, backend: str, arch: str) -> list[str]:
+    """The index entries a kernel may be found under, in the order they are tried: the lean build's
+    first (CUDA, where that build is enabled), then TileLang's."""
+    lean = backend == "cuda" and cuda_build.enabled()
+    return [*([index_key(builder, spec, backend, arch, lean=True)] if lean else []),
+            index_key(builder, spec, backend, arch)]
+
+
 def _obtain(builder: str, spec: Any, backend: str, arch: str) -> tuple[tuple[Any, dict[str, Any]], bool]:
     """((library, record): from the index, else compiled and indexed; whether it was compiled now)."""
-    lean = backend == "cuda" and cuda_build.enabled()
-    keys = ([index_key(builder, spec, backend, arch, lean=True)] if lean else [])
-    keys.append(index_key(builder, spec, backend, arch))
+    keys = _index_keys(builder, spec, backend, arch)
+    lean = len(keys) > 1  # the lean build's key comes first
     use_disk = _disk_cache_on()
     if use_disk:
         for key in keys:  # a lean build first; a kernel that build does not serve is TileLang's
@@ -463,9 +470,7 @@ def indexed(builder: str, spec: Any, backend: str, arch: str) -> bool:
     no TileLang, no library loaded (an entry found damaged when it is loaded is rebuilt then)."""
     if not _disk_cache_on():
         return False
-    keys = [index_key(builder, spec, backend, arch)]
-    if backend == "cuda" and cuda_build.enabled():
-        keys.append(index_key(builder, spec, backend, arch, lean=True))
+    keys = _index_keys(builder, spec, backend, arch)
     return any(os.path.exists(os.path.join(_index_dir(), k + ".json")) for k in keys)
 
 
