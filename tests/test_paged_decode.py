@@ -224,3 +224,12 @@ def test_cuda_calls_are_refused(monkeypatch):
     with pytest.raises(NotImplementedError, match=r"CUDA: the paged decode's CUDA schedule is not written yet; "
                                                    r"target='torch'"):
         PagedAttnDecodeFwdOp(8, 2, 64)(**t)
+
+
+def test_a_report_names_every_limit_the_op_was_called_with():
+    """Calls with tables of two sizes: a bad length's error names both limits, not the last call's alone."""
+    op = PagedAttnDecodeFwdOp(8, 2, 64)
+    op(**_inputs(72, [40, 30]))  # 3 blocks of 16 a sequence: 48 tokens
+    with pytest.raises(ValueError, match=r"max_blocks \* block_size \(this op's calls had 32, 48\)\].*"
+                                         r"got seq_lens\[0\] = 49"):
+        op(**{**_inputs(73, [20, 30]), "seq_lens": torch.tensor([49, 30], dtype=torch.int32)})

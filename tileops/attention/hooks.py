@@ -250,21 +250,28 @@ class PagedAttnDecodeFwdHooks(Op):
         found (``found``: its record), else the first the host finds in ``values``, as the kernel judges
         them (an entry is bad only where its sequence's length reaches it)."""
         at = f" ({when})" if when else ""
-        limits = self.__dict__.get("_decode_limits", {})
+        limits = self.__dict__.get("_decode_limits", {"blocks": set(), "tokens": set()})
+
+        def said(kind: str) -> str:  # one limit: the bad call's; several (caches of several sizes): all
+            seen = sorted(limits[kind])
+            if not seen:
+                return ""
+            if len(seen) == 1:
+                return f" = {seen[0]}"
+            return f" (this op's calls had {', '.join(map(str, seen))})"
+
         if name == "block_tables":
-            blocks = f" = {limits['blocks']}" if "blocks" in limits else ""
-            rule = (f"expected block numbers in [0, num_blocks{blocks}) where a sequence's length reaches; the "
-                    f"kernel skipped that block's keys")
+            rule = (f"expected block numbers in [0, num_blocks{said('blocks')}) where a sequence's length reaches; "
+                    f"the kernel skipped that block's keys")
             if found is not None:
                 raise ValueError(f"{self.name}: block_tables: {rule}; got block_tables{found}{at}")
             raise ValueError(f"{self.name}: block_tables: {rule}{at}; {unnamed(values)}")
-        rule = (f"expected lengths in [0, max_blocks * block_size"
-                f"{' = ' + str(limits['tokens']) if 'tokens' in limits else ''}]; the kernel read the sequence "
+        rule = (f"expected lengths in [0, max_blocks * block_size{said('tokens')}]; the kernel read the sequence "
                 f"clamped into its table")
         if found is not None:
             raise ValueError(f"{self.name}: seq_lens: {rule}; got seq_lens{found}{at}")
-        if values is not None and "tokens" in limits:
-            bad = ((values < 0) | (values > limits["tokens"])).nonzero()
+        if values is not None and limits["tokens"]:  # past every table: bad for whichever call it was
+            bad = ((values < 0) | (values > max(limits["tokens"]))).nonzero()
             if bad.shape[0]:
                 i = int(bad[0, 0])
                 raise ValueError(f"{self.name}: seq_lens: {rule}; got seq_lens[{i}] = {int(values[i])}{at}")
@@ -272,5 +279,8 @@ class PagedAttnDecodeFwdHooks(Op):
 
     def note_decode_limits(self, blocks: int, tokens: int) -> None:
         """Note the cache's block count and a sequence's token limit a call was launched with, for a bad
-        value's error (the kernel reports the value, not the limit it broke)."""
-        self.__dict__["_decode_limits"] = {"blocks": int(blocks), "tokens": int(tokens)}
+        value's error (the kernel reports the value, not the limit it broke); every pair seen is kept, as
+        the prologue keeps its caches' slot counts, so a report never names another call's limit alone."""
+        limits = self.__dict__.setdefault("_decode_limits", {"blocks": set(), "tokens": set()})
+        limits["blocks"].add(int(blocks))
+        limits["tokens"].add(int(tokens))
