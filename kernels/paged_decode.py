@@ -28,7 +28,11 @@ read clamped into its table). The offset reported is the element's from the tens
 btb + i`` for a block-table entry, ``b`` for a length).
 
 Schedules: ``c`` (TileLang's C backend, one program at a time, the CPU's correctness path, which CI
-runs). The CUDA schedule is not written yet: a CUDA spec is refused by name.
+runs) and ``cuda`` (:func:`_partial_cuda`, :func:`_merge_cuda`: CUDA cores, 16-byte vectors, lane
+groups a token, xor-shuffle sums, the groups merged through shared memory; strides in vectors). The
+CUDA one's generated source runs on the CPU in the tests (``tests/cuda_on_cpu.py``), so CI checks its
+indexing, shuffles and barriers too. Both take the scale and softcap as their fp32 bits (int32), one
+kind of scalar on every launcher.
 """
 
 from dataclasses import dataclass
@@ -42,15 +46,19 @@ T: Any = None
 
 __all__ = ["PagedDecodeSpec", "Spec", "build", "STATIC", "PARTIAL_ARGS", "MERGE_ARGS", "CACHE_DTYPES"]
 
-#: no schedule choices yet (the C schedule has none)
-STATIC = {}
+#: the CUDA schedule's choices a manifest's ``kernel.static`` may set (the C schedule has none)
+STATIC = {
+    "threads": (64, 512, "threads a program of the CUDA partial and merge (64, 128, 256 or 512)"),
+    "unroll": (1, 8, "tokens a lane group loads before it waits on any (CUDA)"),
+}
 
 #: the caches' element types: the query's, or float8 e4m3fn with per-tensor scales
 CACHE_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
 
 #: the partial program's parameters, in order (the launcher binds by name)
 PARTIAL_ARGS = ("Q", "KC", "VC", "BT", "SL", "KS", "VS", "OP", "LP", "ERR", "tag", "batch", "splits", "chunk",
-                "nblocks", "bs", "max_blocks", "btb", "qsb", "qsh", "csb", "csr", "csh", "scale", "softcap", "window")
+                "nblocks", "bs", "max_blocks", "btb", "qsb", "qsh", "csb", "csr", "csh", "scale_bits", "softcap_bits",
+                "window")
 #: the merge program's parameters
 MERGE_ARGS = ("OP", "LP", "O", "batch", "splits", "osb", "osh")
 
@@ -70,6 +78,9 @@ class PagedDecodeSpec:
     kind: str = "partial"  # partial | merge
     window: bool = False  # a sliding window (its width is the ``window`` argument)
     softcap: bool = False  # c * tanh(s / c) (c is the ``softcap`` argument)
+    # CUDA schedule (ignored by the C one): threads a block, and tokens each lane group keeps in flight
+    threads: int = 128
+    unroll: int = 2
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16", "float32"):
@@ -77,18 +88,24 @@ class PagedDecodeSpec:
         if self.cache_dtype not in (self.dtype, "float8_e4m3fn"):
             raise ValueError(f"cache_dtype: expected the query's dtype {self.dtype!r} or 'float8_e4m3fn', "
                              f"got {self.cache_dtype!r}")
-        if self.backend == "cuda":
-            raise ValueError("backend: the paged decode's CUDA schedule is not written yet (the C schedule only)")
-        if self.backend != "c":
-            raise ValueError(f"backend: expected 'c', got {self.backend!r}")
+        if self.backend not in ("c", "cuda"):
+            raise ValueError(f"backend: expected 'c' or 'cuda', got {self.backend!r}")
         if self.kind not in ("partial", "merge"):
             raise ValueError(f"kind: expected 'partial' or 'merge', got {self.kind!r}")
+        if type(self.unroll) is not int or not 1 <= self.unroll <= 8:
+            raise ValueError(f"unroll: expected an int in [1, 8], got {self.unroll!r}")
         for name in ("head_dim", "hq", "hkv"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
         if self.hq % self.hkv:
             raise ValueError(f"hq: expected a multiple of hkv={self.hkv}, got {self.hq}")
+        if self.threads not in (64, 128, 256, 512):
+            raise ValueError(f"threads: expected 64, 128, 256 or 512, got {self.threads!r}")
+        if self.backend == "cuda":
+            problem = cuda_problem(self.dtype, self.cache_dtype, self.head_dim)
+            if problem:
+                raise ValueError(problem)
 
     @property
     def fp8(self) -> bool:
@@ -97,6 +114,34 @@ class PagedDecodeSpec:
     @property
     def args(self) -> tuple[str, ...]:
         return PARTIAL_ARGS if self.kind == "partial" else MERGE_ARGS
+
+    @property
+    def vec(self) -> int:
+        """CUDA: elements a lane loads at once from a cache row (8: 16 bytes of a 16-bit cache, 8 of a
+        float8 one; 4 of fp32), and the unit the strides are passed in (``stride_unit``)."""
+        return 4 if self.cache_dtype == "float32" else 8
+
+    @property
+    def stride_unit(self) -> int:
+        return self.vec if self.backend == "cuda" else 1
+
+    @property
+    def group(self) -> int:
+        """q heads a kv head serves (GQA)."""
+        return self.hq // self.hkv
+
+    @property
+    def heads_per_block(self) -> int:
+        """CUDA: the q heads of one kv head a partial program serves: all of the group where it has at
+        most 8 (every key and value loaded serves each), else the largest divisor of the group <= 8 (its
+        registers hold a q row and an output row per head; a group of 16 or 32, MQA, reads each kv row
+        once per 8 heads, the rereads from L2)."""
+        return max(h for h in range(1, 9) if self.group % h == 0)
+
+    @property
+    def lanes(self) -> int:
+        """CUDA: lanes that hold one token's row (a power of two, its spare lanes idle)."""
+        return 1 << (self.head_dim // self.vec - 1).bit_length()
 
 
 Spec = PagedDecodeSpec
@@ -111,9 +156,21 @@ def _tl() -> Any:
     return T
 
 
+def cuda_problem(dtype: str, cache_dtype: str, head_dim: int) -> str | None:
+    """Why the CUDA schedule cannot serve these (None if it can): a row is read in vectors of
+    :attr:`PagedDecodeSpec.vec` elements by at most a warp's 32 lanes."""
+    vec = 4 if cache_dtype == "float32" else 8
+    if head_dim % vec or head_dim // vec > 32:
+        return (f"head_dim: the CUDA paged decode reads a row as vectors of {vec} elements, one a lane of a "
+                f"warp: expected a multiple of {vec} up to {32 * vec}, got {head_dim}")
+    return None
+
+
 def build(spec: PagedDecodeSpec):
     """The ``T.prim_func`` for ``spec``; its parameters are ``spec.args`` (then the dynamic extents)."""
     _tl()
+    if spec.backend == "cuda":
+        return _partial_cuda(spec) if spec.kind == "partial" else _merge_cuda(spec)
     return _partial(spec) if spec.kind == "partial" else _merge(spec)
 
 
@@ -140,23 +197,30 @@ def _load(spec: PagedDecodeSpec, buf, idx, st: str, scale):
     return load_f32(buf, idx, st, spec.dtype)
 
 
+def _partial_buffers(st: str, cst: str) -> dict:
+    """The partial program's buffer parameters, both schedules (flat, dynamic extents)."""
+    NQ, NC, NBT, NS, NO, NL = T.dynamic("NQ, NC, NBT, NS, NO, NL")
+    return dict(Q=T.Tensor((NQ,), st), KC=T.Tensor((NC,), cst), VC=T.Tensor((NC,), cst), BT=T.Tensor((NBT,), "int32"),
+                SL=T.Tensor((NS,), "int32"), KS=T.Tensor((1,), "float32"), VS=T.Tensor((1,), "float32"),
+                OP=T.Tensor((NO,), "float32"), LP=T.Tensor((NL,), "float32"), ERR=T.Tensor((ENTRY,), "int32"))
+
+
 def _partial(spec: PagedDecodeSpec):
     D, HQ, HKV, G = spec.head_dim, spec.hq, spec.hkv, spec.hq // spec.hkv
     st = storage_dtype(spec.dtype, spec.backend)
     cst = "uint8" if spec.fp8 else st
     rep = report(spec.backend)
-    NQ, NC, NBT, NS, NO, NL = T.dynamic("NQ, NC, NBT, NS, NO, NL")
+    sig = _partial_buffers(st, cst)
 
     @T.prim_func
-    def paged_decode_partial(Q: T.Tensor((NQ,), st), KC: T.Tensor((NC,), cst), VC: T.Tensor((NC,), cst),
-                             BT: T.Tensor((NBT,), "int32"), SL: T.Tensor((NS,), "int32"),
-                             KS: T.Tensor((1,), "float32"), VS: T.Tensor((1,), "float32"),
-                             OP: T.Tensor((NO,), "float32"), LP: T.Tensor((NL,), "float32"),
-                             ERR: T.Tensor((ENTRY,), "int32"), tag: T.int32, batch: T.int32, splits: T.int32,
+    def paged_decode_partial(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"], KS: sig["KS"],
+                             VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"], tag: T.int32, batch: T.int32, splits: T.int32,
                              chunk: T.int32, nblocks: T.int32, bs: T.int32, max_blocks: T.int32, btb: T.int64,
                              qsb: T.int64, qsh: T.int64, csb: T.int64, csr: T.int64, csh: T.int64,
-                             scale: T.float32, softcap: T.float32, window: T.int32):
+                             scale_bits: T.int32, softcap_bits: T.int32, window: T.int32):
         with T.Kernel(splits, HKV, batch, threads=1) as (s, kvh, b):
+            scale = T.reinterpret(scale_bits, "float32")
+            softcap = T.reinterpret(softcap_bits, "float32")
             qv = T.alloc_local((G * D,), "float32")
             acc = T.alloc_local((G * D,), "float32")
             kv = T.alloc_local((2 * D,), "float32")  # the key's row, then the value's
@@ -250,3 +314,259 @@ def _merge(spec: PagedDecodeSpec):
                 O[oo + d] = to_storage(T.if_then_else(w[1] > 0, acc[d] / w[1], T.float32(0)), st, spec.dtype)
 
     return paged_decode_merge
+
+
+# ------------------------------------------------------------------------------ CUDA schedule
+# A decode step reads every key and value of the cache once and does 2 * G flops a cached element:
+# memory-bound at any batch, so CUDA cores, no tensor cores (FlashInfer's and vLLM's decode kernels
+# read it the same way). What the schedule must get right is the bytes in flight: a lane loads a
+# vector of a key row and of a value row for each of ``unroll`` tokens before it waits on any of them.
+
+
+def _cuda_helpers() -> str:
+    from .norm import CUDA_HELPERS
+    from .report import CUDA_SOURCE
+
+    return CUDA_HELPERS + CUDA_SOURCE
+
+
+def _partial_cuda(spec: PagedDecodeSpec):
+    """A program per (sequence, kv head, head chunk, split), 1-D grid (split fastest). The block's
+    threads form lane groups of :attr:`~PagedDecodeSpec.lanes` lanes; group ``g`` takes tokens ``j0 +
+    u * NG + g`` of each step of ``NG * U`` tokens (neighbouring groups read neighbouring rows of one
+    page), each lane a vector of the row. Per token and head, the lanes' partial dot products are summed
+    by ``log2(lanes)`` xor-shuffles; the group keeps an online softmax (max, sum, output vector) per head,
+    rescaled once a step. At the end the groups' states are merged through shared memory into the
+    split's normalised output and base-2 log-sum-exp. Strides are in units of ``vec`` elements."""
+    D, HQ, HKV, G = spec.head_dim, spec.hq, spec.hkv, spec.group
+    GH, VEC, LG, TPB, U = spec.heads_per_block, spec.vec, spec.lanes, spec.threads, spec.unroll
+    NV = D // VEC  # lanes of a group that hold a vector
+    NG = TPB // LG  # lane groups a block
+    NHC = G // GH  # head chunks a kv head
+    st = storage_dtype(spec.dtype, "cuda")
+    cst = "uint8" if spec.fp8 else st
+    rep = report("cuda")
+    helpers = _cuda_helpers()
+    sig = _partial_buffers(st, cst)
+    ninf = _neg_inf()
+
+    def row_at(page, row, kvh, csb, csr, csh, lane):
+        """A lane's vector of cache row ``(page, row, kvh)``, in elements (strides in vectors)."""
+        return ((T.cast(page, "int64") * csb + T.cast(row, "int64") * csr + T.cast(kvh, "int64") * csh) * VEC
+                + T.cast(lane * VEC, "int64"))
+
+    @T.prim_func
+    def paged_decode_partial_cuda(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
+                                  KS: sig["KS"], VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"],
+                                  tag: T.int32, batch: T.int32, splits: T.int32,
+                                  chunk: T.int32, nblocks: T.int32, bs: T.int32, max_blocks: T.int32, btb: T.int64,
+                                  qsb: T.int64, qsh: T.int64, csb: T.int64, csr: T.int64, csh: T.int64,
+                                  scale_bits: T.int32, softcap_bits: T.int32, window: T.int32):
+        with T.Kernel(splits * (HKV * NHC) * batch, threads=TPB) as bx:
+            T.import_source(helpers)
+            tx = T.get_thread_binding()
+            div, mod = T.truncdiv, T.truncmod  # every operand >= 0: no floor-division sign fixes
+            s = mod(bx, splits)
+            hc = mod(div(bx, splits), NHC)
+            kvh = mod(div(bx, splits * NHC), HKV)
+            b = div(bx, splits * NHC * HKV)
+            lane = tx % LG
+            grp = tx // LG
+            vl = lane < NV
+            scale = T.reinterpret(scale_bits, "float32")
+            softcap = T.reinterpret(softcap_bits, "float32")
+            qv = T.alloc_local((GH * VEC,), "float32")
+            acc = T.alloc_local((GH * VEC,), "float32")
+            qb = T.alloc_local((VEC,), st)
+            kb = T.alloc_local((U * VEC,), cst)
+            vb = T.alloc_local((U * VEC,), cst)
+            sc = T.alloc_local((U * GH,), "float32")
+            ok = T.alloc_local((U,), "int32")
+            m = T.alloc_local((GH,), "float32")
+            l = T.alloc_local((GH,), "float32")  # noqa: E741
+            w = T.alloc_local((4,), "float32")  # a step's max, its rescale, a weight, a dot product
+            SM = T.alloc_shared((NG * GH,), "float32")
+            SLS = T.alloc_shared((NG * GH,), "float32")
+            SACC = T.alloc_shared((NG * GH * NV * VEC,), "float32")
+            ks = T.alloc_var("float32")
+            vs = T.alloc_var("float32")
+            ks = T.float32(1)
+            vs = T.float32(1)
+            if spec.fp8:
+                ks = KS[0]
+                vs = VS[0]
+            # the sequence's visible tokens, the length clamped into its table (a bad one reported once)
+            L = T.alloc_var("int32")
+            L = T.max(T.min(SL[b], max_blocks * bs), 0)
+            if s == 0 and kvh == 0 and hc == 0 and tx == 0:
+                if SL[b] < 0 or SL[b] > max_blocks * bs:
+                    rep(ERR, 1, tag, b, SL[b])
+            lo = T.alloc_var("int32")
+            lo = 0
+            if spec.window:
+                lo = T.max(L - window, 0)
+            t0 = T.max(lo, s * chunk)
+            t1 = T.min(L, s * chunk + chunk)
+            # q: the chunk's heads, this lane's vector of each (scaled here when no softcap follows)
+            qk = T.float32(_LOG2E) if spec.softcap else scale * T.float32(_LOG2E)
+            for h in T.unroll(GH):
+                qo = (T.cast(b, "int64") * qsb + T.cast(kvh * G + hc * GH + h, "int64") * qsh) * VEC
+                for v in T.unroll(VEC):
+                    qv[h * VEC + v] = T.float32(0)
+                    acc[h * VEC + v] = T.float32(0)
+                if vl:
+                    for v in T.vectorized(VEC):  # a 16-byte load; widened below, element by element
+                        qb[v] = Q[qo + lane * VEC + v]
+                    for v in T.unroll(VEC):
+                        qv[h * VEC + v] = T.cast(qb[v], "float32")
+                if not spec.softcap:
+                    for v in T.unroll(VEC):
+                        qv[h * VEC + v] = qv[h * VEC + v] * qk
+                m[h] = ninf
+                l[h] = T.float32(0)
+            for it in T.serial(T.ceildiv(T.max(t1 - t0, 0), NG * U)):
+                # 1. every token's key and value vectors of the step, loaded before any is used
+                for u in T.unroll(U):
+                    j = t0 + it * (NG * U) + u * NG + grp
+                    at = T.cast(b, "int64") * btb + T.cast(div(j, bs), "int64")
+                    page = T.alloc_var("int32")
+                    page = 0
+                    if j < t1:
+                        page = BT[at]
+                    ok[u] = T.if_then_else(j < t1 and page >= 0 and page < nblocks, 1, 0)
+                    if j < t1 and (page < 0 or page >= nblocks) and kvh == 0 and hc == 0 and lane == 0:
+                        rep(ERR, 0, tag, at, page)
+                    if ok[u] == 1 and vl:
+                        # (an expression, not a variable: a bound variable hides its multiple of VEC from
+                        # the vectoriser, which then loads element by element)
+                        for v in T.vectorized(VEC):
+                            kb[u * VEC + v] = KC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
+                        for v in T.vectorized(VEC):
+                            vb[u * VEC + v] = VC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
+                    else:
+                        for v in T.unroll(VEC):
+                            kb[u * VEC + v] = T.cast(0, cst)
+                            vb[u * VEC + v] = T.cast(0, cst)
+                # 2. the logits, base 2: a lane's partial dot products summed over its group's lanes
+                for u in T.unroll(U):
+                    for h in T.unroll(GH):
+                        w[3] = T.float32(0)
+                        for v in T.unroll(VEC):
+                            w[3] = w[3] + qv[h * VEC + v] * _kv_f32(spec, kb[u * VEC + v], ks)
+                        for k in T.unroll(LG.bit_length() - 1):
+                            w[3] = w[3] + T.call_extern("float32", "tileops_xor_lane", w[3], 1 << k)
+                        if spec.softcap:
+                            w[3] = softcap * T.tanh(w[3] * scale / softcap) * T.float32(_LOG2E)
+                        sc[u * GH + h] = T.if_then_else(ok[u] == 1, w[3], ninf)
+                # 3. the online softmax, one rescale a step and head
+                for h in T.unroll(GH):
+                    w[0] = m[h]
+                    for u in T.unroll(U):
+                        w[0] = T.max(w[0], sc[u * GH + h])
+                    if w[0] > ninf:  # (else nothing seen yet: the state stays empty)
+                        w[1] = T.exp2(m[h] - w[0])  # 0 while m is -inf
+                        l[h] = l[h] * w[1]
+                        for v in T.unroll(VEC):
+                            acc[h * VEC + v] = acc[h * VEC + v] * w[1]
+                        for u in T.unroll(U):
+                            w[2] = T.exp2(sc[u * GH + h] - w[0])
+                            l[h] = l[h] + w[2]
+                            for v in T.unroll(VEC):
+                                acc[h * VEC + v] = acc[h * VEC + v] + w[2] * _kv_f32(spec, vb[u * VEC + v], vs)
+                        m[h] = w[0]
+            # 4. the groups' states merged: the block's max and sum per head, each group's output scaled
+            if lane == 0:
+                for h in T.unroll(GH):
+                    SM[grp * GH + h] = m[h]
+                    SLS[grp * GH + h] = l[h]
+            T.sync_threads()
+            for h in T.unroll(GH):
+                w[0] = ninf
+                for g in T.serial(NG):
+                    w[0] = T.max(w[0], SM[g * GH + h])
+                w[1] = T.if_then_else(m[h] > ninf, T.exp2(m[h] - w[0]), T.float32(0))
+                if vl:
+                    for v in T.unroll(VEC):
+                        SACC[(grp * GH + h) * (NV * VEC) + lane * VEC + v] = acc[h * VEC + v] * w[1]
+            T.sync_threads()
+            for k in T.serial(T.ceildiv(GH * NV * VEC, TPB)):
+                e = k * TPB + tx
+                if e < GH * NV * VEC:
+                    h = e // (NV * VEC)
+                    w[0] = ninf
+                    for g in T.serial(NG):
+                        w[0] = T.max(w[0], SM[g * GH + h])
+                    w[1] = T.float32(0)  # the sum of the groups' rescaled sums
+                    w[2] = T.float32(0)  # of their rescaled outputs
+                    for g in T.serial(NG):
+                        if SM[g * GH + h] > ninf:
+                            w[3] = T.exp2(SM[g * GH + h] - w[0])
+                            w[1] = w[1] + SLS[g * GH + h] * w[3]
+                        w[2] = w[2] + SACC[(g * GH + h) * (NV * VEC) + e % (NV * VEC)]
+                    row = ((T.cast(b, "int64") * HQ + T.cast(kvh * G + hc * GH + h, "int64")) * T.cast(splits, "int64")
+                           + s)
+                    OP[row * D + e % (NV * VEC)] = T.if_then_else(w[1] > 0, w[2] / w[1], T.float32(0))
+                    if e % (NV * VEC) == 0:
+                        LP[row] = T.if_then_else(w[1] > 0, w[0] + T.log2(w[1]), ninf)
+
+    return paged_decode_partial_cuda
+
+
+def _kv_f32(spec: PagedDecodeSpec, x, scale):
+    """A key's or value's element, loaded into a register, as fp32 (a float8 one dequantised)."""
+    if spec.fp8:
+        return e4m3_f32(x) * scale
+    return T.cast(x, "float32")
+
+
+def _merge_cuda(spec: PagedDecodeSpec):
+    """Rows ``(sequence, q head)`` in lane groups of ``next_pow2(D / 8)`` lanes, each lane 8 elements of
+    the row (two float4 of each split's partial output, one 16-byte store of a 16-bit out); ``osb`` and
+    ``osh`` in units of 8 elements (4 for fp32)."""
+    D, HQ, TPB = spec.head_dim, spec.hq, spec.threads
+    VEC = 4 if spec.dtype == "float32" else 8
+    NV = D // VEC
+    LG = 1 << (NV - 1).bit_length()
+    RPB = TPB // LG
+    st = storage_dtype(spec.dtype, "cuda")
+    NO, NL, NOUT = T.dynamic("NO, NL, NOUT")
+    ninf = _neg_inf()
+
+    @T.prim_func
+    def paged_decode_merge_cuda(OP: T.Tensor((NO,), "float32"), LP: T.Tensor((NL,), "float32"),
+                                O: T.Tensor((NOUT,), st), batch: T.int32, splits: T.int32, osb: T.int64,
+                                osh: T.int64):
+        with T.Kernel(T.ceildiv(batch * HQ, RPB), threads=TPB) as bx:
+            tx = T.get_thread_binding()
+            lane = tx % LG
+            r = bx * RPB + tx // LG
+            acc = T.alloc_local((VEC,), "float32")
+            ov = T.alloc_local((VEC,), st)
+            w = T.alloc_local((3,), "float32")  # max, sum of weights, a weight
+            if r < batch * HQ and lane < NV:
+                row = T.cast(r, "int64") * T.cast(splits, "int64")
+                w[0] = ninf
+                for s in T.serial(splits):
+                    w[0] = T.max(w[0], LP[row + s])
+                w[1] = T.float32(0)
+                for v in T.unroll(VEC):
+                    acc[v] = T.float32(0)
+                if w[0] > ninf:
+                    for s in T.serial(splits):
+                        w[2] = T.exp2(LP[row + s] - w[0])  # 0 for a split that saw no key
+                        w[1] = w[1] + w[2]
+                        for v in T.unroll(VEC):
+                            acc[v] = acc[v] + w[2] * OP[(row + s) * D + lane * VEC + v]
+                for v in T.unroll(VEC):
+                    ov[v] = T.cast(T.if_then_else(w[1] > 0, acc[v] / w[1], T.float32(0)), st)
+                oo = (T.cast(r // HQ, "int64") * osb + T.cast(r % HQ, "int64") * osh) * VEC + lane * VEC
+                for v in T.vectorized(VEC):
+                    O[oo + v] = ov[v]
+
+    return paged_decode_merge_cuda
+
+
+def _neg_inf():
+    """-inf as fp32 bits: ``-T.infinity`` prints CUDART_INF_F, whose header the lean build (NVRTC, no
+    include path) does not give."""
+    return T.reinterpret(T.int32(-8388608), "float32")  # 0xFF800000

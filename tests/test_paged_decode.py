@@ -1,7 +1,7 @@
 """``PagedAttnDecodeFwdOp`` on the CPU: the op's plan (split-KV partials, then the merge) against the
 float64 reference of ``tests/references_attention.py``, the decode of a cache the prologue wrote, the
 reports of bad block tables and lengths, the checks before any kernel runs, the torch target, and
-the CUDA refusal.
+the CUDA schedule's refusal of a head_dim it cannot read (its runs: ``tests/test_paged_decode_cuda.py``).
 
 Bounds: the kernel tests' (``tests/test_paged_decode_kernels.py``: from the arithmetic, :func:`bound`),
 with the magnitudes the reference returns.
@@ -216,14 +216,18 @@ def test_torch_target_agrees():
     assert bool(((ours.double() - want).abs() <= tol).all())
 
 
-def test_cuda_calls_are_refused(monkeypatch):
+def test_cuda_refuses_a_head_dim_its_schedule_cannot_read(monkeypatch):
+    """On CUDA a row is read in vectors, one a lane of a warp: fp32 (4-element vectors) reaches 128, so
+    head_dim 256 is refused at the first call, naming the torch target, before a kernel is built."""
     from tileops.attention import decode_builtin
 
     monkeypatch.setattr(decode_builtin, "device_backend", lambda device: ("cuda", "sm_90"))
-    t = _inputs(71, [10])
-    with pytest.raises(NotImplementedError, match=r"CUDA: the paged decode's CUDA schedule is not written yet; "
-                                                   r"target='torch'"):
-        PagedAttnDecodeFwdOp(8, 2, 64)(**t)
+    monkeypatch.setattr(decode_builtin, "load_kernel", lambda *a, **k: pytest.fail("a kernel was built"))
+    t = _inputs(71, [10], d=256)
+    with pytest.raises(NotImplementedError, match=r"head_dim: the CUDA paged decode reads a row as vectors of 4 "
+                                                   r"elements, one a lane of a warp: expected a multiple of 4 up to "
+                                                   r"128, got 256; target='torch'"):
+        PagedAttnDecodeFwdOp(8, 2, 256)(**t)
 
 
 def test_a_report_names_every_limit_the_op_was_called_with():

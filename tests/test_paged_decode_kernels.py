@@ -1,6 +1,7 @@
 """The paged decode programs of ``kernels/paged_decode.py`` (split-KV ``partial``, then ``merge``),
-launched directly on the CPU (the C schedule) against a float64 reference written from the
-definition, sharing no code with the kernels.
+launched directly on the CPU against a float64 reference written from the definition, sharing no code
+with the kernels: the C schedule, and the CUDA schedule's generated source run on the CPU
+(``tests/cuda_on_cpu.py``: its lane groups, shuffles, shared-memory merge and barriers; not its speed).
 
 The reference (:func:`reference`) reads each sequence's keys through its block table from the caches
 as given (NHD or HND; a float8 cache's bytes as torch reads them, times the scale), skips a key whose
@@ -20,12 +21,15 @@ output's dtype (its unit roundoff times the fp32 value's magnitude).
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
 
 import pytest
 import torch
 
-from tileops.compile.build import load_kernel
+from tests import cuda_on_cpu
+from tileops.compile.build import emit_source, load_kernel
 from tileops.kernels import get_spec
 from tileops.kernels.report import CHECKS, ENTRY, RECORD_MAX
 
@@ -86,15 +90,32 @@ def spec(kind: str, dtype, cache_dtype=None, d=64, hq=8, hkv=2, **fields):
                                     head_dim=d, hq=hq, hkv=hkv, **fields)
 
 
-def _launch(s, **args) -> None:
+def bits(x: float) -> int:
+    """The int32 whose bits are fp32 ``x`` (the programs take the scale and softcap so)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _emulated(s):
+    """The CUDA schedule's source for spec ``s`` (its backend "c" replaced), run on the CPU
+    (``tests/cuda_on_cpu.py``)."""
+    import dataclasses
+
+    return cuda_on_cpu.CudaOnCpu(emit_source("paged_decode", dataclasses.replace(s, backend="cuda"), "cuda", "sm_90"))
+
+
+def _launch(s, cuda: bool, grid: int = 0, **args) -> None:
+    if cuda:
+        _emulated(s).launch(grid, s.threads, **args)
+        return
     k = load_kernel("paged_decode", s, "c", "c", CPU, s.args)
     k(*k.bind(**args, **dict.fromkeys(k.extent_names, 0)))
 
 
 def run(q, kc, vc, bt, sl, *, layout="NHD", splits=1, scale=0.125, softcap=None, window=None, k_scale=None,
-        v_scale=None, tag=7, fields=None):
+        v_scale=None, tag=7, fields=None, cuda=False):
     """``(out, err)``: both programs on the CPU (workspaces and out NaN-filled first), and the error
-    entry they wrote."""
+    entry they wrote. ``cuda``: the CUDA schedule's source run on the CPU, strides in its vectors."""
     B, hq, d = q.shape
     hkv = kc.shape[2] if layout == "NHD" else kc.shape[1]
     bs = kc.shape[1] if layout == "NHD" else kc.shape[2]
@@ -114,14 +135,21 @@ def run(q, kc, vc, bt, sl, *, layout="NHD", splits=1, scale=0.125, softcap=None,
     vs = torch.tensor([v_scale or 1.0], dtype=torch.float32)
     raw = (lambda t: t.view(torch.uint8)) if cache_dtype == torch.float8_e4m3fn else (lambda t: t)
     part = spec("partial", q.dtype, cache_dtype, d, hq, hkv, **fields)
-    _launch(part, Q=q.data_ptr(), KC=raw(kc).data_ptr(), VC=raw(vc).data_ptr(), BT=bt.data_ptr(), SL=sl.data_ptr(),
+    merge = spec("merge", q.dtype, cache_dtype, d, hq, hkv, **fields)
+    out = torch.full_like(q, float("nan"))
+    u = part.vec if cuda else 1
+    qsb, qsh, csb, csr, csh, osb, osh = (x // u for x in (q.stride(0), q.stride(1), csb, csr, csh, out.stride(0),
+                                                          out.stride(1)))
+    grid = splits * hkv * (hq // hkv // part.heads_per_block) * B
+    lanes = 1 << (d // (4 if q.dtype == torch.float32 else 8) - 1).bit_length()
+    _launch(part, cuda, grid, Q=q.data_ptr(), KC=raw(kc).data_ptr(), VC=raw(vc).data_ptr(), BT=bt.data_ptr(),
+            SL=sl.data_ptr(),
             KS=ks.data_ptr(), VS=vs.data_ptr(), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(), ERR=err.data_ptr(), tag=tag,
             batch=B, splits=splits, chunk=chunk, nblocks=kc.shape[0], bs=bs, max_blocks=max_blocks,
-            btb=bt.stride(0), qsb=q.stride(0), qsh=q.stride(1), csb=csb, csr=csr, csh=csh, scale=scale,
-            softcap=softcap or 1.0, window=window or 0)
-    out = torch.full_like(q, float("nan"))
-    _launch(spec("merge", q.dtype, cache_dtype, d, hq, hkv, **fields), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(),
-            O=out.data_ptr(), batch=B, splits=splits, osb=out.stride(0), osh=out.stride(1))
+            btb=bt.stride(0), qsb=qsb, qsh=qsh, csb=csb, csr=csr, csh=csh, scale_bits=bits(scale),
+            softcap_bits=bits(softcap or 1.0), window=window or 0)
+    _launch(merge, cuda, -(-B * hq // (merge.threads // lanes)), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(),
+            O=out.data_ptr(), batch=B, splits=splits, osb=osb, osh=osh)
     return out, err
 
 
@@ -161,10 +189,10 @@ def make(seed, *, lens, bs, layout="NHD", hq=8, hkv=2, d=64, dtype=torch.float32
 
 
 def check(q, kc, vc, bt, sl, *, layout="NHD", splits=1, scale=0.125, softcap=None, window=None, k_scale=1.0,
-          v_scale=1.0, fields=None):
+          v_scale=1.0, fields=None, cuda=False):
     fp8 = kc.dtype == torch.float8_e4m3fn
     got, err = run(q, kc, vc, bt, sl, layout=layout, splits=splits, scale=scale, softcap=softcap, window=window,
-                   k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None, fields=fields)
+                   k_scale=k_scale if fp8 else None, v_scale=v_scale if fp8 else None, fields=fields, cuda=cuda)
     want, terms = reference(q, kc, vc, bt, sl, layout, scale, softcap, window, k_scale if fp8 else 1.0,
                             v_scale if fp8 else 1.0)
     assert not got.isnan().any(), "a NaN in out (an element never written?)"
@@ -177,45 +205,73 @@ def check(q, kc, vc, bt, sl, *, layout="NHD", splits=1, scale=0.125, softcap=Non
 
 
 # ------------------------------------------------------------------------------ tests
+#: both schedules: the C one, and the CUDA one's generated source run on the CPU
+NO_CXX = pytest.mark.skipif(not cuda_on_cpu.available(), reason="no C++ compiler to run the CUDA source on the CPU")
+SCHEDULES = pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=NO_CXX)], ids=["c", "cuda-on-cpu"])
 LENS = [37, 0, 1, 16, 64, 23]  # an empty sequence, one token, a block exactly, blocks and a part
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("bs", [1, 16, 5])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_layouts_block_sizes_and_splits(layout, bs, splits):
+@SCHEDULES
+def test_layouts_block_sizes_and_splits(layout, bs, splits, cuda):
     t = make(41, lens=LENS, bs=bs, layout=layout)
-    got, err = check(*t, layout=layout, splits=splits)
+    got, err = check(*t, layout=layout, splits=splits, cuda=cuda)
     assert bool((got[1] == 0).all()), "a sequence of no token outputs zeros"
     assert int(err[0]) == 0 and int(err[1]) == 0, "nothing reported for good tables"
 
 
-def test_splits_agree_with_one_split():
+@SCHEDULES
+def test_splits_agree_with_one_split(cuda):
     """More splits than a sequence has tokens: splits that see no key weigh nothing in the merge."""
     t = make(42, lens=[3, 40], bs=4)
-    check(*t, splits=7)  # chunks of 7 tokens over a table of 11 blocks: sequence 0 has one split of keys
+    check(*t, splits=7, cuda=cuda)  # chunks of 7 tokens over a table of 11 blocks: sequence 0 has one split of keys
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_dtypes(dtype):
-    check(*make(43, lens=LENS, bs=16, dtype=dtype), splits=2)
+@SCHEDULES
+def test_half_dtypes(dtype, cuda):
+    check(*make(43, lens=LENS, bs=16, dtype=dtype), splits=2, cuda=cuda)
 
 
-def test_float8_cache_with_scales():
+@SCHEDULES
+def test_float8_cache_with_scales(cuda):
     t = make(44, lens=LENS, bs=16, layout="HND", dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
-    check(*t, layout="HND", splits=2, k_scale=0.03, v_scale=0.5)
+    check(*t, layout="HND", splits=2, k_scale=0.03, v_scale=0.5, cuda=cuda)
 
 
 @pytest.mark.parametrize("window", [1, 7, 100])
-def test_window_and_softcap(window):
-    check(*make(45, lens=LENS, bs=16), splits=3, window=window, softcap=5.0, scale=0.3)
+@SCHEDULES
+def test_window_and_softcap(window, cuda):
+    check(*make(45, lens=LENS, bs=16), splits=3, window=window, softcap=5.0, scale=0.3, cuda=cuda)
 
 
-def test_mha_head_dim_128():
-    check(*make(46, lens=[70, 2], bs=16, hq=4, hkv=4, d=128), splits=2)
+@SCHEDULES
+def test_mha_head_dim_128(cuda):
+    check(*make(46, lens=[70, 2], bs=16, hq=4, hkv=4, d=128), splits=2, cuda=cuda)
 
 
-def test_bad_block_table_entries_and_lengths_are_reported_and_skipped():
+# The CUDA schedule's shapes of lanes, heads and tokens: head_dim 256 (a warp a token), 80 (10 vectors in
+# a group of 16 lanes, 6 idle), fp32 (4-element vectors), a group of 16 q heads (two programs of 8
+# heads a kv head), 64 and 256 threads, 1 and 4 tokens a lane group a step
+@NO_CXX
+@pytest.mark.parametrize("d,dtype,hq,hkv,fields", [
+    (256, torch.bfloat16, 4, 2, {}),
+    (80, torch.float16, 6, 2, {}),
+    (64, torch.float32, 8, 2, {}),
+    (64, torch.bfloat16, 16, 1, {}),
+    (128, torch.bfloat16, 8, 2, {"threads": 64, "unroll": 1}),
+    (64, torch.float16, 8, 2, {"threads": 256, "unroll": 4}),
+], ids=["d256", "d80-spare-lanes", "fp32", "group16", "64-threads-unroll1", "256-threads-unroll4"])
+def test_cuda_schedule_shapes(d, dtype, hq, hkv, fields):
+    t = make(48, lens=[150, 0, 1, 33], bs=16, hq=hq, hkv=hkv, d=d, dtype=dtype, layout="HND")
+    got, _ = check(*t, layout="HND", splits=2, fields=fields, cuda=True)
+    assert bool((got[1] == 0).all())
+
+
+@SCHEDULES
+def test_bad_block_table_entries_and_lengths_are_reported_and_skipped(cuda):
     """An entry outside the cache (negative, or at num_blocks) is skipped and reported, the first one by
     its offset in the table; a length past the table reads the table's tokens and is reported; the
     other sequences are untouched."""
@@ -224,12 +280,12 @@ def test_bad_block_table_entries_and_lengths_are_reported_and_skipped():
     bt[0, 2] = nblocks  # sequence 0's third block (tokens 16-23)
     bt[0, 4] = -5
     sl[2] = bt.shape[1] * 8 + 9  # sequence 2: past its table (whose unused entries are -1: skipped too)
-    got, err = check(q, kc, vc, bt, sl, splits=2)
+    got, err = check(q, kc, vc, bt, sl, splits=2, cuda=cuda)
     assert int(err[0]) == 7 and int(err[1]) == 7, "the call's tag in both words"
     assert record(err, 0) == (0 * bt.stride(0) + 2, nblocks), record(err, 0)
     assert record(err, 1) == (2, int(sl[2])), record(err, 1)
     *_, bt0, sl0 = make(47, lens=[40, 30, 20], bs=8)
-    good, _ = run(q, kc, vc, bt0, sl0, splits=2)
+    good, _ = run(q, kc, vc, bt0, sl0, splits=2, cuda=cuda)
     assert torch.equal(got[1], good[1]), "sequence 1, whose table and length are good, is as it was"
 
 
@@ -260,8 +316,13 @@ def test_e4m3_decode_every_bit_pattern():
 
 
 def test_spec_refuses_what_it_cannot_build():
-    with pytest.raises(ValueError, match=r"backend: the paged decode's CUDA schedule is not written yet"):
-        spec("partial", torch.bfloat16, backend="cuda")
+    with pytest.raises(ValueError, match=r"head_dim: the CUDA paged decode reads a row as vectors of 8 elements, "
+                                         r"one a lane of a warp: expected a multiple of 8 up to 256, got 260"):
+        spec("partial", torch.bfloat16, d=260, backend="cuda")
+    with pytest.raises(ValueError, match=r"head_dim: .* expected a multiple of 4 up to 128, got 66"):
+        spec("partial", torch.float32, d=66, backend="cuda")
+    with pytest.raises(ValueError, match=r"backend: expected 'c' or 'cuda', got 'metal'"):
+        spec("partial", torch.float32, backend="metal")
     with pytest.raises(ValueError, match=r"cache_dtype: expected the query's dtype 'bfloat16' or 'float8_e4m3fn'"):
         spec("partial", torch.bfloat16, torch.float16)
     with pytest.raises(ValueError, match=r"hq: expected a multiple of hkv=3, got 8"):

@@ -10,17 +10,23 @@ is copied first), the caches by their strides (the layout is the strides, as the
 them). The kernel checks the block tables and lengths: error words 0 (``block_tables``) and 1
 (``seq_lens``), reported by the op's runtime with the index (:mod:`tileops.runtime.errors`).
 
-CUDA: the schedule is not written yet; a CUDA call is refused when its kernels would be built.
+CUDA: the programs read and write 16-byte vectors (8 elements; 4 of fp32), and take every stride in
+those units: q or out off them (a view that starts or steps inside a vector) goes through a dense
+copy, and a cache off them is refused with a ValueError naming it (a cache is the server's memory:
+no copy of it is made behind its back). A head_dim the CUDA schedule cannot read (not a multiple of
+the vector, or more than a warp's 32 vectors) is refused when the op is first called on CUDA.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import torch
 
 from ..compile.build import device_backend, load_kernel
+from ..kernels.paged_decode import cuda_problem
 from ..runtime.binding import Binding
 from ..runtime.plan import Bound, ErrorWord, Plan, Ptr, Step, Tag, Value, Workspace, copy_back, fit, signature
 
@@ -37,7 +43,7 @@ TARGET_PROGRAMS = 264
 MIN_SPLIT_TOKENS = 256
 
 _PARTIAL_VALUES = ("batch", "splits", "chunk", "nblocks", "bs", "max_blocks", "btb", "qsb", "qsh", "csb", "csr",
-                   "csh", "scale", "softcap", "window")
+                   "csh", "scale_bits", "softcap_bits", "window")
 
 #: The call: partial outputs and log-sum-exps per (sequence, q head, split) into the workspaces, then
 #: their merge into out. Error words: 0 block_tables, 1 seq_lens.
@@ -71,13 +77,13 @@ def _fields(params: Any, call: Any) -> dict[str, Any]:
 
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
     """The ``(builder, spec)`` a call of one specialization launches (``tileops warmup``, ``op.compile``):
-    ``partial`` and ``merge``; none on CUDA, which has no schedule yet."""
-    if backend == "cuda":
-        return []
+    ``partial`` and ``merge``; on CUDA none for a head_dim its schedule cannot read (the call is refused)."""
     from tileops.kernels import get_spec
 
     spec = get_spec(BUILDER)
     fields = _fields(params, call)
+    if backend == "cuda" and cuda_problem(fields["dtype"], fields["cache_dtype"], fields["head_dim"]):
+        return []
     return [(BUILDER, spec(backend=backend, kind=kind, **fields)) for kind in ("partial", "merge")]
 
 
@@ -89,14 +95,20 @@ class DecodeKernels:
         self.device = call.device
         self.backend, self.arch = device_backend(self.device)
         if self.backend == "cuda":
-            raise NotImplementedError(f"{op.name}: CUDA: the paged decode's CUDA schedule is not written yet; "
-                                      f"target='torch' computes it with PyTorch on any device")
+            f = _fields(op.params, call)
+            problem = cuda_problem(f["dtype"], f["cache_dtype"], f["head_dim"])
+            if problem:
+                raise NotImplementedError(f"{op.name}: {problem}; target='torch' computes it with PyTorch")
         self.kernels = {s.kind: load_kernel(BUILDER, s, self.backend, self.arch, self.device, s.args, op_name=op.name)
                         for _, s in kernel_specs(op.manifest, op.params, call, self.backend)}
         p = op.params
         self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
         self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, checks={"block_tables": 0, "seq_lens": 1})
         self._bound = Bound()
+        # the strides' units on CUDA: q and the caches in the partial program's vectors, out in the merge's
+        cuda = self.backend == "cuda"
+        self.unit = (4 if call.dtypes["key_cache"] == "float32" else 8) if cuda else 1
+        self.out_unit = (4 if call.dtypes["q"] == "float32" else 8) if cuda else 1
 
     def prepare(self, tensors: dict) -> None:
         return None
@@ -112,6 +124,7 @@ class DecodeKernels:
         if q.shape[0] == 0:
             return out
         views, _ = fit({"q": q, "out": out}, ("out",), self._layout)
+        self._check_caches(tensors)
         launch = {**tensors, "q": views["q"], **{n: tensors[n].contiguous() for n in ("block_tables", "seq_lens")}}
         writes = {"out": views["out"]}
         key = signature(self.plan.names, {**launch, **writes})
@@ -124,20 +137,43 @@ class DecodeKernels:
         """The binding of every later call shaped like this one, or None where the general path must copy
         (a last dim not contiguous, tables or lengths not contiguous) or has nothing to launch."""
         q, out = tensors["q"], outs.get("out")
-        if q.shape[0] == 0 or q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        if q.shape[0] == 0 or self._layout({"q": q, "out": out}) is not True:
             return None
+        self._check_caches(tensors)
         if not all(tensors[n].is_contiguous() for n in ("block_tables", "seq_lens")):
             return None
         return self._bind(tensors, {"out": out})
 
-    @staticmethod
-    def _layout(views: dict) -> Any:
-        """For :func:`tileops.runtime.plan.fit`: the name of the first of q and out whose last dim is not
-        contiguous (the kernels step through a head row by 1), else True."""
+    def _layout(self, views: dict) -> Any:
+        """For :func:`tileops.runtime.plan.fit`: the name of the first of q and out the kernels cannot
+        address where it lies, else True: a last dim not contiguous (they step through a head row by 1),
+        or on CUDA a pointer or stride off their vectors."""
         for name, t in views.items():
-            if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+            if t is None:
+                continue
+            if t.shape[-1] > 1 and t.stride(-1) != 1:
+                return name
+            unit = self.unit if name == "q" else self.out_unit
+            if unit > 1 and not self._on_vectors(t, unit, t.stride(0), t.stride(1)):
                 return name
         return True
+
+    @staticmethod
+    def _on_vectors(t: torch.Tensor, unit: int, *strides: int) -> bool:
+        return all(st % unit == 0 for st in strides) and t.data_ptr() % min(unit * t.element_size(), 16) == 0
+
+    def _check_caches(self, tensors: dict) -> None:
+        """CUDA: a ValueError naming a cache whose pointer or strides are off the partial program's
+        vectors (read where it lies: a copy of a server's cache each call would cost more than the call)."""
+        if self.unit == 1:
+            return
+        for name in ("key_cache", "value_cache"):
+            t = tensors[name]
+            if not self._on_vectors(t, self.unit, *t.stride()[:3]):
+                raise ValueError(f"{self.op.name}: {name}: expected its data pointer and strides on "
+                                 f"{self.unit} elements (the CUDA kernel's vectors), got data pointer offset "
+                                 f"{t.data_ptr() % 256} bytes mod 256, strides {list(t.stride())} (a view that "
+                                 f"starts or steps inside a vector; .clone() gives an aligned copy)")
 
     def _cache(self, kc: torch.Tensor) -> tuple[int, int, int, int, int]:
         """``(blocks, block_size, block stride, row stride, head stride)`` of a cache in the op's layout."""
@@ -154,12 +190,20 @@ class DecodeKernels:
         batch, max_blocks = q.shape[0], bt.shape[1]
         n = splits(batch, p["num_kv_heads"], max_blocks * bs)
         self.op.note_decode_limits(blocks, max_blocks * bs)
+        u, uo = self.unit, self.out_unit
         env = {"batch": batch, "splits": n, "chunk": math.ceil(max_blocks * bs / n), "nblocks": blocks, "bs": bs,
-               "max_blocks": max_blocks, "btb": bt.stride(0), "qsb": q.stride(0), "qsh": q.stride(1),
-               "csb": csb, "csr": csr, "csh": csh, "scale": float(self.scale),
-               "softcap": float(p["softcap"] or 1.0), "window": min(p["sliding_window"] or 0, 2**31 - 1),
-               "osb": view.stride(0), "osh": view.stride(1), "hq": p["num_q_heads"], "head_dim": p["head_dim"]}
+               "max_blocks": max_blocks, "btb": bt.stride(0), "qsb": q.stride(0) // u, "qsh": q.stride(1) // u,
+               "csb": csb // u, "csr": csr // u, "csh": csh // u, "scale_bits": _bits(self.scale),
+               "softcap_bits": _bits(p["softcap"] or 1.0), "window": min(p["sliding_window"] or 0, 2**31 - 1),
+               "osb": view.stride(0) // uo, "osh": view.stride(1) // uo, "hq": p["num_q_heads"],
+               "head_dim": p["head_dim"]}
         return self.plan.bind(self.kernels, tensors, outs, env=env, views={"out": view})
+
+
+def _bits(x: float) -> int:
+    """The int32 with fp32 ``x``'s bits (the programs take the scale and softcap so: one int argument
+    on every executor)."""
+    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
 
 
 def implement(op: Any, call: Any) -> DecodeKernels:

@@ -1,0 +1,199 @@
+"""``PagedAttnDecodeFwdOp``'s CUDA schedule on the GPU (skipped without one): the op against the float64
+reference (``tests/references_attention.py``) in bf16, fp16 and float8 caches, NHD and HND, block sizes
+1 and 16, head_dim 64, 128 and 256, GQA groups of 1, 4 and 16, fp32, windows and softcap, contexts that split;
+bad block tables and lengths reported with their index (deferred, then ``op.check()``); views off the
+16-byte vectors; and 64 decode steps of a layer, ``AttnPrologueFwdOp`` then this op captured in one CUDA
+graph and replayed on new tokens, positions, slots, block tables and lengths.
+
+Bounds: the kernel tests' (``tests/test_paged_decode_kernels.py``, :func:`bound`, from the arithmetic),
+with the magnitudes of the inputs (:func:`tests.test_paged_decode._terms`). The GPU's ``exp2f``,
+``log2f`` and ``tanhf`` are within 2 ulp of the correctly rounded values, inside the bound's few ``u``
+for each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tileops
+from tests.test_paged_decode import _inputs, _terms, refs
+from tests.test_paged_decode_kernels import bound
+from tileops.attention import AttnPrologueFwdOp, PagedAttnDecodeFwdOp
+from tileops.rope import RoPENeoxPositionIdsFwdOp
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+
+
+def _on(t: dict) -> dict:
+    return {n: v.to(DEV) for n, v in t.items()}
+
+
+def _check(op, t, **call):
+    """The op on the GPU (out NaN-filled first) against the reference on ``t``'s CPU tensors."""
+    out = torch.full(t["q"].shape, float("nan"), dtype=t["q"].dtype, device=DEV)
+    got = op(**_on(t), out=out, **call)
+    assert got is out
+    op.check()
+    want, _ = refs.paged_decode(dict(op.params), t)
+    _, terms = _terms(op, t)
+    tol = bound(terms, op.params["head_dim"], 264, op.params["softcap"], want, t["q"].dtype)
+    err = (got.cpu().double() - want).abs()
+    assert bool(torch.isfinite(got).all()), "a NaN or inf in out (an element never written?)"
+    assert not bool((err > tol).any()), (f"off by {err.max().item():.3g} ({(err / tol).max().item():.2f} x the "
+                                         f"bound) at {(err > tol).nonzero()[0].tolist()}")
+    return got
+
+
+LENS = [37, 0, 1, 16, 300, 2000]  # empty, one token, a block exactly, a part block, a context that splits
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("bs", [16, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layouts_block_sizes_dtypes(layout, bs, dtype):
+    op = PagedAttnDecodeFwdOp(8, 2, 128, cache_layout=layout)
+    got = _check(op, _inputs(81, LENS, bs=bs, d=128, dtype=dtype, layout=layout))
+    assert bool((got[1] == 0).all()), "a sequence of no token outputs zeros"
+
+
+@pytest.mark.parametrize("d,hq,hkv,dtype", [(64, 32, 8, torch.bfloat16), (256, 8, 2, torch.bfloat16),
+                                             (128, 8, 8, torch.float16), (128, 16, 1, torch.bfloat16),
+                                             (128, 8, 2, torch.float32)],
+                         ids=["d64-gqa4", "d256", "mha", "group16", "fp32"])
+def test_head_dims_groups_and_fp32(d, hq, hkv, dtype):
+    _check(PagedAttnDecodeFwdOp(hq, hkv, d), _inputs(82, [700, 5, 64], d=d, hq=hq, hkv=hkv, dtype=dtype))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_float8_cache(layout):
+    op = PagedAttnDecodeFwdOp(8, 2, 128, cache_dtype=torch.float8_e4m3fn, cache_layout=layout)
+    t = _inputs(83, LENS, d=128, dtype=torch.bfloat16, layout=layout)
+    t["key_cache"] = (t["key_cache"].float() * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+    t["value_cache"] = (t["value_cache"].float() * 30).clamp(-448, 448).to(torch.float8_e4m3fn)
+    _check(op, {**t, "k_scale": torch.tensor([0.02]), "v_scale": torch.tensor([0.5])})
+
+
+def test_window_and_softcap():
+    op = PagedAttnDecodeFwdOp(8, 2, 128, sliding_window=300, softcap=30.0, softmax_scale=0.2)
+    _check(op, _inputs(84, [2000, 700, 3], d=128, dtype=torch.bfloat16))
+
+
+def test_agrees_with_the_torch_target():
+    t = _on(_inputs(85, LENS, d=128, dtype=torch.float16, layout="HND"))
+    ours = PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND")(**t)
+    plain = PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND", target="torch")(**t)
+    # both within the bound of the same reference: within twice it of each other
+    want, _ = refs.paged_decode(dict(PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND").params), t)
+    _, terms = _terms(PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND"), {n: v.cpu() for n, v in t.items()})
+    tol = bound(terms, 128, 264, None, want, torch.float16)
+    assert bool(((ours.cpu().double() - plain.cpu().double()).abs() <= 2 * tol).all())
+
+
+def test_bad_tables_and_lengths_are_reported_with_their_index():
+    """Deferred: the call returns, ``op.check()`` raises naming the first bad element, also for a
+    table made for the call and freed before the report (the kernel's record); strict raises at the
+    call; nothing is read outside the cache; a good call after them is as before."""
+    op = PagedAttnDecodeFwdOp(8, 2, 128)
+    t = _on(_inputs(86, [40, 30], d=128, dtype=torch.bfloat16))
+    blocks = t["key_cache"].shape[0]
+    good = op(**t).clone()
+    bad = t["block_tables"].clone()
+    bad[1, 1] = blocks + 3
+    op(**{**t, "block_tables": bad})
+    with pytest.raises(ValueError, match=rf"got block_tables\[1, 1\] = {blocks + 3}"):
+        op.check()
+    tables = t["block_tables"].cpu().clone()
+    tables[0, 2] = -7
+    op(**{**t, "block_tables": tables.to(DEV)})  # a temporary, freed before the report
+    with pytest.raises(ValueError, match=r"got block_tables\[0, 2\] = -7"):
+        op.check()
+    op(**{**t, "seq_lens": torch.tensor([40, 49], dtype=torch.int32, device=DEV)})
+    with pytest.raises(ValueError, match=r"seq_lens: expected lengths in \[0, max_blocks \* block_size = 48\].*"
+                                         r"got seq_lens\[1\] = 49"):
+        op.check()
+    with tileops.strict(), pytest.raises(ValueError, match=r"got seq_lens\[0\] = -1"):
+        op(**{**t, "seq_lens": torch.tensor([-1, 30], dtype=torch.int32, device=DEV)})
+    assert torch.equal(op(**t), good)
+    op.check()
+
+
+def test_views_off_the_vectors():
+    """q and out off the 16-byte vectors go through dense copies (bit for bit the plain call's); a cache
+    off them is a ValueError naming it, before any kernel runs."""
+    op = PagedAttnDecodeFwdOp(4, 2, 64)
+    t = _on(_inputs(87, [50, 20], hq=4, dtype=torch.bfloat16))
+    plain = op(**t)
+    wide = torch.zeros(2, 4 * 64 + 1, dtype=torch.bfloat16, device=DEV)
+    q = wide[:, 1:].view(2, 4, 64)  # starts one element into a vector
+    q.copy_(t["q"])
+    owide = torch.full((2, 4 * 64 + 1), float("nan"), dtype=torch.bfloat16, device=DEV)
+    out = owide[:, 1:].view(2, 4, 64)
+    assert op(**{**t, "q": q}, out=out) is out and torch.equal(out, plain)
+    kc = torch.zeros(t["key_cache"].numel() + 1, dtype=torch.bfloat16, device=DEV)[1:].view(t["key_cache"].shape)
+    with pytest.raises(ValueError, match=r"key_cache: expected its data pointer and strides on 8 elements"):
+        op(**{**t, "key_cache": kc, "value_cache": kc})
+
+
+def test_a_layer_step_in_a_cuda_graph_64_steps():
+    """The decode step of a layer: the prologue appends each sequence's token to the cache and returns
+    its q, the decode reads the cache. Captured once in a CUDA graph and replayed 64 times on new
+    tokens, positions, slots and lengths; at step 32 the tables move the sequences' later blocks
+    elsewhere. Each step's output against the float64 reference on the cache as the prologue wrote it."""
+    hq, hkv, d, bs, batch, nblk = 8, 2, 128, 16, 4, 8
+    gen = torch.Generator().manual_seed(88)
+    rope = RoPENeoxPositionIdsFwdOp(max_position=4096)
+    pro = AttnPrologueFwdOp(hq, hkv, d, rope, cache_layout="HND")
+    dec = PagedAttnDecodeFwdOp(hq, hkv, d, cache_layout="HND")
+    blocks = 2 * batch * nblk
+    kc = torch.zeros(blocks, hkv, bs, d, dtype=torch.bfloat16, device=DEV)
+    vc = torch.zeros_like(kc)
+    order = torch.randperm(blocks, generator=gen).to(torch.int32)
+    tables = order[:batch * nblk].view(batch, nblk).clone()
+    spare = order[batch * nblk:].view(batch, nblk)
+    lens = torch.tensor([0, 5, 17, 40], dtype=torch.int32)
+    bt = tables.to(DEV)
+    qkv = torch.empty(batch, (hq + 2 * hkv) * d, dtype=torch.bfloat16, device=DEV)
+    pos = torch.empty(batch, dtype=torch.int64, device=DEV)
+    slots = torch.empty(batch, dtype=torch.int64, device=DEV)
+    sl = torch.empty(batch, dtype=torch.int32, device=DEV)
+    q = torch.empty(batch, hq, d, dtype=torch.bfloat16, device=DEV)
+    out = torch.empty(batch, hq, d, dtype=torch.bfloat16, device=DEV)
+
+    def feed(lens):
+        qkv.copy_(torch.randn(batch, (hq + 2 * hkv) * d, generator=gen).to(torch.bfloat16))
+        pos.copy_(lens.long())
+        slots.copy_((tables[torch.arange(batch), (lens // bs).long()] * bs + lens % bs).long())
+        sl.copy_(lens + 1)
+
+    def step():
+        pro(qkv, pos, kc, vc, slots, q_out=q)
+        dec(q, kc, vc, bt, sl, out=out)
+
+    feed(lens)
+    step()  # compiles and binds both ops outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(64):
+        if i == 32:  # blocks not reached yet move to spare ones
+            later = torch.arange(nblk)[None, :] > ((lens + 1) // bs)[:, None]
+            tables = torch.where(later, spare, tables)
+            bt.copy_(tables)
+        feed(lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        lens = lens + 1
+        t = {"q": q.cpu(), "key_cache": kc.cpu(), "value_cache": vc.cpu(), "block_tables": tables.clone(),
+             "seq_lens": lens.clone()}
+        want, _ = refs.paged_decode(dict(dec.params), t)
+        _, terms = _terms(dec, t)
+        tol = bound(terms, d, 264, None, want, torch.bfloat16)
+        err = (out.cpu().double() - want).abs()
+        assert not bool((err > tol).any()), f"step {i}: off by {err.max().item():.3g}"
+    pro.check()
+    dec.check()
