@@ -84,7 +84,8 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     fields = _fields(params, call)
     if backend == "cuda" and cuda_problem(fields["dtype"], fields["cache_dtype"], fields["head_dim"]):
         return []
-    return [(BUILDER, spec(backend=backend, kind=kind, **fields)) for kind in ("partial", "merge")]
+    static = dict(manifest.kernel.static or {}) if backend == "cuda" else {}  # the CUDA schedule's knobs
+    return [(BUILDER, spec(backend=backend, kind=kind, **fields, **static)) for kind in ("partial", "merge")]
 
 
 class DecodeKernels:

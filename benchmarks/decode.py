@@ -1,0 +1,124 @@
+"""Paged decode attention (``PagedAttnDecodeFwdOp``) against a copy of the KV bytes and SDPA over a
+contiguous cache, side by side in one process (issue 37's table).
+
+    python -m benchmarks.decode [--rows 0,1] [--block-sizes 16,1] [--no-fp8] [--no-sdpa]
+    python -m benchmarks.decode --sweep 128x2,256x2,128x4 --rows 1,3   # the CUDA schedule's knobs
+
+Rows: bf16, GQA 32/8, head_dim 128, one query token a sequence, ``batch x context`` tokens in the
+cache. Columns, medians in us (``benchmarks.timing.gpu_time``: back-to-back calls between events, the
+host queued ahead): a device copy moving the KV bytes (half read, half written: the floor), ours on a
+paged NHD cache of shuffled blocks (eager, and a call replayed from a CUDA graph), ours on a float8
+cache (against its own halved bytes), and SDPA's cuDNN and flash kernels on a contiguous
+``[batch, Hkv, context, D]`` cache. Inputs rotate through enough copies that a small row is not served
+from L2. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+import torch
+
+from benchmarks.timing import gpu_time, graph_us_per_call, rotation, same_bytes_copy_us
+
+ROWS = [(64, 1024), (64, 4096), (8, 32768), (1, 4096)]
+HQ, HKV, D = 32, 8, 128
+
+
+def _paged(batch: int, ctx: int, bs: int, dtype, gen) -> dict:
+    per = math.ceil(ctx / bs)
+    blocks = batch * per
+    kc = torch.randn(blocks, bs, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn_like(kc)
+    if dtype == torch.float8_e4m3fn:
+        kc, vc = kc.to(dtype), vc.to(dtype)
+    order = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32)
+    return {"q": torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen),
+            "key_cache": kc, "value_cache": vc, "block_tables": order.view(batch, per),
+            "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda")}
+
+
+def _ours(batch: int, ctx: int, bs: int, dtype, gen, static: dict | None = None) -> tuple[float, float]:
+    from tileops.attention import PagedAttnDecodeFwdOp
+
+    fp8 = dtype == torch.float8_e4m3fn
+    op = PagedAttnDecodeFwdOp(HQ, HKV, D, cache_dtype=dtype if fp8 else None)
+    if static:  # an op reads its own manifest object: a copy with another schedule
+        kernel = dataclasses.replace(op.manifest.kernel, static={**op.manifest.kernel.static, **static})
+        op.manifest = dataclasses.replace(op.manifest, kernel=kernel)
+    kv = 2 * batch * ctx * HKV * D * (1 if fp8 else 2)
+    sets = [_paged(batch, ctx, bs, dtype, gen) for _ in range(rotation(kv))]
+    scales = {"k_scale": torch.tensor([0.02], device="cuda"), "v_scale": torch.tensor([0.5], device="cuda")}
+    extra = scales if fp8 else {}
+    outs = [torch.empty_like(s["q"]) for s in sets]
+    eager = gpu_time(lambda i: op(**sets[i], **extra, out=outs[i]), len(sets))[0]
+    graph = graph_us_per_call(lambda: op(**sets[0], **extra, out=outs[0]), calls=20)
+    op.check()
+    return eager, graph
+
+
+def _sdpa(batch: int, ctx: int, backend) -> float:
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    kv = 2 * batch * ctx * HKV * D * 2
+    sets = [(torch.randn(batch, HQ, 1, D, device="cuda", dtype=torch.bfloat16),
+             torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16),
+             torch.randn(batch, HKV, ctx, D, device="cuda", dtype=torch.bfloat16)) for _ in range(rotation(kv))]
+    try:
+        with sdpa_kernel(backend):
+            return gpu_time(lambda i: sdpa(*sets[i], enable_gqa=True), len(sets))[0]
+    except RuntimeError as e:  # a backend that refuses the shape
+        print(f"  ({backend}: {str(e).splitlines()[0][:80]})", file=sys.stderr)
+        return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="", help="comma-separated row indices (default: all)")
+    ap.add_argument("--block-sizes", default="16,1")
+    ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--sweep", default="", help="THREADSxUNROLL,...: ours alone at each (bf16, block size 16)")
+    a = ap.parse_args()
+    if a.sweep:
+        return sweep(a)
+    from torch.nn.attention import SDPBackend
+
+    rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("| batch x context | KV MB | copy | block size | ours | ours, graph | % of copy | fp8 ours | fp8 % of its "
+          "copy | SDPA cuDNN | SDPA flash |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for batch, ctx in rows:
+        kv = 2 * batch * ctx * HKV * D * 2
+        copy, copy8 = same_bytes_copy_us(kv), same_bytes_copy_us(kv // 2)
+        cudnn = flash = float("nan")
+        if not a.no_sdpa:
+            cudnn, flash = _sdpa(batch, ctx, SDPBackend.CUDNN_ATTENTION), _sdpa(batch, ctx, SDPBackend.FLASH_ATTENTION)
+        for bs in (int(b) for b in a.block_sizes.split(",")):
+            eager, graph = _ours(batch, ctx, bs, torch.bfloat16, gen)
+            f8 = _ours(batch, ctx, bs, torch.float8_e4m3fn, gen)[0] if not a.no_fp8 else float("nan")
+            print(f"| {batch} x {ctx} | {kv / 1e6:.1f} | {copy:.1f} | {bs} | {eager:.1f} | {graph:.1f} | "
+                  f"{100 * copy / eager:.0f}% | {f8:.1f} | {100 * copy8 / f8:.0f}% | {cudnn:.1f} | {flash:.1f} |",
+                  flush=True)
+
+
+def sweep(a: argparse.Namespace) -> None:
+    rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS
+    configs = [tuple(int(x) for x in c.split("x")) for c in a.sweep.split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("| batch x context | copy | " + " | ".join(f"{t} threads, unroll {u}" for t, u in configs) + " |")
+    print("|---|---|" + "---|" * len(configs))
+    for batch, ctx in rows:
+        copy = same_bytes_copy_us(2 * batch * ctx * HKV * D * 2)
+        got = [_ours(batch, ctx, 16, torch.bfloat16, gen, {"threads": t, "unroll": u})[0] for t, u in configs]
+        print(f"| {batch} x {ctx} | {copy:.1f} | " + " | ".join(f"{g:.1f} ({100 * copy / g:.0f}%)" for g in got) + " |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
