@@ -2,7 +2,7 @@
 contiguous cache, side by side in one process (issue 37's table).
 
     python -m benchmarks.decode [--rows 0,1] [--block-sizes 16,1] [--no-fp8] [--no-sdpa]
-    python -m benchmarks.decode --sweep 128x2,256x2,128x4 --rows 1,3   # the CUDA schedule's knobs
+    python -m benchmarks.decode --sweep 128x2,128x2x1,128x4x1 --rows 1,3   # THREADSxUNROLL[xPREFETCH]
 
 Rows: bf16, GQA 32/8, head_dim 128, one query token a sequence, ``batch x context`` tokens in the
 cache. Columns, medians in us (``benchmarks.timing.gpu_time``: back-to-back calls between events, the
@@ -82,7 +82,8 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="16,1")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--no-sdpa", action="store_true")
-    ap.add_argument("--sweep", default="", help="THREADSxUNROLL,...: ours alone at each (bf16, block size 16)")
+    ap.add_argument("--sweep", default="", help="THREADSxUNROLL[xPREFETCH],...: ours alone at each (bf16, block "
+                                                "size 16)")
     a = ap.parse_args()
     if a.sweep:
         return sweep(a)
@@ -109,13 +110,15 @@ def main() -> None:
 
 def sweep(a: argparse.Namespace) -> None:
     rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS
-    configs = [tuple(int(x) for x in c.split("x")) for c in a.sweep.split(",")]
+    keys = ("threads", "unroll", "prefetch")
+    configs = [dict(zip(keys, (int(x) for x in c.split("x")))) for c in a.sweep.split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print("| batch x context | copy | " + " | ".join(f"{t} threads, unroll {u}" for t, u in configs) + " |")
+    print("| batch x context | copy | " + " | ".join(", ".join(f"{k} {v}" for k, v in c.items()) for c in configs)
+          + " |")
     print("|---|---|" + "---|" * len(configs))
     for batch, ctx in rows:
         copy = same_bytes_copy_us(2 * batch * ctx * HKV * D * 2)
-        got = [_ours(batch, ctx, 16, torch.bfloat16, gen, {"threads": t, "unroll": u})[0] for t, u in configs]
+        got = [_ours(batch, ctx, 16, torch.bfloat16, gen, c)[0] for c in configs]
         print(f"| {batch} x {ctx} | {copy:.1f} | " + " | ".join(f"{g:.1f} ({100 * copy / g:.0f}%)" for g in got) + " |",
               flush=True)
 

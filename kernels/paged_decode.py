@@ -50,6 +50,7 @@ __all__ = ["PagedDecodeSpec", "Spec", "build", "STATIC", "PARTIAL_ARGS", "MERGE_
 STATIC = {
     "threads": (64, 512, "threads a program of the CUDA partial and merge (64, 128, 256 or 512)"),
     "unroll": (1, 8, "tokens a lane group loads before it waits on any (CUDA)"),
+    "prefetch": (0, 1, "1: each step's loads issued while the step before computes (CUDA; not yet measured)"),
 }
 
 #: the caches' element types: the query's, or float8 e4m3fn with per-tensor scales
@@ -81,6 +82,7 @@ class PagedDecodeSpec:
     # CUDA schedule (ignored by the C one): threads a block, and tokens each lane group keeps in flight
     threads: int = 128
     unroll: int = 2
+    prefetch: int = 0  # 1: a step's loads issued while the step before it computes
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16", "float32"):
@@ -100,6 +102,8 @@ class PagedDecodeSpec:
                 raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
         if self.hq % self.hkv:
             raise ValueError(f"hq: expected a multiple of hkv={self.hkv}, got {self.hq}")
+        if self.prefetch not in (0, 1):
+            raise ValueError(f"prefetch: expected 0 or 1, got {self.prefetch!r}")
         if self.threads not in (64, 128, 256, 512):
             raise ValueError(f"threads: expected 64, 128, 256 or 512, got {self.threads!r}")
         if self.backend == "cuda":
@@ -214,8 +218,8 @@ def _partial(spec: PagedDecodeSpec):
 
     @T.prim_func
     def paged_decode_partial(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"], KS: sig["KS"],
-                             VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"], tag: T.int32, batch: T.int32, splits: T.int32,
-                             chunk: T.int32, nblocks: T.int32, bs: T.int32, max_blocks: T.int32, btb: T.int64,
+                             VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"], tag: T.int32,
+                             batch: T.int32, splits: T.int32, chunk: T.int32, nblocks: T.int32, bs: T.int32, max_blocks: T.int32, btb: T.int64,
                              qsb: T.int64, qsh: T.int64, csb: T.int64, csr: T.int64, csh: T.int64,
                              scale_bits: T.int32, softcap_bits: T.int32, window: T.int32):
         with T.Kernel(splits, HKV, batch, threads=1) as (s, kvh, b):
@@ -355,6 +359,34 @@ def _partial_cuda(spec: PagedDecodeSpec):
         return ((T.cast(page, "int64") * csb + T.cast(row, "int64") * csr + T.cast(kvh, "int64") * csh) * VEC
                 + T.cast(lane * VEC, "int64"))
 
+    @T.macro
+    def load_step(BT, KC, VC, ERR, kb, vb, ok, it, t0, t1, b, kvh, hc, lane, grp, vl, btb, bs, nblocks, csb, csr, csh,
+                  tag):
+        """Step ``it``'s tokens ``t0 + it * NG * U + u * NG + grp``: their pages checked (a bad one reported,
+        its token skipped), their key and value vectors into ``kb``/``vb`` (zeros where not read)."""
+        div, mod = T.truncdiv, T.truncmod
+        for u in T.unroll(U):
+            j = t0 + it * (NG * U) + u * NG + grp
+            at = T.cast(b, "int64") * btb + T.cast(div(j, bs), "int64")
+            page = T.alloc_var("int32")
+            page = 0
+            if j < t1:
+                page = BT[at]
+            ok[u] = T.if_then_else(j < t1 and page >= 0 and page < nblocks, 1, 0)
+            if j < t1 and (page < 0 or page >= nblocks) and kvh == 0 and hc == 0 and lane == 0:
+                rep(ERR, 0, tag, at, page)
+            if ok[u] == 1 and vl:
+                # (an expression, not a variable: a bound variable hides its multiple of VEC from the
+                # vectoriser, which then loads element by element)
+                for v in T.vectorized(VEC):
+                    kb[u * VEC + v] = KC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
+                for v in T.vectorized(VEC):
+                    vb[u * VEC + v] = VC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
+            else:
+                for v in T.unroll(VEC):
+                    kb[u * VEC + v] = T.cast(0, cst)
+                    vb[u * VEC + v] = T.cast(0, cst)
+
     @T.prim_func
     def paged_decode_partial_cuda(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
                                   KS: sig["KS"], VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"],
@@ -380,8 +412,11 @@ def _partial_cuda(spec: PagedDecodeSpec):
             qb = T.alloc_local((VEC,), st)
             kb = T.alloc_local((U * VEC,), cst)
             vb = T.alloc_local((U * VEC,), cst)
+            kf = T.alloc_local((U * VEC,), "float32")
+            vf = T.alloc_local((U * VEC,), "float32")
             sc = T.alloc_local((U * GH,), "float32")
-            ok = T.alloc_local((U,), "int32")
+            ok = T.alloc_local((U,), "int32")  # the loaded step's tokens that are read (in range, page good)
+            okc = T.alloc_local((U,), "int32")  # the computed step's
             m = T.alloc_local((GH,), "float32")
             l = T.alloc_local((GH,), "float32")  # noqa: E741
             w = T.alloc_local((4,), "float32")  # a step's max, its rescale, a weight, a dot product
@@ -424,40 +459,37 @@ def _partial_cuda(spec: PagedDecodeSpec):
                         qv[h * VEC + v] = qv[h * VEC + v] * qk
                 m[h] = ninf
                 l[h] = T.float32(0)
-            for it in T.serial(T.ceildiv(T.max(t1 - t0, 0), NG * U)):
+            steps = T.ceildiv(T.max(t1 - t0, 0), NG * U)
+            if spec.prefetch:
+                load_step(BT, KC, VC, ERR, kb, vb, ok, 0, t0, t1, b, kvh, hc, lane, grp, vl, btb, bs, nblocks, csb,
+                          csr, csh, tag)
+            for it in T.serial(steps):
                 # 1. every token's key and value vectors of the step, loaded before any is used
+                if not spec.prefetch:
+                    load_step(BT, KC, VC, ERR, kb, vb, ok, it, t0, t1, b, kvh, hc, lane, grp, vl, btb, bs, nblocks,
+                              csb, csr, csh, tag)
+                # 2. widened once for every head (a float8 element's decode is ~12 integer operations: done
+                # per head, it was 4-8 times the work); with ``prefetch`` the next step's loads are issued
+                # into the freed registers here, in flight while this step computes
                 for u in T.unroll(U):
-                    j = t0 + it * (NG * U) + u * NG + grp
-                    at = T.cast(b, "int64") * btb + T.cast(div(j, bs), "int64")
-                    page = T.alloc_var("int32")
-                    page = 0
-                    if j < t1:
-                        page = BT[at]
-                    ok[u] = T.if_then_else(j < t1 and page >= 0 and page < nblocks, 1, 0)
-                    if j < t1 and (page < 0 or page >= nblocks) and kvh == 0 and hc == 0 and lane == 0:
-                        rep(ERR, 0, tag, at, page)
-                    if ok[u] == 1 and vl:
-                        # (an expression, not a variable: a bound variable hides its multiple of VEC from
-                        # the vectoriser, which then loads element by element)
-                        for v in T.vectorized(VEC):
-                            kb[u * VEC + v] = KC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
-                        for v in T.vectorized(VEC):
-                            vb[u * VEC + v] = VC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
-                    else:
-                        for v in T.unroll(VEC):
-                            kb[u * VEC + v] = T.cast(0, cst)
-                            vb[u * VEC + v] = T.cast(0, cst)
-                # 2. the logits, base 2: a lane's partial dot products summed over its group's lanes
+                    okc[u] = ok[u]
+                    for v in T.unroll(VEC):
+                        kf[u * VEC + v] = _kv_f32(spec, kb[u * VEC + v], ks)
+                        vf[u * VEC + v] = _kv_f32(spec, vb[u * VEC + v], vs)
+                if spec.prefetch:
+                    load_step(BT, KC, VC, ERR, kb, vb, ok, it + 1, t0, t1, b, kvh, hc, lane, grp, vl, btb, bs,
+                              nblocks, csb, csr, csh, tag)
+                # the logits, base 2: a lane's partial dot products summed over its group's lanes
                 for u in T.unroll(U):
                     for h in T.unroll(GH):
                         w[3] = T.float32(0)
                         for v in T.unroll(VEC):
-                            w[3] = w[3] + qv[h * VEC + v] * _kv_f32(spec, kb[u * VEC + v], ks)
+                            w[3] = w[3] + qv[h * VEC + v] * kf[u * VEC + v]
                         for k in T.unroll(LG.bit_length() - 1):
                             w[3] = w[3] + T.call_extern("float32", "tileops_xor_lane", w[3], 1 << k)
                         if spec.softcap:
                             w[3] = softcap * T.tanh(w[3] * scale / softcap) * T.float32(_LOG2E)
-                        sc[u * GH + h] = T.if_then_else(ok[u] == 1, w[3], ninf)
+                        sc[u * GH + h] = T.if_then_else(okc[u] == 1, w[3], ninf)
                 # 3. the online softmax, one rescale a step and head
                 for h in T.unroll(GH):
                     w[0] = m[h]
@@ -472,7 +504,7 @@ def _partial_cuda(spec: PagedDecodeSpec):
                             w[2] = T.exp2(sc[u * GH + h] - w[0])
                             l[h] = l[h] + w[2]
                             for v in T.unroll(VEC):
-                                acc[h * VEC + v] = acc[h * VEC + v] + w[2] * _kv_f32(spec, vb[u * VEC + v], vs)
+                                acc[h * VEC + v] = acc[h * VEC + v] + w[2] * vf[u * VEC + v]
                         m[h] = w[0]
             # 4. the groups' states merged: the block's max and sum per head, each group's output scaled
             if lane == 0:

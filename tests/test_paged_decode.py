@@ -216,18 +216,62 @@ def test_torch_target_agrees():
     assert bool(((ours.double() - want).abs() <= tol).all())
 
 
+def _as_cuda(monkeypatch, enabled: bool, kernel=None):
+    """The op's host side as on a GPU (no kernel runs: ``kernel`` stands in for every one, else a
+    kernel built fails the test), the CUDA kernels let run or not."""
+    from tileops.attention import decode_builtin
+    from tileops.attention.attn_builtin import CUDA_ENV
+
+    monkeypatch.setattr(decode_builtin, "device_backend", lambda device: ("cuda", "sm_90"))
+    monkeypatch.setattr(decode_builtin, "load_kernel",
+                        (lambda *a, **k: kernel) if kernel is not None else
+                        (lambda *a, **k: pytest.fail("a kernel was built")))
+    monkeypatch.setenv(CUDA_ENV, "1" if enabled else "0")
+
+
+def test_cuda_calls_are_refused_until_the_gpu_tests_have_run(monkeypatch):
+    _as_cuda(monkeypatch, enabled=False)
+    with pytest.raises(NotImplementedError, match=r"CUDA: the paged decode's CUDA kernels are refused until their "
+                                                   r"GPU tests have run: target='torch' .*TILEOPS_ATTENTION_CUDA=1"):
+        PagedAttnDecodeFwdOp(8, 2, 64)(**_inputs(71, [10]))
+
+
 def test_cuda_refuses_a_head_dim_its_schedule_cannot_read(monkeypatch):
     """On CUDA a row is read in vectors, one a lane of a warp: fp32 (4-element vectors) reaches 128, so
     head_dim 256 is refused at the first call, naming the torch target, before a kernel is built."""
-    from tileops.attention import decode_builtin
-
-    monkeypatch.setattr(decode_builtin, "device_backend", lambda device: ("cuda", "sm_90"))
-    monkeypatch.setattr(decode_builtin, "load_kernel", lambda *a, **k: pytest.fail("a kernel was built"))
+    _as_cuda(monkeypatch, enabled=True)
     t = _inputs(71, [10], d=256)
     with pytest.raises(NotImplementedError, match=r"head_dim: the CUDA paged decode reads a row as vectors of 4 "
                                                    r"elements, one a lane of a warp: expected a multiple of 4 up to "
                                                    r"128, got 256; target='torch'"):
         PagedAttnDecodeFwdOp(8, 2, 256)(**t)
+
+
+def test_cuda_host_side_strides_in_vectors_and_caches_on_them(monkeypatch):
+    """The host side of a CUDA call, run here with a stand-in kernel: a cache off the 16-byte vectors is
+    a ValueError naming it before anything is bound; an aligned call binds its strides in vectors (8
+    elements of bf16) and reaches the kernels. (The H200's first call found a bug on this path that no
+    CPU test had reached.)"""
+    class Reached(Exception):
+        pass
+
+    class Kernel:  # what the plan's binding asks of a kernel: it stops there
+        def __getattr__(self, name):
+            raise Reached(name)
+
+    _as_cuda(monkeypatch, enabled=True, kernel=Kernel())
+    op = PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND")
+    t = _inputs(72, [40, 3], d=128, dtype=torch.bfloat16, layout="HND")
+    off = torch.zeros(t["key_cache"].numel() + 1, dtype=torch.bfloat16)[1:].view(t["key_cache"].shape)
+    with pytest.raises(ValueError, match=r"value_cache: expected its data pointer and strides on 8 elements \(the "
+                                         r"CUDA kernel's vectors\), got data pointer offset"):
+        op(**{**t, "value_cache": off.as_strided(t["value_cache"].shape, t["value_cache"].stride())})
+    with pytest.raises(Reached):
+        op(**t)
+    impl = next(iter(op._impls.values()))
+    assert (impl.unit, impl.out_unit) == (8, 8)
+    assert impl._layout({"q": t["q"], "out": None}) is True
+    assert impl._layout({"q": t["q"][:, :, 1:]}) == "q", "a q whose rows start inside a vector is copied"
 
 
 def test_a_report_names_every_limit_the_op_was_called_with():

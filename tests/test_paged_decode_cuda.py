@@ -20,9 +20,12 @@ import tileops
 from tests.test_paged_decode import _inputs, _terms, refs
 from tests.test_paged_decode_kernels import bound
 from tileops.attention import AttnPrologueFwdOp, PagedAttnDecodeFwdOp
+from tileops.attention.attn_builtin import CUDA_ENV
+from tileops.attention.decode_builtin import cuda_enabled
 from tileops.rope import RoPENeoxPositionIdsFwdOp
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not cuda_enabled(), reason=f"the paged decode's CUDA kernels "
+                                                   f"are refused until these tests have run (set {CUDA_ENV}=1)")]
 
 DEV = "cuda"
 

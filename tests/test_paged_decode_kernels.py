@@ -254,7 +254,8 @@ def test_mha_head_dim_128(cuda):
 
 # The CUDA schedule's shapes of lanes, heads and tokens: head_dim 256 (a warp a token), 80 (10 vectors in
 # a group of 16 lanes, 6 idle), fp32 (4-element vectors), a group of 16 q heads (two programs of 8
-# heads a kv head), 64 and 256 threads, 1 and 4 tokens a lane group a step
+# heads a kv head), 64 and 256 threads, 1 and 4 tokens a lane group a step, the next step's loads
+# issued early (prefetch)
 @NO_CXX
 @pytest.mark.parametrize("d,dtype,hq,hkv,fields", [
     (256, torch.bfloat16, 4, 2, {}),
@@ -263,7 +264,10 @@ def test_mha_head_dim_128(cuda):
     (64, torch.bfloat16, 16, 1, {}),
     (128, torch.bfloat16, 8, 2, {"threads": 64, "unroll": 1}),
     (64, torch.float16, 8, 2, {"threads": 256, "unroll": 4}),
-], ids=["d256", "d80-spare-lanes", "fp32", "group16", "64-threads-unroll1", "256-threads-unroll4"])
+    (128, torch.bfloat16, 8, 2, {"prefetch": 1}),
+    (64, torch.float16, 8, 2, {"prefetch": 1, "unroll": 1, "threads": 64}),
+], ids=["d256", "d80-spare-lanes", "fp32", "group16", "64-threads-unroll1", "256-threads-unroll4", "prefetch",
+        "prefetch-unroll1"])
 def test_cuda_schedule_shapes(d, dtype, hq, hkv, fields):
     t = make(48, lens=[150, 0, 1, 33], bs=16, hq=hq, hkv=hkv, d=d, dtype=dtype, layout="HND")
     got, _ = check(*t, layout="HND", splits=2, fields=fields, cuda=True)

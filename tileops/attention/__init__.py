@@ -12,7 +12,8 @@ CUDA refused for now, until their CUDA tests have run on a GPU: ``attn_builtin.c
 ``PagedAttnDecodeFwdOp`` (``manifests/attention/PagedAttnDecodeFwdOp.yaml``) reads the paged KV cache
 the prologue writes, one query token a sequence, as a plan of two programs (``kernels/paged_decode.py``:
 split-KV partials, then their merge); its host side is :mod:`tileops.attention.decode_builtin`. A C
-schedule for the CPU and a CUDA one (CUDA cores, 16-byte vectors, a lane group a token).
+schedule for the CPU and a CUDA one (CUDA cores, 16-byte vectors, a lane group a token), whose calls
+are refused until its GPU tests have run (:func:`tileops.attention.decode_builtin.cuda_enabled`).
 
 The prologue is a composition declared in its manifest (``manifests/attention/AttnPrologueFwdOp.yaml``,
 ``compose:``): a norm stage (the norm family's ``RMSNormFwdOp``), a rope stage (any op of the rope

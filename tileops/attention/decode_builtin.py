@@ -10,6 +10,10 @@ is copied first), the caches by their strides (the layout is the strides, as the
 them). The kernel checks the block tables and lengths: error words 0 (``block_tables``) and 1
 (``seq_lens``), reported by the op's runtime with the index (:mod:`tileops.runtime.errors`).
 
+CUDA calls are refused unless :data:`tileops.attention.attn_builtin.CUDA_ENV` is 1
+(:func:`cuda_enabled`): the CUDA schedule is checked on the CPU (its generated source run there
+against the float64 reference) but its GPU tests have not yet run to the end on a GPU.
+
 CUDA: the programs read and write 16-byte vectors (8 elements; 4 of fp32), and take every stride in
 those units: q or out off them (a view that starts or steps inside a vector) goes through a dense
 copy, and a cache off them is refused with a ValueError naming it (a cache is the server's memory:
@@ -27,10 +31,11 @@ import torch
 
 from ..compile.build import device_backend, load_kernel
 from ..kernels.paged_decode import cuda_problem
+from .attn_builtin import CUDA_ENV, cuda_enabled as _attn_cuda_enabled
 from ..runtime.binding import Binding
 from ..runtime.plan import Bound, ErrorWord, Plan, Ptr, Step, Tag, Value, Workspace, copy_back, fit, signature
 
-__all__ = ["DecodeKernels", "FORWARD", "WORKSPACES", "kernel_specs", "implement", "splits"]
+__all__ = ["DecodeKernels", "FORWARD", "WORKSPACES", "cuda_enabled", "kernel_specs", "implement", "splits"]
 
 #: the builder of both programs
 BUILDER = "paged_decode"
@@ -56,6 +61,19 @@ FORWARD = (Step("partial", {"Q": Ptr("q"), "KC": Ptr("key_cache"), "VC": Ptr("va
 #: the workspaces the two steps share, per call
 WORKSPACES = (Workspace("partial_out", "float32", "batch * hq * splits * head_dim"),
               Workspace("partial_lse", "float32", "batch * hq * splits"))
+
+
+def cuda_enabled() -> bool:
+    """Whether CUDA calls may launch the paged decode's programs: only with :data:`CUDA_ENV` set to 1,
+    as the attention backward's.
+
+    The CUDA schedule's generated source passes the kernel tests on the CPU (``tests/cuda_on_cpu.py``:
+    every layout, block size, dtype, float8, window, softcap, head_dim 64 to 256, groups of 1 to 16,
+    bad tables reported). On the H200 (2026-12-04, ``benchmarks/NOTES.md``) its first run found a host
+    bug (fixed) and the benchmark ran without a reported error, but its GPU tests
+    (``tests/test_paged_decode_cuda.py``) have not yet run to the end there. A call that could answer
+    wrongly is worse than one that refuses: ``target="torch"`` computes the same on any device."""
+    return _attn_cuda_enabled(backward=True)
 
 
 def splits(batch: int, hkv: int, tokens: int) -> int:
@@ -96,6 +114,11 @@ class DecodeKernels:
         self.device = call.device
         self.backend, self.arch = device_backend(self.device)
         if self.backend == "cuda":
+            if not cuda_enabled():
+                raise NotImplementedError(
+                    f"{op.name}: CUDA: the paged decode's CUDA kernels are refused until their GPU tests have "
+                    f"run: target='torch' computes it with PyTorch ({CUDA_ENV}=1 runs the kernels, for the work "
+                    f"on them)")
             f = _fields(op.params, call)
             problem = cuda_problem(f["dtype"], f["cache_dtype"], f["head_dim"])
             if problem:
@@ -108,8 +131,8 @@ class DecodeKernels:
         self._bound = Bound()
         # the strides' units on CUDA: q and the caches in the partial program's vectors, out in the merge's
         cuda = self.backend == "cuda"
-        self.unit = (4 if call.dtypes["key_cache"] == "float32" else 8) if cuda else 1
-        self.out_unit = (4 if call.dtypes["q"] == "float32" else 8) if cuda else 1
+        self.unit = (4 if dict(call.dtypes)["key_cache"] == "float32" else 8) if cuda else 1
+        self.out_unit = (4 if dict(call.dtypes)["q"] == "float32" else 8) if cuda else 1
 
     def prepare(self, tensors: dict) -> None:
         return None

@@ -362,9 +362,17 @@ class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
     synchronisation): enough programs to fill the device at small batches, none finer than 256 tokens.
     Arithmetic in fp32, the softmax online.
 
-    Built: the C schedule on the CPU (fp32, fp16, bf16; float8 caches), tested in CI. **CUDA calls are refused
-    for now** (``NotImplementedError`` before anything runs): the CUDA schedule is not written yet;
-    ``target="torch"`` (a gather and a softmax in PyTorch) runs on any device.
+    Built: the C schedule on the CPU (fp32, fp16, bf16; float8 caches), tested in CI, and the CUDA schedule
+    (CUDA cores: a step is memory-bound, every cached element read once for 2 x group flops). On CUDA a
+    program's threads form lane groups of ``head_dim / 8`` lanes (a power of two; 4-element vectors for fp32),
+    a token a group: each lane loads a 16-byte vector of the token's key and value rows (8 bytes of a float8
+    cache) for 2 tokens before it waits on any; the group's dot products are summed by xor-shuffles; a program
+    serves the kv head's q heads (up to 8; a larger group, MQA, in programs of 8 heads). head_dim: a multiple
+    of 8 (4 for fp32) up to 256 (128 for fp32) on CUDA, else ``NotImplementedError`` at the first call naming
+    ``target="torch"``. q and out off the 16-byte vectors go through a dense copy; a cache off them is a
+    ValueError naming it. **CUDA calls are refused for now** (``NotImplementedError`` before anything runs,
+    naming ``target="torch"``) until the schedule's GPU tests have run to the end on a GPU;
+    ``TILEOPS_ATTENTION_CUDA=1`` lets them run, for the work on them.
 
     References: vLLM paged_attention (v1/v2: split-KV partitions and their reduce); flashinfer
         BatchDecodeWithPagedKVCache; Dao et al., Flash-Decoding (2023).
