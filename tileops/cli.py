@@ -330,7 +330,8 @@ def parser() -> argparse.ArgumentParser:
     p = _command(sub, "warmup", cmd_warmup, "compile the kernels of every case (or of the ops named) ahead of time",
                  "Compile ahead of time, into the disk cache, the kernels of every manifest case (or of the ops "
                  "named), several at once, then build the native runtime; a later process's first calls load "
-                 "them. A CUDA arch needs the CUDA toolkit (no GPU: the kernels link CUDA's static runtime).")
+                 "them. A CUDA arch needs the CUDA toolkit, not a GPU or its driver: a build machine fills a cache "
+                 "(TILEOPS_CACHE_DIR) that GPU machines of that arch load from.")
     p.add_argument("ops", nargs="*", help="op names (default: all)")
     p.add_argument("--arch", default=None, help=f"sm_XX (XX >= 80), or c for the CPU ({_ARCH_DEFAULT})")
     p.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")

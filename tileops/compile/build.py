@@ -159,7 +159,11 @@ def compile_kernel(builder: str, spec: Any, backend: str, arch: str) -> Any:
     def make() -> Any:
         tilelang = tilelang_api.load()
         t0 = time.perf_counter()
-        with _own_compile():
+        # a build machine with the CUDA toolkit and no driver (``tileops warmup --arch sm_90`` there) builds
+        # TileLang's CUDA kernels for a GPU machine to load (tilelang_api.driverless)
+        nodriver = (tilelang_api.driverless(os.path.join(entry.cache_root(), "driverless"))
+                    if backend == "cuda" and tilelang_api.driver_missing() else contextlib.nullcontext())
+        with _own_compile(), nodriver:
             # the Cython backend exposes the library's C entry point, which tileops.compile.entry calls directly
             kernel = tilelang.compile(prim_func(builder, spec), target=_tvm_target(backend, arch),
                                       execution_backend="cython", pass_configs=pass_configs(spec),

@@ -13,7 +13,9 @@ tileops calls TileLang's public API where it is used (``tilelang.compile``, ``ti
 * the logger of TileLang's kernel cache and the one message of it that tileops drops
   (:data:`KERNEL_CACHE_LOGGER`, :data:`MEMORY_CACHE_HINT`);
 * where TileLang's CUDA templates and its CUTLASS are (:func:`template_include_dirs`), for
-  ``benchmarks/lean_sass.py``, which builds a kernel TileLang's way to compare machine code.
+  ``benchmarks/lean_sass.py``, which builds a kernel TileLang's way to compare machine code;
+* the library loader of TileLang's build (``LibraryGenerator.load_lib``), which :func:`driverless`
+  wraps so that a machine with the CUDA toolkit but no driver can build CUDA kernels.
 
 :data:`PRIVATE` lists every one of them; ``tests/test_tilelang_api.py`` checks each against the
 installed TileLang (0.1.15, pinned in pyproject.toml, the version they were read from). Importing this
@@ -23,14 +25,19 @@ makes sure TileLang's cache directory can be created.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import os
+import subprocess
 import sys
 import tempfile
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["load", "ensure_importable", "cuda_source_wrapper", "match_declare_kernel", "compiled_parts",
-           "library", "library_path", "template_include_dirs", "PRIVATE", "WRAPPER_OVERRIDES", "WRAPPER_READS",
+           "library", "library_path", "template_include_dirs", "driver_missing", "driverless", "PRIVATE",
+           "WRAPPER_OVERRIDES", "WRAPPER_READS",
            "KERNEL_CACHE_LOGGER", "MEMORY_CACHE_HINT"]
 
 #: the methods of TileLang's launcher generator the lean build overrides: a method renamed in
@@ -58,6 +65,7 @@ PRIVATE: dict[str, tuple[str, ...]] = {
     f"{KERNEL_CACHE_LOGGER}:KernelCache": (),
     "tilelang.env:TILELANG_TEMPLATE_PATH": (),
     "tilelang.env:CUTLASS_INCLUDE_DIR": (),
+    "tilelang.jit.adapter.libgen:LibraryGenerator": ("load_lib",),
 }
 
 _checked = False
@@ -140,3 +148,67 @@ def template_include_dirs() -> list[str]:
     from tilelang.env import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
     return [TILELANG_TEMPLATE_PATH, CUTLASS_INCLUDE_DIR]
+
+
+def driver_missing() -> bool:
+    """Whether this machine has no CUDA driver library (``libcuda``): a build machine with the toolkit
+    alone, where :func:`driverless` lets TileLang build CUDA kernels."""
+    return ctypes.util.find_library("cuda") is None
+
+
+class _NoInitLibrary(ctypes.CDLL):
+    """A kernel library whose ``init()`` answers 0 without running (see :func:`driverless`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "init":
+            return lambda: 0
+        return super().__getattr__(name)
+
+
+def _stub_libcuda(where: str) -> str:
+    """A folder holding an empty ``libcuda.so`` (soname ``libcuda.so.1``), built once: what TileLang's
+    ``-lcuda`` links against here. A library linked so names ``libcuda.so.1``, which a GPU machine's
+    driver provides when it is loaded there."""
+    lib = os.path.join(where, "libcuda.so")
+    if not os.path.exists(lib):
+        os.makedirs(where, exist_ok=True)
+        src, tmp = os.path.join(where, f"empty.{os.getpid()}.c"), f"{lib}.{os.getpid()}.tmp"
+        with open(src, "w") as f:
+            f.write("/* a stand-in for the CUDA driver library at link time (tileops.compile.tilelang_api) */\n")
+        cc = os.environ.get("CC", "cc")
+        done = subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", src, "-o", tmp],
+                              capture_output=True, text=True)
+        os.unlink(src)
+        if done.returncode:
+            raise RuntimeError(f"building a stand-in libcuda.so with {cc} failed: {done.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    return where
+
+
+@contextlib.contextmanager
+def driverless(stub_dir: str) -> Iterator[None]:
+    """Within: TileLang builds CUDA kernels on a machine with no CUDA driver. Its build links
+    ``-lcuda`` (here: an empty stand-in from ``stub_dir``, found through ``LIBRARY_PATH``), then loads
+    the library and calls its ``init()``, which sets the kernel's dynamic shared memory size through
+    the driver and fails without one: within, a library TileLang loads answers ``init()`` with 0. The
+    library on disk is untouched: a GPU machine that loads it (tileops' index, ``tileops warmup`` run
+    on a build machine) runs the real ``init()``. Nothing can be launched here anyway."""
+    load()
+    from tilelang.jit.adapter.libgen import LibraryGenerator
+
+    original = LibraryGenerator.load_lib
+    before = os.environ.get("LIBRARY_PATH")
+
+    def load_lib(self: Any, lib_path: str | None = None) -> Any:
+        return _NoInitLibrary(original(self, lib_path)._name)
+
+    os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [_stub_libcuda(stub_dir), before]))
+    LibraryGenerator.load_lib = load_lib
+    try:
+        yield
+    finally:
+        LibraryGenerator.load_lib = original
+        if before is None:
+            os.environ.pop("LIBRARY_PATH", None)
+        else:
+            os.environ["LIBRARY_PATH"] = before

@@ -1,0 +1,103 @@
+"""Compile, on this machine (the CUDA toolkit, no GPU), the sm_90 kernels the H200's CUDA suite
+would otherwise compile there, and pack them for the device machine.
+
+    python -m benchmarks.device_cache [--jobs 2] [--out .devsite/kcache.tar.xz]
+
+What it compiles: every manifest case's kernels (``tileops warmup``'s list) and the attention tests'
+warm-up lists (``tests/test_attn_fwd_cuda.py``, ``tests/test_attn_bwd_cuda.py``: their module
+fixtures, called with the arch set to sm_90). TileLang's own build needs a driver only to link and
+to call a library's ``init()``: :func:`tileops.compile.tilelang_api.driverless` stands in for both
+here. The index (``$TILEOPS_CACHE_DIR/kernels``, default ``.kcache``) is packed with ``xz``: the
+libraries share CUDA's static runtime, so 401 of them (411 MB) pack into 7.6 MB, within what the
+device call carries. There:
+
+    mkdir -p .kcache-gpu && tar -xJf .devsite/kcache.tar.xz -C .kcache-gpu
+    TILEOPS_CACHE_DIR=$PWD/.kcache-gpu python3 -m pytest -m cuda ...
+
+The index's keys hold the builder sources, TileLang's version, the arch and the machine, not
+Python's version, so this machine's 3.11 serves the device's 3.12. Measured 2026-12-04: ~1,530 s on 2
+cores; the H200 then built none of them (``benchmarks/NOTES.md``). This saves the device's minutes, the
+scarce ones: its backward tests had spent a whole call compiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+ARCH = "sm_90"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _fixture(fix):
+    """A pytest fixture's own function."""
+    for attr in ("__wrapped__", "_fixture_function"):
+        if hasattr(fix, attr):
+            return getattr(fix, attr)
+    return fix.__pytest_wrapped__.obj
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_jobs() -> list[tuple]:
+    """The kernel jobs of the attention tests' warm-up fixtures, as on an H200 (sm_90)."""
+    import torch
+
+    import tileops.compile.build as build
+    import tileops.compile.warmup as warmup
+
+    jobs: list[tuple] = []
+    saved = warmup.compile_jobs, build.device_backend, torch.cuda.is_available
+    warmup.compile_jobs = lambda todo, *a, **k: jobs.extend(todo) or (0, 0.0, [])
+    build.device_backend = lambda device: ("cuda", ARCH)
+    torch.cuda.is_available = lambda: True
+    sys.path.insert(0, str(ROOT))
+    try:
+        _fixture(_module("test_attn_fwd_cuda").warm)()
+        bwd = _module("test_attn_bwd_cuda")
+        items = [types.SimpleNamespace(name=f"test_cuda_gradients[{i}]",
+                                       callspec=types.SimpleNamespace(params={"name": i})) for i in bwd.IDS]
+        _fixture(bwd.warm)(types.SimpleNamespace(session=types.SimpleNamespace(items=items)))
+    finally:
+        warmup.compile_jobs, build.device_backend, torch.cuda.is_available = saved
+    return jobs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")
+    ap.add_argument("--out", default=str(ROOT / ".devsite" / "kcache.tar.xz"))
+    a = ap.parse_args()
+    os.environ.setdefault("TILEOPS_CACHE_DIR", str(ROOT / ".kcache"))
+    from tileops.compile.warmup import compile_jobs, kernel_jobs
+    from tileops.manifest import registry
+
+    t0 = time.perf_counter()
+    jobs = [j for j in kernel_jobs(list(registry()), ARCH) if j[2] == "cuda"] + test_jobs()
+    n, seconds, failures = compile_jobs(jobs, a.jobs, progress=True)
+    print(f"{n} kernels for {ARCH} in the index ({seconds:.0f} s); {len(failures)} failed", flush=True)
+    for spec, err in failures:
+        print(f"  {spec}: {err}", file=sys.stderr)
+    index = os.environ["TILEOPS_CACHE_DIR"]
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "wb") as out:
+        tar = subprocess.Popen(["tar", "-C", index, "-cf", "-", "kernels"], stdout=subprocess.PIPE)
+        subprocess.run(["xz", "-9e", "-T2", "--lzma2=dict=192MiB"], stdin=tar.stdout, stdout=out, check=True)
+        tar.wait()
+    print(f"{a.out}: {os.path.getsize(a.out) / 1e6:.1f} MB ({time.perf_counter() - t0:.0f} s in all)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
