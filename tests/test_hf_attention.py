@@ -117,6 +117,34 @@ def test_greedy_generation_gives_the_unpatched_tokens_left_padded_too(kind, gen)
         assert torch.equal(got, want), f"{kind}: tokens differ:\n{got}\n{want}"
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_static_cache_generation_matches_the_unpatched_logits(kind, gen):
+    """A static cache holds more slots than tokens, and transformers drops an all-ones mask: the keys
+    past the filled slots must stay hidden. (They were not: the mask function said "no mask" and the
+    queries saw the cache's empty slots; the logits moved by ~0.2.) Full batch and left-padded, every
+    step's logits within 1e-5 of the unpatched model's."""
+    model = _model(kind, gen)
+    ids = torch.randint(3, 128, (2, 20), generator=gen)
+    padded = torch.ones_like(ids)
+    padded[1, :4] = 0
+    for m in (torch.ones_like(ids), padded):
+        def run():
+            with torch.no_grad():
+                return model.generate(ids, attention_mask=m, max_new_tokens=5, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True, cache_implementation="static")
+        want = run()
+        _patch(model)
+        try:
+            got = run()
+            rep = tt.report(model)
+        finally:
+            tt.unpatch(model)
+        assert rep["attention_fallbacks"] == [], rep["attention_fallbacks"]
+        assert torch.equal(got.sequences, want.sequences), f"{kind}: tokens differ"
+        for i, (a, b) in enumerate(zip(got.logits, want.logits)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{kind}: step {i}'s logits")
+
+
 def test_padded_prefill_logits_match_at_the_real_tokens(gen):
     """A right-padded training batch runs as one varlen call: the real tokens' logits equal the
     unpatched model's (a padded query's output is zero, as transformers' FlashAttention path gives it)."""

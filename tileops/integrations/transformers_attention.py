@@ -110,9 +110,22 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     """The mask a layer gets: None (nothing padded, the keys are the cache's tokens), or the 2-D
     boolean padding mask of the keys ``[batch, <= kv_length]`` (a static cache's mask is shorter than
     its ``kv_length``: the slots past it are not filled yet). The pattern itself (causal, window)
-    comes from the layer's own arguments."""
+    comes from the layer's own arguments.
+
+    Without a padding mask (transformers drops an all-ones one) a static cache's keys are still not
+    all tokens: a full-attention layer's ``kv_length`` is the cache's length, of which ``q_offset +
+    q_length`` slots are filled. Returning None there let the queries see the unfilled slots (zeros:
+    a score of 0 each, in every softmax's sum; the patched model's logits moved by 0.2 on a tiny
+    Llama). The filled slots are then marked as the keys: at a decode step ``q_offset`` is the layer's
+    device counter, read on the host, as the padded path reads its mask."""
     if attention_mask is None:
-        return None
+        filled = q_offset + q_length - kv_offset
+        if not torch.is_tensor(filled) and filled >= kv_length:
+            return None  # the keys are exactly the tokens (a dynamic cache): nothing read
+        n = int(filled)  # (a host read when q_offset is a static layer's counter)
+        if n >= kv_length:
+            return None
+        return torch.ones(batch_size, n, dtype=torch.bool)
     mask = attention_mask[:, -kv_length:].to(torch.bool)
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
