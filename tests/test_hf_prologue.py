@@ -345,3 +345,49 @@ def test_static_generate_bf16_cuda_matches_within_bf16(kind, compiled, gen):
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (none here)")
     check_bf16_generate(kind, compiled, gen, "cuda")
+
+
+#: head_dim 64, a size ``PagedAttnDecodeFwdOp`` takes (TINY's 16 is not)
+D64 = dict(TINY, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+D64_CONFIGS = {"llama": lambda: transformers.LlamaConfig(**D64),
+               "qwen3": lambda: transformers.Qwen3Config(**D64, head_dim=64)}
+
+
+@pytest.mark.parametrize("kind", list(D64_CONFIGS))
+def test_decode_steps_run_the_paged_decode_op_when_attention_is_patched_too(kind, gen, monkeypatch):
+    """``patch(prologue=True, attention=True)``: every decode step of a static-cache ``generate`` reads
+    the cache the prologue wrote through ``PagedAttnDecodeFwdOp`` (2 layers x 7 steps), and the tokens
+    are the unpatched model's (fp32, CPU). With a padded sequence in the batch the steps run the
+    attention patch's varlen call instead (the decode op takes no per-sequence start), with the
+    unpatched tokens again."""
+    from tileops.integrations import transformers_prologue
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = getattr(transformers, MODELS[kind])(D64_CONFIGS[kind]()).eval()
+    ids = torch.randint(3, 128, (2, 11), generator=gen)
+    padded = torch.ones_like(ids)
+    padded[1, :3] = 0  # sequence 1: three pad tokens on the left
+
+    def run(mask):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                              cache_implementation="static").cpu()
+
+    want, want_padded = run(torch.ones_like(ids)), run(padded)
+    calls = []
+    real = transformers_prologue._decode
+    monkeypatch.setattr(transformers_prologue, "_decode", lambda *a: calls.append(1) or real(*a))
+    tt.patch(model, prologue=True, attention=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no call may fall back to transformers' attention
+            got = run(torch.ones_like(ids))
+        served = len(calls)
+        got_padded = run(padded)
+        rep = tt.report(model)
+    finally:
+        tt.unpatch(model)
+    assert served == 2 * 7, served  # the first new token comes from the prefill
+    assert len(calls) == served, "a padded batch's steps are not the decode op's"
+    assert len(rep["decode"]) == 2 and all(op.params["cache_layout"] == "HND" for op in rep["decode"])
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(got_padded, want_padded), (got_padded, want_padded)

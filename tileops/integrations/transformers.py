@@ -105,6 +105,7 @@ class _PatchState:
         self.norms: dict[str, int] = {}  # routed norm modules by class name
         self.left_alone: dict[str, int] = {}
         self.prologue_ops: list[Any] = []  # the attention prologue ops (patch(prologue=True))
+        self.prologue_layers: list[Any] = []  # their layers' plans (each holds its decode op once made)
         self.prologue_fallbacks: set[str] = set()  # why calls ran transformers' attention (warned once each)
         self.attention: AttentionState | None = None  # patch(attention=True)
         self.attention_modules: list[torch.nn.Module] = []
@@ -335,6 +336,7 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prolo
                                            state.prologue_fallbacks)
             _wrap(state, a, checked)
         state.prologue_ops = list({id(layer.op): layer.op for layer in fused}.values())
+        state.prologue_layers = list(fused)
     state.norm_ops = norm_ops
     for m, ops in norms:
         _wrap(state, m, routed_forward(m, ops, m.forward))
@@ -495,7 +497,8 @@ def report(model: torch.nn.Module) -> dict[str, Any]:
         ``prologue``: the attention prologue ops (empty without ``prologue=True``);
         ``prologue_fallbacks``: why attention calls ran unfused so far (each kind once);
         ``attention``: the attention ops built so far (``attention=True``); ``attention_fallbacks``:
-        why attention calls ran transformers' attention so far (each kind once).
+        why attention calls ran transformers' attention so far (each kind once); ``decode``: the
+        decode ops built so far (``prologue=True, attention=True``: a static cache's decode steps).
 
     Raises:
         ValueError: ``model`` is not patched.
@@ -506,4 +509,5 @@ def report(model: torch.nn.Module) -> dict[str, Any]:
             "left_alone": dict(state.left_alone), "prologue": list(state.prologue_ops),
             "prologue_fallbacks": sorted(state.prologue_fallbacks),
             "attention": list(state.attention.ops.values()) if state.attention else [],
-            "attention_fallbacks": sorted(state.attention.fallbacks) if state.attention else []}
+            "attention_fallbacks": sorted(state.attention.fallbacks) if state.attention else [],
+            "decode": [layer.decode for layer in state.prologue_layers if layer.decode is not None]}

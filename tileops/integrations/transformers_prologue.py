@@ -16,7 +16,15 @@ What a patched attention layer does, per call (read from those classes' ``forwar
    own weights read at each call), rotates them at the ``position_ids`` the model's rotary embedding
    received (the RoPE patch tags its ``cos`` with them), writes k and v into the layer's static
    cache and returns q;
-3. the attention runs as HF's would (the model's ``_attn_implementation``) on q and the whole cache.
+3. the attention runs as HF's would (the model's ``_attn_implementation``) on q and the whole cache;
+   except a decode step (one token a sequence) of a model also patched with ``attention=True``,
+   which :class:`tileops.attention.PagedAttnDecodeFwdOp` serves from the cache the op just wrote
+   (``_decode``): block table ``[[0], [1], ...]`` (a sequence's block is its row of the static
+   layer), lengths the layer's ``cumulative_length``. Where a token of the batch is padding (the 2-D
+   mask the attention patch passes holds a False: the op takes no per-sequence start; reading it is a
+   host read, as the attention patch's own mask function does), the head size is not one the op
+   takes, or the op's CUDA kernels are refused (``decode_builtin.cuda_enabled``), the step runs the
+   attention as above.
 
 The static cache as the op sees it. A ``StaticLayer`` holds ``keys``/``values`` of shape
 ``[batch, Hkv, max_cache_len, head_dim]``: the op's ``"HND"`` layout with one block per sequence
@@ -62,6 +70,8 @@ class PrologueLayer:
                  qk_norm: bool) -> None:
         self.module, self.op, self.params, self.cache_name = module, op, params, cache_name
         self.sliding, self.qk_norm = sliding, qk_norm
+        self.decode: Any = None  # the decode step's PagedAttnDecodeFwdOp, made at the first step it serves
+        self.tables: dict[tuple, torch.Tensor] = {}  # [[0], [1], ...] by (batch, device)
 
 
 def prologue_plan(model: torch.nn.Module, model_type: Any, rope_op: Any, attentions: list[torch.nn.Module],
@@ -209,8 +219,50 @@ def prologue_forward(layer: PrologueLayer, original: Any, tag_of: Any, seen: set
                                                              layer.cache_name)}
         if layer.sliding:
             rest["sliding_window"] = None
+        if seq == 1 and _decodes(layer, q, static, mask, module.config._attn_implementation):
+            return module.o_proj(_decode(layer, q, static).reshape(batch, 1, hq * d)), None
         out, weights = attend(module, q, static.keys, static.values, mask, dropout=0.0, scaling=module.scaling, **rest)
         out = out.reshape(batch, seq, -1).contiguous()
         return module.o_proj(out), weights
 
     return forward
+
+
+#: head sizes ``PagedAttnDecodeFwdOp`` takes (its manifest)
+DECODE_HEAD_DIMS = (64, 128, 256)
+
+
+def _decodes(layer: PrologueLayer, q: torch.Tensor, static: Any, mask: Any, implementation: str) -> bool:
+    """Whether this decode step's attention is :class:`tileops.attention.PagedAttnDecodeFwdOp`'s to serve
+    (the module docstring, item 3): the model patched with ``attention=True``, a head size and device
+    the op takes, the cache in q's dtype, and no padded key (the mask the attention patch's mask
+    function returns: None, or a 2-D boolean mask; a 4-D mask from elsewhere is not read)."""
+    from ..attention.decode_builtin import cuda_enabled
+    from .transformers_attention import NAME
+
+    if implementation != NAME or q.shape[-1] not in DECODE_HEAD_DIMS or static.keys.dtype != q.dtype:
+        return False
+    if q.device.type == "cuda" and not cuda_enabled():
+        return False
+    if mask is None:
+        return True
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool and bool(mask.all())
+
+
+def _decode(layer: PrologueLayer, q: torch.Tensor, static: Any) -> torch.Tensor:
+    """``[batch, Hq, D]``: one token a sequence (q, ``[batch, Hq, 1, D]``) against the static layer's
+    cache, as one paged cache of ``batch`` blocks of ``max_cache_len`` rows (HND) and lengths the
+    layer's ``cumulative_length`` (the current token included: the prologue wrote it)."""
+    from ..attention import PagedAttnDecodeFwdOp
+
+    module = layer.module
+    batch, hq, _, d = q.shape
+    if layer.decode is None:
+        op = layer.op.params
+        layer.decode = PagedAttnDecodeFwdOp(op["num_q_heads"], op["num_kv_heads"], d,
+                                            softmax_scale=float(module.scaling), cache_layout="HND")
+    key = (batch, q.device)
+    if key not in layer.tables:
+        layer.tables[key] = torch.arange(batch, dtype=torch.int32, device=q.device)[:, None]
+    lens = static.cumulative_length.to(torch.int32).expand(batch).contiguous()
+    return layer.decode(q.view(batch, hq, d), static.keys, static.values, layer.tables[key], lens)
