@@ -41,10 +41,14 @@ from typing import Any
 from .report import ENTRY, report
 from .storage import load_f32, storage_dtype, to_storage
 
+#: the CUDA schedule takes norm's lane helpers (``CUDA_HELPERS``): an edit there re-keys these kernels
+USES = ("norm",)
+
 #: ``tilelang.language``, imported when a kernel is first built
 T: Any = None
 
-__all__ = ["PagedDecodeSpec", "Spec", "build", "STATIC", "PARTIAL_ARGS", "MERGE_ARGS", "CACHE_DTYPES"]
+__all__ = ["PagedDecodeSpec", "Spec", "build", "STATIC", "USES", "PARTIAL_ARGS", "MERGE_ARGS", "CACHE_DTYPES",
+           "cuda_problem", "vector"]
 
 #: the CUDA schedule's choices a manifest's ``kernel.static`` may set (the C schedule has none)
 STATIC = {
@@ -121,9 +125,9 @@ class PagedDecodeSpec:
 
     @property
     def vec(self) -> int:
-        """CUDA: elements a lane loads at once from a cache row (8: 16 bytes of a 16-bit cache, 8 of a
-        float8 one; 4 of fp32), and the unit the strides are passed in (``stride_unit``)."""
-        return 4 if self.cache_dtype == "float32" else 8
+        """CUDA: elements a lane moves at once (:func:`vector`): of a cache row (``partial``, which reads
+        q so too) or of an output row (``merge``); the unit its strides are passed in (``stride_unit``)."""
+        return vector(self.cache_dtype if self.kind == "partial" else self.dtype)
 
     @property
     def stride_unit(self) -> int:
@@ -144,7 +148,8 @@ class PagedDecodeSpec:
 
     @property
     def lanes(self) -> int:
-        """CUDA: lanes that hold one token's row (a power of two, its spare lanes idle)."""
+        """CUDA: lanes that hold one row, a token's (``partial``) or an output's (``merge``): a power of
+        two, its spare lanes idle."""
         return 1 << (self.head_dim // self.vec - 1).bit_length()
 
 
@@ -160,10 +165,16 @@ def _tl() -> Any:
     return T
 
 
+def vector(dtype: str) -> int:
+    """CUDA: the elements of ``dtype`` a lane moves at once: 8 (16 bytes of a 16-bit type, 8 of float8),
+    4 of fp32."""
+    return 4 if dtype == "float32" else 8
+
+
 def cuda_problem(dtype: str, cache_dtype: str, head_dim: int) -> str | None:
-    """Why the CUDA schedule cannot serve these (None if it can): a row is read in vectors of
-    :attr:`PagedDecodeSpec.vec` elements by at most a warp's 32 lanes."""
-    vec = 4 if cache_dtype == "float32" else 8
+    """Why the CUDA schedule cannot serve these (None if it can): a cache row is read in vectors
+    (:func:`vector`) by at most a warp's 32 lanes."""
+    vec = vector(cache_dtype)
     if head_dim % vec or head_dim // vec > 32:
         return (f"head_dim: the CUDA paged decode reads a row as vectors of {vec} elements, one a lane of a "
                 f"warp: expected a multiple of {vec} up to {32 * vec}, got {head_dim}")
@@ -210,7 +221,7 @@ def _partial_buffers(st: str, cst: str) -> dict:
 
 
 def _partial(spec: PagedDecodeSpec):
-    D, HQ, HKV, G = spec.head_dim, spec.hq, spec.hkv, spec.hq // spec.hkv
+    D, HQ, HKV, G = spec.head_dim, spec.hq, spec.hkv, spec.group
     st = storage_dtype(spec.dtype, spec.backend)
     cst = "uint8" if spec.fp8 else st
     rep = report(spec.backend)
@@ -219,7 +230,8 @@ def _partial(spec: PagedDecodeSpec):
     @T.prim_func
     def paged_decode_partial(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"], KS: sig["KS"],
                              VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"], tag: T.int32,
-                             batch: T.int32, splits: T.int32, chunk: T.int32, nblocks: T.int32, bs: T.int32, max_blocks: T.int32, btb: T.int64,
+                             batch: T.int32, splits: T.int32, chunk: T.int32, nblocks: T.int32, bs: T.int32,
+                             max_blocks: T.int32, btb: T.int64,
                              qsb: T.int64, qsh: T.int64, csb: T.int64, csr: T.int64, csh: T.int64,
                              scale_bits: T.int32, softcap_bits: T.int32, window: T.int32):
         with T.Kernel(splits, HKV, batch, threads=1) as (s, kvh, b):
@@ -555,10 +567,8 @@ def _merge_cuda(spec: PagedDecodeSpec):
     """Rows ``(sequence, q head)`` in lane groups of ``next_pow2(D / 8)`` lanes, each lane 8 elements of
     the row (two float4 of each split's partial output, one 16-byte store of a 16-bit out); ``osb`` and
     ``osh`` in units of 8 elements (4 for fp32)."""
-    D, HQ, TPB = spec.head_dim, spec.hq, spec.threads
-    VEC = 4 if spec.dtype == "float32" else 8
+    D, HQ, TPB, VEC, LG = spec.head_dim, spec.hq, spec.threads, spec.vec, spec.lanes
     NV = D // VEC
-    LG = 1 << (NV - 1).bit_length()
     RPB = TPB // LG
     st = storage_dtype(spec.dtype, "cuda")
     NO, NL, NOUT = T.dynamic("NO, NL, NOUT")

@@ -137,18 +137,17 @@ def run(q, kc, vc, bt, sl, *, layout="NHD", splits=1, scale=0.125, softcap=None,
     part = spec("partial", q.dtype, cache_dtype, d, hq, hkv, **fields)
     merge = spec("merge", q.dtype, cache_dtype, d, hq, hkv, **fields)
     out = torch.full_like(q, float("nan"))
-    u = part.vec if cuda else 1
-    qsb, qsh, csb, csr, csh, osb, osh = (x // u for x in (q.stride(0), q.stride(1), csb, csr, csh, out.stride(0),
-                                                          out.stride(1)))
+    u, uo = (part.vec, merge.vec) if cuda else (1, 1)  # the CUDA programs take strides in their vectors
+    qsb, qsh, csb, csr, csh = (x // u for x in (q.stride(0), q.stride(1), csb, csr, csh))
+    osb, osh = out.stride(0) // uo, out.stride(1) // uo
     grid = splits * hkv * (hq // hkv // part.heads_per_block) * B
-    lanes = 1 << (d // (4 if q.dtype == torch.float32 else 8) - 1).bit_length()
     _launch(part, cuda, grid, Q=q.data_ptr(), KC=raw(kc).data_ptr(), VC=raw(vc).data_ptr(), BT=bt.data_ptr(),
             SL=sl.data_ptr(),
             KS=ks.data_ptr(), VS=vs.data_ptr(), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(), ERR=err.data_ptr(), tag=tag,
             batch=B, splits=splits, chunk=chunk, nblocks=kc.shape[0], bs=bs, max_blocks=max_blocks,
             btb=bt.stride(0), qsb=qsb, qsh=qsh, csb=csb, csr=csr, csh=csh, scale_bits=bits(scale),
             softcap_bits=bits(softcap or 1.0), window=window or 0)
-    _launch(merge, cuda, -(-B * hq // (merge.threads // lanes)), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(),
+    _launch(merge, cuda, -(-B * hq // (merge.threads // merge.lanes)), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(),
             O=out.data_ptr(), batch=B, splits=splits, osb=osb, osh=osh)
     return out, err
 

@@ -24,12 +24,12 @@ the vector, or more than a warp's 32 vectors) is refused when the op is first ca
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
 import torch
 
 from ..compile.build import device_backend, load_kernel
+from ..compile.entry import encode_arg
 from ..kernels.paged_decode import cuda_problem
 from .attn_builtin import CUDA_ENV, cuda_enabled as _attn_cuda_enabled
 from ..runtime.binding import Binding
@@ -123,16 +123,15 @@ class DecodeKernels:
             problem = cuda_problem(f["dtype"], f["cache_dtype"], f["head_dim"])
             if problem:
                 raise NotImplementedError(f"{op.name}: {problem}; target='torch' computes it with PyTorch")
-        self.kernels = {s.kind: load_kernel(BUILDER, s, self.backend, self.arch, self.device, s.args, op_name=op.name)
-                        for _, s in kernel_specs(op.manifest, op.params, call, self.backend)}
+        specs = {s.kind: s for _, s in kernel_specs(op.manifest, op.params, call, self.backend)}
+        self.kernels = {kind: load_kernel(BUILDER, s, self.backend, self.arch, self.device, s.args, op_name=op.name)
+                        for kind, s in specs.items()}
+        # the strides' units (CUDA: q and the caches in the partial program's vectors, out in the merge's)
+        self.unit, self.out_unit = specs["partial"].stride_unit, specs["merge"].stride_unit
         p = op.params
         self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
         self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, checks={"block_tables": 0, "seq_lens": 1})
         self._bound = Bound()
-        # the strides' units on CUDA: q and the caches in the partial program's vectors, out in the merge's
-        cuda = self.backend == "cuda"
-        self.unit = (4 if dict(call.dtypes)["key_cache"] == "float32" else 8) if cuda else 1
-        self.out_unit = (4 if dict(call.dtypes)["q"] == "float32" else 8) if cuda else 1
 
     def prepare(self, tensors: dict) -> None:
         return None
@@ -217,17 +216,12 @@ class DecodeKernels:
         u, uo = self.unit, self.out_unit
         env = {"batch": batch, "splits": n, "chunk": math.ceil(max_blocks * bs / n), "nblocks": blocks, "bs": bs,
                "max_blocks": max_blocks, "btb": bt.stride(0), "qsb": q.stride(0) // u, "qsh": q.stride(1) // u,
-               "csb": csb // u, "csr": csr // u, "csh": csh // u, "scale_bits": _bits(self.scale),
-               "softcap_bits": _bits(p["softcap"] or 1.0), "window": min(p["sliding_window"] or 0, 2**31 - 1),
+               "csb": csb // u, "csr": csr // u, "csh": csh // u, "scale_bits": encode_arg("float", self.scale),
+               "softcap_bits": encode_arg("float", p["softcap"] or 1.0),
+               "window": min(p["sliding_window"] or 0, 2**31 - 1),
                "osb": view.stride(0) // uo, "osh": view.stride(1) // uo, "hq": p["num_q_heads"],
                "head_dim": p["head_dim"]}
         return self.plan.bind(self.kernels, tensors, outs, env=env, views={"out": view})
-
-
-def _bits(x: float) -> int:
-    """The int32 with fp32 ``x``'s bits (the programs take the scale and softcap so: one int argument
-    on every executor)."""
-    return struct.unpack("<i", struct.pack("<f", float(x)))[0]
 
 
 def implement(op: Any, call: Any) -> DecodeKernels:

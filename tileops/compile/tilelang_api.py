@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import subprocess
 import sys
@@ -150,9 +151,11 @@ def template_include_dirs() -> list[str]:
     return [TILELANG_TEMPLATE_PATH, CUTLASS_INCLUDE_DIR]
 
 
+@functools.lru_cache(maxsize=None)
 def driver_missing() -> bool:
     """Whether this machine has no CUDA driver library (``libcuda``): a build machine with the toolkit
-    alone, where :func:`driverless` lets TileLang build CUDA kernels."""
+    alone, where :func:`driverless` lets TileLang build CUDA kernels. Looked up once a process
+    (``find_library`` runs ``ldconfig``), not at every compile."""
     return ctypes.util.find_library("cuda") is None
 
 
