@@ -89,7 +89,11 @@ def main() -> None:
         return sweep(a)
     from torch.nn.attention import SDPBackend
 
-    rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS
+    rows = _rows(a.rows)
+    sizes = a.block_sizes.split(",")
+    if not all(b.isdigit() and int(b) > 0 for b in sizes):
+        raise SystemExit(f"--block-sizes: expected positive integers, comma-separated, got {a.block_sizes!r}")
+    sizes = [int(b) for b in sizes]
     gen = torch.Generator(device="cuda").manual_seed(0)
     print("| batch x context | KV MB | copy | block size | ours | ours, graph | % of copy | fp8 ours | fp8 % of its "
           "copy | SDPA cuDNN | SDPA flash |")
@@ -100,7 +104,7 @@ def main() -> None:
         cudnn = flash = float("nan")
         if not a.no_sdpa:
             cudnn, flash = _sdpa(batch, ctx, SDPBackend.CUDNN_ATTENTION), _sdpa(batch, ctx, SDPBackend.FLASH_ATTENTION)
-        for bs in (int(b) for b in a.block_sizes.split(",")):
+        for bs in sizes:
             eager, graph = _ours(batch, ctx, bs, torch.bfloat16, gen)
             f8 = _ours(batch, ctx, bs, torch.float8_e4m3fn, gen)[0] if not a.no_fp8 else float("nan")
             print(f"| {batch} x {ctx} | {kv / 1e6:.1f} | {copy:.1f} | {bs} | {eager:.1f} | {graph:.1f} | "
@@ -108,10 +112,24 @@ def main() -> None:
                   flush=True)
 
 
+def _rows(text: str) -> list[tuple[int, int]]:
+    """``--rows``: indices into :data:`ROWS`, comma-separated (empty: all)."""
+    if not text:
+        return ROWS
+    if not all(i.isdigit() and int(i) < len(ROWS) for i in text.split(",")):
+        raise SystemExit(f"--rows: expected indices 0-{len(ROWS) - 1}, comma-separated, got {text!r}")
+    return [ROWS[int(i)] for i in text.split(",")]
+
+
 def sweep(a: argparse.Namespace) -> None:
-    rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS
+    rows = _rows(a.rows)
     keys = ("threads", "unroll", "prefetch")
-    configs = [dict(zip(keys, (int(x) for x in c.split("x")))) for c in a.sweep.split(",")]
+    configs = []
+    for c in a.sweep.split(","):
+        parts = c.split("x")
+        if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+            raise SystemExit(f"--sweep: expected THREADSxUNROLL[xPREFETCH] (integers), got {c!r}")
+        configs.append(dict(zip(keys, map(int, parts))))
     gen = torch.Generator(device="cuda").manual_seed(0)
     print("| batch x context | copy | " + " | ".join(", ".join(f"{k} {v}" for k, v in c.items()) for c in configs)
           + " |")

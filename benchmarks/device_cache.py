@@ -91,6 +91,7 @@ def main() -> int:
         print(f"  {spec}: {err}", file=sys.stderr)
     index = os.environ["TILEOPS_CACHE_DIR"]
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    print(f"packing {index}/kernels into {a.out} (xz -9e: ~2-3 min on 2 cores) ...", flush=True)
     with open(a.out, "wb") as out:
         tar = subprocess.Popen(["tar", "-C", index, "-cf", "-", "kernels"], stdout=subprocess.PIPE)
         subprocess.run(["xz", "-9e", "-T2", "--lzma2=dict=192MiB"], stdin=tar.stdout, stdout=out, check=True)
