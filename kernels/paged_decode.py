@@ -21,10 +21,12 @@ the token sees keys ``j >= L - w`` only (the current token is ``L - 1``: causal,
 * ``merge``: a program per (q head, sequence) combines the splits: ``out = sum_s 2^(LP_s - M) OP_s /
   sum_s 2^(LP_s - M)``, ``M = max_s LP_s``; zeros for a sequence of no visible key.
 
-Checks on the device, reported with their index (:mod:`tileops.kernels.report`): word 0
-``block_tables`` (an entry a split reads outside ``[0, num_blocks)``: its keys are skipped, nothing is
-read out of bounds), word 1 ``seq_lens`` (outside ``[0, max_blocks * block_size]``: the sequence is
-read clamped into its table). The offset reported is the element's from the tensor's pointer (``b *
+Checks on the device, reported with their index (:mod:`tileops.kernels.report`): word
+:data:`LENS_WORD` ``seq_lens`` (outside ``[0, max_blocks * block_size]``: the sequence is read clamped
+into its table), word :data:`TABLES_WORD` ``block_tables`` (an entry a split reads outside ``[0,
+num_blocks)``: its keys are skipped, nothing is read out of bounds). A length is judged first: a bad
+one makes the split read table entries past the sequence (its padding), whose report would name the
+symptom and not the cause. The offset reported is the element's from the tensor's pointer (``b *
 btb + i`` for a block-table entry, ``b`` for a length).
 
 Schedules: ``c`` (TileLang's C backend, one program at a time, the CPU's correctness path, which CI
@@ -41,6 +43,9 @@ from typing import Any
 from .report import ENTRY, report
 from .storage import load_f32, storage_dtype, to_storage
 
+#: the error words of the two checked inputs (the runtime judges the lower word first)
+LENS_WORD, TABLES_WORD = 0, 1
+
 #: the CUDA schedule takes norm's lane helpers (``CUDA_HELPERS``): an edit there re-keys these kernels
 USES = ("norm",)
 
@@ -48,7 +53,7 @@ USES = ("norm",)
 T: Any = None
 
 __all__ = ["PagedDecodeSpec", "Spec", "build", "STATIC", "USES", "PARTIAL_ARGS", "MERGE_ARGS", "CACHE_DTYPES",
-           "cuda_problem", "vector"]
+           "LENS_WORD", "TABLES_WORD", "cuda_problem", "vector"]
 
 #: the CUDA schedule's choices a manifest's ``kernel.static`` may set (the C schedule has none)
 STATIC = {
@@ -253,7 +258,7 @@ def _partial(spec: PagedDecodeSpec):
             rng[0] = T.max(T.min(SL[b], max_blocks * bs), 0)
             if s == 0 and kvh == 0:
                 if SL[b] < 0 or SL[b] > max_blocks * bs:
-                    rep(ERR, 1, tag, b, SL[b])
+                    rep(ERR, LENS_WORD, tag, b, SL[b])
             rng[1] = 0
             if spec.window:
                 rng[1] = T.max(rng[0] - window, 0)
@@ -271,7 +276,7 @@ def _partial(spec: PagedDecodeSpec):
                 page = BT[at]
                 if page < 0 or page >= nblocks:
                     if kvh == 0:
-                        rep(ERR, 0, tag, at, page)
+                        rep(ERR, TABLES_WORD, tag, at, page)
                 else:
                     base = T.cast(page, "int64") * csb + T.cast(j % bs, "int64") * csr + T.cast(kvh, "int64") * csh
                     for d in T.serial(D):  # one load of the key and value rows serves the group's G heads
@@ -386,7 +391,7 @@ def _partial_cuda(spec: PagedDecodeSpec):
                 page = BT[at]
             ok[u] = T.if_then_else(j < t1 and page >= 0 and page < nblocks, 1, 0)
             if j < t1 and (page < 0 or page >= nblocks) and kvh == 0 and hc == 0 and lane == 0:
-                rep(ERR, 0, tag, at, page)
+                rep(ERR, TABLES_WORD, tag, at, page)
             if ok[u] == 1 and vl:
                 # (an expression, not a variable: a bound variable hides its multiple of VEC from the
                 # vectoriser, which then loads element by element)
@@ -447,7 +452,7 @@ def _partial_cuda(spec: PagedDecodeSpec):
             L = T.max(T.min(SL[b], max_blocks * bs), 0)
             if s == 0 and kvh == 0 and hc == 0 and tx == 0:
                 if SL[b] < 0 or SL[b] > max_blocks * bs:
-                    rep(ERR, 1, tag, b, SL[b])
+                    rep(ERR, LENS_WORD, tag, b, SL[b])
             lo = T.alloc_var("int32")
             lo = 0
             if spec.window:

@@ -150,6 +150,10 @@ def test_bad_tables_and_lengths_are_reported_with_their_index():
     with pytest.raises(ValueError, match=r"seq_lens: expected lengths in \[0, max_blocks \* block_size = 48\].*"
                                          r"got seq_lens\[0\] = 49"):
         op(**{**t, "seq_lens": torch.tensor([49, 30], dtype=torch.int32)})
+    # sequence 1 holds 2 blocks: a length of 49 reads its table's padding (-1) too; the length is named
+    with pytest.raises(ValueError, match=r"seq_lens: expected lengths in \[0, max_blocks \* block_size = 48\].*"
+                                         r"got seq_lens\[1\] = 49"):
+        op(**{**t, "seq_lens": torch.tensor([40, 49], dtype=torch.int32)})
     with tileops.strict(), pytest.raises(ValueError, match=r"got seq_lens\[1\] = -2"):
         op(**{**t, "seq_lens": torch.tensor([40, -2], dtype=torch.int32)})
     assert torch.equal(op(**t), op(**t)), "a good call after the bad ones runs as before"
@@ -272,6 +276,41 @@ def test_cuda_host_side_strides_in_vectors_and_caches_on_them(monkeypatch):
     assert (impl.unit, impl.out_unit) == (8, 8)
     assert impl._layout({"q": t["q"], "out": None}) is True
     assert impl._layout({"q": t["q"][:, :, 1:]}) == "q", "a q whose rows start inside a vector is copied"
+
+
+def test_cuda_binding_refuses_a_cache_or_q_off_the_vectors_it_was_bound_on_aligned(monkeypatch):
+    """A binding is kept by signature (shapes, strides, dtypes), which says nothing of where a tensor
+    starts: a cache one element off its vectors, shaped like the aligned one a binding was made for,
+    must leave the binding (the executor's pointer check) for the general path, which names it. On
+    the H200 such a call went through the binding and faulted ("misaligned address")."""
+    from tileops.runtime.executor import PythonRuntime
+
+    class Kernel:  # enough of a compiled kernel to be bound; a launch fails the test
+        device_index = None
+
+        def __init__(self, spec):
+            self.slot = {n: i for i, n in enumerate(spec.args)}
+
+        def template(self, values):
+            return [0] * len(self.slot)
+
+        def launch(self, *a):
+            pytest.fail("a kernel was launched")
+
+    from tileops.attention import decode_builtin
+
+    _as_cuda(monkeypatch, enabled=True)
+    monkeypatch.setattr(decode_builtin, "load_kernel", lambda builder, spec, *a, **k: Kernel(spec))
+    op = PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND")
+    t = _inputs(74, [40, 3], d=128, dtype=torch.bfloat16, layout="HND")
+    b = op._impl_for(op._check_call(t)).binding(t, {"out": None})
+    names = b.names
+    needs = {names[i]: a for launch in b.launches for i, _, a in launch.pointers if i < len(names)}
+    assert {n: needs.get(n) for n in ("q", "key_cache", "value_cache", "out")} == {
+        "q": 16, "key_cache": 16, "value_cache": 16, "out": 16}
+    for name in ("key_cache", "value_cache", "q"):
+        off = torch.zeros(t[name].numel() + 1, dtype=torch.bfloat16)[1:].view(t[name].shape)
+        assert PythonRuntime(0).execute(b, {**t, name: off}, {"out": None}) is NotImplemented, name
 
 
 def test_a_report_names_every_limit_the_op_was_called_with():

@@ -31,6 +31,7 @@ import torch
 from tests import cuda_on_cpu
 from tileops.compile.build import emit_source, load_kernel
 from tileops.kernels import get_spec
+from tileops.kernels.paged_decode import LENS_WORD, TABLES_WORD
 from tileops.kernels.report import CHECKS, ENTRY, RECORD_MAX
 
 CPU = torch.device("cpu")
@@ -284,9 +285,9 @@ def test_bad_block_table_entries_and_lengths_are_reported_and_skipped(cuda):
     bt[0, 4] = -5
     sl[2] = bt.shape[1] * 8 + 9  # sequence 2: past its table (whose unused entries are -1: skipped too)
     got, err = check(q, kc, vc, bt, sl, splits=2, cuda=cuda)
-    assert int(err[0]) == 7 and int(err[1]) == 7, "the call's tag in both words"
-    assert record(err, 0) == (0 * bt.stride(0) + 2, nblocks), record(err, 0)
-    assert record(err, 1) == (2, int(sl[2])), record(err, 1)
+    assert int(err[LENS_WORD]) == 7 and int(err[TABLES_WORD]) == 7, "the call's tag in both words"
+    assert record(err, TABLES_WORD) == (0 * bt.stride(0) + 2, nblocks), record(err, TABLES_WORD)
+    assert record(err, LENS_WORD) == (2, int(sl[2])), record(err, LENS_WORD)
     *_, bt0, sl0 = make(47, lens=[40, 30, 20], bs=8)
     good, _ = run(q, kc, vc, bt0, sl0, splits=2, cuda=cuda)
     assert torch.equal(got[1], good[1]), "sequence 1, whose table and length are good, is as it was"

@@ -7,8 +7,9 @@ the splits into ``out``. The split count comes from the shapes alone (:func:`spl
 waits for the device; the same rule on every backend, so the CPU's tests run the plan a GPU runs.
 q and out are read and written where they lie (strides as values; a last dim that is not contiguous
 is copied first), the caches by their strides (the layout is the strides, as the prologue writes
-them). The kernel checks the block tables and lengths: error words 0 (``block_tables``) and 1
-(``seq_lens``), reported by the op's runtime with the index (:mod:`tileops.runtime.errors`).
+them). The kernel checks the lengths and the block tables (error words ``LENS_WORD`` and
+``TABLES_WORD`` of ``kernels/paged_decode.py``: a bad length is named before the table entries it
+reaches), reported by the op's runtime with the index (:mod:`tileops.runtime.errors`).
 
 CUDA calls are refused unless :data:`tileops.attention.attn_builtin.CUDA_ENV` is 1
 (:func:`cuda_enabled`): the CUDA schedule is checked on the CPU (its generated source run there
@@ -30,7 +31,7 @@ import torch
 
 from ..compile.build import device_backend, load_kernel
 from ..compile.entry import encode_arg
-from ..kernels.paged_decode import cuda_problem
+from ..kernels.paged_decode import LENS_WORD, TABLES_WORD, cuda_problem
 from .attn_builtin import CUDA_ENV, cuda_enabled as _attn_cuda_enabled
 from ..runtime.binding import Binding
 from ..runtime.plan import Bound, ErrorWord, Plan, Ptr, Step, Tag, Value, Workspace, copy_back, fit, signature
@@ -130,7 +131,7 @@ class DecodeKernels:
         self.unit, self.out_unit = specs["partial"].stride_unit, specs["merge"].stride_unit
         p = op.params
         self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
-        self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, checks={"block_tables": 0, "seq_lens": 1})
+        self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, checks={"seq_lens": LENS_WORD, "block_tables": TABLES_WORD})
         self._bound = Bound()
 
     def prepare(self, tensors: dict) -> None:
@@ -221,7 +222,20 @@ class DecodeKernels:
                "window": min(p["sliding_window"] or 0, 2**31 - 1),
                "osb": view.stride(0) // uo, "osh": view.stride(1) // uo, "hq": p["num_q_heads"],
                "head_dim": p["head_dim"]}
-        return self.plan.bind(self.kernels, tensors, outs, env=env, views={"out": view})
+        return self.plan.bind(self.kernels, tensors, outs, env=env, views={"out": view}, align=self._align(tensors))
+
+    def _align(self, tensors: dict) -> dict[str, int]:
+        """The bytes each pointer the CUDA kernels read in vectors must be a multiple of: checked at every
+        call of a binding, whose signature holds shapes and strides but not where a tensor starts (a
+        call off them leaves the binding for :meth:`forward`: q and out copied, a cache refused by name;
+        the H200 once launched a cache one element off through a binding made for an aligned one:
+        "misaligned address", and the process's CUDA context with it)."""
+        if self.unit == 1:
+            return {}
+        q = tensors["q"]
+        cache = min(self.unit * tensors["key_cache"].element_size(), 16)
+        return {"q": min(self.unit * q.element_size(), 16), "key_cache": cache, "value_cache": cache,
+                "out": min(self.out_unit * q.element_size(), 16)}
 
 
 def implement(op: Any, call: Any) -> DecodeKernels:
