@@ -103,7 +103,8 @@ _LOG2E = 1.4426950408889634
 #: the kv rows. The dq program holds one [block_q, D] accumulator and two [block_q, block_kv]
 #: score tiles. At D 256 the 64-row tiles split over two warpgroups by columns, so p and ds, the
 #: A operand of the next products, would be needed whole in both: TileLang 0.1.15 refused that
-#: fragment layout (sm_90), and they pass through shared memory (``ds_shared`` 2). Starting points
+#: fragment layout (sm_90), and they pass through shared memory (``ds_shared`` 2; the default
+#: wherever a tile splits so: ``AttnBwdKernelSpec.split_by_columns``). Starting points
 #: for ``benchmarks/attention_bwd.py --configs``, not yet measured.
 _DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 2, 1), 80: (128, 32, 256, 128, 64, 256, 2, 1),
              96: (128, 32, 256, 128, 64, 256, 2, 1), 128: (128, 32, 256, 128, 64, 256, 2, 1),
@@ -176,14 +177,34 @@ class AttnBwdKernelSpec:
         for name in ("dkdv_threads", "dq_threads"):
             if self.backend == "cuda" and self.tile(name) % 128:
                 raise ValueError(f"{name}: expected a multiple of 128 (a warpgroup), got {self.tile(name)}")
+        if self.ds_shared == 1 and self.split_by_columns:
+            rows, threads = self.tile(f"{self.kind}_block_{'kv' if self.kind == 'dkdv' else 'q'}"), self.threads
+            raise ValueError(f"ds_shared: 1 (p and ds in registers) needs the {self.kind} program's {rows}-row tile "
+                             f"in slices of 64 rows a warpgroup; {threads} threads split it by columns, which "
+                             f"TileLang 0.1.15 cannot lay out: expected 2 (shared memory) or 0 (chosen), got 1")
 
     def tile(self, name: str) -> int:
-        """A schedule knob's value: the field, or (0) the default for the head dim and backend."""
+        """A schedule knob's value: the field, or (0) the default for the head dim and backend;
+        ``ds_shared``'s default is 2 wherever the tile is split by columns (:attr:`split_by_columns`)."""
         v = getattr(self, name)
         if v:
             return v
+        if name == "ds_shared" and self.split_by_columns:
+            return 2
         table = _C_DEFAULTS if self.backend == "c" else _DEFAULTS[self.head_dim]
         return table[tuple(STATIC).index(name)]
+
+    @property
+    def split_by_columns(self) -> bool:
+        """CUDA dk/dv and dq programs: whether their warpgroups share the score tile's rows (fewer than
+        64 a warpgroup, the wgmma's M), so that each holds a slice of columns. p and ds, the A operand of
+        the next products, are then needed whole in every warpgroup: TileLang 0.1.15 refuses that
+        fragment layout ("Layout infer conflict between s_f and ds_f", the H200 with ``dq_block_q`` 64
+        at 256 threads), so they must pass through shared memory (``ds_shared`` 2)."""
+        if self.backend != "cuda" or self.kind == "prep":
+            return False
+        rows = self.tile("dkdv_block_kv" if self.kind == "dkdv" else "dq_block_q")
+        return rows // (self.threads // 128) < 64
 
     @property
     def block_q(self) -> int:

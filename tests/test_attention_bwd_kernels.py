@@ -365,6 +365,24 @@ def test_cuda_loops_from_the_first_tile_lower():
         assert "tl::wgmma" in src and "cp_async_gs<16>" in src, kind
 
 
+def test_cuda_tiles_split_by_columns_take_p_and_ds_through_shared_memory():
+    """dq at 64 q rows over 256 threads: the two warpgroups split the score tile by columns, and
+    TileLang 0.1.15 cannot lay p and ds out in registers then (the H200's build of :data:`TILES` failed:
+    "Layout infer conflict between s_f and ds_f"). ``ds_shared`` defaults to 2 there, which lowers; 1
+    is refused by name before any build. The head dims' defaults keep their choice (~8 s here)."""
+    from tileops.compile.build import emit_source
+
+    S = get_spec("attention_bwd")
+    s = S(kind="dq", head_dim=128, dtype="bfloat16", causal=True, **TILES)
+    assert s.split_by_columns and s.tile("ds_shared") == 2
+    assert "tl::wgmma" in emit_source("attention_bwd", s, "cuda", "sm_90")
+    with pytest.raises(ValueError, match=r"^ds_shared: 1 \(p and ds in registers\) needs the dq program's 64-row "
+                                         r"tile in slices of 64 rows a warpgroup; 256 threads split it by columns"):
+        S(kind="dq", head_dim=128, dtype="bfloat16", **TILES, ds_shared=1)
+    assert [S(kind=k, head_dim=d).tile("ds_shared") for d in HEAD_DIMS for k in ("dkdv", "dq")] == [
+        1] * 8 + [2, 2], "the head dims' defaults"
+
+
 def test_cuda_prep_lowers_at_head_dims_80_and_96():
     """delta's row sum over a fragment padded to a power of two wide (TileLang 0.1.15 found no layout for
     ``T.reduce_sum`` over [32, 80] or [32, 96] on 128 threads)."""
