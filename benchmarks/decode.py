@@ -3,6 +3,7 @@ contiguous cache, side by side in one process (issue 37's table).
 
     python -m benchmarks.decode [--rows 0,1] [--block-sizes 16,1] [--no-fp8] [--no-sdpa]
     python -m benchmarks.decode --sweep 128x2,128x2x1,128x4x1 --rows 1,3   # THREADSxUNROLL[xPREFETCH]
+    python -m benchmarks.decode --splits 264:256,528:128,1056:64 --rows 1,3  # PROGRAMS:MIN_TOKENS
 
 Rows: bf16, GQA 32/8, head_dim 128, one query token a sequence, ``batch x context`` tokens in the
 cache. Columns, medians in us (``benchmarks.timing.gpu_time``: back-to-back calls between events, the
@@ -84,9 +85,14 @@ def main() -> None:
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--sweep", default="", help="THREADSxUNROLL[xPREFETCH],...: ours alone at each (bf16, block "
                                                 "size 16)")
+    ap.add_argument("--splits", default="", help="PROGRAMS:MIN_TOKENS,...: ours alone (bf16, block size 16, "
+                                                 "the manifest's schedule) with the split rule aiming at PROGRAMS "
+                                                 "programs, no split under MIN_TOKENS tokens")
     a = ap.parse_args()
     if a.sweep:
         return sweep(a)
+    if a.splits:
+        return split_sweep(a)
     from torch.nn.attention import SDPBackend
 
     rows = _rows(a.rows)
@@ -139,6 +145,36 @@ def sweep(a: argparse.Namespace) -> None:
         got = [_ours(batch, ctx, 16, torch.bfloat16, gen, c)[0] for c in configs]
         print(f"| {batch} x {ctx} | {copy:.1f} | " + " | ".join(f"{g:.1f} ({100 * copy / g:.0f}%)" for g in got) + " |",
               flush=True)
+
+
+def split_sweep(a: argparse.Namespace) -> None:
+    """The split rule's two numbers (``decode_builtin.TARGET_PROGRAMS``, ``MIN_SPLIT_TOKENS``), read at
+    each call, set in turn."""
+    from tileops.attention import decode_builtin
+
+    rows = _rows(a.rows)
+    pairs = []
+    for c in a.splits.split(","):
+        parts = c.split(":")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"--splits: expected PROGRAMS:MIN_TOKENS (positive integers), got {c!r}")
+        pairs.append(tuple(map(int, parts)))
+    saved = decode_builtin.TARGET_PROGRAMS, decode_builtin.MIN_SPLIT_TOKENS
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("| batch x context | copy | " + " | ".join(f"{p} programs, >= {t} tokens" for p, t in pairs) + " |")
+    print("|---|---|" + "---|" * len(pairs))
+    try:
+        for batch, ctx in rows:
+            copy = same_bytes_copy_us(2 * batch * ctx * HKV * D * 2)
+            got = []
+            for p, t in pairs:
+                decode_builtin.TARGET_PROGRAMS, decode_builtin.MIN_SPLIT_TOKENS = p, t
+                n = decode_builtin.splits(batch, HKV, ctx)
+                eager, graph = _ours(batch, ctx, 16, torch.bfloat16, gen)
+                got.append(f"{eager:.1f} / {graph:.1f} graph ({100 * copy / eager:.0f}%, {n} splits)")
+            print(f"| {batch} x {ctx} | {copy:.1f} | " + " | ".join(got) + " |", flush=True)
+    finally:
+        decode_builtin.TARGET_PROGRAMS, decode_builtin.MIN_SPLIT_TOKENS = saved
 
 
 if __name__ == "__main__":

@@ -175,17 +175,28 @@ def calls() -> list[Call]:
 
 
 def inner(part: int, parts: int) -> int:
+    from tileops.attention.attn_builtin import CUDA_ENV
+
     todo = calls()[part::parts]
-    failed = 0
+    failed = refused = 0
     for name, run in todo:
         try:
             run()
+        except NotImplementedError as e:
+            # kernels not yet validated on a GPU refuse before they launch (the attention backward's,
+            # the paged decode's): what the op is meant to do, but not a pass either: named and counted
+            if CUDA_ENV in str(e):
+                refused += 1
+                print(f"REFUSED {name}: not run ({CUDA_ENV}=1 runs it)", flush=True)
+            else:
+                failed += 1
+                print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
         except Exception as e:  # report every failure, then fail the run
             failed += 1
             print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
     if DEV == "cuda":
         torch.cuda.synchronize()
-    print(f"sanitize calls: {len(todo) - failed} passed, {failed} failed", flush=True)
+    print(f"sanitize calls: {len(todo) - failed - refused} passed, {failed} failed, {refused} refused", flush=True)
     return 1 if failed else 0
 
 
@@ -208,7 +219,7 @@ def outer(tools: list[str], jobs: int, logdir: str) -> int:
             with open(os.path.join(logdir, f"sanitize-plain-{i}.log"), "w") as f:
                 f.write(out)
         lines = out.splitlines()
-        shown = [ln for ln in lines if ln.startswith(("FAILED", "sanitize calls"))]
+        shown = [ln for ln in lines if ln.startswith(("FAILED", "REFUSED", "sanitize calls"))]
         print(f"  plain part {i}: rc={p.returncode}; {'; '.join(shown) or '(no summary)'}")
         if p.returncode != 0:
             print("\n".join("    " + ln for ln in lines[-15:]))

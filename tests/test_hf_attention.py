@@ -117,12 +117,14 @@ def test_greedy_generation_gives_the_unpatched_tokens_left_padded_too(kind, gen)
         assert torch.equal(got, want), f"{kind}: tokens differ:\n{got}\n{want}"
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "gemma2", "gemma3"])
 def test_static_cache_generation_matches_the_unpatched_logits(kind, gen):
     """A static cache holds more slots than tokens, and transformers drops an all-ones mask: the keys
     past the filled slots must stay hidden. (They were not: the mask function said "no mask" and the
     queries saw the cache's empty slots; the logits moved by ~0.2.) Full batch and left-padded, every
-    step's logits within 1e-5 of the unpatched model's."""
+    step's logits within 1e-5 of the unpatched model's. Mistral's and Gemma's sliding layers keep a
+    static cache of ``WINDOW`` (8) slots, which the 20-token prompt and 5 steps fill and roll over:
+    their mask sizes carry a ``kv_offset``."""
     model = _model(kind, gen)
     ids = torch.randint(3, 128, (2, 20), generator=gen)
     padded = torch.ones_like(ids)
