@@ -16,8 +16,8 @@ sets tile shapes. Every kernel is compiled first, in parallel, into the disk cac
 
 A line per variant: ``ok`` with the largest ``|ours - ref|`` over the largest ``|ref|`` (ref: SDPA in
 float32 on the same bf16 inputs; dq, dk, dv with ``--backward``), or ``TIMEOUT``, or the error. The
-children get ``TILEOPS_ATTENTION_CUDA=1``: without it the op refuses CUDA calls that take gradients (``--backward``)
-(``tileops/attention/attn_builtin.py``: ``cuda_enabled``).
+children get ``TILEOPS_ATTENTION_CUDA=1``, whatever the caller set: 0 would refuse the CUDA calls that take
+gradients (``--backward``; ``tileops/attention/attn_builtin.py``: ``cuda_enabled``).
 """
 
 from __future__ import annotations

@@ -34,9 +34,9 @@ import torch
 
 from tileops.attention.attn_builtin import CUDA_ENV, cuda_enabled
 
-#: the attention backward's kernels on CUDA run only where they are let (tileops.attention.attn_builtin.cuda_enabled)
-ATTN_CUDA = pytest.mark.skipif(not cuda_enabled(backward=True), reason=f"the attention backward's CUDA kernels are "
-                               f"refused until validated on a GPU (set {CUDA_ENV}=1 to run them)")
+#: the attention backward's kernels on CUDA run unless refused (tileops.attention.attn_builtin.cuda_enabled)
+ATTN_CUDA = pytest.mark.skipif(not cuda_enabled(backward=True), reason=f"{CUDA_ENV}=0 refuses the attention "
+                               "backward's CUDA kernels")
 
 from tileops.compile.build import device_backend, load_kernel
 from tileops.kernels import get_spec

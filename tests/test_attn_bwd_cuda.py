@@ -23,9 +23,9 @@ from tileops.attention import AttnFwdOp
 
 from tileops.attention.attn_builtin import CUDA_ENV, cuda_enabled  # noqa: E402
 
-#: the attention backward's kernels on CUDA run only where they are let (tileops.attention.attn_builtin.cuda_enabled)
-ATTN_CUDA = pytest.mark.skipif(not cuda_enabled(backward=True), reason=f"the attention backward's CUDA kernels are "
-                               f"refused until validated on a GPU (set {CUDA_ENV}=1 to run them)")
+#: the attention backward's kernels on CUDA run unless refused (tileops.attention.attn_builtin.cuda_enabled)
+ATTN_CUDA = pytest.mark.skipif(not cuda_enabled(backward=True), reason=f"{CUDA_ENV}=0 refuses the attention "
+                               "backward's CUDA kernels")
 pytestmark = [pytest.mark.cuda, ATTN_CUDA]
 
 _spec = importlib.util.spec_from_file_location("_attn_bwd_cpu_checks", Path(__file__).with_name("test_attn_bwd.py"))

@@ -235,32 +235,33 @@ def test_bad_cu_seqlens_reported_with_index(cu_q, cu_k, name, index, value):
         op.check()
 
 
-def test_cuda_gradients_are_refused_until_the_backward_is_validated(monkeypatch):
-    """The backward's tile programs have not passed their CUDA tests yet: a CUDA call (here the backend
-    the op sees on this machine, made CUDA) whose inputs require grad refuses before any kernel is
-    built or run, naming no_grad, the torch target and the variable that lets the kernels run."""
+def test_cuda_gradients_are_refused_when_the_variable_says_0(monkeypatch):
+    """``TILEOPS_ATTENTION_CUDA=0``: a CUDA call (here the backend the op sees on this machine, made
+    CUDA) whose inputs require grad refuses before any kernel is built or run, naming the variable,
+    no_grad and the torch target."""
     from tileops.attention import attn_builtin
 
-    monkeypatch.delenv(attn_builtin.CUDA_ENV, raising=False)
+    monkeypatch.setenv(attn_builtin.CUDA_ENV, "0")
     monkeypatch.setattr(attn_builtin, "device_backend", lambda device: ("cuda", "sm_90"))
     monkeypatch.setattr(attn_builtin, "load_kernel", lambda *a, **k: object())  # no GPU here: nothing to build
     monkeypatch.setattr(attn_builtin.AttnKernels, "binding", lambda *a, **k: None)  # (its fast path: no launch)
     monkeypatch.setattr(attn_builtin.AttnKernels, "_bind", lambda *a, **k: pytest.fail("a kernel was bound"))
     op = AttnFwdOp(4, 2, 64)
     q, k, v = _inputs(3, (1, 4, 4, 64), (1, 4, 2, 64), torch.bfloat16)
-    with pytest.raises(NotImplementedError, match=r"CUDA gradients: the attention backward's tile programs have "
-                                                   r"not passed.*no_grad.*target='torch'.*TILEOPS_ATTENTION_CUDA=1"):
+    with pytest.raises(NotImplementedError, match=r"CUDA gradients: the attention backward's tile programs are "
+                                                   r"refused by TILEOPS_ATTENTION_CUDA=0.*no_grad.*target='torch'"):
         op(q.requires_grad_(), k, v)
 
 
 @pytest.mark.cuda
-def test_cuda_gradients_are_refused_on_a_gpu():
-    """On a GPU the forward runs; a call that will take gradients is refused, and the torch target
-    serves it."""
-    from tileops.attention.attn_builtin import cuda_enabled
+def test_cuda_gradients_are_refused_on_a_gpu_when_the_variable_says_0(monkeypatch):
+    """On a GPU with ``TILEOPS_ATTENTION_CUDA=0`` the forward runs; a call that will take gradients is
+    refused, and the torch target serves it."""
+    from tileops.attention.attn_builtin import CUDA_ENV
 
-    if not torch.cuda.is_available() or cuda_enabled(backward=True):
-        pytest.skip("needs an NVIDIA GPU, and the backward kernels not let run")
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.setenv(CUDA_ENV, "0")
     q, k, v = (t.to("cuda", torch.bfloat16) for t in _inputs(4, (1, 4, 4, 64), (1, 4, 2, 64)))
     op = AttnFwdOp(4, 2, 64)
     want = AttnFwdOp(4, 2, 64, target="torch")(q, k, v)

@@ -229,7 +229,7 @@ def test_compiled_forward_has_no_graph_break(gen):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not cuda_enabled(backward=True),
-                    reason="the attention backward's CUDA kernels are refused until validated on a GPU")
+                    reason="TILEOPS_ATTENTION_CUDA=0 refuses the attention backward's CUDA kernels")
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen3", "gemma2", "gemma3"])
 def test_bf16_on_the_gpu_matches_within_bf16(kind, gen):
     """bf16 on the GPU: prefill logits within 3e-2 of the unpatched model's (2-3 roundings of 2^-8 a
@@ -279,16 +279,16 @@ def test_a_model_sharing_the_patched_models_config_keeps_its_results(gen):
     assert len(ours) <= 1 and all("config is shared" in m for m in ours), ours
 
 
-def test_cuda_training_falls_back_until_the_backward_is_validated(monkeypatch):
-    """On CUDA the op serves prefill and generation (the forward's CUDA tests passed); a call whose
-    gradient will be taken goes to transformers' attention, saying why, while the backward's kernels
-    are refused (``tileops.attention.attn_builtin.cuda_enabled``). Decided from the tensors alone: a
-    stand-in for a CUDA tensor (this machine has no GPU)."""
+def test_cuda_training_falls_back_when_the_variable_refuses_the_backward(monkeypatch):
+    """On CUDA the op serves prefill, generation and training; with ``TILEOPS_ATTENTION_CUDA=0`` a call
+    whose gradient will be taken goes to transformers' attention, saying why
+    (``tileops.attention.attn_builtin.cuda_enabled``). Decided from the tensors alone: a stand-in for a
+    CUDA tensor (this machine has no GPU)."""
     from types import SimpleNamespace
 
     from tileops.integrations import transformers_attention as ta
 
-    monkeypatch.delenv("TILEOPS_ATTENTION_CUDA", raising=False)
+    monkeypatch.setenv("TILEOPS_ATTENTION_CUDA", "0")
 
     def q(grad):
         return SimpleNamespace(is_cuda=True, shape=(1, 4, 8, 64), dtype=torch.bfloat16, requires_grad=grad)

@@ -24,8 +24,8 @@ from tileops.attention.attn_builtin import CUDA_ENV
 from tileops.attention.decode_builtin import cuda_enabled
 from tileops.rope import RoPENeoxPositionIdsFwdOp
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not cuda_enabled(), reason=f"the paged decode's CUDA kernels "
-                                                   f"are refused until these tests have run (set {CUDA_ENV}=1)")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not cuda_enabled(), reason=f"{CUDA_ENV}=0 refuses the paged "
+                                                   "decode's CUDA kernels")]
 
 DEV = "cuda"
 

@@ -6,14 +6,14 @@ FlashAttention's layout, dense or varlen, causal (bottom-right), sliding window,
 kernels are ``kernels/attention.py`` (a C schedule for the CPU; on CUDA a tile program with ``T.gemm``
 on tensor cores and K/V tiles pipelined through shared memory), its host side
 :mod:`tileops.attention.attn_builtin`. ``return_lse=True`` also returns the fp32 log-sum-exp the
-backward reads. Gradients of q, k and v: ``kernels/attention_bwd.py``'s three programs as one plan (on
-CUDA refused for now, until their CUDA tests have run on a GPU: ``attn_builtin.cuda_enabled``).
+backward reads. Gradients of q, k and v: ``kernels/attention_bwd.py``'s three programs as one plan
+(``TILEOPS_ATTENTION_CUDA=0`` refuses them on CUDA: ``attn_builtin.cuda_enabled``).
 
 ``PagedAttnDecodeFwdOp`` (``manifests/attention/PagedAttnDecodeFwdOp.yaml``) reads the paged KV cache
 the prologue writes, one query token a sequence, as a plan of two programs (``kernels/paged_decode.py``:
 split-KV partials, then their merge); its host side is :mod:`tileops.attention.decode_builtin`. A C
-schedule for the CPU and a CUDA one (CUDA cores, 16-byte vectors, a lane group a token), whose calls
-are refused until its GPU tests have run (:func:`tileops.attention.decode_builtin.cuda_enabled`).
+schedule for the CPU and a CUDA one (CUDA cores, 16-byte vectors, a lane group a token;
+``TILEOPS_ATTENTION_CUDA=0`` refuses it: :func:`tileops.attention.decode_builtin.cuda_enabled`).
 
 The prologue is a composition declared in its manifest (``manifests/attention/AttnPrologueFwdOp.yaml``,
 ``compose:``): a norm stage (the norm family's ``RMSNormFwdOp``), a rope stage (any op of the rope

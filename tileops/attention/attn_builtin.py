@@ -53,28 +53,25 @@ from ..runtime.plan import (
 __all__ = ["AttnKernels", "BACKWARD", "FORWARD", "CUDA_ENV", "backward_specs", "cuda_enabled", "implement",
            "kernel_specs"]
 
-#: The environment variable that lets CUDA calls run the attention backward's tile programs (for the work on them).
+#: The environment variable that, set to 0, refuses CUDA calls of the attention backward's and the paged
+#: decode's tile programs (a way back to ``target="torch"``'s answers on a GPU where they misbehave).
 CUDA_ENV = "TILEOPS_ATTENTION_CUDA"
 
 
 def cuda_enabled(backward: bool = False) -> bool:
-    """Whether CUDA calls may launch the attention kernels: the forward's, always; the backward's
-    (a call whose gradient will be taken), only with :data:`CUDA_ENV` set to 1.
+    """Whether CUDA calls may launch the attention kernels: the forward's, always; the backward's (a
+    call whose gradient will be taken) and the paged decode's, unless :data:`CUDA_ENV` is 0.
 
-    The forward's CUDA tests (``tests/test_attn_fwd_cuda.py``: every mask, softcap, head_dim 64 to 256,
-    fp16 and bf16, varlen with empty sequences, offsets checked on the device, HF's views) and the
-    manifest's generated CUDA cases passed on the H200 on 2026-12-03 (``benchmarks/NOTES.md``). The
-    backward's tile programs agreed with SDPA in ``benchmarks/attention_probe.py --backward`` there,
-    but their CUDA test files have not yet run to the end (each of their kernels is a TileLang build of
-    7-23 s there, and every test worker compiled all of them at once: now one worker does). A call that
-    could answer wrongly is worse than one that refuses, so a CUDA call that needs gradients refuses
-    before any kernel runs, naming ``target="torch"`` and this variable; the backward's C schedules
-    (CPU) are tested in CI."""
+    Both were refused by default until their CUDA tests ran to the end on the H200, which they did on
+    2026-12-04 (``benchmarks/NOTES.md``): ``tests/test_attn_bwd_cuda.py`` (every head dim in fp16 and
+    bf16, every mask, softcap, MHA, varlen with empty sequences, HF's views, a view off the vectors,
+    determinism) and ``tests/test_attention_bwd_kernels.py``'s CUDA tests, every one passed; the
+    forward's had passed on 2026-12-03."""
     if not backward:
         return True
     import os
 
-    return os.environ.get(CUDA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(CUDA_ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
 
 #: the kernel's integer arguments, each bound by value from :meth:`AttnKernels._env` (the CUDA kernel
@@ -322,11 +319,10 @@ class AttnKernels:
         """A CUDA call whose gradient will be taken, before any kernel runs, unless :func:`cuda_enabled`."""
         if self.backend == "cuda" and not cuda_enabled(backward=True):
             raise NotImplementedError(
-                f"{self.op.name}: CUDA gradients: the attention backward's tile programs have not passed their "
-                f"CUDA tests on a GPU yet (the forward's have), so a CUDA call whose inputs require grad is "
-                f"refused; call it under torch.no_grad() or with inputs that do not require grad, or use "
-                f"target='torch' to train through PyTorch's attention ({CUDA_ENV}=1 runs the backward kernels, "
-                f"for the work on them)")
+                f"{self.op.name}: CUDA gradients: the attention backward's tile programs are refused by "
+                f"{CUDA_ENV}=0, so a CUDA call whose inputs require grad is refused; call it under "
+                f"torch.no_grad() or with inputs that do not require grad, or use target='torch' to train "
+                f"through PyTorch's attention")
 
     def _bwd(self) -> dict[str, Any]:
         if self._bwd_kernels is None:

@@ -11,9 +11,9 @@ them). The kernel checks the lengths and the block tables (error words ``LENS_WO
 ``TABLES_WORD`` of ``kernels/paged_decode.py``: a bad length is named before the table entries it
 reaches), reported by the op's runtime with the index (:mod:`tileops.runtime.errors`).
 
-CUDA calls are refused unless :data:`tileops.attention.attn_builtin.CUDA_ENV` is 1
-(:func:`cuda_enabled`): the CUDA schedule is checked on the CPU (its generated source run there
-against the float64 reference) but its GPU tests have not yet run to the end on a GPU.
+The CUDA schedule is checked on the CPU in CI (its generated source run there against the float64
+reference) and its GPU tests passed on the H200 (:func:`cuda_enabled`); ``TILEOPS_ATTENTION_CUDA=0``
+refuses its CUDA calls.
 
 CUDA: the programs read and write 16-byte vectors (8 elements; 4 of fp32), and take every stride in
 those units: q or out off them (a view that starts or steps inside a vector) goes through a dense
@@ -65,15 +65,14 @@ WORKSPACES = (Workspace("partial_out", "float32", "batch * hq * splits * head_di
 
 
 def cuda_enabled() -> bool:
-    """Whether CUDA calls may launch the paged decode's programs: only with :data:`CUDA_ENV` set to 1,
-    as the attention backward's.
+    """Whether CUDA calls may launch the paged decode's programs: unless :data:`CUDA_ENV` is 0, as the
+    attention backward's.
 
-    The CUDA schedule's generated source passes the kernel tests on the CPU (``tests/cuda_on_cpu.py``:
-    every layout, block size, dtype, float8, window, softcap, head_dim 64 to 256, groups of 1 to 16,
-    bad tables reported). On the H200 (2026-12-04, ``benchmarks/NOTES.md``) its first run found a host
-    bug (fixed) and the benchmark ran without a reported error, but its GPU tests
-    (``tests/test_paged_decode_cuda.py``) have not yet run to the end there. A call that could answer
-    wrongly is worse than one that refuses: ``target="torch"`` computes the same on any device."""
+    Refused by default until its GPU tests ran to the end on the H200, which they did on 2026-12-04
+    (``benchmarks/NOTES.md``): ``tests/test_paged_decode_cuda.py`` (bf16, fp16 and float8 caches, NHD and
+    HND, block sizes 1 and 16, head_dim 64 to 256, groups of 1 to 16, fp32, windows, softcap, splits, bad
+    tables and lengths reported with their index, views off the vectors, 64 prologue + decode steps
+    replayed from a CUDA graph) and the manifest's 6 generated CUDA cases: 26 passed."""
     return _attn_cuda_enabled(backward=True)
 
 
@@ -117,9 +116,8 @@ class DecodeKernels:
         if self.backend == "cuda":
             if not cuda_enabled():
                 raise NotImplementedError(
-                    f"{op.name}: CUDA: the paged decode's CUDA kernels are refused until their GPU tests have "
-                    f"run: target='torch' computes it with PyTorch ({CUDA_ENV}=1 runs the kernels, for the work "
-                    f"on them)")
+                    f"{op.name}: CUDA: the paged decode's CUDA kernels are refused by {CUDA_ENV}=0: "
+                    f"target='torch' computes it with PyTorch")
             f = _fields(op.params, call)
             problem = cuda_problem(f["dtype"], f["cache_dtype"], f["head_dim"])
             if problem:

@@ -46,11 +46,10 @@ class AttnFwdOp(hooks.AttnFwdHooks):
     mma on sm_80), K/V tiles through a shared-memory pipeline (TMA with a producer warpgroup on sm_90), online
     softmax in fp32 fragments, causal and window masks skipping whole tiles and evaluated only on the tiles
     they cut. CUDA: fp16 and bf16, every stride a multiple of 8 elements (16 bytes; a view off it is copied
-    first). The forward's CUDA tests passed on the H200. **CUDA calls that will take gradients are refused for
-    now** (``NotImplementedError``, before any kernel runs): the backward agrees with SDPA on the H200, but
-    its CUDA tests have not run to the end there yet. Under ``torch.no_grad()`` (or with inputs that do not
-    require grad) the forward runs; ``target="torch"`` computes attention and its gradients with PyTorch on
-    any device; ``TILEOPS_ATTENTION_CUDA=1`` lets the backward kernels run, for the work on them.
+    first). The forward's CUDA tests passed on the H200, and so did the backward's (every head dim, mask,
+    softcap, MHA, varlen, HF's views, determinism). ``target="torch"`` computes attention and its gradients
+    with PyTorch on any device; ``TILEOPS_ATTENTION_CUDA=0`` refuses CUDA calls that will take gradients
+    (``NotImplementedError`` before any kernel runs).
 
     CUDA kernels are built by TileLang's own nvcc build, not tileops' lean one, which refuses their dynamic
     shared memory: the cold first call of a new specialization compiles for 16-18 s on the H200 (the forward;
@@ -370,9 +369,8 @@ class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
     serves the kv head's q heads (up to 8; a larger group, MQA, in programs of 8 heads). head_dim: a multiple
     of 8 (4 for fp32) up to 256 (128 for fp32) on CUDA, else ``NotImplementedError`` at the first call naming
     ``target="torch"``. q and out off the 16-byte vectors go through a dense copy; a cache off them is a
-    ValueError naming it. **CUDA calls are refused for now** (``NotImplementedError`` before anything runs,
-    naming ``target="torch"``) until the schedule's GPU tests have run to the end on a GPU;
-    ``TILEOPS_ATTENTION_CUDA=1`` lets them run, for the work on them.
+    ValueError naming it. The schedule's GPU tests passed on the H200; ``TILEOPS_ATTENTION_CUDA=0`` refuses
+    CUDA calls (``NotImplementedError`` before anything runs, naming ``target="torch"``).
 
     References: vLLM paged_attention (v1/v2: split-KV partitions and their reduce); flashinfer
         BatchDecodeWithPagedKVCache; Dao et al., Flash-Decoding (2023).

@@ -197,7 +197,7 @@ def _unserved(module: torch.nn.Module, query: torch.Tensor, mask: Any, dropout: 
         return f"head_dim {query.shape[-1]} (served: {', '.join(map(str, HEAD_DIMS))})"
     if query.is_cuda and torch.is_grad_enabled() and not cuda_enabled(backward=True) and any(
             t.requires_grad for t in tensors):
-        return "CUDA gradients (the attention backward's kernels are refused until validated: AttnFwdOp's note)"
+        return "CUDA gradients (the attention backward's kernels are refused by TILEOPS_ATTENTION_CUDA=0)"
     if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
         return f"{query.dtype} on CUDA (served: float16, bfloat16)"
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
