@@ -129,7 +129,8 @@ class DecodeKernels:
         self.unit, self.out_unit = specs["partial"].stride_unit, specs["merge"].stride_unit
         p = op.params
         self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
-        self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, checks={"seq_lens": LENS_WORD, "block_tables": TABLES_WORD})
+        self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES,
+                            checks={"seq_lens": LENS_WORD, "block_tables": TABLES_WORD})
         self._bound = Bound()
 
     def prepare(self, tensors: dict) -> None:
@@ -181,8 +182,13 @@ class DecodeKernels:
         return True
 
     @staticmethod
-    def _on_vectors(t: torch.Tensor, unit: int, *strides: int) -> bool:
-        return all(st % unit == 0 for st in strides) and t.data_ptr() % min(unit * t.element_size(), 16) == 0
+    def _vector_bytes(unit: int, t: torch.Tensor) -> int:
+        """The bytes a pointer to ``t`` read in vectors of ``unit`` elements must be a multiple of."""
+        return min(unit * t.element_size(), 16)
+
+    @classmethod
+    def _on_vectors(cls, t: torch.Tensor, unit: int, *strides: int) -> bool:
+        return all(st % unit == 0 for st in strides) and t.data_ptr() % cls._vector_bytes(unit, t) == 0
 
     def _check_caches(self, tensors: dict) -> None:
         """CUDA: a ValueError naming a cache whose pointer or strides are off the partial program's
@@ -230,10 +236,9 @@ class DecodeKernels:
         "misaligned address", and the process's CUDA context with it)."""
         if self.unit == 1:
             return {}
-        q = tensors["q"]
-        cache = min(self.unit * tensors["key_cache"].element_size(), 16)
-        return {"q": min(self.unit * q.element_size(), 16), "key_cache": cache, "value_cache": cache,
-                "out": min(self.out_unit * q.element_size(), 16)}
+        q, cache = tensors["q"], self._vector_bytes(self.unit, tensors["key_cache"])
+        return {"q": self._vector_bytes(self.unit, q), "key_cache": cache, "value_cache": cache,
+                "out": self._vector_bytes(self.out_unit, q)}
 
 
 def implement(op: Any, call: Any) -> DecodeKernels:
