@@ -2,7 +2,7 @@
 contiguous cache, side by side in one process (issue 37's table).
 
     python -m benchmarks.decode [--rows 0,1] [--block-sizes 16,1] [--no-fp8] [--no-sdpa]
-    python -m benchmarks.decode --sweep 128x2,128x2x1,128x4x1 --rows 1,3   # THREADSxUNROLL[xPREFETCH]
+    python -m benchmarks.decode --sweep 128x2,128x2x1,128x2x0x2 --rows 1,3   # THREADSxUNROLL[xPREFETCH[xSTAGES]]
     python -m benchmarks.decode --splits 264:256,528:128,1056:64 --rows 1,3  # PROGRAMS:MIN_TOKENS
 
 Rows: bf16, GQA 32/8, head_dim 128, one query token a sequence, ``batch x context`` tokens in the
@@ -11,7 +11,9 @@ host queued ahead): a device copy moving the KV bytes (half read, half written: 
 paged NHD cache of shuffled blocks (eager, and a call replayed from a CUDA graph), ours on a float8
 cache (against its own halved bytes), and SDPA's cuDNN and flash kernels on a contiguous
 ``[batch, Hkv, context, D]`` cache. Inputs rotate through enough copies that a small row is not served
-from L2. Needs a GPU.
+from L2. A sweep's schedules also give their largest error against a float32 reference of the first
+input set (every schedule must agree to the output's bf16 rounding). Needs a GPU; a sweep's kernels can
+be compiled off it first (``python -m benchmarks.device_cache --decode-sweep ...``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,47 @@ def _paged(batch: int, ctx: int, bs: int, dtype, gen) -> dict:
             "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda")}
 
 
-def _ours(batch: int, ctx: int, bs: int, dtype, gen, static: dict | None = None) -> tuple[float, float]:
+def _reference(s: dict) -> torch.Tensor:
+    """The decode of one input set in float32 from the definition: each sequence's keys gathered through
+    its block table, softmax(q k^T / sqrt(D)) v, GQA by repeating the kv heads."""
+    batch, per = s["block_tables"].shape
+    k = s["key_cache"][s["block_tables"].long()].float().reshape(batch, -1, HKV, D)  # [B, ctx, Hkv, D]
+    v = s["value_cache"][s["block_tables"].long()].float().reshape(batch, -1, HKV, D)
+    k, v = k.repeat_interleave(HQ // HKV, dim=2), v.repeat_interleave(HQ // HKV, dim=2)
+    w = torch.einsum("bhd,bthd->bht", s["q"].float(), k) / math.sqrt(D)
+    return torch.einsum("bht,bthd->bhd", w.softmax(-1), v)
+
+
+def schedule_specs(static: dict) -> list[tuple]:
+    """The kernel jobs (builder, spec, backend, arch) a sweep's schedule ``static`` makes the op build for
+    this benchmark's bf16 rows on sm_90 (``benchmarks.device_cache --decode-sweep``)."""
+    from tileops.attention import PagedAttnDecodeFwdOp
+    from tileops.attention.decode_builtin import BUILDER
+    from tileops.kernels import get_spec
+
+    op = PagedAttnDecodeFwdOp(HQ, HKV, D)
+    fields = {**op.manifest.kernel.static, **static}
+    return [(BUILDER, get_spec(BUILDER)(dtype="bfloat16", cache_dtype="bfloat16", head_dim=D, hq=HQ, hkv=HKV,
+                                        backend="cuda", kind=kind, **fields), "cuda", "sm_90")
+            for kind in ("partial", "merge")]
+
+
+def parse_sweep(text: str) -> list[dict]:
+    """``--sweep``'s schedules: THREADSxUNROLL[xPREFETCH[xSTAGES]], comma-separated."""
+    keys = ("threads", "unroll", "prefetch", "stages")
+    configs = []
+    for c in text.split(","):
+        parts = c.split("x")
+        if not 2 <= len(parts) <= 4 or not all(p.isdigit() for p in parts):
+            raise SystemExit(f"--sweep: expected THREADSxUNROLL[xPREFETCH[xSTAGES]] (integers), got {c!r}")
+        configs.append(dict(zip(keys, map(int, parts))))
+    return configs
+
+
+def _ours(batch: int, ctx: int, bs: int, dtype, gen, static: dict | None = None,
+          checked: list | None = None) -> tuple[float, float]:
+    """Eager and graph medians of the op on ``batch x ctx``; with ``checked``, the largest error of the
+    first set's output against :func:`_reference` is appended to it."""
     from tileops.attention import PagedAttnDecodeFwdOp
 
     fp8 = dtype == torch.float8_e4m3fn
@@ -58,6 +100,10 @@ def _ours(batch: int, ctx: int, bs: int, dtype, gen, static: dict | None = None)
     eager = gpu_time(lambda i: op(**sets[i], **extra, out=outs[i]), len(sets))[0]
     graph = graph_us_per_call(lambda: op(**sets[0], **extra, out=outs[0]), calls=20)
     op.check()
+    if checked is not None:
+        outs[0].fill_(float("nan"))
+        op(**sets[0], **extra, out=outs[0])
+        checked.append(float((outs[0].float() - _reference(sets[0])).abs().max()))
     return eager, graph
 
 
@@ -129,21 +175,18 @@ def _rows(text: str) -> list[tuple[int, int]]:
 
 def sweep(a: argparse.Namespace) -> None:
     rows = _rows(a.rows)
-    keys = ("threads", "unroll", "prefetch")
-    configs = []
-    for c in a.sweep.split(","):
-        parts = c.split("x")
-        if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
-            raise SystemExit(f"--sweep: expected THREADSxUNROLL[xPREFETCH] (integers), got {c!r}")
-        configs.append(dict(zip(keys, map(int, parts))))
+    configs = parse_sweep(a.sweep)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    print("eager us (% of copy) / graph us, max abs error against float32")
     print("| batch x context | copy | " + " | ".join(", ".join(f"{k} {v}" for k, v in c.items()) for c in configs)
           + " |")
     print("|---|---|" + "---|" * len(configs))
     for batch, ctx in rows:
         copy = same_bytes_copy_us(2 * batch * ctx * HKV * D * 2)
-        got = [_ours(batch, ctx, 16, torch.bfloat16, gen, c)[0] for c in configs]
-        print(f"| {batch} x {ctx} | {copy:.1f} | " + " | ".join(f"{g:.1f} ({100 * copy / g:.0f}%)" for g in got) + " |",
+        errs: list[float] = []
+        got = [_ours(batch, ctx, 16, torch.bfloat16, gen, c, errs) for c in configs]
+        print(f"| {batch} x {ctx} | {copy:.1f} | " + " | ".join(
+            f"{e:.1f} ({100 * copy / e:.0f}%) / {g:.1f}, {err:.1e}" for (e, g), err in zip(got, errs)) + " |",
               flush=True)
 
 

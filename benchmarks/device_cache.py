@@ -78,6 +78,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")
     ap.add_argument("--out", default=str(ROOT / ".devsite" / "kcache.tar.xz"))
+    ap.add_argument("--decode-sweep", default="", help="also the kernels of `python -m benchmarks.decode --sweep "
+                                                       "THIS` (THREADSxUNROLL[xPREFETCH[xSTAGES]],...)")
     a = ap.parse_args()
     os.environ.setdefault("TILEOPS_CACHE_DIR", str(ROOT / ".kcache"))
     from tileops.compile.warmup import compile_jobs, kernel_jobs
@@ -85,6 +87,10 @@ def main() -> int:
 
     t0 = time.perf_counter()
     jobs = [j for j in kernel_jobs(list(registry()), ARCH) if j[2] == "cuda"] + test_jobs()
+    if a.decode_sweep:
+        from benchmarks.decode import parse_sweep, schedule_specs
+
+        jobs += [j for c in parse_sweep(a.decode_sweep) for j in schedule_specs(c)]
     n, seconds, failures = compile_jobs(jobs, a.jobs, progress=True)
     print(f"{n} kernels for {ARCH} in the index ({seconds:.0f} s); {len(failures)} failed", flush=True)
     for spec, err in failures:

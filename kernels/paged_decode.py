@@ -59,7 +59,10 @@ __all__ = ["PagedDecodeSpec", "Spec", "build", "STATIC", "USES", "PARTIAL_ARGS",
 STATIC = {
     "threads": (64, 512, "threads a program of the CUDA partial and merge (64, 128, 256 or 512)"),
     "unroll": (1, 8, "tokens a lane group loads before it waits on any (CUDA)"),
-    "prefetch": (0, 1, "1: each step's loads issued while the step before computes (CUDA; not yet measured)"),
+    "prefetch": (0, 1, "1: each step's loads issued while the step before computes (CUDA; measured slower: "
+                       "its registers cost the SM a program)"),
+    "stages": (0, 4, "steps whose keys and values are copied ahead into shared memory by cp.async, no register "
+                     "holding them in flight (CUDA; 0: loaded into registers a step at a time)"),
 }
 
 #: the caches' element types: the query's, or float8 e4m3fn with per-tensor scales
@@ -92,6 +95,7 @@ class PagedDecodeSpec:
     threads: int = 128
     unroll: int = 2
     prefetch: int = 0  # 1: a step's loads issued while the step before it computes
+    stages: int = 0  # S >= 1: steps it+1..it+S copied global -> shared by cp.async while step it computes
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16", "float32"):
@@ -113,6 +117,11 @@ class PagedDecodeSpec:
             raise ValueError(f"hq: expected a multiple of hkv={self.hkv}, got {self.hq}")
         if self.prefetch not in (0, 1):
             raise ValueError(f"prefetch: expected 0 or 1, got {self.prefetch!r}")
+        if type(self.stages) is not int or not 0 <= self.stages <= 4:
+            raise ValueError(f"stages: expected an int in [0, 4], got {self.stages!r}")
+        if self.stages and self.prefetch:
+            raise ValueError(f"stages: the copies ahead replace prefetch's register loads; expected prefetch=0 with "
+                             f"stages={self.stages}, got prefetch={self.prefetch}")
         if self.threads not in (64, 128, 256, 512):
             raise ValueError(f"threads: expected 64, 128, 256 or 512, got {self.threads!r}")
         if self.backend == "cuda":
@@ -344,11 +353,12 @@ def _merge(spec: PagedDecodeSpec):
 # vector of a key row and of a value row for each of ``unroll`` tokens before it waits on any of them.
 
 
-def _cuda_helpers() -> str:
-    from .norm import CUDA_HELPERS
+def _cuda_helpers(copies: bool = False) -> str:
+    """norm's lane helpers, the report's, and with ``copies`` norm's ``cp.async`` ones."""
+    from .norm import ASYNC_HELPER, CUDA_HELPERS
     from .report import CUDA_SOURCE
 
-    return CUDA_HELPERS + CUDA_SOURCE
+    return CUDA_HELPERS + CUDA_SOURCE + (ASYNC_HELPER if copies else "")
 
 
 def _partial_cuda(spec: PagedDecodeSpec):
@@ -366,9 +376,11 @@ def _partial_cuda(spec: PagedDecodeSpec):
     NHC = G // GH  # head chunks a kv head
     st = storage_dtype(spec.dtype, "cuda")
     cst = "uint8" if spec.fp8 else st
+    S = spec.stages
     rep = report("cuda")
-    helpers = _cuda_helpers()
+    helpers = _cuda_helpers(copies=bool(S))
     sig = _partial_buffers(st, cst)
+    vb_bytes = VEC * (1 if spec.fp8 else 2 if st != "float32" else 4)  # a lane's vector of a cache row
     ninf = _neg_inf()
 
     def row_at(page, row, kvh, csb, csr, csh, lane):
@@ -377,10 +389,17 @@ def _partial_cuda(spec: PagedDecodeSpec):
                 + T.cast(lane * VEC, "int64"))
 
     @T.macro
-    def load_step(BT, KC, VC, ERR, kb, vb, ok, it, t0, t1, b, kvh, hc, lane, grp, vl, btb, bs, nblocks, csb, csr, csh,
-                  tag):
+    def fetch_step(BT, KC, VC, ERR, kd, vd, okd, it, t0, t1, b, kvh, hc, tx, lane, grp, vl, btb, bs, nblocks, csb, csr,
+                   csh, tag):
         """Step ``it``'s tokens ``t0 + it * NG * U + u * NG + grp``: their pages checked (a bad one reported,
-        its token skipped), their key and value vectors into ``kb``/``vb`` (zeros where not read)."""
+        its token skipped, flag 0), their key and value vectors fetched (zeros where not read).
+
+        Without ``stages``, loaded into the registers ``kd``/``vd`` (flags ``okd``). With them, copied by
+        ``cp.async`` into shared slot ``it % (S + 1)`` of ``kd``/``vd``/``okd``: the slot of step ``it - 1``,
+        whose values this thread read back the step before, so no copy lands on a slot still to be read.
+        Each thread copies its own vectors and reads back only those (no barrier); a token not read is
+        zeroed there, so stale bytes (NaN, maybe) never meet its weight of 0. One commit group a step,
+        empty past the sequence, so that every thread counts its groups alike."""
         div, mod = T.truncdiv, T.truncmod
         for u in T.unroll(U):
             j = t0 + it * (NG * U) + u * NG + grp
@@ -389,20 +408,36 @@ def _partial_cuda(spec: PagedDecodeSpec):
             page = 0
             if j < t1:
                 page = BT[at]
-            ok[u] = T.if_then_else(j < t1 and page >= 0 and page < nblocks, 1, 0)
+            good = j < t1 and page >= 0 and page < nblocks
             if j < t1 and (page < 0 or page >= nblocks) and kvh == 0 and hc == 0 and lane == 0:
                 rep(ERR, TABLES_WORD, tag, at, page)
-            if ok[u] == 1 and vl:
-                # (an expression, not a variable: a bound variable hides its multiple of VEC from the
-                # vectoriser, which then loads element by element)
-                for v in T.vectorized(VEC):
-                    kb[u * VEC + v] = KC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
-                for v in T.vectorized(VEC):
-                    vb[u * VEC + v] = VC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
+            if S:
+                e = ((mod(it, S + 1) * U + u) * TPB + tx) * VEC
+                okd[(mod(it, S + 1) * U + u) * TPB + tx] = T.if_then_else(good, 1, 0)
+                if good and vl:
+                    T.call_extern("handle", f"tileops_cp_async<{vb_bytes}>", T.address_of(kd[e]),
+                                  T.address_of(KC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane)]))
+                    T.call_extern("handle", f"tileops_cp_async<{vb_bytes}>", T.address_of(vd[e]),
+                                  T.address_of(VC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane)]))
+                elif vl:
+                    for v in T.unroll(VEC):
+                        kd[e + v] = T.cast(0, cst)
+                        vd[e + v] = T.cast(0, cst)
             else:
-                for v in T.unroll(VEC):
-                    kb[u * VEC + v] = T.cast(0, cst)
-                    vb[u * VEC + v] = T.cast(0, cst)
+                okd[u] = T.if_then_else(good, 1, 0)
+                if good and vl:
+                    # (an expression, not a variable: a bound variable hides its multiple of VEC from the
+                    # vectoriser, which then loads element by element)
+                    for v in T.vectorized(VEC):
+                        kd[u * VEC + v] = KC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
+                    for v in T.vectorized(VEC):
+                        vd[u * VEC + v] = VC[row_at(page, mod(j, bs), kvh, csb, csr, csh, lane) + v]
+                else:
+                    for v in T.unroll(VEC):
+                        kd[u * VEC + v] = T.cast(0, cst)
+                        vd[u * VEC + v] = T.cast(0, cst)
+        if S:
+            T.call_extern("handle", "tileops_cp_async_commit")
 
     @T.prim_func
     def paged_decode_partial_cuda(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
@@ -440,6 +475,10 @@ def _partial_cuda(spec: PagedDecodeSpec):
             SM = T.alloc_shared((NG * GH,), "float32")
             SLS = T.alloc_shared((NG * GH,), "float32")
             SACC = T.alloc_shared((NG * GH * NV * VEC,), "float32")
+            if S:  # S + 1 slots of a step's vectors, every thread its own: 24 KB at 128 threads, 2 tokens, S 2
+                ksh = T.alloc_shared(((S + 1) * U * TPB * VEC,), cst, scope="shared.dyn")
+                vsh = T.alloc_shared(((S + 1) * U * TPB * VEC,), cst, scope="shared.dyn")
+                oks = T.alloc_shared(((S + 1) * U * TPB,), "int32", scope="shared.dyn")
             ks = T.alloc_var("float32")
             vs = T.alloc_var("float32")
             ks = T.float32(1)
@@ -478,13 +517,34 @@ def _partial_cuda(spec: PagedDecodeSpec):
                 l[h] = T.float32(0)
             steps = T.ceildiv(T.max(t1 - t0, 0), NG * U)
             if spec.prefetch:
-                load_step(BT, KC, VC, ERR, kb, vb, ok, 0, t0, t1, b, kvh, hc, lane, grp, vl, btb, bs, nblocks, csb,
-                          csr, csh, tag)
+                fetch_step(BT, KC, VC, ERR, kb, vb, ok, 0, t0, t1, b, kvh, hc, tx, lane, grp, vl, btb, bs, nblocks,
+                           csb, csr, csh, tag)
+            if S:
+                for d in T.unroll(S):
+                    fetch_step(BT, KC, VC, ERR, ksh, vsh, oks, d, t0, t1, b, kvh, hc, tx, lane, grp, vl, btb, bs,
+                               nblocks, csb, csr, csh, tag)
             for it in T.serial(steps):
-                # 1. every token's key and value vectors of the step, loaded before any is used
-                if not spec.prefetch:
-                    load_step(BT, KC, VC, ERR, kb, vb, ok, it, t0, t1, b, kvh, hc, lane, grp, vl, btb, bs, nblocks,
-                              csb, csr, csh, tag)
+                # 1. every token's key and value vectors of the step, loaded before any is used; with
+                # ``stages``, step it + S's copies started and step it's read back from its slot
+                if S:
+                    fetch_step(BT, KC, VC, ERR, ksh, vsh, oks, it + S, t0, t1, b, kvh, hc, tx, lane, grp, vl, btb,
+                               bs, nblocks, csb, csr, csh, tag)
+                    T.call_extern("handle", f"tileops_cp_async_wait<{S}>")  # step it's group is done
+                    for u in T.unroll(U):
+                        e = ((T.truncmod(it, S + 1) * U + u) * TPB + tx) * VEC
+                        ok[u] = oks[(T.truncmod(it, S + 1) * U + u) * TPB + tx]
+                        if vl:
+                            for v in T.vectorized(VEC):
+                                kb[u * VEC + v] = ksh[e + v]
+                            for v in T.vectorized(VEC):
+                                vb[u * VEC + v] = vsh[e + v]
+                        else:
+                            for v in T.unroll(VEC):
+                                kb[u * VEC + v] = T.cast(0, cst)
+                                vb[u * VEC + v] = T.cast(0, cst)
+                elif not spec.prefetch:
+                    fetch_step(BT, KC, VC, ERR, kb, vb, ok, it, t0, t1, b, kvh, hc, tx, lane, grp, vl, btb, bs,
+                               nblocks, csb, csr, csh, tag)
                 # 2. widened once for every head (a float8 element's decode is ~12 integer operations: done
                 # per head, it was 4-8 times the work); with ``prefetch`` the next step's loads are issued
                 # into the freed registers here, in flight while this step computes
@@ -494,8 +554,8 @@ def _partial_cuda(spec: PagedDecodeSpec):
                         kf[u * VEC + v] = _kv_f32(spec, kb[u * VEC + v], ks)
                         vf[u * VEC + v] = _kv_f32(spec, vb[u * VEC + v], vs)
                 if spec.prefetch:
-                    load_step(BT, KC, VC, ERR, kb, vb, ok, it + 1, t0, t1, b, kvh, hc, lane, grp, vl, btb, bs,
-                              nblocks, csb, csr, csh, tag)
+                    fetch_step(BT, KC, VC, ERR, kb, vb, ok, it + 1, t0, t1, b, kvh, hc, tx, lane, grp, vl, btb, bs,
+                               nblocks, csb, csr, csh, tag)
                 # the logits, base 2: a lane's partial dot products summed over its group's lanes
                 for u in T.unroll(U):
                     for h in T.unroll(GH):

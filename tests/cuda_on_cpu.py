@@ -20,7 +20,9 @@ the blocks of the grid one after another, the threads of a block as cooperative 
 * a helper's ``#ifdef __CUDA_ARCH__`` branch dropped for its ``#else`` (``kernels/norm.py``'s ``cp.async``
   copies are then plain copies, done when issued, and the waits nothing);
 * dynamic shared memory (``extern __shared__ T name[]``) a ``static`` array of 256 KB, past the
-  227 KB a block of an H100/H200 may take.
+  227 KB a block of an H100/H200 may take, filled with 0xFF bytes (NaN in every float type) as each
+  block starts: on the GPU it holds what the last block left, so a read of a byte no thread of the
+  block wrote shows as NaN here instead of passing as a zero.
 
 What it cannot show: speed, memory ordering between blocks, and the GPU's approximate ``rsqrtf``.
 A kernel that uses anything else of CUDA fails to compile here, which is itself a finding.
@@ -199,7 +201,9 @@ class CudaOnCpu:
             raise ValueError("no extern \"C\" __global__ kernel declaration in the source")
         self.name, self.params = found.group(1), _params(found.group(2))
         device_source = _DEVICE_ONLY.sub(lambda m: m.group(1) or "", device_source)
-        device_source = _DYN_SHARED.sub(r"static \1\2 \3[(256 << 10) / sizeof(\2)];", device_source)
+        # (thread 0 runs first in each block: it poisons the block's memory before any thread uses it)
+        device_source = _DYN_SHARED.sub(r"static \1\2 \3[(256 << 10) / sizeof(\2)]; "
+                                        r"if (threadIdx.x == 0) memset(\3, 0xFF, sizeof(\3));", device_source)
         body = "\n".join(line for line in device_source.splitlines()
                          if not line.lstrip().startswith("#") or line.lstrip().startswith("#pragma"))
         body = _CVT_E4M3.sub(r"\1 = tileops_cvt_e4m3(\2);", body)

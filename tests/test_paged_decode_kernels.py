@@ -255,7 +255,8 @@ def test_mha_head_dim_128(cuda):
 # The CUDA schedule's shapes of lanes, heads and tokens: head_dim 256 (a warp a token), 80 (10 vectors in
 # a group of 16 lanes, 6 idle), fp32 (4-element vectors), a group of 16 q heads (two programs of 8
 # heads a kv head), 64 and 256 threads, 1 and 4 tokens a lane group a step, the next step's loads
-# issued early (prefetch)
+# issued early (prefetch), steps copied ahead into shared memory (stages; the harness copies at once, and
+# starts each block's shared memory as NaN bytes, so a token not read must be zeroed, not left stale)
 @NO_CXX
 @pytest.mark.parametrize("d,dtype,hq,hkv,fields", [
     (256, torch.bfloat16, 4, 2, {}),
@@ -266,12 +267,28 @@ def test_mha_head_dim_128(cuda):
     (64, torch.float16, 8, 2, {"threads": 256, "unroll": 4}),
     (128, torch.bfloat16, 8, 2, {"prefetch": 1}),
     (64, torch.float16, 8, 2, {"prefetch": 1, "unroll": 1, "threads": 64}),
+    (128, torch.bfloat16, 8, 2, {"stages": 2}),
+    (80, torch.float16, 6, 2, {"stages": 1, "unroll": 1, "threads": 64}),
+    (64, torch.float32, 8, 2, {"stages": 4, "unroll": 3}),
 ], ids=["d256", "d80-spare-lanes", "fp32", "group16", "64-threads-unroll1", "256-threads-unroll4", "prefetch",
-        "prefetch-unroll1"])
+        "prefetch-unroll1", "stages2", "stages1-spare-lanes", "stages4-fp32"])
 def test_cuda_schedule_shapes(d, dtype, hq, hkv, fields):
     t = make(48, lens=[150, 0, 1, 33], bs=16, hq=hq, hkv=hkv, d=d, dtype=dtype, layout="HND")
     got, _ = check(*t, layout="HND", splits=2, fields=fields, cuda=True)
     assert bool((got[1] == 0).all())
+
+
+@NO_CXX
+def test_cuda_stages_with_a_float8_cache_bad_entries_and_a_window():
+    """Copies ahead of 8-byte float8 vectors; a bad table entry inside a step copied ahead is reported
+    and its token skipped (its slot zeroed), as the register schedule does."""
+    q, kc, vc, bt, sl = make(49, lens=[90, 3, 47], bs=8, layout="HND", dtype=torch.bfloat16,
+                             cache_dtype=torch.float8_e4m3fn)
+    bt[0, 4] = kc.shape[0]  # one past the cache: tokens 32-39 of sequence 0
+    fields = {"stages": 3, "unroll": 2}
+    got, err = check(q, kc, vc, bt, sl, layout="HND", splits=2, k_scale=0.03, v_scale=0.5, window=60,
+                     fields=fields, cuda=True)
+    assert record(err, TABLES_WORD) == (4, kc.shape[0])
 
 
 @SCHEDULES

@@ -365,12 +365,13 @@ class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
     (CUDA cores: a step is memory-bound, every cached element read once for 2 x group flops). On CUDA a
     program's threads form lane groups of ``head_dim / 8`` lanes (a power of two; 4-element vectors for fp32),
     a token a group: each lane loads a 16-byte vector of the token's key and value rows (8 bytes of a float8
-    cache) for 2 tokens before it waits on any; the group's dot products are summed by xor-shuffles; a program
-    serves the kv head's q heads (up to 8; a larger group, MQA, in programs of 8 heads). head_dim: a multiple
-    of 8 (4 for fp32) up to 256 (128 for fp32) on CUDA, else ``NotImplementedError`` at the first call naming
-    ``target="torch"``. q and out off the 16-byte vectors go through a dense copy; a cache off them is a
-    ValueError naming it. The schedule's GPU tests passed on the H200; ``TILEOPS_ATTENTION_CUDA=0`` refuses
-    CUDA calls (``NotImplementedError`` before anything runs, naming ``target="torch"``).
+    cache) for 2 tokens, copied into shared memory by ``cp.async`` a step ahead of the step that reads them;
+    the group's dot products are summed by xor-shuffles; a program serves the kv head's q heads (up to 8; a
+    larger group, MQA, in programs of 8 heads). head_dim: a multiple of 8 (4 for fp32) up to 256 (128 for
+    fp32) on CUDA, else ``NotImplementedError`` at the first call naming ``target="torch"``. q and out off the
+    16-byte vectors go through a dense copy; a cache off them is a ValueError naming it. The schedule's GPU
+    tests passed on the H200; ``TILEOPS_ATTENTION_CUDA=0`` refuses CUDA calls (``NotImplementedError`` before
+    anything runs, naming ``target="torch"``).
 
     References: vLLM paged_attention (v1/v2: split-KV partitions and their reduce); flashinfer
         BatchDecodeWithPagedKVCache; Dao et al., Flash-Decoding (2023).
