@@ -22,7 +22,9 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+import typing
 import zlib
 from typing import Callable, Iterator
 
@@ -205,7 +207,10 @@ def _summary(tool: str, log: str) -> str:
     return lines[-1].strip() if lines else "(no summary line)"
 
 
-def outer(tools: list[str], jobs: int, logdir: str) -> int:
+def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False) -> int:
+    """The plain run over ``jobs`` processes, then each tool's run (one after another, or with
+    ``concurrent`` all at once: independent processes on one GPU; a tool's time is then from the start
+    of them all)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     me = [sys.executable, "-m", "benchmarks.sanitize", "--inner"]
     t0 = time.time()
@@ -226,16 +231,26 @@ def outer(tools: list[str], jobs: int, logdir: str) -> int:
     print(f"plain run ({len(calls())} calls, {jobs} processes, kernels compiled): {'ok' if ok else 'FAILED'} "
           f"in {time.time() - t0:.0f} s", flush=True)
     exe = os.environ.get("COMPUTE_SANITIZER", "compute-sanitizer")
-    for tool in tools:
-        t0 = time.time()
+
+    def start(tool: str) -> tuple[subprocess.Popen, typing.IO[str]]:
+        """The tool's run, its output going straight to its log (``--logdir``'s file, so that what a run
+        cut short wrote survives; else a temporary file)."""
         cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
         if tool == "racecheck":
             cmd += ["--racecheck-report", "all"]
-        proc = subprocess.run([*cmd, *me], env=env, capture_output=True, text=True)
-        log = proc.stdout + proc.stderr
-        if logdir:
-            with open(os.path.join(logdir, f"sanitize-{tool}.log"), "w") as f:
-                f.write(log)
+        sink = (open(os.path.join(logdir, f"sanitize-{tool}.log"), "w+") if logdir
+                else tempfile.TemporaryFile("w+"))
+        return subprocess.Popen([*cmd, *me], env=env, stdout=sink, stderr=subprocess.STDOUT, text=True), sink
+
+    t_all = time.time()
+    started = {tool: start(tool) for tool in tools} if concurrent else {}
+    for tool in tools:
+        t0 = t_all if concurrent else time.time()
+        proc, sink = started.get(tool) or start(tool)
+        proc.wait()
+        sink.seek(0)
+        log = sink.read()
+        sink.close()
         calls_line = next((ln for ln in log.splitlines() if ln.startswith("sanitize calls")), "(calls did not finish)")
         good = proc.returncode == 0
         ok &= good
@@ -253,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes for the plain run")
     ap.add_argument("--logdir", default="", help="write each tool's full log here")
+    ap.add_argument("--concurrent", action="store_true", help="run the tools at once, not one after another")
     a = ap.parse_args(argv)
     if a.inner:
         return inner(a.part, a.parts)
-    return outer([t for t in a.tools.split(",") if t], a.jobs, a.logdir)
+    return outer([t for t in a.tools.split(",") if t], a.jobs, a.logdir, a.concurrent)
 
 
 if __name__ == "__main__":
