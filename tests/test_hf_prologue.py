@@ -40,9 +40,10 @@ MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2":
           "qwen3": "Qwen3ForCausalLM"}
 
 
-def _model(kind: str, gen: torch.Generator) -> torch.nn.Module:
+def _model(kind: str, gen: torch.Generator, config=None) -> torch.nn.Module:
+    """A tiny ``kind`` model of ``config`` (default ``CONFIGS[kind]()``), its weights from ``gen``."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    m = getattr(transformers, MODELS[kind])(CONFIGS[kind]()).eval()
+    m = getattr(transformers, MODELS[kind])(config or CONFIGS[kind]()).eval()
     with torch.no_grad():  # norms' weights away from 1, so that a weight the op ignored would show
         for mod in m.modules():
             if type(mod).__name__.endswith("RMSNorm"):
@@ -297,19 +298,22 @@ def _bf16_generate(model: torch.nn.Module, ids: torch.Tensor, new: int, compiled
     return out.sequences[:, ids.shape[1]:], [lg.float() for lg in out.logits], out.past_key_values
 
 
-def check_bf16_generate(kind: str, compiled: bool, gen: torch.Generator, device: str) -> None:
-    """The patched model in bf16 against the same model unpatched: the logits after the prefill and
-    the prompt's keys and values in the static cache within bf16's tolerance (2-3 roundings of 2^-8
-    per layer: 3e-2 of the largest value, as tests/test_hf.py's bf16 comparison), and the same greedy
-    tokens up to a near tie: where a row's token first differs, the patched model's token scores
-    within that tolerance of the best under the unpatched model's logits (after it, the two rows
-    continue from different tokens and are not compared). Called by the CUDA test; on the CPU for a
-    dry run of the check itself."""
-    model = _model(kind, gen).to(device, torch.bfloat16)
+def check_bf16_generate(kind: str, compiled: bool, gen: torch.Generator, device: str, *, config=None,
+                        attention: bool = False) -> None:
+    """The patched model in bf16 against the same model unpatched: the logits after the prefill, and
+    at every later step of a row whose tokens so far are the unpatched ones, and the prompt's keys and
+    values in the static cache within bf16's tolerance (2-3 roundings of 2^-8 per layer: 3e-2 of the
+    largest value, as tests/test_hf.py's bf16 comparison), and the same greedy tokens up to a near tie:
+    where a row's token first differs, the patched model's token scores within that tolerance of the
+    best under the unpatched model's logits (after it, the two rows continue from different tokens and
+    are not compared). ``attention``: patched with ``attention=True`` too, so that the decode steps read
+    the static cache through ``PagedAttnDecodeFwdOp``. Called by the CUDA tests; on the CPU for a dry
+    run of the check itself."""
+    model = _model(kind, gen, config).to(device, torch.bfloat16)
     ids = torch.randint(3, 128, (4, 11), generator=gen).to(device)
     new = 12
     want, want_logits, want_cache = _bf16_generate(model, ids, new, compiled)
-    tt.patch(model, prologue=True)
+    tt.patch(model, prologue=True, attention=attention)
     try:
         got, got_logits, got_cache = _bf16_generate(model, ids, new, compiled)
         rep = tt.report(model)
@@ -317,9 +321,15 @@ def check_bf16_generate(kind: str, compiled: bool, gen: torch.Generator, device:
         tt.unpatch(model)
     assert rep["prologue_fallbacks"] == [] and len(rep["prologue"]) == 1, rep["prologue_fallbacks"]
     assert rep["prologue"][0].params["qk_norm"] == (kind == "qwen3")
+    if attention:
+        assert len(rep["decode"]) == len(got_cache.layers), rep["decode"]  # an op a layer
+        assert all(op.params["cache_layout"] == "HND" for op in rep["decode"]), rep["decode"]
     assert not any(torch.isnan(lg).any() for lg in got_logits), "NaN in the patched model's logits"
-    rel = _rel(got_logits[0], want_logits[0])
-    assert rel < 3e-2, f"the logits after the prefill differ by {rel:.3g}"
+    for step in range(new):
+        same = (got[:, :step] == want[:, :step]).all(1)  # rows fed the same tokens so far
+        if bool(same.any()):
+            rel = _rel(got_logits[step][same], want_logits[step][same])
+            assert rel < 3e-2, f"step {step}: the logits differ by {rel:.3g}"
     prompt = ids.shape[1]
     for i, (a, b) in enumerate(zip(got_cache.layers, want_cache.layers, strict=True)):
         for what in ("keys", "values"):
@@ -351,6 +361,23 @@ def test_static_generate_bf16_cuda_matches_within_bf16(kind, compiled, gen):
 D64 = dict(TINY, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
 D64_CONFIGS = {"llama": lambda: transformers.LlamaConfig(**D64),
                "qwen3": lambda: transformers.Qwen3Config(**D64, head_dim=64)}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", list(D64_CONFIGS))
+def test_decode_steps_on_the_gpu_run_the_paged_decode_op_within_bf16(kind, gen, monkeypatch):
+    """``patch(prologue=True, attention=True)`` on the GPU in bf16: every decode step of a static-cache
+    ``generate`` (2 layers x 11 steps) reads the cache through the CUDA paged decode, and the model
+    matches the unpatched one as :func:`check_bf16_generate` measures."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (none here)")
+    from tileops.integrations import transformers_prologue
+
+    calls = []
+    real = transformers_prologue._decode
+    monkeypatch.setattr(transformers_prologue, "_decode", lambda *a: calls.append(1) or real(*a))
+    check_bf16_generate(kind, False, gen, "cuda", config=D64_CONFIGS[kind](), attention=True)
+    assert len(calls) == 2 * 11, len(calls)  # the first new token comes from the prefill
 
 
 @pytest.mark.parametrize("kind", list(D64_CONFIGS))
