@@ -43,10 +43,8 @@ CONFIGS = {
     "default": {},
     "dkdv q64": dict(dkdv_block_q=64),
     "dkdv kv64 q64": dict(dkdv_block_kv=64, dkdv_block_q=64, dkdv_threads=128),
-    "1 stage": dict(stages=1),
     "dq q64 kv64 t128": dict(dq_block_q=64, dq_threads=128),
     "dq kv128": dict(dq_block_kv=128),
-    "3 stages": dict(stages=3),
     "dkdv t128 dq t128": dict(dkdv_threads=128, dq_threads=128),
     "ds via shared": dict(ds_shared=2),
 }

@@ -167,6 +167,10 @@ class AttnKernelSpec:
                 raise ValueError(f"threads: expected 128, 256, 384 or 512 (warpgroups), got {th}")
             if not 1 <= st <= 4:
                 raise ValueError(f"stages: expected 1 to 4, got {st}")
+            if st > 1 and self.loads == 1:
+                raise ValueError(f"stages: with every thread loading (pipeline 1, or varlen) TileLang 0.1.15's "
+                                 f"cp.async pipeline at 2 or more stages reads its last tile before the copy lands "
+                                 f"(see AttnKernelSpec.tiles): expected 1 or 0 (the default), got {st}")
         if self.pipeline not in (0, *PIPELINES):
             raise ValueError(f"pipeline: expected 0 or one of {sorted(PIPELINES)}, got {self.pipeline!r}")
 
@@ -174,7 +178,13 @@ class AttnKernelSpec:
     def tiles(self) -> tuple[int, int, int, int]:
         """(block_M, block_N, stages, threads), the zeros replaced by :func:`tile_defaults`'s."""
         d = tile_defaults(self.head_dim)
-        return (self.block_M or d[0], self.block_N or d[1], self.stages or d[2], self.threads or d[3])
+        # every thread loading (loads 1: varlen, pipeline 1): one stage by default. TileLang 0.1.15's
+        # cp.async pipeline at 2+ stages over a dynamic trip count ends without waiting on its last
+        # tile's copies (the epilogue's wait is guarded by a condition that is never true there, in the
+        # CUDA it emits; the attention backward's dq read a tile before it landed on the H200). TMA's
+        # producer warpgroup (loads 2) synchronises through mbarriers and keeps the table's stages
+        stages = self.stages or (1 if self.backend == "cuda" and self.loads == 1 else d[2])
+        return (self.block_M or d[0], self.block_N or d[1], stages, self.threads or d[3])
 
     @property
     def loads(self) -> int:

@@ -82,7 +82,8 @@ STATIC = {
     "dq_block_q": (0, 256, "q rows of a dq program; 0: the default (CUDA, C)"),
     "dq_block_kv": (0, 256, "kv rows the dq program takes a step (its K/V tile); 0: the default (CUDA, C)"),
     "dq_threads": (0, 512, "threads of a dq program, a multiple of 128; 0: the default (CUDA)"),
-    "stages": (0, 4, "shared-memory stages of the streamed tiles (T.Pipelined); 0: the default (CUDA)"),
+    "stages": (0, 4, "shared-memory stages of the streamed tiles (T.Pipelined; CUDA: 1, see _DEFAULTS); 0: the "
+                     "default"),
     "ds_shared": (0, 2, "where p and ds meet the tensor cores: 1 registers (the A operand of wgmma/mma), 2 shared "
                         "memory; 0: the default (shared at head_dim 256) (CUDA)"),
 }
@@ -105,9 +106,14 @@ _LOG2E = 1.4426950408889634
 #: A operand of the next products, would be needed whole in both: TileLang 0.1.15 refused that
 #: fragment layout (sm_90), and they pass through shared memory (``ds_shared`` 2; the default
 #: wherever a tile splits so: ``AttnBwdKernelSpec.split_by_columns``). Starting points
-#: for ``benchmarks/attention_bwd.py --configs``, not yet measured.
-_DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 2, 1), 80: (128, 32, 256, 128, 64, 256, 2, 1),
-             96: (128, 32, 256, 128, 64, 256, 2, 1), 128: (128, 32, 256, 128, 64, 256, 2, 1),
+#: for ``benchmarks/attention_bwd.py --configs``, not yet measured. One stage: TileLang 0.1.15's
+#: ``T.Pipelined`` at 2 stages over a dynamic trip count ends without waiting on the last tile's
+#: ``cp.async`` (its epilogue's wait is guarded by ``t < end``, never true there; read in the CUDA it
+#: emits), so the last K/V or q tile could be read before it landed: sanitize's shrunk cases on the
+#: H200, one tile each, had dq off by up to 1.9 in 634 of 65536 elements. At one stage every compute
+#: waits on its copies.
+_DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 1, 1), 80: (128, 32, 256, 128, 64, 256, 1, 1),
+             96: (128, 32, 256, 128, 64, 256, 1, 1), 128: (128, 32, 256, 128, 64, 256, 1, 1),
              256: (64, 32, 256, 64, 64, 256, 1, 2)}
 #: the C schedule's default tiles: small, so that the CPU tests cross tile edges with short sequences
 _C_DEFAULTS = (16, 16, 1, 16, 16, 1, 1, 1)
@@ -177,6 +183,10 @@ class AttnBwdKernelSpec:
         for name in ("dkdv_threads", "dq_threads"):
             if self.backend == "cuda" and self.tile(name) % 128:
                 raise ValueError(f"{name}: expected a multiple of 128 (a warpgroup), got {self.tile(name)}")
+        if self.backend == "cuda" and self.stages > 1:
+            raise ValueError(f"stages: TileLang 0.1.15's cp.async pipeline at 2 or more stages reads its last tile "
+                             f"before the copy lands (see _DEFAULTS): expected 1 or 0 (the default, 1), got "
+                             f"{self.stages}")
         if self.ds_shared == 1 and self.split_by_columns:
             rows, threads = self.tile(f"{self.kind}_block_{'kv' if self.kind == 'dkdv' else 'q'}"), self.threads
             raise ValueError(f"ds_shared: 1 (p and ds in registers) needs the {self.kind} program's {rows}-row tile "
@@ -385,10 +395,16 @@ def _prep(spec: AttnBwdKernelSpec):
                 if mb * BP < q.len:
                     for r, d in T.Parallel(BP, DP):
                         i = mb * BP + r
-                        prod[r, d] = T.if_then_else(
-                            T.And(i < q.len, d < D) if DP > D else i < q.len,
-                            T.cast(O[q.row(i, h, osb, oss, osh, U) + d], "float32")
-                            * T.cast(DO[q.row(i, h, dosb, doss, dosh, U) + d], "float32"), T.float32(0))
+                        # every load in bounds, then a 0/1 weight: TileLang hoists a vectorised load
+                        # out of a select (and simplifies its index under the select's condition), so
+                        # rows past the sequence and columns past D were read, past the tensor in its
+                        # last program (memcheck on the H200). Rows clamp to the last (_last), columns
+                        # past D to the last 8-column vector; the weight zeroes both (finite values)
+                        c = T.min(d // 8, D // 8 - 1) * 8 + d % 8 if DP > D else d
+                        keep = T.And(i < q.len, d < D) if DP > D else i < q.len
+                        prod[r, d] = (T.cast(O[q.row(_last(i, q.len), h, osb, oss, osh, U) + c], "float32")
+                                      * T.cast(DO[q.row(_last(i, q.len), h, dosb, doss, dosh, U) + c], "float32")
+                                      * T.Cast("float32", keep))
                     T.reduce_sum(prod, dl, dim=1)  # a fixed tree: deterministic
                     for r in T.Parallel(BP):
                         if mb * BP + r < q.len:

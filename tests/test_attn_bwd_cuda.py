@@ -45,6 +45,9 @@ MASKS = {
     "softcap": (dict(causal=True, softcap=50.0, softmax_scale=0.35), 8, 2, 257, 257, False),
     "mha": (dict(causal=True), 4, 4, 300, 300, False),
     "varlen": (dict(causal=True), 8, 2, [190, 0, 129, 1], [250, 0, 64, 300], True),
+    # sanitize's shrunk manifest cases: sequences shorter than every tile (4 and 16 queries, GQA 4)
+    "tiny-4x8": (dict(causal=True), 32, 8, 4, 8, False),
+    "tiny-16x32": (dict(causal=True), 32, 8, 16, 32, False),
 }
 
 

@@ -160,6 +160,21 @@ def test_head_dim_refused(d):
         AttnFwdOp(4, 2, d)
 
 
+def test_cuda_spec_takes_one_stage_where_every_thread_loads():
+    """Varlen and pipeline 1 load K/V by cp.async from every thread, whose pipeline TileLang 0.1.15
+    ends without waiting on the last tile at 2+ stages: such a spec defaults to 1 stage and refuses
+    more; the TMA pipeline keeps the table's 2."""
+    from tileops.kernels import get_spec
+
+    S = get_spec("attention")
+    base = dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda")
+    assert S(**base, varlen=True).tiles[2] == 1 and S(**base, pipeline=1).tiles[2] == 1
+    assert S(**base).tiles[2] == 2
+    for fields in (dict(varlen=True, stages=2), dict(pipeline=1, stages=3)):
+        with pytest.raises(ValueError, match=r"^stages: .*expected 1 or 0"):
+            S(**base, **fields)
+
+
 def _no_kernel(op):
     assert not op._impls, "a kernel was made before the error"
 
