@@ -173,7 +173,9 @@ def _ids_calls() -> Iterator[Call]:
 
 
 def calls() -> list[Call]:
-    return [*_case_calls(), *_base_calls(), *_ids_calls()]
+    """Every call, or those whose name holds ``TILEOPS_SANITIZE_MATCH`` (``--match``), in a fixed order."""
+    match = os.environ.get("TILEOPS_SANITIZE_MATCH", "")
+    return [c for c in (*_case_calls(), *_base_calls(), *_ids_calls()) if match in c[0]]
 
 
 def inner(part: int, parts: int) -> int:
@@ -269,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes for the plain run")
     ap.add_argument("--logdir", default="", help="write each tool's full log here")
     ap.add_argument("--concurrent", action="store_true", help="run the tools at once, not one after another")
+    ap.add_argument("--match", default=None, help="only the calls whose name holds this (e.g. 'AttnFwdOp')")
     a = ap.parse_args(argv)
+    if a.match is not None:  # (the tools' processes inherit it)
+        os.environ["TILEOPS_SANITIZE_MATCH"] = a.match
     if a.inner:
         return inner(a.part, a.parts)
     return outer([t for t in a.tools.split(",") if t], a.jobs, a.logdir, a.concurrent)
