@@ -188,7 +188,7 @@ class AttnBwdKernelSpec:
                              f"before the copy lands (see _DEFAULTS): expected 1 or 0 (the default, 1), got "
                              f"{self.stages}")
         if self.ds_shared == 1 and self.split_by_columns:
-            rows, threads = self.tile(f"{self.kind}_block_{'kv' if self.kind == 'dkdv' else 'q'}"), self.threads
+            rows, threads = self.score_rows, self.threads
             raise ValueError(f"ds_shared: 1 (p and ds in registers) needs the {self.kind} program's {rows}-row tile "
                              f"in slices of 64 rows a warpgroup; {threads} threads split it by columns, which "
                              f"TileLang 0.1.15 cannot lay out: expected 2 (shared memory) or 0 (chosen), got 1")
@@ -213,8 +213,13 @@ class AttnBwdKernelSpec:
         at 256 threads), so they must pass through shared memory (``ds_shared`` 2)."""
         if self.backend != "cuda" or self.kind == "prep":
             return False
-        rows = self.tile("dkdv_block_kv" if self.kind == "dkdv" else "dq_block_q")
+        rows = self.score_rows
         return rows // (self.threads // 128) < 64
+
+    @property
+    def score_rows(self) -> int:
+        """Rows of the score tile the program's warpgroups share: kv rows in dk/dv (``sT``), q rows in dq."""
+        return self.block_kv if self.kind == "dkdv" else self.block_q
 
     @property
     def block_q(self) -> int:
