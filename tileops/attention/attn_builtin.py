@@ -27,13 +27,13 @@ and return (``batch * ceil(total / block)`` of them in place of about ``ceil(tot
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
 import torch
 
 from ..autograd import grad_needed
 from ..compile.build import device_backend, load_kernel
+from ..compile.entry import encode_arg
 from ..runtime.binding import Binding
 from ..runtime.plan import (
     Bound,
@@ -170,8 +170,8 @@ class AttnKernels:
                                   self.spec.args, op_name=op.name)
         p = op.params
         self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
-        self.scale_bits = _f32_bits(self.scale)
-        self.cap_bits = _f32_bits(p["softcap"] if p["softcap"] is not None else 1.0)
+        self.scale_bits = encode_arg("float", self.scale)  # the kernel reinterprets the float32's bits
+        self.cap_bits = encode_arg("float", p["softcap"] if p["softcap"] is not None else 1.0)
         self.window = min(p["sliding_window"] or 0, _MAX_WINDOW)
         self._bound = Bound()
         from .hooks import AttnFwdHooks
@@ -384,11 +384,6 @@ def _strides(x: torch.Tensor) -> tuple[int, int, int]:
             inner = out[i + 1] * shape[i + 1] if i < 2 else shape[3]
             out[i] = max(inner, out[i + 1] if i < 2 else 1, 1)
     return out[0], out[1], out[2]
-
-
-def _f32_bits(x: float) -> int:
-    """The bits of ``float32(x)`` as a signed int32 (the kernel reinterprets them)."""
-    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 def implement(op: Any, spec: Any) -> AttnKernels:

@@ -18,12 +18,12 @@ compiled graph (``tileops::apply_out`` with the caches as its written inputs), w
 from __future__ import annotations
 
 import dataclasses
-import struct
 from typing import Any
 
 import torch
 
 from ..compile.build import device_backend, load_kernel
+from ..compile.entry import encode_arg
 from ..kernels.float8 import CVT_MIN_SM
 from ..runtime.plan import ErrorWord, Plan, Ptr, Step, Tag, Value
 from . import attn_builtin, decode_builtin
@@ -52,7 +52,7 @@ class PrologueKernels:
                                   self.kspec.args, op_name=op.name)
         self.tables = p["rope"].deployment_tables(self.kspec.rot)
         self.limit = op.position_limit()
-        self.eps_bits = struct.unpack("<i", struct.pack("<f", p["eps"]))[0]
+        self.eps_bits = encode_arg("float", p["eps"])  # the kernel reinterprets the float32's bits
         #: the call's plan (:data:`FORWARD` for this op's tensors)
         self.plan = Plan.of(op.manifest, FORWARD, checks={"positions": 0, "slot_mapping": 1})
 
