@@ -12,7 +12,10 @@ The runner first makes the calls without the tool, split over ``--jobs`` process
 every kernel into the disk cache (and checks every result); then it runs them all in one process
 under each tool (``memcheck``, ``racecheck``, ``initcheck``, ``synccheck``), prints each tool's
 summary line and exits non-zero unless every tool reports no error and every call passed.
-``--inner`` runs the calls in this process (what each tool runs); ``--tools`` picks tools.
+``--inner`` runs the calls in this process (what each tool runs); ``--tools`` picks tools;
+``--concurrent`` runs the tools at once and ``--tool-parts N`` splits each tool's calls over N
+processes (on the H200's 16 cores, ``--concurrent --tool-parts 3``: twelve processes on one GPU, so
+that the whole run fits one device call, which the four tools one process each did not).
 """
 
 from __future__ import annotations
@@ -209,10 +212,11 @@ def _summary(tool: str, log: str) -> str:
     return lines[-1].strip() if lines else "(no summary line)"
 
 
-def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False) -> int:
+def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, tool_parts: int = 1) -> int:
     """The plain run over ``jobs`` processes, then each tool's run (one after another, or with
     ``concurrent`` all at once: independent processes on one GPU; a tool's time is then from the start
-    of them all)."""
+    of them all), each split over ``tool_parts`` processes (every ``tool_parts``-th call, as the plain
+    run splits them)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     me = [sys.executable, "-m", "benchmarks.sanitize", "--inner"]
     t0 = time.time()
@@ -234,31 +238,38 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False) ->
           f"in {time.time() - t0:.0f} s", flush=True)
     exe = os.environ.get("COMPUTE_SANITIZER", "compute-sanitizer")
 
-    def start(tool: str) -> tuple[subprocess.Popen, typing.IO[str]]:
-        """The tool's run, its output going straight to its log (``--logdir``'s file, so that what a run
-        cut short wrote survives; else a temporary file)."""
+    def start(tool: str, part: int) -> tuple[subprocess.Popen, typing.IO[str]]:
+        """Part ``part`` of the tool's run, its output going straight to its log (``--logdir``'s file, so
+        that what a run cut short wrote survives; else a temporary file)."""
         cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
         if tool == "racecheck":
             cmd += ["--racecheck-report", "all"]
-        sink = (open(os.path.join(logdir, f"sanitize-{tool}.log"), "w+") if logdir
-                else tempfile.TemporaryFile("w+"))
-        return subprocess.Popen([*cmd, *me], env=env, stdout=sink, stderr=subprocess.STDOUT, text=True), sink
+        name = f"sanitize-{tool}.log" if tool_parts == 1 else f"sanitize-{tool}-{part}.log"
+        sink = open(os.path.join(logdir, name), "w+") if logdir else tempfile.TemporaryFile("w+")
+        inner = [*me, "--part", str(part), "--parts", str(tool_parts)]
+        return subprocess.Popen([*cmd, *inner], env=env, stdout=sink, stderr=subprocess.STDOUT, text=True), sink
 
     t_all = time.time()
-    started = {tool: start(tool) for tool in tools} if concurrent else {}
+    started = {(tool, i): start(tool, i) for tool in tools for i in range(tool_parts)} if concurrent else {}
     for tool in tools:
         t0 = t_all if concurrent else time.time()
-        proc, sink = started.get(tool) or start(tool)
-        proc.wait()
-        sink.seek(0)
-        log = sink.read()
-        sink.close()
-        calls_line = next((ln for ln in log.splitlines() if ln.startswith("sanitize calls")), "(calls did not finish)")
-        good = proc.returncode == 0
-        ok &= good
-        print(f"{tool:10s} rc={proc.returncode} {_summary(tool, log)}; {calls_line} ({time.time() - t0:.0f} s)", flush=True)
-        if not good:
-            print("\n".join(ln for ln in log.splitlines() if re.search(r"FAILED|Error|error", ln))[-3000:])
+        runs = [started.get((tool, i)) or start(tool, i) for i in range(tool_parts)]
+        for i, (proc, sink) in enumerate(runs):
+            proc.wait()
+            sink.seek(0)
+            log = sink.read()
+            sink.close()
+            calls_line = next((ln for ln in log.splitlines() if ln.startswith("sanitize calls")),
+                              "(calls did not finish)")
+            good = proc.returncode == 0
+            ok &= good
+            part = f" part {i}" if tool_parts > 1 else ""
+            print(f"{tool:10s}{part} rc={proc.returncode} {_summary(tool, log)}; {calls_line} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+            if not good:
+                print("\n".join(ln for ln in log.splitlines() if re.search(r"FAILED|Error|error", ln))[-3000:])
+    print(f"sanitize: {'passed' if ok else 'FAILED'}: the plain run and {', '.join(tools)} over {len(calls())} calls "
+          f"({time.time() - t_all:.0f} s under the tools)", flush=True)
     return 0 if ok else 1
 
 
@@ -271,13 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes for the plain run")
     ap.add_argument("--logdir", default="", help="write each tool's full log here")
     ap.add_argument("--concurrent", action="store_true", help="run the tools at once, not one after another")
+    ap.add_argument("--tool-parts", type=int, default=1,
+                    help="split each tool's run over this many processes (with --concurrent: tools x parts at once)")
     ap.add_argument("--match", default=None, help="only the calls whose name holds this (e.g. 'AttnFwdOp')")
     a = ap.parse_args(argv)
     if a.match is not None:  # (the tools' processes inherit it)
         os.environ["TILEOPS_SANITIZE_MATCH"] = a.match
     if a.inner:
         return inner(a.part, a.parts)
-    return outer([t for t in a.tools.split(",") if t], a.jobs, a.logdir, a.concurrent)
+    return outer([t for t in a.tools.split(",") if t], a.jobs, a.logdir, a.concurrent, a.tool_parts)
 
 
 if __name__ == "__main__":
