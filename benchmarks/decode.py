@@ -3,6 +3,7 @@ contiguous cache, side by side in one process (issue 37's table).
 
     python -m benchmarks.decode [--rows 0,1] [--block-sizes 16,1] [--no-fp8] [--no-sdpa]
     python -m benchmarks.decode --sweep 128x2,128x2x1,128x2x0x2 --rows 1,3   # THREADSxUNROLL[xPREFETCH[xSTAGES]]
+    python -m benchmarks.decode --sweep 128x2x0x1,128m64,128m32 --rows 1,3    # THREADSmTILE: tensor cores
     python -m benchmarks.decode --splits 264:256,528:128,1056:64 --rows 1,3  # PROGRAMS:MIN_TOKENS
 
 Rows: bf16, GQA 32/8, head_dim 128, one query token a sequence, ``batch x context`` tokens in the
@@ -55,28 +56,49 @@ def _reference(s: dict) -> torch.Tensor:
     return torch.einsum("bht,bthd->bhd", w.softmax(-1), v)
 
 
+def with_schedule(op, static: dict | None):
+    """``op`` with its manifest's CUDA schedule updated by ``static`` (an op reads its own manifest
+    object: a copy with another ``kernel.static``)."""
+    if static:
+        kernel = dataclasses.replace(op.manifest.kernel, static={**op.manifest.kernel.static, **static})
+        op.manifest = dataclasses.replace(op.manifest, kernel=kernel)
+    return op
+
+
 def schedule_specs(static: dict) -> list[tuple]:
     """The kernel jobs (builder, spec, backend, arch) a sweep's schedule ``static`` makes the op build for
-    this benchmark's bf16 rows on sm_90 (``benchmarks.device_cache --decode-sweep``)."""
+    this benchmark's rows on sm_90, bf16 q on a bf16 and a float8 cache (``benchmarks.device_cache
+    --decode-sweep``): the op's own ``kernel_specs``, as a call would make them."""
     from tileops.attention import PagedAttnDecodeFwdOp
-    from tileops.attention.decode_builtin import BUILDER
-    from tileops.kernels import get_spec
+    from tileops.attention.decode_builtin import kernel_specs
+    from tileops.manifest import call_specs
 
-    op = PagedAttnDecodeFwdOp(HQ, HKV, D)
-    fields = {**op.manifest.kernel.static, **static}
-    return [(BUILDER, get_spec(BUILDER)(dtype="bfloat16", cache_dtype="bfloat16", head_dim=D, hq=HQ, hkv=HKV,
-                                        backend="cuda", kind=kind, **fields), "cuda", "sm_90")
-            for kind in ("partial", "merge")]
+    dims = {"q_dim": D, "q_heads": HQ, "cache_heads": HKV}
+    jobs = []
+    for cache, given in ((None, ()), (torch.float8_e4m3fn, ("k_scale", "v_scale"))):  # the table's two caches
+        op = with_schedule(PagedAttnDecodeFwdOp(HQ, HKV, D, cache_dtype=cache), static)
+        jobs += [(b, spec, "cuda", "sm_90")
+                 for call in call_specs(op.manifest, dims, ["bfloat16"], torch.device("cuda"), given, params=op.params)
+                 for b, spec in kernel_specs(op.manifest, op.params, call, "cuda")]
+    return list(dict.fromkeys(jobs))
 
 
 def parse_sweep(text: str) -> list[dict]:
-    """``--sweep``'s schedules: THREADSxUNROLL[xPREFETCH[xSTAGES]], comma-separated."""
+    """``--sweep``'s schedules, comma-separated: THREADSxUNROLL[xPREFETCH[xSTAGES]] (CUDA cores), or
+    THREADSmTILE (tensor cores, ``mma``: tokens a tile)."""
     keys = ("threads", "unroll", "prefetch", "stages")
     configs = []
     for c in text.split(","):
+        if "m" in c:
+            parts = c.split("m")
+            if len(parts) != 2 or not all(p.isdigit() for p in parts):
+                raise SystemExit(f"--sweep: expected THREADSmTILE (integers), got {c!r}")
+            configs.append({"threads": int(parts[0]), "mma": 1, "tile": int(parts[1])})
+            continue
         parts = c.split("x")
         if not 2 <= len(parts) <= 4 or not all(p.isdigit() for p in parts):
-            raise SystemExit(f"--sweep: expected THREADSxUNROLL[xPREFETCH[xSTAGES]] (integers), got {c!r}")
+            raise SystemExit(f"--sweep: expected THREADSxUNROLL[xPREFETCH[xSTAGES]] or THREADSmTILE (integers), "
+                             f"got {c!r}")
         configs.append(dict(zip(keys, map(int, parts))))
     return configs
 
@@ -88,10 +110,7 @@ def _ours(batch: int, ctx: int, bs: int, dtype, gen, static: dict | None = None,
     from tileops.attention import PagedAttnDecodeFwdOp
 
     fp8 = dtype == torch.float8_e4m3fn
-    op = PagedAttnDecodeFwdOp(HQ, HKV, D, cache_dtype=dtype if fp8 else None)
-    if static:  # an op reads its own manifest object: a copy with another schedule
-        kernel = dataclasses.replace(op.manifest.kernel, static={**op.manifest.kernel.static, **static})
-        op.manifest = dataclasses.replace(op.manifest, kernel=kernel)
+    op = with_schedule(PagedAttnDecodeFwdOp(HQ, HKV, D, cache_dtype=dtype if fp8 else None), static)
     kv = 2 * batch * ctx * HKV * D * (1 if fp8 else 2)
     sets = [_paged(batch, ctx, bs, dtype, gen) for _ in range(rotation(kv))]
     scales = {"k_scale": torch.tensor([0.02], device="cuda"), "v_scale": torch.tensor([0.5], device="cuda")}
@@ -129,8 +148,8 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="16,1")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--no-sdpa", action="store_true")
-    ap.add_argument("--sweep", default="", help="THREADSxUNROLL[xPREFETCH],...: ours alone at each (bf16, block "
-                                                "size 16)")
+    ap.add_argument("--sweep", default="", help="THREADSxUNROLL[xPREFETCH[xSTAGES]] or THREADSmTILE (tensor cores), "
+                                                "comma-separated: ours alone at each (bf16, block size 16)")
     ap.add_argument("--splits", default="", help="PROGRAMS:MIN_TOKENS,...: ours alone (bf16, block size 16, "
                                                  "the manifest's schedule) with the split rule aiming at PROGRAMS "
                                                  "programs, no split under MIN_TOKENS tokens")

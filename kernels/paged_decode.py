@@ -63,6 +63,9 @@ STATIC = {
                        "its registers cost the SM a program)"),
     "stages": (0, 4, "steps whose keys and values are copied ahead into shared memory by cp.async, no register "
                      "holding them in flight (CUDA; 0: loaded into registers a step at a time)"),
+    "mma": (0, 1, "1: the group's q heads as the rows of tensor-core products over tiles of tokens (CUDA, 16-bit "
+                  "q; unroll, prefetch and stages then do not apply)"),
+    "tile": (16, 128, "tokens a tile of the mma schedule (16, 32, 64 or 128)"),
 }
 
 #: the caches' element types: the query's, or float8 e4m3fn with per-tensor scales
@@ -76,6 +79,8 @@ PARTIAL_ARGS = ("Q", "KC", "VC", "BT", "SL", "KS", "VS", "OP", "LP", "ERR", "tag
 MERGE_ARGS = ("OP", "LP", "O", "batch", "splits", "osb", "osh")
 
 _LOG2E = 1.4426950408889634
+#: mma: the rows of a tensor-core product (mma.sync's m16): a program's q heads, padded with zero rows
+MMA_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,8 @@ class PagedDecodeSpec:
     unroll: int = 2
     prefetch: int = 0  # 1: a step's loads issued while the step before it computes
     stages: int = 0  # S >= 1: steps it+1..it+S copied global -> shared by cp.async while step it computes
+    mma: int = 0  # 1: tensor-core products, the group's heads as rows (:func:`_partial_mma`)
+    tile: int = 64  # mma: tokens a tile
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16", "float32"):
@@ -124,6 +131,21 @@ class PagedDecodeSpec:
                              f"stages={self.stages}, got prefetch={self.prefetch}")
         if self.threads not in (64, 128, 256, 512):
             raise ValueError(f"threads: expected 64, 128, 256 or 512, got {self.threads!r}")
+        if self.mma not in (0, 1):
+            raise ValueError(f"mma: expected 0 or 1, got {self.mma!r}")
+        if self.tile not in (16, 32, 64, 128):
+            raise ValueError(f"tile: expected 16, 32, 64 or 128, got {self.tile!r}")
+        if self.mma and self.tile < 8 * (self.threads // 32):
+            raise ValueError(f"tile: the tensor-core products split a tile's tokens over the warps, at least 8 "
+                             f"(mma's n8) a warp: expected tile >= {8 * (self.threads // 32)} at threads="
+                             f"{self.threads}, got {self.tile}")
+        if self.mma and (self.threads, self.tile) == (256, 128):
+            raise ValueError("tile: TileLang 0.1.15 cannot lower the score tile's row reduction at threads=256 "
+                             "with tile=128 (16 tokens a warp over 8 warps; seen lowering it): expected tile 64 "
+                             "at 256 threads, or 128 at 128 or 512")
+        if self.mma and self.dtype == "float32":
+            raise ValueError("mma: the tensor-core products take 16-bit operands; expected dtype float16 or "
+                             "bfloat16 with mma=1, got float32 (mma=0 reads fp32)")
         if self.backend == "cuda":
             problem = cuda_problem(self.dtype, self.cache_dtype, self.head_dim)
             if problem:
@@ -157,8 +179,10 @@ class PagedDecodeSpec:
         """CUDA: the q heads of one kv head a partial program serves: all of the group where it has at
         most 8 (every key and value loaded serves each), else the largest divisor of the group <= 8 (its
         registers hold a q row and an output row per head; a group of 16 or 32, MQA, reads each kv row
-        once per 8 heads, the rereads from L2)."""
-        return max(h for h in range(1, 9) if self.group % h == 0)
+        once per 8 heads, the rereads from L2). With ``mma`` up to :data:`MMA_ROWS`, the rows of its
+        products."""
+        most = MMA_ROWS if self.mma and self.kind == "partial" else 8
+        return max(h for h in range(1, most + 1) if self.group % h == 0)
 
     @property
     def lanes(self) -> int:
@@ -199,7 +223,9 @@ def build(spec: PagedDecodeSpec):
     """The ``T.prim_func`` for ``spec``; its parameters are ``spec.args`` (then the dynamic extents)."""
     _tl()
     if spec.backend == "cuda":
-        return _partial_cuda(spec) if spec.kind == "partial" else _merge_cuda(spec)
+        if spec.kind == "merge":
+            return _merge_cuda(spec)
+        return _partial_mma(spec) if spec.mma else _partial_cuda(spec)
     return _partial(spec) if spec.kind == "partial" else _merge(spec)
 
 
@@ -361,6 +387,35 @@ def _cuda_helpers(copies: bool = False) -> str:
     return CUDA_HELPERS + CUDA_SOURCE + (ASYNC_HELPER if copies else "")
 
 
+def _program_setup(spec: PagedDecodeSpec):
+    """The CUDA partial programs' common start, a macro: ``sc[0]``, ``sc[1]`` the key and value scales
+    (1, or a float8 cache's), ``rng[0]``, ``rng[1]`` the split's visible tokens ``[t0, t1)``: its share
+    of the sequence's, the length clamped into its table and reported when bad by the sequence's
+    ``first`` program's first thread (word :data:`LENS_WORD`), a window's keys from ``L - window``."""
+    rep = report("cuda")
+
+    @T.macro
+    def setup(SL, KS, VS, ERR, tag, sc, rng, b, s, first, chunk, max_blocks, bs, window):
+        sc[0] = T.float32(1)
+        sc[1] = T.float32(1)
+        if spec.fp8:
+            sc[0] = KS[0]
+            sc[1] = VS[0]
+        L = T.alloc_var("int32")
+        L = T.max(T.min(SL[b], max_blocks * bs), 0)
+        if first:
+            if SL[b] < 0 or SL[b] > max_blocks * bs:
+                rep(ERR, LENS_WORD, tag, b, SL[b])
+        lo = T.alloc_var("int32")
+        lo = 0
+        if spec.window:
+            lo = T.max(L - window, 0)
+        rng[0] = T.max(lo, s * chunk)
+        rng[1] = T.min(L, s * chunk + chunk)
+
+    return setup
+
+
 def _partial_cuda(spec: PagedDecodeSpec):
     """A program per (sequence, kv head, head chunk, split), 1-D grid (split fastest). The block's
     threads form lane groups of :attr:`~PagedDecodeSpec.lanes` lanes; group ``g`` takes tokens ``j0 +
@@ -379,6 +434,7 @@ def _partial_cuda(spec: PagedDecodeSpec):
     S = spec.stages
     rep = report("cuda")
     helpers = _cuda_helpers(copies=bool(S))
+    setup = _program_setup(spec)
     sig = _partial_buffers(st, cst)
     vb_bytes = VEC * (1 if spec.fp8 else 2 if st != "float32" else 4)  # a lane's vector of a cache row
     ninf = _neg_inf()
@@ -479,25 +535,11 @@ def _partial_cuda(spec: PagedDecodeSpec):
                 ksh = T.alloc_shared(((S + 1) * U * TPB * VEC,), cst, scope="shared.dyn")
                 vsh = T.alloc_shared(((S + 1) * U * TPB * VEC,), cst, scope="shared.dyn")
                 oks = T.alloc_shared(((S + 1) * U * TPB,), "int32", scope="shared.dyn")
-            ks = T.alloc_var("float32")
-            vs = T.alloc_var("float32")
-            ks = T.float32(1)
-            vs = T.float32(1)
-            if spec.fp8:
-                ks = KS[0]
-                vs = VS[0]
-            # the sequence's visible tokens, the length clamped into its table (a bad one reported once)
-            L = T.alloc_var("int32")
-            L = T.max(T.min(SL[b], max_blocks * bs), 0)
-            if s == 0 and kvh == 0 and hc == 0 and tx == 0:
-                if SL[b] < 0 or SL[b] > max_blocks * bs:
-                    rep(ERR, LENS_WORD, tag, b, SL[b])
-            lo = T.alloc_var("int32")
-            lo = 0
-            if spec.window:
-                lo = T.max(L - window, 0)
-            t0 = T.max(lo, s * chunk)
-            t1 = T.min(L, s * chunk + chunk)
+            scales = T.alloc_local((2,), "float32")  # the key and value scales
+            rng = T.alloc_local((2,), "int32")  # the split's visible tokens [t0, t1)
+            setup(SL, KS, VS, ERR, tag, scales, rng, b, s, s == 0 and kvh == 0 and hc == 0 and tx == 0, chunk,
+                  max_blocks, bs, window)
+            ks, vs, t0, t1 = scales[0], scales[1], rng[0], rng[1]
             # q: the chunk's heads, this lane's vector of each (scaled here when no softcap follows)
             qk = T.float32(_LOG2E) if spec.softcap else scale * T.float32(_LOG2E)
             for h in T.unroll(GH):
@@ -619,6 +661,158 @@ def _partial_cuda(spec: PagedDecodeSpec):
                         LP[row] = T.if_then_else(w[1] > 0, w[0] + T.log2(w[1]), ninf)
 
     return paged_decode_partial_cuda
+
+
+def _partial_mma(spec: PagedDecodeSpec):
+    """The partial program on tensor cores: a program per (sequence, kv head, head chunk, split), as
+    :func:`_partial_cuda`'s, walks its tokens in tiles of ``tile``. A tile's tokens are looked up in the
+    block table once each (page checked, a bad one reported and its token masked), their key and value
+    rows gathered into shared memory as 16-byte vectors by all the block's threads, and then ``S = Q
+    K^T`` and ``O += P V`` are ``T.gemm`` (mma) with the chunk's q heads as the rows of Q, padded with
+    zero rows to :data:`MMA_ROWS`: the ``2 G`` multiply-adds a cached element costs are the tensor
+    cores', and a lane's work a token is a share of one row's load. The online softmax is the
+    forward's (``kernels/attention.py``), one rescale a tile. A token not read (past the split, or its
+    page bad) is read from the kv head's row of page 0 (memory that exists, whatever it holds) and
+    zeroed in shared memory, its score -inf: no NaN of stale memory meets a weight of 0. Strides are in
+    units of ``vec`` elements, as the other CUDA schedule's."""
+    D, HQ, HKV, G = spec.head_dim, spec.hq, spec.hkv, spec.group
+    GH, VEC, TPB, BN, BM = spec.heads_per_block, spec.vec, spec.threads, spec.tile, MMA_ROWS
+    NHC = G // GH
+    NVR = D // VEC  # vectors a cache row
+    NE = -(-BN * NVR // TPB)  # vectors of a tile's keys (and of its values) a thread gathers
+    dt = spec.dtype
+    cst = "uint8" if spec.fp8 else dt
+    rep = report("cuda")
+    helpers = _cuda_helpers()
+    setup = _program_setup(spec)
+    sig = _partial_buffers(dt, cst)
+    ninf = _neg_inf()
+
+    def cache_f(x, scale):
+        """A cache element in the products' type (a float8 one dequantised with ``scale``)."""
+        return T.cast(e4m3_f32(x) * scale, dt) if spec.fp8 else x
+
+    @T.prim_func
+    def paged_decode_partial_mma(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
+                                 KS: sig["KS"], VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"],
+                                 tag: T.int32, batch: T.int32, splits: T.int32,
+                                 chunk: T.int32, nblocks: T.int32, bs: T.int32, max_blocks: T.int32, btb: T.int64,
+                                 qsb: T.int64, qsh: T.int64, csb: T.int64, csr: T.int64, csh: T.int64,
+                                 scale_bits: T.int32, softcap_bits: T.int32, window: T.int32):
+        with T.Kernel(splits * (HKV * NHC) * batch, threads=TPB) as bx:
+            T.import_source(helpers)
+            tx = T.get_thread_binding()
+            div, mod = T.truncdiv, T.truncmod  # every operand >= 0
+            s = mod(bx, splits)
+            hc = mod(div(bx, splits), NHC)
+            kvh = mod(div(bx, splits * NHC), HKV)
+            b = div(bx, splits * NHC * HKV)
+            scale = T.reinterpret(scale_bits, "float32")
+            softcap = T.reinterpret(softcap_bits, "float32")
+            Qs = T.alloc_shared((BM, D), dt)
+            Ks = T.alloc_shared((BN, D), dt)
+            Vs = T.alloc_shared((BN, D), dt)
+            Ps = T.alloc_shared((BM, BN), dt)
+            rowv = T.alloc_shared((BN,), "int64")  # a token's cache row, in vectors
+            okS = T.alloc_shared((BN,), "int32")  # 1: the token is read
+            kb = T.alloc_local((NE * VEC,), cst)  # a thread's loaded vectors of the tile
+            vb = T.alloc_local((NE * VEC,), cst)
+            S = T.alloc_fragment((BM, BN), "float32")
+            Acc = T.alloc_fragment((BM, D), "float32")
+            m = T.alloc_fragment((BM,), "float32")
+            m_prev = T.alloc_fragment((BM,), "float32")
+            resc = T.alloc_fragment((BM,), "float32")
+            rsum = T.alloc_fragment((BM,), "float32")
+            lsum = T.alloc_fragment((BM,), "float32")
+            scales = T.alloc_local((2,), "float32")  # the key and value scales
+            rng = T.alloc_local((2,), "int32")  # the split's visible tokens [t0, t1)
+            setup(SL, KS, VS, ERR, tag, scales, rng, b, s, s == 0 and kvh == 0 and hc == 0 and tx == 0, chunk,
+                  max_blocks, bs, window)
+            ks, vs, t0, t1 = scales[0], scales[1], rng[0], rng[1]
+            h0 = kvh * G + hc * GH  # the chunk's first q head
+            # Q's rows: the chunk's heads, zeros below them (a row past them reads the last head's, in bounds)
+            for i, d in T.Parallel(BM, D):
+                Qs[i, d] = T.if_then_else(
+                    i < GH, Q[(T.cast(b, "int64") * qsb + T.cast(h0 + T.min(i, GH - 1), "int64") * qsh) * VEC + d],
+                    T.cast(0, dt))
+            T.fill(Acc, 0)
+            T.fill(lsum, 0)
+            T.fill(m, ninf)
+            for it in T.serial(T.ceildiv(T.max(t1 - t0, 0), BN)):
+                # the tile's tokens: pages looked up and checked once each
+                for r0 in T.serial(T.ceildiv(BN, TPB)):
+                    r = r0 * TPB + tx
+                    if r < BN:
+                        j = t0 + it * BN + r
+                        at = T.cast(b, "int64") * btb + T.cast(div(T.min(j, t1 - 1), bs), "int64")
+                        page = BT[at]
+                        good = j < t1 and page >= 0 and page < nblocks
+                        if j < t1 and (page < 0 or page >= nblocks) and kvh == 0 and hc == 0:
+                            rep(ERR, TABLES_WORD, tag, at, page)
+                        okS[r] = T.if_then_else(good, 1, 0)
+                        rowv[r] = T.if_then_else(
+                            good, T.cast(page, "int64") * csb + T.cast(mod(T.min(j, t1 - 1), bs), "int64") * csr,
+                            T.int64(0)) + T.cast(kvh, "int64") * csh
+                T.sync_threads()
+                # the rows' vectors, NVR a row, NE a thread: every load of the tile issued before the
+                # first store (no branch between them: a token not read loads page 0's row, in bounds,
+                # and is zeroed on its way into shared memory). A T.Parallel copy moved 4 bytes a load
+                # here: its loop is laid out for the products' shared layout, not for the gather.
+                if nblocks > 0:  # (uniform: a cache of no block has no row to read)
+                    for e0 in T.unroll(NE):
+                        e = e0 * TPB + tx  # vector e % NVR of the tile's row e // NVR
+                        if e < BN * NVR:
+                            for v in T.vectorized(VEC):
+                                kb[e0 * VEC + v] = KC[rowv[e // NVR] * VEC + e % NVR * VEC + v]
+                            for v in T.vectorized(VEC):
+                                vb[e0 * VEC + v] = VC[rowv[e // NVR] * VEC + e % NVR * VEC + v]
+                else:
+                    for v in T.unroll(NE * VEC):
+                        kb[v] = T.cast(0, cst)
+                        vb[v] = T.cast(0, cst)
+                zero = T.cast(0, dt)
+                # (a float8 element's decode is integer work the vectoriser cannot plan: element by element)
+                store = T.unroll if spec.fp8 else T.vectorized
+                for e0 in T.unroll(NE):
+                    e = e0 * TPB + tx
+                    if e < BN * NVR:
+                        for v in store(VEC):
+                            Ks[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[e // NVR] != 0,
+                                                                             cache_f(kb[e0 * VEC + v], ks), zero)
+                        for v in store(VEC):
+                            Vs[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[e // NVR] != 0,
+                                                                             cache_f(vb[e0 * VEC + v], vs), zero)
+                T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                for i, j in T.Parallel(BM, BN):
+                    if spec.softcap:
+                        S[i, j] = T.if_then_else(okS[j] != 0,
+                                                 softcap * T.tanh(S[i, j] * scale / softcap) * T.float32(_LOG2E), ninf)
+                    else:
+                        S[i, j] = T.if_then_else(okS[j] != 0, S[i, j] * (scale * T.float32(_LOG2E)), ninf)
+                T.copy(m, m_prev)
+                T.reduce_max(S, m, dim=1, clear=False)
+                # a row that saw no key keeps m = -inf: rescale 1 and p = exp2(-inf - 0) = 0, never NaN
+                for i in T.Parallel(BM):
+                    resc[i] = T.if_then_else(m[i] == ninf, T.float32(1), T.exp2(m_prev[i] - m[i]))
+                for i, j in T.Parallel(BM, BN):
+                    S[i, j] = T.exp2(S[i, j] - T.if_then_else(m[i] == ninf, T.float32(0), m[i]))
+                T.reduce_sum(S, rsum, dim=1)
+                for i in T.Parallel(BM):
+                    lsum[i] = lsum[i] * resc[i] + rsum[i]
+                T.copy(S, Ps)
+                for i, d in T.Parallel(BM, D):
+                    Acc[i, d] *= resc[i]
+                T.gemm(Ps, Vs, Acc, policy=T.GemmWarpPolicy.FullCol)
+            for i, d in T.Parallel(BM, D):
+                if i < GH:
+                    OP[((T.cast(b, "int64") * HQ + T.cast(h0 + i, "int64")) * T.cast(splits, "int64") + s) * D + d] = (
+                        T.if_then_else(lsum[i] > 0, Acc[i, d] / lsum[i], T.float32(0)))
+            for i in T.Parallel(BM):
+                if i < GH:
+                    LP[(T.cast(b, "int64") * HQ + T.cast(h0 + i, "int64")) * T.cast(splits, "int64") + s] = (
+                        T.if_then_else(lsum[i] > 0, m[i] + T.log2(lsum[i]), ninf))
+
+    return paged_decode_partial_mma
 
 
 def _kv_f32(spec: PagedDecodeSpec, x, scale):

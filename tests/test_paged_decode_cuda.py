@@ -6,9 +6,10 @@ bad block tables and lengths reported with their index (deferred, then ``op.chec
 graph and replayed on new tokens, positions, slots, block tables and lengths.
 
 Bounds: the kernel tests' (``tests/test_paged_decode_kernels.py``, :func:`bound`, from the arithmetic),
-with the magnitudes of the inputs (:func:`tests.test_paged_decode._terms`). The GPU's ``exp2f``,
-``log2f`` and ``tanhf`` are within 2 ulp of the correctly rounded values, inside the bound's few ``u``
-for each.
+with the magnitudes of the inputs (:func:`tests.test_paged_decode._terms`), and for the tensor-core
+schedule (the manifest's for 16-bit q: ``mma``) what its products add (:func:`tolerance`). The GPU's
+``exp2f``, ``log2f`` and ``tanhf`` are within 2 ulp of the correctly rounded values, inside the bound's
+few ``u`` for each.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 import tileops
 from tests.test_paged_decode import _inputs, _terms, refs
-from tests.test_paged_decode_kernels import bound
+from tests.test_paged_decode_kernels import UNIT, bound
 from tileops.attention import AttnPrologueFwdOp, PagedAttnDecodeFwdOp
 from tileops.attention.attn_builtin import CUDA_ENV
 from tileops.attention.decode_builtin import cuda_enabled
@@ -41,13 +42,33 @@ def _check(op, t, **call):
     assert got is out
     op.check()
     want, _ = refs.paged_decode(dict(op.params), t)
-    _, terms = _terms(op, t)
-    tol = bound(terms, op.params["head_dim"], 264, op.params["softcap"], want, t["q"].dtype)
+    tol = tolerance(op, t, want)
     err = (got.cpu().double() - want).abs()
     assert bool(torch.isfinite(got).all()), "a NaN or inf in out (an element never written?)"
     assert not bool((err > tol).any()), (f"off by {err.max().item():.3g} ({(err / tol).max().item():.2f} x the "
                                          f"bound) at {(err > tol).nonzero()[0].tolist()}")
     return got
+
+
+def tolerance(op, t: dict, want: torch.Tensor) -> torch.Tensor:
+    """The elementwise bound on ``|out - want|`` for ``t`` (CPU tensors): :func:`bound`, and where the
+    call takes the tensor-core schedule (``mma`` in the op's manifest, 16-bit q) what it adds, from the
+    arithmetic:
+
+    * the products' fp32 accumulation: the attention tests' 2^-22 a step (``tests/test_attn_bwd.py``
+      ``u_exp``) in place of 2^-24 in the logits' error, 4x its ``(D + 8) u A`` term;
+    * p rounded to the dtype before ``P V`` (the sum l is taken before, in fp32): the output, a sum of
+      weights times values over l, moves at most ``unit * max|v|``;
+    * a float8 cache's elements dequantised into the dtype: a key element's rounding moves a logit at
+      most ``unit * A``, a value's the output at most ``unit * max|v|``."""
+    _, terms = _terms(op, t)
+    dtype, p = t["q"].dtype, op.params
+    if not (op.manifest.kernel.static.get("mma") and dtype != torch.float32):
+        return bound(terms, p["head_dim"], 264, p["softcap"], want, dtype)
+    unit, fp8 = UNIT[dtype], p["cache_dtype"] == "float8_e4m3fn"
+    a = terms["a"] * (1 + unit) if fp8 else terms["a"]
+    return (bound({**terms, "a": 4 * a}, p["head_dim"], 264, p["softcap"], want, dtype)
+            + unit * terms["v"] * (2 if fp8 else 1))
 
 
 LENS = [37, 0, 1, 16, 300, 2000]  # empty, one token, a block exactly, a part block, a context that splits
@@ -89,9 +110,9 @@ def test_agrees_with_the_torch_target():
     ours = PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND")(**t)
     plain = PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND", target="torch")(**t)
     # both within the bound of the same reference: within twice it of each other
-    want, _ = refs.paged_decode(dict(PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND").params), t)
-    _, terms = _terms(PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND"), {n: v.cpu() for n, v in t.items()})
-    tol = bound(terms, 128, 264, None, want, torch.float16)
+    op = PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND")
+    want, _ = refs.paged_decode(dict(op.params), t)
+    tol = tolerance(op, {n: v.cpu() for n, v in t.items()}, want)
     assert bool(((ours.cpu().double() - plain.cpu().double()).abs() <= 2 * tol).all())
 
 
@@ -194,9 +215,71 @@ def test_a_layer_step_in_a_cuda_graph_64_steps():
         t = {"q": q.cpu(), "key_cache": kc.cpu(), "value_cache": vc.cpu(), "block_tables": tables.clone(),
              "seq_lens": lens.clone()}
         want, _ = refs.paged_decode(dict(dec.params), t)
-        _, terms = _terms(dec, t)
-        tol = bound(terms, d, 264, None, want, torch.bfloat16)
+        tol = tolerance(dec, t, want)
         err = (out.cpu().double() - want).abs()
         assert not bool((err > tol).any()), f"step {i}: off by {err.max().item():.3g}"
     pro.check()
     dec.check()
+
+
+# ------------------------------------------------------------------------------ the tensor-core schedule
+# ``mma=1`` (``kernels/paged_decode.py`` ``_partial_mma``, the manifest's schedule for 16-bit q): the
+# group's q heads as the rows of mma.sync products over tiles of tokens gathered from the pages into
+# shared memory, at other tiles, thread counts, groups and head dims than the manifest's.
+MMA_CASES = {
+    # id: (head_dim, hq, hkv, dtype, cache dtype, layout, block size, lens, fields, op kwargs)
+    "gqa4-bf16-nhd-bs16": (128, 8, 2, torch.bfloat16, None, "NHD", 16, LENS, {}, {}),
+    "gqa4-fp16-hnd-bs1": (128, 8, 2, torch.float16, None, "HND", 1, [37, 0, 1, 300], {}, {}),
+    "d64-gqa4-tile32": (64, 32, 8, torch.bfloat16, None, "NHD", 16, [700, 5, 64], {"tile": 32}, {}),
+    "d256-256threads": (256, 8, 2, torch.bfloat16, None, "HND", 16, [700, 5, 64], {"threads": 256}, {}),
+    "tile128": (128, 8, 2, torch.bfloat16, None, "NHD", 16, [700, 5, 64], {"tile": 128}, {}),
+    "mha": (128, 8, 8, torch.float16, None, "NHD", 16, [700, 5, 64], {}, {}),
+    "group16": (128, 16, 1, torch.bfloat16, None, "NHD", 16, [700, 5, 64], {}, {}),
+    "group32-two-chunks": (64, 32, 1, torch.bfloat16, None, "NHD", 8, [200, 3], {"tile": 16, "threads": 64}, {}),
+    "float8": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, LENS, {}, {}),
+    "window-softcap": (128, 8, 2, torch.bfloat16, None, "NHD", 16, [2000, 700, 3], {},
+                       dict(sliding_window=300, softcap=30.0, softmax_scale=0.2)),
+}
+
+
+def _mma_op(name: str) -> PagedAttnDecodeFwdOp:
+    """The case's op with its manifest's CUDA schedule set to the tensor-core one."""
+    from benchmarks.decode import with_schedule
+
+    d, hq, hkv, dtype, cache, layout, bs, lens, fields, kw = MMA_CASES[name]
+    return with_schedule(PagedAttnDecodeFwdOp(hq, hkv, d, cache_layout=layout, cache_dtype=cache, **kw),
+                         {"mma": 1, **fields})
+
+
+def mma_kernel_jobs(arch: str) -> list[tuple]:
+    """The kernel jobs of the tensor-core cases (``benchmarks.device_cache`` compiles them off the GPU:
+    TileLang's own nvcc build, ~20 s a program, since they take dynamic shared memory)."""
+    from tileops.attention.decode_builtin import kernel_specs
+    from tileops.manifest import call_specs
+
+    jobs = []
+    for name, (d, hq, hkv, dtype, cache, *_) in MMA_CASES.items():
+        op = _mma_op(name)
+        dims = {"q_dim": d, "q_heads": hq, "cache_heads": hkv}
+        with_inputs = ("k_scale", "v_scale") if cache is not None else ()
+        for call in call_specs(op.manifest, dims, [str(dtype).removeprefix("torch.")], torch.device("cuda"),
+                               with_inputs, params=op.params):
+            jobs += [(b, s, "cuda", arch) for b, s in kernel_specs(op.manifest, op.params, call, "cuda")]
+    return list(dict.fromkeys(jobs))
+
+
+def _case_inputs(name: str) -> dict:
+    d, hq, hkv, dtype, cache, layout, bs, lens, fields, kw = MMA_CASES[name]
+    t = _inputs(89, lens, bs=bs, d=d, hq=hq, hkv=hkv, dtype=dtype, layout=layout)
+    if cache is not None:
+        t["key_cache"] = (t["key_cache"].float() * 30).clamp(-448, 448).to(cache)
+        t["value_cache"] = (t["value_cache"].float() * 30).clamp(-448, 448).to(cache)
+        t.update(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.5]))
+    return t
+
+
+@pytest.mark.parametrize("name", list(MMA_CASES))
+def test_tensor_core_schedule(name):
+    got = _check(_mma_op(name), _case_inputs(name))
+    empty = [i for i, n in enumerate(MMA_CASES[name][7]) if n == 0]
+    assert all(bool((got[i] == 0).all()) for i in empty), "a sequence of no token outputs zeros"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import struct
 
 import pytest
@@ -350,3 +351,59 @@ def test_spec_refuses_what_it_cannot_build():
         spec("partial", torch.float32, hq=8, hkv=3)
     with pytest.raises(ValueError, match=r"kind: expected 'partial' or 'merge'"):
         spec("fwd", torch.float32)
+
+
+# ------------------------------------------------------------------------------ the tensor-core schedule
+# (``mma=1``: mma.sync and ldmatrix, which the CPU harness cannot run; its results are checked on the
+# GPU, ``tests/test_paged_decode_cuda.py``. Here: what it accepts, how a call keys it, and that TileLang
+# lowers it into tensor-core products fed by 16-byte gathers.)
+def test_tensor_core_schedule_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match=r"mma: the tensor-core products take 16-bit operands.*got float32"):
+        spec("partial", torch.float32, backend="cuda", mma=1)
+    with pytest.raises(ValueError, match=r"tile: expected 16, 32, 64 or 128, got 48"):
+        spec("partial", torch.bfloat16, backend="cuda", mma=1, tile=48)
+    with pytest.raises(ValueError, match=r"tile: .* at least 8 \(mma's n8\) a warp: expected tile >= 32 at "
+                                         r"threads=128, got 16"):
+        spec("partial", torch.bfloat16, backend="cuda", mma=1, tile=16, threads=128)
+    with pytest.raises(ValueError, match=r"TileLang 0.1.15 cannot lower .* threads=256 with tile=128"):
+        spec("partial", torch.bfloat16, backend="cuda", mma=1, tile=128, threads=256)
+    with pytest.raises(ValueError, match=r"mma: expected 0 or 1, got 2"):
+        spec("partial", torch.bfloat16, backend="cuda", mma=2)
+    assert spec("partial", torch.bfloat16, hq=32, hkv=1, mma=1).heads_per_block == 16  # MMA_ROWS, not 8
+    assert spec("partial", torch.bfloat16, hq=32, hkv=1).heads_per_block == 8
+
+
+def test_a_call_keys_each_program_by_the_knobs_it_reads():
+    """With ``mma`` in the manifest's schedule: a 16-bit call's partial takes it and drops the CUDA cores'
+    token-loop knobs, an fp32 call's keeps the CUDA cores' schedule, and the merge is keyed by its
+    threads alone (one merge for every partial schedule)."""
+    import dataclasses
+
+    from tileops.attention import PagedAttnDecodeFwdOp
+    from tileops.attention.decode_builtin import kernel_specs
+    from tileops.manifest import call_specs
+
+    op = PagedAttnDecodeFwdOp(8, 2, 128)
+    static = {"threads": 128, "unroll": 4, "stages": 2, "mma": 1, "tile": 32}
+    m = dataclasses.replace(op.manifest, kernel=dataclasses.replace(op.manifest.kernel, static=static))
+    dims = {"q_dim": 128, "q_heads": 8, "cache_heads": 2}
+    got = {}
+    for dt in ("bfloat16", "float32"):
+        [call] = call_specs(m, dims, [dt], torch.device("cuda"), (), params=op.params)
+        got[dt] = {s.kind: s for _, s in kernel_specs(m, op.params, call, "cuda")}
+    bf, f32 = got["bfloat16"], got["float32"]
+    assert (bf["partial"].mma, bf["partial"].tile, bf["partial"].unroll, bf["partial"].stages) == (1, 32, 2, 0)
+    assert (f32["partial"].mma, f32["partial"].unroll, f32["partial"].stages) == (0, 4, 2)
+    plain = spec("merge", torch.bfloat16, d=128, backend="cuda", threads=128)
+    assert bf["merge"] == plain and f32["merge"] == dataclasses.replace(plain, dtype="float32",
+                                                                        cache_dtype="float32")
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_tensor_core_schedule_lowers_to_mma_fed_by_16_byte_gathers(cache_dtype):
+    src = emit_source("paged_decode", spec("partial", torch.bfloat16, cache_dtype, d=128, hq=32, hkv=8,
+                                           backend="cuda", mma=1, tile=64), "cuda", "sm_90")
+    assert src.count("tl::mma_sync<tl::DataType::kBFloat16") >= 2  # S = Q K^T and O += P V
+    loads = re.findall(r"\*\((uint\d)\*\)\((?:KC|VC) \+", src)
+    # every key and value vector one load: 16 bytes of bf16, 8 of float8 (a T.Parallel copy moved 4)
+    assert loads and set(loads) == {"uint4" if cache_dtype == torch.bfloat16 else "uint2"}, loads

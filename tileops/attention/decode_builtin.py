@@ -48,6 +48,8 @@ TARGET_PROGRAMS = 264
 #: stop being small next to the split's own (256 keys of D elements, for its G q heads)
 MIN_SPLIT_TOKENS = 256
 
+#: the CUDA-cores partial's token-loop knobs, which the tensor-core one (``mma``) does not read
+_CUDA_CORE_LOOP = ("unroll", "prefetch", "stages")
 _PARTIAL_VALUES = ("batch", "splits", "chunk", "nblocks", "bs", "max_blocks", "btb", "qsb", "qsh", "csb", "csr",
                    "csh", "scale_bits", "softcap_bits", "window")
 
@@ -103,7 +105,14 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     if backend == "cuda" and cuda_problem(fields["dtype"], fields["cache_dtype"], fields["head_dim"]):
         return []
     static = dict(manifest.kernel.static or {}) if backend == "cuda" else {}  # the CUDA schedule's knobs
-    return [(BUILDER, spec(backend=backend, kind=kind, **fields, **static)) for kind in ("partial", "merge")]
+    if static.get("mma") and fields["dtype"] == "float32":
+        static["mma"] = 0  # the tensor-core products take 16-bit operands: fp32 q takes the CUDA cores'
+    # each program keyed by the knobs it reads: the merge by its threads, the tensor-core partial not by
+    # the CUDA cores' token loop (so that a schedule sweep compiles one merge, not one a schedule)
+    merge = {k: v for k, v in static.items() if k == "threads"}
+    partial = {k: v for k, v in static.items() if not (static.get("mma") and k in _CUDA_CORE_LOOP)}
+    return [(BUILDER, spec(backend=backend, kind="partial", **fields, **partial)),
+            (BUILDER, spec(backend=backend, kind="merge", **fields, **merge))]
 
 
 class DecodeKernels:
