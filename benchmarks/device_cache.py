@@ -3,13 +3,16 @@ would otherwise compile there, and pack them for the device machine.
 
     python -m benchmarks.device_cache [--jobs 2] [--out .devsite/kcache.tar.xz]
 
-What it compiles: every manifest case's kernels (``tileops warmup``'s list) and the attention tests'
-warm-up lists (``tests/test_attn_fwd_cuda.py``, ``tests/test_attn_bwd_cuda.py``: their module
-fixtures, called with the arch set to sm_90). TileLang's own build needs a driver only to link and
-to call a library's ``init()``: :func:`tileops.compile.tilelang_api.driverless` stands in for both
-here. The index (``$TILEOPS_CACHE_DIR/kernels``, default ``.kcache``) is packed with ``xz``: the
-libraries share CUDA's static runtime, so 401 of them (411 MB) pack into 7.6 MB, within what the
-device call carries. There:
+What it compiles: every manifest case's kernels (``tileops warmup``'s list), the attention tests'
+warm-up lists (``tests/test_attn_fwd_cuda.py``, ``tests/test_attn_bwd_cuda.py``,
+``tests/test_attention_bwd_kernels.py``: their module fixtures, called with the arch set to sm_90),
+the paged decode's tensor-core test cases (``tests/test_paged_decode_cuda.py``) and the ops the
+Hugging Face GPU tests make (:func:`hf_jobs`). TileLang's own build
+needs a driver only to link and to call a library's ``init()``:
+:func:`tileops.compile.tilelang_api.driverless` stands in for both here. The index
+(``$TILEOPS_CACHE_DIR/kernels``, default ``.kcache``) is packed with ``xz``: the libraries share
+CUDA's static runtime, so 401 of them (411 MB) pack into 7.6 MB, within what the device call
+carries. There:
 
     mkdir -p .kcache-gpu && tar -xJf .devsite/kcache.tar.xz -C .kcache-gpu
     TILEOPS_CACHE_DIR=$PWD/.kcache-gpu python3 -m pytest -m cuda ...
@@ -69,9 +72,64 @@ def test_jobs() -> list[tuple]:
         items = [types.SimpleNamespace(name=f"test_cuda_gradients[{i}]",
                                        callspec=types.SimpleNamespace(params={"name": i})) for i in bwd.IDS]
         _fixture(bwd.warm)(types.SimpleNamespace(session=types.SimpleNamespace(items=items)))
+        kernels = _module("test_attention_bwd_kernels")
+        _fixture(kernels.warm_masks)()
+        items = [types.SimpleNamespace(name=f"test_cuda_head_dims[{d}]", callspec=types.SimpleNamespace(
+            params={"d": d, "dtype": dt})) for d in kernels.HEAD_DIMS for dt in kernels.DTYPES]
+        _fixture(kernels.warm_head_dims)(types.SimpleNamespace(session=types.SimpleNamespace(items=items)))
     finally:
         warmup.compile_jobs, build.device_backend, torch.cuda.is_available = saved
+    # the paged decode's tensor-core cases (TileLang's own build: they take dynamic shared memory)
+    jobs += _module("test_paged_decode_cuda").mma_kernel_jobs(ARCH)
     return jobs
+
+
+def hf_jobs() -> list[tuple]:
+    """The kernel jobs of the Hugging Face GPU tests (``tests/test_hf_attention.py``'s bf16 models,
+    ``tests/test_hf_prologue.py``'s decode route): the attention and paged decode ops their patched
+    tiny models make, recorded from the same models run on the CPU (fp32 forwards; the decode route's
+    own CPU dry run), then compiled for sm_90 in bf16. Without them the H200 built them in the tests,
+    ~20 s a program, one test after another in its worker (the fourth call of the eighth session was
+    cut with three of these tests still building)."""
+    import torch
+
+    from tileops.attention import AttnFwdOp, PagedAttnDecodeFwdOp
+    from tileops.compile.warmup import op_kernel_jobs
+
+    sys.path.insert(0, str(ROOT))
+    made: dict[tuple, tuple[str, dict]] = {}
+    inits = {cls: cls.__init__ for cls in (AttnFwdOp, PagedAttnDecodeFwdOp)}
+
+    def recording(cls):
+        def init(self, *a, **k):
+            inits[cls](self, *a, **k)
+            made[(cls.__name__, *sorted(self.params.items()))] = (cls.__name__, dict(self.params))
+        return init
+
+    for cls in inits:
+        cls.__init__ = recording(cls)
+    try:
+        hf = importlib.import_module("tests.test_hf_attention")
+        gen = torch.Generator().manual_seed(0)
+        for kind in hf.KINDS:
+            model = hf._model(kind, gen)
+            hf._patch(model)
+            with torch.no_grad():
+                model(torch.randint(3, 128, (1, 12), generator=gen))
+        pro = importlib.import_module("tests.test_hf_prologue")
+        for kind, config in pro.D64_CONFIGS.items():
+            pro.check_bf16_generate(kind, False, gen, "cpu", config=config(), attention=True)
+    finally:
+        for cls, init in inits.items():
+            cls.__init__ = init
+    jobs: list[tuple] = []
+    for name, p in made.values():
+        if name == "AttnFwdOp":
+            dims = {"q_dim": p["head_dim"], "q_heads": p["num_q_heads"], "kv_heads": p["num_kv_heads"]}
+        else:
+            dims = {"q_dim": p["head_dim"], "q_heads": p["num_q_heads"], "cache_heads": p["num_kv_heads"]}
+        jobs += op_kernel_jobs(name, p, dims, ["bfloat16"], ARCH, with_inputs=())
+    return list(dict.fromkeys(jobs))
 
 
 def main() -> int:
@@ -86,7 +144,7 @@ def main() -> int:
     from tileops.manifest import registry
 
     t0 = time.perf_counter()
-    jobs = [j for j in kernel_jobs(list(registry()), ARCH) if j[2] == "cuda"] + test_jobs()
+    jobs = [j for j in kernel_jobs(list(registry()), ARCH) if j[2] == "cuda"] + test_jobs() + hf_jobs()
     if a.decode_sweep:
         from benchmarks.decode import parse_sweep, schedule_specs
 
