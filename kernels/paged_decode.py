@@ -387,6 +387,19 @@ def _cuda_helpers(copies: bool = False) -> str:
     return CUDA_HELPERS + CUDA_SOURCE + (ASYNC_HELPER if copies else "")
 
 
+#: CUDA (sm_89 and later: the tensor-core schedule's float8 cache): an e4m3fn byte's value, by the
+#: hardware's conversion to fp16 (``cvt.rn.f16x2.e4m3x2``; exact, every e4m3 value is an fp16 one, NaN
+#: kept). :func:`e4m3_f32`'s ~12 integer operations an element made the float8 rows ALU-bound (9-10% of
+#: their copy on the H200, ``benchmarks/NOTES.md``); the C schedule and the CUDA cores' keep it (the CPU
+#: harness runs their source).
+E4M3_HELPER = r"""
+#include <cuda_fp8.h>
+__device__ __forceinline__ float tileops_e4m3_f32(unsigned char bits) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(bits, __NV_E4M3)));
+}
+"""
+
+
 def _program_setup(spec: PagedDecodeSpec):
     """The CUDA partial programs' common start, a macro: ``sc[0]``, ``sc[1]`` the key and value scales
     (1, or a float8 cache's), ``rng[0]``, ``rng[1]`` the split's visible tokens ``[t0, t1)``: its share
@@ -683,14 +696,16 @@ def _partial_mma(spec: PagedDecodeSpec):
     dt = spec.dtype
     cst = "uint8" if spec.fp8 else dt
     rep = report("cuda")
-    helpers = _cuda_helpers()
+    helpers = _cuda_helpers() + (E4M3_HELPER if spec.fp8 else "")
     setup = _program_setup(spec)
     sig = _partial_buffers(dt, cst)
     ninf = _neg_inf()
 
-    def cache_f(x, scale):
-        """A cache element in the products' type (a float8 one dequantised with ``scale``)."""
-        return T.cast(e4m3_f32(x) * scale, dt) if spec.fp8 else x
+    def cache_f(x):
+        """A cache element in the products' type: a float8 one's e4m3 value, exact in fp16 and bf16 (3
+        mantissa bits, exponents 2^-9 to 2^8), by the hardware's conversion (:data:`E4M3_HELPER`); its
+        scale is applied in fp32 to the scores (k_scale) and the output (v_scale), not rounded in."""
+        return T.cast(T.call_extern("float32", "tileops_e4m3_f32", x), dt) if spec.fp8 else x
 
     @T.prim_func
     def paged_decode_partial_mma(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
@@ -771,24 +786,25 @@ def _partial_mma(spec: PagedDecodeSpec):
                         kb[v] = T.cast(0, cst)
                         vb[v] = T.cast(0, cst)
                 zero = T.cast(0, dt)
-                # (a float8 element's decode is integer work the vectoriser cannot plan: element by element)
+                # (a float8 element's conversion is a call the vectoriser cannot plan: element by element)
                 store = T.unroll if spec.fp8 else T.vectorized
                 for e0 in T.unroll(NE):
                     e = e0 * TPB + tx
                     if e < BN * NVR:
                         for v in store(VEC):
                             Ks[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[e // NVR] != 0,
-                                                                             cache_f(kb[e0 * VEC + v], ks), zero)
+                                                                             cache_f(kb[e0 * VEC + v]), zero)
                         for v in store(VEC):
                             Vs[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[e // NVR] != 0,
-                                                                             cache_f(vb[e0 * VEC + v], vs), zero)
+                                                                             cache_f(vb[e0 * VEC + v]), zero)
                 T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 for i, j in T.Parallel(BM, BN):
                     if spec.softcap:
                         S[i, j] = T.if_then_else(okS[j] != 0,
-                                                 softcap * T.tanh(S[i, j] * scale / softcap) * T.float32(_LOG2E), ninf)
+                                                 softcap * T.tanh(S[i, j] * ks * scale / softcap) * T.float32(_LOG2E),
+                                                 ninf)
                     else:
-                        S[i, j] = T.if_then_else(okS[j] != 0, S[i, j] * (scale * T.float32(_LOG2E)), ninf)
+                        S[i, j] = T.if_then_else(okS[j] != 0, S[i, j] * (ks * scale * T.float32(_LOG2E)), ninf)
                 T.copy(m, m_prev)
                 T.reduce_max(S, m, dim=1, clear=False)
                 # a row that saw no key keeps m = -inf: rescale 1 and p = exp2(-inf - 0) = 0, never NaN
@@ -806,7 +822,7 @@ def _partial_mma(spec: PagedDecodeSpec):
             for i, d in T.Parallel(BM, D):
                 if i < GH:
                     OP[((T.cast(b, "int64") * HQ + T.cast(h0 + i, "int64")) * T.cast(splits, "int64") + s) * D + d] = (
-                        T.if_then_else(lsum[i] > 0, Acc[i, d] / lsum[i], T.float32(0)))
+                        T.if_then_else(lsum[i] > 0, Acc[i, d] * vs / lsum[i], T.float32(0)))
             for i in T.Parallel(BM):
                 if i < GH:
                     LP[(T.cast(b, "int64") * HQ + T.cast(h0 + i, "int64")) * T.cast(splits, "int64") + s] = (

@@ -58,17 +58,16 @@ def tolerance(op, t: dict, want: torch.Tensor) -> torch.Tensor:
     * the products' fp32 accumulation: the attention tests' 2^-22 a step (``tests/test_attn_bwd.py``
       ``u_exp``) in place of 2^-24 in the logits' error, 4x its ``(D + 8) u A`` term;
     * p rounded to the dtype before ``P V`` (the sum l is taken before, in fp32): the output, a sum of
-      weights times values over l, moves at most ``unit * max|v|``;
-    * a float8 cache's elements dequantised into the dtype: a key element's rounding moves a logit at
-      most ``unit * A``, a value's the output at most ``unit * max|v|``."""
+      weights times values over l, moves at most ``unit * max|v|``.
+
+    A float8 cache's elements enter the products exactly (e4m3 values are fp16 and bf16 values) and
+    its scales multiply the fp32 scores and output: one rounding each, inside the bound's few ``u``."""
     _, terms = _terms(op, t)
     dtype, p = t["q"].dtype, op.params
     if not (op.manifest.kernel.static.get("mma") and dtype != torch.float32):
         return bound(terms, p["head_dim"], 264, p["softcap"], want, dtype)
-    unit, fp8 = UNIT[dtype], p["cache_dtype"] == "float8_e4m3fn"
-    a = terms["a"] * (1 + unit) if fp8 else terms["a"]
-    return (bound({**terms, "a": 4 * a}, p["head_dim"], 264, p["softcap"], want, dtype)
-            + unit * terms["v"] * (2 if fp8 else 1))
+    return (bound({**terms, "a": 4 * terms["a"]}, p["head_dim"], 264, p["softcap"], want, dtype)
+            + UNIT[dtype] * terms["v"])
 
 
 LENS = [37, 0, 1, 16, 300, 2000]  # empty, one token, a block exactly, a part block, a context that splits
