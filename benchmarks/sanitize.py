@@ -187,8 +187,10 @@ def inner(part: int, parts: int) -> int:
     todo = calls()[part::parts]
     failed = refused = 0
     for name, run in todo:
+        t0 = time.time()
         try:
             run()
+            print(f"ok {name} ({time.time() - t0:.1f} s)", flush=True)  # (how far a run cut short got)
         except NotImplementedError as e:
             # TILEOPS_ATTENTION_CUDA=0 refuses the attention backward's and the paged decode's CUDA
             # kernels before they launch: what the op is meant to do, but not a pass either: named and counted
