@@ -372,7 +372,11 @@ class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
     step ahead; the group's dot products summed by xor-shuffles; a program serves up to 8 q heads. head_dim: a
     multiple of 8 (4 for fp32) up to 256 (128 for fp32) on CUDA, else ``NotImplementedError`` at the first
     call naming ``target="torch"``. q and out off the 16-byte vectors go through a dense copy; a cache off
-    them is a ValueError naming it. The schedules' GPU tests passed on the H200; ``TILEOPS_ATTENTION_CUDA=0``
+    them is a ValueError naming it. The tensor-core program is built by TileLang's own nvcc build, not
+    tileops' lean one, which refuses its dynamic shared memory: the cold first call of a new specialization
+    compiles it (10-30 s a program on a 2-core machine; not timed on the H200) and needs nvcc there; the merge
+    and the fp32 program take the lean build. ``op.compile(...)`` or ``tileops warmup`` compiles them ahead of
+    time into the disk cache. The schedules' GPU tests passed on the H200; ``TILEOPS_ATTENTION_CUDA=0``
     refuses CUDA calls (``NotImplementedError`` before anything runs, naming ``target="torch"``).
 
     References: vLLM paged_attention (v1/v2: split-KV partitions and their reduce); flashinfer
