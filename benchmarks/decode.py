@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 import sys
 
 import torch
@@ -85,15 +86,16 @@ def schedule_specs(static: dict) -> list[tuple]:
 
 def parse_sweep(text: str) -> list[dict]:
     """``--sweep``'s schedules, comma-separated: THREADSxUNROLL[xPREFETCH[xSTAGES]] (CUDA cores), or
-    THREADSmTILE (tensor cores, ``mma``: tokens a tile)."""
+    THREADSmTILE[pPREFETCH] (tensor cores, ``mma``: tokens a tile; p1: the next tile's rows loaded
+    during this tile's products)."""
     keys = ("threads", "unroll", "prefetch", "stages")
     configs = []
     for c in text.split(","):
         if "m" in c:
-            parts = c.split("m")
-            if len(parts) != 2 or not all(p.isdigit() for p in parts):
-                raise SystemExit(f"--sweep: expected THREADSmTILE (integers), got {c!r}")
-            configs.append({"threads": int(parts[0]), "mma": 1, "tile": int(parts[1])})
+            m = re.fullmatch(r"(\d+)m(\d+)(?:p([01]))?", c)
+            if not m:
+                raise SystemExit(f"--sweep: expected THREADSmTILE[pPREFETCH] (integers), got {c!r}")
+            configs.append({"threads": int(m[1]), "mma": 1, "tile": int(m[2]), "prefetch": int(m[3] or 0)})
             continue
         parts = c.split("x")
         if not 2 <= len(parts) <= 4 or not all(p.isdigit() for p in parts):

@@ -59,8 +59,8 @@ __all__ = ["PagedDecodeSpec", "Spec", "build", "STATIC", "USES", "PARTIAL_ARGS",
 STATIC = {
     "threads": (64, 512, "threads a program of the CUDA partial and merge (64, 128, 256 or 512)"),
     "unroll": (1, 8, "tokens a lane group loads before it waits on any (CUDA)"),
-    "prefetch": (0, 1, "1: each step's loads issued while the step before computes (CUDA; measured slower: "
-                       "its registers cost the SM a program)"),
+    "prefetch": (0, 1, "1: each step's loads issued while the step before computes (CUDA cores: measured slower, "
+                       "its registers cost the SM a program; mma: the next tile's pages and rows, not yet measured)"),
     "stages": (0, 4, "steps whose keys and values are copied ahead into shared memory by cp.async, no register "
                      "holding them in flight (CUDA; 0: loaded into registers a step at a time)"),
     "mma": (0, 1, "1: the group's q heads as the rows of tensor-core products over tiles of tokens (CUDA, 16-bit "
@@ -693,6 +693,7 @@ def _partial_mma(spec: PagedDecodeSpec):
     NHC = G // GH
     NVR = D // VEC  # vectors a cache row
     NE = -(-BN * NVR // TPB)  # vectors of a tile's keys (and of its values) a thread gathers
+    SLOTS = 2 if spec.prefetch else 1  # tiles whose token flags and rows are held at once
     dt = spec.dtype
     cst = "uint8" if spec.fp8 else dt
     rep = report("cuda")
@@ -706,6 +707,60 @@ def _partial_mma(spec: PagedDecodeSpec):
         mantissa bits, exponents 2^-9 to 2^8), by the hardware's conversion (:data:`E4M3_HELPER`); its
         scale is applied in fp32 to the scores (k_scale) and the output (v_scale), not rounded in."""
         return T.cast(T.call_extern("float32", "tileops_e4m3_f32", x), dt) if spec.fp8 else x
+
+    @T.macro
+    def lookup(BT, ERR, okS, rowv, it, slot, t0, t1, b, kvh, hc, tx, btb, bs, nblocks, csb, csr, csh, tag):
+        """Tile ``it``'s tokens into ``slot``: each one's page looked up and checked once (a bad one
+        reported by its offset, its token not read), its cache row in vectors (page 0's first where not
+        read: memory that exists)."""
+        div, mod = T.truncdiv, T.truncmod
+        for r0 in T.serial(T.ceildiv(BN, TPB)):
+            r = r0 * TPB + tx
+            if r < BN:
+                j = t0 + it * BN + r
+                at = T.cast(b, "int64") * btb + T.cast(div(T.min(j, t1 - 1), bs), "int64")
+                page = BT[at]
+                good = j < t1 and page >= 0 and page < nblocks
+                if j < t1 and (page < 0 or page >= nblocks) and kvh == 0 and hc == 0:
+                    rep(ERR, TABLES_WORD, tag, at, page)
+                okS[slot * BN + r] = T.if_then_else(good, 1, 0)
+                rowv[slot * BN + r] = T.if_then_else(
+                    good, T.cast(page, "int64") * csb + T.cast(mod(T.min(j, t1 - 1), bs), "int64") * csr,
+                    T.int64(0)) + T.cast(kvh, "int64") * csh
+
+    @T.macro
+    def fetch(KC, VC, kb, vb, rowv, slot, tx, nblocks):
+        """The rows of ``slot``'s tile into this thread's registers, NE vectors of keys and of values: every
+        load issued before any is used (no branch between them: a token not read loads page 0's row)."""
+        if nblocks > 0:  # (uniform: a cache of no block has no row to read)
+            for e0 in T.unroll(NE):
+                e = e0 * TPB + tx  # vector e % NVR of the tile's row e // NVR
+                if e < BN * NVR:
+                    for v in T.vectorized(VEC):
+                        kb[e0 * VEC + v] = KC[rowv[slot * BN + e // NVR] * VEC + e % NVR * VEC + v]
+                    for v in T.vectorized(VEC):
+                        vb[e0 * VEC + v] = VC[rowv[slot * BN + e // NVR] * VEC + e % NVR * VEC + v]
+        else:
+            for v in T.unroll(NE * VEC):
+                kb[v] = T.cast(0, cst)
+                vb[v] = T.cast(0, cst)
+
+    @T.macro
+    def deposit(Ks, Vs, kb, vb, okS, slot, tx):
+        """The registers' rows into the products' shared tiles, a token not read zeroed (a T.Parallel copy
+        moved 4 bytes a load here: laid out for the products' swizzle, not for the gather)."""
+        zero = T.cast(0, dt)
+        # (a float8 element's conversion is a call the vectoriser cannot plan: element by element)
+        store = T.unroll if spec.fp8 else T.vectorized
+        for e0 in T.unroll(NE):
+            e = e0 * TPB + tx
+            if e < BN * NVR:
+                for v in store(VEC):
+                    Ks[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[slot * BN + e // NVR] != 0,
+                                                                     cache_f(kb[e0 * VEC + v]), zero)
+                for v in store(VEC):
+                    Vs[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[slot * BN + e // NVR] != 0,
+                                                                     cache_f(vb[e0 * VEC + v]), zero)
 
     @T.prim_func
     def paged_decode_partial_mma(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
@@ -728,8 +783,9 @@ def _partial_mma(spec: PagedDecodeSpec):
             Ks = T.alloc_shared((BN, D), dt)
             Vs = T.alloc_shared((BN, D), dt)
             Ps = T.alloc_shared((BM, BN), dt)
-            rowv = T.alloc_shared((BN,), "int64")  # a token's cache row, in vectors
-            okS = T.alloc_shared((BN,), "int32")  # 1: the token is read
+            # a tile's tokens: each one's cache row in vectors, and 1 where it is read (two tiles' with prefetch)
+            rowv = T.alloc_shared((SLOTS * BN,), "int64")
+            okS = T.alloc_shared((SLOTS * BN,), "int32")
             kb = T.alloc_local((NE * VEC,), cst)  # a thread's loaded vectors of the tile
             vb = T.alloc_local((NE * VEC,), cst)
             S = T.alloc_fragment((BM, BN), "float32")
@@ -753,58 +809,38 @@ def _partial_mma(spec: PagedDecodeSpec):
             T.fill(Acc, 0)
             T.fill(lsum, 0)
             T.fill(m, ninf)
-            for it in T.serial(T.ceildiv(T.max(t1 - t0, 0), BN)):
-                # the tile's tokens: pages looked up and checked once each
-                for r0 in T.serial(T.ceildiv(BN, TPB)):
-                    r = r0 * TPB + tx
-                    if r < BN:
-                        j = t0 + it * BN + r
-                        at = T.cast(b, "int64") * btb + T.cast(div(T.min(j, t1 - 1), bs), "int64")
-                        page = BT[at]
-                        good = j < t1 and page >= 0 and page < nblocks
-                        if j < t1 and (page < 0 or page >= nblocks) and kvh == 0 and hc == 0:
-                            rep(ERR, TABLES_WORD, tag, at, page)
-                        okS[r] = T.if_then_else(good, 1, 0)
-                        rowv[r] = T.if_then_else(
-                            good, T.cast(page, "int64") * csb + T.cast(mod(T.min(j, t1 - 1), bs), "int64") * csr,
-                            T.int64(0)) + T.cast(kvh, "int64") * csh
+            ntiles = T.ceildiv(T.max(t1 - t0, 0), BN)
+            if spec.prefetch:  # tile 0's rows in flight before the loop
+                if ntiles > 0:
+                    lookup(BT, ERR, okS, rowv, 0, 0, t0, t1, b, kvh, hc, tx, btb, bs, nblocks, csb, csr, csh, tag)
+                    T.sync_threads()
+                    fetch(KC, VC, kb, vb, rowv, 0, tx, nblocks)
+            for it in T.serial(ntiles):
+                slot = T.truncmod(it, 2) if spec.prefetch else 0
+                T.sync_threads()  # the tile before is done with Ks, Vs and its slot's flags
+                if not spec.prefetch:
+                    lookup(BT, ERR, okS, rowv, it, 0, t0, t1, b, kvh, hc, tx, btb, bs, nblocks, csb, csr, csh, tag)
+                    T.sync_threads()
+                    fetch(KC, VC, kb, vb, rowv, 0, tx, nblocks)
+                elif it + 1 < ntiles:  # the next tile's tokens into the other slot (the tile before's, read)
+                    lookup(BT, ERR, okS, rowv, it + 1, 1 - slot, t0, t1, b, kvh, hc, tx, btb, bs, nblocks, csb, csr,
+                           csh, tag)
+                deposit(Ks, Vs, kb, vb, okS, slot, tx)
+                # (one barrier for both, on every path: TileLang's sync planner let a barrier inside the
+                # branch above stand for one here, and the last tile's products read Ks unsynchronised)
                 T.sync_threads()
-                # the rows' vectors, NVR a row, NE a thread: every load of the tile issued before the
-                # first store (no branch between them: a token not read loads page 0's row, in bounds,
-                # and is zeroed on its way into shared memory). A T.Parallel copy moved 4 bytes a load
-                # here: its loop is laid out for the products' shared layout, not for the gather.
-                if nblocks > 0:  # (uniform: a cache of no block has no row to read)
-                    for e0 in T.unroll(NE):
-                        e = e0 * TPB + tx  # vector e % NVR of the tile's row e // NVR
-                        if e < BN * NVR:
-                            for v in T.vectorized(VEC):
-                                kb[e0 * VEC + v] = KC[rowv[e // NVR] * VEC + e % NVR * VEC + v]
-                            for v in T.vectorized(VEC):
-                                vb[e0 * VEC + v] = VC[rowv[e // NVR] * VEC + e % NVR * VEC + v]
-                else:
-                    for v in T.unroll(NE * VEC):
-                        kb[v] = T.cast(0, cst)
-                        vb[v] = T.cast(0, cst)
-                zero = T.cast(0, dt)
-                # (a float8 element's conversion is a call the vectoriser cannot plan: element by element)
-                store = T.unroll if spec.fp8 else T.vectorized
-                for e0 in T.unroll(NE):
-                    e = e0 * TPB + tx
-                    if e < BN * NVR:
-                        for v in store(VEC):
-                            Ks[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[e // NVR] != 0,
-                                                                             cache_f(kb[e0 * VEC + v]), zero)
-                        for v in store(VEC):
-                            Vs[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[e // NVR] != 0,
-                                                                             cache_f(vb[e0 * VEC + v]), zero)
+                if spec.prefetch:  # the next tile's rows loaded into the freed registers during the products
+                    if it + 1 < ntiles:
+                        fetch(KC, VC, kb, vb, rowv, 1 - slot, tx, nblocks)
                 T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 for i, j in T.Parallel(BM, BN):
                     if spec.softcap:
-                        S[i, j] = T.if_then_else(okS[j] != 0,
+                        S[i, j] = T.if_then_else(okS[slot * BN + j] != 0,
                                                  softcap * T.tanh(S[i, j] * ks * scale / softcap) * T.float32(_LOG2E),
                                                  ninf)
                     else:
-                        S[i, j] = T.if_then_else(okS[j] != 0, S[i, j] * (ks * scale * T.float32(_LOG2E)), ninf)
+                        S[i, j] = T.if_then_else(okS[slot * BN + j] != 0, S[i, j] * (ks * scale * T.float32(_LOG2E)),
+                                                 ninf)
                 T.copy(m, m_prev)
                 T.reduce_max(S, m, dim=1, clear=False)
                 # a row that saw no key keeps m = -inf: rescale 1 and p = exp2(-inf - 0) = 0, never NaN

@@ -238,6 +238,10 @@ MMA_CASES = {
     "float8": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, LENS, {}, {}),
     "window-softcap": (128, 8, 2, torch.bfloat16, None, "NHD", 16, [2000, 700, 3], {},
                        dict(sliding_window=300, softcap=30.0, softmax_scale=0.2)),
+    # the next tile's pages and rows loaded during this tile's products (two slots of token flags)
+    "prefetch": (128, 8, 2, torch.bfloat16, None, "NHD", 16, LENS, {"prefetch": 1}, {}),
+    "prefetch-float8-window": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, [2000, 700, 3],
+                               {"prefetch": 1}, dict(sliding_window=300)),
 }
 
 

@@ -399,10 +399,10 @@ def test_a_call_keys_each_program_by_the_knobs_it_reads():
                                                                         cache_dtype="float32")
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_tensor_core_schedule_lowers_to_mma_fed_by_16_byte_gathers(cache_dtype):
+@pytest.mark.parametrize("cache_dtype,prefetch", [(torch.bfloat16, 0), (torch.float8_e4m3fn, 0), (torch.bfloat16, 1)])
+def test_tensor_core_schedule_lowers_to_mma_fed_by_16_byte_gathers(cache_dtype, prefetch):
     src = emit_source("paged_decode", spec("partial", torch.bfloat16, cache_dtype, d=128, hq=32, hkv=8,
-                                           backend="cuda", mma=1, tile=64), "cuda", "sm_90")
+                                           backend="cuda", mma=1, tile=64, prefetch=prefetch), "cuda", "sm_90")
     assert src.count("tl::mma_sync<tl::DataType::kBFloat16") >= 2  # S = Q K^T and O += P V
     loads = re.findall(r"\*\((uint\d)\*\)\((?:KC|VC) \+", src)
     # every key and value vector one load: 16 bytes of bf16, 8 of float8 (a T.Parallel copy moved 4)

@@ -49,7 +49,7 @@ TARGET_PROGRAMS = 264
 MIN_SPLIT_TOKENS = 256
 
 #: the CUDA-cores partial's token-loop knobs, which the tensor-core one (``mma``) does not read
-_CUDA_CORE_LOOP = ("unroll", "prefetch", "stages")
+_CUDA_CORE_LOOP = ("unroll", "stages")
 _PARTIAL_VALUES = ("batch", "splits", "chunk", "nblocks", "bs", "max_blocks", "btb", "qsb", "qsh", "csb", "csr",
                    "csh", "scale_bits", "softcap_bits", "window")
 
