@@ -694,6 +694,10 @@ def _partial_mma(spec: PagedDecodeSpec):
     NVR = D // VEC  # vectors a cache row
     NE = -(-BN * NVR // TPB)  # vectors of a tile's keys (and of its values) a thread gathers
     SLOTS = 2 if spec.prefetch else 1  # tiles whose token flags and rows are held at once
+
+    def slot_of(it):
+        """The slot of tile ``it``'s token flags and rows."""
+        return T.truncmod(it, 2) if spec.prefetch else 0
     dt = spec.dtype
     cst = "uint8" if spec.fp8 else dt
     rep = report("cuda")
@@ -816,30 +820,31 @@ def _partial_mma(spec: PagedDecodeSpec):
                     T.sync_threads()
                     fetch(KC, VC, kb, vb, rowv, 0, tx, nblocks)
             for it in T.serial(ntiles):
-                slot = T.truncmod(it, 2) if spec.prefetch else 0
-                T.sync_threads()  # the tile before is done with Ks, Vs and its slot's flags
-                if not spec.prefetch:
+                if not spec.prefetch:  # (TileLang's sync planner places this path's barriers)
                     lookup(BT, ERR, okS, rowv, it, 0, t0, t1, b, kvh, hc, tx, btb, bs, nblocks, csb, csr, csh, tag)
                     T.sync_threads()
                     fetch(KC, VC, kb, vb, rowv, 0, tx, nblocks)
-                elif it + 1 < ntiles:  # the next tile's tokens into the other slot (the tile before's, read)
-                    lookup(BT, ERR, okS, rowv, it + 1, 1 - slot, t0, t1, b, kvh, hc, tx, btb, bs, nblocks, csb, csr,
-                           csh, tag)
-                deposit(Ks, Vs, kb, vb, okS, slot, tx)
-                # (one barrier for both, on every path: TileLang's sync planner let a barrier inside the
-                # branch above stand for one here, and the last tile's products read Ks unsynchronised)
-                T.sync_threads()
-                if spec.prefetch:  # the next tile's rows loaded into the freed registers during the products
-                    if it + 1 < ntiles:
-                        fetch(KC, VC, kb, vb, rowv, 1 - slot, tx, nblocks)
+                    deposit(Ks, Vs, kb, vb, okS, 0, tx)
+                else:
+                    T.sync_threads()  # the tile before is done with Ks, Vs and its slot's flags
+                    if it + 1 < ntiles:  # the next tile's tokens into the other slot (the tile before's, read)
+                        lookup(BT, ERR, okS, rowv, it + 1, 1 - slot_of(it), t0, t1, b, kvh, hc, tx, btb, bs,
+                               nblocks, csb, csr, csh, tag)
+                    deposit(Ks, Vs, kb, vb, okS, slot_of(it), tx)
+                    # (one barrier for both, on every path: TileLang's sync planner let a barrier inside
+                    # the branch above stand for one here, and the last tile's products read Ks
+                    # unsynchronised)
+                    T.sync_threads()
+                    if it + 1 < ntiles:  # the next tile's rows into the freed registers during the products
+                        fetch(KC, VC, kb, vb, rowv, 1 - slot_of(it), tx, nblocks)
                 T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 for i, j in T.Parallel(BM, BN):
                     if spec.softcap:
-                        S[i, j] = T.if_then_else(okS[slot * BN + j] != 0,
+                        S[i, j] = T.if_then_else(okS[slot_of(it) * BN + j] != 0,
                                                  softcap * T.tanh(S[i, j] * ks * scale / softcap) * T.float32(_LOG2E),
                                                  ninf)
                     else:
-                        S[i, j] = T.if_then_else(okS[slot * BN + j] != 0, S[i, j] * (ks * scale * T.float32(_LOG2E)),
+                        S[i, j] = T.if_then_else(okS[slot_of(it) * BN + j] != 0, S[i, j] * (ks * scale * T.float32(_LOG2E)),
                                                  ninf)
                 T.copy(m, m_prev)
                 T.reduce_max(S, m, dim=1, clear=False)
