@@ -399,6 +399,32 @@ def test_a_call_keys_each_program_by_the_knobs_it_reads():
                                                                         cache_dtype="float32")
 
 
+@pytest.mark.parametrize("d,cache,want", [(128, "bfloat16", (128, 1)), (64, "float16", (128, 1)),
+                                          (128, "float8_e4m3fn", (64, 0)), (256, "bfloat16", (64, 0)),
+                                          (128, "float32", None)])
+def test_the_manifests_tensor_core_tile_and_where_it_narrows(d, cache, want):
+    """The manifest's tensor-core partial (tiles of 128 tokens, the next one loaded during the products)
+    for 16-bit caches up to head_dim 128; a float8 cache and head_dim 256 take tiles of 64 without the
+    prefetch (``decode_builtin._MMA_NARROW``: tiles of 128 spill at 256, and lose with float8). fp32 q
+    takes the CUDA cores' loop, its copies ahead the manifest's ``stages``, none of the tensor-core knobs
+    (its ``prefetch`` with ``stages`` would be refused)."""
+    from tileops.attention import PagedAttnDecodeFwdOp
+    from tileops.attention.decode_builtin import kernel_specs
+    from tileops.manifest import call_specs
+
+    op = PagedAttnDecodeFwdOp(8, 2, d, cache_dtype=cache if cache.startswith("float8") else None)
+    dims = {"q_dim": d, "q_heads": 8, "cache_heads": 2}
+    dtypes = ["bfloat16" if cache.startswith("float8") else cache]
+    [call] = call_specs(op.manifest, dims, dtypes, torch.device("cuda"), ("k_scale", "v_scale") if cache.startswith(
+        "float8") else (), params=op.params)
+    partial = {s.kind: s for _, s in kernel_specs(op.manifest, op.params, call, "cuda")}["partial"]
+    if want is None:
+        assert (partial.mma, partial.prefetch, partial.stages) == (0, 0, op.manifest.kernel.static["stages"])
+        return
+    assert (partial.mma, partial.cache_dtype, partial.head_dim) == (1, cache, d)
+    assert (partial.tile, partial.prefetch) == want
+
+
 @pytest.mark.parametrize("cache_dtype,prefetch", [(torch.bfloat16, 0), (torch.float8_e4m3fn, 0), (torch.bfloat16, 1)])
 def test_tensor_core_schedule_lowers_to_mma_fed_by_16_byte_gathers(cache_dtype, prefetch):
     src = emit_source("paged_decode", spec("partial", torch.bfloat16, cache_dtype, d=128, hq=32, hkv=8,

@@ -41,8 +41,11 @@ __all__ = ["DecodeKernels", "FORWARD", "WORKSPACES", "cuda_enabled", "kernel_spe
 #: the builder of both programs
 BUILDER = "paged_decode"
 
-#: programs the partial step aims for: two a streaming multiprocessor of an H200 (132), so that a small
-#: batch still fills the device; the CPU runs the same split (its tests then cover the merge)
+#: programs the partial step aims for, at most: two a streaming multiprocessor of an H200 (132), the
+#: programs of the manifest's schedule an SM holds at once (ptxas: 233 registers a thread at head_dim 128,
+#: 128 threads), so that a small batch fills the device in one wave; the CPU runs the same split (its
+#: tests then cover the merge). At most, not at least: 8 x 32768 (kv heads 8) at 5 splits made 320
+#: programs, a second wave of 56, 397 us (65% of a copy); at 4 splits, 256 programs, 277 us (93%)
 TARGET_PROGRAMS = 264
 #: the fewest tokens a split reads: below this the merge's reads (a row of D fp32 a split and q head)
 #: stop being small next to the split's own (256 keys of D elements, for its G q heads)
@@ -50,6 +53,15 @@ MIN_SPLIT_TOKENS = 256
 
 #: the CUDA-cores partial's token-loop knobs, which the tensor-core one (``mma``) does not read
 _CUDA_CORE_LOOP = ("unroll", "stages")
+#: the manifest's knobs of the tensor-core partial, which an fp32 call (the CUDA cores') drops
+_MMA_KNOBS = ("mma", "tile", "prefetch")
+#: the tensor-core partial's tile where the manifest's (128 tokens, the next tile loaded during this
+#: one's products) loses. head_dim 256: tiles of 128 spill (ptxas, sm_90a, bf16: 255 registers and
+#: 1,260 bytes of spill stores; tiles of 64: 194 registers, none). A float8 cache: its per-element
+#: conversion makes the program ALU-bound, and the prefetch's registers cost it programs an SM (H200,
+#: bf16 q, GQA 32/8, D 128, one split: 216 and 856 us at 64 x 1024 and 64 x 4096, against 165 and 636
+#: for tiles of 64 without it)
+_MMA_NARROW = {"tile": 64, "prefetch": 0}
 _PARTIAL_VALUES = ("batch", "splits", "chunk", "nblocks", "bs", "max_blocks", "btb", "qsb", "qsh", "csb", "csr",
                    "csh", "scale_bits", "softcap_bits", "window")
 
@@ -80,9 +92,9 @@ def cuda_enabled() -> bool:
 
 def splits(batch: int, hkv: int, tokens: int) -> int:
     """The splits of a sequence of at most ``tokens`` (``max_blocks * block_size``) for ``batch``
-    sequences of ``hkv`` kv heads: enough for :data:`TARGET_PROGRAMS` programs, none shorter than
+    sequences of ``hkv`` kv heads: as many as :data:`TARGET_PROGRAMS` programs allow, none shorter than
     :data:`MIN_SPLIT_TOKENS`, at least one."""
-    want = math.ceil(TARGET_PROGRAMS / max(batch * hkv, 1))
+    want = TARGET_PROGRAMS // max(batch * hkv, 1)
     return max(1, min(want, math.ceil(tokens / MIN_SPLIT_TOKENS)))
 
 
@@ -106,7 +118,11 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
         return []
     static = dict(manifest.kernel.static or {}) if backend == "cuda" else {}  # the CUDA schedule's knobs
     if static.get("mma") and fields["dtype"] == "float32":
-        static["mma"] = 0  # the tensor-core products take 16-bit operands: fp32 q takes the CUDA cores'
+        # the tensor-core products take 16-bit operands: fp32 q takes the CUDA cores' loop, whose copies
+        # ahead are ``stages`` (the manifest's ``tile`` and ``prefetch`` are the tensor-core program's)
+        static = {k: v for k, v in static.items() if k not in _MMA_KNOBS}
+    elif static.get("mma") and (fields["head_dim"] > 128 or fields["cache_dtype"].startswith("float8")):
+        static.update(_MMA_NARROW)
     # each program keyed by the knobs it reads: the merge by its threads, the tensor-core partial not by
     # the CUDA cores' token loop (so that a schedule sweep compiles one merge, not one a schedule)
     merge = {k: v for k, v in static.items() if k == "threads"}

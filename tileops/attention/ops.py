@@ -358,16 +358,17 @@ class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
     head, sequence) that reads its split of the sequence's tokens once, every key serving the kv head's group
     of q heads, into per-split outputs and log-sum-exps (the plan's workspaces, fp32); then ``merge``, a
     program per (q head, sequence) that weighs the splits. The splits come from the shapes alone (no
-    synchronisation): enough programs to fill the device at small batches, none finer than 256 tokens.
-    Arithmetic in fp32, the softmax online.
+    synchronisation): as many programs as fill the device in one wave at small batches, none finer than 256
+    tokens. Arithmetic in fp32, the softmax online.
 
     Built: the C schedule on the CPU (fp32, fp16, bf16; float8 caches), tested in CI, and two CUDA schedules.
     For fp16 and bf16 q, tensor cores (``mma``): a program's q heads (up to 16 of the kv head's group) are the
-    rows of ``mma.sync`` products over tiles of 64 tokens, each tile's key and value rows gathered through the
-    block table into shared memory as 16-byte vectors (a float8 cache converted by the hardware, exactly, its
-    scales applied to the fp32 scores and output); ``q . k`` and ``p . v`` accumulate in fp32, p is rounded to
-    the dtype for ``p . v``, and the softmax is ``AttnFwdOp``'s, one rescale a tile. For fp32 q, CUDA cores:
-    lane groups of ``head_dim / 8`` lanes (4-element vectors for fp32), a token a group, each lane loading a
+    rows of ``mma.sync`` products over tiles of 128 tokens (64 for a float8 cache or head_dim 256), each
+    tile's key and value rows gathered through the block table into shared memory as 16-byte vectors, the next
+    tile's loaded during this one's products (a float8 cache converted by the hardware, exactly, its scales
+    applied to the fp32 scores and output); ``q . k`` and ``p . v`` accumulate in fp32, p is rounded to the
+    dtype for ``p . v``, and the softmax is ``AttnFwdOp``'s, one rescale a tile. For fp32 q, CUDA cores: lane
+    groups of ``head_dim / 8`` lanes (4-element vectors for fp32), a token a group, each lane loading a
     16-byte vector of the token's key and value rows for 2 tokens, copied into shared memory by ``cp.async`` a
     step ahead; the group's dot products summed by xor-shuffles; a program serves up to 8 q heads. head_dim: a
     multiple of 8 (4 for fp32) up to 256 (128 for fp32) on CUDA, else ``NotImplementedError`` at the first
