@@ -212,8 +212,8 @@ def sweep(a: argparse.Namespace) -> None:
 
 
 def split_sweep(a: argparse.Namespace) -> None:
-    """The split rule's two numbers (``decode_builtin.TARGET_PROGRAMS``, ``MIN_SPLIT_TOKENS``), read at
-    each call, set in turn."""
+    """The split rule's two numbers (the programs it aims for, ``decode_builtin.target_programs``, read
+    when an op's kernels load, and ``MIN_SPLIT_TOKENS``, read at each call), set in turn."""
     from tileops.attention import decode_builtin
 
     rows = _rows(a.rows)
@@ -223,7 +223,7 @@ def split_sweep(a: argparse.Namespace) -> None:
         if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise SystemExit(f"--splits: expected PROGRAMS:MIN_TOKENS (positive integers), got {c!r}")
         pairs.append(tuple(map(int, parts)))
-    saved = decode_builtin.TARGET_PROGRAMS, decode_builtin.MIN_SPLIT_TOKENS
+    saved = decode_builtin.target_programs, decode_builtin.MIN_SPLIT_TOKENS
     gen = torch.Generator(device="cuda").manual_seed(0)
     print("| batch x context | copy | " + " | ".join(f"{p} programs, >= {t} tokens" for p, t in pairs) + " |")
     print("|---|---|" + "---|" * len(pairs))
@@ -232,13 +232,13 @@ def split_sweep(a: argparse.Namespace) -> None:
             copy = same_bytes_copy_us(2 * batch * ctx * HKV * D * 2)
             got = []
             for p, t in pairs:
-                decode_builtin.TARGET_PROGRAMS, decode_builtin.MIN_SPLIT_TOKENS = p, t
-                n = decode_builtin.splits(batch, HKV, ctx)
+                decode_builtin.target_programs, decode_builtin.MIN_SPLIT_TOKENS = (lambda _, p=p: p), t
+                n = decode_builtin.splits(batch, HKV, ctx, p)
                 eager, graph = _ours(batch, ctx, 16, torch.bfloat16, gen)
                 got.append(f"{eager:.1f} / {graph:.1f} graph ({100 * copy / eager:.0f}%, {n} splits)")
             print(f"| {batch} x {ctx} | {copy:.1f} | " + " | ".join(got) + " |", flush=True)
     finally:
-        decode_builtin.TARGET_PROGRAMS, decode_builtin.MIN_SPLIT_TOKENS = saved
+        decode_builtin.target_programs, decode_builtin.MIN_SPLIT_TOKENS = saved
 
 
 if __name__ == "__main__":

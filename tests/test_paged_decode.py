@@ -75,12 +75,14 @@ def test_layouts_match_the_reference(layout):
 
 def test_many_splits_and_a_window_and_softcap():
     """Two sequences of kv heads 2: the plan splits each into up to 66 (264 programs) of at least 256
-    tokens, so a 2,000-token context takes 8 splits; a window of 300 leaves most of them empty. 264
-    programs at most (one wave on an H200): 8 sequences of kv heads 8 take 4 splits, not 5."""
+    tokens, so a 2,000-token context takes 8 splits; a window of 300 leaves most of them empty. The
+    programs at most one wave on an H200: 8 sequences of kv heads 8 take 4 splits with the tiles of 128
+    (2 programs an SM), 8 with tiles of 64 (4)."""
     from tileops.attention.decode_builtin import splits
 
     assert splits(2, 2, 2048) == 8 and splits(64, 8, 4096) == 1 and splits(1, 8, 100) == 1
     assert splits(8, 8, 32768) == 4 and splits(1, 8, 4096) == 16 and splits(33, 8, 4096) == 1
+    assert splits(8, 8, 32768, 528) == 8 and splits(17, 8, 4096, 528) == 3
     op = PagedAttnDecodeFwdOp(8, 2, 64, sliding_window=300, softcap=30.0, softmax_scale=0.2)
     _check(op, _inputs(62, [2000, 700]))
 

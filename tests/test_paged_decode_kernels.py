@@ -409,7 +409,7 @@ def test_the_manifests_tensor_core_tile_and_where_it_narrows(d, cache, want):
     takes the CUDA cores' loop, its copies ahead the manifest's ``stages``, none of the tensor-core knobs
     (its ``prefetch`` with ``stages`` would be refused)."""
     from tileops.attention import PagedAttnDecodeFwdOp
-    from tileops.attention.decode_builtin import kernel_specs
+    from tileops.attention.decode_builtin import kernel_specs, target_programs
     from tileops.manifest import call_specs
 
     op = PagedAttnDecodeFwdOp(8, 2, d, cache_dtype=cache if cache.startswith("float8") else None)
@@ -420,9 +420,13 @@ def test_the_manifests_tensor_core_tile_and_where_it_narrows(d, cache, want):
     partial = {s.kind: s for _, s in kernel_specs(op.manifest, op.params, call, "cuda")}["partial"]
     if want is None:
         assert (partial.mma, partial.prefetch, partial.stages) == (0, 0, op.manifest.kernel.static["stages"])
+        assert target_programs(partial) == 264
         return
     assert (partial.mma, partial.cache_dtype, partial.head_dim) == (1, cache, d)
     assert (partial.tile, partial.prefetch) == want
+    # the split rule aims for one wave of the schedule's programs: 2 an SM at tiles of 128 or head_dim 256, 4
+    # at tiles of 64 up to head_dim 128
+    assert target_programs(partial) == 132 * (4 if want[0] == 64 and d <= 128 else 2)
 
 
 @pytest.mark.parametrize("cache_dtype,prefetch", [(torch.bfloat16, 0), (torch.float8_e4m3fn, 0), (torch.bfloat16, 1)])

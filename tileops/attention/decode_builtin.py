@@ -36,17 +36,22 @@ from .attn_builtin import CUDA_ENV, cuda_enabled as _attn_cuda_enabled
 from ..runtime.binding import Binding
 from ..runtime.plan import Bound, ErrorWord, Plan, Ptr, Step, Tag, Value, Workspace, copy_back, fit, signature
 
-__all__ = ["DecodeKernels", "FORWARD", "WORKSPACES", "cuda_enabled", "kernel_specs", "implement", "splits"]
+__all__ = ["DecodeKernels", "FORWARD", "WORKSPACES", "cuda_enabled", "kernel_specs", "implement", "splits",
+           "target_programs"]
 
 #: the builder of both programs
 BUILDER = "paged_decode"
 
-#: programs the partial step aims for, at most: two a streaming multiprocessor of an H200 (132), the
-#: programs of the manifest's schedule an SM holds at once (ptxas: 233 registers a thread at head_dim 128,
-#: 128 threads), so that a small batch fills the device in one wave; the CPU runs the same split (its
-#: tests then cover the merge). At most, not at least: 8 x 32768 (kv heads 8) at 5 splits made 320
-#: programs, a second wave of 56, 397 us (65% of a copy); at 4 splits, 256 programs, 277 us (93%)
-TARGET_PROGRAMS = 264
+#: the streaming multiprocessors the split rule fills: an H200's (the same rule on every backend, so
+#: that the CPU's tests run the split a GPU runs, and cover the merge)
+SMS = 132
+#: the partial programs an H200 SM holds at once, by schedule (ptxas, sm_90a, 128 threads; registers at
+#: head_dim 128 unless said): the tensor cores' tiles of 128 tokens with the next tile loaded ahead (233
+#: registers, D 64: 150) 2; tiles of 64 up to head_dim 128 (bf16 111, float8 85) 4; tiles of 64 at head_dim
+#: 256 (bf16 194, float8 139) 2; the CUDA cores' program (fp32) 2, the rule it was measured with
+PROGRAMS_AN_SM = {"tile128": 2, "tile64": 4, "tile64-d256": 2, "cuda-cores": 2}
+#: programs the partial step aims for when the schedule is not known (the C backend's fp32 call): two an SM
+TARGET_PROGRAMS = PROGRAMS_AN_SM["cuda-cores"] * SMS
 #: the fewest tokens a split reads: below this the merge's reads (a row of D fp32 a split and q head)
 #: stop being small next to the split's own (256 keys of D elements, for its G q heads)
 MIN_SPLIT_TOKENS = 256
@@ -90,11 +95,24 @@ def cuda_enabled() -> bool:
     return _attn_cuda_enabled(backward=True)
 
 
-def splits(batch: int, hkv: int, tokens: int) -> int:
+def target_programs(partial: Any) -> int:
+    """The programs the split rule aims for with the CUDA ``partial`` spec (None: not served on CUDA):
+    one wave, :data:`PROGRAMS_AN_SM` on each of :data:`SMS`. At most one wave, not at least: at 8 x 32768
+    (kv heads 8), tiles of 128 at 5 splits made 320 programs, a second wave of 56, 397 us (65% of a
+    copy), and at 4 splits 256 programs, 277 us (93%); a float8 cache at tiles of 64, 4, 5 and 8 splits:
+    1060, 916 and 640 us (H200, bf16 q, GQA 32/8, D 128)."""
+    if partial is None or not partial.mma:
+        return TARGET_PROGRAMS
+    if partial.tile == 128:
+        return PROGRAMS_AN_SM["tile128"] * SMS
+    return PROGRAMS_AN_SM["tile64-d256" if partial.head_dim > 128 else "tile64"] * SMS
+
+
+def splits(batch: int, hkv: int, tokens: int, programs: int = TARGET_PROGRAMS) -> int:
     """The splits of a sequence of at most ``tokens`` (``max_blocks * block_size``) for ``batch``
-    sequences of ``hkv`` kv heads: as many as :data:`TARGET_PROGRAMS` programs allow, none shorter than
-    :data:`MIN_SPLIT_TOKENS`, at least one."""
-    want = TARGET_PROGRAMS // max(batch * hkv, 1)
+    sequences of ``hkv`` kv heads: as many as ``programs`` programs allow (:func:`target_programs`), none
+    shorter than :data:`MIN_SPLIT_TOKENS`, at least one."""
+    want = programs // max(batch * hkv, 1)
     return max(1, min(want, math.ceil(tokens / MIN_SPLIT_TOKENS)))
 
 
@@ -148,6 +166,9 @@ class DecodeKernels:
             if problem:
                 raise NotImplementedError(f"{op.name}: {problem}; target='torch' computes it with PyTorch")
         specs = {s.kind: s for _, s in kernel_specs(op.manifest, op.params, call, self.backend)}
+        # the split rule follows the CUDA schedule on every backend (the CPU runs the split a GPU runs)
+        cuda = {s.kind: s for _, s in kernel_specs(op.manifest, op.params, call, "cuda")}
+        self.programs = target_programs(cuda.get("partial"))
         self.kernels = {kind: load_kernel(BUILDER, s, self.backend, self.arch, self.device, s.args, op_name=op.name)
                         for kind, s in specs.items()}
         # the strides' units (CUDA: q and the caches in the partial program's vectors, out in the merge's)
@@ -241,7 +262,7 @@ class DecodeKernels:
         p = self.op.params
         blocks, bs, csb, csr, csh = self._cache(tensors["key_cache"])
         batch, max_blocks = q.shape[0], bt.shape[1]
-        n = splits(batch, p["num_kv_heads"], max_blocks * bs)
+        n = splits(batch, p["num_kv_heads"], max_blocks * bs, self.programs)
         self.op.note_decode_limits(blocks, max_blocks * bs)
         u, uo = self.unit, self.out_unit
         env = {"batch": batch, "splits": n, "chunk": math.ceil(max_blocks * bs / n), "nblocks": blocks, "bs": bs,
