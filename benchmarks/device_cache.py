@@ -81,6 +81,9 @@ def test_jobs() -> list[tuple]:
         warmup.compile_jobs, build.device_backend, torch.cuda.is_available = saved
     # the paged decode's tensor-core cases (TileLang's own build: they take dynamic shared memory)
     jobs += _module("test_paged_decode_cuda").mma_kernel_jobs(ARCH)
+    # the rope schedules test_cuda.py runs straight into NaN-filled outputs (TileLang's nvcc build took that
+    # test 275 s on the H200 when it compiled them there)
+    jobs += _module("test_cuda").every_element_jobs(ARCH)
     return jobs
 
 

@@ -56,21 +56,34 @@ def test_strided_and_offset_views_cuda():
     assert torch.equal(x, base.transpose(1, 2))
 
 
-def test_every_element_written_cuda():
-    """Each schedule, run straight into NaN-filled outputs for x and a key (GQA head counts)."""
-    from tileops.compile.build import compile_kernel, device_backend
+#: the rope schedules :func:`test_every_element_written_cuda` runs: (pairing, head_dim, dtype, spec fields)
+EVERY_ELEMENT_CASES = (("neox", 80, "float16", {}), ("interleaved", 96, "bfloat16", {}), ("neox", 92, "float32", {}),
+                       ("interleaved", 64, "float16", {"tokens_per_thread": 4}))
+
+
+def _every_element_spec(pairing: str, d: int, dtype: str, extra: dict, backend: str):
     from tileops.kernels.rope import RoPEKernelSpec
-    from tileops.compile.entry import raw_kernel
+
+    return RoPEKernelSpec(dtype=dtype, head_dim=d, rot=d, pairing=pairing, backend=backend, head_lanes=8, **extra)
+
+
+def every_element_jobs(arch: str) -> list[tuple]:
+    """The kernel jobs of :func:`test_every_element_written_cuda` (``benchmarks.device_cache`` builds them)."""
+    return [("rope", _every_element_spec(*case, "cuda"), "cuda", arch) for case in EVERY_ELEMENT_CASES]
+
+
+def test_every_element_written_cuda():
+    """Each schedule, run straight into NaN-filled outputs for x and a key (GQA head counts). The kernels
+    come through the index as an op's do (the lean build where it serves them, ~1 s each), not TileLang's
+    nvcc build, which took this test 275 s on the H200 beside the suite's other workers."""
+    from tileops.compile.build import device_backend, load_kernel
     from tileops.rope.tables import RoPETables
 
     dev = torch.device("cuda")
     backend, arch = device_backend(dev)
-    cases = (("neox", 80, "float16", {}), ("interleaved", 96, "bfloat16", {}), ("neox", 92, "float32", {}),
-             ("interleaved", 64, "float16", {"tokens_per_thread": 4}))
-    for pairing, d, dtype, extra in cases:
-        spec = RoPEKernelSpec(dtype=dtype, head_dim=d, rot=d, pairing=pairing, backend=backend, head_lanes=8,
-                              **extra)
-        k = raw_kernel(compile_kernel("rope", spec, backend, arch), dev, spec.args)
+    for pairing, d, dtype, extra in EVERY_ELEMENT_CASES:
+        spec = _every_element_spec(pairing, d, dtype, extra, backend)
+        k = load_kernel("rope", spec, backend, arch, dev, spec.args)
         x = torch.randn(3, 37, 5, d, device=dev).to(getattr(torch, dtype))
         key = torch.randn(3, 37, 2, d, device=dev).to(getattr(torch, dtype))
         out, kout = torch.full_like(x, float("nan")), torch.full_like(key, float("nan"))
