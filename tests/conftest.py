@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import zlib
 
 import pytest
 import seeds
@@ -52,7 +53,31 @@ def pytest_configure(config: pytest.Config) -> None:
     subprocess.run([sys.executable, "-c", code], check=False)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run only the K-th of N parts of the collected tests (1 <= K <= N), each test's part "
+                          "the CRC-32 of its node id modulo N: the same parts on every machine and run, together "
+                          "every test once (the H200's CUDA suite does not fit one 600 s call)")
+
+
+def shard_of(nodeid: str, n: int) -> int:
+    """The part (1 .. n) a test runs in under ``--shard K/n``."""
+    return zlib.crc32(nodeid.encode()) % n + 1
+
+
+def _shard(text: str) -> tuple[int, int]:
+    k, _, n = text.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise pytest.UsageError(f"--shard: expected K/N with 1 <= K <= N (integers), got {text!r}")
+    return int(k), int(n)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("shard"):
+        k, n = _shard(config.getoption("shard"))
+        keep = [i for i in items if shard_of(i.nodeid, n) == k]
+        config.hook.pytest_deselected(items=[i for i in items if shard_of(i.nodeid, n) != k])
+        items[:] = keep
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none here)")

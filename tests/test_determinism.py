@@ -131,3 +131,34 @@ def test_the_conftest_draws_the_same_in_any_worker_and_names_a_failures_seed(tmp
     shown = out.split(" python -m pytest 'test_probe.py::test_fails'")[0].rsplit("TILEOPS_SEED=", 1)[1]
     pinned, _ = _pytest(tmp_path, "pinned", TILEOPS_SEED=shown)
     assert pinned["fails"] == fresh["fails"] != first["fails"]
+
+
+# ------------------------------------------------------------------- --shard K/N
+
+_SHARD_PROBE = "import pytest\n\n@pytest.mark.parametrize('i', range(12))\ndef test_p(i):\n    pass\n"
+
+
+def _collected(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider",
+                           *args, "test_probe.py"], cwd=tmp, capture_output=True, text=True, timeout=120,
+                          env={**PLAIN, "TILEOPS_NATIVE": "0"})
+
+
+def test_shards_split_the_tests_by_the_crc32_of_their_node_ids_each_once(tmp_path):
+    """``--shard K/N`` (the H200's CUDA suite runs in parts): the parts are disjoint, together every
+    test, each test's part its node id's CRC-32 modulo N (the same on every machine); a bad K/N is a
+    usage error naming it."""
+    for f in ("conftest.py", "seeds.py"):
+        shutil.copy(TESTS / f, tmp_path / f)
+    (tmp_path / "test_probe.py").write_text(_SHARD_PROBE)
+    ids = [f"test_probe.py::test_p[{i}]" for i in range(12)]
+    parts = []
+    for k in (1, 2):
+        run = _collected(tmp_path, "--shard", f"{k}/2")
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        parts.append({line for line in run.stdout.splitlines() if line.startswith("test_probe.py::")})
+    assert parts[0] | parts[1] == set(ids) and not parts[0] & parts[1]
+    assert parts[0] == {i for i in ids if zlib.crc32(i.encode()) % 2 == 0} and parts[0] and parts[1]
+    bad = _collected(tmp_path, "--shard", "3/2")
+    assert bad.returncode == 4 and "--shard: expected K/N with 1 <= K <= N (integers), got '3/2'" in bad.stderr, (
+        bad.stdout[-1000:] + bad.stderr[-1000:])
