@@ -75,8 +75,10 @@ def _shard(text: str) -> tuple[int, int]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("shard"):
         k, n = _shard(config.getoption("shard"))
-        keep = [i for i in items if shard_of(i.nodeid, n) == k]
-        config.hook.pytest_deselected(items=[i for i in items if shard_of(i.nodeid, n) != k])
+        keep, other = [], []
+        for i in items:
+            (keep if shard_of(i.nodeid, n) == k else other).append(i)
+        config.hook.pytest_deselected(items=other)
         items[:] = keep
     if HAS_CUDA:
         return

@@ -167,7 +167,8 @@ class DecodeKernels:
                 raise NotImplementedError(f"{op.name}: {problem}; target='torch' computes it with PyTorch")
         specs = {s.kind: s for _, s in kernel_specs(op.manifest, op.params, call, self.backend)}
         # the split rule follows the CUDA schedule on every backend (the CPU runs the split a GPU runs)
-        cuda = {s.kind: s for _, s in kernel_specs(op.manifest, op.params, call, "cuda")}
+        cuda = specs if self.backend == "cuda" else {
+            s.kind: s for _, s in kernel_specs(op.manifest, op.params, call, "cuda")}
         self.programs = target_programs(cuda.get("partial"))
         self.kernels = {kind: load_kernel(BUILDER, s, self.backend, self.arch, self.device, s.args, op_name=op.name)
                         for kind, s in specs.items()}
