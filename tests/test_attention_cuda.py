@@ -150,7 +150,7 @@ def test_views_off_the_vectors(gen):
     kc = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16, device=DEV)
     vc = torch.zeros_like(kc)
     pos, slots = torch.arange(3, device=DEV), torch.tensor([0, 5, 9], device=DEV)
-    with pytest.raises(ValueError, match="qkv: expected its data pointer and row stride on a multiple of 8"):
+    with pytest.raises(ValueError, match="qkv: expected its data pointer and strides on a multiple of 8"):
         op(wide[:, 1:1 + 4 * 64], pos, kc, vc, slots)
     flat = torch.zeros(2 * 16 * 64 + 1, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="key_cache: expected its data pointer and strides"):

@@ -606,31 +606,44 @@ def test_a_bound_call_whose_caches_overlap_is_refused(gen, runtime):
 
 
 def test_cuda_alignment_checks_name_the_argument(gen):
-    """The CUDA path's host checks (run here on CPU tensors, the kernel not launched): a qkv, cache or
-    norm weight whose pointer or strides are off the 16-byte vectors is a ValueError naming it."""
-    from tileops.attention.builtin import PrologueKernels
+    """The CUDA path's fit policy (run here on CPU tensors with the CUDA kernel's unit, nothing
+    launched): a qkv, cache or norm weight whose pointer or strides are off the 16-byte vectors is a
+    ValueError naming it, since each is used where it lies; a q_out off them is written through a buffer."""
+    from tileops.attention.builtin import plan_of
 
     op = AttnPrologueFwdOp(2, 1, 64, VARIANTS["RoPENeoxPositionIdsFwdOp"], qk_norm=True)
-    k = PrologueKernels.__new__(PrologueKernels)  # only the checks: no kernel is built
-    k.op, k.unit = op, 8
+    plan = plan_of(op)
     wide = torch.randn(3, 4 * 64 + 8, generator=gen).to(torch.bfloat16)
     kc = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16)
     w = torch.ones(65, dtype=torch.bfloat16)
-    good = dict(key_cache=kc, value_cache=kc.clone(), q_norm_weight=w[:64], k_norm_weight=w[:64])
-    strides = (kc.stride(0), kc.stride(1), kc.stride(2))
-    k._check_aligned(good, wide[:, :256], *strides)
-    with pytest.raises(ValueError, match=r"qkv: expected its data pointer and row stride on a multiple of 8 "
+    good = dict(qkv=wide[:, :256], positions=torch.arange(3), slot_mapping=torch.arange(3), key_cache=kc,
+                value_cache=kc.clone(), q_norm_weight=w[:64], k_norm_weight=w[:64])
+    q = torch.empty(3, 2, 64, dtype=torch.bfloat16)
+
+    def place(unit=8, q_out=q, **bad):
+        return plan.place({**good, **bad}, {"q_out": q_out}, unit)
+
+    placed = place()
+    assert all(placed.inputs[n] is t for n, t in good.items()) and placed.writes["q_out"] is q
+    with pytest.raises(ValueError, match=r"qkv: expected its data pointer and strides on a multiple of 8 "
                                          r"elements \(16 bytes"):
-        k._check_aligned(good, wide[:, 1:257], *strides)
-    with pytest.raises(ValueError, match="qkv: expected its data pointer and row stride"):
-        k._check_aligned(good, torch.zeros(3, 260, dtype=torch.bfloat16)[:, :256], *strides)  # row stride 260
+        place(qkv=wide[:, 1:257])
+    with pytest.raises(ValueError, match="qkv: expected its data pointer and strides"):
+        place(qkv=torch.zeros(3, 260, dtype=torch.bfloat16)[:, :256])  # row stride 260
     flat = torch.zeros(2 * 16 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 16, 1, 64)
     with pytest.raises(ValueError, match="value_cache: expected its data pointer and strides"):
-        k._check_aligned({**good, "value_cache": flat}, wide[:, :256], *strides)
+        place(value_cache=flat)
     with pytest.raises(ValueError, match="k_norm_weight: expected its data pointer"):
-        k._check_aligned({**good, "k_norm_weight": w[1:]}, wide[:, :256], *strides)
-    k.unit = 1  # the C backend: element strides, nothing to check
-    k._check_aligned({**good, "value_cache": flat}, wide[:, 1:257], *strides)
+        place(k_norm_weight=w[1:])
+    # copied, not refused: a qkv whose last dim is not contiguous, positions that are not one dense run
+    cols = torch.randn(256, 3, generator=gen).to(torch.bfloat16).t()
+    placed = place(qkv=cols, positions=torch.arange(6)[::2])
+    assert placed.inputs["qkv"].is_contiguous() and torch.equal(placed.inputs["qkv"], cols)
+    assert placed.inputs["positions"].is_contiguous()
+    odd = torch.empty(3, 2, 65, dtype=torch.bfloat16)[..., :64]  # head stride 65: through a buffer
+    placed = place(q_out=odd)
+    assert placed.writes["q_out"] is not odd and placed.outs["q_out"] is odd
+    place(unit=1, value_cache=flat, qkv=wide[:, 1:257])  # the C backend: element strides, nothing to refuse
 
 
 class _HalvedRoPE(RoPENeoxPositionIdsFwdOp):

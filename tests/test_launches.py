@@ -101,3 +101,24 @@ def test_the_runtime_launches_every_kernel_of_a_call(name, launches, gen):
 def test_every_op_launches_through_the_runtime(name, launches, gen):
     _run(name, gen)
     assert launches and not _by_the_runtime(launches), launches
+
+
+#: the modules that hand a call's tensors to kernels: each family's kernel sets
+KERNEL_SETS = [*PACKAGE.glob("*/builtin.py"), *PACKAGE.glob("*/*_builtin.py"), PACKAGE / "rope" / "tables.py",
+               Path(__file__).parents[1] / "docs" / "examples" / "scale_family" / "tileops" / "scale" / "builtin.py"]
+
+
+def _stride_reads(path: Path) -> list[int]:
+    """The lines of ``path`` reading a tensor's strides (``.stride(...)``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "stride"]
+
+
+def test_no_kernel_set_maps_strides_to_kernel_arguments():
+    """A family declares how its kernels see each tensor (a plan's ``dims``) and the runtime computes
+    every extent and stride a kernel takes, and applies the fit policy: no kernel set reads a stride."""
+    assert len(KERNEL_SETS) >= 7, KERNEL_SETS  # rope, norm, the prologue, attention, decode, NTK, the example
+    found = [f"{p.relative_to(p.parents[2])}:{line}" for p in KERNEL_SETS for line in _stride_reads(p)]
+    assert not found, f"strides read outside the runtime: {found}"
+    assert _stride_reads(PACKAGE / "runtime" / "views.py"), "the scan finds the runtime's own"

@@ -362,7 +362,8 @@ def test_weight_and_bias_gradients_are_written_whole_and_planned_once(nan_empty,
     """The weight's and bias's gradients are new tensors (NaN-filled here) that ``wsum`` writes
     whole: within fp32 tolerances of float64 autograd; with no rows they are zeros. A later call
     shaped alike launches from the plan the first one made, with the same bits; a gradient whose
-    last dim is strided is copied first (its signature has no plan) and still right."""
+    last dim is strided is copied first (its signature has no plan; the copies' has one, made once)
+    and still right."""
     assert torch.empty(4).isnan().all()
     op = LayerNormFwdOp()
     inputs = {"x": torch.randn(5, 11, 64, generator=gen) * 3 + 2, "weight": torch.randn(64, generator=gen),
@@ -382,7 +383,11 @@ def test_weight_and_bias_gradients_are_written_whole_and_planned_once(nan_empty,
     strided = tuple(torch.randn(*g.shape, 2, generator=gen)[..., 1] for g in gs)  # last dims at stride 2
     leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
     copied = dict(zip(leaves, torch.autograd.grad(op(**leaves), list(leaves.values()), strided)))
-    assert len(backward_bindings()) == 2 and None in backward_bindings()
+    assert len(backward_bindings()) == 3 and backward_bindings()[:2] == [plan, None]
+    leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(op(**leaves), list(leaves.values()), strided),
+                                                  copied.values())), "the copies' plan gave other bits"
+    assert len(backward_bindings()) == 3, "a second call of the copied signature binds nothing new"
     want = _grads64(_layer_reference, inputs, strided)
     atol, rtol = tolerance(torch.float32)
     for name in inputs:

@@ -19,6 +19,7 @@ import tileops
 from tests.test_paged_decode_kernels import bound
 from tileops.attention import AttnPrologueFwdOp, PagedAttnDecodeFwdOp
 from tileops.rope import RoPENeoxPositionIdsFwdOp
+from tileops.runtime.views import Misfit
 
 _spec = importlib.util.spec_from_file_location("_decode_refs", Path(__file__).with_name("references_attention.py"))
 refs = importlib.util.module_from_spec(_spec)
@@ -256,10 +257,12 @@ def test_cuda_refuses_a_head_dim_its_schedule_cannot_read(monkeypatch):
 
 
 def test_cuda_host_side_strides_in_vectors_and_caches_on_them(monkeypatch):
-    """The host side of a CUDA call, run here with a stand-in kernel: a cache off the 16-byte vectors is
-    a ValueError naming it before anything is bound; an aligned call binds its strides in vectors (8
-    elements of bf16) and reaches the kernels. (The H200's first call found a bug on this path that no
-    CPU test had reached.)"""
+    """The host side of a CUDA call, run here with a stand-in kernel: an aligned call binds its strides
+    in vectors (8 elements of bf16) and reaches the kernels; the plan's fit policy refuses a cache off
+    the 16-byte vectors with a ValueError naming it (a binding is made from strides alone, and the
+    executor's per-call pointer check sends such a call to that policy: the CUDA test
+    ``test_cuda_binding_refuses_a_cache_or_q_off_the_vectors_it_was_bound_on_aligned``), and copies a q
+    off them. (The H200's first call found a bug on this path that no CPU test had reached.)"""
     class Reached(Exception):
         pass
 
@@ -271,15 +274,19 @@ def test_cuda_host_side_strides_in_vectors_and_caches_on_them(monkeypatch):
     op = PagedAttnDecodeFwdOp(8, 2, 128, cache_layout="HND")
     t = _inputs(72, [40, 3], d=128, dtype=torch.bfloat16, layout="HND")
     off = torch.zeros(t["key_cache"].numel() + 1, dtype=torch.bfloat16)[1:].view(t["key_cache"].shape)
-    with pytest.raises(ValueError, match=r"value_cache: expected its data pointer and strides on 8 elements \(the "
-                                         r"CUDA kernel's vectors\), got data pointer offset"):
-        op(**{**t, "value_cache": off.as_strided(t["value_cache"].shape, t["value_cache"].stride())})
     with pytest.raises(Reached):
         op(**t)
     impl = next(iter(op._impls.values()))
     assert (impl.unit, impl.out_unit) == (8, 8)
-    assert impl._layout({"q": t["q"], "out": None}) is True
-    assert impl._layout({"q": t["q"][:, :, 1:]}) == "q", "a q whose rows start inside a vector is copied"
+    assert not isinstance(impl.plan.layout({**t, "out": None}, impl.units, pointers=True), Misfit)
+    q = torch.zeros(t["q"].numel() + 1, dtype=torch.bfloat16)[1:].view(t["q"].shape)  # a vector's element in
+    assert impl.plan.layout({**t, "q": q}, impl.units, pointers=True) == Misfit("q", "alignment")
+    placed = impl.plan.place({**t, "q": q}, {"out": None}, impl.units)
+    assert placed.inputs["q"] is not q and placed.inputs["q"].data_ptr() % 16 == 0, "a q off the vectors is copied"
+    with pytest.raises(ValueError, match=r"value_cache: expected its data pointer and strides on a multiple of 8 "
+                                         r"elements \(16 bytes: the CUDA kernel's vectors\), got data pointer offset"):
+        impl.plan.place({**t, "value_cache": off.as_strided(t["value_cache"].shape, t["value_cache"].stride())},
+                        {"out": None}, impl.units)
 
 
 def test_cuda_binding_refuses_a_cache_or_q_off_the_vectors_it_was_bound_on_aligned(monkeypatch):

@@ -77,8 +77,102 @@ def test_a_plan_names_what_does_not_fit():
     with pytest.raises(PlanError, match=r"error words are 0 \.\. 3, got \{'x': 4\}"):
         Plan("bad", inputs=("x",), outputs=(), checks={"x": 4}, steps=())
     x = torch.zeros(4, 4)
-    with pytest.raises(PlanError, match=r"partials.M: `M`: unknown name 'M'"):
-        SUM_ROWS.bind(kernels(), {"x": x}, {}, env={"N": 4, "xs": 4, "G": G})
+    with pytest.raises(PlanError, match=r"workspace part's size: `G \* N`: unknown name 'G'"):
+        SUM_ROWS.bind(kernels(), {"x": x}, {}, env={"N": 4})
     typo = Plan("typo", inputs=("x",), outputs=(), steps=(Step("partials", {"Q": Ptr("x")}),))
     with pytest.raises(PlanError, match="kernel partials has no argument 'Q'"):
         typo.bind(kernels(), {"x": x}, {}, env={})
+
+
+# ----------------------------------------------------------------------------- views and the fit policy
+from tileops.runtime.plan import Dims, Flat, Rows, Size, Stride  # noqa: E402
+from tileops.runtime.views import Misfit, layout  # noqa: E402
+
+ROTATED = Dims({4: "bshd", 3: "shd", 2: "sd"})
+
+
+def _plan(dims, **kw) -> Plan:
+    return Plan("views", inputs=("x", "p"), outputs=(Output("out", like="x"),), steps=(), dims=dims, **kw)
+
+
+def test_extents_and_strides_come_from_the_declared_dims():
+    """Every extent and stride a kernel takes, from the dims a plan declares: a dim of extent 1, one the
+    rank lacks, or an absent tensor gives stride 0 (never read), strides count in the tensor's unit."""
+    x = torch.empty(2, 4, 16, 64).transpose(1, 2)  # HF's [B, H, S, D] seen as [B, S, H, D]
+    seen = layout({"x": ROTATED, "p": Dims({1: "s", 2: "bs"}, vector=False)}, {"x": x, "p": torch.arange(16)}, 8)
+    assert seen["x"] == {"b": (2, 4096), "s": (16, 64), "h": (4, 1024), "d": (64, 1)}
+    assert seen["p"] == {"s": (16, 1)}  # [S]: no batch dim
+    one = layout({"x": ROTATED}, {"x": torch.empty(1, 1, 4, 64)}, 8)["x"]
+    assert one["b"] == (1, 0) and one["s"] == (1, 0) and one["h"] == (4, 64)
+    ids = layout({"x": ROTATED}, {"x": torch.empty(5, 4, 64)}, 8)["x"]
+    assert "b" not in ids and ids["s"] == (5, 256)
+    plan = Plan("views", inputs=("x", "p"), outputs=(), steps=(), dims={"x": ROTATED, "p": Dims("bs", vector=False)})
+    assert plan._stride(seen, Stride("x", "h"), 8) == 128 and plan._stride(seen, Stride("x", "h", True), 8) == 1024
+    assert plan._stride(seen, Stride("x", "b"), {"x": 2}) == 2048  # a unit by tensor
+    assert plan._stride({}, Stride("x", "b"), 8) == 0  # absent
+    with pytest.raises(PlanError, match="stride 64 is not a multiple of 128"):
+        plan._stride(seen, Stride("x", "s"), 128)
+    with pytest.raises(PlanError, match="no dims declared for 'y'"):
+        Plan("views", inputs=("x",), outputs=(), steps=(Step("k", {"S": Size("y", "s")}),))
+
+
+def test_rows_are_grouped_across_the_tensors_of_a_plan():
+    """:class:`Rows`: the leading dims of every such tensor merge into at most two runs (row r at
+    ``(r // NH) * st + (r % NH) * sh``); a view that needs a third is named, the one with most breaks."""
+    qkv = torch.empty(8, 12, 64)
+    q = qkv[:, 4:8]  # 4 heads of 12: two runs
+    seen = layout({"x": Rows(), "out": Rows()}, {"x": q, "out": torch.empty(8, 4, 64)}, 8)
+    assert seen["x"] == {"m": (32, 768), "h": (4, 64), "d": (64, 1)}
+    assert seen["out"] == {"m": (32, 256), "h": (4, 64), "d": (64, 1)}
+    assert layout({"x": Rows()}, {"x": torch.empty(4, 6, 8, 64)[::2, ::2, ::3]}, 1) == Misfit("x", "rows")
+
+
+def test_spans_stand_for_the_strides_of_dims_of_extent_one():
+    """``span``: a dim of extent 1, or one the rank lacks (varlen's batch), strides over what lies
+    inside it, and an expanded dim (stride 0) does not fit with vectors (a TMA descriptor's rules)."""
+    v = Dims({4: "bshd", 3: "shd"}, span=True)
+    assert layout({"q": v}, {"q": torch.empty(7, 3, 64)}, 8)["q"] == {"b": (1, 1344), "s": (7, 192), "h": (3, 64),
+                                                                     "d": (64, 1)}
+    assert layout({"q": v}, {"q": torch.empty(2, 1, 3, 64)}, 8)["q"]["s"] == (1, 192)
+    expanded = torch.empty(1, 5, 1, 64).expand(2, 5, 3, 64)
+    assert layout({"q": v}, {"q": expanded}, 8) == Misfit("q", "alignment")
+    assert not isinstance(layout({"q": v}, {"q": expanded}, 1), Misfit)  # no vectors: any stride
+
+
+def test_the_fit_policy_copies_buffers_or_refuses_as_declared():
+    """:meth:`Plan.place`: an input that does not fit is copied, an output written through a buffer and
+    copied back, an output in place over a copied input through a buffer too; a tensor declared
+    ``refuse`` is a ValueError naming it, with what was expected and what came."""
+    plan = _plan({"x": ROTATED, "out": ROTATED, "p": Dims("s", vector=False, dense=True)})
+    x = torch.randn(2, 4, 3, 16)
+    strided = torch.randn(2, 4, 3, 16, 2)[..., 0]  # a last dim that is not contiguous
+    placed = plan.place({"x": strided, "p": None}, {"out": None}, 1)
+    assert placed.inputs["x"].is_contiguous() and torch.equal(placed.inputs["x"], strided)
+    assert placed.writes["out"] is placed.outs["out"]  # a new output that fits: no buffer
+    given = torch.zeros(2, 4, 3, 16, 2)[..., 0]
+    placed = plan.place({"x": x, "p": None}, {"out": given}, 1)
+    assert placed.inputs["x"] is x and placed.writes["out"] is not given and placed.outs["out"] is given
+    placed.writes["out"].copy_(x)
+    placed.copy_back()
+    assert torch.equal(given, x)
+    inplace = torch.randn(2, 4, 3, 16, 2)[..., 0]
+    placed = plan.place({"x": inplace, "p": None}, {"out": inplace}, 1)
+    assert placed.inputs["x"] is not inplace and placed.writes["out"] is not inplace
+    assert placed.outs["out"] is inplace and placed.writes["out"] is not placed.inputs["x"]
+    placed = plan.place({"x": x, "p": torch.arange(8)[::2]}, {"out": x}, 1)  # not one dense run: copied
+    assert placed.inputs["p"].is_contiguous() and placed.writes["out"] is x
+    off = torch.zeros(2 * 4 * 3 * 16 + 1)[1:].view(2, 4, 3, 16)  # 4 bytes into a 16-byte vector
+    assert plan.place({"x": off, "p": None}, {"out": None}, 4).inputs["x"].data_ptr() % 16 == 0
+    refusing = _plan({"x": Dims("bshd", refuse="any"), "p": Dims("s", vector=False)})
+    with pytest.raises(ValueError, match=r"views: x: expected its data pointer and strides on a multiple of 4 "
+                                         r"elements \(16 bytes: the CUDA kernel's vectors\), got data pointer "
+                                         r"offset \d+ bytes mod 256, strides \[192, 48, 16, 1\]"):
+        refusing.place({"x": off, "p": None}, {"out": None}, 4)
+    with pytest.raises(ValueError, match=r"views: x: expected a contiguous last dim, got strides \[384, 96, 32, 2\]"):
+        refusing.place({"x": strided, "p": None}, {"out": None}, 1)
+    aligned_only = _plan({"x": Dims("bshd", refuse="alignment")})
+    assert aligned_only.place({"x": strided, "p": None}, {"out": None}, 4).inputs["x"].is_contiguous()
+    with pytest.raises(ValueError, match="x: expected its data pointer and strides"):
+        aligned_only.place({"x": off, "p": None}, {"out": None}, 4)
+    flat = _plan({"x": Flat(), "out": Flat()})
+    assert flat.place({"x": x.transpose(0, 1), "p": None}, {"out": None}, 1).inputs["x"].is_contiguous()

@@ -2,9 +2,10 @@
 
 ``partials`` sums each of ``G`` blocks of rows (rows ``g, g + G, ...``) into a row of a per-call fp32
 workspace; ``reduce`` adds the ``G`` rows into ``y [N]`` times a per-call scalar. The plan declares the
-call's tensors, the workspace (sized by an expression) and each kernel argument by its role; the
-runtime binds it once per call signature and runs it (``tests/test_plans.py`` runs this file's plan
-on both executors).
+call's tensors and how the kernels see x (its dims named ``m`` and ``n``: the runtime computes its
+extents and row stride), the workspace (sized by an expression) and each kernel argument by its role;
+the runtime binds it once per call signature and runs it (``tests/test_plans.py`` runs this file's
+plan on both executors).
 
     python docs/examples/two_kernel_plan.py
 """
@@ -15,16 +16,18 @@ import threading
 import torch
 
 from tileops.runtime.executor import PythonRuntime
-from tileops.runtime.plan import Output, Plan, Ptr, Scalar, Step, Value, Workspace
+from tileops.runtime.plan import Dims, Output, Plan, Ptr, Scalar, Size, Step, Stride, Value, Workspace
 
 G = 4  # the partial rows: a block sums rows g, g + G, g + 2G, ...
 
 SUM_ROWS = Plan(
     "sum rows", inputs=("x",), outputs=(Output("y", like="x", shape=("N",), dtype_of="x"),), scalars=("scale",),
     workspaces=(Workspace("part", "float32", "G * N"),),
-    steps=(Step("partials", {"X": Ptr("x"), "P": Ptr("part"), "M": Value("M"), "N": Value("N"), "xs": Value("xs"),
-                             "G": Value("G")}),
-           Step("reduce", {"P": Ptr("part"), "Y": Ptr("y"), "N": Value("N"), "G": Value("G"),
+    # x is read element by element (no vectors): any row stride, a contiguous row
+    dims={"x": Dims("mn", vector=False)},
+    steps=(Step("partials", {"X": Ptr("x"), "P": Ptr("part"), "M": Size("x", "m"), "N": Size("x", "n"),
+                             "xs": Stride("x", "m"), "G": Value("G")}),
+           Step("reduce", {"P": Ptr("part"), "Y": Ptr("y"), "N": Size("x", "n"), "G": Value("G"),
                            "scale": Scalar("scale")})))
 
 _lock = threading.Lock()
@@ -84,9 +87,9 @@ def _compile() -> dict:
 
 
 def bind(x, outs=None):
-    """SUM_ROWS bound for calls shaped like ``x`` (``outs``: ``{"y": tensor}`` to write into)."""
-    return SUM_ROWS.bind(kernels(), {"x": x}, outs or {}, env={"M": x.shape[0], "N": x.shape[1], "xs": x.stride(0),
-                                                             "G": G})
+    """SUM_ROWS bound for calls shaped like ``x`` (``outs``: ``{"y": tensor}`` to write into); ``N`` sizes
+    the workspace and y."""
+    return SUM_ROWS.bind(kernels(), {"x": x}, outs or {}, env={"N": x.shape[1], "G": G})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ construction) and hands a call's views to it through a plan (:data:`FORWARD`): q
 their pointers, every stride (in the kernel's units) and size by value. Views are read where they lie
 (HF's ``[B, H, S, D]`` transposed, a slice along the sequence): only a last dim that is not
 contiguous, a stride off the CUDA kernel's 16-byte vectors, or (CUDA) a pointer off them is copied
-first (an output written through a buffer and copied back: :func:`tileops.runtime.plan.fit`).
+first (an output written through a buffer and copied back: the plan's fit policy, declared with the
+dims of its tensors, :data:`DIMS`, which the runtime applies).
 
 ``return_lse`` (:meth:`AttnKernels.forward` with ``lse``) binds the lse tensor's address as a value
 for that one call (``keep``), so the runtime's cached bindings (the fast path, which the native
@@ -35,20 +36,8 @@ from ..autograd import grad_needed
 from ..compile.build import device_backend, load_kernel
 from ..compile.entry import encode_arg
 from ..runtime.binding import Binding
-from ..runtime.plan import (
-    Bound,
-    ErrorWord,
-    Output,
-    Plan,
-    Ptr,
-    Step,
-    Tag,
-    Value,
-    Workspace,
-    copy_back,
-    fit,
-    signature,
-)
+from ..runtime.plan import Bound, Dims, ErrorWord, Output, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace
+from ..runtime.views import Misfit
 
 __all__ = ["AttnKernels", "BACKWARD", "FORWARD", "CUDA_ENV", "backward_specs", "cuda_enabled", "implement",
            "kernel_specs"]
@@ -74,10 +63,23 @@ def cuda_enabled(backward: bool = False) -> bool:
     return os.environ.get(CUDA_ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
 
-#: the kernel's integer arguments, each bound by value from :meth:`AttnKernels._env` (the CUDA kernel
-#: takes the sizes and strides as its tensors' dynamic extents, the C one as parameters: by name alike)
-_VALUES = ("batch", "nb", "sq", "sk", "tiles", "qsb", "qss", "qsh", "ksb", "kss", "ksh", "vsb", "vss", "vsh",
-           "osb", "oss", "osh", "lsb", "lsh", "has_lse", "scale_bits", "cap_bits", "window")
+#: the kernel's integer arguments bound from :meth:`AttnKernels._env` (the CUDA kernel takes the sizes
+#: and strides as its tensors' dynamic extents, the C one as parameters: by name alike)
+_VALUES = ("batch", "tiles", "lsb", "lsh", "has_lse", "scale_bits", "cap_bits", "window")
+#: How the kernels see q, k, v, out and their gradients: ``[B, S, H, D]`` dense, ``[T, H, D]`` varlen (a
+#: batch of one); a dim of extent 1 strides over what lies inside it and a stride of 0 does not fit (the
+#: CUDA kernels' TMA descriptors take positive strides alone); the offsets read as dense runs
+_ROWS = Dims({4: "bshd", 3: "shd"}, span=True)
+DIMS = {**dict.fromkeys(("q", "k", "v", "out", "dout", "dq", "dk", "dv"), _ROWS),
+        **dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k"), Dims("b", vector=False, dense=True)),
+        # the forward's lse, [B, Hq, Sq] or varlen [Hq, T], read (and delta written alike) one at a time
+        "lse": Dims({3: "bhs", 2: "hs"}, vector=False)}
+
+
+def _bsh(tensor: str, prefix: str, elements: bool = False) -> dict:
+    """A tensor's (batch, row, head) stride arguments ``<prefix>s{b,s,h}``: in elements (the forward's
+    TMA extents) or in the kernels' units (the backward's)."""
+    return {f"{prefix}s{x}": Stride(tensor, x, elements) for x in "bsh"}
 #: the window is compared as ``j <= i + off - w`` in int32: a wider window than this hides nothing
 #: that 2^30 does not (sequences hold fewer than 2^31 tokens)
 _MAX_WINDOW = 2**30
@@ -88,21 +90,18 @@ FORWARD = Plan("attention forward", inputs=("q", "k", "v", "cu_seqlens_q", "cu_s
                outputs=(Output("out", like="q"),),
                steps=(Step("fwd", {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "O": Ptr("out"),
                                    "LSE": Value("lse_ptr"), "CUQ": Ptr("cu_seqlens_q"), "CUK": Ptr("cu_seqlens_k"),
-                                   "ERR": ErrorWord(), "tag": Tag(), **{a: Value(a) for a in _VALUES}}),),
-               checks={"cu_seqlens_q": 0, "cu_seqlens_k": 1})
-
-
-def _bsh(*tensors: str) -> dict:
-    """The (batch, row, head) stride arguments of ``kernels/attention_bwd.py``'s tensors, each bound by
-    value from :meth:`AttnKernels._backward_env`'s names of the same spelling."""
-    return {f"{t}s{x}": Value(f"{t}s{x}") for t in tensors for x in "bsh"}
+                                   "ERR": ErrorWord(), "tag": Tag(), "nb": Size("q", "b"), "sq": Size("q", "s"),
+                                   "sk": Size("k", "s"), **_bsh("q", "q", True), **_bsh("k", "k", True),
+                                   **_bsh("v", "v", True), **_bsh("out", "o", True),
+                                   **{a: Value(a) for a in _VALUES}}),),
+               checks={"cu_seqlens_q": 0, "cu_seqlens_k": 1}, dims=DIMS)
 
 
 #: the values every gradient program takes: the sizes (``Sq``/``Sk`` the dense lengths, varlen the
 #: token counts: the module's doc), the window and the fp32 scale and softcap, lse's (and delta's) strides
-_GRAD_VALUES = {"B": Value("B"), "Hkv": Value("Hkv"), "G": Value("G"), "Sq": Value("Sq"), "Sk": Value("Sk"),
-                "W": Value("W"), "scale": Value("scale"), "softcap": Value("softcap"), "lsb": Value("lsb"),
-                "lsh": Value("lsh"), **_bsh("q", "k", "v", "do")}
+_GRAD_VALUES = {"B": Value("B"), "Hkv": Value("Hkv"), "G": Value("G"), "Sq": Size("q", "s"), "Sk": Size("k", "s"),
+                "W": Value("W"), "scale": Value("scale"), "softcap": Value("softcap"), "lsb": Stride("lse", "b"),
+                "lsh": Stride("lse", "h"), **_bsh("q", "q"), **_bsh("k", "k"), **_bsh("v", "v"), **_bsh("dout", "do")}
 _GRAD_PTRS = {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "DO": Ptr("dout"), "LSE": Ptr("lse"),
               "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"), "CUK": Ptr("cu_seqlens_k")}
 
@@ -115,12 +114,12 @@ BACKWARD = Plan(
     outputs=(Output("dq", like="q"), Output("dk", like="k"), Output("dv", like="v")),
     workspaces=(Workspace("delta", "float32", "Hq * qrows"),),
     steps=(Step("prep", {"O": Ptr("out"), "DO": Ptr("dout"), "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"),
-                         "B": Value("B"), "Hq": Value("Hq"), "Sq": Value("Sq"), "lsb": Value("lsb"),
-                         "lsh": Value("lsh"), **_bsh("o", "do")}),
-           Step("dkdv", {**_GRAD_PTRS, "DK": Ptr("dk"), "DV": Ptr("dv"), **_GRAD_VALUES, **_bsh("dk", "dv")}),
-           Step("dq", {**_GRAD_PTRS, "DQ": Ptr("dq"), **_GRAD_VALUES, **_bsh("dq")})))
-#: the backward's tensors the kernels address by (batch, row, head) strides, by their stride names
-_BWD_STRIDED = {"q": "q", "k": "k", "v": "v", "out": "o", "dout": "do", "dq": "dq", "dk": "dk", "dv": "dv"}
+                         "B": Value("B"), "Hq": Value("Hq"), "Sq": Size("q", "s"), "lsb": Stride("lse", "b"),
+                         "lsh": Stride("lse", "h"), **_bsh("out", "o"), **_bsh("dout", "do")}),
+           Step("dkdv", {**_GRAD_PTRS, "DK": Ptr("dk"), "DV": Ptr("dv"), **_GRAD_VALUES, **_bsh("dk", "dk"),
+                         **_bsh("dv", "dv")}),
+           Step("dq", {**_GRAD_PTRS, "DQ": Ptr("dq"), **_GRAD_VALUES, **_bsh("dq", "dq")})),
+    dims=DIMS)
 
 
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
@@ -179,41 +178,20 @@ class AttnKernels:
         self._fields = AttnFwdHooks.kernel_fields_of(p, call)
         self._bwd_kernels: dict[str, Any] | None = None  # compiled at the first backward
 
-    # ------------------------------------------------------------------------------ layouts
-    def _layout(self, views: dict, pointers: bool = True) -> Any:
-        """0 when the kernel addresses every view where it lies, else the name of one to make dense:
-        a last dim that is not contiguous, a stride off the kernel's unit (CUDA: 8 elements, 16 bytes,
-        as TMA takes them) or 0, (with ``pointers``) a pointer off 16 bytes (CUDA)."""
-        for n, t in views.items():
-            if t is None or t.numel() == 0:
-                continue
-            if t.stride(-1) != 1 and t.shape[-1] > 1:
-                return n
-            if any(s % self.unit or (s == 0 and self.backend == "cuda")
-                   for s, d in zip(t.stride()[:-1], t.shape[:-1]) if d > 1):
-                return n  # (an expanded view's stride 0: TMA takes positive strides only)
-            if pointers and self.backend == "cuda" and t.data_ptr() % 16:
-                return n
-        return 0  # anything but a str: fit's "it fits"
-
     def _env(self, t: dict, lse: torch.Tensor | None) -> dict[str, int]:
-        q, k, v, o = t["q"], t["k"], t["v"], t["out"]
-
-        hq = self.spec.hq
+        """The forward's values besides its tensors' sizes and strides."""
+        q, hq = t["q"], self.spec.hq
         if self.varlen:
-            batch, nb, sq, sk = t["cu_seqlens_q"].shape[0] - 1, 1, q.shape[0], k.shape[0]
+            batch, sq = t["cu_seqlens_q"].shape[0] - 1, q.shape[0]
             tiles = sq if self.backend == "c" else -(-sq // self.spec.rows_per_tile) + batch
             lsb, lsh = 0, sq
         else:
-            batch, nb, sq, sk = q.shape[0], q.shape[0], q.shape[1], k.shape[1]
+            batch, sq = q.shape[0], q.shape[1]
             tiles = -(-sq // self.spec.rows_per_tile)
             lsb, lsh = hq * sq, sq
-        env = {"batch": batch, "nb": nb, "sq": sq, "sk": sk, "tiles": tiles, "lsb": lsb, "lsh": lsh,
-               "has_lse": int(lse is not None), "lse_ptr": 0 if lse is None else lse.data_ptr(),
-               "scale_bits": self.scale_bits, "cap_bits": self.cap_bits, "window": self.window}
-        for name, x in (("q", q), ("k", k), ("v", v), ("o", o)):
-            env[f"{name}sb"], env[f"{name}ss"], env[f"{name}sh"] = _strides(x)
-        return env
+        return {"batch": batch, "tiles": tiles, "lsb": lsb, "lsh": lsh, "has_lse": int(lse is not None),
+                "lse_ptr": 0 if lse is None else lse.data_ptr(), "scale_bits": self.scale_bits,
+                "cap_bits": self.cap_bits, "window": self.window}
 
     def _empty(self, t: dict) -> bool:
         """Whether the call launches nothing: no query rows, or (the CUDA kernel's TMA descriptors
@@ -249,39 +227,28 @@ class AttnKernels:
             if lse_t is not None:
                 lse_t.fill_(-math.inf)
             return (out, lse_t) if lse else out
-        views, _ = fit({"q": q, "k": tensors["k"], "v": tensors["v"], "out": out}, ("out",), self._layout)
-        launch = {**tensors, **{n: views[n] for n in ("q", "k", "v")}}
-        if self.varlen:
-            launch.update({n: tensors[n].contiguous() for n in ("cu_seqlens_q", "cu_seqlens_k")})
-        writes = {"out": views["out"]}
+        placed = FORWARD.place(tensors, {"out": out}, self.unit)
+        launch, writes = placed.inputs, placed.writes
         if lse_t is None:
-            key = ("forward", signature(FORWARD.names, {**launch, **writes}))
-            b = self._bound.get(key, lambda: self._bind(launch, writes, None))
+            b = self._bound.get(("forward", *FORWARD.key(launch, writes)), lambda: self._bind(launch, writes, {}, None))
         else:
-            b = self._bind(launch, writes, lse_t)  # the lse's address is this call's alone
+            b = self._bind(launch, writes, {}, lse_t)  # the lse's address is this call's alone
         self.op._runtime.execute(b, launch, writes)
-        copy_back(writes, {"out": out})
+        placed.copy_back()
         return (out, lse_t) if lse else out
 
-    def _bind(self, tensors: dict, outs: dict, lse: torch.Tensor | None) -> Binding:
-        align = {n: 16 for n in ("q", "k", "v", "out")} if self.backend == "cuda" else {}
-        return FORWARD.bind({"fwd": self.kernel}, tensors, outs, env=self._env({**tensors, **outs}, lse),
-                            align=align, keep=() if lse is None else (lse,))
+    def _bind(self, tensors: dict, outs: dict, views: dict, lse: torch.Tensor | None) -> Binding:
+        return FORWARD.bind({"fwd": self.kernel}, tensors, outs, env=self._env(tensors, lse), views=views,
+                            keep=() if lse is None else (lse,), unit=self.unit)
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one (without lse), or None where the call
         must copy a view first, launches nothing, or needs its offsets made contiguous."""
         out = outs.get("out")
         view = out if out is not None else self.op._new_output("out", tensors)
-        if self._empty(tensors) or isinstance(self._layout({"q": tensors["q"], "k": tensors["k"],
-                                                              "v": tensors["v"], "out": view}), str):
+        if self._empty(tensors) or isinstance(FORWARD.layout({**tensors, "out": view}, self.unit), Misfit):
             return None
-        if self.varlen and not all(tensors[n].is_contiguous() for n in ("cu_seqlens_q", "cu_seqlens_k")):
-            return None
-        return self._bind(tensors, {"out": out}, None) if out is not None else FORWARD.bind(
-            {"fwd": self.kernel}, tensors, {"out": None}, env=self._env({**tensors, "out": view}, None),
-            align={n: 16 for n in ("q", "k", "v", "out")} if self.backend == "cuda" else {},
-            views={"out": view})
+        return self._bind(tensors, {"out": out}, {"out": view}, None)
 
     # ------------------------------------------------------------------------------ backward
     def backward(self, state: dict | None, grads: tuple, tensors: dict) -> tuple:
@@ -303,17 +270,16 @@ class AttnKernels:
         if self.varlen:
             launch.update(cu_seqlens_q=_monotone(tensors["cu_seqlens_q"], q.shape[0]),
                           cu_seqlens_k=_monotone(tensors["cu_seqlens_k"], k.shape[0]))
-        key = ("backward", signature(BACKWARD.names, launch))
-        b = self._bound.get(key, lambda: self._backward_binding(launch))
+        b = self._bound.get(("backward", *BACKWARD.key(launch, {})), lambda: self._backward_binding(launch))
         if b is not None:
             got = self.op._runtime.execute(b, launch, {})
             if got is not NotImplemented:
                 return got
         # a view the kernels cannot address where it lies (a stride off 8 elements on CUDA, a last dim
         # not contiguous: an expanded dO of out.sum()): a dense copy; the new gradients are dense then
-        views, _ = fit({n: launch[n] for n in _BWD_STRIDED if n in launch}, (), self._layout)
-        fitted = {**launch, **views}
-        return self.op._runtime.execute(self._backward_binding(fitted), fitted, {})
+        fitted = BACKWARD.place(launch, {}, self.unit).inputs  # (the copies' signature: bound once too)
+        b = self._bound.get(("backward", *BACKWARD.key(fitted, {})), lambda: self._backward_binding(fitted))
+        return self.op._runtime.execute(b, fitted, {})
 
     def _refuse_backward(self) -> None:
         """A CUDA call whose gradient will be taken, before any kernel runs, unless :func:`cuda_enabled`."""
@@ -333,35 +299,22 @@ class AttnKernels:
 
     def _backward_binding(self, launch: dict) -> Binding | None:
         """:data:`BACKWARD` bound for tensors shaped as ``launch``; None when a view's strides are not
-        ones the kernels address (the pointers each call brings, the binding checks: ``align``)."""
+        ones the kernels address (the pointers each call brings, the binding checks)."""
         # the new gradients are laid out as empty_like lays out q, k, v (the binding's strides for them)
         metas = {n: torch.empty_like(launch[like], device="meta") for n, like in (("dq", "q"), ("dk", "k"),
                                                                                    ("dv", "v"))}
-        views = {**{n: launch[n] for n in ("q", "k", "v", "out", "dout")}, **metas}
-        if isinstance(self._layout(views, pointers=False), str):
+        if isinstance(BACKWARD.layout({**launch, **metas}, self.unit), Misfit):
             return None
-        align = {n: 16 for n in _BWD_STRIDED} if self.backend == "cuda" else {}
-        batch = launch["cu_seqlens_q"].shape[0] - 1 if self.varlen else launch["q"].shape[0]
-        return BACKWARD.bind(self._bwd(), launch, {}, env=self._backward_env(views, launch["lse"], batch), align=align)
+        return BACKWARD.bind(self._bwd(), launch, {}, env=self._backward_env(launch), unit=self.unit)
 
-    def _backward_env(self, views: dict, lse: torch.Tensor, batch: int) -> dict[str, Any]:
-        """The names of :data:`BACKWARD`'s values: sizes, scalars, strides in the kernels' units (lse's
-        and delta's in elements)."""
-        q, k = views["q"], views["k"]
+    def _backward_env(self, launch: dict) -> dict[str, Any]:
+        """The backward's values besides its tensors' sizes and strides: the batch (varlen: the offsets'
+        count) and the query rows, which size delta."""
+        q = launch["q"]
         hq, hkv = self.spec.hq, self.spec.hkv
-        if self.varlen:  # the token counts bound every sequence's length (the module's doc)
-            sq, sk, qrows = q.shape[0], k.shape[0], q.shape[0]
-            lsb, lsh = 0, lse.stride(0)
-        else:
-            sq, sk, qrows = q.shape[1], k.shape[1], q.shape[0] * q.shape[1]
-            lsb, lsh = lse.stride(0), lse.stride(1)
-        env = {"B": batch, "Hq": hq, "Hkv": hkv, "G": hq // hkv, "Sq": sq, "Sk": sk, "qrows": qrows,
-               "W": self.window, "scale": float(self.scale),
-               "softcap": float(self.op.params["softcap"] or 0.0), "lsb": lsb, "lsh": lsh}
-        for name, short in _BWD_STRIDED.items():
-            for x, st in zip("bsh", _strides(views[name])):
-                env[f"{short}s{x}"] = st // self.unit
-        return env
+        batch = launch["cu_seqlens_q"].shape[0] - 1 if self.varlen else q.shape[0]
+        return {"B": batch, "Hq": hq, "Hkv": hkv, "G": hq // hkv, "qrows": q.shape[:-2].numel(), "W": self.window,
+                "scale": float(self.scale), "softcap": float(self.op.params["softcap"] or 0.0)}
 
 
 def _monotone(cu: torch.Tensor, total: int) -> torch.Tensor:
@@ -370,20 +323,6 @@ def _monotone(cu: torch.Tensor, total: int) -> torch.Tensor:
     a bad one (which the forward reported, or will at a later call) then addresses nothing outside the
     tensors. Good offsets come back equal, as a new tensor."""
     return torch.cummax(cu.clamp(0, total), 0).values.to(torch.int32).contiguous()
-
-
-def _strides(x: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, row, head) strides in elements of a dense ``[B, S, H, D]`` or varlen ``[T, H, D]``
-    tensor. A dim of size 1 (varlen's batch is one) is given the span of the dims inside it instead of
-    whatever stride torch keeps for it: never read, and a TMA descriptor (CUDA) takes only positive
-    multiples of 16 bytes."""
-    shape, st = (x.shape, x.stride()) if x.dim() == 4 else ((1, *x.shape), (0, *x.stride()))
-    out = list(st[:3])
-    for i in (2, 1, 0):
-        if shape[i] == 1:
-            inner = out[i + 1] * shape[i + 1] if i < 2 else shape[3]
-            out[i] = max(inner, out[i + 1] if i < 2 else 1, 1)
-    return out[0], out[1], out[2]
 
 
 def implement(op: Any, spec: Any) -> AttnKernels:

@@ -25,7 +25,8 @@ import torch
 from ..compile.build import device_backend, load_kernel
 from ..compile.entry import encode_arg
 from ..kernels.float8 import CVT_MIN_SM
-from ..runtime.plan import ErrorWord, Plan, Ptr, Step, Tag, Value
+from ..runtime.plan import Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value
+from ..runtime.views import Misfit
 from . import attn_builtin, decode_builtin
 from .hooks import kernel_spec
 
@@ -53,8 +54,8 @@ class PrologueKernels:
         self.tables = p["rope"].deployment_tables(self.kspec.rot)
         self.limit = op.position_limit()
         self.eps_bits = encode_arg("float", p["eps"])  # the kernel reinterprets the float32's bits
-        #: the call's plan (:data:`FORWARD` for this op's tensors)
-        self.plan = Plan.of(op.manifest, FORWARD, checks={"positions": 0, "slot_mapping": 1})
+        #: the call's plan (:data:`FORWARD` for this op's tensors, seen as :func:`plan_of` declares)
+        self.plan = plan_of(op)
 
     def prepare(self, tensors: dict) -> torch.Tensor:
         return self.tables.on(self.device)
@@ -63,26 +64,20 @@ class PrologueKernels:
         raise NotImplementedError(f"{self.op.name} has no backward")
 
     def forward(self, tables: torch.Tensor, tensors: dict, outs: dict) -> torch.Tensor:
-        """q ``[tokens, Hq, D]``; k and v written into the caches."""
-        qkv = tensors["qkv"]
-        if qkv.shape[0] and qkv.stride(1) != 1:
-            qkv = qkv.contiguous()
-        q_out = outs.get("q_out")
-        q = q_out if q_out is not None and self._fits(q_out, q_out.stride(0), q_out.stride(1)) else self._new_q(qkv)
-        cache = self._cache(tensors["key_cache"])
-        if qkv.shape[0]:
-            self._check_aligned(tensors, qkv, *cache[2:])
-            # the kernel reads positions and slots as dense runs (P[t], MRoPE's P[s * tokens + t],
-            # SL[t]): a strided or expanded view is copied first (tokens elements). HF's position_ids
-            # [1, seq] expanded to the batch has stride 0, which read densely took the bytes past the
-            # tensor as positions
-            launch = {**tensors, "qkv": qkv, **{n: tensors[n].contiguous() for n in ("positions", "slot_mapping")}}
-            b = self._bind(tables, launch, {"q_out": q}, q, cache)
-            self.op._runtime.execute(b, launch, {"q_out": q})
-        if q_out is not None and q is not q_out:
-            q_out.copy_(q)
-            return q_out
-        return q
+        """q ``[tokens, Hq, D]``; k and v written into the caches. The plan's fit policy places the
+        call: qkv with a last dim that is not contiguous, positions and slots that are not one dense run
+        (HF's ``[1, seq]`` positions expanded to the batch have stride 0) and a ``q_out`` off the kernel's
+        vectors are copied; a pointer or stride off them on anything read or written where it lies is a
+        ValueError naming it."""
+        qkv, q_out = tensors["qkv"], outs.get("q_out")
+        self._note_slots(tensors["key_cache"])
+        if not qkv.shape[0]:
+            return q_out if q_out is not None else self._new_q(qkv)
+        placed = self.plan.place(tensors, {"q_out": q_out if q_out is not None else self._new_q(qkv)}, self.unit)
+        b = self._bind(tables, placed.inputs, placed.writes, {})
+        self.op._runtime.execute(b, placed.inputs, placed.writes)
+        placed.copy_back()
+        return placed.outs["q_out"]
 
     def binding(self, tensors: dict, outs: dict) -> Any:
         """The binding of every later call shaped like this one, or None where the general path must
@@ -91,71 +86,40 @@ class PrologueKernels:
         pointers' alignment is checked per call by the runtime (a call it refuses takes the general path,
         which names the input)."""
         qkv, q_out = tensors["qkv"], outs.get("q_out")
-        cache = self._cache(tensors["key_cache"])
-        u = self.unit
-        if (qkv.shape[0] == 0 or qkv.stride(1) != 1 or qkv.stride(0) % u or any(st % u for st in cache[2:])
-                or not all(tensors[n].is_contiguous() for n in ("positions", "slot_mapping"))):
-            return None
-        if q_out is not None and (q_out.stride(-1) != 1 or q_out.stride(0) % u or q_out.stride(1) % u):
-            return None
+        self._note_slots(tensors["key_cache"])
         q = q_out if q_out is not None else self._new_q(qkv)  # a new q: the layout every call's gets
-        return self._bind(self.tables.on(self.device), tensors, {"q_out": q_out}, q, cache)
+        if qkv.shape[0] == 0 or isinstance(self.plan.layout({**tensors, "q_out": q}, self.unit), Misfit):
+            return None
+        return self._bind(self.tables.on(self.device), tensors, {"q_out": q_out}, {"q_out": q})
 
     def _new_q(self, qkv: torch.Tensor) -> torch.Tensor:
         p = self.op.params
         return torch.empty((qkv.shape[0], p["num_q_heads"], p["head_dim"]), dtype=qkv.dtype, device=qkv.device)
 
-    def _cache(self, kc: torch.Tensor) -> tuple[int, int, int, int, int]:
-        """``(blocks, block_size, block stride, row stride, head stride)`` of a cache in the op's
-        layout; the slot count is noted for a bad slot's error."""
-        if self.op.params["cache_layout"] == "NHD":  # [blocks, bs, Hkv, D]
-            got = kc.shape[0], kc.shape[1], kc.stride(0), kc.stride(1), kc.stride(2)
-        else:  # HND [blocks, Hkv, bs, D]
-            got = kc.shape[0], kc.shape[2], kc.stride(0), kc.stride(2), kc.stride(1)
-        self.op.note_slot_limit(got[0] * got[1])
-        return got
+    def _note_slots(self, kc: torch.Tensor) -> None:
+        """The cache's slot count, noted for a bad slot's error."""
+        self.op.note_slot_limit(kc.shape[0] * kc.shape[1 if self.op.params["cache_layout"] == "NHD" else 2])
 
-    def _bind(self, tables: torch.Tensor, launch: dict, outs: dict, q: torch.Tensor, cache: tuple) -> Any:
-        """The launch of ``launch``'s tensors writing q into ``q`` (``outs``: the call's ``q_out``, given
-        or None for a new one laid out as ``q``)."""
-        u, qkv, kc = self.unit, launch["qkv"], launch["key_cache"]
-        blocks, bs, csb, csr, csh = cache
-        positions = launch["positions"]
-        env = {"S": qkv.shape[0], "xst": qkv.stride(0) // u, "qst": q.stride(0) // u, "qsh": q.stride(1) // u,
-               "csb": csb // u, "csr": csr // u, "csh": csh // u, "bs": bs, "nslots": blocks * bs,
-               "limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr(),
-               # MRoPE's three position streams [3, tokens] lie psc elements apart
-               "psc": positions.stride(0) if positions.dim() == 2 else 0}
-        return self.plan.bind({"prologue": self.kernel}, launch, outs, env=env, keep=(tables,), views={"q_out": q},
-                              align={**dict.fromkeys(("qkv", "q_out", "q_norm_weight", "k_norm_weight"),
-                                                     u * qkv.element_size()),
-                                     **dict.fromkeys(("key_cache", "value_cache"), u * kc.element_size())})
+    def _bind(self, tables: torch.Tensor, launch: dict, outs: dict, views: dict) -> Any:
+        """The launch of ``launch``'s tensors writing q into ``outs``' (given, or None for a new one laid
+        out as ``views`` has it)."""
+        env = {"limit": self.limit, "eps_bits": self.eps_bits, "TD": tables.data_ptr()}
+        return self.plan.bind({"prologue": self.kernel}, launch, outs, env=env, keep=(tables,), views=views,
+                              unit=self.unit)
 
-    def _fits(self, t: torch.Tensor, *strides: int) -> bool:
-        """Whether the kernel moves ``t`` where it lies: a contiguous last dim and, on CUDA, the pointer and
-        ``strides`` on ``stride_unit`` elements (16-byte vectors)."""
-        u = self.unit
-        return (t.stride(-1) == 1 and all(st % u == 0 for st in strides)
-                and t.data_ptr() % (u * t.element_size()) == 0)
 
-    def _check_aligned(self, tensors: dict, qkv: torch.Tensor, csb: int, csr: int, csh: int) -> None:
-        """CUDA: a ValueError naming the input whose pointer or strides are off the kernel's 16-byte
-        vectors (the caches are written in place and the others are read where they lie: no copy hides it)."""
-        if self.unit == 1:
-            return
-        u = self.unit
-        need = f"a multiple of {u} elements ({u * qkv.element_size()} bytes: the CUDA kernel's vectors)"
-        checks = [("qkv", qkv, (qkv.stride(0),), "its data pointer and row stride"),
-                  ("key_cache", tensors["key_cache"], (csb, csr, csh), "its data pointer and strides"),
-                  ("value_cache", tensors["value_cache"], (csb, csr, csh), "its data pointer and strides")]
-        for name in ("q_norm_weight", "k_norm_weight"):
-            if tensors.get(name) is not None:
-                checks.append((name, tensors[name], (), "its data pointer"))
-        for name, t, strides, what in checks:
-            if not self._fits(t, *strides):
-                raise ValueError(f"{self.op.name}: {name}: expected {what} on {need}, got data pointer offset "
-                                 f"{t.data_ptr() % 256} bytes mod 256, strides {list(t.stride())} (a view that "
-                                 f"starts or steps inside a vector; .clone() gives an aligned copy)")
+def plan_of(op: Any) -> Plan:
+    """The prologue's plan for ``op``: :data:`FORWARD`, its tensors seen as the kernel sees them. qkv
+    ``[tokens, width]`` by its row stride (a pointer or stride off the vectors refused: serving code
+    should know its projection's split is misaligned, not pay a copy a call); q ``[tokens, Hq, D]``; the
+    caches in the op's layout, written in place (anything off refused); positions (MRoPE's ``[3,
+    tokens]``) and slots read as dense runs."""
+    cache = Dims("brhd" if op.params["cache_layout"] == "NHD" else "bhrd", refuse="any")
+    dims = {"qkv": Dims("tc", refuse="alignment"), "q_out": Dims("thd"), "key_cache": cache, "value_cache": cache,
+            "q_norm_weight": Dims("d", refuse="any"), "k_norm_weight": Dims("d", refuse="any"),
+            "positions": Dims({1: "t", 2: "ct"}, vector=False, dense=True),
+            "slot_mapping": Dims("t", vector=False, dense=True)}
+    return Plan.of(op.manifest, FORWARD, checks={"positions": 0, "slot_mapping": 1}, dims=dims)
 
 
 def _spec(manifest: Any, params: Any, qkv: str, positions: str, slots: str, backend: str, op_name: str) -> Any:
@@ -186,9 +150,11 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
 FORWARD = (Step("prologue", {"QKV": Ptr("qkv"), "P": Ptr("positions"), "SL": Ptr("slot_mapping"),
                              "QW": Ptr("q_norm_weight"), "KW": Ptr("k_norm_weight"), "Q": Ptr("q_out"),
                              "KC": Ptr("key_cache"), "VC": Ptr("value_cache"), "KS": Ptr("k_scale"),
-                             "VS": Ptr("v_scale"), "ERR": ErrorWord(), "tag": Tag(),
-                             **{a: Value(a) for a in ("S", "xst", "qst", "qsh", "csb", "csr", "csh", "bs", "nslots",
-                                                      "limit", "eps_bits", "TD", "psc")}}),)
+                             "VS": Ptr("v_scale"), "ERR": ErrorWord(), "tag": Tag(), "S": Size("qkv", "t"),
+                             "xst": Stride("qkv", "t"), "qst": Stride("q_out", "t"), "qsh": Stride("q_out", "h"),
+                             **{f"cs{d}": Stride("key_cache", d) for d in "brh"}, "bs": Size("key_cache", "r"),
+                             "nslots": Size("key_cache", "br"), "psc": Stride("positions", "c"),
+                             **{a: Value(a) for a in ("limit", "eps_bits", "TD")}}),)
 
 
 def implement(op: Any, spec: Any) -> Any:

@@ -34,7 +34,8 @@ from ..compile.entry import encode_arg
 from ..kernels.paged_decode import LENS_WORD, TABLES_WORD, cuda_problem
 from .attn_builtin import CUDA_ENV, cuda_enabled as _attn_cuda_enabled
 from ..runtime.binding import Binding
-from ..runtime.plan import Bound, ErrorWord, Plan, Ptr, Step, Tag, Value, Workspace, copy_back, fit, signature
+from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace
+from ..runtime.views import Misfit
 
 __all__ = ["DecodeKernels", "FORWARD", "WORKSPACES", "cuda_enabled", "kernel_specs", "implement", "splits",
            "target_programs"]
@@ -67,17 +68,20 @@ _MMA_KNOBS = ("mma", "tile", "prefetch")
 #: bf16 q, GQA 32/8, D 128, one split: 216 and 856 us at 64 x 1024 and 64 x 4096, against 165 and 636
 #: for tiles of 64 without it)
 _MMA_NARROW = {"tile": 64, "prefetch": 0}
-_PARTIAL_VALUES = ("batch", "splits", "chunk", "nblocks", "bs", "max_blocks", "btb", "qsb", "qsh", "csb", "csr",
-                   "csh", "scale_bits", "softcap_bits", "window")
+_PARTIAL_VALUES = ("splits", "chunk", "scale_bits", "softcap_bits", "window")
 
 #: The call: partial outputs and log-sum-exps per (sequence, q head, split) into the workspaces, then
 #: their merge into out. Error words: 0 block_tables, 1 seq_lens.
 FORWARD = (Step("partial", {"Q": Ptr("q"), "KC": Ptr("key_cache"), "VC": Ptr("value_cache"), "BT": Ptr("block_tables"),
                             "SL": Ptr("seq_lens"), "KS": Ptr("k_scale"), "VS": Ptr("v_scale"),
                             "OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "ERR": ErrorWord(), "tag": Tag(),
+                            "batch": Size("q", "b"), "nblocks": Size("key_cache", "b"), "bs": Size("key_cache", "r"),
+                            "max_blocks": Size("block_tables", "n"), "btb": Stride("block_tables", "b"),
+                            "qsb": Stride("q", "b"), "qsh": Stride("q", "h"),
+                            **{f"cs{d}": Stride("key_cache", d) for d in "brh"},
                             **{a: Value(a) for a in _PARTIAL_VALUES}}),
-           Step("merge", {"OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "O": Ptr("out"), "batch": Value("batch"),
-                          "splits": Value("splits"), "osb": Value("osb"), "osh": Value("osh")}))
+           Step("merge", {"OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "O": Ptr("out"), "batch": Size("q", "b"),
+                          "splits": Value("splits"), "osb": Stride("out", "b"), "osh": Stride("out", "h")}))
 #: the workspaces the two steps share, per call
 WORKSPACES = (Workspace("partial_out", "float32", "batch * hq * splits * head_dim"),
               Workspace("partial_lse", "float32", "batch * hq * splits"))
@@ -174,9 +178,10 @@ class DecodeKernels:
                         for kind, s in specs.items()}
         # the strides' units (CUDA: q and the caches in the partial program's vectors, out in the merge's)
         self.unit, self.out_unit = specs["partial"].stride_unit, specs["merge"].stride_unit
+        self.units = {"q": self.unit, "key_cache": self.unit, "value_cache": self.unit, "out": self.out_unit}
         p = op.params
         self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
-        self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES,
+        self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, dims=_dims(p["cache_layout"]),
                             checks={"seq_lens": LENS_WORD, "block_tables": TABLES_WORD})
         self._bound = Bound()
 
@@ -187,105 +192,50 @@ class DecodeKernels:
         raise NotImplementedError(f"{self.op.name} has no backward")
 
     def forward(self, state: Any, tensors: dict, outs: dict) -> torch.Tensor:
-        """out ``[batch, Hq, D]`` (new unless given)."""
-        q = tensors["q"]
-        out = outs.get("out")
-        out = torch.empty_like(q) if out is None else out
+        """out ``[batch, Hq, D]`` (new unless given), the call placed by the plan's fit policy."""
+        q, out = tensors["q"], outs.get("out")
         if q.shape[0] == 0:
-            return out
-        views, _ = fit({"q": q, "out": out}, ("out",), self._layout)
-        self._check_caches(tensors)
-        launch = {**tensors, "q": views["q"], **{n: tensors[n].contiguous() for n in ("block_tables", "seq_lens")}}
-        writes = {"out": views["out"]}
-        key = signature(self.plan.names, {**launch, **writes})
-        b = self._bound.get(key, lambda: self._bind(launch, writes))
+            return torch.empty_like(q) if out is None else out
+        placed = self.plan.place(tensors, {"out": out}, self.units)
+        launch, writes = placed.inputs, placed.writes
+        b = self._bound.get(self.plan.key(launch, writes), lambda: self._bind(launch, writes, {}))
         self.op._runtime.execute(b, launch, writes)
-        copy_back(writes, {"out": out})
-        return out
+        placed.copy_back()
+        return placed.outs["out"]
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one, or None where the general path must copy
-        (a last dim not contiguous, tables or lengths not contiguous) or has nothing to launch."""
+        (a last dim not contiguous, tables or lengths not contiguous), refuses (a cache off the vectors)
+        or has nothing to launch."""
         q, out = tensors["q"], outs.get("out")
-        if q.shape[0] == 0 or self._layout({"q": q, "out": out}) is not True:
-            return None
-        self._check_caches(tensors)
-        if not all(tensors[n].is_contiguous() for n in ("block_tables", "seq_lens")):
-            return None
-        return self._bind(tensors, {"out": out})
-
-    def _layout(self, views: dict) -> Any:
-        """For :func:`tileops.runtime.plan.fit`: the name of the first of q and out the kernels cannot
-        address where it lies, else True: a last dim not contiguous (they step through a head row by 1),
-        or on CUDA a pointer or stride off their vectors."""
-        for name, t in views.items():
-            if t is None:
-                continue
-            if t.shape[-1] > 1 and t.stride(-1) != 1:
-                return name
-            unit = self.unit if name == "q" else self.out_unit
-            if unit > 1 and not self._on_vectors(t, unit, t.stride(0), t.stride(1)):
-                return name
-        return True
-
-    @staticmethod
-    def _vector_bytes(unit: int, t: torch.Tensor) -> int:
-        """The bytes a pointer to ``t`` read in vectors of ``unit`` elements must be a multiple of."""
-        return min(unit * t.element_size(), 16)
-
-    @classmethod
-    def _on_vectors(cls, t: torch.Tensor, unit: int, *strides: int) -> bool:
-        return all(st % unit == 0 for st in strides) and t.data_ptr() % cls._vector_bytes(unit, t) == 0
-
-    def _check_caches(self, tensors: dict) -> None:
-        """CUDA: a ValueError naming a cache whose pointer or strides are off the partial program's
-        vectors (read where it lies: a copy of a server's cache each call would cost more than the call)."""
-        if self.unit == 1:
-            return
-        for name in ("key_cache", "value_cache"):
-            t = tensors[name]
-            if not self._on_vectors(t, self.unit, *t.stride()[:3]):
-                raise ValueError(f"{self.op.name}: {name}: expected its data pointer and strides on "
-                                 f"{self.unit} elements (the CUDA kernel's vectors), got data pointer offset "
-                                 f"{t.data_ptr() % 256} bytes mod 256, strides {list(t.stride())} (a view that "
-                                 f"starts or steps inside a vector; .clone() gives an aligned copy)")
-
-    def _cache(self, kc: torch.Tensor) -> tuple[int, int, int, int, int]:
-        """``(blocks, block_size, block stride, row stride, head stride)`` of a cache in the op's layout."""
-        if self.op.params["cache_layout"] == "NHD":  # [blocks, bs, Hkv, D]
-            return kc.shape[0], kc.shape[1], kc.stride(0), kc.stride(1), kc.stride(2)
-        return kc.shape[0], kc.shape[2], kc.stride(0), kc.stride(2), kc.stride(1)  # HND [blocks, Hkv, bs, D]
-
-    def _bind(self, tensors: dict, outs: dict) -> Binding:
-        q, bt = tensors["q"], tensors["block_tables"]
-        out = outs.get("out")
         view = out if out is not None else torch.empty_like(q, device="meta")
-        p = self.op.params
-        blocks, bs, csb, csr, csh = self._cache(tensors["key_cache"])
-        batch, max_blocks = q.shape[0], bt.shape[1]
-        n = splits(batch, p["num_kv_heads"], max_blocks * bs, self.programs)
-        self.op.note_decode_limits(blocks, max_blocks * bs)
-        u, uo = self.unit, self.out_unit
-        env = {"batch": batch, "splits": n, "chunk": math.ceil(max_blocks * bs / n), "nblocks": blocks, "bs": bs,
-               "max_blocks": max_blocks, "btb": bt.stride(0), "qsb": q.stride(0) // u, "qsh": q.stride(1) // u,
-               "csb": csb // u, "csr": csr // u, "csh": csh // u, "scale_bits": encode_arg("float", self.scale),
-               "softcap_bits": encode_arg("float", p["softcap"] or 1.0),
-               "window": min(p["sliding_window"] or 0, 2**31 - 1),
-               "osb": view.stride(0) // uo, "osh": view.stride(1) // uo, "hq": p["num_q_heads"],
-               "head_dim": p["head_dim"]}
-        return self.plan.bind(self.kernels, tensors, outs, env=env, views={"out": view}, align=self._align(tensors))
+        if q.shape[0] == 0 or isinstance(self.plan.layout({**tensors, "out": view}, self.units), Misfit):
+            return None
+        return self._bind(tensors, {"out": out}, {"out": view})
 
-    def _align(self, tensors: dict) -> dict[str, int]:
-        """The bytes each pointer the CUDA kernels read in vectors must be a multiple of: checked at every
-        call of a binding, whose signature holds shapes and strides but not where a tensor starts (a
-        call off them leaves the binding for :meth:`forward`: q and out copied, a cache refused by name;
-        the H200 once launched a cache one element off through a binding made for an aligned one:
-        "misaligned address", and the process's CUDA context with it)."""
-        if self.unit == 1:
-            return {}
-        q, cache = tensors["q"], self._vector_bytes(self.unit, tensors["key_cache"])
-        return {"q": self._vector_bytes(self.unit, q), "key_cache": cache, "value_cache": cache,
-                "out": self._vector_bytes(self.out_unit, q)}
+    def _bind(self, tensors: dict, outs: dict, views: dict) -> Binding:
+        kc, bt = tensors["key_cache"], tensors["block_tables"]
+        p = self.op.params
+        bs = kc.shape[1 if p["cache_layout"] == "NHD" else 2]
+        tokens = bt.shape[1] * bs
+        batch = tensors["q"].shape[0]
+        n = splits(batch, p["num_kv_heads"], tokens, self.programs)
+        self.op.note_decode_limits(kc.shape[0], tokens)
+        # (batch, hq and head_dim size the workspaces)
+        env = {"splits": n, "chunk": math.ceil(tokens / n), "scale_bits": encode_arg("float", self.scale),
+               "softcap_bits": encode_arg("float", p["softcap"] or 1.0), "batch": batch, "hq": p["num_q_heads"],
+               "window": min(p["sliding_window"] or 0, 2**31 - 1), "head_dim": p["head_dim"]}
+        return self.plan.bind(self.kernels, tensors, outs, env=env, views=views, unit=self.units)
+
+
+def _dims(cache_layout: str) -> dict:
+    """How the programs see the call's tensors: q and out ``[batch, Hq, D]`` by their strides (copied
+    when off the vectors); the caches in their layout, read where they lie (a cache off the vectors is
+    refused: a copy of a server's cache each call would cost more than the call); the block tables and
+    lengths as dense runs."""
+    cache = Dims("brhd" if cache_layout == "NHD" else "bhrd", refuse="any")
+    return {"q": Dims("bhd"), "out": Dims("bhd"), "key_cache": cache, "value_cache": cache,
+            "block_tables": Dims("bn", vector=False, dense=True), "seq_lens": Dims("b", vector=False, dense=True)}
 
 
 def implement(op: Any, call: Any) -> DecodeKernels:

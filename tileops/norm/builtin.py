@@ -3,8 +3,8 @@
 One object per (op, call specialization) holds the three kernels of ``kernels/norm.py``: ``fwd``
 (compiled at construction), ``bwd`` and ``wsum`` (at the first backward). Tensors are passed as
 pointers and two row strides each: row ``r`` of a tensor lies at ``(r // NH) * st + (r % NH) * sh``
-(:func:`row_layout` finds ``NH`` and every tensor's two strides from the leading dims, one grouping
-for all the tensors of a launch), so a per-head view of a fused qkv buffer, every other head or a
+(:func:`tileops.runtime.views.row_layout` finds ``NH`` and every tensor's two strides from the leading
+dims, one grouping for all the tensors of a launch), so a per-head view of a fused qkv buffer, every other head or a
 slice along seq is read and written where it lies, and ``out=x`` writes in place. A tensor the
 kernels cannot address is never computed wrongly: an input is copied to a dense tensor first, an
 output is written through a dense buffer and copied after. That happens to a view that needs a
@@ -13,10 +13,11 @@ CUDA to a pointer or a row stride that is not a multiple of the kernel's vector 
 for a narrow row).
 
 What a call's views mean to the kernels is declared once, as plans (:data:`FORWARD`,
-:data:`BACKWARD`; :mod:`tileops.runtime.plan`): every kernel argument by its role, the strides and
-rows from the layout (:meth:`NormKernels._env`). The runtime binds them per call signature and serves
-later forward calls without Python (:meth:`NormKernels.binding`); the general path binds the tensors
-it launches with, copies included (the runtime's :func:`tileops.runtime.plan.fit`), into the same
+:data:`BACKWARD`; :mod:`tileops.runtime.plan`): every kernel argument by its role, the rows and their
+strides computed by the runtime from the tensors seen as rows (:class:`tileops.runtime.views.Rows`).
+The runtime binds them per call signature and serves later forward calls without Python
+(:meth:`NormKernels.binding`); the general path places the call's tensors by the plans' fit policy
+(copies, :meth:`tileops.runtime.plan.Plan.place`) and binds what it launches with into the same
 cache (:class:`tileops.runtime.plan.Bound`) and runs them on the same executor. The backward runs
 ``bwd`` on ``G`` blocks, each summing its rows' weight (and bias) gradient in fp32 partial rows,
 then ``wsum`` adding the partial rows in a fixed order: ``G`` follows the row count and the device
@@ -28,19 +29,19 @@ call signature and run by the op's runtime, so a later backward encodes no argum
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
 from ..runtime.binding import Binding
-from ..runtime.plan import Bound, Output, Plan, Ptr, Step, Value, Workspace, copy_back, fit, signature
+from ..runtime.plan import Bound, Dims, Output, Plan, Ptr, Rows, Size, Step, Stride, Value, Workspace
+from ..runtime.views import Misfit
 from . import hooks
 
-__all__ = ["implement", "kernel_spec", "kernel_specs", "WIDE_BACKWARD_MIN_HIDDEN", "NormKernels", "row_layout",
-           "RESIDENT_THREADS", "C_BLOCKS"]
+__all__ = ["implement", "kernel_spec", "kernel_specs", "WIDE_BACKWARD_MIN_HIDDEN", "NormKernels", "RESIDENT_THREADS",
+           "C_BLOCKS"]
 
 #: CUDA: the threads of the backward's persistent blocks an SM holds at once (kernels/norm.py asks
 #: nvcc for at most 64 registers a thread, so that 1024 fit): ``G`` is at most one wave of them
@@ -57,8 +58,6 @@ C_BLOCKS = 32
 #: same-bytes copy with them and without: 4096 x 8192 87 / 81, 2048 x 16384 85 / 72, 16384 x 4096 with
 #: a residual 90 / 71, but 16384 x 4096 alone 82 / 85 (65536 x 2048: 86 / 85)
 WIDE_BACKWARD_MIN_HIDDEN = 8192
-#: the tensors the kernels address by rows (each with two strides: :func:`row_layout`)
-_ROW_ADDRESSED = ("x", "residual", "out", "residual_out", "dy", "dro", "dx")
 
 
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
@@ -100,39 +99,6 @@ def _wsum_spec(spec: Any) -> Any:
                                rounding="fp32", offset=0.0, residual=False)
 
 
-def row_layout(lead: Sequence[int], strides: Mapping[str, Sequence[int]]) -> tuple[int, int, dict[str, tuple[int, int]]] | str:
-    """How the kernels address the rows of tensors sharing the leading dims ``lead``, each with its
-    own ``strides`` of those dims (in elements): ``(M, NH, {name: (st, sh)})`` with row ``r`` of a
-    tensor at ``(r // NH) * st + (r % NH) * sh`` (``M`` rows), or, where two strides per tensor do
-    not reach every row, the name of the tensor to make dense (the one with the most breaks).
-
-    Dims of size 1 are left out (their stride is never used). Neighbouring dims merge into one when
-    every tensor steps over the inner one's extent with the outer one's stride; what is left must be
-    at most two groups: the outer one's rows step by ``st``, the inner one's (``NH`` rows) by ``sh``.
-    """
-    dims = [i for i, n in enumerate(lead) if n != 1]
-
-    def merges(st: Sequence[int], outer: int, inner: int) -> bool:
-        return st[outer] == st[inner] * lead[inner]
-
-    groups: list[list[int]] = []
-    for i in dims:
-        if groups and all(merges(st, groups[-1][-1], i) for st in strides.values()):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    if len(groups) > 2:
-        breaks = {n: sum(not merges(st, a, b) for a, b in zip(dims, dims[1:])) for n, st in strides.items()}
-        return max(breaks, key=lambda n: breaks[n])
-    rows = math.prod(lead)
-    if not groups:
-        return rows, 1, {n: (0, 0) for n in strides}
-    if len(groups) == 1:
-        return rows, 1, {n: (st[groups[0][-1]], 0) for n, st in strides.items()}
-    nh = math.prod(lead[i] for i in groups[1])
-    return rows, nh, {n: (st[groups[0][-1]], st[groups[1][-1]]) for n, st in strides.items()}
-
-
 class NormKernels:
     """The kernels of one op specialization, and how a call's tensors are handed to them (a kernel
     set: :mod:`tileops.autograd`)."""
@@ -158,7 +124,8 @@ class NormKernels:
 
         self.eps_bits = eps_bits(op.params["eps"])
         #: the forward's plan (:data:`FORWARD` for this op's tensors)
-        self.plan = Plan.of(op.manifest, FORWARD)
+        rows = dict.fromkeys(("x", "residual", "out", "residual_out"), _ROWS)
+        self.plan = Plan.of(op.manifest, FORWARD, dims={**rows, "weight": _PARAM, "bias": _PARAM})
         self._bound = Bound()  # the general path's bindings, by call signature (None: copied first)
         # the backward's stand-in for the bias, which it does not read (nor keep): its dtype, db's
         self._bias_stand_in = (torch.empty(0, dtype=DTYPE[self.given["bias"]], device=self.device)
@@ -172,37 +139,6 @@ class NormKernels:
                                                   self.device, spec.args, op_name=self.op.name)
         return k
 
-    # ------------------------------------------------------------------------------ layouts
-    def _align(self, t: torch.Tensor) -> int:
-        """The bytes ``t``'s pointer must be a multiple of: a vector of ``unit`` elements, at most 16 (CUDA)."""
-        return min(16, self.unit * t.element_size()) if self.backend == "cuda" else 1
-
-    def _layout(self, views: Mapping[str, torch.Tensor | None],
-                pointers: bool = True) -> tuple[int, int, dict[str, tuple[int, int]]] | str:
-        """``(M, NH, {name: (st, sh)})`` (:func:`row_layout`) for the row-addressed tensors of
-        ``views`` (None: absent), or the name of one the kernel cannot address where it lies: a last
-        dim that is not contiguous, a third stride, and on CUDA a stride (or, with ``pointers``, a
-        pointer) off the kernel's vector."""
-        present = {n: t for n, t in views.items() if t is not None}
-        for n, t in present.items():
-            if t.shape[-1] > 1 and t.stride(-1) != 1:
-                return n
-        lay = row_layout(next(iter(present.values())).shape[:-1], {n: t.stride()[:-1] for n, t in present.items()})
-        if isinstance(lay, str) or self.unit == 1:
-            return lay
-        for n, (st, sh) in lay[2].items():
-            if st % self.unit or sh % self.unit or (pointers and present[n].data_ptr() % self._align(present[n])):
-                return n
-        return lay
-
-    def _param_fits(self, t: torch.Tensor | None, pointer: bool = True) -> bool:
-        """Whether a weight or bias can be read where it lies: contiguous (and aligned, on CUDA)."""
-        return t is None or ((t.stride(0) == 1 or t.shape[0] == 1)
-                             and (not pointer or t.data_ptr() % self._align(t) == 0))
-
-    def _param(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        return t if self._param_fits(t) else t.clone(memory_format=torch.contiguous_format)
-
     # ------------------------------------------------------------------------------ forward
     def prepare(self, tensors: dict) -> None:
         return None
@@ -215,50 +151,35 @@ class NormKernels:
         h = None if r is None else outs.get("residual_out")
         h = torch.empty_like(r) if r is not None and h is None else h
         if x.numel():
-            given = {"out": y, "residual_out": h}
-            views, lay = fit({"x": x, "residual": r, **given}, tuple(given), self._layout)
-            launch = {n: views[n] if n in views else self._param(tensors.get(n)) for n in tensors}
-            writes = {n: views[n] for n in given}
-            key = ("forward", signature(self.plan.names, {**launch, **writes}), writes["out"] is launch["x"],
-                   writes["residual_out"] is not None and writes["residual_out"] is launch["residual"])
-            b = self._bound.get(key, lambda: self._binding(launch, writes, {**launch, **writes}, lay))
+            placed = self.plan.place(tensors, {"out": y, "residual_out": h}, self.unit)
+            launch, writes = placed.inputs, placed.writes
+            b = self._bound.get(("forward", *self.plan.key(launch, writes)), lambda: self._binding(launch, writes, {}))
             self.op._runtime.execute(b, launch, writes)
-            copy_back(writes, given)
+            placed.copy_back()
         return y if r is None else (y, h)
 
-    def _binding(self, tensors: dict, outs: dict, views: dict, lay: tuple) -> Binding:
+    def _binding(self, tensors: dict, outs: dict, views: dict) -> Binding:
         """:attr:`plan` bound for these inputs and outputs (``outs``: a tensor, the input itself for in
-        place, or None for a new one); ``views``: the tensor each name is seen as, ``lay`` their
-        layout (:meth:`_layout`)."""
-        align = {n: self._align(t) for n, t in views.items() if t is not None}
-        return self.plan.bind({"fwd": self._kernel(self.spec)}, tensors, outs, env=self._env(lay), align=align,
-                              views={n: views[n] for n in ("out", "residual_out") if views.get(n) is not None})
+        place, or None for a new one laid out as ``views`` has it)."""
+        return self.plan.bind({"fwd": self._kernel(self.spec)}, tensors, outs, env=self._env(), views=views,
+                              unit=self.unit)
 
-    def _env(self, lay: tuple) -> dict[str, int]:
-        """The names a plan's values are computed from: the rows ``M``, ``NH``, each row-addressed
-        tensor's two strides in the kernel's units (``<name>_st``, ``<name>_sh``; 0 for one the call
-        lacks, which the kernel does not read), ``eps_bits``."""
-        rows, nh, strides = lay
-        env = {"M": rows, "NH": nh, "eps_bits": self.eps_bits, "hidden": self.hidden}
-        env.update({f"{n}_{k}": 0 for n in _ROW_ADDRESSED for k in ("st", "sh")})
-        env.update({f"{n}_{k}": v // self.unit for n, (st, sh) in strides.items() for k, v in (("st", st), ("sh", sh))})
-        return env
+    def _env(self) -> dict[str, int]:
+        """The names a plan's values are computed from besides the tensors' rows and strides."""
+        return {"eps_bits": self.eps_bits, "hidden": self.hidden}
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one, or None (such calls take the general
         path: views the kernel cannot address where they lie, no rows)."""
         x, r = tensors["x"], tensors.get("residual")
-        if x.numel() == 0 or not (self._param_fits(tensors.get("weight"), False)
-                                  and self._param_fits(tensors.get("bias"), False)):
+        if x.numel() == 0:
             return None
-        views = {"x": x, "residual": r,
-                 "out": outs["out"] if outs.get("out") is not None else self.op._new_output("out", tensors),
+        views = {"out": outs["out"] if outs.get("out") is not None else self.op._new_output("out", tensors),
                  "residual_out": None if r is None else outs["residual_out"] if outs.get("residual_out") is not None
                  else torch.empty_like(r)}
-        lay = self._layout(views, pointers=False)
-        if isinstance(lay, str):
+        if isinstance(self.plan.layout({**tensors, **views}, self.unit), Misfit):
             return None
-        return self._binding(tensors, outs, {**tensors, **views}, lay)
+        return self._binding(tensors, outs, views)
 
     # ------------------------------------------------------------------------------ backward
     def _blocks(self, rows: int) -> int:
@@ -283,7 +204,7 @@ class NormKernels:
         given = self.given
         dy = grads[0]
         launch = {"x": tensors["residual_out"] if "residual" in given else tensors["x"], "dy": dy,
-                  "dro": grads[1] if "residual" in given else None, "weight": self._param(tensors.get("weight")),
+                  "dro": grads[1] if "residual" in given else None, "weight": tensors.get("weight"),
                   "bias": self._bias_stand_in}
         if dy.numel():
             dx, dw, db = self._run_backward(launch)
@@ -297,43 +218,34 @@ class NormKernels:
     def _run_backward(self, launch: dict) -> tuple:
         """:data:`BACKWARD` on ``launch`` (x or residual_out, dy, dro, weight, bias): ``(dx, dw, db)``,
         from the binding of this call's shape and strides (made at its first call), unless a view must
-        be copied first (its strides, or on CUDA a pointer, off the kernel's vector)."""
-        rows_of = ("x", "dy", "dro")
-        key = ("backward", signature(BACKWARD.names, launch))
-        b = self._bound.get(key, lambda: self._backward_binding(launch, {}))
+        be copied first (the plan's fit policy: its strides, or on CUDA a pointer, off the kernel's vector)."""
+        b = self._bound.get(("backward", *BACKWARD.key(launch, {})), lambda: self._backward_binding(launch, {}))
         if b is not None:
             got = self.op._runtime.execute(b, launch, {})
             if got is not NotImplemented:
                 return _gradients(got, launch)
-        # a view the kernel cannot address where it lies: dx written through a dense buffer if need be
         dx = torch.empty_like(launch["dy"], dtype=launch["x"].dtype)
-        views, lay = fit({**{n: launch[n] for n in rows_of}, "dx": dx}, ("dx",), self._layout)
-        fitted = {**launch, **{n: views[n] for n in rows_of}}
-        got = _gradients(self.op._runtime.execute(self._backward_binding(fitted, {"dx": views["dx"]}, lay),
-                                                  fitted, {"dx": views["dx"]}), fitted)
-        copy_back({"dx": views["dx"]}, {"dx": dx})
+        placed = BACKWARD.place(launch, {"dx": dx}, self.unit)
+        fitted, writes = placed.inputs, placed.writes  # (the dense copies' signature: bound once too)
+        b = self._bound.get(("backward", *BACKWARD.key(fitted, writes)), lambda: self._backward_binding(fitted, writes))
+        got = _gradients(self.op._runtime.execute(b, fitted, writes), fitted)
+        placed.copy_back()
         return dx, got[1], got[2]
 
-    def _backward_binding(self, launch: dict, outs: dict, lay: tuple | None = None) -> Binding | None:
+    def _backward_binding(self, launch: dict, outs: dict) -> Binding | None:
         """:data:`BACKWARD` bound for tensors shaped as ``launch`` (and ``outs``: dx given, or None for
-        a new one), laid out as ``lay`` (default: their :meth:`_layout`, strides alone); None when that
-        layout is not one the kernels address."""
+        a new one); None when their layout is not one the kernels address."""
         dx = outs.get("dx")
-        if lay is None:
-            rows = {n: launch[n] for n in ("x", "dy", "dro")}
-            rows["dx"] = dx if dx is not None else torch.empty_like(launch["dy"], dtype=launch["x"].dtype,
-                                                                    device="meta")
-            lay = self._layout(rows, pointers=False)
-            if isinstance(lay, str):
-                return None
-        g = self._blocks(lay[0])
-        env = {**self._env(lay), "G": g, "P": g * self.bwd_spec.partials_per_block}
+        dx = dx if dx is not None else torch.empty_like(launch["dy"], dtype=launch["x"].dtype, device="meta")
+        seen = BACKWARD.layout({**launch, "dx": dx}, self.unit)
+        if isinstance(seen, Misfit):
+            return None
+        g = self._blocks(seen["x"]["m"][0])
+        env = {**self._env(), "G": g, "P": g * self.bwd_spec.partials_per_block}
         kernels = {"bwd": self._kernel(self.bwd_spec)}
         if self.wsum_spec is not None:
             kernels["wsum"] = self._kernel(self.wsum_spec)
-        align = {n: self._align(launch[n]) for n in ("x", "dy", "dro") if launch.get(n) is not None}
-        align["dx"] = align["x"]  # (dx is in x's dtype)
-        return BACKWARD.bind(kernels, launch, outs, env=env, align=align)
+        return BACKWARD.bind(kernels, launch, outs, env=env, unit=self.unit)
 
 
 def _gradients(got: Any, launch: dict) -> tuple:
@@ -347,24 +259,27 @@ def _gradients(got: Any, launch: dict) -> tuple:
 
 
 def _rows(name: str, st: str, sh: str) -> dict:
-    """A row-addressed tensor's two stride arguments (:meth:`NormKernels._env`'s names)."""
-    return {st: Value(f"{name}_st"), sh: Value(f"{name}_sh")}
+    """A row-addressed tensor's two stride arguments: row ``r`` at ``(r // NH) * st + (r % NH) * sh``."""
+    return {st: Stride(name, "m"), sh: Stride(name, "h")}
+
+
+#: How the kernels see a row-addressed tensor (its rows in two strides, :class:`tileops.runtime.views.Rows`,
+#: one grouping for all of a launch's) and a weight or bias (read whole, in vectors)
+_ROWS, _PARAM = Rows(), Dims("d")
 
 
 #: The forward: ``fwd`` on ``M`` rows of x (and the residual) into out (and residual_out), with the
-#: weight (and bias); the layout names are :meth:`NormKernels._env`'s. RMSNorm has no bias:
-#: :meth:`tileops.runtime.plan.Plan.of` leaves its pointer out.
+#: weight (and bias). RMSNorm has no bias: :meth:`tileops.runtime.plan.Plan.of` leaves its pointer out.
 FORWARD = (Step("fwd", {"X": Ptr("x"), "R": Ptr("residual"), "W": Ptr("weight"), "B": Ptr("bias"), "Y": Ptr("out"),
-                        "RO": Ptr("residual_out"), "M": Value("M"), "NH": Value("NH"), "eps_bits": Value("eps_bits"),
-                        **_rows("x", "xst", "xsh"), **_rows("residual", "rst", "rsh"), **_rows("out", "yst", "ysh"),
-                        **_rows("residual_out", "rost", "rosh")}),)
+                        "RO": Ptr("residual_out"), "M": Size("x", "m"), "NH": Size("x", "h"),
+                        "eps_bits": Value("eps_bits"), **_rows("x", "xst", "xsh"), **_rows("residual", "rst", "rsh"),
+                        **_rows("out", "yst", "ysh"), **_rows("residual_out", "rost", "rosh")}),)
 
 
 #: The backward: ``bwd`` on ``G`` blocks writes dx and each block's fp32 partial rows of the weight's
 #: (and bias's) gradient, then ``wsum`` adds the ``P`` partial rows in a fixed order into dw (and db).
 #: ``x`` is the forward's x, or its residual_out with a residual; ``dro`` residual_out's gradient;
-#: ``bias`` an empty tensor of the bias's dtype, for its gradient's presence and dtype alone. The layout names (``M`` rows, ``NH``, each
-#: tensor's ``<name>_st`` and ``<name>_sh``) are :meth:`NormKernels._layout`'s.
+#: ``bias`` an empty tensor of the bias's dtype, for its gradient's presence and dtype alone.
 BACKWARD = Plan(
     "norm backward", inputs=("x", "dy", "dro", "weight", "bias"),
     outputs=(Output("dx", like="dy", dtype_of="x"), Output("dw", like="weight", shape=("hidden",)),
@@ -373,11 +288,13 @@ BACKWARD = Plan(
     workspaces=(Workspace("dwp", "float32", "P * hidden", when="weight"),
                 Workspace("dbp", "float32", "P * hidden", when="bias")),
     steps=(Step("bwd", {"X": Ptr("x"), "DY": Ptr("dy"), "DRO": Ptr("dro"), "W": Ptr("weight"), "DX": Ptr("dx"),
-                        "DWP": Ptr("dwp"), "DBP": Ptr("dbp"), "M": Value("M"), "NH": Value("NH"), "G": Value("G"),
-                        "eps_bits": Value("eps_bits"), **_rows("x", "xst", "xsh"), **_rows("dy", "dyst", "dysh"),
-                        **_rows("dro", "drost", "drosh"), **_rows("dx", "dxst", "dxsh")}),
+                        "DWP": Ptr("dwp"), "DBP": Ptr("dbp"), "M": Size("x", "m"), "NH": Size("x", "h"),
+                        "G": Value("G"), "eps_bits": Value("eps_bits"), **_rows("x", "xst", "xsh"),
+                        **_rows("dy", "dyst", "dysh"), **_rows("dro", "drost", "drosh"),
+                        **_rows("dx", "dxst", "dxsh")}),
            Step("wsum", {"DWP": Ptr("dwp"), "DBP": Ptr("dbp"), "DW": Ptr("dw"), "DB": Ptr("db"), "P": Value("P")},
-                when=("weight", "bias"))))
+                when=("weight", "bias"))),
+    dims={**dict.fromkeys(("x", "dy", "dro", "dx"), _ROWS), "weight": _PARAM})
 
 
 def implement(op: Any, spec: Any) -> NormKernels:

@@ -7,10 +7,11 @@ view is rotated where it lies. The one fallback: a view whose last dim is not co
 CUDA) whose pointer or strides are not multiples of 16 bytes, is copied to a dense tensor first,
 because the kernel moves 16 bytes per access.
 
-What a call's views mean to the kernel is said once, in :meth:`RoPEKernels._binding` (a
-:class:`tileops.runtime.binding.Binding`): the runtime keeps it per call signature and runs later
-calls from it (:meth:`RoPEKernels.binding`), and the general path (:meth:`RoPEKernels.run`) binds
-the tensors it launches with, copies included, through the same code and the same executor.
+What a call's views mean to the kernel is declared once, as the plan :data:`FORWARD` and the dims
+of its tensors (:mod:`tileops.runtime.views`): the runtime computes every extent and stride from them,
+keeps the binding per call signature and runs later calls from it (:meth:`RoPEKernels.binding`); the
+general path (:meth:`RoPEKernels.run`) places the call's tensors by the plan's fit policy (the one
+copy) and binds what it launches with through the same plan and the same executor.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
 from ..runtime.binding import Binding
 from ..runtime.memory import persistent
-from ..runtime.plan import Bound, ErrorWord, Plan, Ptr, Step, Tag, Value, copy_back, signature
+from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value
+from ..runtime.views import Misfit
 from . import hooks
 from .tables import DIGITS, LO
 
@@ -114,7 +116,9 @@ class RoPEKernels:
         self._stacked: torch.Tensor | None = None  # every set, for a choice made on the device
         self.limit = op.position_limit()
         #: the call's plan (:data:`FORWARD` for this op's tensors), and its bindings by signature
-        self.plan = Plan.of(op.manifest, FORWARD, checks={"position_ids": 0})
+        positions = MROPE_POSITIONS if self.kspec.mrope_section is not None else POSITIONS
+        self.plan = Plan.of(op.manifest, FORWARD, checks={"position_ids": 0},
+                            dims={**dict.fromkeys(("x", "out", "key", "key_out"), _ROTATED), "position_ids": positions})
         self._bound = Bound()
         from tileops.kernels.rope import DIGITS as KDIGITS, LO as KLO
 
@@ -140,12 +144,6 @@ class RoPEKernels:
         (:data:`CPU_WIDEN_FP16_MIN`): fp16 on the CPU, from that many elements."""
         return (self.backend == "c" and x.dtype == torch.float16
                 and x.numel() + (key.numel() if key is not None else 0) >= CPU_WIDEN_FP16_MIN)
-
-    def _head_major(self, v: tuple[int, ...]) -> bool:
-        """Whether the view ``v`` of x (:meth:`_view4`) takes the kernel made for head-major views."""
-        b, s, h, _, ss, sh = v
-        return (self.backend == "cuda" and self.layout == "2d" and h > 1 and s > 1 and sh > ss
-                and b * s >= TRANSPOSED_MIN_TOKENS)
 
     # ------------------------------------------------------------------------------ per call
     def prepare(self, tensors: dict) -> torch.Tensor:
@@ -190,66 +188,12 @@ class RoPEKernels:
     def _seq_len(self, x: torch.Tensor) -> int:
         return x.shape[1] if self.layout == "2d" else x.shape[0]
 
-    def _view4(self, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
-        """``(B, S, H, stride_b, stride_s, stride_h)`` of ``t`` seen as ``[B, S, H, D]``, strides in
-        elements; the stride of a dim of size 1 is never used, so it is 0 (it cannot spoil alignment)."""
-        n, st = t.shape, t.stride()
-        if self.layout == "2d":
-            b, s, h = n[0], n[1], n[2]
-            return b, s, h, (st[0] if b > 1 else 0), (st[1] if s > 1 else 0), (st[2] if h > 1 else 0)
-        if self.layout == "1d":
-            return 1, n[0], 1, 0, (st[0] if n[0] > 1 else 0), 0
-        return 1, n[0], n[1], 0, (st[0] if n[0] > 1 else 0), (st[1] if n[1] > 1 else 0)  # ids
-
-    def _fits(self, t: torch.Tensor, v: tuple[int, ...]) -> bool:
-        """Whether the kernel can read or write ``t`` (seen as ``v``) where it lies: a contiguous last
-        dim and, on CUDA, a pointer and strides on ``stride_unit`` elements (16 bytes)."""
-        return self._strides_fit(t, v) and t.data_ptr() % (self.unit * t.element_size()) == 0
-
-    def _strides_fit(self, t: torch.Tensor, v: tuple[int, ...]) -> bool:
-        """The part of :meth:`_fits` that depends on the strides alone, not on the pointer."""
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            return False
-        u = self.unit
-        return u == 1 or not (v[3] % u or v[4] % u or v[5] % u)
-
-    def _position_strides(self, position_ids: torch.Tensor) -> tuple[int, ...]:
-        """(batch stride, sequence stride) of ``position_ids``; 0 for a batch it is shared across.
-        MRoPE: ``position_ids`` is ``[3, ...]``: those of ``position_ids[0]``, then the stride between
-        the streams."""
-        if self.kspec.mrope_section is not None:
-            return (*self._position_strides_of(position_ids[0]), position_ids.stride(0))
-        return self._position_strides_of(position_ids)
-
-    @staticmethod
-    def _position_strides_of(position_ids: torch.Tensor) -> tuple[int, int]:
-        if position_ids.dim() == 2:
-            return (position_ids.stride(0) if position_ids.shape[0] > 1 else 0), position_ids.stride(1)
-        return 0, position_ids.stride(0)
-
-    def _source(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """``t`` where the kernel can read it, and its view; the one fallback is a dense copy."""
-        v = self._view4(t)
-        if not self._fits(t, v):
-            t = t.contiguous() if not t.is_contiguous() else t.clone()  # a clone lands 16-byte aligned
-            v = self._view4(t)
-        return t, v
-
-    def _dest(self, like: torch.Tensor, given: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """(what the kernel writes, what the caller gets, its view): ``given`` itself when the
-        kernel can write it where it lies, else a dense buffer copied into ``given`` afterwards."""
-        if given is not None:
-            v = self._view4(given)
-            if self._fits(given, v):
-                return given, given, v
-            buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-            return buf, given, self._view4(buf)
-        out = torch.empty_like(like)
-        v = self._view4(out)
-        if not self._fits(out, v):
-            out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-            v = self._view4(out)
-        return out, out, v
+    def _head_major(self, x: dict) -> bool:
+        """Whether x, as the kernel sees it (``{dim: (extent, stride)}``), takes the kernel made for
+        head-major views."""
+        (b, _), (s, ss), (h, sh) = (x.get(d, (1, 0)) for d in "bsh")
+        return (self.backend == "cuda" and self.layout == "2d" and h > 1 and s > 1 and sh > ss
+                and b * s >= TRANSPOSED_MIN_TOKENS)
 
     def run(self, x: torch.Tensor, position_ids: torch.Tensor | None, tables: torch.Tensor,
             inverse: bool = False, key: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -258,29 +202,19 @@ class RoPEKernels:
         ``(out, key_out)``, new tensors unless given. ``out is x`` rotates in place."""
         if self.widens(x, key):
             return self._run_wide(x, position_ids, tables, inverse, key, out, key_out)
-        src_x, vx = self._source(x)
-        y, out, _ = self._dest(x, out)
-        if src_x is not x and y is x:  # in place through the fallback: the kernel writes the buffer
-            y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        src_k = ky = None
-        if key is not None:
-            src_k, _ = self._source(key)
-            ky, key_out, _ = self._dest(key, key_out)
-            if src_k is not key and ky is key:
-                ky = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+        placed = self.plan.place({"x": x, "position_ids": position_ids, "key": key}, {"out": out, "key_out": key_out},
+                                 self.unit)
         if x.numel() == 0 and (key is None or key.numel() == 0):
-            return out, key_out
-        kernel = self._kernel(inverse, self._head_major(vx), wide=x.dtype != DTYPE[self.kspec.dtype])
-        launch = {"x": src_x, "position_ids": position_ids, "key": src_k}
-        writes = {"out": y, "key_out": ky}
+            return placed.outs["out"], placed.outs["key_out"]
+        kernel = self._kernel(inverse, self._head_major(placed.seen["x"]), wide=x.dtype != DTYPE[self.kspec.dtype])
+        launch, writes = placed.inputs, placed.writes
         # the same views with the op's fixed tables bind the same way: bound once
         cached = len(self.tables) == 1 and tables is self.tables[0].on(self.device)
-        make = lambda: self._binding(kernel, launch, writes, {**launch, **writes}, tables)  # noqa: E731
-        b = self._bound.get((id(kernel), signature(self.plan.names, {**launch, **writes}), y is src_x,
-                             ky is not None and ky is src_k), make) if cached else make()
+        make = lambda: self._binding(kernel, launch, writes, {}, tables)  # noqa: E731
+        b = self._bound.get((id(kernel), *self.plan.key(launch, writes)), make) if cached else make()
         self.op._runtime.execute(b, launch, writes)
-        copy_back({"out": y, "key_out": ky}, {"out": out, "key_out": key_out})
-        return out, key_out
+        placed.copy_back()
+        return placed.outs["out"], placed.outs["key_out"]
 
     def _run_wide(self, x: torch.Tensor, position_ids: torch.Tensor | None, tables: torch.Tensor, inverse: bool,
                   key: torch.Tensor | None, out: torch.Tensor | None,
@@ -301,31 +235,16 @@ class RoPEKernels:
     # ------------------------------------------------------------------------------ bindings
     def _binding(self, kernel: Any, tensors: dict, outs: dict, views: dict, tables: torch.Tensor | None) -> Binding:
         """:attr:`plan` bound with ``kernel`` for these inputs and outputs (``outs``: a tensor, the input
-        itself for in place, or None for a new one); ``views``: the tensor each name is seen as (a new
-        output's strides are those of ``torch.empty_like``); ``tables`` fixed, or None: picked per call
-        (:meth:`tables_for`)."""
-        u = self.unit
-        x, key, pos = views["x"], views["key"], views["position_ids"]
-        env = dict.fromkeys(("HK", "ksb", "kss", "ksh", "kysb", "kyss", "kysh", "limit", "psb", "pss", "psc", "TD"), 0)
-        for prefix, name in (("x", "x"), ("y", "out"), ("k", "key"), ("ky", "key_out")):
-            if views.get(name) is not None:
-                _, _, _, sb, ss, sh = self._view4(views[name])
-                env.update({f"{prefix}sb": sb // u, f"{prefix}ss": ss // u, f"{prefix}sh": sh // u})
-        b, s, h = self._view4(x)[:3]
-        env.update(B=b, S=s, H=h if x.numel() else 0)
-        if key is not None and key.numel():  # else HK = 0: the key loop never runs
-            env["HK"] = self._view4(key)[2]
-        if pos is not None:
-            env["limit"] = self.limit
-            env.update(zip(("psb", "pss", "psc"), self._position_strides(pos)))
+        itself for in place, or None for a new one laid out as ``views`` has it); ``tables`` fixed, or
+        None: picked per call (:meth:`tables_for`)."""
+        env = {"limit": self.limit if tensors.get("position_ids") is not None else 0, "TD": 0}
         late, keep = {}, ()
         if tables is None:
             late["TD"] = lambda named: self.tables_for(named["x"], named["position_ids"])  # picked on the device
         else:
             env["TD"], keep = tables.data_ptr(), (tables,)
-        align = u * x.element_size()
         return self.plan.bind({"rope": kernel}, tensors, outs, env=env, late=late, keep=keep, views=views,
-                              align={"x": align, "out": align, "key": align, "key_out": align})
+                              unit=self.unit)
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one, or None (such calls take the
@@ -333,31 +252,39 @@ class RoPEKernels:
         x, key = tensors["x"], tensors.get("key")
         if x.numel() == 0 or (key is not None and key.numel() == 0) or self.widens(x, key):
             return None
-        views = dict(tensors)
-        for name, like in (("out", "x"), ("key_out", "key")):
-            src = tensors.get(like)
-            views[name] = None if src is None else outs[name] if outs.get(name) is not None else torch.empty_like(src)
-        if not all(t is None or self._strides_fit(t, self._view4(t)) for n, t in views.items() if n != "position_ids"):
+        views = {name: None if tensors.get(like) is None else outs[name] if outs.get(name) is not None
+                 else torch.empty_like(tensors[like]) for name, like in (("out", "x"), ("key_out", "key"))}
+        seen = self.plan.layout({**tensors, **views}, self.unit)
+        if isinstance(seen, Misfit):
             return None
         single = len(self.tables) == 1 and not hasattr(self.op, "device_tables")
-        kernel = self._kernel(False, self._head_major(self._view4(x)))
+        kernel = self._kernel(False, self._head_major(seen["x"]))
         return self._binding(kernel, tensors, outs, views, self.tables[0].on(self.device) if single else None)
 
 
-def _strides(prefix: str) -> dict:
-    """A tensor's three strides in the kernel's units (``<prefix>sb``, ``ss``, ``sh``: batch, sequence, head)."""
-    return {f"{prefix}{d}": Value(f"{prefix}{d}") for d in ("sb", "ss", "sh")}
+#: How the kernel sees x, out, key and key_out: ``[B, S, H, D]`` (2d), ``[T, H, D]`` (ids), ``[S, D]`` (1d)
+_ROTATED = Dims({4: "bshd", 3: "shd", 2: "sd"})
+#: position_ids: ``[B, S]`` or ``[S]``, read one element at a time (any strides); MRoPE's ``[3, ...]``
+#: streams lie ``c`` apart
+POSITIONS = Dims({1: "s", 2: "bs"}, vector=False)
+MROPE_POSITIONS = Dims({2: "cs", 3: "cbs"}, vector=False)
+
+
+def _strides(name: str, prefix: str) -> dict:
+    """A rotated tensor's three stride arguments (``<prefix>sb``, ``ss``, ``sh``: batch, sequence, head)."""
+    return {f"{prefix}s{d}": Stride(name, d) for d in "bsh"}
 
 
 #: The rotation: x (and the key, in the same launch) at the positions into out (and key_out), each
-#: tensor seen as ``[B, S, H, D]`` by its strides (:meth:`RoPEKernels._view4`); ``TD`` the digit
-#: tables' address (or bound per call); a position out of range is read as 0 (nothing is indexed out
-#: of bounds) and the kernel writes the call's tag into its error word: reported without a host sync.
-FORWARD = (Step("rope", {"X": Ptr("x"), "Y": Ptr("out"), "K": Ptr("key"), "KY": Ptr("key_out"), "P": Ptr("position_ids"),
-                         "TD": Value("TD"), "B": Value("B"), "S": Value("S"), "H": Value("H"), "HK": Value("HK"),
-                         **_strides("x"), **_strides("y"), **_strides("k"), **_strides("ky"), "psb": Value("psb"),
-                         "pss": Value("pss"), "psc": Value("psc"), "limit": Value("limit"), "ERR": ErrorWord(),
-                         "tag": Tag()}),)
+#: tensor seen as ``[B, S, H, D]`` by its strides; ``TD`` the digit tables' address (or bound per
+#: call); a position out of range is read as 0 (nothing is indexed out of bounds) and the kernel writes
+#: the call's tag into its error word: reported without a host sync.
+FORWARD = (Step("rope", {"X": Ptr("x"), "Y": Ptr("out"), "K": Ptr("key"), "KY": Ptr("key_out"),
+                         "P": Ptr("position_ids"), "TD": Value("TD"), "B": Size("x", "b"), "S": Size("x", "s"),
+                         "H": Size("x", "h"), "HK": Size("key", "h"), **_strides("x", "x"), **_strides("out", "y"),
+                         **_strides("key", "k"), **_strides("key_out", "ky"), "psb": Stride("position_ids", "b"),
+                         "pss": Stride("position_ids", "s"), "psc": Stride("position_ids", "c"),
+                         "limit": Value("limit"), "ERR": ErrorWord(), "tag": Tag()}),)
 
 
 def implement(op: Any, spec: Any) -> RoPEKernels:

@@ -21,7 +21,7 @@ import torch
 
 from ..compile.entry import encode_arg
 from ..runtime.memory import persistent
-from ..runtime.plan import Bound, Plan, Ptr, Scalar, Step, Value, signature
+from ..runtime.plan import Bound, Dims, Plan, Ptr, Scalar, Size, Step, Stride, Value, signature
 
 __all__ = ["RoPETables", "DynamicNTKTables", "digit_tables"]
 
@@ -124,10 +124,7 @@ class DynamicNTKTables:
 
     def _binding(self, tensors: dict) -> Any:
         p = tensors["position_ids"]
-        env = {**self._env, "limit": 0, "B": 0, "S": 0, "psb": 0, "pss": 0}
-        if p is not None:
-            b = p.shape[0] if p.dim() == 2 else 1  # [S], or [B, S]
-            env.update(limit=self.limit, B=b, S=p.shape[-1], psb=p.stride(0) if b > 1 else 0, pss=p.stride(-1))
+        env = {**self._env, "limit": 0 if p is None else self.limit}
         kernel = self._kernel(None if p is None else str(p.dtype).replace("torch.", ""))
         return NTK_UPDATE.bind({"ntk": kernel}, tensors, {}, env=env)
 
@@ -137,8 +134,11 @@ class DynamicNTKTables:
 #: length (``state``) and the stamps are the holder's, written in place.
 NTK_UPDATE = Plan(
     "dynamic NTK tables", inputs=("tables", "state", "stamps", "position_ids"), outputs=(), scalars=("seq",),
+    # position_ids: [S] or [B, S] (a batch of one, or one shared, is B = 1 with stride 0), read one at a time
+    dims={"position_ids": Dims({1: "s", 2: "bs"}, vector=False)},
     steps=(Step("ntk", {"TD": Ptr("tables"), "ST": Ptr("state"), "STAMP": Ptr("stamps"), "P": Ptr("position_ids"),
-                        "B": Value("B"), "S": Value("S"), "psb": Value("psb"), "pss": Value("pss"),
+                        "B": Size("position_ids", "b"), "S": Size("position_ids", "s"),
+                        "psb": Stride("position_ids", "b"), "pss": Stride("position_ids", "s"),
                         "limit": Value("limit"), "seq": Scalar("seq"), "base_bits": Value("base_bits"),
                         "factor_bits": Value("factor_bits"), "mpe_bits": Value("mpe_bits"),
                         "power_bits": Value("power_bits")}),))

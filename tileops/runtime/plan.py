@@ -8,6 +8,9 @@ role:
 * :class:`Ptr` the data pointer of a tensor of the call or of a workspace, by name;
 * :class:`Value` a number from an expression (:mod:`tileops.manifest.expr`, never ``eval``) over
   the names the family hands to :meth:`Plan.bind`: params, dims, a layout's strides, a block count;
+* :class:`Size` and :class:`Stride` an extent or a stride of a tensor of the call, by the names
+  its :attr:`Plan.dims` declaration gives its dims (:mod:`tileops.runtime.views`: what the runtime
+  computes from each call's views, and its fit policy);
 * :class:`Scalar` an integer each call brings (a decode step's length), not part of the signature;
 * :class:`ErrorWord` and :class:`Tag` the call's error word and tag (:mod:`tileops.runtime.errors`),
   for a step that checks the values of the inputs ``Plan.checks`` names.
@@ -32,6 +35,7 @@ Example: two kernels sharing a workspace (``tests/test_plans.py`` runs it on the
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -40,9 +44,10 @@ import torch
 
 from ..manifest.expr import Expr, ExprError, parse_expr
 from .binding import ABSENT, GIVEN, IN_PLACE, NEW, Binding, Launch, device_of
+from .views import Dims, Flat, Misfit, Placed, Rows, Units, View, align as align_of, layout, place, unit_of
 
-__all__ = ["Plan", "Step", "Output", "Workspace", "Ptr", "Value", "Scalar", "ErrorWord", "Tag", "Bound",
-           "PlanError", "WORK_ALIGN", "fit", "copy_back", "signature"]
+__all__ = ["Plan", "Step", "Output", "Workspace", "Ptr", "Value", "Size", "Stride", "Scalar", "ErrorWord", "Tag",
+           "Bound", "PlanError", "WORK_ALIGN", "Dims", "Rows", "Flat", "Placed", "signature"]
 
 #: the bytes each per-call workspace starts on within the call's one allocation: the allocator's own
 #: 512 is more than a kernel's widest access needs; 256 keeps fp32 rows on a TMA/vector boundary
@@ -75,6 +80,26 @@ class Value:
 
 
 @dataclass(frozen=True)
+class Size:
+    """The product of the extents of ``dims`` (letters of the :class:`tileops.runtime.views.Dims` the
+    plan declares for ``tensor``; a dim its rank lacks counts 1); 0 when the tensor is absent."""
+
+    tensor: str
+    dims: str
+
+
+@dataclass(frozen=True)
+class Stride:
+    """The stride of ``tensor``'s dim ``dim`` in the plan's unit (in elements for a tensor not moved in
+    vectors, or with ``elements``); 0 for a dim of extent 1, one its rank lacks, or an absent tensor
+    (unless its dims are declared ``span``: :class:`tileops.runtime.views.Dims`)."""
+
+    tensor: str
+    dim: str
+    elements: bool = False
+
+
+@dataclass(frozen=True)
 class Scalar:
     """The call's per-call scalar ``name`` (one of :attr:`Plan.scalars`), given to ``execute`` each call."""
 
@@ -91,7 +116,7 @@ class Tag:
     """The call's tag, which the kernel writes into a word for a bad value."""
 
 
-Role = Ptr | Value | Scalar | ErrorWord | Tag
+Role = Ptr | Value | Size | Stride | Scalar | ErrorWord | Tag
 
 
 # ---------------------------------------------------------------------------------- declarations
@@ -146,6 +171,9 @@ class Plan:
     scalars: tuple[str, ...] = ()
     #: input name -> the error word its values are judged by (the step holding :class:`ErrorWord`)
     checks: Mapping[str, int] = field(default_factory=dict)
+    #: tensor name -> how the kernels see it (:mod:`tileops.runtime.views`), for :class:`Size` and
+    #: :class:`Stride` and the fit policy (:meth:`place`)
+    dims: Mapping[str, View] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         names = [*self.inputs, *(o.name for o in self.outputs), *(w.name for w in self.workspaces)]
@@ -176,6 +204,8 @@ class Plan:
                     raise PlanError(f"plan {self.name!r}: {s.kernel}.{arg}: no tensor or workspace {role.name!r}")
                 if isinstance(role, Scalar) and role.name not in self.scalars:
                     raise PlanError(f"plan {self.name!r}: {s.kernel}.{arg}: {role.name!r} is not among its scalars")
+                if isinstance(role, (Size, Stride)) and role.tensor not in self.dims:
+                    raise PlanError(f"plan {self.name!r}: {s.kernel}.{arg}: no dims declared for {role.tensor!r}")
             for n in s.when:
                 if n not in self.inputs:
                     raise PlanError(f"plan {self.name!r}: step {s.kernel}: when {n!r} is not an input")
@@ -187,10 +217,18 @@ class Plan:
         argument stays 0): one family's steps serve ops with and without it (LayerNorm's bias)."""
         names = {t.name for t in (*manifest.inputs, *manifest.outputs)}
         names |= {w.name for w in kw.get("workspaces", ())}
-        steps = tuple(Step(s.kernel, {a: r for a, r in s.args.items() if not (isinstance(r, Ptr) and r.name not in names)},
-                           s.when) for s in steps)
+        kw["dims"] = {n: v for n, v in kw.get("dims", {}).items() if n in names}
+        gone = lambda r: ((isinstance(r, Ptr) and r.name not in names)  # noqa: E731
+                          or (isinstance(r, (Size, Stride)) and r.tensor not in names))
+        steps = tuple(Step(s.kernel, {a: r for a, r in s.args.items() if not gone(r)}, s.when) for s in steps)
         return cls(manifest.name, tuple(t.name for t in manifest.inputs),
                    tuple(Output(o.name, like=o.like) for o in manifest.outputs), steps, **kw)
+
+    def key(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> tuple:
+        """What a binding of this plan for inputs ``tensors`` and written ``outs`` depends on (for
+        :class:`Bound`): every tensor's :func:`signature`, and which outputs are their like input."""
+        return (signature(self.names, {**tensors, **outs}),
+                tuple(outs.get(o.name) is not None and outs.get(o.name) is tensors.get(o.like) for o in self.outputs))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -200,7 +238,8 @@ class Plan:
     def bind(self, kernels: Mapping[str, Any], tensors: Mapping[str, Any], outs: Mapping[str, Any], *,
              env: Mapping[str, Any], align: Mapping[str, int] | None = None,
              late: Mapping[str, Callable[[dict], torch.Tensor]] | None = None,
-             views: Mapping[str, torch.Tensor] | None = None, keep: tuple[torch.Tensor, ...] = ()) -> Binding:
+             views: Mapping[str, torch.Tensor] | None = None, keep: tuple[torch.Tensor, ...] = (),
+             unit: Units = 1) -> Binding:
         """The :class:`tileops.runtime.binding.Binding` of this plan for calls shaped like this one.
 
         Args:
@@ -211,13 +250,16 @@ class Plan:
             env: The names :class:`Value` expressions and the sizes of workspaces and own-shape
                 outputs are computed from.
             align: Tensor name -> the bytes its data pointer must be a multiple of (checked per call:
-                a call off it is refused, and its caller copies).
+                a call off it is refused, and its caller copies); by default, that of its vectors
+                for a tensor :attr:`dims` declares moved in vectors.
             late: Argument name of the first step -> ``fn(inputs)``, a tensor chosen per call.
             views: Output name -> a tensor laid out as a new output of this signature is (default:
                 ``torch.empty_like`` of its like input, or C-contiguous for an own shape).
             keep: Tensors whose addresses ``env`` holds.
+            unit: The elements of the kernels' vectors (1: none), which :class:`Stride` counts in: one for
+                every tensor, or by name (:func:`tileops.runtime.views.unit_of`).
         """
-        align, views = dict(align or {}), dict(views or {})
+        views = dict(views or {})
         ins, names = self.inputs, self.names
         at = {n: i for i, n in enumerate(names)}
         modes, strides, sizes, dtypes = [], [], [], []
@@ -239,6 +281,18 @@ class Plan:
                 ref = torch.empty_like(src, device="meta")  # the strides empty_like gives src
             strides.append(tuple(ref.stride()))
             sizes.append(() if tuple(ref.shape) == tuple(src.shape) else tuple(ref.shape))
+            views[o.name] = ref
+        # every tensor as the kernels see it: inputs, outputs given, in place or laid out as new ones
+        seen_as = {n: tensors.get(n) for n in ins}
+        for o, mode in zip(self.outputs, modes):
+            seen_as[o.name] = (None if mode == ABSENT else views[o.name] if mode == NEW
+                               else tensors[o.like] if mode == IN_PLACE else outs[o.name])
+        seen = layout(self.dims, seen_as, unit, pointers=False) if self.dims else {}
+        if isinstance(seen, Misfit):
+            raise PlanError(f"plan {self.name!r}: {seen.name} does not fit ({seen.why}); place the call first")
+        auto = {n: align_of(t, unit_of(unit, n)) for n, t in seen_as.items() if t is not None and n in self.dims
+                and self.dims[n].vector and unit_of(unit, n) > 1}
+        align = {**auto, **(align or {})}
         # workspaces: the kept ones allocated now, the per-call ones laid out in one allocation
         present_work: dict[str, int] = {}
         work: list[int] = []
@@ -283,6 +337,11 @@ class Plan:
                         pointers.append((at[role.name], slot[arg], max(1, align.get(role.name, 1))))
                 elif isinstance(role, Value):
                     values[arg] = self._int(role.tree, env, f"{s.kernel}.{arg}", real=True)
+                elif isinstance(role, Size):
+                    dims = seen.get(role.tensor)
+                    values[arg] = 0 if dims is None else math.prod(dims[d][0] if d in dims else 1 for d in role.dims)
+                elif isinstance(role, Stride):
+                    values[arg] = self._stride(seen, role, unit)
                 elif isinstance(role, Scalar):
                     scalars.append((len(launches), slot[arg], self.scalars.index(role.name)))
                 elif isinstance(role, ErrorWord):
@@ -301,6 +360,44 @@ class Plan:
                        tag_slot=tag_slot if checks else -1, work=tuple(work), work_bytes=offset,
                        scalars=tuple(scalars), keep=(*keep, *kept))
 
+    def _stride(self, seen: Mapping[str, Any], role: Stride, units: Units) -> int:
+        """:class:`Stride` ``role``'s value in the call's :func:`tileops.runtime.views.layout` ``seen``."""
+        dims = seen.get(role.tensor)
+        st = 0 if dims is None or role.dim not in dims else dims[role.dim][1]
+        unit = unit_of(units, role.tensor)
+        if not self.dims[role.tensor].vector or unit == 1 or role.elements:
+            return st
+        if st % unit:
+            raise PlanError(f"plan {self.name!r}: {role.tensor}'s {role.dim} stride {st} is not a multiple of {unit}")
+        return st // unit
+
+    def layout(self, tensors: Mapping[str, torch.Tensor | None], unit: Units, pointers: bool = False) -> Any:
+        """:func:`tileops.runtime.views.layout` of the call's tensors (inputs and outputs by name) for this
+        plan's :attr:`dims`: each as the kernels see it, or the :class:`tileops.runtime.views.Misfit`."""
+        return layout(self.dims, tensors, unit, pointers)
+
+    def place(self, tensors: Mapping[str, torch.Tensor | None], outs: Mapping[str, torch.Tensor | None],
+              unit: Units) -> Placed:
+        """The call's inputs and outputs (given, the like input itself for in place, or None for a new
+        one) where the kernels can address them: :func:`tileops.runtime.views.place`, the plan's
+        declared fit policy (a copy, a buffer, or a ValueError naming the tensor)."""
+        likes = {o.name: o.like for o in self.outputs}
+        return place(self.dims, tensors, {n: (g, tensors.get(likes[n])) for n, g in outs.items()}, unit,
+                     lambda name, t, why: self._refusal(name, t, why, unit_of(unit, name)))
+
+    def _refusal(self, name: str, t: torch.Tensor, why: str, unit: int) -> ValueError:
+        """The error for ``t`` (the call's ``name``), which the kernels cannot address where it lies
+        (``why``: :class:`tileops.runtime.views.Misfit`) and which its dims declare refused."""
+        if why == "alignment":
+            return ValueError(
+                f"{self.name}: {name}: expected its data pointer and strides on a multiple of {unit} elements "
+                f"({align_of(t, unit)} bytes: the CUDA kernel's vectors), got data pointer offset "
+                f"{t.data_ptr() % 256} bytes mod 256, strides {list(t.stride())} (a view that starts or steps inside "
+                f"a vector; it is used where it lies, so no copy hides it: .clone() gives an aligned copy)")
+        need = {"last": "a contiguous last dim", "rows": "rows reached with two strides", "dense": "one dense run"}
+        return ValueError(f"{self.name}: {name}: expected {need[why]}, got strides {list(t.stride())} (it is used "
+                          f"where it lies, so no copy hides it)")
+
     def _int(self, expr: Expr, env: Mapping[str, Any], what: str, real: bool = False) -> Any:
         """``expr``'s value: an int (with ``real``, a float too: a kernel's float argument, which
         :meth:`tileops.compile.entry.RawKernel.template` encodes by the argument's type)."""
@@ -311,34 +408,6 @@ class Plan:
         if isinstance(v, bool) or not isinstance(v, (int, float) if real else int):
             raise PlanError(f"plan {self.name!r}: {what}: `{expr}` gave {v!r}, not {'a number' if real else 'an int'}")
         return v
-
-
-def fit(views: Mapping[str, torch.Tensor | None], outputs: tuple[str, ...],
-        layout: Callable[[dict], Any]) -> tuple[dict, Any]:
-    """The copy fallback a family declares for layouts its kernels do not address (the runtime applies
-    it): ``views`` with each tensor that ``layout(views)`` names (a str: the kernel cannot address it
-    where it lies) replaced by a dense one, until it returns the layout (anything else); an input by
-    a dense copy, one of ``outputs`` by a new dense buffer, which :func:`copy_back` copies into the
-    original after the launch. Returns the views and their layout."""
-    views = dict(views)
-    while True:
-        lay = layout(views)
-        if not isinstance(lay, str):
-            return views, lay
-        t = views[lay]
-        if t is None:
-            raise PlanError(f"fit: the layout names {lay!r}, which the call does not have")
-        views[lay] = (torch.empty(t.shape, dtype=t.dtype, device=t.device) if lay in outputs
-                      else t.contiguous() if not t.is_contiguous() else t.clone())  # a clone lands aligned
-
-
-def copy_back(written: Mapping[str, torch.Tensor | None], given: Mapping[str, torch.Tensor | None]) -> None:
-    """After a launch on :func:`fit`'s views: each output written through a buffer of its own
-    (``written[name]`` is not ``given[name]``) copied into the tensor the call gave."""
-    for name, t in written.items():
-        g = given.get(name)
-        if t is not None and g is not None and t is not g:
-            g.copy_(t)
 
 
 class Bound:

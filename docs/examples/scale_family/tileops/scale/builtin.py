@@ -5,10 +5,10 @@ first, and an ``out=`` that is not contiguous is written through a dense buffer.
 same kernel applied to the output's gradient.
 
 How a call's tensors meet the kernel's parameters is declared once, as the plan :data:`STEPS` (every
-kernel argument by its role: :mod:`tileops.runtime.plan`): the runtime binds it per call signature
-and serves a repeated eager call from it without Python (:meth:`ScaleKernels.binding`); the general
-path binds into the runtime's cache and copies what the kernel cannot address with the runtime's
-:func:`tileops.runtime.plan.fit`.
+kernel argument by its role: :mod:`tileops.runtime.plan`) and how the kernel sees its tensors
+(:data:`DIMS`: flat, dense runs): the runtime binds it per call signature and serves a repeated
+eager call from it without Python (:meth:`ScaleKernels.binding`); the general path places the call
+by the plan's fit policy (the copies) and binds into the runtime's cache.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 
 from tileops.compile.build import device_backend, load_kernel
 from tileops.runtime.binding import Binding
-from tileops.runtime.plan import Bound, Plan, Ptr, Step, Value, copy_back, fit, signature
+from tileops.runtime.plan import Bound, Flat, Plan, Ptr, Size, Step, Value
+from tileops.runtime.views import Misfit
 
 __all__ = ["implement", "kernel_specs", "ScaleKernels"]
 
@@ -35,7 +36,9 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
 
 
 #: ``Y[i] = c * X[i]`` for ``i < N``: the kernel's pointers are the data of ``x`` and ``out``
-STEPS = (Step("scale", {"X": Ptr("x"), "Y": Ptr("out"), "c": Value("c"), "N": Value("N")}),)
+STEPS = (Step("scale", {"X": Ptr("x"), "Y": Ptr("out"), "c": Value("c"), "N": Size("x", "n")}),)
+#: the kernel reads and writes both as flat dense runs: any other view is copied (or written through a buffer)
+DIMS = {"x": Flat(), "out": Flat()}
 
 
 class ScaleKernels:
@@ -47,33 +50,30 @@ class ScaleKernels:
         # compiled once, then loaded from tileops' index by later processes (no TileLang import there)
         self.kernel = load_kernel(op.manifest.kernel.builder, kspec, backend, arch, spec.device, kspec.args)
         self.op = op
-        self.plan = Plan.of(op.manifest, STEPS)
+        self.plan = Plan.of(op.manifest, STEPS, dims=DIMS)
         self.bound = Bound()
 
-    def _binding(self, tensors: dict, outs: dict) -> Binding:
-        return self.plan.bind({"scale": self.kernel}, tensors, outs,
-                              env={"c": self.op.factor, "N": tensors["x"].numel()})
+    def _binding(self, tensors: dict, outs: dict, views: dict) -> Binding:
+        return self.plan.bind({"scale": self.kernel}, tensors, outs, env={"c": self.op.factor}, views=views)
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one: contiguous ``x`` and ``out`` (a new
         output of a contiguous ``x`` is contiguous); None for others, which the general path copies."""
         x, out = tensors["x"], outs.get("out")
-        if x.numel() == 0 or not x.is_contiguous() or (out is not None and not out.is_contiguous()):
+        views = {"out": out if out is not None else torch.empty_like(x)}
+        if x.numel() == 0 or isinstance(self.plan.layout({**tensors, **views}, 1), Misfit):
             return None
-        return self._binding(tensors, outs)
+        return self._binding(tensors, outs, views)
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``c * x`` into ``out`` or a new tensor: a view the kernel cannot address is copied first."""
-        given = {"out": out if out is not None else torch.empty_like(x)}
+        placed = self.plan.place({"x": x}, {"out": out}, 1)
         if x.numel():
-            # the kernel addresses contiguous tensors alone: fit names any other, and makes it dense
-            views, _ = fit({"x": x, **given}, ("out",), lambda v: next((n for n, t in v.items()
-                                                                       if not t.is_contiguous()), None))
-            launch, writes = {"x": views["x"]}, {"out": views["out"]}
-            b = self.bound.get(signature(self.plan.names, {**launch, **writes}), lambda: self._binding(launch, writes))
+            launch, writes = placed.inputs, placed.writes
+            b = self.bound.get(self.plan.key(launch, writes), lambda: self._binding(launch, writes, {}))
             self.op._runtime.execute(b, launch, writes)
-            copy_back(writes, given)
-        return given["out"]
+            placed.copy_back()
+        return placed.outs["out"]
 
     def prepare(self, tensors: dict) -> None:
         return None
