@@ -77,8 +77,8 @@ def test_a_plan_names_what_does_not_fit():
     with pytest.raises(PlanError, match=r"error words are 0 \.\. 3, got \{'x': 4\}"):
         Plan("bad", inputs=("x",), outputs=(), checks={"x": 4}, steps=())
     x = torch.zeros(4, 4)
-    with pytest.raises(PlanError, match=r"workspace part's size: `G \* N`: unknown name 'G'"):
-        SUM_ROWS.bind(kernels(), {"x": x}, {}, env={"N": 4})
+    with pytest.raises(PlanError, match=r"workspace part's size: `G \* x_n`: unknown name 'G'"):
+        SUM_ROWS.bind(kernels(), {"x": x}, {}, env={})
     typo = Plan("typo", inputs=("x",), outputs=(), steps=(Step("partials", {"Q": Ptr("x")}),))
     with pytest.raises(PlanError, match="kernel partials has no argument 'Q'"):
         typo.bind(kernels(), {"x": x}, {}, env={})
@@ -176,3 +176,16 @@ def test_the_fit_policy_copies_buffers_or_refuses_as_declared():
         aligned_only.place({"x": off, "p": None}, {"out": None}, 4)
     flat = _plan({"x": Flat(), "out": Flat()})
     assert flat.place({"x": x.transpose(0, 1), "p": None}, {"out": None}, 1).inputs["x"].is_contiguous()
+
+
+def test_expressions_see_the_inputs_extents():
+    """A workspace's size, an own-shape output and a value may name an input's extents as
+    ``<tensor>_<dim>``: every letter of its dims (1 where its rank lacks one), a row tensor's rows."""
+    from tileops.runtime.views import extents
+
+    got = extents({"x": ROTATED, "r": Rows(), "f": Flat(), "p": Dims("s", vector=False)},
+                  {"x": torch.empty(5, 3, 8), "r": torch.empty(2, 3, 4), "f": torch.empty(2, 5), "p": None})
+    assert got == {"x_b": 1, "x_s": 5, "x_h": 3, "x_d": 8, "r_m": 6, "r_d": 4, "f_n": 10}
+    x = torch.zeros(6, 24)
+    assert _bind(x).work_bytes == -(-G * 24 * 4 // WORK_ALIGN) * WORK_ALIGN  # "G * x_n" fp32
+    assert SUM_ROWS.bind(kernels(), {"x": x}, {}, env={"G": G, "x_n": 2}).work_bytes == WORK_ALIGN  # env wins

@@ -21,8 +21,9 @@ from tileops.runtime.plan import Dims, Output, Plan, Ptr, Scalar, Size, Step, St
 G = 4  # the partial rows: a block sums rows g, g + G, g + 2G, ...
 
 SUM_ROWS = Plan(
-    "sum rows", inputs=("x",), outputs=(Output("y", like="x", shape=("N",), dtype_of="x"),), scalars=("scale",),
-    workspaces=(Workspace("part", "float32", "G * N"),),
+    "sum rows", inputs=("x",), outputs=(Output("y", like="x", shape=("x_n",), dtype_of="x"),), scalars=("scale",),
+    # sizes by expression over params and the inputs' extents (x_n: x's dim n)
+    workspaces=(Workspace("part", "float32", "G * x_n"),),
     # x is read element by element (no vectors): any row stride, a contiguous row
     dims={"x": Dims("mn", vector=False)},
     steps=(Step("partials", {"X": Ptr("x"), "P": Ptr("part"), "M": Size("x", "m"), "N": Size("x", "n"),
@@ -87,9 +88,8 @@ def _compile() -> dict:
 
 
 def bind(x, outs=None):
-    """SUM_ROWS bound for calls shaped like ``x`` (``outs``: ``{"y": tensor}`` to write into); ``N`` sizes
-    the workspace and y."""
-    return SUM_ROWS.bind(kernels(), {"x": x}, outs or {}, env={"N": x.shape[1], "G": G})
+    """SUM_ROWS bound for calls shaped like ``x`` (``outs``: ``{"y": tensor}`` to write into)."""
+    return SUM_ROWS.bind(kernels(), {"x": x}, outs or {}, env={"G": G})
 
 
 if __name__ == "__main__":

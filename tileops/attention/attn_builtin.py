@@ -98,23 +98,25 @@ FORWARD = Plan("attention forward", inputs=("q", "k", "v", "cu_seqlens_q", "cu_s
 
 
 #: the values every gradient program takes: the sizes (``Sq``/``Sk`` the dense lengths, varlen the
-#: token counts: the module's doc), the window and the fp32 scale and softcap, lse's (and delta's) strides
-_GRAD_VALUES = {"B": Value("B"), "Hkv": Value("Hkv"), "G": Value("G"), "Sq": Size("q", "s"), "Sk": Size("k", "s"),
-                "W": Value("W"), "scale": Value("scale"), "softcap": Value("softcap"), "lsb": Stride("lse", "b"),
-                "lsh": Stride("lse", "h"), **_bsh("q", "q"), **_bsh("k", "k"), **_bsh("v", "v"), **_bsh("dout", "do")}
+#: token counts: the module's doc; ``G`` the q heads a kv head serves), the window and the fp32 scale and
+#: softcap, lse's (and delta's) strides
+_GRAD_VALUES = {"B": Value("B"), "Hkv": Size("k", "h"), "G": Value("q_h // k_h"), "Sq": Size("q", "s"),
+                "Sk": Size("k", "s"), "W": Value("W"), "scale": Value("scale"), "softcap": Value("softcap"),
+                "lsb": Stride("lse", "b"), "lsh": Stride("lse", "h"), **_bsh("q", "q"), **_bsh("k", "k"),
+                **_bsh("v", "v"), **_bsh("dout", "do")}
 _GRAD_PTRS = {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "DO": Ptr("dout"), "LSE": Ptr("lse"),
               "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"), "CUK": Ptr("cu_seqlens_k")}
 
 #: The backward: delta = rowsum(dO * O) into the per-call workspace (fp32, one element per query row
-#: and q head, laid out like lse: ``Hq * qrows``, qrows ``batch * seq_q`` or ``total_q``), then dk/dv
+#: and q head, laid out like lse: ``batch * seq_q * Hq``, varlen ``total_q * Hq``), then dk/dv
 #: (a program per kv block and kv head, over its group's q heads), then dq (a program per q block).
 #: ``out`` and ``lse`` are the forward's; ``dout`` out's gradient.
 BACKWARD = Plan(
     "attention backward", inputs=("q", "k", "v", "out", "dout", "lse", "cu_seqlens_q", "cu_seqlens_k"),
     outputs=(Output("dq", like="q"), Output("dk", like="k"), Output("dv", like="v")),
-    workspaces=(Workspace("delta", "float32", "Hq * qrows"),),
+    workspaces=(Workspace("delta", "float32", "q_b * q_s * q_h"),),
     steps=(Step("prep", {"O": Ptr("out"), "DO": Ptr("dout"), "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"),
-                         "B": Value("B"), "Hq": Value("Hq"), "Sq": Size("q", "s"), "lsb": Stride("lse", "b"),
+                         "B": Value("B"), "Hq": Size("q", "h"), "Sq": Size("q", "s"), "lsb": Stride("lse", "b"),
                          "lsh": Stride("lse", "h"), **_bsh("out", "o"), **_bsh("dout", "do")}),
            Step("dkdv", {**_GRAD_PTRS, "DK": Ptr("dk"), "DV": Ptr("dv"), **_GRAD_VALUES, **_bsh("dk", "dk"),
                          **_bsh("dv", "dv")}),
@@ -309,12 +311,10 @@ class AttnKernels:
 
     def _backward_env(self, launch: dict) -> dict[str, Any]:
         """The backward's values besides its tensors' sizes and strides: the batch (varlen: the offsets'
-        count) and the query rows, which size delta."""
-        q = launch["q"]
-        hq, hkv = self.spec.hq, self.spec.hkv
-        batch = launch["cu_seqlens_q"].shape[0] - 1 if self.varlen else q.shape[0]
-        return {"B": batch, "Hq": hq, "Hkv": hkv, "G": hq // hkv, "qrows": q.shape[:-2].numel(), "W": self.window,
-                "scale": float(self.scale), "softcap": float(self.op.params["softcap"] or 0.0)}
+        count), the window, the scale and the softcap."""
+        batch = launch["cu_seqlens_q"].shape[0] - 1 if self.varlen else launch["q"].shape[0]
+        return {"B": batch, "W": self.window, "scale": float(self.scale),
+                "softcap": float(self.op.params["softcap"] or 0.0)}
 
 
 def _monotone(cu: torch.Tensor, total: int) -> torch.Tensor:

@@ -83,8 +83,8 @@ FORWARD = (Step("partial", {"Q": Ptr("q"), "KC": Ptr("key_cache"), "VC": Ptr("va
            Step("merge", {"OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "O": Ptr("out"), "batch": Size("q", "b"),
                           "splits": Value("splits"), "osb": Stride("out", "b"), "osh": Stride("out", "h")}))
 #: the workspaces the two steps share, per call
-WORKSPACES = (Workspace("partial_out", "float32", "batch * hq * splits * head_dim"),
-              Workspace("partial_lse", "float32", "batch * hq * splits"))
+WORKSPACES = (Workspace("partial_out", "float32", "q_b * q_h * splits * q_d"),
+              Workspace("partial_lse", "float32", "q_b * q_h * splits"))
 
 
 def cuda_enabled() -> bool:
@@ -218,13 +218,11 @@ class DecodeKernels:
         p = self.op.params
         bs = kc.shape[1 if p["cache_layout"] == "NHD" else 2]
         tokens = bt.shape[1] * bs
-        batch = tensors["q"].shape[0]
-        n = splits(batch, p["num_kv_heads"], tokens, self.programs)
+        n = splits(tensors["q"].shape[0], p["num_kv_heads"], tokens, self.programs)
         self.op.note_decode_limits(kc.shape[0], tokens)
-        # (batch, hq and head_dim size the workspaces)
         env = {"splits": n, "chunk": math.ceil(tokens / n), "scale_bits": encode_arg("float", self.scale),
-               "softcap_bits": encode_arg("float", p["softcap"] or 1.0), "batch": batch, "hq": p["num_q_heads"],
-               "window": min(p["sliding_window"] or 0, 2**31 - 1), "head_dim": p["head_dim"]}
+               "softcap_bits": encode_arg("float", p["softcap"] or 1.0),
+               "window": min(p["sliding_window"] or 0, 2**31 - 1)}
         return self.plan.bind(self.kernels, tensors, outs, env=env, views=views, unit=self.units)
 
 

@@ -166,7 +166,7 @@ class NormKernels:
 
     def _env(self) -> dict[str, int]:
         """The names a plan's values are computed from besides the tensors' rows and strides."""
-        return {"eps_bits": self.eps_bits, "hidden": self.hidden}
+        return {"eps_bits": self.eps_bits}
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one, or None (such calls take the general
@@ -282,11 +282,11 @@ FORWARD = (Step("fwd", {"X": Ptr("x"), "R": Ptr("residual"), "W": Ptr("weight"),
 #: ``bias`` an empty tensor of the bias's dtype, for its gradient's presence and dtype alone.
 BACKWARD = Plan(
     "norm backward", inputs=("x", "dy", "dro", "weight", "bias"),
-    outputs=(Output("dx", like="dy", dtype_of="x"), Output("dw", like="weight", shape=("hidden",)),
-             Output("db", like="bias", shape=("hidden",))),
+    outputs=(Output("dx", like="dy", dtype_of="x"), Output("dw", like="weight", shape=("x_d",)),
+             Output("db", like="bias", shape=("x_d",))),
     # the weight's and the bias's partial rows: per call, each from a 256-byte boundary of one allocation
-    workspaces=(Workspace("dwp", "float32", "P * hidden", when="weight"),
-                Workspace("dbp", "float32", "P * hidden", when="bias")),
+    workspaces=(Workspace("dwp", "float32", "P * x_d", when="weight"),
+                Workspace("dbp", "float32", "P * x_d", when="bias")),
     steps=(Step("bwd", {"X": Ptr("x"), "DY": Ptr("dy"), "DRO": Ptr("dro"), "W": Ptr("weight"), "DX": Ptr("dx"),
                         "DWP": Ptr("dwp"), "DBP": Ptr("dbp"), "M": Size("x", "m"), "NH": Size("x", "h"),
                         "G": Value("G"), "eps_bits": Value("eps_bits"), **_rows("x", "xst", "xsh"),

@@ -44,7 +44,7 @@ import torch
 
 from ..manifest.expr import Expr, ExprError, parse_expr
 from .binding import ABSENT, GIVEN, IN_PLACE, NEW, Binding, Launch, device_of
-from .views import Dims, Flat, Misfit, Placed, Rows, Units, View, align as align_of, layout, place, unit_of
+from .views import Dims, Flat, Misfit, Placed, Rows, Units, View, align as align_of, extents, layout, place, unit_of
 
 __all__ = ["Plan", "Step", "Output", "Workspace", "Ptr", "Value", "Size", "Stride", "Scalar", "ErrorWord", "Tag",
            "Bound", "PlanError", "WORK_ALIGN", "Dims", "Rows", "Flat", "Placed", "signature"]
@@ -248,7 +248,8 @@ class Plan:
             outs: Output name -> the tensor written (given), the like input itself (in place), or
                 None (a new tensor per call).
             env: The names :class:`Value` expressions and the sizes of workspaces and own-shape
-                outputs are computed from.
+                outputs are computed from, besides the inputs' extents, which are there already as
+                ``<tensor>_<dim>`` (a dim of their :attr:`dims`: ``q_h``, ``x_m``).
             align: Tensor name -> the bytes its data pointer must be a multiple of (checked per call:
                 a call off it is refused, and its caller copies); by default, that of its vectors
                 for a tensor :attr:`dims` declares moved in vectors.
@@ -261,6 +262,8 @@ class Plan:
         """
         views = dict(views or {})
         ins, names = self.inputs, self.names
+        # the inputs' extents by name (``x_s``: :func:`tileops.runtime.views.extents`), for every expression
+        env = {**extents(self.dims, tensors), **env} if self.dims else env
         at = {n: i for i, n in enumerate(names)}
         modes, strides, sizes, dtypes = [], [], [], []
         for o in self.outputs:

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Dims", "Rows", "Flat", "Misfit", "Units", "unit_of", "row_layout", "align", "layout", "place", "Placed"]
+__all__ = ["Dims", "Rows", "Flat", "Misfit", "Units", "unit_of", "row_layout", "align", "extents", "layout", "place", "Placed"]
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,26 @@ def layout(views: Mapping[str, View], tensors: Mapping[str, torch.Tensor | None]
                 or (pointers and t.data_ptr() % align(t, u))):
             return Misfit(name, "alignment")
     return seen
+
+
+def extents(views: Mapping[str, View], tensors: Mapping[str, torch.Tensor | None]) -> dict[str, int]:
+    """The extents of the declared tensors present, named ``<tensor>_<dim>`` for a plan's expressions
+    (a workspace's size, a value): every letter of a :class:`Dims` naming (1 for a dim the tensor's
+    rank lacks), a :class:`Rows` tensor's ``m`` (its rows) and ``d``, a :class:`Flat` one's ``n``."""
+    out: dict[str, int] = {}
+    for name, v in views.items():
+        t = tensors.get(name)
+        if t is None:
+            continue
+        if type(v) is Rows:
+            out[f"{name}_m"], out[f"{name}_d"] = math.prod(t.shape[:-1]), t.shape[-1]
+        elif type(v) is Flat:
+            out[f"{name}_n"] = t.numel()
+        else:
+            every = v.names.values() if isinstance(v.names, Mapping) else (v.names,)
+            out.update({f"{name}_{d}": 1 for names in every for d in names})
+            out.update({f"{name}_{d}": n for d, n in zip(v.of(t), t.shape)})
+    return out
 
 
 def _spanned(v: Dims, t: torch.Tensor) -> Seen:
