@@ -5,17 +5,20 @@ The families' host side runs as on sm_90 (``device_backend`` answers cuda, every
 with the real argument names and the CUDA kernels' dynamic extents taken as they come), on CPU tensors:
 each call's :class:`tileops.runtime.binding.Binding` (argument values by name, pointer slots and
 their alignments, output modes and strides) is recorded when the runtime would run it, and nothing is
-launched. Run it on two trees (``PYTHONPATH=<other tree>``) and diff: a refactor of how calls meet
-kernels should move no argument a CUDA kernel takes. Rope (2d, 1d, ids, MRoPE; keys, HF views, long
-head-major views, views off the vectors, out given and in place), the norms, the prologue (NHD, HND),
-the paged decode and attention (dense, HF views, varlen) are covered; the backward passes are not (they
-need the device's SM count and a forward's lse).
+launched; a call that is refused records its error. ``tests/test_cuda_bindings.py`` compares a fresh
+recording with ``tests/golden/cuda_bindings.json``; ``--diff`` compares two recordings by argument (run
+it on two trees with ``PYTHONPATH=<other tree>``): a refactor of how calls meet kernels should move no
+argument a CUDA kernel takes. Rope (2d, 1d, ids, MRoPE; keys, HF views, long head-major views, views off
+the vectors, out given and in place), the norms, the prologue (NHD, HND; qkv, caches and q_out off the
+vectors), the paged decode and attention (dense, HF views, varlen) are covered; the backward passes are
+not (they need a forward's lse and autograd).
 """
 
 import argparse
 import array
 import json
 import os
+import re
 import types
 
 import torch
@@ -208,10 +211,10 @@ def _cases() -> list:
     for layout in ("NHD", "HND"):
         pro = AttnPrologueFwdOp(4, 2, 64, RoPEFwdOp("neox", "1d"), qk_norm=True, eps=1e-6, cache_layout=layout)
 
-        def mk(tokens=5, wide=0, pro=pro, layout=layout, q_out=None):
+        def mk(tokens=5, wide=0, pro=pro, layout=layout, q_out=None, pad=0):  # pad: a cache row's padding
             qkv = rn(tokens, 8 * 64 + wide)[:, : 8 * 64]
-            kc = torch.zeros((4, 16, 2, 64) if layout == "NHD" else (4, 2, 16, 64), dtype=torch.bfloat16)
-            vc = torch.zeros_like(kc)
+            kc = torch.zeros((4, 16, 2, 64 + pad) if layout == "NHD" else (4, 2, 16, 64 + pad), dtype=torch.bfloat16)
+            kc, vc = kc[..., :64], torch.zeros_like(kc)[..., :64]
             return pro(
                 qkv,
                 torch.arange(tokens),
@@ -227,15 +230,23 @@ def _cases() -> list:
             (
                 f"pro{layout}",
                 pro,
-                [mk, lambda mk=mk: mk(7, 16), lambda mk=mk: mk(1), lambda mk=mk: mk(5, q_out=rn(5, 4, 72)[..., :64])],
+                [
+                    mk,
+                    lambda mk=mk: mk(7, 16),
+                    lambda mk=mk: mk(1),
+                    lambda mk=mk: mk(5, q_out=rn(5, 4, 72)[..., :64]),
+                    lambda mk=mk: mk(5, 4),  # qkv's row stride off the vectors: refused
+                    lambda mk=mk: mk(5, pad=4),  # the caches' strides off them: refused
+                    lambda mk=mk: mk(5, pad=8),  # padded rows on them: bound
+                ],
             )
         )
     for layout in ("NHD", "HND"):
         dec = PagedAttnDecodeFwdOp(8, 2, 64, cache_layout=layout)
 
-        def dk(batch=2, offq=False, dec=dec, layout=layout, out=None):
-            kc = rn(*((16, 16, 2, 64) if layout == "NHD" else (16, 2, 16, 64)))
-            vc = rn(*kc.shape)
+        def dk(batch=2, offq=False, dec=dec, layout=layout, out=None, pad=0):
+            kc = rn(*((16, 16, 2, 64 + pad) if layout == "NHD" else (16, 2, 16, 64 + pad)))
+            kc, vc = kc[..., :64], rn(*kc.shape)[..., :64]
             q = off((batch, 8, 64)) if offq else rn(batch, 8, 64)
             bt = torch.arange(batch * 4).view(batch, 4) % 16
             return dec(q, kc, vc, bt.to(torch.int32), torch.tensor([50, 7, 33][:batch], dtype=torch.int32), out=out)
@@ -250,6 +261,7 @@ def _cases() -> list:
                     lambda dk=dk: dk(2, True),
                     lambda dk=dk: dk(1),
                     lambda dk=dk: dk(2, out=off((2, 8, 64))),
+                    lambda dk=dk: dk(2, pad=4),  # the caches' strides off the vectors: refused
                 ],
             )
         )
@@ -290,8 +302,9 @@ def record(path: str) -> None:
                 rec.append([f"{name}#{i}", "ran", None])
             except Stop:
                 rec.append([f"{name}#{i}", "bound", got[-1]])
-            except Exception as e:  # a refusal is behaviour too
-                rec.append([f"{name}#{i}", "raised", f"{type(e).__name__}: {e}"])
+            except Exception as e:  # a refusal is behaviour too (where the allocator put a tensor is not)
+                said = re.sub(r"offset \d+ bytes mod 256", "offset N bytes mod 256", f"{type(e).__name__}: {e}")
+                rec.append([f"{name}#{i}", "raised", said])
     with open(path, "w") as f:
         json.dump(rec, f, indent=0, default=str)
     print(f"{len(rec)} calls recorded into {path}")
