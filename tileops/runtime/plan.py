@@ -7,7 +7,8 @@ role:
 
 * :class:`Ptr` the data pointer of a tensor of the call or of a workspace, by name;
 * :class:`Value` a number from an expression (:mod:`tileops.manifest.expr`, never ``eval``) over
-  the names the family hands to :meth:`Plan.bind`: params, dims, a layout's strides, a block count;
+  the inputs' extents (``x_s``: dim ``s`` of x) and the names the family hands to :meth:`Plan.bind`:
+  params, a block count;
 * :class:`Size` and :class:`Stride` an extent or a stride of a tensor of the call, by the names
   its :attr:`Plan.dims` declaration gives its dims (:mod:`tileops.runtime.views`: what the runtime
   computes from each call's views, and its fit policy);
@@ -22,14 +23,16 @@ the outputs allocated, one allocation for the per-call workspaces, the launches 
 the current stream. :class:`Bound` keeps the bindings of one op specialization's plans by call
 signature: the one cache a family's general path binds into.
 
-Example: two kernels sharing a workspace (``tests/test_plans.py`` runs it on the CPU)::
+Example: two kernels sharing a workspace (``docs/examples/two_kernel_plan.py``, which
+``tests/test_plans.py`` runs on the CPU)::
 
     SUM_ROWS = Plan(
-        "sum rows", inputs=("x",), outputs=(Output("y", like="x", shape=("cols",)),),
-        workspaces=(Workspace("partial", "float32", "blocks * cols"),),
-        steps=(Step("partials", {"X": Ptr("x"), "P": Ptr("partial"), "M": Value("rows"), "N": Value("cols")}),
-               Step("reduce", {"P": Ptr("partial"), "Y": Ptr("y"), "N": Value("cols"), "G": Value("blocks")})))
-    binding = SUM_ROWS.bind({"partials": k1, "reduce": k2}, {"x": x}, {}, env={"rows": 64, "cols": 8, "blocks": 4})
+        "sum rows", inputs=("x",), outputs=(Output("y", like="x", shape=("x_n",)),),
+        workspaces=(Workspace("partial", "float32", "G * x_n"),), dims={"x": Dims("mn", vector=False)},
+        steps=(Step("partials", {"X": Ptr("x"), "P": Ptr("partial"), "M": Size("x", "m"), "N": Size("x", "n"),
+                                 "xs": Stride("x", "m"), "G": Value("G")}),
+               Step("reduce", {"P": Ptr("partial"), "Y": Ptr("y"), "N": Size("x", "n"), "G": Value("G")})))
+    binding = SUM_ROWS.bind({"partials": k1, "reduce": k2}, {"x": x}, {}, env={"G": 4})
     y = runtime.execute(binding, {"x": x}, {})
 """
 
