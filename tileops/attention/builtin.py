@@ -25,7 +25,7 @@ import torch
 from ..compile.build import device_backend, load_kernel
 from ..compile.entry import encode_arg
 from ..kernels.float8 import CVT_MIN_SM
-from ..runtime.plan import Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value
+from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value
 from ..runtime.views import Misfit
 from . import attn_builtin, decode_builtin
 from .hooks import kernel_spec
@@ -54,8 +54,10 @@ class PrologueKernels:
         self.tables = p["rope"].deployment_tables(self.kspec.rot)
         self.limit = op.position_limit()
         self.eps_bits = encode_arg("float", p["eps"])  # the kernel reinterprets the float32's bits
-        #: the call's plan (:data:`FORWARD` for this op's tensors, seen as :func:`plan_of` declares)
+        #: the call's plan (:data:`FORWARD` for this op's tensors, seen as :func:`plan_of` declares), and the
+        #: general path's bindings by signature
         self.plan = plan_of(op)
+        self._bound = Bound()
 
     def prepare(self, tensors: dict) -> torch.Tensor:
         return self.tables.on(self.device)
@@ -74,8 +76,11 @@ class PrologueKernels:
         if not qkv.shape[0]:
             return q_out if q_out is not None else self._new_q(qkv)
         placed = self.plan.place(tensors, {"q_out": q_out if q_out is not None else self._new_q(qkv)}, self.unit)
-        b = self._bind(tables, placed.inputs, placed.writes, {})
-        self.op._runtime.execute(b, placed.inputs, placed.writes)
+        launch, writes = placed.inputs, placed.writes
+        # bound once a signature of what is launched (the tables are one tensor a device: their address holds)
+        b = self._bound.get((tables.data_ptr(), *self.plan.key(launch, writes)),
+                            lambda: self._bind(tables, launch, writes, {}))
+        self.op._runtime.execute(b, launch, writes)
         placed.copy_back()
         return placed.outs["q_out"]
 
