@@ -30,7 +30,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Dims", "Rows", "Flat", "Misfit", "Units", "unit_of", "row_layout", "align", "extents", "layout", "place", "Placed"]
+__all__ = ["Dims", "Rows", "Flat", "Misfit", "Units", "unit_of", "row_layout", "align", "extents", "layout", "place",
+           "Placed"]
 
 
 @dataclass(frozen=True)
