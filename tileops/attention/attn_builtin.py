@@ -36,7 +36,8 @@ from ..autograd import grad_needed
 from ..compile.build import device_backend, load_kernel
 from ..compile.entry import encode_arg
 from ..runtime.binding import Binding
-from ..runtime.plan import Bound, Dims, ErrorWord, Output, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace
+from ..runtime.plan import (Bound, Dims, ErrorWord, Output, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace,
+                            strides)
 from ..runtime.views import Misfit
 
 __all__ = ["AttnKernels", "BACKWARD", "FORWARD", "CUDA_ENV", "backward_specs", "cuda_enabled", "implement",
@@ -79,7 +80,7 @@ DIMS = {**dict.fromkeys(("q", "k", "v", "out", "dout", "dq", "dk", "dv"), _ROWS)
 def _bsh(tensor: str, prefix: str, elements: bool = False) -> dict:
     """A tensor's (batch, row, head) stride arguments ``<prefix>s{b,s,h}``: in elements (the forward's
     TMA extents) or in the kernels' units (the backward's)."""
-    return {f"{prefix}s{x}": Stride(tensor, x, elements) for x in "bsh"}
+    return strides(tensor, f"{prefix}s", "bsh", elements)
 #: the window is compared as ``j <= i + off - w`` in int32: a wider window than this hides nothing
 #: that 2^30 does not (sequences hold fewer than 2^31 tokens)
 _MAX_WINDOW = 2**30

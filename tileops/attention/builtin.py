@@ -25,10 +25,10 @@ import torch
 from ..compile.build import device_backend, load_kernel
 from ..compile.entry import encode_arg
 from ..kernels.float8 import CVT_MIN_SM
-from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value
+from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, strides
 from ..runtime.views import Misfit
 from . import attn_builtin, decode_builtin
-from .hooks import kernel_spec
+from .hooks import CACHE_DIMS, block_size, kernel_spec
 
 __all__ = ["implement", "kernel_specs", "PrologueKernels"]
 
@@ -103,7 +103,7 @@ class PrologueKernels:
 
     def _note_slots(self, kc: torch.Tensor) -> None:
         """The cache's slot count, noted for a bad slot's error."""
-        self.op.note_slot_limit(kc.shape[0] * kc.shape[1 if self.op.params["cache_layout"] == "NHD" else 2])
+        self.op.note_slot_limit(kc.shape[0] * block_size(kc, self.op.params["cache_layout"]))
 
     def _bind(self, tables: torch.Tensor, launch: dict, outs: dict, views: dict) -> Any:
         """The launch of ``launch``'s tensors writing q into ``outs``' (given, or None for a new one laid
@@ -119,7 +119,7 @@ def plan_of(op: Any) -> Plan:
     should know its projection's split is misaligned, not pay a copy a call); q ``[tokens, Hq, D]``; the
     caches in the op's layout, written in place (anything off refused); positions (MRoPE's ``[3,
     tokens]``) and slots read as dense runs."""
-    cache = Dims("brhd" if op.params["cache_layout"] == "NHD" else "bhrd", refuse="any")
+    cache = Dims(CACHE_DIMS[op.params["cache_layout"]], refuse="any")
     dims = {"qkv": Dims("tc", refuse="alignment"), "q_out": Dims("thd"), "key_cache": cache, "value_cache": cache,
             "q_norm_weight": Dims("d", refuse="any"), "k_norm_weight": Dims("d", refuse="any"),
             "positions": Dims({1: "t", 2: "ct"}, vector=False, dense=True),
@@ -157,7 +157,7 @@ FORWARD = (Step("prologue", {"QKV": Ptr("qkv"), "P": Ptr("positions"), "SL": Ptr
                              "KC": Ptr("key_cache"), "VC": Ptr("value_cache"), "KS": Ptr("k_scale"),
                              "VS": Ptr("v_scale"), "ERR": ErrorWord(), "tag": Tag(), "S": Size("qkv", "t"),
                              "xst": Stride("qkv", "t"), "qst": Stride("q_out", "t"), "qsh": Stride("q_out", "h"),
-                             **{f"cs{d}": Stride("key_cache", d) for d in "brh"}, "bs": Size("key_cache", "r"),
+                             **strides("key_cache", "cs", "brh"), "bs": Size("key_cache", "r"),
                              "nslots": Size("key_cache", "br"), "psc": Stride("positions", "c"),
                              **{a: Value(a) for a in ("limit", "eps_bits", "TD")}}),)
 

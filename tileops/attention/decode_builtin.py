@@ -33,8 +33,9 @@ from ..compile.build import device_backend, load_kernel
 from ..compile.entry import encode_arg
 from ..kernels.paged_decode import LENS_WORD, TABLES_WORD, cuda_problem
 from .attn_builtin import CUDA_ENV, cuda_enabled as _attn_cuda_enabled
+from .hooks import CACHE_DIMS, block_size
 from ..runtime.binding import Binding
-from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace
+from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace, strides
 from ..runtime.views import Misfit
 
 __all__ = ["DecodeKernels", "FORWARD", "WORKSPACES", "cuda_enabled", "kernel_specs", "implement", "splits",
@@ -77,11 +78,10 @@ FORWARD = (Step("partial", {"Q": Ptr("q"), "KC": Ptr("key_cache"), "VC": Ptr("va
                             "OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "ERR": ErrorWord(), "tag": Tag(),
                             "batch": Size("q", "b"), "nblocks": Size("key_cache", "b"), "bs": Size("key_cache", "r"),
                             "max_blocks": Size("block_tables", "n"), "btb": Stride("block_tables", "b"),
-                            "qsb": Stride("q", "b"), "qsh": Stride("q", "h"),
-                            **{f"cs{d}": Stride("key_cache", d) for d in "brh"},
+                            **strides("q", "qs", "bh"), **strides("key_cache", "cs", "brh"),
                             **{a: Value(a) for a in _PARTIAL_VALUES}}),
            Step("merge", {"OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "O": Ptr("out"), "batch": Size("q", "b"),
-                          "splits": Value("splits"), "osb": Stride("out", "b"), "osh": Stride("out", "h")}))
+                          "splits": Value("splits"), **strides("out", "os", "bh")}))
 #: the workspaces the two steps share, per call
 WORKSPACES = (Workspace("partial_out", "float32", "q_b * q_h * splits * q_d"),
               Workspace("partial_lse", "float32", "q_b * q_h * splits"))
@@ -216,7 +216,7 @@ class DecodeKernels:
     def _bind(self, tensors: dict, outs: dict, views: dict) -> Binding:
         kc, bt = tensors["key_cache"], tensors["block_tables"]
         p = self.op.params
-        bs = kc.shape[1 if p["cache_layout"] == "NHD" else 2]
+        bs = block_size(kc, p["cache_layout"])
         tokens = bt.shape[1] * bs
         n = splits(tensors["q"].shape[0], p["num_kv_heads"], tokens, self.programs)
         self.op.note_decode_limits(kc.shape[0], tokens)
@@ -231,7 +231,7 @@ def _dims(cache_layout: str) -> dict:
     when off the vectors); the caches in their layout, read where they lie (a cache off the vectors is
     refused: a copy of a server's cache each call would cost more than the call); the block tables and
     lengths as dense runs."""
-    cache = Dims("brhd" if cache_layout == "NHD" else "bhrd", refuse="any")
+    cache = Dims(CACHE_DIMS[cache_layout], refuse="any")
     return {"q": Dims("bhd"), "out": Dims("bhd"), "key_cache": cache, "value_cache": cache,
             "block_tables": Dims("bn", vector=False, dense=True), "seq_lens": Dims("b", vector=False, dense=True)}
 

@@ -47,6 +47,15 @@ def kernel_spec(manifest: Any, params: Any, qkv_dtype: str, positions: str, slot
                                cache="float8_e4m3fn" if fp8 else "", slots=slots)
 
 
+#: a paged cache's dims as the kernels name them, by ``cache_layout``: blocks, a block's rows, heads, head dim
+CACHE_DIMS = {"NHD": "brhd", "HND": "bhrd"}
+
+
+def block_size(cache: torch.Tensor, cache_layout: str) -> int:
+    """The rows a block of ``cache`` (laid out as ``cache_layout``) holds."""
+    return cache.shape[CACHE_DIMS[cache_layout].index("r")]
+
+
 def _check_caches(op_name: str, kc: torch.Tensor, vc: torch.Tensor) -> None:
     """A paged cache pair as the kernels address it: a contiguous head row, and one set of strides for
     both (the kernel takes them once)."""

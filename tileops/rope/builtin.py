@@ -25,7 +25,7 @@ from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
 from ..runtime.binding import Binding
 from ..runtime.memory import persistent
-from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value
+from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Tag, Value, strides
 from ..runtime.views import Misfit
 from . import hooks
 from .tables import DIGITS, LO
@@ -270,20 +270,15 @@ POSITIONS = Dims({1: "s", 2: "bs"}, vector=False)
 MROPE_POSITIONS = Dims({2: "cs", 3: "cbs"}, vector=False)
 
 
-def _strides(name: str, prefix: str) -> dict:
-    """A rotated tensor's three stride arguments (``<prefix>sb``, ``ss``, ``sh``: batch, sequence, head)."""
-    return {f"{prefix}s{d}": Stride(name, d) for d in "bsh"}
-
-
 #: The rotation: x (and the key, in the same launch) at the positions into out (and key_out), each
 #: tensor seen as ``[B, S, H, D]`` by its strides; ``TD`` the digit tables' address (or bound per
 #: call); a position out of range is read as 0 (nothing is indexed out of bounds) and the kernel writes
 #: the call's tag into its error word: reported without a host sync.
 FORWARD = (Step("rope", {"X": Ptr("x"), "Y": Ptr("out"), "K": Ptr("key"), "KY": Ptr("key_out"),
                          "P": Ptr("position_ids"), "TD": Value("TD"), "B": Size("x", "b"), "S": Size("x", "s"),
-                         "H": Size("x", "h"), "HK": Size("key", "h"), **_strides("x", "x"), **_strides("out", "y"),
-                         **_strides("key", "k"), **_strides("key_out", "ky"), "psb": Stride("position_ids", "b"),
-                         "pss": Stride("position_ids", "s"), "psc": Stride("position_ids", "c"),
+                         "H": Size("x", "h"), "HK": Size("key", "h"), **strides("x", "xs", "bsh"),
+                         **strides("out", "ys", "bsh"), **strides("key", "ks", "bsh"),
+                         **strides("key_out", "kys", "bsh"), **strides("position_ids", "ps", "bsc"),
                          "limit": Value("limit"), "ERR": ErrorWord(), "tag": Tag()}),)
 
 

@@ -49,8 +49,8 @@ from ..manifest.expr import Expr, ExprError, parse_expr
 from .binding import ABSENT, GIVEN, IN_PLACE, NEW, Binding, Launch, device_of
 from .views import Dims, Flat, Misfit, Placed, Rows, Units, View, align as align_of, extents, layout, place, unit_of
 
-__all__ = ["Plan", "Step", "Output", "Workspace", "Ptr", "Value", "Size", "Stride", "Scalar", "ErrorWord", "Tag",
-           "Bound", "PlanError", "WORK_ALIGN", "Dims", "Rows", "Flat", "Placed", "signature"]
+__all__ = ["Plan", "Step", "Output", "Workspace", "Ptr", "Value", "Size", "Stride", "strides", "Scalar", "ErrorWord",
+           "Tag", "Bound", "PlanError", "WORK_ALIGN", "Dims", "Rows", "Flat", "Placed", "signature"]
 
 #: the bytes each per-call workspace starts on within the call's one allocation: the allocator's own
 #: 512 is more than a kernel's widest access needs; 256 keeps fp32 rows on a TMA/vector boundary
@@ -120,6 +120,12 @@ class Tag:
 
 
 Role = Ptr | Value | Size | Stride | Scalar | ErrorWord | Tag
+
+
+def strides(tensor: str, prefix: str, dims: str, elements: bool = False) -> dict[str, Stride]:
+    """``tensor``'s stride arguments named ``<prefix><dim>``, one for each of ``dims``:
+    ``strides("x", "xs", "bsh")`` is ``{"xsb": Stride("x", "b"), "xss": ..., "xsh": ...}``."""
+    return {f"{prefix}{d}": Stride(tensor, d, elements) for d in dims}
 
 
 # ---------------------------------------------------------------------------------- declarations
@@ -202,6 +208,7 @@ class Plan:
         said |= {n for w in self.workspaces for n in parse_expr(w.numel).names}
         said |= {n for o in self.outputs for d in (o.shape or ()) for n in parse_expr(d).names}
         object.__setattr__(self, "_extents", any(n.startswith(f"{t}_") for t in self.dims for n in said))
+        object.__setattr__(self, "_likes", {o.name: o.like for o in self.outputs})  # (for place, every call)
         known = set(names)
         checking = [i for i, s in enumerate(self.steps) if any(isinstance(r, ErrorWord) for r in s.args.values())]
         if len(checking) > 1 or (self.checks and not checking):
@@ -393,8 +400,7 @@ class Plan:
         """The call's inputs and outputs (given, the like input itself for in place, or None for a new
         one) where the kernels can address them: :func:`tileops.runtime.views.place`, the plan's
         declared fit policy (a copy, a buffer, or a ValueError naming the tensor)."""
-        likes = {o.name: o.like for o in self.outputs}
-        return place(self.dims, tensors, {n: (g, tensors.get(likes[n])) for n, g in outs.items()}, unit,
+        return place(self.dims, tensors, {n: (g, tensors.get(self._likes[n])) for n, g in outs.items()}, unit,
                      lambda name, t, why: self._refusal(name, t, why, unit_of(unit, name)))
 
     def _refusal(self, name: str, t: torch.Tensor, why: str, unit: int) -> ValueError:
