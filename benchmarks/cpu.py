@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from tileops import schedules
 from tileops.manifest import registry
 from tileops.targets import BUILTIN
 from tileops.workloads import SHORT, op_class, workload
@@ -48,14 +49,7 @@ COLUMNS = ("none", "builtin", "torch", "eager")
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return schedules.cpu_model()
 
 
 def _workloads(quick: bool) -> list[tuple[str, Any, dict[str, Any], dict[str, torch.Tensor]]]:

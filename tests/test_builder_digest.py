@@ -30,11 +30,11 @@ _BUILDER = textwrap.dedent('''\
     ''')
 
 _DIGESTS = ("import json, sys\n"
-            "from tileops.compile.build import _builder_digest\n"
+            "from tileops.compile.build import builder_digest\n"
             "out = {}\n"
             "for name in sys.argv[1:]:\n"
             "    try:\n"
-            "        out[name] = _builder_digest(name)\n"
+            "        out[name] = builder_digest(name)\n"
             "    except KeyError as e:\n"
             "        out[name] = 'KeyError: ' + str(e)\n"
             "print(json.dumps(out))\n")

@@ -10,7 +10,8 @@ against the importing module's package; ``from pkg import name`` is an import of
 
 The layers, lowest first (:data:`LAYERS`); a module may import its own layer or any lower one:
 
-* ``base``: what everything may use (progress lines, where family roots live, torch's private API);
+* ``base``: what everything may use (progress lines, where family roots live, torch's private API,
+  the tolerances against a float64 reference);
 * ``kernels``: the kernel builders (``kernels/``, shipped as ``tileops.kernels``): TileLang tile
   programs and the registry that finds them by reading their source. Below ``manifest``: a manifest
   names its builder and the loader checks ``kernel.static`` against the builder's ``STATIC``, while
@@ -20,7 +21,8 @@ The layers, lowest first (:data:`LAYERS`); a module may import its own layer or 
   it learns a family's kernels from the family's ``kernel_specs``, found by the manifest's family
   name at run time, and never constructs an op;
 * ``runtime``: launching kernels, the error words, the native fast path;
-* ``op``: the op base class, its autograd, the targets that serve it;
+* ``op``: the op base class, its autograd, the targets that serve it, the schedules its kernels are
+  built with and the tuner that picks them;
 * ``families``: one package per folder of ``manifests/`` (``tileops.rope``, ...);
 * ``integrations``: patches for other libraries (transformers);
 * ``tools``: the command line, code and docs generators, the test matrix, the package's ``__init__``.
@@ -43,12 +45,13 @@ FAMILIES = sorted(p.name for p in (ROOT / "manifests").iterdir() if p.is_dir() a
 
 #: (layer, the modules in it), lowest first; ``x.*`` is every module below package ``x``
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("tileops.progress", "tileops.families", "tileops.torch_private")),
+    ("base", ("tileops.progress", "tileops.families", "tileops.torch_private", "tileops.tolerances")),
     ("kernels", ("tileops.kernels", "tileops.kernels.*")),
     ("manifest", ("tileops.manifest", "tileops.manifest.*", "tileops.manifests")),
     ("compile", ("tileops.compile", "tileops.compile.*")),
     ("runtime", ("tileops.runtime", "tileops.runtime.*")),
-    ("op", ("tileops.op", "tileops.autograd", "tileops.targets", "tileops.compose")),
+    ("op", ("tileops.op", "tileops.autograd", "tileops.targets", "tileops.compose", "tileops.schedules",
+            "tileops.tuning")),
     ("families", tuple(p for f in FAMILIES for p in (f"tileops.{f}", f"tileops.{f}.*"))),
     ("integrations", ("tileops.integrations", "tileops.integrations.*")),
     ("tools", ("tileops", "tileops.__main__", "tileops.cli", "tileops.cli_coverage", "tileops.codegen",

@@ -76,7 +76,114 @@ def cmd_show(args: argparse.Namespace) -> int:
         dims = ", ".join([*(f"{k}={v}" for k, v in c.dims.items()), *([f"lead={list(c.lead)}"] if c.lead else [])])
         params = ", ".join(f"{k}={v!r}" for k, v in c.params.items())
         print(f"  {c.label:<22} {dims}{'  ' + params if params else ''}  [{', '.join(c.dtypes)}]")
+    _show_schedules(m, args.device or _default_device())
     return 0
+
+
+def _default_device() -> Any:
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _show_schedules(m: Any, device: Any) -> None:
+    """``tileops show``'s schedule part: the declared spaces, then which schedule serves each case on
+    ``device`` (an op built with target=None) and where it came from (tileops.schedules)."""
+    import torch
+
+    from . import schedules
+    from .workloads import op_class, workload
+
+    tune = m.kernel.tune
+    if tune is None:
+        print("schedules: the manifest's kernel.static only (no kernel.tune space)")
+        return
+    print("schedule spaces (kernel.tune):")
+    for backend, space in tune.spaces.items():
+        knobs = ", ".join(f"{b}.{k} in {list(v)}" for b, k, v in space.knobs)
+        rules = f"; rules: {', '.join(str(r) for r in space.rules)}" if space.rules else ""
+        print(f"  {backend}: {knobs}{rules}  ({len(schedules.candidates(m, backend))} candidates)")
+    identity = schedules.device_identity(device)
+    print(f"schedules on {device} ({identity['name']}), for an op built with target=None:")
+    for c in m.cases:
+        dtypes = [d for d in c.dtypes if device.type == "cuda" or d != "float8_e4m3fn"]
+        for dtype in dtypes[:1]:
+            w = workload(m, c, dtype, device, shrink=device.type == "cpu", generator=torch.Generator().manual_seed(0))
+            op = op_class(m.name)(**w.params)
+            try:
+                op._check_call(w.inputs)
+            except (TypeError, ValueError) as e:
+                print(f"  {c.label:<22} refused: {e}")
+                continue
+            print(f"  {c.label + '-' + dtype:<30} {op.schedule}")
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """``tileops tune``: every named op's (default: every op with a space for the device's backend)
+    manifest cases, grouped by shape class, each class tuned once over all its cases."""
+    import torch
+
+    from . import schedules, tuning
+    from .manifest import registry
+    from .workloads import op_class, workload
+
+    device = torch.device(args.device) if args.device else _default_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("tileops tune: --device cuda: no GPU here", file=sys.stderr)
+        return 2
+    backend = "cuda" if device.type == "cuda" else "c"
+    reg = registry()
+    names = args.ops or [n for n, m in reg.items() if m.kernel.tune and backend in m.kernel.tune.spaces]
+    unknown = [n for n in names if n not in reg]
+    if unknown:
+        print(f"tileops tune: unknown op {unknown[0]!r}; `tileops list` names them", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    failed = 0
+    for name in names:
+        m = reg[name]
+        if not schedules.candidates(m, backend):
+            print(f"tileops tune: {name}: no schedule space for the {backend} backend (kernel.tune.{backend}); "
+                  f"skipped", file=sys.stderr)
+            continue
+        # the cases of each shape class, their inputs seeded by their order (the same draws every run)
+        classes: dict[tuple, list] = {}
+        for i, c in enumerate(m.cases):
+            if args.cases and c.label not in args.cases:
+                continue
+            for j, dtype in enumerate(c.dtypes):
+                if device.type == "cpu" and dtype == "float8_e4m3fn":
+                    continue
+                w = workload(m, c, dtype, device, shrink=device.type == "cpu",
+                             generator=torch.Generator().manual_seed(7919 * i + j))
+                op = op_class(name)(**w.params)
+                try:
+                    op._check_call(w.inputs)
+                except (TypeError, ValueError):
+                    continue  # a case this device refuses (a dtype the C backend lacks)
+                key = (repr(sorted(w.params.items(), key=lambda kv: kv[0])), op.schedule.shape_class)
+                classes.setdefault(key, []).append((op, w))
+        op_t0 = time.monotonic()
+        for (_, cls), members in classes.items():
+            left = None if args.budget is None else max(1.0, args.budget - (time.monotonic() - t0))
+            op = members[0][0]
+            labels = "+".join(w.label for _, w in members)
+            try:
+                r = tuning.tune_calls(op, [w.inputs for _, w in members], budget=left, progress=args.progress,
+                                      label=labels)
+            except ValueError as e:
+                failed += 1
+                print(f"tileops tune: {name} {labels}: {e}", file=sys.stderr)
+                continue
+            best = r.best
+            print(f"{name}  {labels}  class {cls}\n    built-in {r.baseline.seconds * 1e6:.1f} us; best "
+                  f"{best.label()} {best.seconds * 1e6:.1f} us; kept: {r.chosen}; {len(r.trials)} of "
+                  f"{len(schedules.candidates(m, backend))} candidates tried, {len(r.dropped)} dropped, "
+                  f"{r.seconds:.0f} s")
+        print(f"{name}: tuned in {time.monotonic() - op_t0:.0f} s")
+    if names:
+        print(f"table: {schedules.tuned_path(schedules.device_identity(device))}")
+    return 1 if failed else 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -316,6 +423,23 @@ def parser() -> argparse.ArgumentParser:
                  "Print one op's manifest in readable form: parameters, inputs and outputs with their dtypes "
                  "and shapes, the rules a call is checked against, the kernel and the test cases.")
     p.add_argument("op", help="op name, e.g. RoPEFwdOp (`tileops list` names them)")
+    p.add_argument("--device", type=_device, help="the device whose schedules are shown: cpu, cuda or cuda:N "
+                                                  "(default: cuda if there is a GPU, else cpu)")
+    p = _command(sub, "tune", cmd_tune, "tune ops' schedules on this device, over their manifest cases",
+                 "Tune the schedules of the ops named (default: every op whose manifest declares a space for the "
+                 "device's backend, kernel.tune) on the device at hand, over the manifest's cases grouped by shape "
+                 "class: every candidate is checked against the float64 reference before it is timed (a wrong one "
+                 "is dropped and reported), and the fastest, or the built-in schedule when no candidate beats it "
+                 "by 3%, is kept in this machine's table (TILEOPS_CACHE_DIR/schedules/), which ops built with "
+                 "target=None then use.")
+    p.add_argument("ops", nargs="*", help="op names (default: every op with a space for the backend)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cuda or cpu (default: cuda if there is a GPU, else cpu)")
+    p.add_argument("--budget", type=float, default=None, help="seconds to spend at most, over all ops (default: "
+                                                               "the whole spaces); the best found by then is kept")
+    p.add_argument("--cases", nargs="*", default=None, help="only these case labels")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a line per candidate on stderr (default: when stderr is a terminal)")
     p = _command(sub, "check", cmd_check, "validate manifests: every family's (TILEOPS_FAMILY_PATH's too), "
                  "or the files given", "Validate op manifests (every packaged family's and TILEOPS_FAMILY_PATH's, "
                  "or the files given). Each error is printed on stderr with its file and line; the exit status "

@@ -8,6 +8,8 @@ what came.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 from typing import Any, Callable, Mapping
 
@@ -18,11 +20,12 @@ from .runtime.binding import Binding, with_overlap_checks
 from .runtime.memory import disjoint, same_view
 from .runtime.served import Served, layout_of
 from . import manifest as _manifest
+from . import schedules
 from .autograd import backward_of, grad_needed, run_differentiable
 from .manifest import ExprError, OpManifest
 from .manifest.call import DTYPE_NAMES, DTYPES, CallSpec
 from .manifest.schema import DTYPE_PREFIX, LEAD
-from .targets import Target, TargetError, check_target_arg, resolve_target
+from .targets import BUILTIN, Target, TargetError, check_target_arg, resolve_target
 from .torch_private import internal_overlap
 
 __all__ = ["Op"]
@@ -56,6 +59,9 @@ class Op:
         self._target_arg = target
         self._fixed_target: Target | None = check_target_arg(target, self.name)
         self._served_by: str | None = self._fixed_target.name if self._fixed_target else None
+        #: the schedule of the last call checked (``schedule``), and one :meth:`tune` imposes on a candidate
+        self._schedule: schedules.Schedule | None = None
+        self._forced_schedule: tuple | None = None
         self._impls: dict[CallSpec, Callable[..., Any]] = {}
         #: call signature -> (implementation, its Binding or None): see _eager_call
         self._fast: dict[tuple, tuple[Any, Binding | None]] = {}
@@ -295,7 +301,6 @@ class Op:
                 compile.
         """
         from .compile.build import device_backend
-        from .targets import BUILTIN
         from .compile.warmup import compile_jobs, op_kernel_jobs
 
         m = self.manifest
@@ -505,7 +510,59 @@ class Op:
         self._check_more(tensors, dims)
         # only the dims kernels are compiled for: other sizes share one implementation
         static = sorted((d, dims[d]) for d in m.kernel.specialize)
-        return CallSpec(device=device, dtypes=tuple(dtypes), dims=tuple(static))
+        call = CallSpec(device=device, dtypes=tuple(dtypes), dims=tuple(static))
+        chosen = self._schedule_for(call, dims)
+        self._schedule = chosen
+        return dataclasses.replace(call, schedule=chosen.knobs) if chosen.knobs else call
+
+    def _schedule_for(self, call: CallSpec, dims: Mapping[str, int]) -> schedules.Schedule:
+        """The schedule serving a call (:mod:`tileops.schedules`): a candidate being tuned
+        (:meth:`tune`), else for ``target=None`` served by BUILTIN the tuned or shipped choice for the
+        call's shape class, else the built-in one (``target=BUILTIN``; another target has its own)."""
+        forced = self._forced_schedule
+        if forced is not None:
+            return schedules.Schedule(knobs=forced, source="a candidate being tuned",
+                                      shape_class=schedules.shape_class(self.manifest, call, dims, self.params))
+        if self._fixed_target is None and self._target_for(call.device).name == BUILTIN:
+            return schedules.choose(self.manifest, call, dims, self.params)
+        if self._fixed_target is not None and self._fixed_target.name != BUILTIN:
+            return schedules.Schedule(source=f"target {self._fixed_target.name!r}'s own")
+        return schedules.Schedule(shape_class=schedules.shape_class(self.manifest, call, dims, self.params))
+
+    @property
+    def schedule(self) -> schedules.Schedule | None:
+        """The schedule chosen for the last call this op checked (the first call of each new shape,
+        dtype or layout; later calls of one signature reuse it): its knobs over the manifest's
+        ``kernel.static``, where it came from (``built-in``, ``shipped for NVIDIA H200``, ``tuned on
+        this machine at ...``) and its shape class. None before the first call."""
+        return self._schedule
+
+    def tune(self, *args: Any, budget: float | None = None, progress: bool | None = None,
+             **kwargs: Any) -> schedules.Schedule:
+        """Tune this op's schedule for calls like ``self(*args, **kwargs)``, on their device: every
+        candidate of the manifest's space (``kernel.tune``) is built, checked against the family's
+        float64 reference (dropped and reported when wrong, or when it fails to build) and timed beside
+        the built-in schedule; the fastest is kept in this machine's table for the call's shape class
+        (the built-in one unless a candidate is faster by more than the timing's noise), and serves this
+        op and every later one built with ``target=None`` (:mod:`tileops.schedules`).
+
+        Args:
+            budget: Seconds to spend at most (default: the whole space); the best so far is kept.
+            progress: A line per candidate on stderr (None: when stderr is a terminal).
+
+        Returns:
+            The schedule now chosen for the call's shape class.
+
+        Raises:
+            ValueError: The manifest declares no schedule space for the device's backend, or the op is
+                served by a target other than BUILTIN.
+        """
+        from . import tuning
+
+        bound = inspect.signature(self.forward).bind(*args, **kwargs)
+        names = {t.name for t in self.manifest.inputs}
+        inputs = {k: v for k, v in bound.arguments.items() if k in names}
+        return tuning.tune(self, inputs, budget=budget, progress=progress)
 
     def _check_written(self, tensors: Mapping[str, Any]) -> None:
         """Inputs the op writes in place (``written``): each element its own memory, and no memory

@@ -39,6 +39,7 @@ from ..runtime.binding import Binding
 from ..runtime.plan import (Bound, Dims, ErrorWord, Output, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace,
                             strides)
 from ..runtime.views import Misfit
+from ..schedules import static_for
 
 __all__ = ["AttnKernels", "BACKWARD", "FORWARD", "CUDA_ENV", "backward_specs", "cuda_enabled", "implement",
            "kernel_specs"]
@@ -135,10 +136,14 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     from .hooks import AttnFwdHooks
 
     fields = AttnFwdHooks.kernel_fields_of(params, call)
-    static = dict(manifest.kernel.static or {}) if backend == "cuda" else {}
-    out = [(manifest.kernel.builder, get_spec(manifest.kernel.builder)(backend=backend, **fields, **static))]
+    # the manifest's static knobs are the CUDA schedule's (the C forward has none); a chosen schedule's
+    # apply on its backend (tileops.schedules), the backward's by its builder's name
+    own = manifest.kernel.builder
+    static = static_for(manifest, call) if backend == "cuda" else static_for(manifest, call, own, built_in=False)
+    out = [(own, get_spec(own)(backend=backend, **fields, **static))]
     if backward and manifest.backward is not None:
-        out += [(BWD_BUILDER, spec) for spec in backward_specs(fields, backend)]
+        bwd = static_for(manifest, call, BWD_BUILDER)
+        out += [(BWD_BUILDER, spec) for spec in backward_specs(fields, backend, bwd)]
     return out
 
 
@@ -146,15 +151,22 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
 BWD_BUILDER = "attention_bwd"
 
 
-def backward_specs(fields: dict, backend: str) -> list[Any]:
+def backward_specs(fields: dict, backend: str, static: "dict | None" = None) -> list[Any]:
     """The ``prep``, ``dkdv`` and ``dq`` specs of the backward of a forward of ``fields``
-    (:meth:`AttnFwdHooks.kernel_fields_of`). ``prep`` reads o and dO alone: no mask field."""
+    (:meth:`AttnFwdHooks.kernel_fields_of`), ``static`` the knobs of ``kernels/attention_bwd.py`` a
+    chosen schedule sets (:func:`tileops.schedules.static_for`; none: its defaults). ``prep`` reads o
+    and dO alone: no mask field, and no knob."""
     from tileops.kernels import get_spec
 
     make = get_spec(BWD_BUILDER)
     common = dict(head_dim=fields["head_dim"], dtype=fields["dtype"], varlen=fields["varlen"], backend=backend)
     masks = dict(causal=fields["causal"], window=fields["window"], softcap=fields["softcap"])
-    return [make(kind="prep", **common), make(kind="dkdv", **common, **masks), make(kind="dq", **common, **masks)]
+    static = static or {}
+    # each program keyed by the knobs it reads (a dq knob on the dk/dv spec would only make a second key)
+    own = {kind: {k: v for k, v in static.items() if not k.startswith(other)}
+           for kind, other in (("dkdv", "dq_"), ("dq", "dkdv_"))}
+    return [make(kind="prep", **common), make(kind="dkdv", **common, **masks, **own["dkdv"]),
+            make(kind="dq", **common, **masks, **own["dq"])]
 
 
 class AttnKernels:
@@ -179,6 +191,7 @@ class AttnKernels:
         from .hooks import AttnFwdHooks
 
         self._fields = AttnFwdHooks.kernel_fields_of(p, call)
+        self.call = call
         self._bwd_kernels: dict[str, Any] | None = None  # compiled at the first backward
 
     def _env(self, t: dict, lse: torch.Tensor | None) -> dict[str, int]:
@@ -295,9 +308,10 @@ class AttnKernels:
 
     def _bwd(self) -> dict[str, Any]:
         if self._bwd_kernels is None:
+            static = static_for(self.op.manifest, self.call, BWD_BUILDER)
             self._bwd_kernels = {
                 s.kind: load_kernel(BWD_BUILDER, s, self.backend, self.arch, self.device, s.args, op_name=self.op.name)
-                for s in backward_specs(self._fields, self.backend)}
+                for s in backward_specs(self._fields, self.backend, static)}
         return self._bwd_kernels
 
     def _backward_binding(self, launch: dict) -> Binding | None:

@@ -27,6 +27,7 @@ from ..compile.entry import encode_arg
 from ..kernels.float8 import CVT_MIN_SM
 from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, strides
 from ..runtime.views import Misfit
+from ..schedules import static_for
 from . import attn_builtin, decode_builtin
 from .hooks import CACHE_DIMS, block_size, kernel_spec
 
@@ -41,8 +42,7 @@ class PrologueKernels:
         self.device = spec.device
         self.backend, self.arch = device_backend(self.device)
         p = op.params
-        self.kspec = _spec(op.manifest, p, spec.dtype("qkv"), spec.dtype("positions"), spec.dtype("slot_mapping"),
-                           self.backend, op.name)
+        self.kspec = _spec(op.manifest, p, spec, self.backend)
         # CUDA: the qkv, q and cache strides in units of stride_unit elements (16-byte vectors), and every
         # pointer the kernel moves vectors through on such a vector (checked per call)
         self.unit = self.kspec.stride_unit
@@ -127,12 +127,14 @@ def plan_of(op: Any) -> Plan:
     return Plan.of(op.manifest, FORWARD, checks={"positions": 0, "slot_mapping": 1}, dims=dims)
 
 
-def _spec(manifest: Any, params: Any, qkv: str, positions: str, slots: str, backend: str, op_name: str) -> Any:
+def _spec(manifest: Any, params: Any, call: Any, backend: str) -> Any:
     """The kernel spec of a call: the fields from the op (:func:`tileops.attention.hooks.kernel_spec`),
-    on CUDA with the schedule's choices the manifest's ``kernel.static`` sets."""
-    spec = kernel_spec(manifest, params, qkv, positions, slots, backend)
-    static = dict(manifest.kernel.static or {})
-    return dataclasses.replace(spec, **static) if backend == "cuda" and static else spec
+    with the schedule's choices: on CUDA the manifest's ``kernel.static`` and over it the chosen
+    schedule's (:mod:`tileops.schedules`), on the C backend the chosen schedule's alone."""
+    spec = kernel_spec(manifest, params, call.dtype("qkv"), call.dtype("positions"), call.dtype("slot_mapping"),
+                       backend)
+    static = static_for(manifest, call, built_in=backend == "cuda")
+    return dataclasses.replace(spec, **static) if static else spec
 
 
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
@@ -144,8 +146,7 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
         return attn_builtin.kernel_specs(manifest, params, call, backend, backward)
     if manifest.name == "PagedAttnDecodeFwdOp":
         return decode_builtin.kernel_specs(manifest, params, call, backend, backward)
-    spec = _spec(manifest, params, call.dtype("qkv"), call.dtype("positions"), call.dtype("slot_mapping"), backend,
-                 manifest.name)
+    spec = _spec(manifest, params, call, backend)
     return [(manifest.kernel.builder, spec)]
 
 

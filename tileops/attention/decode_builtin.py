@@ -37,6 +37,7 @@ from .hooks import CACHE_DIMS, block_size
 from ..runtime.binding import Binding
 from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace, strides
 from ..runtime.views import Misfit
+from ..schedules import static_for
 
 __all__ = ["DecodeKernels", "FORWARD", "WORKSPACES", "cuda_enabled", "kernel_specs", "implement", "splits",
            "target_programs"]
@@ -138,7 +139,8 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     fields = _fields(params, call)
     if backend == "cuda" and cuda_problem(fields["dtype"], fields["cache_dtype"], fields["head_dim"]):
         return []
-    static = dict(manifest.kernel.static or {}) if backend == "cuda" else {}  # the CUDA schedule's knobs
+    # the manifest's knobs are the CUDA schedule's; a chosen schedule's apply on its backend (tileops.schedules)
+    static = static_for(manifest, call, built_in=backend == "cuda")
     if static.get("mma") and fields["dtype"] == "float32":
         # the tensor-core products take 16-bit operands: fp32 q takes the CUDA cores' loop, whose copies
         # ahead are ``stages`` (the manifest's ``tile`` and ``prefetch`` are the tensor-core program's)

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["reference", "scale"]
+__all__ = ["reference", "scale", "grads"]
 
 
 def _normed_q(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -22,13 +22,15 @@ def _normed_q(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return q
 
 
-def _attention(op: Any, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(op: Any, inputs: Mapping[str, torch.Tensor],
+               graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``AttnFwdOp``'s output in float64 and ``sum_j p_j |v_j|`` per element (what its roundings act
-    on), a sequence and a q head at a time, the masks as the op defines them."""
+    on), a sequence and a q head at a time, the masks as the op defines them. ``graph``: q, k and v
+    are float64 CPU tensors taken as they are, so that autograd can differentiate the output."""
     p = op.params
     hq, hkv, d = p["num_q_heads"], p["num_kv_heads"], p["head_dim"]
     sc = p["softmax_scale"] or d ** -0.5
-    q, k, v = (inputs[n].detach().cpu().to(torch.float64) for n in ("q", "k", "v"))
+    q, k, v = (inputs[n] if graph else inputs[n].detach().cpu().to(torch.float64) for n in ("q", "k", "v"))
     if q.dim() == 4:
         seqs = [(q[b], k[b], v[b], b, None) for b in range(q.shape[0])]
     else:
@@ -48,7 +50,9 @@ def _attention(op: Any, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tenso
             s = qs[:, h] @ ks[:, g].T * sc
             if p["softcap"] is not None:
                 s = p["softcap"] * torch.tanh(s / p["softcap"])
-            pr = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
+            # a query that sees no key has p = 0 (and a zero gradient: no NaN of an all -inf row)
+            live = seen.any(-1, keepdim=True)
+            pr = torch.softmax(torch.where(live, s.masked_fill(~seen, float("-inf")), 0.0), -1) * live
             o, m = pr @ vs[:, g], pr @ vs[:, g].abs()
             if b is not None:
                 out[b, :, h], mag[b, :, h] = o, m
@@ -133,3 +137,14 @@ def reference(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     a, b = q[..., : rot // 2], q[..., rot // 2: rot]
     out[..., : rot // 2], out[..., rot // 2: rot] = a * c - b * s, b * c + a * s
     return out
+
+
+def grads(op: Any, inputs: Mapping[str, torch.Tensor], grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``AttnFwdOp``'s gradients of ``sum(out * grad_out)`` with respect to q, k and v, by float64
+    autograd of the output above, on the CPU (what ``tileops tune`` checks a backward schedule against)."""
+    if op.name != "AttnFwdOp":
+        raise ValueError(f"{op.name}: no float64 gradient reference")
+    leaves = {n: inputs[n].detach().cpu().to(torch.float64).requires_grad_(True) for n in ("q", "k", "v")}
+    out = _attention(op, {**inputs, **leaves}, graph=True)[0]
+    got = torch.autograd.grad(out, list(leaves.values()), grad_out.detach().cpu().to(torch.float64))
+    return dict(zip(leaves, got))

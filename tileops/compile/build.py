@@ -44,7 +44,7 @@ from . import cuda_build, entry, lowered, tilelang_api
 _log = logging.getLogger("tileops.compile.build")
 
 __all__ = ["compile_kernel", "load_kernel", "emit_source", "device_backend", "stats", "CompileStats", "index_key",
-           "prim_func", "index_kernel", "kernel_label", "PASS_CONFIGS", "pass_configs"]
+           "prim_func", "index_kernel", "kernel_label", "PASS_CONFIGS", "pass_configs", "builder_digest"]
 
 
 @dataclass
@@ -191,7 +191,7 @@ def _disk_cache_on() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _builder_digest(builder: str) -> str:
+def builder_digest(builder: str) -> str:
     """A digest of the builder module's source, of the builders whose stages it uses (its ``USES``,
     followed through theirs: :func:`tileops.kernels.used_files`) and of the helper modules of
     ``tileops.kernels`` it may import (``storage.py``: a module without a ``build``), read, not
@@ -225,7 +225,7 @@ def _lean_digest() -> str:
 def index_key(builder: str, spec: Any, backend: str, arch: str, lean: bool = False) -> str:
     """The index entry of a kernel built TileLang's way, or (``lean``) by :mod:`tileops.compile.cuda_build`."""
     how = ("lean", _lean_digest()) if lean else "tilelang"
-    text = repr((_INDEX_FORMAT, builder, spec, backend, arch, _builder_digest(builder), _tilelang_version(),
+    text = repr((_INDEX_FORMAT, builder, spec, backend, arch, builder_digest(builder), _tilelang_version(),
                  sorted(pass_configs(spec).items()), platform.machine(), how)
                 + ((c_flags(),) if backend == "c" else ()))
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -24,6 +24,9 @@ class CallSpec:
     device: torch.device
     dtypes: tuple[tuple[str, str], ...]  # (input name, dtype name)
     dims: tuple[tuple[str, int], ...]
+    #: the schedule knobs chosen for the call over the manifest's ``kernel.static``, as
+    #: ``((builder, knob, value), ...)`` (:mod:`tileops.schedules`); empty: the built-in schedule
+    schedule: tuple[tuple[str, str, object], ...] = ()
 
     def dtype(self, name: str) -> str:
         return dict(self.dtypes)[name]

@@ -12,10 +12,10 @@ from typing import Any, Iterable, Mapping
 
 import yaml
 
-from .expr import ExprError, parse_expr
+from .expr import Expr, ExprError, parse_expr
 from .schema import (
     DTYPE_PREFIX, DTYPES, LEAD, PARAM_TYPES, SCHEMA, Backward, Case, ComposeStage, CpuShrink, KernelSpec, OpManifest,
-    FlagSpec, ParamSpec, Rule, TensorSpec,
+    FlagSpec, ParamSpec, Rule, TensorSpec, TuneSpace, Tuning,
 )
 
 __all__ = ["ManifestError", "add_op", "load_file", "load_files", "resolve_compose", "packaged_files", "manifest_files"]
@@ -469,8 +469,9 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
     for d in specialize:
         if d not in dims:
             raise ctx.err(km["specialize"][1], f"kernel.specialize: unknown dim {d!r}; dims: {', '.join(sorted(dims))}")
+    tune = _tune(ctx, km["tune"][1], dims, params) if "tune" in km else None
     kernel = KernelSpec(builder=builder, static=static, specialize=specialize,
-                        line=m["kernel"][1].start_mark.line + 1)
+                        line=m["kernel"][1].start_mark.line + 1, tune=tune)
     shrink = None
     if "cpu_shrink" in m:
         sm = ctx.section(m["cpu_shrink"][1], "cpu_shrink", "cpu_shrink")
@@ -686,6 +687,89 @@ def _static(ctx: _Ctx, node: yaml.Node, builder: str, params: dict) -> dict[str,
             raise ctx.err(vnode, f"{what}: no value for input_layout {', '.join(map(repr, missing))}")
         out[key] = by_layout
     return out
+
+
+def _expr_over(ctx: _Ctx, node: yaml.Node, what: str, names: "set[str] | frozenset[str]", kind: str) -> Expr:
+    """An expression of ``kernel.tune`` that parses and names only ``names`` (``kind`` says what they are)."""
+    text = ctx.string(node, f"{what}[]")
+    try:
+        expr = parse_expr(text)
+    except ExprError as e:
+        raise ctx.err(node, f"{what}: {_clip(text)} does not parse: {e}") from None
+    unknown = sorted(expr.names - names)
+    if unknown:
+        raise ctx.err(node, f"{what}: {text!r} names {', '.join(map(repr, unknown))}, which is not {kind}: "
+                            f"{', '.join(sorted(names))}")
+    return expr
+
+
+def _tune(ctx: _Ctx, node: yaml.Node, dims: frozenset[str], params: Mapping[str, ParamSpec]) -> Tuning:
+    """``kernel.tune``: each backend's knobs checked against their builder's ``STATIC`` (known builder
+    and knob, every candidate in range, no knob name twice in a backend: rules name knobs bare), its
+    rules parsed and naming knobs only; the token expressions naming dims only; the buckets rising."""
+    from tileops.kernels import STATIC
+
+    tm = ctx.section(node, "tune", "kernel.tune")
+    tokens: list[Expr] = []
+    for tnode in (tm["tokens"][1].value if "tokens" in tm and isinstance(tm["tokens"][1], yaml.SequenceNode)
+                  else [tm["tokens"][1]] if "tokens" in tm else []):
+        tokens.append(_expr_over(ctx, tnode, "kernel.tune.tokens", dims, "a dim; dims"))
+    buckets: tuple[int, ...] = ()
+    if "buckets" in tm:
+        bnode = tm["buckets"][1]
+        if not isinstance(bnode, yaml.SequenceNode):
+            raise ctx.err(bnode, f"kernel.tune.buckets: expected a list of integers, found {_kind(bnode)}")
+        buckets = tuple(ctx.typed(b, (int,), "kernel.tune.buckets[]", "an integer") for b in bnode.value)
+        if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ctx.err(bnode, f"kernel.tune.buckets: expected rising positive integers, found {list(buckets)}")
+        if not tokens:
+            raise ctx.err(bnode, "kernel.tune.buckets: given without `tokens`, the count they bucket")
+    spaces: dict[str, TuneSpace] = {}
+    for backend in ("cuda", "c"):
+        if backend not in tm:
+            continue
+        what = f"kernel.tune.{backend}"
+        sm = ctx.section(tm[backend][1], "tune_space", what, tm[backend][0])
+        knobs: list[tuple[str, str, tuple[Any, ...]]] = []
+        for builder, (bknode, bvnode) in ctx.mapping(sm["knobs"][1], f"{what}.knobs").items():
+            if builder not in STATIC:
+                raise ctx.err(bknode, f"{what}.knobs: unknown builder {builder!r}; known: {', '.join(STATIC)}")
+            allowed = STATIC[builder]
+            for knob, (kknode, kvnode) in ctx.mapping(bvnode, f"{what}.knobs.{builder}").items():
+                kwhat = f"{what}.knobs.{builder}.{knob}"
+                if knob not in allowed:
+                    raise ctx.err(kknode, f"{kwhat}: unknown knob for builder {builder!r}; its knobs: "
+                                          f"{', '.join(allowed) or 'none'}")
+                if any(k == knob for _, k, _ in knobs):
+                    raise ctx.err(kknode, f"{kwhat}: a knob of this name is already in {what} (rules name knobs "
+                                          f"bare, so a backend's names must differ)")
+                if not isinstance(kvnode, yaml.SequenceNode) or not kvnode.value:
+                    raise ctx.err(kvnode, f"{kwhat}: expected a non-empty list of candidate values, "
+                                          f"found {_kind(kvnode)}")
+                low, high, _ = allowed[knob]
+                values = []
+                for v in kvnode.value:
+                    if low is False and high is True:
+                        values.append(ctx.typed(v, (bool,), f"{kwhat}[]", "a bool (true or false)"))
+                        continue
+                    value = ctx.typed(v, (int,), f"{kwhat}[]", "an integer")
+                    if not low <= value <= high:
+                        raise ctx.err(v, f"{kwhat}: expected integers in [{low}, {high}], found {value}")
+                    values.append(value)
+                if len(set(values)) != len(values):
+                    raise ctx.err(kvnode, f"{kwhat}: a candidate value is listed twice: {values}")
+                knobs.append((builder, knob, tuple(values)))
+        rules: list[Expr] = []
+        names = {k for _, k, _ in knobs}
+        for rnode in (sm["rules"][1].value if "rules" in sm else []):
+            rules.append(_expr_over(ctx, rnode, f"{what}.rules", names, "a knob of this space; knobs"))
+        spaces[backend] = TuneSpace(knobs=tuple(knobs), rules=tuple(rules))
+    by = ctx.strings(tm["by"][1], "kernel.tune.by") if "by" in tm else ()
+    for name in by:
+        if name not in params or params[name].type in ("tensor", "op"):
+            raise ctx.err(tm["by"][1], f"kernel.tune.by: {name!r} is not a param of a plain value; params: "
+                                       f"{', '.join(n for n, p in params.items() if p.type not in ('tensor', 'op'))}")
+    return Tuning(spaces=spaces, tokens=tuple(tokens), buckets=buckets, by=by, line=node.start_mark.line + 1)
 
 
 def _builders() -> tuple[str, ...]:

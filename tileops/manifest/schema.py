@@ -14,7 +14,7 @@ from .expr import Expr
 
 __all__ = [
     "SCHEMA", "PARAM_TYPES", "DTYPES", "LEAD", "DTYPE_PREFIX", "ParamSpec", "TensorSpec", "Rule", "KernelSpec",
-    "Case", "Backward", "CpuShrink", "ComposeStage", "OpManifest", "FlagSpec",
+    "Case", "Backward", "CpuShrink", "ComposeStage", "OpManifest", "FlagSpec", "TuneSpace", "Tuning",
 ]
 
 #: Types a param may declare, and the Python types a value of it may have.
@@ -167,6 +167,28 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
                                  "value may instead map every `input_layout` choice to one."),
         "specialize": (False, "list[dim]", "Dims a kernel is compiled for (e.g. head_dim); every other dim is "
                                            "dynamic, so new sizes of it reuse the compiled kernel."),
+        "tune": (False, "map", "The schedule space `tileops tune` searches, and the shape classes a tuned "
+                               "choice is kept for (`docs/tuning.md`): a `tune` section."),
+    },
+    "tune": {
+        "tokens": (False, "list[expr]", "The token count a shape class is bucketed by: the first of these "
+                                        "expressions over dims whose every name a call has (`batch * seq_q`, "
+                                        "then `total_q` for a varlen call)."),
+        "buckets": (False, "list[int]", "Rising upper edges of the token buckets (`[2048, 16384]`: up to 2,048, up "
+                                        "to 16,384, and more); a class is also keyed by the specialized dims and "
+                                        "the dtypes."),
+        "by": (False, "list[param]", "Params a shape class is also keyed by, where they change the kernels "
+                                     "(`causal`, `input_layout`): a choice tuned for one value never serves another."),
+        "cuda": (False, "map", "The CUDA schedule space: a `tune_space` section."),
+        "c": (False, "map", "The C (CPU) schedule space: a `tune_space` section."),
+    },
+    "tune_space": {
+        "knobs": (True, "map[builder -> map[knob -> list[int]]]", "Candidate values of schedule knobs, by the "
+                                                                  "builder that declares them in its `STATIC` (the "
+                                                                  "op's own, or another its kernels launch: "
+                                                                  "`attention_bwd`); each value in the knob's range."),
+        "rules": (False, "list[expr]", "Expressions over the knobs (bare names) that a candidate must satisfy, "
+                                       "e.g. `dkdv_block_kv >= dkdv_block_q`."),
     },
     "cpu_shrink": {
         "dims": (True, "list[str]", "Dims halved, in turn, until a case fits; `\"...\"` halves the largest "
@@ -293,11 +315,31 @@ class Backward:
 
 
 @dataclass(frozen=True)
+class TuneSpace:
+    """One backend's schedule space: candidate values per ``(builder, knob)`` and the rules between them."""
+
+    knobs: tuple[tuple[str, str, tuple[Any, ...]], ...]
+    rules: tuple[Expr, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """A manifest's ``kernel.tune``: the spaces by backend and how a call's shape class is made."""
+
+    spaces: Mapping[str, TuneSpace]
+    tokens: tuple[Expr, ...] = ()
+    buckets: tuple[int, ...] = ()
+    by: tuple[str, ...] = ()
+    line: int = 0
+
+
+@dataclass(frozen=True)
 class KernelSpec:
     builder: str
     static: Mapping[str, Any] = field(default_factory=dict)
     specialize: tuple[str, ...] = ()
     line: int = 0
+    tune: Tuning | None = None
 
 
 @dataclass(frozen=True)

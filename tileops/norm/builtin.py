@@ -88,7 +88,7 @@ def kernel_spec(cls: type, manifest: Any, params: Any, call: Any, backend: str) 
     from tileops.kernels import get_spec
 
     return get_spec(manifest.kernel.builder)(kind="fwd", backend=backend, **cls.kernel_fields_of(params, call),
-                                             **manifest.kernel.static)
+                                             **static_for(manifest, call))
 
 
 def _wsum_spec(spec: Any) -> Any:

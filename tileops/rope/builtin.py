@@ -27,6 +27,7 @@ from ..runtime.binding import Binding
 from ..runtime.memory import persistent
 from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Tag, Value, strides
 from ..runtime.views import Misfit
+from ..schedules import static_for
 from . import hooks
 from .tables import DIGITS, LO
 
@@ -83,7 +84,7 @@ def kernel_spec(cls: type, manifest: Any, params: Any, call: Any, backend: str, 
     # a static choice is one value, or a map from input layout to value (schedules differ by layout)
     # keyed by the input_layout choices the manifest spells (MRoPE's "packed" is the "ids" layout)
     key = params.get("input_layout", cls.layout_of(params))
-    static = {k: (v[key] if isinstance(v, dict) else v) for k, v in manifest.kernel.static.items()}
+    static = {k: (v[key] if isinstance(v, dict) else v) for k, v in static_for(manifest, call).items()}
     head_dim = call.dim("head_dim")
     return RoPEKernelSpec(dtype=call.dtype("x"), head_dim=head_dim, rot=cls.rotated_width_of(params, head_dim),
                           pairing=cls.pairing_of(params), positions=call.position_dtype, inverse=inverse,
