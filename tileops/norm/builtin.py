@@ -36,6 +36,7 @@ import torch
 from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
 from ..runtime.binding import Binding
+from ..schedules import static_for
 from ..runtime.plan import Bound, Dims, Output, Plan, Ptr, Rows, Size, Step, Stride, Value, Workspace
 from ..runtime.views import Misfit
 from . import hooks
