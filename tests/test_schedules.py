@@ -212,3 +212,19 @@ def test_show_prints_the_spaces_and_each_cases_schedule(capsys):
     assert "c: attention_bwd.dkdv_block_kv in [16, 32, 64]" in out and "(81 candidates)" in out
     assert "cuda: attention.block_M in [64, 128]" in out and "(18 candidates)" in out
     assert "gqa-2k-bfloat16" in out and "(built-in; class causal=False,q=bfloat16" in out
+
+
+def test_tune_refuses_a_budget_that_is_not_positive(gen):
+    q, k, v = _qkv(gen, seq=8)
+    with pytest.raises(ValueError, match=r"AttnFwdOp.tune: budget: expected seconds > 0 \(or None for the whole "
+                                         r"space\), got 0"):
+        AttnFwdOp(4, 2, 64).tune(q, k, v, budget=0)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--budget", "-1"], "--budget: expected seconds > 0, got -1.0"),
+    (["--cases", "gqa-2k", "no-such-case"], "--cases: 'no-such-case' is no case of AttnFwdOp; cases: gemma-window"),
+])
+def test_tune_command_refuses_bad_flags_before_tuning(capsys, argv, message):
+    assert main(["tune", "AttnFwdOp", "--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err

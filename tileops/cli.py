@@ -106,16 +106,17 @@ def _show_schedules(m: Any, device: Any) -> None:
     identity = schedules.device_identity(device)
     print(f"schedules on {device} ({identity['name']}), for an op built with target=None:")
     for c in m.cases:
-        dtypes = [d for d in c.dtypes if device.type == "cuda" or d != "float8_e4m3fn"]
-        for dtype in dtypes[:1]:
-            w = workload(m, c, dtype, device, shrink=device.type == "cpu", generator=torch.Generator().manual_seed(0))
-            op = op_class(m.name)(**w.params)
-            try:
-                op._check_call(w.inputs)
-            except (TypeError, ValueError) as e:
-                print(f"  {c.label:<22} refused: {e}")
-                continue
-            print(f"  {c.label + '-' + dtype:<30} {op.schedule}")
+        dtype = next((d for d in c.dtypes if device.type == "cuda" or d != "float8_e4m3fn"), None)
+        if dtype is None:
+            continue
+        w = workload(m, c, dtype, device, shrink=device.type == "cpu", generator=torch.Generator().manual_seed(0))
+        op = op_class(m.name)(**w.params)
+        try:
+            op._check_call(w.inputs)
+        except (TypeError, ValueError) as e:
+            print(f"  {c.label:<22} refused: {e}")
+            continue
+        print(f"  {c.label + '-' + dtype:<30} {op.schedule}")
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -127,16 +128,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .manifest import registry
     from .workloads import op_class, workload
 
-    device = torch.device(args.device) if args.device else _default_device()
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("tileops tune: --device cuda: no GPU here", file=sys.stderr)
-        return 2
+    device = args.device or _default_device()
     backend = "cuda" if device.type == "cuda" else "c"
     reg = registry()
     names = args.ops or [n for n, m in reg.items() if m.kernel.tune and backend in m.kernel.tune.spaces]
     unknown = [n for n in names if n not in reg]
     if unknown:
         print(f"tileops tune: unknown op {unknown[0]!r}; `tileops list` names them", file=sys.stderr)
+        return 2
+    if args.budget is not None and args.budget <= 0:
+        print(f"tileops tune: --budget: expected seconds > 0, got {args.budget}", file=sys.stderr)
+        return 2
+    labels = {c.label for n in names for c in reg[n].cases}
+    unknown = [c for c in (args.cases or ()) if c not in labels]
+    if unknown:
+        print(f"tileops tune: --cases: {unknown[0]!r} is no case of {', '.join(names)}; cases: "
+              f"{', '.join(sorted(labels))}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     failed = 0
@@ -312,7 +319,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from .workloads import op_class, workload
 
-    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or _default_device()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rows = []
     failed = 0
@@ -433,8 +440,7 @@ def parser() -> argparse.ArgumentParser:
                  "by 3%, is kept in this machine's table (TILEOPS_CACHE_DIR/schedules/), which ops built with "
                  "target=None then use.")
     p.add_argument("ops", nargs="*", help="op names (default: every op with a space for the backend)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="cuda or cpu (default: cuda if there is a GPU, else cpu)")
+    p.add_argument("--device", type=_device, help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
     p.add_argument("--budget", type=float, default=None, help="seconds to spend at most, over all ops (default: "
                                                                "the whole spaces); the best found by then is kept")
     p.add_argument("--cases", nargs="*", default=None, help="only these case labels")

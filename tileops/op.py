@@ -62,6 +62,8 @@ class Op:
         #: the schedule of the last call checked (``schedule``), and one :meth:`tune` imposes on a candidate
         self._schedule: schedules.Schedule | None = None
         self._forced_schedule: tuple | None = None
+        #: (call specialization, token bucket, tables' generation) -> the schedule chosen for it
+        self._schedules: dict[tuple, schedules.Schedule] = {}
         self._impls: dict[CallSpec, Callable[..., Any]] = {}
         #: call signature -> (implementation, its Binding or None): see _eager_call
         self._fast: dict[tuple, tuple[Any, Binding | None]] = {}
@@ -519,15 +521,25 @@ class Op:
         """The schedule serving a call (:mod:`tileops.schedules`): a candidate being tuned
         (:meth:`tune`), else for ``target=None`` served by BUILTIN the tuned or shipped choice for the
         call's shape class, else the built-in one (``target=BUILTIN``; another target has its own)."""
+        # kept per class: a backward checks its call again every step (the choice costs 8-70 us on 2 cores)
+        key = (call, schedules.bucket(self.manifest, dims), schedules.generation())
+        got = self._schedules.get(key)
+        if got is not None:
+            return got
         forced = self._forced_schedule
         if forced is not None:
-            return schedules.Schedule(knobs=forced, source="a candidate being tuned",
-                                      shape_class=schedules.shape_class(self.manifest, call, dims, self.params))
-        if self._fixed_target is None and self._target_for(call.device).name == BUILTIN:
-            return schedules.choose(self.manifest, call, dims, self.params)
-        if self._fixed_target is not None and self._fixed_target.name != BUILTIN:
-            return schedules.Schedule(source=f"target {self._fixed_target.name!r}'s own")
-        return schedules.Schedule(shape_class=schedules.shape_class(self.manifest, call, dims, self.params))
+            got = schedules.Schedule(knobs=forced, source="a candidate being tuned",
+                                     shape_class=schedules.shape_class(self.manifest, call, dims, self.params))
+        elif self._fixed_target is None and self._target_for(call.device).name == BUILTIN:
+            got = schedules.choose(self.manifest, call, dims, self.params)
+        elif self._fixed_target is not None and self._fixed_target.name != BUILTIN:
+            got = schedules.Schedule(source=f"target {self._fixed_target.name!r}'s own")
+        else:
+            got = schedules.Schedule(shape_class=schedules.shape_class(self.manifest, call, dims, self.params))
+        if len(self._schedules) > 4096:  # many classes (new head dims, dtypes): keep the table bounded
+            self._schedules.clear()
+        self._schedules[key] = got
+        return got
 
     @property
     def schedule(self) -> schedules.Schedule | None:

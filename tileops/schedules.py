@@ -31,7 +31,7 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -42,8 +42,8 @@ from .manifest.call import CallSpec
 from .manifest.expr import ExprError
 
 __all__ = ["Schedule", "BUILT_IN", "FORMAT", "shape_class", "token_count", "device_identity", "device_slug",
-           "candidates", "choose", "static_for", "record", "tuned_path", "shipped_dir", "table_entries",
-           "digest_of", "forget_tables", "cpu_model"]
+           "candidates", "choose", "static_for", "record", "tuned_path", "shipped_dir", "digest_of", "forget_tables",
+           "cpu_model", "bucket", "generation"]
 
 #: the tables' layout version: a file of another is ignored (with its warning)
 FORMAT = 1
@@ -85,20 +85,28 @@ def token_count(manifest: OpManifest, dims: Mapping[str, int]) -> int | None:
     return None
 
 
+def bucket(manifest: OpManifest, dims: Mapping[str, int]) -> str | None:
+    """A call's token bucket (``tokens<=2048``; above the last edge ``tokens>16384``), or None where the
+    manifest buckets no count: the one part of a shape class the call's :class:`CallSpec` does not fix."""
+    tune = manifest.kernel.tune
+    if tune is None or not tune.buckets:
+        return None
+    n = token_count(manifest, dims)
+    if n is None:
+        return None
+    edge = next((b for b in tune.buckets if n <= b), None)
+    return f"tokens<={edge}" if edge is not None else f"tokens>{tune.buckets[-1]}"
+
+
 def shape_class(manifest: OpManifest, call: CallSpec, dims: Mapping[str, int],
                 params: Mapping[str, Any]) -> str:
     """The shape class a call's schedule is chosen for: the params ``kernel.tune.by`` names, its dtypes,
-    its specialized dims and its token bucket (``tokens<=2048``; above the last edge ``tokens>16384``),
-    as one readable key."""
+    its specialized dims and its token :func:`bucket`, as one readable key."""
     tune = manifest.kernel.tune
     parts = [f"{p}={params.get(p)}" for p in (tune.by if tune is not None else ())]
     parts += [f"{n}={d}" for n, d in call.dtypes] + [f"{n}={v}" for n, v in call.dims]
-    if tune is not None and tune.buckets:
-        n = token_count(manifest, dims)
-        if n is not None:
-            edge = next((b for b in tune.buckets if n <= b), None)
-            parts.append(f"tokens<={edge}" if edge is not None else f"tokens>{tune.buckets[-1]}")
-    return ",".join(parts)
+    tokens = bucket(manifest, dims)
+    return ",".join(parts + [tokens] if tokens is not None else parts)
 
 
 # ------------------------------------------------------------------------------ devices
@@ -164,17 +172,12 @@ def candidates(manifest: OpManifest, backend: str) -> list[tuple[tuple[str, str,
     return out
 
 
-def digest_of(manifest: OpManifest, knobs: "tuple[tuple[str, str, Any], ...] | None" = None) -> str:
-    """The digest an entry is kept with: of the builders its knobs set (all the space's builders when
-    ``knobs`` is None), each builder's source with what it uses."""
+def digest_of(manifest: OpManifest, knobs: tuple[tuple[str, str, Any], ...]) -> str:
+    """The digest an entry is kept with: of the op's builder and those its knobs set, each builder's
+    source with what it uses."""
     import hashlib
 
-    tune = manifest.kernel.tune
-    if knobs is None:
-        builders = {b for s in (tune.spaces.values() if tune else ()) for b, _, _ in s.knobs}
-    else:
-        builders = {b for b, _, _ in knobs}
-    builders.add(manifest.kernel.builder)
+    builders = {b for b, _, _ in knobs} | {manifest.kernel.builder}
     h = hashlib.sha256()
     for b in sorted(builders):
         h.update(f"{b}:{builder_digest(b)};".encode())
@@ -198,13 +201,23 @@ _lock = threading.Lock()
 #: path -> (mtime, size, parsed table or None); a table is read again when its file changes
 _tables: dict[str, tuple[float, int, dict | None]] = {}
 _warned: set[tuple[str, str]] = set()
+#: bumped by :func:`forget_tables`: an op keeps the schedule it chose for a class while this holds
+_generation = 0
+
+
+def generation() -> int:
+    """How many times the tables were forgotten (a tuning kept a choice, or :func:`forget_tables`): part of
+    the key under which an op keeps a class's schedule, so that what a tuning keeps serves at once."""
+    return _generation
 
 
 def forget_tables() -> None:
     """Drop every table read so far (and the record of warnings given): the next lookup reads the files."""
+    global _generation
     with _lock:
         _tables.clear()
         _warned.clear()
+        _generation += 1
 
 
 def _warn_once(path: Path, why: str) -> None:
@@ -214,6 +227,16 @@ def _warn_once(path: Path, why: str) -> None:
         import warnings
 
         warnings.warn(f"tileops: ignoring schedule table {path}: {why}", RuntimeWarning, stacklevel=4)
+
+
+def _parse(path: Path) -> dict:
+    """The table in the file at ``path``; OSError or ValueError (what is wrong with it) when there is none."""
+    table = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(table, dict) or table.get("format") != FORMAT:
+        raise ValueError(f"expected a table of format {FORMAT}")
+    if not isinstance(table.get("device"), dict) or not isinstance(table.get("ops"), dict):
+        raise ValueError("expected the keys 'device' and 'ops'")
+    return table
 
 
 def _read(path: Path) -> dict | None:
@@ -227,11 +250,7 @@ def _read(path: Path) -> dict | None:
         if got is not None and got[:2] == (st.st_mtime, st.st_size):
             return got[2]
     try:
-        table = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(table, dict) or table.get("format") != FORMAT:
-            raise ValueError(f"expected a table of format {FORMAT}")
-        if not isinstance(table.get("device"), dict) or not isinstance(table.get("ops"), dict):
-            raise ValueError("expected the keys 'device' and 'ops'")
+        table = _parse(path)
     except (OSError, ValueError) as e:
         _warn_once(path, f"corrupt: {e}")
         table = None
@@ -264,58 +283,34 @@ def _valid_knobs(raw: Any) -> tuple[tuple[str, str, Any], ...] | None:
 
 
 def _entry(path: Path, table: dict, manifest: OpManifest, cls: str) -> tuple[tuple, dict] | None:
-    entry = table["ops"].get(manifest.name, {}).get(cls) if isinstance(table["ops"].get(manifest.name), dict) \
-        else None
+    ops = table["ops"].get(manifest.name)
+    entry = ops.get(cls) if isinstance(ops, dict) else None
     if not isinstance(entry, dict):
         return None
     knobs = _valid_knobs(entry.get("knobs"))
     if knobs is None:
         _warn_once(path, f"corrupt: {manifest.name} {cls}: knobs {entry.get('knobs')!r} are not the builders'")
         return None
-    if entry.get("digest") != digest_of(manifest, knobs):
+    now = digest_of(manifest, knobs)
+    if entry.get("digest") != now:
         _warn_once(path, f"stale: {manifest.name} {cls} was tuned for other kernel sources (digest "
-                         f"{entry.get('digest')!r}, now {digest_of(manifest, knobs)!r}); tune again")
+                         f"{entry.get('digest')!r}, now {now!r}); tune again")
         return None
     return knobs, entry
 
 
-def _shipped(identity: Mapping[str, Any]) -> tuple[Path, dict] | None:
-    path = shipped_dir() / f"{device_slug(identity)}.json"
-    table = _read(path)
-    if table is None:
-        return None
-    if not _same_device(table["device"], identity, driver=False):
-        _warn_once(path, f"another device: made on {table['device']}, this is {identity}")
-        return None
-    return path, table
-
-
-def _tuned(identity: Mapping[str, Any]) -> tuple[Path, dict] | None:
-    path = tuned_path(identity)
-    table = _read(path)
-    if table is None:
-        return None
-    if not _same_device(table["device"], identity, driver=True):
-        _warn_once(path, f"another device: tuned on {table['device']}, this is {identity}")
-        return None
-    return path, table
-
-
-def table_entries(identity: Mapping[str, Any], manifest: OpManifest) -> list[tuple[str, str, dict]]:
-    """Every entry for ``manifest`` that would be used on a device, as ``(source, class, entry)``: the
-    tuned table's first, then the shipped table's for classes it does not have."""
-    out, seen = [], set()
-    for found, source in ((_tuned(identity), "tuned"), (_shipped(identity), "shipped")):
-        if found is None:
+def _tables_for(identity: Mapping[str, Any]) -> Iterator[tuple[str, Path, dict]]:
+    """``(kind, path, table)`` of the tables that may serve a device, in the order they are asked: this
+    machine's tuned one (the same device, driver included), then the shipped one (the driver aside: a
+    user's differs from the tuning machine's)."""
+    for kind, path in (("tuned", tuned_path(identity)), ("shipped", shipped_dir() / f"{device_slug(identity)}.json")):
+        table = _read(path)
+        if table is None:
             continue
-        path, table = found
-        for cls in sorted(table["ops"].get(manifest.name, {}) if isinstance(table["ops"].get(manifest.name), dict)
-                          else ()):
-            got = _entry(path, table, manifest, cls)
-            if got is not None and cls not in seen:
-                seen.add(cls)
-                out.append((_source(source, table, got[1]), cls, got[1]))
-    return out
+        if not _same_device(table["device"], identity, driver=kind == "tuned"):
+            _warn_once(path, f"another device: made on {table['device']}, this is {identity}")
+            continue
+        yield kind, path, table
 
 
 def _source(kind: str, table: dict, entry: dict) -> str:
@@ -342,11 +337,7 @@ def choose(manifest: OpManifest, call: CallSpec, dims: Mapping[str, int], params
     cls = shape_class(manifest, call, dims, params)
     if manifest.kernel.tune is None:
         return Schedule(shape_class=cls)
-    identity = _identity(call.device)
-    for found, kind in ((_tuned(identity), "tuned"), (_shipped(identity), "shipped")):
-        if found is None:
-            continue
-        path, table = found
+    for kind, path, table in _tables_for(_identity(call.device)):
         got = _entry(path, table, manifest, cls)
         if got is not None:
             return Schedule(knobs=got[0], source=_source(kind, table, got[1]), shape_class=cls)
@@ -373,13 +364,11 @@ def record(manifest: OpManifest, device: torch.device, cls: str, knobs: tuple[tu
     another device at that path is replaced."""
     identity = device_identity(device)
     path = path or tuned_path(identity)
-    table = None
     try:
-        table = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        pass
-    if not (isinstance(table, dict) and table.get("format") == FORMAT and isinstance(table.get("ops"), dict)
-            and isinstance(table.get("device"), dict) and _same_device(table["device"], identity, driver=True)):
+        table = _parse(path)
+    except (OSError, ValueError):  # none yet, or one that does not parse: replaced
+        table = None
+    if table is None or not _same_device(table["device"], identity, driver=True):
         table = {"format": FORMAT, "device": identity, "ops": {}}
     nested: dict[str, dict[str, Any]] = {}
     for b, k, v in knobs:

@@ -15,8 +15,8 @@ and the calls that stand for it:
    machine's table for the class only if it wins that by the margin too. Otherwise the built-in
    schedule is kept, as measured.
 
-A space of up to :data:`EXHAUSTIVE` points is searched whole; a larger one one knob at a time from the
-built-in point (each knob's values with the others held at the best so far, twice over the knobs).
+A space of up to :data:`EXHAUSTIVE` points is searched whole; a larger one one knob at a time from its
+first point (each knob's values with the others held at the best so far, twice over the knobs).
 ``budget`` seconds bound the search: the best found by then is kept.
 """
 
@@ -105,6 +105,7 @@ class _Call:
     def __init__(self, op: Any, inputs: Mapping[str, torch.Tensor], backward: bool, seed: int):
         m = op.manifest
         self.inputs = dict(inputs)
+        self.device = next(t.device for t in self.inputs.values() if isinstance(t, torch.Tensor))
         self.wrt = [n for n in (m.backward.wrt if backward else ()) if self.inputs.get(n) is not None]
         fam = _reference(m.family)
         self.ref = fam.reference(op, self.inputs)
@@ -156,15 +157,26 @@ class _Call:
         return None
 
 
-def _median_seconds(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _candidate(op: Any, knobs: tuple) -> Any:
+    """A new op like ``op``, served by BUILTIN with the schedule ``knobs`` (empty: the built-in one)."""
+    cand = type(op)(**op.params, target=BUILTIN)
+    cand._forced_schedule = knobs
+    return cand
+
+
+def _seconds(op: Any, calls: list[_Call], reps: int) -> float:
+    """``op``'s time on ``calls``: the sum of each call's median of ``reps`` runs."""
+    total = 0.0
+    for c in calls:
+        times = []
+        for _ in range(reps):
+            _sync(c.device)
+            t0 = time.perf_counter()
+            c.run(op)
+            _sync(c.device)
+            times.append(time.perf_counter() - t0)
+        total += statistics.median(times)
+    return total
 
 
 def _trial(op: Any, knobs: tuple, calls: list[_Call], reps: int) -> Trial:
@@ -172,8 +184,7 @@ def _trial(op: Any, knobs: tuple, calls: list[_Call], reps: int) -> Trial:
     each call's median)."""
     trial = Trial(knobs)
     try:
-        cand = type(op)(**op.params, target=BUILTIN)
-        cand._forced_schedule = knobs
+        cand = _candidate(op, knobs)
         results = [c.run(cand) for c in calls]  # builds its kernels
     except Exception as e:  # a candidate its builder or compiler refuses is dropped, never fatal
         trial.dropped = f"does not build or run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -183,28 +194,22 @@ def _trial(op: Any, knobs: tuple, calls: list[_Call], reps: int) -> Trial:
         if why is not None:
             trial.dropped = f"wrong: {why}"
             return trial
-    device = next(iter(calls[0].inputs.values())).device
-    trial.seconds = sum(_median_seconds(lambda c=c: c.run(cand), device, reps) for c in calls)
+    trial.seconds = _seconds(cand, calls, reps)
     return trial
 
 
 def _confirm(op: Any, knobs: tuple, calls: list[_Call], reps: int, rounds: int = CONFIRM_ROUNDS) -> tuple[float, float]:
     """(the candidate's, the built-in schedule's) seconds: each the median of ``rounds`` medians, the
     two timed in turn in every round, so that a drift of the machine reaches both alike."""
-    ops = []
-    for point in (knobs, ()):
-        o = type(op)(**op.params, target=BUILTIN)
-        o._forced_schedule = point
-        ops.append(o)
-    device = next(iter(calls[0].inputs.values())).device
+    ops = [_candidate(op, knobs), _candidate(op, ())]
     got: list[list[float]] = [[], []]
     for _ in range(rounds):
         for i, o in enumerate(ops):
-            got[i].append(sum(_median_seconds(lambda c=c: c.run(o), device, reps) for c in calls))
+            got[i].append(_seconds(o, calls, reps))
     return statistics.median(got[0]), statistics.median(got[1])
 
 
-def _search(space: list[tuple], base: Trial, run: Callable[[tuple], Trial], deadline: float) -> list[Trial]:
+def _search(space: list[tuple], run: Callable[[tuple], Trial], deadline: float) -> list[Trial]:
     """Trials over ``space``: every point when it is small, else one knob at a time from the best."""
     trials: list[Trial] = []
     seen: set[tuple] = set()
@@ -222,17 +227,16 @@ def _search(space: list[tuple], base: Trial, run: Callable[[tuple], Trial], dead
     allowed = set(space)
     names = [(b, k) for b, k, _ in space[0]]
     values = {bk: sorted({v for p in space for (b, k, v) in p if (b, k) == bk}) for bk in names}
-    best_point, best = space[0], None
+    best_point = space[0]
     for _ in range(2):
-        for i, bk in enumerate(names):
+        for bk in names:
             for v in values[bk]:
                 point = tuple((b, k, (v if (b, k) == bk else pv)) for (b, k, pv) in best_point)
                 if point in allowed:
                     visit(point)
             timed = [t for t in trials if t.seconds is not None]
             if timed:
-                best = min(timed, key=lambda t: t.seconds)
-                best_point = best.knobs
+                best_point = min(timed, key=lambda t: t.seconds).knobs
     return trials
 
 
@@ -242,6 +246,8 @@ def tune_calls(op: Any, calls: list[Mapping[str, torch.Tensor]], *, budget: floa
     """Tune ``op``'s schedule for one shape class, which every call of ``calls`` (input name -> tensor)
     must have; keep the choice (``record``) in this machine's table. See the module's doc."""
     m = op.manifest
+    if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
+        raise ValueError(f"{m.name}.tune: budget: expected seconds > 0 (or None for the whole space), got {budget!r}")
     if op._fixed_target is not None and op._fixed_target.name != BUILTIN:
         raise ValueError(f"{m.name}.tune: served by target {op._fixed_target.name!r}, whose kernels tileops does "
                          f"not schedule; tune an op built with target=None or BUILTIN")
@@ -282,7 +288,7 @@ def tune_calls(op: Any, calls: list[Mapping[str, torch.Tensor]], *, budget: floa
                                              else f"DROPPED ({trial.dropped})"))
             return trial
 
-        trials = _search(space, baseline, run, deadline)
+        trials = _search(space, run, deadline)
     result = Result(m.name, cls, schedules.Schedule(shape_class=cls), baseline, trials)
     best = result.best
     chosen: tuple = ()

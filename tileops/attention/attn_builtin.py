@@ -139,7 +139,7 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     # the manifest's static knobs are the CUDA schedule's (the C forward has none); a chosen schedule's
     # apply on its backend (tileops.schedules), the backward's by its builder's name
     own = manifest.kernel.builder
-    static = static_for(manifest, call) if backend == "cuda" else static_for(manifest, call, own, built_in=False)
+    static = static_for(manifest, call, built_in=backend == "cuda")
     out = [(own, get_spec(own)(backend=backend, **fields, **static))]
     if backward and manifest.backward is not None:
         bwd = static_for(manifest, call, BWD_BUILDER)
