@@ -165,8 +165,8 @@ def test_the_tuner_drops_a_wrong_candidate_and_keeps_the_builtin_unless_beaten(g
     monkeypatch.setattr(schedules, "candidates", lambda m, backend: [wrong, right])
     real_run = tuning._Call.run
 
-    def run(self, op):
-        out, grads = real_run(self, op)
+    def run(self, op, inputs=None, timed=False):
+        out, grads = real_run(self, op, inputs, timed)
         if op._forced_schedule == wrong:
             out = out + 1.0
         return out, grads
@@ -228,3 +228,87 @@ def test_tune_refuses_a_budget_that_is_not_positive(gen):
 def test_tune_command_refuses_bad_flags_before_tuning(capsys, argv, message):
     assert main(["tune", "AttnFwdOp", "--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_norm_class_is_bucketed_by_its_rows():
+    """``rows`` in ``kernel.tune.tokens``: the product of x's leading dims, however they are shaped."""
+    from tileops.norm import RMSNormFwdOp
+
+    edge = registry()["RMSNormFwdOp"].kernel.tune.buckets[0]
+    op = RMSNormFwdOp()
+
+    def cls(*lead):
+        op._check_call({"x": torch.zeros(*lead, 64), "weight": torch.zeros(64), "residual": None})
+        return op.schedule.shape_class
+
+    assert cls(edge).endswith(f"tokens<={edge}")
+    assert cls(1, edge).endswith(f"tokens<={edge}")  # [1, edge, hidden]: edge rows still
+    nxt = registry()["RMSNormFwdOp"].kernel.tune.buckets[1]
+    assert cls(edge + 1).endswith(f"tokens<={nxt}")
+    assert cls(edge // 2, 2, 2).endswith(f"tokens<={nxt}")  # 2 * edge rows over three leading dims
+
+
+def test_warmup_builds_the_shipped_choices_for_their_classes_only(tmp_path):
+    """``tileops warmup`` and the lowered kernels take :func:`schedules.shipped_for`: a shipped entry's
+    kernels are built for the cases of its class and for no other case."""
+    from tileops.compile.warmup import kernel_jobs
+    from tileops.manifest import call_specs, case_dims, case_params
+
+    m = registry()["RMSNormFwdOp"]
+    case = next(c for c in m.cases if c.label == "llama-8k")
+    params = {**m.defaults(), **case_params(m, case)}
+    call = call_specs(m, case_dims(m, case), ["bfloat16"], torch.device("cuda"), case.with_inputs, False, params)[0]
+    dims = {**case_dims(m, case), "rows": 4096}
+    cls = schedules.shape_class(m, call, dims, params)
+    chosen = {"norm": {"vectors_per_thread": 8}}
+    _write(tmp_path / "shipped" / "h200.json", {"kind": "cuda", "name": "NVIDIA H200", "arch": "sm_90", "sms": 132,
+                                                "driver": "1"}, {"RMSNormFwdOp": {cls: _entry(chosen, m)}})
+    schedules.forget_tables()
+    plain = kernel_jobs(["RMSNormFwdOp"], "sm_90")
+    warm = kernel_jobs(["RMSNormFwdOp"], "sm_90", schedules.shipped_for("sm_90"))
+    added = [j for j in warm if j not in plain]
+    # the forward, backward and weight-sum kernels of that class (the wsum's own dtype is fp32)
+    assert sorted(j[1].kind for j in added) == ["bwd", "fwd", "wsum"]
+    assert all(j[1].vectors_per_thread == 8 and j[1].hidden == 8192 for j in added)
+    assert next(j for j in added if j[1].kind == "fwd")[1].dtype == "bfloat16"
+    assert not [j for j in plain if j[1].vectors_per_thread == 8]
+    # another arch's warm-up takes nothing of an sm_90 table
+    assert kernel_jobs(["RMSNormFwdOp"], "sm_80", schedules.shipped_for("sm_80")) == kernel_jobs(["RMSNormFwdOp"],
+                                                                                                 "sm_80")
+
+
+def test_rope_reference_gradients_are_the_rotation_by_the_negated_angle(gen):
+    """What the tuner checks a RoPE candidate's backward against: float64 autograd of the rotation,
+    here against the op's own backward (fp32, on the CPU) and against the rotation's inverse."""
+    from tileops.rope import RoPEFwdOp
+    from tileops.rope import reference as ref
+
+    op = RoPEFwdOp(input_layout="2d")
+    x, key = torch.randn(2, 9, 3, 64, generator=gen), torch.randn(2, 9, 1, 64, generator=gen)
+    g = torch.randn(2, 9, 3, 64, generator=gen)
+    got = ref.grads(op, {"x": x, "key": key}, g)
+    leaf = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(op(leaf), leaf, g)
+    torch.testing.assert_close(got["x"].float(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got["key"], torch.zeros(key.shape, dtype=torch.float64))
+    # R(theta)^T R(theta) x = x: the gradient of a rotated x with respect to x, fed the rotation, is x
+    back = ref.grads(op, {"x": x}, ref.reference(op, {"x": x}))["x"]
+    torch.testing.assert_close(back, x.double(), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_call_is_timed_over_copies_that_pass_the_l2():
+    """On CUDA a candidate is timed with events over copies of its inputs that move at least three
+    times the L2 cache (or the most copies allowed), the call's own inputs first."""
+    from tileops.rope import RoPEFwdOp
+
+    op = RoPEFwdOp(input_layout="2d", target=BUILTIN)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 256, 8, 128, generator=gen).to(torch.bfloat16).cuda()
+    call = tuning._Call(op, {"x": x}, backward=False, seed=1)
+    sets = call.rotation()
+    assert sets[0]["x"] is x and all(s["x"].data_ptr() != x.data_ptr() and torch.equal(s["x"], x) for s in sets[1:])
+    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    assert len(sets) == tuning.MAX_SETS or len(sets) * x.numel() * x.element_size() >= tuning.L2_PASSES * l2
+    assert tuning._gpu_seconds(op, call, reps=3) > 0

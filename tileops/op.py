@@ -24,7 +24,7 @@ from . import schedules
 from .autograd import backward_of, grad_needed, run_differentiable
 from .manifest import ExprError, OpManifest
 from .manifest.call import DTYPE_NAMES, DTYPES, CallSpec
-from .manifest.schema import DTYPE_PREFIX, LEAD
+from .manifest.schema import DTYPE_PREFIX, LEAD, ROWS
 from .targets import BUILTIN, Target, TargetError, check_target_arg, resolve_target
 from .torch_private import internal_overlap
 
@@ -466,6 +466,7 @@ class Op:
         dtypes: list[tuple[str, str]] = []
         device: torch.device | None = None
         first = None
+        rows: int | None = None  # the first leading input's rows (schedules.ROWS), for the token bucket
         for spec in m.inputs:
             t = tensors.get(spec.name)
             if t is None and spec.optional:
@@ -500,6 +501,8 @@ class Op:
                     raise ValueError(f"{m.name}: {spec.name}: expected shape {list(src.shape)} (that of "
                                      f"{spec.like}), got {list(t.shape)}")
             named = shape[1:] if shape[:1] == (LEAD,) else shape
+            if shape[:1] == (LEAD,) and rows is None:
+                rows = math.prod(t.shape[: t.dim() - len(named)])
             for dim, size in zip(named, t.shape[t.dim() - len(named):]):
                 if dim in dims and dims[dim] != size:
                     raise ValueError(f"{m.name}: {spec.name}: expected {dim}={dims[dim]} (as in {first}), "
@@ -513,7 +516,7 @@ class Op:
         # only the dims kernels are compiled for: other sizes share one implementation
         static = sorted((d, dims[d]) for d in m.kernel.specialize)
         call = CallSpec(device=device, dtypes=tuple(dtypes), dims=tuple(static))
-        chosen = self._schedule_for(call, dims)
+        chosen = self._schedule_for(call, dims if rows is None else {**dims, ROWS: rows})
         self._schedule = chosen
         return dataclasses.replace(call, schedule=chosen.knobs) if chosen.knobs else call
 

@@ -6,8 +6,10 @@ and the calls that stand for it:
 1. the built-in schedule is run and timed first: the baseline every candidate must beat;
 2. each candidate of the manifest's space for the device's backend (``kernel.tune``, its rules
    applied) is built as an op of its own, run on every call and **checked against the family's
-   float64 reference** (``tileops.<family>.reference``: the output, and the gradients where the space
-   sets a knob of the backward's kernels) before it is timed. A candidate that fails to build, or whose
+   float64 reference** (``tileops.<family>.reference``: the output, and the gradients where the knobs
+   reach a backward's kernels and the reference has them: :func:`_backward_checked`) before it is
+   timed; on CUDA a call is timed with events over copies of its inputs that pass the L2 cache
+   (:func:`_gpu_seconds`). A candidate that fails to build, or whose
    result misses the dtype's tolerance (:mod:`tileops.tolerances`), is dropped and reported, never
    chosen;
 3. the fastest, if it beat the built-in schedule by more than :data:`MARGIN` in the search, is timed
@@ -45,6 +47,11 @@ __all__ = ["tune", "tune_calls", "Trial", "Result", "MARGIN", "EXHAUSTIVE"]
 MARGIN = 0.03
 #: the largest space searched point by point; a larger one is searched a knob at a time
 EXHAUSTIVE = 64
+#: CUDA: a timed pass over a call's input sets moves this many times the L2 cache (:meth:`_Call.rotation`)
+L2_PASSES = 3
+#: CUDA: the most input sets a call rotates through (a small call's copies stay small: 16 of decode's
+#: 32 rows of 4,096 are 4 MB)
+MAX_SETS = 16
 #: rounds of the confirmation that a search's best beats the built-in schedule (:func:`_confirm`)
 CONFIRM_ROUNDS = 5
 
@@ -89,9 +96,19 @@ def _reference(family: str) -> Any:
 
 def _backward_knobs(manifest: Any, space: list) -> bool:
     """Whether the space sets a knob of a builder other than the forward's: the backward's kernels
-    (``attention_bwd``), whose time and gradients then count."""
+    (``attention_bwd``), whose time then counts."""
     own = manifest.kernel.builder
     return manifest.backward is not None and any(b != own for point in space for b, _, _ in point)
+
+
+def _backward_checked(manifest: Any, space: list) -> bool:
+    """Whether a candidate's gradients are checked: where its knobs reach a backward's kernels, those of
+    another builder (``attention_bwd``) or the backward the forward's own builder makes with the same
+    knobs (RoPE's), and the family's reference has float64 gradients (``grads``). A family without them
+    declares only forward knobs (the norm's space: the forward's vectors and row groups)."""
+    if manifest.backward is None:
+        return False
+    return _backward_knobs(manifest, space) or hasattr(_reference(manifest.family), "grads")
 
 
 def _sync(device: torch.device) -> None:
@@ -102,11 +119,14 @@ def _sync(device: torch.device) -> None:
 class _Call:
     """One call a trial runs: its inputs, the float64 reference, and the output gradient (backward)."""
 
-    def __init__(self, op: Any, inputs: Mapping[str, torch.Tensor], backward: bool, seed: int):
+    def __init__(self, op: Any, inputs: Mapping[str, torch.Tensor], backward: bool, seed: int,
+                 timed_backward: bool | None = None):
         m = op.manifest
         self.inputs = dict(inputs)
         self.device = next(t.device for t in self.inputs.values() if isinstance(t, torch.Tensor))
         self.wrt = [n for n in (m.backward.wrt if backward else ()) if self.inputs.get(n) is not None]
+        #: whether a timed run takes the gradients too (checked runs always do where ``wrt`` names any)
+        self.timed_backward = bool(self.wrt) if timed_backward is None else timed_backward and bool(self.wrt)
         fam = _reference(m.family)
         self.ref = fam.reference(op, self.inputs)
         self.scale = fam.scale(op, self.inputs) if hasattr(fam, "scale") else self.ref.abs()
@@ -114,6 +134,7 @@ class _Call:
                           if t is not None and t.is_floating_point())
         self.grad_out = None
         self.grad_refs: dict[str, torch.Tensor] = {}
+        self._rotation: list[Mapping[str, Any]] | None = None
         if self.wrt:
             if not hasattr(fam, "grads"):
                 raise ValueError(f"{m.name}: the space sets backward knobs, and tileops.{m.family}.reference "
@@ -124,16 +145,36 @@ class _Call:
                 first.device)
             self.grad_refs = fam.grads(op, self.inputs, self.grad_out)
 
-    def run(self, op: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """The op's output and the gradients of ``wrt`` (none without a backward)."""
-        if not self.wrt:
+    def run(self, op: Any, inputs: Mapping[str, Any] | None = None,
+            timed: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The op's output and the gradients of ``wrt`` (none without a backward; ``timed``: only where
+        the backward's time counts), on ``inputs`` (default: the call's own; :meth:`rotation` gives
+        copies)."""
+        inputs = self.inputs if inputs is None else inputs
+        if not self.wrt or (timed and not self.timed_backward):
             with torch.no_grad():
-                out = op(**self.inputs)
+                out = op(**inputs)
             return (out[0] if isinstance(out, tuple) else out), ()
-        leaves = {n: self.inputs[n].detach().clone().requires_grad_(True) for n in self.wrt}
-        out = op(**{**self.inputs, **leaves})
+        leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in self.wrt}
+        out = op(**{**inputs, **leaves})
         first = out[0] if isinstance(out, tuple) else out
-        return first.detach(), torch.autograd.grad(first, list(leaves.values()), self.grad_out)
+        got = torch.autograd.grad(first, list(leaves.values()), self.grad_out, allow_unused=True)
+        # an input the first output does not read (RoPE's key) has no gradient from it: zeros
+        return first.detach(), tuple(torch.zeros_like(leaf) if g is None else g
+                                     for g, leaf in zip(got, leaves.values()))
+
+    def rotation(self) -> list[Mapping[str, Any]]:
+        """The call's inputs and copies of them (CUDA): enough sets that one pass over them moves
+        :data:`L2_PASSES` times the GPU's L2 cache, so that a timed call reads its inputs from memory as a
+        model's call does, not from the L2 the previous call left them in (at most :data:`MAX_SETS`)."""
+        if self._rotation is None:
+            nbytes = sum(t.numel() * t.element_size() for t in self.inputs.values() if isinstance(t, torch.Tensor))
+            l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 50 << 20)
+            n = max(1, min(MAX_SETS, math.ceil(L2_PASSES * l2 / max(nbytes, 1))))
+            copies = [{k: (t.clone() if isinstance(t, torch.Tensor) else t) for k, t in self.inputs.items()}
+                      for _ in range(n - 1)]
+            self._rotation = [self.inputs, *copies]
+        return self._rotation
 
     def check(self, out: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> str | None:
         """Why a trial's result misses the reference, or None: each output element within ``atol + rtol
@@ -164,15 +205,38 @@ def _candidate(op: Any, knobs: tuple) -> Any:
     return cand
 
 
+def _gpu_seconds(op: Any, c: _Call, reps: int) -> float:
+    """One call's GPU time: the median over ``reps`` passes of a pass's CUDA-event time over the call's
+    :meth:`_Call.rotation`, divided by its sets. The calls of a pass queue back to back, so that what is
+    timed is the kernels', not the host's wait for each (the prologue at 2,048 tokens runs 17 us on the
+    H200, against ~10 us of a host's synchronize and launch, which timing each call alone would add)."""
+    sets = c.rotation()
+    stream = torch.cuda.current_stream(c.device)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for inputs in sets:
+            c.run(op, inputs, timed=True)
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / len(sets))
+    return statistics.median(times)
+
+
 def _seconds(op: Any, calls: list[_Call], reps: int) -> float:
-    """``op``'s time on ``calls``: the sum of each call's median of ``reps`` runs."""
+    """``op``'s time on ``calls``: the sum of each call's median of ``reps`` runs (CUDA: of passes over its
+    rotation, :func:`_gpu_seconds`)."""
     total = 0.0
     for c in calls:
+        if c.device.type == "cuda":
+            total += _gpu_seconds(op, c, reps)
+            continue
         times = []
         for _ in range(reps):
             _sync(c.device)
             t0 = time.perf_counter()
-            c.run(op)
+            c.run(op, timed=True)
             _sync(c.device)
             times.append(time.perf_counter() - t0)
         total += statistics.median(times)
@@ -269,8 +333,8 @@ def tune_calls(op: Any, calls: list[Mapping[str, torch.Tensor]], *, budget: floa
         raise ValueError(f"{m.name}.tune: the calls are of several shape classes ({', '.join(sorted(classes))}); "
                          f"tune each on its own")
     cls = classes.pop()
-    backward = _backward_knobs(m, space)
-    prepared = [_Call(base_op, c, backward, seed=1000 + i) for i, c in enumerate(calls)]
+    checked, timed = _backward_checked(m, space), _backward_knobs(m, space)
+    prepared = [_Call(base_op, c, checked, seed=1000 + i, timed_backward=timed) for i, c in enumerate(calls)]
     reps = reps or (20 if device.type == "cuda" else 5)
     show = wanted(progress)
     # the search's visits: every point, or about each knob's values once (a knob at a time)

@@ -14,8 +14,8 @@ import yaml
 
 from .expr import Expr, ExprError, parse_expr
 from .schema import (
-    DTYPE_PREFIX, DTYPES, LEAD, PARAM_TYPES, SCHEMA, Backward, Case, ComposeStage, CpuShrink, KernelSpec, OpManifest,
-    FlagSpec, ParamSpec, Rule, TensorSpec, TuneSpace, Tuning,
+    DTYPE_PREFIX, DTYPES, LEAD, PARAM_TYPES, ROWS, SCHEMA, Backward, Case, ComposeStage, CpuShrink, KernelSpec,
+    OpManifest, FlagSpec, ParamSpec, Rule, TensorSpec, TuneSpace, Tuning,
 )
 
 __all__ = ["ManifestError", "add_op", "load_file", "load_files", "resolve_compose", "packaged_files", "manifest_files"]
@@ -469,7 +469,9 @@ def _op(ctx: _Ctx, name: str, key: yaml.Node, node: yaml.Node, builders: Iterabl
     for d in specialize:
         if d not in dims:
             raise ctx.err(km["specialize"][1], f"kernel.specialize: unknown dim {d!r}; dims: {', '.join(sorted(dims))}")
-    tune = _tune(ctx, km["tune"][1], dims, params) if "tune" in km else None
+    # `rows` in kernel.tune.tokens: the product of an input's leading dims (a norm's rows)
+    tune_dims = dims | {ROWS} if any(spec.leading for spec in inputs.values()) else dims
+    tune = _tune(ctx, km["tune"][1], frozenset(tune_dims), params) if "tune" in km else None
     kernel = KernelSpec(builder=builder, static=static, specialize=specialize,
                         line=m["kernel"][1].start_mark.line + 1, tune=tune)
     shrink = None

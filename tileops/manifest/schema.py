@@ -35,6 +35,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "float8
 #: The first entry of a shape that takes any number of leading dims (none included), which the
 #: kernel sees as rows: ``["...", hidden]`` is ``[hidden]``, ``[tokens, hidden]``, ``[b, s, h, hidden]``.
 LEAD = "..."
+#: In ``kernel.tune.tokens``, the product of the leading dims (``LEAD``) of a call's first input that takes
+#: them: the rows a norm normalises, the count its shape classes are bucketed by.
+ROWS = "rows"
 
 #: A rule names the dtype of input ``x`` as ``dtype_x``: its manifest name (``"bfloat16"``), or none
 #: when the (optional) input is not given.

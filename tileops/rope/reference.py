@@ -10,11 +10,27 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["reference"]
+__all__ = ["reference", "grads"]
 
 
 def reference(op: Any, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    x = inputs["x"].detach().cpu().to(torch.float64)
+    """The op's first output, ``out`` (x rotated), in float64 on the CPU."""
+    return _rotated(op, inputs["x"].detach().cpu().to(torch.float64), inputs)
+
+
+def grads(op: Any, inputs: Mapping[str, torch.Tensor], grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The gradients of ``sum(out * grad_out)`` with respect to x (and key, which ``out`` does not read:
+    zeros), by float64 autograd of the rotation above (what ``tileops tune`` checks a candidate's
+    backward against: the backward is built by the same builder, with the same knobs)."""
+    x = inputs["x"].detach().cpu().to(torch.float64).requires_grad_(True)
+    (gx,) = torch.autograd.grad(_rotated(op, x, inputs), x, grad_out.detach().cpu().to(torch.float64))
+    out = {"x": gx}
+    if inputs.get("key") is not None:
+        out["key"] = torch.zeros(inputs["key"].shape, dtype=torch.float64)
+    return out
+
+
+def _rotated(op: Any, x: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     head_dim = x.shape[-1]
     rot = op.rotated_width(head_dim)
     inv_freq, amplitude = op.frequencies(rot)
