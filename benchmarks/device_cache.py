@@ -1,7 +1,7 @@
 """Compile, on this machine (the CUDA toolkit, no GPU), the sm_90 kernels the H200's CUDA suite
 would otherwise compile there, and pack them for the device machine.
 
-    python -m benchmarks.device_cache [--jobs 2] [--out .devsite/kcache.tar.xz]
+    python -m benchmarks.device_cache [--jobs 2] [--out .devsite/kcache.tar.xz] [--tune OP,...]
 
 What it compiles: every manifest case's kernels (``tileops warmup``'s list), the attention tests'
 warm-up lists (``tests/test_attn_fwd_cuda.py``, ``tests/test_attn_bwd_cuda.py``,
@@ -135,19 +135,46 @@ def hf_jobs() -> list[tuple]:
     return list(dict.fromkeys(jobs))
 
 
+def tune_jobs(ops: list[str], cases: "list[str] | None") -> list[tuple]:
+    """The kernels of every candidate of the CUDA schedule space of ``ops``, for each of their cases (or
+    those labelled ``cases``) in each of its dtypes: what ``tileops tune OP --cases ...`` builds."""
+    from tileops import schedules
+    from tileops.compile.warmup import op_kernel_jobs
+    from tileops.manifest import case_dims, case_params, registry
+
+    jobs: list[tuple] = []
+    for name in ops:
+        m = registry()[name]
+        for case in m.cases:
+            if cases is None or case.label in cases:
+                jobs += op_kernel_jobs(name, case_params(m, case), case_dims(m, case), case.dtypes, ARCH,
+                                       with_inputs=case.with_inputs, schedules=schedules.space_for("cuda"))
+    return [j for j in dict.fromkeys(jobs) if j[2] == "cuda"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")
     ap.add_argument("--out", default=str(ROOT / ".devsite" / "kcache.tar.xz"))
     ap.add_argument("--decode-sweep", default="", help="also the kernels of `python -m benchmarks.decode --sweep "
                                                        "THIS` (THREADSxUNROLL[xPREFETCH[xSTAGES]],...)")
+    ap.add_argument("--tune", default="", help="also every candidate of these ops' CUDA schedule spaces, for "
+                                               "each of their cases (OP,...: what `tileops tune OP` builds)")
+    ap.add_argument("--tune-cases", default="", help="with --tune: only these cases (LABEL,...: `tileops tune "
+                                                     "--cases`)")
     a = ap.parse_args()
     os.environ.setdefault("TILEOPS_CACHE_DIR", str(ROOT / ".kcache"))
+    from tileops import schedules
     from tileops.compile.warmup import compile_jobs, kernel_jobs
     from tileops.manifest import registry
 
     t0 = time.perf_counter()
-    jobs = [j for j in kernel_jobs(list(registry()), ARCH) if j[2] == "cuda"] + test_jobs() + hf_jobs()
+    # the shipped tables' choices too (what `tileops warmup` builds)
+    jobs = [j for j in kernel_jobs(list(registry()), ARCH, schedules.shipped_for(ARCH)) if j[2] == "cuda"]
+    jobs += test_jobs() + hf_jobs()
+    if a.tune:
+        jobs += tune_jobs(a.tune.split(","), a.tune_cases.split(",") if a.tune_cases else None)
+        jobs = list(dict.fromkeys(jobs))
     if a.decode_sweep:
         from benchmarks.decode import parse_sweep, schedule_specs
 

@@ -1,6 +1,7 @@
 """Time tileops' ops against torch eager, torch.compile and Liger, with the copy rate as the ceiling.
 
     python -m benchmarks [--ops RoPEFwdOp,...] [--cases LABEL,...] [--out benchmarks/results]
+    python -m benchmarks --schedules [--ops ...] [--cases ...]   # built-in against derived schedules
 
 Workloads are the manifests' cases marked ``bench`` (each in its first dtype). Every timing is the
 median of 200 calls timed with CUDA events, p20/p80 beside it, rotating through enough input sets
@@ -237,6 +238,67 @@ def _grad_call(fn: Callable[..., torch.Tensor], args: tuple, wrt: tuple[int, ...
     return outs, [args[i] for i in wrt], [torch.randn_like(o) for o in outs]
 
 
+def schedule_rows(ops: list[str] | None, cases: list[str] | None, rounds: int = 5) -> list[dict[str, Any]]:
+    """Issue 38's proof: each bench case of each op with a CUDA schedule space (``kernel.tune.cuda``), in
+    its first dtype, served by ``target=BUILTIN`` (the manifest's ``kernel.static``) and by ``target=None``
+    (the tuned or shipped schedule of this device for the case's shape class), forward and, where the
+    op has one, backward. The two ops are timed in turn in each of ``rounds`` rounds (each a
+    :func:`gpu_time` median over the same rotated input sets): a row's figure is the median of its
+    rounds, so that a drift of the shared machine reaches both alike."""
+    from tileops.targets import BUILTIN
+
+    rows = []
+    todo = [(m, c) for m in registry().values() if (not ops or m.name in ops) and m.kernel.tune is not None
+            and "cuda" in m.kernel.tune.spaces for c in m.cases if c.bench and (not cases or c.label in cases)]
+    for m, case in todo:
+        dtype = case.dtypes[0]
+        w = workload(m, case, dtype, "cuda")
+        pair = {"built-in": op_class(m.name)(**w.params, target=BUILTIN), "derived": op_class(m.name)(**w.params)}
+        n = rotation(bytes_moved(w))
+        sets = [w.inputs] + [workload(m, case, dtype, "cuda").inputs for _ in range(n - 1)]
+        names = list(sets[0])
+        wrt = tuple(i for i, k in enumerate(names) if m.backward is not None and k in m.backward.wrt
+                    and sets[0][k] is not None)
+        for op in pair.values():
+            op(**w.inputs)
+        derived = pair["derived"].schedule
+        timers = {"forward": {k: (lambda op: lambda: gpu_time(lambda i: op(**sets[i]), n))(op)
+                              for k, op in pair.items()}}
+        if wrt:
+            timers["backward"] = {k: (lambda op: lambda: _grad_timer(lambda *a: op(**dict(zip(names, a))),
+                                                                     [tuple(x.values()) for x in sets], n, wrt))(op)
+                                  for k, op in pair.items()}
+        for direction, fns in timers.items():
+            got: dict[str, list[float]] = {k: [] for k in fns}
+            for _ in range(rounds):
+                for k, fn in fns.items():
+                    got[k].append(fn()[0])
+            b, d = statistics.median(got["built-in"]), statistics.median(got["derived"])
+            row = {"op": m.name, "case": case.label, "dtype": dtype, "direction": direction,
+                   "class": derived.shape_class, "derived": str(derived), "source": derived.source,
+                   "knobs": [list(k) for k in derived.knobs], "builtin_us": b, "derived_us": d,
+                   "builtin_rounds": got["built-in"], "derived_rounds": got["derived"], "speedup": b / d}
+            rows.append(row)
+            print("schedule row " + json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def schedule_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    out = ["# Built-in against derived schedules, side by side (`python -m benchmarks --schedules`)", "",
+           f"{meta.get('gpu', '')}, {meta.get('date', '')}, commit {meta.get('commit', '')}. Each figure: the "
+           "median of 5 rounds, the two ops timed in turn in each round (CUDA events over rotated input sets, "
+           "as the main table). built-in: `target=BUILTIN`, the manifest's `kernel.static`; derived: "
+           "`target=None`, the schedule this device's tuned or shipped table gives the case's shape class.", "",
+           "| op | case | dtype | direction | derived schedule | source | built-in us | derived us "
+           "| built-in / derived |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        knobs = ", ".join(f"{b}.{k}={v}" for b, k, v in r["knobs"]) or "(the built-in's)"
+        out.append(f"| {r['op']} | {r['case']} | {r['dtype']} | {r['direction']} | {knobs} | {r['source']} | "
+                   f"{r['builtin_us']:.2f} | {r['derived_us']:.2f} | {r['speedup']:.3f} |")
+    return "\n".join(out) + "\n"
+
+
 def _meta(ceiling: float) -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -337,7 +399,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(HERE / "results"), help="folder for latest.json/.md, figures, summary.md")
     p.add_argument("--splice", metavar="JSON", help="no run: replace the rows of the ops in JSON (a later run's "
                    "latest.json) in OUT/latest.json, and redraw the tables and figures")
+    p.add_argument("--schedules", action="store_true", help="instead: each op with a CUDA schedule space, built-in "
+                   "against derived schedule side by side (OUT/schedules.{json,md})")
     args = p.parse_args(argv)
+    if args.schedules:
+        if not torch.cuda.is_available():
+            print("benchmarks need a CUDA GPU", file=sys.stderr)
+            return 2
+        rows = schedule_rows(args.ops.split(",") if args.ops else None,
+                             args.cases.split(",") if args.cases else None)
+        meta = _meta(copy_rate())
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "schedules.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        text = schedule_markdown(rows, meta)
+        (out / "schedules.md").write_text(text)
+        print(text)
+        return 0
     if args.splice:
         out = Path(args.out)
         result = splice(json.loads((out / "latest.json").read_text()), json.loads(Path(args.splice).read_text()))

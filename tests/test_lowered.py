@@ -99,7 +99,7 @@ def test_an_entry_whose_tir_is_unchanged_moves_to_its_new_key_without_lowering(t
     out = tmp_path / "sm_90.json.xz"
     monkeypatch.setattr(lowered, "path", lambda arch: out)
     monkeypatch.setattr(lowered, "_packs", {"sm_90": old})
-    monkeypatch.setattr(warmup, "kernel_jobs", lambda names, arch: jobs)
+    monkeypatch.setattr(warmup, "kernel_jobs", lambda names, arch, schedules=None: jobs)
     lowered_now = []
     monkeypatch.setattr(warmup, "_lower", lambda job: (lowered_now.append(job), (build.index_key(*job, lean=True), {
         "spec": repr(job[1]), "device": "fresh", "host": "", "record": {}, "name": "", "tir": "t"}))[1])

@@ -260,6 +260,7 @@ def _bad_arch_or_jobs(command: str, problem: str | None, jobs: int | None) -> bo
 
 
 def cmd_warmup(args: argparse.Namespace) -> int:
+    from . import schedules
     from .runtime import native
     from .compile.warmup import warmup
 
@@ -267,7 +268,9 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     if _bad_arch_or_jobs("warmup", arch_problem(arch, build=True), args.jobs):
         return 2
     try:
-        n, seconds, failures = warmup(args.ops or None, arch, args.jobs, progress=True)
+        # the shipped tables' choices too: a fresh process on such a device takes them
+        n, seconds, failures = warmup(args.ops or None, arch, args.jobs, progress=True,
+                                      schedules=schedules.shipped_for(arch))
     except KeyError as e:
         print(f"tileops warmup: {e.args[0]}", file=sys.stderr)
         return 2
@@ -375,12 +378,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_lowered(args: argparse.Namespace) -> int:
+    from . import schedules
     from .compile.warmup import write_lowered
 
     # lowering only: no GPU, no CUDA toolkit
     if _bad_arch_or_jobs("lowered", arch_problem(args.arch, cpu=False), args.jobs):
         return 2
-    out, n = write_lowered(args.arch, jobs=args.jobs, progress=True)
+    out, n = write_lowered(args.arch, jobs=args.jobs, progress=True, schedules=schedules.shipped_for(args.arch))
     print(f"{out}: {n['kept'] + n['carried'] + n['lowered']} kernels for {args.arch}: {n['kept']} kept, "
           f"{n['carried']} carried over to new keys (TIR unchanged), {n['lowered']} lowered"
           + (f" ({n['unserved']} not served by the lean build)" if n["unserved"] else ""))

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -40,10 +41,11 @@ from .compile.entry import cache_root
 from .manifest import OpManifest
 from .manifest.call import CallSpec
 from .manifest.expr import ExprError
+from .manifest.schema import LEAD, ROWS
 
 __all__ = ["Schedule", "BUILT_IN", "FORMAT", "shape_class", "token_count", "device_identity", "device_slug",
            "candidates", "choose", "static_for", "record", "tuned_path", "shipped_dir", "digest_of", "forget_tables",
-           "cpu_model", "bucket", "generation"]
+           "cpu_model", "bucket", "generation", "shipped_for", "space_for"]
 
 #: the tables' layout version: a file of another is ignored (with its warning)
 FORMAT = 1
@@ -342,6 +344,42 @@ def choose(manifest: OpManifest, call: CallSpec, dims: Mapping[str, int], params
         if got is not None:
             return Schedule(knobs=got[0], source=_source(kind, table, got[1]), shape_class=cls)
     return Schedule(shape_class=cls)
+
+
+def _class_dims(dims: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A case's dims (:func:`tileops.manifest.case_dims`, its leading dims under ``"..."``) with the
+    :data:`~tileops.manifest.schema.ROWS` a call of it has."""
+    lead = dims.get(LEAD)
+    return dims if lead is None else {**dims, ROWS: math.prod(lead)}
+
+
+def shipped_for(arch: str) -> "Callable[[OpManifest, CallSpec, Mapping[str, Any], Mapping[str, Any]], list[tuple]]":
+    """For a warm-up or the lowered kernels of ``arch`` (``sm_90``; ``c``: the CPU): a function naming
+    the schedules the shipped tables of devices of that arch choose for a manifest case's call, other
+    than the built-in one, so that what a fresh process there takes is built too
+    (:func:`tileops.compile.warmup.kernel_jobs`)."""
+    tables = []
+    for path in sorted(shipped_dir().glob("*.json")):
+        table = _read(path)
+        if table is not None and (table["device"].get("arch") == arch if arch != "c"
+                                  else table["device"].get("kind") == "cpu"):
+            tables.append((path, table))
+
+    def choices(manifest: OpManifest, call: CallSpec, dims: Mapping[str, Any],
+                params: Mapping[str, Any]) -> list[tuple]:
+        if manifest.kernel.tune is None:
+            return []
+        cls = shape_class(manifest, call, _class_dims(dims), params)
+        got = (_entry(path, table, manifest, cls) for path, table in tables)
+        return list(dict.fromkeys(e[0] for e in got if e is not None and e[0]))
+
+    return choices
+
+
+def space_for(backend: str) -> "Callable[[OpManifest, CallSpec, Mapping[str, Any], Mapping[str, Any]], list[tuple]]":
+    """Like :func:`shipped_for`, naming every candidate of a manifest's ``backend`` space instead: the
+    kernels ``tileops tune`` builds, compiled ahead (``python -m benchmarks.device_cache --tune``)."""
+    return lambda manifest, call, dims, params: candidates(manifest, backend)
 
 
 def static_for(manifest: OpManifest, call: CallSpec, builder: str | None = None,

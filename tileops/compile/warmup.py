@@ -73,9 +73,16 @@ def arch_problem(arch: str, cpu: bool = True, build: bool = False) -> str | None
     return None
 
 
-def kernel_jobs(names: Iterable[str] | None, arch: str) -> list[tuple[str, Any, str, str]]:
+#: ``(manifest, call, dims, params) -> schedules``: the schedules (knob tuples, ``CallSpec.schedule``)
+#: whose kernels a warm-up builds for a call besides the built-in one's (``tileops.schedules.shipped_for``)
+Schedules = Callable[[Any, Any, Mapping[str, Any], Mapping[str, Any]], Iterable[tuple]]
+
+
+def kernel_jobs(names: Iterable[str] | None, arch: str,
+                schedules: Schedules | None = None) -> list[tuple[str, Any, str, str]]:
     """``(builder, spec, backend, arch)`` for every case x dtype (x direction) of the ops ``names``
-    (all when None), without duplicates, in manifest order."""
+    (all when None), without duplicates, in manifest order; with ``schedules``, also the kernels of the
+    schedules it names for each case's calls."""
     from ..manifest import case_dims, case_params, registry
 
     reg = registry()
@@ -88,20 +95,23 @@ def kernel_jobs(names: Iterable[str] | None, arch: str) -> list[tuple[str, Any, 
             continue
         for case in m.cases:
             jobs += op_kernel_jobs(name, case_params(m, case), case_dims(m, case), case.dtypes, arch,
-                                   with_inputs=case.with_inputs)
+                                   with_inputs=case.with_inputs, schedules=schedules)
     return list(dict.fromkeys(jobs))
 
 
 def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int], dtypes: Iterable[str], arch: str,
                    with_inputs: Iterable[str] | None = None, every_index_dtype: bool = False,
-                   backward: bool = True) -> list[tuple[str, Any, str, str]]:
+                   backward: bool = True, schedules: Schedules | None = None) -> list[tuple[str, Any, str, str]]:
     """The kernel jobs of op ``name`` built with ``params`` (the manifest's defaults fill the rest),
     for calls with ``dims`` (at least those the manifest's ``kernel.specialize`` names) in each of
     ``dtypes``: forward and, where the manifest declares one and ``backward`` is true, backward.
     Optional inputs are the ``with_inputs`` given, or (None) every combination of present and
     absent; integer inputs take their workload dtype, or each of their dtypes with
     ``every_index_dtype`` (:func:`tileops.manifest.call_specs`). The family's ``kernel_specs``
-    names the kernels of each call."""
+    names the kernels of each call; ``schedules``, where given, the schedules besides the built-in one
+    whose kernels each call also needs."""
+    import dataclasses
+
     import torch
 
     from ..manifest import call_specs, registry
@@ -113,7 +123,9 @@ def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int]
     jobs: list[tuple[str, Any, str, str]] = []
     for call in call_specs(m, dims, dtypes, torch.device("cpu" if backend == "c" else "cuda"), with_inputs,
                            every_index_dtype, params):
-        jobs += [(builder, spec, backend, arch) for builder, spec in specs(m, params, call, backend, backward)]
+        for knobs in ((), *(schedules(m, call, dims, params) if schedules is not None else ())):
+            sched = dataclasses.replace(call, schedule=knobs) if knobs else call
+            jobs += [(builder, spec, backend, arch) for builder, spec in specs(m, params, sched, backend, backward)]
     return list(dict.fromkeys(jobs))
 
 
@@ -129,13 +141,14 @@ def _compile(job: tuple[str, Any, str, str]) -> str | None:
 
 
 def warmup(names: Iterable[str] | None = None, arch: str = "sm_90", jobs: int | None = None,
-           progress: bool | None = None) -> tuple[int, float, list[tuple[Any, str]]]:
+           progress: bool | None = None,
+           schedules: Schedules | None = None) -> tuple[int, float, list[tuple[Any, str]]]:
     """Compile every kernel of :func:`kernel_jobs` into the disk cache (``progress``: see
     :func:`tileops.progress.wanted`).
 
     Returns ``(kernels, seconds, failures)``, ``failures`` a list of ``(spec, error line)``.
     """
-    return compile_jobs(kernel_jobs(names, arch), jobs, progress)
+    return compile_jobs(kernel_jobs(names, arch, schedules), jobs, progress)
 
 
 def _lower(job: tuple[str, Any, str, str]) -> tuple[str, dict[str, Any] | None]:
@@ -171,7 +184,7 @@ def _tir(job: tuple[str, Any, str, str]) -> tuple[str, str]:
 
 
 def write_lowered(arch: str = "sm_90", jobs: int | None = None, names: Any = None,
-                  progress: bool | None = None) -> tuple[Path, dict[str, int]]:
+                  progress: bool | None = None, schedules: Schedules | None = None) -> tuple[Path, dict[str, int]]:
     """Lower every CUDA kernel of :func:`kernel_jobs` for ``arch`` (``jobs`` processes, ``progress``
     as :func:`tileops.progress.wanted`) and write the file tileops ships
     (:func:`tileops.compile.lowered.write`); returns its path and how many kernels were ``kept``
@@ -186,7 +199,7 @@ def write_lowered(arch: str = "sm_90", jobs: int | None = None, names: Any = Non
     again: a refactor that leaves the generated code alone costs 0.17 s a kernel, not 8 s."""
     from .build import index_key
 
-    todo = {index_key(*j, lean=True): j for j in kernel_jobs(names, arch) if j[2] == "cuda"}
+    todo = {index_key(*j, lean=True): j for j in kernel_jobs(names, arch, schedules) if j[2] == "cuda"}
     shipped = lowered.shipped(arch)
     kernels = {k: v for k, v in shipped.items() if k in todo and "tir" in v}
     kept = len(kernels)
