@@ -312,3 +312,24 @@ def test_a_cuda_call_is_timed_over_copies_that_pass_the_l2():
     l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
     assert len(sets) == tuning.MAX_SETS or len(sets) * x.numel() * x.element_size() >= tuning.L2_PASSES * l2
     assert tuning._gpu_seconds(op, call, reps=3) > 0
+
+
+def test_a_candidate_that_writes_a_cache_wrong_or_not_at_all_is_caught():
+    """The prologue's output is q; its k and v go into the caches, which the float64 reference does not
+    give: a candidate's writes are held to the built-in schedule's, each checked run starting from the
+    caches as given."""
+    from tileops.workloads import op_class, workload
+
+    m = registry()["AttnPrologueFwdOp"]
+    case = next(c for c in m.cases if c.label == "llama-decode-hnd")
+    w = workload(m, case, "float32", "cpu", shrink=True, generator=torch.Generator().manual_seed(11))
+    op = op_class(m.name)(**w.params, target=BUILTIN)
+    call = tuning._Call(op, w.inputs, backward=False, seed=1)
+    assert call.written == ["key_cache", "value_cache"]
+    call.keep_writes(op)
+    out, _, writes = call.checked_run(op)
+    assert call.check_writes(writes) is None and call.check(out, ()) is None
+    assert "key_cache written off" in call.check_writes({**writes, "key_cache": call._given["key_cache"]})
+    spoiled = writes["value_cache"].clone()
+    spoiled.view(-1)[spoiled.numel() // 2] += 1.0
+    assert "value_cache written off" in call.check_writes({**writes, "value_cache": spoiled})

@@ -7,11 +7,11 @@ and the calls that stand for it:
 2. each candidate of the manifest's space for the device's backend (``kernel.tune``, its rules
    applied) is built as an op of its own, run on every call and **checked against the family's
    float64 reference** (``tileops.<family>.reference``: the output, and the gradients where the knobs
-   reach a backward's kernels and the reference has them: :func:`_backward_checked`) before it is
-   timed; on CUDA a call is timed with events over copies of its inputs that pass the L2 cache
-   (:func:`_gpu_seconds`). A candidate that fails to build, or whose
-   result misses the dtype's tolerance (:mod:`tileops.tolerances`), is dropped and reported, never
-   chosen;
+   reach a backward's kernels and the reference has them: :func:`_backward_checked`; an input the op
+   writes, a KV cache, against the built-in schedule's writes) before it is timed; on CUDA a call is
+   timed with events over copies of its inputs that pass the L2 cache (:func:`_gpu_seconds`). A
+   candidate that fails to build, or whose result misses the dtype's tolerance
+   (:mod:`tileops.tolerances`), is dropped and reported, never chosen;
 3. the fastest, if it beat the built-in schedule by more than :data:`MARGIN` in the search, is timed
    again against it, the two alternated over :data:`CONFIRM_ROUNDS` rounds; it is kept in this
    machine's table for the class only if it wins that by the margin too. Otherwise the built-in
@@ -134,6 +134,11 @@ class _Call:
                           if t is not None and t.is_floating_point())
         self.grad_out = None
         self.grad_refs: dict[str, torch.Tensor] = {}
+        # inputs the op writes (a KV cache): each checked run starts from their contents as given, and
+        # what it writes is held to the built-in schedule's writes (:meth:`keep_writes`)
+        self.written = [t.name for t in m.inputs if t.written and self.inputs.get(t.name) is not None]
+        self._given = {n: self.inputs[n].clone() for n in self.written}
+        self.writes: dict[str, torch.Tensor] = {}
         self._rotation: list[Mapping[str, Any]] | None = None
         if self.wrt:
             if not hasattr(fam, "grads"):
@@ -163,6 +168,19 @@ class _Call:
         return first.detach(), tuple(torch.zeros_like(leaf) if g is None else g
                                      for g, leaf in zip(got, leaves.values()))
 
+    def checked_run(self, op: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        """:meth:`run` on the call's inputs with the written ones as given (fresh copies): the output,
+        the gradients, and what the op wrote into each written input."""
+        inputs = {**self.inputs, **{n: t.clone() for n, t in self._given.items()}}
+        out, grads = self.run(op, inputs)
+        return out, grads, {n: inputs[n] for n in self.written}
+
+    def keep_writes(self, op: Any) -> None:
+        """Run the built-in schedule ``op`` once and keep what it writes: the reference a candidate's
+        writes are checked against (the family's float64 reference gives the outputs alone; the
+        built-in schedule's writes are what the generated tests check against float64)."""
+        self.writes = self.checked_run(op)[2]
+
     def rotation(self) -> list[Mapping[str, Any]]:
         """The call's inputs and copies of them (CUDA): enough sets that one pass over them moves
         :data:`L2_PASSES` times the GPU's L2 cache, so that a timed call reads its inputs from memory as a
@@ -175,6 +193,24 @@ class _Call:
                       for _ in range(n - 1)]
             self._rotation = [self.inputs, *copies]
         return self._rotation
+
+    def check_writes(self, writes: Mapping[str, torch.Tensor]) -> str | None:
+        """Why a candidate's writes miss the built-in schedule's, or None. Each is within ``atol + rtol *
+        |t|`` of the true value ``t``, so the two differ by at most ``2 * atol + 2 * rtol * |t|``, and
+        ``|t| <= (|built-in| + atol) / (1 - rtol)``: the bound, in the written tensor's own dtype
+        (a float8 cache: its stored units, the scales being the same)."""
+        for name, want in self.writes.items():
+            atol, rtol = TOLERANCES[str(want.dtype).replace("torch.", "")]
+            got, ref = writes[name].detach().cpu().double(), want.detach().cpu().double()
+            if not bool(torch.equal(torch.isnan(got), torch.isnan(ref))):
+                return f"{name}: NaN where the built-in schedule wrote none, or none where it did"
+            bound = 2 * atol + 2 * rtol * (ref.abs() + atol) / (1 - rtol)
+            bad = ~((got - ref).abs() <= bound) & ~torch.isnan(ref)
+            if bool(bad.any()):
+                i = tuple(int(j) for j in bad.nonzero()[0])
+                return (f"{name} written off at {list(i)}: {got[i].item():.6g}, the built-in schedule wrote "
+                        f"{ref[i].item():.6g}")
+        return None
 
     def check(self, out: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> str | None:
         """Why a trial's result misses the reference, or None: each output element within ``atol + rtol
@@ -249,12 +285,12 @@ def _trial(op: Any, knobs: tuple, calls: list[_Call], reps: int) -> Trial:
     trial = Trial(knobs)
     try:
         cand = _candidate(op, knobs)
-        results = [c.run(cand) for c in calls]  # builds its kernels
+        results = [c.checked_run(cand) for c in calls]  # builds its kernels
     except Exception as e:  # a candidate its builder or compiler refuses is dropped, never fatal
         trial.dropped = f"does not build or run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return trial
-    for c, (out, grads) in zip(calls, results):
-        why = c.check(out, grads)
+    for c, (out, grads, writes) in zip(calls, results):
+        why = c.check(out, grads) or c.check_writes(writes)
         if why is not None:
             trial.dropped = f"wrong: {why}"
             return trial
@@ -335,6 +371,8 @@ def tune_calls(op: Any, calls: list[Mapping[str, torch.Tensor]], *, budget: floa
     cls = classes.pop()
     checked, timed = _backward_checked(m, space), _backward_knobs(m, space)
     prepared = [_Call(base_op, c, checked, seed=1000 + i, timed_backward=timed) for i, c in enumerate(calls)]
+    for c in prepared:
+        c.keep_writes(base_op)
     reps = reps or (20 if device.type == "cuda" else 5)
     show = wanted(progress)
     # the search's visits: every point, or about each knob's values once (a knob at a time)
