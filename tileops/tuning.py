@@ -52,6 +52,10 @@ L2_PASSES = 3
 #: CUDA: the most input sets a call rotates through (a small call's copies stay small: 16 of decode's
 #: 32 rows of 4,096 are 4 MB)
 MAX_SETS = 16
+#: CUDA: the fewest calls a timed pass makes (the rotation's sets, cycled)
+MIN_PASS_CALLS = 16
+#: CUDA: the side of the bf16 matrix products that hold the GPU while a pass queues (~0.2 ms each on an H200)
+HOLD_N = 4096
 #: rounds of the confirmation that a search's best beats the built-in schedule (:func:`_confirm`)
 CONFIRM_ROUNDS = 5
 
@@ -241,22 +245,63 @@ def _candidate(op: Any, knobs: tuple) -> Any:
     return cand
 
 
+class _Hold:
+    """Public work that keeps a GPU busy while the host queues a timed pass behind it: matrix products
+    of :data:`HOLD_N` squared bf16, each timed once. Without it a pass of calls shorter than their host
+    time times the host's launches, not the kernels: the first tuning on the H200 measured the prologue
+    at 2,048 tokens at 19.4-22.0 us a call (bf16, fp16) where the runner's GPU time is 16.7 us, and
+    ranked its candidates by that noise (its best 14% ahead in the search, no win confirmed)."""
+
+    def __init__(self, device: torch.device):
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.a = torch.randn(HOLD_N, HOLD_N, device=device, dtype=torch.bfloat16, generator=gen)
+        self.out = torch.empty_like(self.a)
+        for _ in range(3):
+            torch.matmul(self.a, self.a, out=self.out)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            torch.matmul(self.a, self.a, out=self.out)
+        end.record()
+        end.synchronize()
+        self.seconds = max(start.elapsed_time(end) * 1e-3 / 10, 1e-6)
+
+    def hold(self, seconds: float) -> None:
+        """Queue about ``seconds`` of GPU work (at most one second's)."""
+        for _ in range(min(int(seconds / self.seconds) + 1, int(1.0 / self.seconds) + 1)):
+            torch.matmul(self.a, self.a, out=self.out)
+
+
+_holds: dict[str, _Hold] = {}
+
+
 def _gpu_seconds(op: Any, c: _Call, reps: int) -> float:
     """One call's GPU time: the median over ``reps`` passes of a pass's CUDA-event time over the call's
-    :meth:`_Call.rotation`, divided by its sets. The calls of a pass queue back to back, so that what is
-    timed is the kernels', not the host's wait for each (the prologue at 2,048 tokens runs 17 us on the
-    H200, against ~10 us of a host's synchronize and launch, which timing each call alone would add)."""
+    :meth:`_Call.rotation` (at least :data:`MIN_PASS_CALLS` calls), divided by its calls. Each pass is
+    queued behind work that holds the GPU for twice the host time of a pass (:class:`_Hold`), so that
+    its calls run back to back: what is timed is the kernels', not the host's launches."""
     sets = c.rotation()
+    calls = [sets[i % len(sets)] for i in range(max(len(sets), MIN_PASS_CALLS))]
     stream = torch.cuda.current_stream(c.device)
+    hold = _holds.get(str(c.device))
+    if hold is None:
+        hold = _holds[str(c.device)] = _Hold(c.device)
+    torch.cuda.synchronize(c.device)
+    t0 = time.perf_counter()
+    for inputs in calls:  # the host time of a pass, the GPU free
+        c.run(op, inputs, timed=True)
+    host = time.perf_counter() - t0
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(c.device)
+        hold.hold(2 * host)
         start.record(stream)
-        for inputs in sets:
+        for inputs in calls:
             c.run(op, inputs, timed=True)
         end.record(stream)
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / len(sets))
+        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
     return statistics.median(times)
 
 
