@@ -183,6 +183,8 @@ def test_the_tuner_drops_a_wrong_candidate_and_keeps_the_builtin_unless_beaten(g
     assert result.dropped[0].dropped.startswith("wrong: output off at")
     assert result.chosen.knobs == right and result.chosen.source.startswith("tuned on this machine")
     assert confirmed == [right]  # timed again against the built-in schedule before it was kept
+    # the rerun's figures are kept beside the search's, which stay as measured (the best is still the best)
+    assert result.confirmed == (right, 0.5, 1.0) and result.best.knobs == right
     times[right] = 0.99  # within the margin of the built-in: the built-in schedule is kept
     result = tuning.tune_calls(op, [{"q": q, "k": k, "v": v}], progress=False)
     assert result.chosen.knobs == () and result.chosen.source.startswith("tuned on this machine")

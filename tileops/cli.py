@@ -183,8 +183,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 print(f"tileops tune: {name} {labels}: {e}", file=sys.stderr)
                 continue
             best = r.best
-            print(f"{name}  {labels}  class {cls}\n    built-in {r.baseline.seconds * 1e6:.1f} us; best "
-                  f"{best.label()} {best.seconds * 1e6:.1f} us; kept: {r.chosen}; {len(r.trials)} of "
+            again = (f"; timed again, alternated: {r.confirmed[1] * 1e6:.1f} us against the built-in's "
+                     f"{r.confirmed[2] * 1e6:.1f}" if r.confirmed else "")
+            print(f"{name}  {labels}  class {cls}\n    built-in {r.baseline.seconds * 1e6:.1f} us; the search's best "
+                  f"{best.label()} {best.seconds * 1e6:.1f} us{again}; kept: {r.chosen}; {len(r.trials)} of "
                   f"{len(schedules.candidates(m, backend))} candidates tried, {len(r.dropped)} dropped, "
                   f"{r.seconds:.0f} s")
         print(f"{name}: tuned in {time.monotonic() - op_t0:.0f} s")
