@@ -139,17 +139,9 @@ def tune_jobs(ops: list[str], cases: "list[str] | None") -> list[tuple]:
     """The kernels of every candidate of the CUDA schedule space of ``ops``, for each of their cases (or
     those labelled ``cases``) in each of its dtypes: what ``tileops tune OP --cases ...`` builds."""
     from tileops import schedules
-    from tileops.compile.warmup import op_kernel_jobs
-    from tileops.manifest import case_dims, case_params, registry
+    from tileops.compile.warmup import kernel_jobs
 
-    jobs: list[tuple] = []
-    for name in ops:
-        m = registry()[name]
-        for case in m.cases:
-            if cases is None or case.label in cases:
-                jobs += op_kernel_jobs(name, case_params(m, case), case_dims(m, case), case.dtypes, ARCH,
-                                       with_inputs=case.with_inputs, schedules=schedules.space_for("cuda"))
-    return [j for j in dict.fromkeys(jobs) if j[2] == "cuda"]
+    return [j for j in kernel_jobs(ops, ARCH, schedules.space_for("cuda"), cases) if j[2] == "cuda"]
 
 
 def main() -> int:

@@ -262,17 +262,18 @@ def schedule_rows(ops: list[str] | None, cases: list[str] | None, rounds: int = 
         for op in pair.values():
             op(**w.inputs)
         derived = pair["derived"].schedule
-        timers = {"forward": {k: (lambda op: lambda: gpu_time(lambda i: op(**sets[i]), n))(op)
-                              for k, op in pair.items()}}
-        if wrt:
-            timers["backward"] = {k: (lambda op: lambda: _grad_timer(lambda *a: op(**dict(zip(names, a))),
-                                                                     [tuple(x.values()) for x in sets], n, wrt))(op)
-                                  for k, op in pair.items()}
-        for direction, fns in timers.items():
-            got: dict[str, list[float]] = {k: [] for k in fns}
+
+        def forward(op: Any) -> tuple[float, float, float]:
+            return gpu_time(lambda i: op(**sets[i]), n)
+
+        def backward(op: Any) -> tuple[float, float, float]:
+            return _grad_timer(lambda *a: op(**dict(zip(names, a))), [tuple(x.values()) for x in sets], n, wrt)
+
+        for direction, timer in (("forward", forward), ("backward", backward))[: 2 if wrt else 1]:
+            got: dict[str, list[float]] = {k: [] for k in pair}
             for _ in range(rounds):
-                for k, fn in fns.items():
-                    got[k].append(fn()[0])
+                for k, op in pair.items():
+                    got[k].append(timer(op)[0])
             b, d = statistics.median(got["built-in"]), statistics.median(got["derived"])
             row = {"op": m.name, "case": case.label, "dtype": dtype, "direction": direction,
                    "class": derived.shape_class, "derived": str(derived), "source": derived.source,

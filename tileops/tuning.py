@@ -37,7 +37,7 @@ import torch
 from . import schedules
 from .progress import Progress, wanted
 from .targets import BUILTIN
-from .tolerances import TOLERANCES
+from .tolerances import tolerance
 
 __all__ = ["tune", "tune_calls", "Trial", "Result", "MARGIN", "EXHAUSTIVE"]
 
@@ -137,8 +137,9 @@ class _Call:
         fam = _reference(m.family)
         self.ref = fam.reference(op, self.inputs)
         self.scale = fam.scale(op, self.inputs) if hasattr(fam, "scale") else self.ref.abs()
-        self.dtype = next(str(t.dtype).replace("torch.", "") for t in self.inputs.values()
-                          if t is not None and t.is_floating_point())
+        #: (atol, rtol) of the call's first floating input's dtype
+        self.tolerance = tolerance(next(t.dtype for t in self.inputs.values()
+                                        if t is not None and t.is_floating_point()))
         self.grad_out = None
         self.grad_refs: dict[str, torch.Tensor] = {}
         # inputs the op writes (a KV cache): each checked run starts from their contents as given, and
@@ -207,7 +208,7 @@ class _Call:
         ``|t| <= (|built-in| + atol) / (1 - rtol)``: the bound, in the written tensor's own dtype
         (a float8 cache: its stored units, the scales being the same)."""
         for name, want in self.writes.items():
-            atol, rtol = TOLERANCES[str(want.dtype).replace("torch.", "")]
+            atol, rtol = tolerance(want.dtype)
             got, ref = writes[name].detach().cpu().double(), want.detach().cpu().double()
             if not bool(torch.equal(torch.isnan(got), torch.isnan(ref))):
                 return f"{name}: NaN where the built-in schedule wrote none, or none where it did"
@@ -223,7 +224,7 @@ class _Call:
         """Why a trial's result misses the reference, or None: each output element within ``atol + rtol
         * scale`` of the float64 value (the generated tests' bound); each gradient, whose float64
         terms cancel, within ``atol + rtol * max |reference|`` (a wrong tile is off by the values' size)."""
-        atol, rtol = TOLERANCES[self.dtype]
+        atol, rtol = self.tolerance
         got = out.detach().cpu().double()
         if not bool(torch.isfinite(got).all()):
             return "a non-finite output"

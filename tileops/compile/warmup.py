@@ -78,22 +78,25 @@ def arch_problem(arch: str, cpu: bool = True, build: bool = False) -> str | None
 Schedules = Callable[[Any, Any, Mapping[str, Any], Mapping[str, Any]], Iterable[tuple]]
 
 
-def kernel_jobs(names: Iterable[str] | None, arch: str,
-                schedules: Schedules | None = None) -> list[tuple[str, Any, str, str]]:
-    """``(builder, spec, backend, arch)`` for every case x dtype (x direction) of the ops ``names``
-    (all when None), without duplicates, in manifest order; with ``schedules``, also the kernels of the
-    schedules it names for each case's calls."""
+def kernel_jobs(names: Iterable[str] | None, arch: str, schedules: Schedules | None = None,
+                cases: Iterable[str] | None = None) -> list[tuple[str, Any, str, str]]:
+    """``(builder, spec, backend, arch)`` for every case (or those labelled ``cases``) x dtype (x
+    direction) of the ops ``names`` (all when None), without duplicates, in manifest order; with
+    ``schedules``, also the kernels of the schedules it names for each case's calls."""
     from ..manifest import case_dims, case_params, registry
 
     reg = registry()
     unknown = sorted(set(names or ()) - set(reg))
     if unknown:
         raise KeyError(f"unknown op {unknown[0]!r}; known: {', '.join(reg)}")
+    labels = None if cases is None else set(cases)
     jobs: list[tuple[str, Any, str, str]] = []
     for name, m in reg.items():
         if names and name not in names:
             continue
         for case in m.cases:
+            if labels is not None and case.label not in labels:
+                continue
             jobs += op_kernel_jobs(name, case_params(m, case), case_dims(m, case), case.dtypes, arch,
                                    with_inputs=case.with_inputs, schedules=schedules)
     return list(dict.fromkeys(jobs))

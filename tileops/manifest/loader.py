@@ -271,14 +271,7 @@ def _tensor(ctx: _Ctx, name: str, node: yaml.Node, section: str, params: Mapping
         rnode = m["range"][1]
         if not isinstance(rnode, yaml.SequenceNode) or len(rnode.value) != 2:
             raise ctx.err(rnode, f"{what}.range: expected [low, high], two expressions")
-        bounds = []
-        for n in rnode.value:
-            text = ctx.scalar(n)
-            try:
-                bounds.append(parse_expr(str(text)))
-            except ExprError as e:
-                raise ctx.err(n, f"{what}.range: {_clip(text)} does not parse: {e}") from None
-        vrange = tuple(bounds)
+        vrange = tuple(_parsed(ctx, n, str(ctx.scalar(n)), f"{what}.range") for n in rnode.value)
     snode = m["shape"][1]
     if shape_by is None:
         alternatives = {"": _shape_alternatives(ctx, snode, f"{what}.shape")}
@@ -330,15 +323,21 @@ def _dims(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[str, ...]:
     return dims
 
 
+def _parsed(ctx: _Ctx, node: yaml.Node, text: str, what: str) -> Expr:
+    """``text`` (of ``node``) parsed as an expression of the manifests' rule language, or the error of
+    ``what`` that says why it does not parse."""
+    try:
+        return parse_expr(text)
+    except ExprError as e:
+        raise ctx.err(node, f"{what}: {_clip(text)} does not parse: {e}") from None
+
+
 def _rule(ctx: _Ctx, node: yaml.Node, params: Mapping[str, ParamSpec], dims: frozenset[str],
           args: set[str], inputs: Iterable[str] = ()) -> Rule:
     m = ctx.section(node, "rule", "rules[]")
     cnode = m["check"][1]
     text = ctx.string(cnode, "rules[].check")
-    try:
-        expr = parse_expr(text)
-    except ExprError as e:
-        raise ctx.err(cnode, f"rules[].check: {_clip(text)} does not parse: {e}") from None
+    expr = _parsed(ctx, cnode, text, "rules[].check")
     dtypes = {DTYPE_PREFIX + n for n in inputs}
     unknown = sorted(expr.names - set(params) - dims - dtypes)
     if unknown:
@@ -694,10 +693,7 @@ def _static(ctx: _Ctx, node: yaml.Node, builder: str, params: dict) -> dict[str,
 def _expr_over(ctx: _Ctx, node: yaml.Node, what: str, names: "set[str] | frozenset[str]", kind: str) -> Expr:
     """An expression of ``kernel.tune`` that parses and names only ``names`` (``kind`` says what they are)."""
     text = ctx.string(node, f"{what}[]")
-    try:
-        expr = parse_expr(text)
-    except ExprError as e:
-        raise ctx.err(node, f"{what}: {_clip(text)} does not parse: {e}") from None
+    expr = _parsed(ctx, node, text, what)
     unknown = sorted(expr.names - names)
     if unknown:
         raise ctx.err(node, f"{what}: {text!r} names {', '.join(map(repr, unknown))}, which is not {kind}: "
