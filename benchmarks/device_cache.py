@@ -140,7 +140,13 @@ def tune_jobs(ops: list[str], cases: "list[str] | None") -> list[tuple]:
     those labelled ``cases``) in each of its dtypes: what ``tileops tune OP --cases ...`` builds."""
     from tileops import schedules
     from tileops.compile.warmup import kernel_jobs
+    from tileops.manifest import registry
 
+    known = {c.label for n in ops if n in registry() for c in registry()[n].cases}
+    unknown = sorted(set(cases or ()) - known)
+    if unknown:  # a label of no case builds nothing: say so instead of packing a cache without it
+        raise SystemExit(f"--tune-cases: {unknown[0]!r} is no case of {', '.join(ops)}; cases: "
+                         f"{', '.join(sorted(known))}")
     return [j for j in kernel_jobs(ops, ARCH, schedules.space_for("cuda"), cases) if j[2] == "cuda"]
 
 
