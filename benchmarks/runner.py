@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from tileops.manifest import registry
+from tileops.manifest import DTYPES, registry
 from tileops.workloads import bytes_moved, op_class, workload
 
 from . import plots
@@ -238,9 +238,11 @@ def _grad_call(fn: Callable[..., torch.Tensor], args: tuple, wrt: tuple[int, ...
     return outs, [args[i] for i in wrt], [torch.randn_like(o) for o in outs]
 
 
-def schedule_rows(ops: list[str] | None, cases: list[str] | None, rounds: int = 5) -> list[dict[str, Any]]:
+def schedule_rows(ops: list[str] | None, cases: list[str] | None, rounds: int = 5,
+                  dtypes: list[str] | None = None) -> list[dict[str, Any]]:
     """Issue 38's proof: each bench case of each op with a CUDA schedule space (``kernel.tune.cuda``), in
-    its first dtype, served by ``target=BUILTIN`` (the manifest's ``kernel.static``) and by ``target=None``
+    its first dtype (or each of its dtypes named in ``dtypes``, ``["all"]`` for all: the dtype is part
+    of a shape class, so a class tuned in a case's second dtype shows only so), served by ``target=BUILTIN`` (the manifest's ``kernel.static``) and by ``target=None``
     (the tuned or shipped schedule of this device for the case's shape class), forward and, where the
     op has one, backward. The two ops are timed in turn in each of ``rounds`` rounds (each a
     :func:`gpu_time` median over the same rotated input sets): a row's figure is the median of its
@@ -250,8 +252,9 @@ def schedule_rows(ops: list[str] | None, cases: list[str] | None, rounds: int = 
     rows = []
     todo = [(m, c) for m in registry().values() if (not ops or m.name in ops) and m.kernel.tune is not None
             and "cuda" in m.kernel.tune.spaces for c in m.cases if c.bench and (not cases or c.label in cases)]
-    for m, case in todo:
-        dtype = case.dtypes[0]
+    todo = [(m, c, dt) for m, c in todo
+            for dt in (c.dtypes[:1] if not dtypes else [d for d in c.dtypes if "all" in dtypes or d in dtypes])]
+    for m, case, dtype in todo:
         w = workload(m, case, dtype, "cuda")
         pair = {"built-in": op_class(m.name)(**w.params, target=BUILTIN), "derived": op_class(m.name)(**w.params)}
         n = rotation(bytes_moved(w))
@@ -402,13 +405,20 @@ def main(argv: list[str] | None = None) -> int:
                    "latest.json) in OUT/latest.json, and redraw the tables and figures")
     p.add_argument("--schedules", action="store_true", help="instead: each op with a CUDA schedule space, built-in "
                    "against derived schedule side by side (OUT/schedules.{json,md})")
+    p.add_argument("--dtypes", help="with --schedules: comma-separated dtypes of each case to time, or 'all' "
+                   "(default: each case's first)")
     args = p.parse_args(argv)
+    dtypes = args.dtypes.split(",") if args.dtypes else None
+    if dtypes and not set(dtypes) <= {"all", *DTYPES}:
+        p.error(f"--dtypes: expected 'all' or dtypes from {', '.join(DTYPES)}, got {args.dtypes!r}")
+    if dtypes and not args.schedules:
+        p.error("--dtypes: expected with --schedules (the main table times each case in its first dtype)")
     if args.schedules:
         if not torch.cuda.is_available():
             print("benchmarks need a CUDA GPU", file=sys.stderr)
             return 2
         rows = schedule_rows(args.ops.split(",") if args.ops else None,
-                             args.cases.split(",") if args.cases else None)
+                             args.cases.split(",") if args.cases else None, dtypes=dtypes)
         meta = _meta(copy_rate())
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -335,3 +335,16 @@ def test_a_candidate_that_writes_a_cache_wrong_or_not_at_all_is_caught():
     spoiled = writes["value_cache"].clone()
     spoiled.view(-1)[spoiled.numel() // 2] += 1.0
     assert "value_cache written off" in call.check_writes({**writes, "value_cache": spoiled})
+
+
+def test_the_schedules_runner_refuses_an_unknown_dtype_before_any_gpu_work(capsys):
+    """``python -m benchmarks --schedules --dtypes``: a dtype that is none of the manifests' spellings,
+    or ``--dtypes`` without ``--schedules``, is refused by name (exit 2), on a machine without a GPU too."""
+    from benchmarks import runner
+
+    for argv, said in ((["--schedules", "--dtypes", "fp8"], "got 'fp8'"),
+                       (["--dtypes", "all"], "expected with --schedules")):
+        with pytest.raises(SystemExit) as e:
+            runner.main(argv)
+        assert e.value.code == 2
+        assert said in capsys.readouterr().err
