@@ -242,11 +242,12 @@ def schedule_rows(ops: list[str] | None, cases: list[str] | None, rounds: int = 
                   dtypes: list[str] | None = None) -> list[dict[str, Any]]:
     """Issue 38's proof: each bench case of each op with a CUDA schedule space (``kernel.tune.cuda``), in
     its first dtype (or each of its dtypes named in ``dtypes``, ``["all"]`` for all: the dtype is part
-    of a shape class, so a class tuned in a case's second dtype shows only so), served by ``target=BUILTIN`` (the manifest's ``kernel.static``) and by ``target=None``
-    (the tuned or shipped schedule of this device for the case's shape class), forward and, where the
-    op has one, backward. The two ops are timed in turn in each of ``rounds`` rounds (each a
-    :func:`gpu_time` median over the same rotated input sets): a row's figure is the median of its
-    rounds, so that a drift of the shared machine reaches both alike."""
+    of a shape class, so a class tuned in a case's second dtype shows only so), served by
+    ``target=BUILTIN`` (the manifest's ``kernel.static``) and by ``target=None`` (the tuned or shipped
+    schedule of this device for the case's shape class), forward and, where the op has one, backward.
+    The two ops are timed in turn in each of ``rounds`` rounds (each a :func:`gpu_time` median over
+    the same rotated input sets): a row's figure is the median of its rounds, so that a drift of the
+    shared machine reaches both alike."""
     from tileops.targets import BUILTIN
 
     rows = []
