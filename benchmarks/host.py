@@ -11,7 +11,9 @@ or a machine without a compiler gets), next to the bare torch op that does the s
 outputs also beside ``torch.empty_like(q)``, ``torch.empty_like(k)`` and one ``x.mul`` together,
 what any such call must do at least. The HF-view row (the two ``transpose`` calls that make the views
 inside the timed call) is also set beside the bare op that makes the same two views, then ``x.mul``:
-the views are the caller's, a whole torch op each, which the plain ``mul`` does not make. Two more
+the views are the caller's, a whole torch op each, which the plain ``mul`` does not make. The
+``bhsd`` row is the call a patched model makes now: ``input_layout="bhsd"`` takes HF's q and k as
+they come (transposes of ``[B, S, H, D]`` projections), so no view is made at all. Two more
 rows take the q+k call on views made before apart: without positions (no value checked, so no error
 word and no event) and in place (no new output). The last row is the example family of
 ``docs/examples/scale_family`` (a copy generated in a temporary directory and measured in a process
@@ -85,6 +87,9 @@ def cases(device: torch.device) -> tuple[list[tuple[str, Make, str]], dict, dict
     kh = torch.randn(1, Hk, T, D, device=device, dtype=dt)
     pos2 = pos[None]
     qt, kt = qh.transpose(1, 2), kh.transpose(1, 2)
+    # what a patched model's apply_rotary_pos_emb gets: [B, H, S, D] transposes of its projections
+    qp = torch.randn(1, T, Hq, D, device=device, dtype=dt).transpose(1, 2)
+    kp = torch.randn(1, T, Hk, D, device=device, dtype=dt).transpose(1, 2)
     x = q.clone()
 
     def ids_qk(on: Callable[[Any], Any]) -> Callable[[], Any]:
@@ -98,6 +103,10 @@ def cases(device: torch.device) -> tuple[list[tuple[str, Make, str]], dict, dict
     def hf_qk(on: Callable[[Any], Any]) -> Callable[[], Any]:
         op = on(RoPEFwdOp(input_layout="2d"))
         return lambda: op(qh.transpose(1, 2), position_ids=pos2, key=kh.transpose(1, 2))
+
+    def hf_qk_bhsd(on: Callable[[Any], Any]) -> Callable[[], Any]:
+        op = on(RoPEFwdOp(input_layout="bhsd"))
+        return lambda: op(qp, position_ids=pos2, key=kp)
 
     def hf_qk_views(on: Callable[[Any], Any]) -> Callable[[], Any]:
         op = on(RoPEFwdOp(input_layout="2d"))
@@ -132,6 +141,8 @@ def cases(device: torch.device) -> tuple[list[tuple[str, Make, str]], dict, dict
             ("  the same, beside what it must do at least", hf_qk_views, "2 empty_like + mul"),
             ("  views made before, no positions", hf_qk_views_no_pos, "mul"),
             ("  views made before, in place", hf_qk_in_place, "add_"),
+            ("bhsd q+k on HF's q and k as they come (the patch's call), new tensors, positions", hf_qk_bhsd,
+             "mul"),
             ("2d q alone, new tensor", hf_q, "mul"),
             ("  the same, view made before the call", hf_q_view, "mul")]
     return rows, bares, {**s, "dtype": str(dt).replace("torch.", "")}

@@ -39,9 +39,11 @@ def hf_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def qk_row(name: str, B: int, Hq: int, Hk: int, S: int, D: int, dtype: torch.dtype, in_place: bool) -> dict:
-    """q and k in HF's [B, H, S, D], rotated through transposed views in one launch."""
-    op = RoPEFwdOp(input_layout="2d")
+def qk_row(name: str, B: int, Hq: int, Hk: int, S: int, D: int, dtype: torch.dtype, in_place: bool,
+           layout: str = "2d") -> dict:
+    """q and k in HF's [B, H, S, D], rotated in one launch: through transposed views made in the call
+    (``layout="2d"``), or as they are (``"bhsd"``, what a patched model calls)."""
+    op = RoPEFwdOp(input_layout=layout)
     nbytes = 2 * (Hq + Hk) * B * S * D * torch.tensor([], dtype=dtype).element_size()
     n = rotation(nbytes)
     qs = [torch.randn(B, Hq, S, D, device="cuda", dtype=dtype) for _ in range(n)]
@@ -49,7 +51,7 @@ def qk_row(name: str, B: int, Hq: int, Hk: int, S: int, D: int, dtype: torch.dty
     pos = torch.arange(S, device="cuda")
 
     def ours(i: int) -> Any:
-        q, k = qs[i].transpose(1, 2), ks[i].transpose(1, 2)
+        q, k = (qs[i], ks[i]) if layout == "bhsd" else (qs[i].transpose(1, 2), ks[i].transpose(1, 2))
         if in_place:
             return op(q, position_ids=pos, key=k, out=q, key_out=k)
         return op(q, position_ids=pos, key=k)
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         qk_row("q+k HF layout in place, B1 32/8 heads S8192 D128 bf16", 1, 32, 8, 8192, 128, torch.bfloat16, True),
         qk_row("q+k HF layout [4, 8, 256, 64] fp32", 4, 8, 8, 256, 64, torch.float32, False),
+        qk_row("q+k HF layout [4, 8, 256, 64] fp32, bhsd (no views)", 4, 8, 8, 256, 64, torch.float32, False,
+               "bhsd"),
         qk_row("q+k HF layout [2, 32, 2048, 128] fp32", 2, 32, 32, 2048, 128, torch.float32, False),
         qk_row("q+k HF layout [1, 32, 8192, 128] fp32", 1, 32, 32, 8192, 128, torch.float32, False),
         ids_row(2048, torch.float16),

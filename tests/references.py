@@ -303,6 +303,11 @@ def mrope_reference(p: dict, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 def reference(op_name: str, params: dict, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """float64 output of the op for those constructor params and call inputs."""
     p = _params(op_name, params)
+    if p.get("input_layout") == "bhsd":  # transformers' [batch, heads, seq, D]: the 2d rotation of its transpose
+        if inputs["x"].dim() != 4:
+            raise ValueError(f"bhsd layout wants x [batch, heads, seq_len, head_dim], got {tuple(inputs['x'].shape)}")
+        x2d = inputs["x"].transpose(1, 2)
+        return reference(op_name, {**p, "input_layout": "2d"}, {**inputs, "x": x2d}).transpose(1, 2)
     if op_name == "MRoPEFwdOp":
         return mrope_reference(p, inputs)
     x = inputs["x"].double()

@@ -115,8 +115,9 @@ _NONE = object()
 
 
 def _rotate(tag: tuple[Any, torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k ``[batch, heads, seq, head_dim]`` -> rotated, same layout, in one launch on their
-    transposed views (no copies)."""
+    """q and k ``[batch, heads, seq, head_dim]`` -> rotated, same layout, in one launch where they lie
+    (the op's ``input_layout="bhsd"``: no copies and no transposes; the four transposed views a layer
+    made before were 45% of this call's host time, ``benchmarks/NOTES.md``)."""
     for name, t in (("q", q), ("k", k)):
         if t.dim() != 4:
             raise ValueError(f"tileops.integrations.transformers: {name}: expected [batch, heads, seq, head_dim], "
@@ -134,8 +135,7 @@ def _rotate(tag: tuple[Any, torch.Tensor], q: torch.Tensor, k: torch.Tensor) -> 
     if pos.device != q.device:
         pos = pos.to(q.device)
     # forward, not op(...): Op.__call__ only re-packs the arguments (0.6 us of host time per call)
-    qo, ko = op.forward(q.transpose(1, 2), position_ids=pos, key=k.transpose(1, 2))
-    return qo.transpose(1, 2), ko.transpose(1, 2)
+    return op.forward(q, position_ids=pos, key=k)
 
 
 def _mrope_positions(pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -400,7 +400,7 @@ def _rope_plan(model: torch.nn.Module, model_type: Any) -> dict[str, Any]:
                                       f"{type(a).__name__}.forward takes no position_embeddings (cos, sin)")
         slots.append((a, names.index("position_embeddings")))
     try:
-        op = from_hf_config(config)
+        op = from_hf_config(config, input_layout="bhsd")  # q and k as the attention hands them over
     except NotImplementedError as e:
         raise NotImplementedError(f"{name}: {model_type}: {e}") from None
     text = getattr(config, "text_config", None) or config  # a vision-language model: its text model's

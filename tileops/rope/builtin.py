@@ -62,7 +62,7 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     cls = getattr(hooks, manifest.hooks)
     out = []
     for inverse in (False, True) if backward and manifest.backward else (False,):
-        for transposed in (False, True) if backend == "cuda" and cls.layout_of(params) == "2d" else (False,):
+        for transposed in (False, True) if backend == "cuda" and cls.layout_of(params) in hooks.BATCHED else (False,):
             out.append((manifest.kernel.builder, kernel_spec(cls, manifest, params, call, backend, inverse, transposed)))
     if hasattr(cls, "device_tables"):  # tables that depend on the call's positions: built by a kernel
         from tileops.kernels import get_spec
@@ -118,8 +118,9 @@ class RoPEKernels:
         self.limit = op.position_limit()
         #: the call's plan (:data:`FORWARD` for this op's tensors), and its bindings by signature
         positions = MROPE_POSITIONS if self.kspec.mrope_section is not None else POSITIONS
+        rotated = _HEADS_FIRST if self.layout == "bhsd" else _ROTATED
         self.plan = Plan.of(op.manifest, FORWARD, checks={"position_ids": 0},
-                            dims={**dict.fromkeys(("x", "out", "key", "key_out"), _ROTATED), "position_ids": positions})
+                            dims={**dict.fromkeys(("x", "out", "key", "key_out"), rotated), "position_ids": positions})
         self._bound = Bound()
         from tileops.kernels.rope import DIGITS as KDIGITS, LO as KLO
 
@@ -187,13 +188,13 @@ class RoPEKernels:
         return self._stacked.index_select(0, choice.reshape(1).to(self.device, torch.int64))[0]
 
     def _seq_len(self, x: torch.Tensor) -> int:
-        return x.shape[1] if self.layout == "2d" else x.shape[0]
+        return x.shape[hooks.SEQ_AXIS[self.layout]]
 
     def _head_major(self, x: dict) -> bool:
         """Whether x, as the kernel sees it (``{dim: (extent, stride)}``), takes the kernel made for
         head-major views."""
         (b, _), (s, ss), (h, sh) = (x.get(d, (1, 0)) for d in "bsh")
-        return (self.backend == "cuda" and self.layout == "2d" and h > 1 and s > 1 and sh > ss
+        return (self.backend == "cuda" and self.layout in hooks.BATCHED and h > 1 and s > 1 and sh > ss
                 and b * s >= TRANSPOSED_MIN_TOKENS)
 
     def run(self, x: torch.Tensor, position_ids: torch.Tensor | None, tables: torch.Tensor,
@@ -265,6 +266,8 @@ class RoPEKernels:
 
 #: How the kernel sees x, out, key and key_out: ``[B, S, H, D]`` (2d), ``[T, H, D]`` (ids), ``[S, D]`` (1d)
 _ROTATED = Dims({4: "bshd", 3: "shd", 2: "sd"})
+#: ... and with ``input_layout="bhsd"``: transformers' ``[B, H, S, D]``, the same kernel through strides
+_HEADS_FIRST = Dims("bhsd")
 #: position_ids: ``[B, S]`` or ``[S]``, read one element at a time (any strides); MRoPE's ``[3, ...]``
 #: streams lie ``c`` apart
 POSITIONS = Dims({1: "s", 2: "bs"}, vector=False)

@@ -39,6 +39,8 @@ MROPE_MODEL_TYPES: dict[str, tuple[bool, tuple[int, int, int]]] = {
 }
 
 _NAME = "from_hf_config"
+#: the layouts an op made here takes: x ``[batch, seq, heads, D]``, or transformers' ``[batch, heads, seq, D]``
+LAYOUTS = ("2d", "bhsd")
 
 
 class _Config:
@@ -114,8 +116,8 @@ class _Config:
         return out
 
 
-def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHooks:
-    """The tileops op (``input_layout="2d"``) reproducing a transformers config's rotary embedding.
+def from_hf_config(config: Any, *, target: str | Target | None = None, input_layout: str = "2d") -> RoPEHooks:
+    """The tileops op reproducing a transformers config's rotary embedding.
 
     Reads ``config.rope_parameters`` (transformers 5, ``rope_theta`` inside) or
     ``config.rope_scaling`` with ``config.rope_theta`` (transformers 4), ``partial_rotary_factor``
@@ -139,13 +141,17 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
         config: A ``transformers.PretrainedConfig`` (or any object with those attributes), or a
             ``config.json`` dict.
         target (str | None): Passed to the op. Default None (decided by the first call's device).
+        input_layout (str): The op's layout: ``"2d"``, x ``[batch, seq, heads, head_dim]``, or
+            ``"bhsd"``, transformers' own ``[batch, heads, seq, head_dim]`` (what its attention hands
+            ``apply_rotary_pos_emb``: rotated where it lies, no transposes). Default ``"2d"``.
 
     The MRoPE model types (:data:`MROPE_MODEL_TYPES`, read from ``config.model_type``; a composite
     vision-language config is read through its ``text_config``) get ``MRoPEFwdOp``, called with
     ``position_ids`` ``[3, batch, seq]`` as their rotary embedding receives them.
 
     Returns:
-        The op; call it as ``op(x, position_ids=...)`` with x ``[batch, seq, heads, head_dim]``.
+        The op; call it as ``op(x, position_ids=...)`` with x ``[batch, seq, heads, head_dim]``
+        (``[batch, heads, seq, head_dim]`` with ``input_layout="bhsd"``).
         With ``rope_interleave`` (DeepSeek's rope part, ``head_dim`` being ``qk_rope_head_dim``) the
         op rotates the pairs ``(2i, 2i+1)`` where they lie; transformers returns the same values
         de-interleaved (``cat(evens, odds)``). q and k come out in the same order either way, so
@@ -165,6 +171,10 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
             model type.
         TypeError, ValueError: A config field of the wrong type or value; the message names it.
     """
+    if input_layout not in LAYOUTS:
+        raise ValueError(f"{_NAME}: input_layout: expected one of {', '.join(map(repr, LAYOUTS))}, "
+                         f"got {input_layout!r}")
+    layout = input_layout
     c = _Config(config)
     _check_rotary(c)
     rp = c.rp
@@ -172,7 +182,7 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
     if not isinstance(rope_type, str):
         raise TypeError(f"{_NAME}: {c.field('rope_type')}: expected a str, got {type(rope_type).__name__}")
     if c.model_type in MROPE_MODEL_TYPES:
-        return _mrope(c, rope_type, target)
+        return _mrope(c, rope_type, target, layout)
     if rope_type == "mrope":
         raise NotImplementedError(f"{_NAME}: {c.field('rope_type')}: rope type 'mrope' is served for the model "
                                   f"types {', '.join(MROPE_MODEL_TYPES)}, got config.model_type "
@@ -236,12 +246,12 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
 
     if rope_type == "default":
         if rotary_dim is None:
-            return RoPEFwdOp(pairing, "2d", base, target=target)
-        return RoPELinearFwdOp("2d", base, 1.0, rotary_dim, target=target)
+            return RoPEFwdOp(pairing, layout, base, target=target)
+        return RoPELinearFwdOp(layout, base, 1.0, rotary_dim, target=target)
 
     if rope_type == "linear":
         factor = c.number(c.field("factor"), c.required("factor"))
-        return RoPELinearFwdOp("2d", base, factor, rotary_dim, target=target)
+        return RoPELinearFwdOp(layout, base, factor, rotary_dim, target=target)
 
     if rope_type == "llama3":
         factor = c.number(c.field("factor"), c.required("factor"))
@@ -250,16 +260,16 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
         if low == high:
             raise ValueError(f"{_NAME}: {c.field('high_freq_factor')}: expected a value != low_freq_factor "
                              f"(the band's blend divides by their difference), got both {low}")
-        return RoPELlama31FwdOp("2d", base, factor, low, high, original_max(), target=target)
+        return RoPELlama31FwdOp(layout, base, factor, low, high, original_max(), target=target)
 
     if rope_type == "yarn":
-        return _yarn(c, base, original_max, max_positions, target, pairing)
+        return _yarn(c, base, original_max, max_positions, target, pairing, layout)
 
     if rope_type == "dynamic":
         factor = c.number(c.field("factor"), c.required("factor"))
         if factor < 1:
             raise ValueError(f"{_NAME}: {c.field('factor')}: expected a factor >= 1 for dynamic NTK, got {factor}")
-        return RoPEDynamicNTKFwdOp("2d", base, factor, max_positions(), rotary_dim, target=target)
+        return RoPEDynamicNTKFwdOp(layout, base, factor, max_positions(), rotary_dim, target=target)
 
     # longrope
     omp = original_max()
@@ -275,7 +285,7 @@ def from_hf_config(config: Any, *, target: str | Target | None = None) -> RoPEHo
 
     short = torch.tensor(c.factors("short_factor", dim // 2), dtype=torch.float64)
     long = torch.tensor(c.factors("long_factor", dim // 2), dtype=torch.float64)
-    return Phi3LongRoPEFwdOp("2d", base, short, long, omp, mpe, attention, rotary_dim, target=target)
+    return Phi3LongRoPEFwdOp(layout, base, short, long, omp, mpe, attention, rotary_dim, target=target)
 
 
 #: what a transformers config holds when its model has rotary embeddings: the rope block
@@ -335,7 +345,7 @@ def _base(c: _Config) -> float:
     return c.number(theta_key, theta)
 
 
-def _mrope(c: _Config, rope_type: str, target: Any) -> MRoPEFwdOp:
+def _mrope(c: _Config, rope_type: str, target: Any, layout: str) -> MRoPEFwdOp:
     """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: MRoPE on base frequencies, as their rotary embeddings
     compute it. They use the whole head (``head_dim``, else ``hidden_size // num_attention_heads``;
     ``partial_rotary_factor`` is not read), ``mrope_section`` from the rope block or the model type's
@@ -356,10 +366,11 @@ def _mrope(c: _Config, rope_type: str, target: Any) -> MRoPEFwdOp:
     if 2 * sum(section) != head_dim:
         raise ValueError(f"{_NAME}: {key}: expected counts summing to head_dim / 2 = {head_dim / 2:g}, got "
                          f"{section} (sum {sum(section)})")
-    return MRoPEFwdOp(section, "2d", _base(c), interleaved, target=target)
+    return MRoPEFwdOp(section, layout, _base(c), interleaved, target=target)
 
 
-def _yarn(c: _Config, base: float, original_max: Any, max_positions: Any, target: Any, pairing: str) -> YaRNFwdOp:
+def _yarn(c: _Config, base: float, original_max: Any, max_positions: Any, target: Any, pairing: str,
+          layout: str) -> YaRNFwdOp:
     """HF's yarn on YaRNFwdOp: same ramp (truncated), amplitude mapped through ``attn_factor``."""
     rp = c.rp
     if base == 1:
@@ -389,5 +400,5 @@ def _yarn(c: _Config, base: float, original_max: Any, max_positions: Any, target
     attn_factor = attention / get_mscale(factor)
     beta_fast = c.number(c.field("beta_fast"), rp.get("beta_fast") or 32)  # HF: `or 32`, so 0 means 32
     beta_slow = c.number(c.field("beta_slow"), rp.get("beta_slow") or 1)
-    return YaRNFwdOp("2d", base, factor, omp, beta_fast, beta_slow, attn_factor, rope_layout=pairing,
+    return YaRNFwdOp(layout, base, factor, omp, beta_fast, beta_slow, attn_factor, rope_layout=pairing,
                      target=target)

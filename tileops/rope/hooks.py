@@ -22,8 +22,14 @@ from .tables import DIGITS, LO, DynamicNTKTables, RoPETables
 #: positions the digit tables cover: [0, 2^24)
 MAX_POSITION = LO**DIGITS
 
+#: the dim of x holding a row's sequence index (``seq_len``, or the tokens of ``"ids"``), by layout
+SEQ_AXIS = {"1d": 0, "2d": 1, "bhsd": 2, "ids": 0}
+#: the layouts with a batch and a heads dim: ``[batch, seq_len, heads, D]`` and transformers'
+#: ``[batch, heads, seq_len, D]``; one kernel serves both, through strides
+BATCHED = ("2d", "bhsd")
+
 __all__ = ["RoPEHooks", "Base", "NeoxPositionIds", "Llama31", "YaRN", "LongRoPE", "Linear", "Phi3LongRoPE",
-           "DynamicNTK", "MRoPE", "MAX_POSITION"]
+           "DynamicNTK", "MRoPE", "MAX_POSITION", "SEQ_AXIS", "BATCHED"]
 
 
 class RoPEHooks(Op):
@@ -38,7 +44,7 @@ class RoPEHooks(Op):
 
     @classmethod
     def layout_of(cls, params: Any) -> str:
-        """The layout ops of this class with ``params`` see x in: ``"1d"``, ``"2d"`` or ``"ids"``."""
+        """The layout ops of this class with ``params`` see x in: ``"1d"``, ``"2d"``, ``"bhsd"`` or ``"ids"``."""
         return params["input_layout"]
 
     @classmethod
@@ -59,7 +65,7 @@ class RoPEHooks(Op):
 
     @property
     def layout(self) -> str:
-        """``"1d"``, ``"2d"`` or ``"ids"`` (position ids)."""
+        """``"1d"``, ``"2d"``, ``"bhsd"`` or ``"ids"`` (position ids)."""
         return self.layout_of(self.params)
 
     @property

@@ -37,8 +37,9 @@ class LongRoPEFwdOp(hooks.LongRoPEFwdHooks):
         """Build the op; kernels are compiled at the first call.
 
         Args:
-            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim].
-                One of ``"1d"``, ``"2d"``. Default ``"1d"``.
+            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim];
+                bhsd: x is [batch, num_heads, seq_len, head_dim], transformers' layout (its transposed q and k
+                as they come, no copy). One of ``"1d"``, ``"2d"``, ``"bhsd"``. Default ``"1d"``.
             base (float): The frequency base. Default ``10000.0``.
             rescale_factors (torch.Tensor | None): Shape (head_dim // 2,): one divisor per frequency, finite
                 and non-zero; None means all ones. Default ``None``.
@@ -73,17 +74,19 @@ class LongRoPEFwdOp(hooks.LongRoPEFwdHooks):
         Args:
             x (torch.Tensor): The tensor to rotate; the position of a row is position_ids, or its index along
                 seq_len when they are not given. Shape ``[seq_len, head_dim]`` (``input_layout="1d"``);
-                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); dtype float16, bfloat16,
-                float32.
+                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); ``[batch, num_heads,
+                seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16, float32.
             position_ids (torch.Tensor | None): Keyword-only. The position of each row, in [0, 2^24):
-                [seq_len] (1d, or 2d shared by the batch) or [batch, seq_len] (2d); omitted means 0 .. seq_len
-                - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or ``[seq_len]``
-                (``input_layout="2d"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
+                [seq_len] (1d, or 2d and bhsd shared by the batch) or [batch, seq_len] (2d, bhsd); omitted
+                means 0 .. seq_len - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or
+                ``[seq_len]`` (``input_layout="2d"``); ``[batch, seq_len]`` or ``[seq_len]``
+                (``input_layout="bhsd"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
             key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
                 launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
                 strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
                 (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
-                dtype float16, bfloat16, float32. Default None.
+                ``[batch, key_heads, seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16,
+                float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
                 any strides; it may be its own input exactly (in place) but may not otherwise overlap another
@@ -150,8 +153,9 @@ class MRoPEFwdOp(hooks.MRoPEFwdHooks):
                 3 positive ints summing to head_dim / 2, e.g. [16, 24, 24] (Qwen2-VL) or [24, 20, 20]
                 (Qwen3-VL). Required.
             input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim];
-                packed: x is [tokens, heads, head_dim] (position_ids required). One of ``"1d"``, ``"2d"``,
-                ``"packed"``. Default ``"2d"``.
+                bhsd: x is [batch, num_heads, seq_len, head_dim], transformers' layout (its transposed q and k
+                as they come, no copy); packed: x is [tokens, heads, head_dim] (position_ids required). One of
+                ``"1d"``, ``"2d"``, ``"bhsd"``, ``"packed"``. Default ``"2d"``.
             base (float): The frequency base: inv_freq[j] = base^(-2j/head_dim). Default ``10000.0``.
             mrope_interleaved (bool): false: consecutive sections (Qwen2-VL, Qwen2.5-VL); true: the
                 interleaved map of Qwen3-VL. Default ``False``.
@@ -181,21 +185,22 @@ class MRoPEFwdOp(hooks.MRoPEFwdHooks):
         Args:
             x (torch.Tensor): The tensor to rotate (the attention query, or any tensor of that layout). Shape
                 ``[seq_len, head_dim]`` (``input_layout="1d"``); ``[batch, seq_len, num_heads, head_dim]``
-                (``input_layout="2d"``); ``[tokens, heads, head_dim]`` (``input_layout="packed"``); dtype
-                float16, bfloat16, float32.
+                (``input_layout="2d"``); ``[batch, num_heads, seq_len, head_dim]`` (``input_layout="bhsd"``);
+                ``[tokens, heads, head_dim]`` (``input_layout="packed"``); dtype float16, bfloat16, float32.
             position_ids (torch.Tensor | None): Keyword-only. The temporal, height and width position of each
-                row, each in [0, 2^24): [3, seq_len] (1d), [3, batch, seq_len] (2d; expand a batch-shared [3,
-                1, seq_len] to it: no copy) or [3, tokens] (packed); any strides. Omitted (1d, 2d): 0 ..
-                seq_len - 1 in every stream, which is plain RoPE. Shape ``[streams, seq_len]``
-                (``input_layout="1d"``); ``[streams, batch, seq_len]`` (``input_layout="2d"``); ``[streams,
-                tokens]`` (``input_layout="packed"``); dtype int32, int64. Each value in ``[0, 16777216)``.
-                Default None.
+                row, each in [0, 2^24): [3, seq_len] (1d), [3, batch, seq_len] (2d, bhsd; expand a
+                batch-shared [3, 1, seq_len] to it: no copy) or [3, tokens] (packed); any strides. Omitted
+                (1d, 2d, bhsd): 0 .. seq_len - 1 in every stream, which is plain RoPE. Shape ``[streams,
+                seq_len]`` (``input_layout="1d"``); ``[streams, batch, seq_len]`` (``input_layout="2d"``);
+                ``[streams, batch, seq_len]`` (``input_layout="bhsd"``); ``[streams, tokens]``
+                (``input_layout="packed"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default
+                None.
             key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
                 launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
                 strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
                 (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
-                ``[tokens, key_heads, head_dim]`` (``input_layout="packed"``); dtype float16, bfloat16,
-                float32. Default None.
+                ``[batch, key_heads, seq_len, head_dim]`` (``input_layout="bhsd"``); ``[tokens, key_heads,
+                head_dim]`` (``input_layout="packed"``); dtype float16, bfloat16, float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
                 any strides; it may be its own input exactly (in place) but may not otherwise overlap another
@@ -251,8 +256,9 @@ class Phi3LongRoPEFwdOp(hooks.Phi3LongRoPEFwdHooks):
         """Build the op; kernels are compiled at the first call.
 
         Args:
-            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim].
-                One of ``"1d"``, ``"2d"``. Default ``"1d"``.
+            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim];
+                bhsd: x is [batch, num_heads, seq_len, head_dim], transformers' layout (its transposed q and k
+                as they come, no copy). One of ``"1d"``, ``"2d"``, ``"bhsd"``. Default ``"1d"``.
             base (float): The frequency base. Default ``10000.0``.
             short_factor (torch.Tensor | None): Shape (rotary_dim // 2,): the divisors used up to
                 original_max_position_embeddings; finite and non-zero; None means all ones. Default ``None``.
@@ -297,17 +303,19 @@ class Phi3LongRoPEFwdOp(hooks.Phi3LongRoPEFwdHooks):
         Args:
             x (torch.Tensor): The tensor to rotate; the position of a row is position_ids, or its index along
                 seq_len when they are not given. Shape ``[seq_len, head_dim]`` (``input_layout="1d"``);
-                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); dtype float16, bfloat16,
-                float32.
+                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); ``[batch, num_heads,
+                seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16, float32.
             position_ids (torch.Tensor | None): Keyword-only. The position of each row, in [0, 2^24):
-                [seq_len] (1d, or 2d shared by the batch) or [batch, seq_len] (2d); omitted means 0 .. seq_len
-                - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or ``[seq_len]``
-                (``input_layout="2d"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
+                [seq_len] (1d, or 2d and bhsd shared by the batch) or [batch, seq_len] (2d, bhsd); omitted
+                means 0 .. seq_len - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or
+                ``[seq_len]`` (``input_layout="2d"``); ``[batch, seq_len]`` or ``[seq_len]``
+                (``input_layout="bhsd"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
             key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
                 launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
                 strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
                 (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
-                dtype float16, bfloat16, float32. Default None.
+                ``[batch, key_heads, seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16,
+                float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
                 any strides; it may be its own input exactly (in place) but may not otherwise overlap another
@@ -361,8 +369,9 @@ class RoPEDynamicNTKFwdOp(hooks.RoPEDynamicNTKFwdHooks):
         """Build the op; kernels are compiled at the first call.
 
         Args:
-            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim].
-                One of ``"1d"``, ``"2d"``. Default ``"1d"``.
+            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim];
+                bhsd: x is [batch, num_heads, seq_len, head_dim], transformers' layout (its transposed q and k
+                as they come, no copy). One of ``"1d"``, ``"2d"``, ``"bhsd"``. Default ``"1d"``.
             base (float): The frequency base before scaling. Default ``10000.0``.
             factor (float): The scaling factor (HF rope_scaling factor). Default ``1.0``.
             max_position_embeddings (int): The trained context length; longer calls scale the base. Default
@@ -397,17 +406,19 @@ class RoPEDynamicNTKFwdOp(hooks.RoPEDynamicNTKFwdHooks):
         Args:
             x (torch.Tensor): The tensor to rotate; the position of a row is position_ids, or its index along
                 seq_len when they are not given. Shape ``[seq_len, head_dim]`` (``input_layout="1d"``);
-                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); dtype float16, bfloat16,
-                float32.
+                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); ``[batch, num_heads,
+                seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16, float32.
             position_ids (torch.Tensor | None): Keyword-only. The position of each row, in [0, 2^24):
-                [seq_len] (1d, or 2d shared by the batch) or [batch, seq_len] (2d); omitted means 0 .. seq_len
-                - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or ``[seq_len]``
-                (``input_layout="2d"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
+                [seq_len] (1d, or 2d and bhsd shared by the batch) or [batch, seq_len] (2d, bhsd); omitted
+                means 0 .. seq_len - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or
+                ``[seq_len]`` (``input_layout="2d"``); ``[batch, seq_len]`` or ``[seq_len]``
+                (``input_layout="bhsd"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
             key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
                 launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
                 strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
                 (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
-                dtype float16, bfloat16, float32. Default None.
+                ``[batch, key_heads, seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16,
+                float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
                 any strides; it may be its own input exactly (in place) but may not otherwise overlap another
@@ -465,8 +476,9 @@ class RoPEFwdOp(hooks.RoPEFwdHooks):
         Args:
             rope_layout (str): Which elements pair up: neox pairs (i, i + D/2), interleaved pairs (2i, 2i+1).
                 One of ``"neox"``, ``"interleaved"``. Default ``"neox"``.
-            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim].
-                One of ``"1d"``, ``"2d"``. Default ``"1d"``.
+            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim];
+                bhsd: x is [batch, num_heads, seq_len, head_dim], transformers' layout (its transposed q and k
+                as they come, no copy). One of ``"1d"``, ``"2d"``, ``"bhsd"``. Default ``"1d"``.
             base (float): The frequency base: inv_freq[i] = base^(-2i/D). Default ``10000.0``.
             target (str | Target | None): Which set of kernels serves this op: a registered target name,
                 BUILTIN for the in-tree kernels, or None to decide from the input device at the first call.
@@ -493,17 +505,19 @@ class RoPEFwdOp(hooks.RoPEFwdHooks):
         Args:
             x (torch.Tensor): The tensor to rotate; the position of a row is position_ids, or its index along
                 seq_len when they are not given. Shape ``[seq_len, head_dim]`` (``input_layout="1d"``);
-                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); dtype float16, bfloat16,
-                float32.
+                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); ``[batch, num_heads,
+                seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16, float32.
             position_ids (torch.Tensor | None): Keyword-only. The position of each row, in [0, 2^24):
-                [seq_len] (1d, or 2d shared by the batch) or [batch, seq_len] (2d); omitted means 0 .. seq_len
-                - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or ``[seq_len]``
-                (``input_layout="2d"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
+                [seq_len] (1d, or 2d and bhsd shared by the batch) or [batch, seq_len] (2d, bhsd); omitted
+                means 0 .. seq_len - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or
+                ``[seq_len]`` (``input_layout="2d"``); ``[batch, seq_len]`` or ``[seq_len]``
+                (``input_layout="bhsd"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
             key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
                 launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
                 strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
                 (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
-                dtype float16, bfloat16, float32. Default None.
+                ``[batch, key_heads, seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16,
+                float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
                 any strides; it may be its own input exactly (in place) but may not otherwise overlap another
@@ -556,8 +570,9 @@ class RoPELinearFwdOp(hooks.RoPELinearFwdHooks):
         """Build the op; kernels are compiled at the first call.
 
         Args:
-            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim].
-                One of ``"1d"``, ``"2d"``. Default ``"1d"``.
+            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim];
+                bhsd: x is [batch, num_heads, seq_len, head_dim], transformers' layout (its transposed q and k
+                as they come, no copy). One of ``"1d"``, ``"2d"``, ``"bhsd"``. Default ``"1d"``.
             base (float): The frequency base: inv_freq[i] = base^(-2i/D) / factor. Default ``10000.0``.
             factor (float): The interpolation factor: positions are divided by it. Default ``1.0``.
             rotary_dim (int | None): How many leading columns of each head rotate; even, at most head_dim.
@@ -589,17 +604,19 @@ class RoPELinearFwdOp(hooks.RoPELinearFwdHooks):
         Args:
             x (torch.Tensor): The tensor to rotate; the position of a row is position_ids, or its index along
                 seq_len when they are not given. Shape ``[seq_len, head_dim]`` (``input_layout="1d"``);
-                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); dtype float16, bfloat16,
-                float32.
+                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); ``[batch, num_heads,
+                seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16, float32.
             position_ids (torch.Tensor | None): Keyword-only. The position of each row, in [0, 2^24):
-                [seq_len] (1d, or 2d shared by the batch) or [batch, seq_len] (2d); omitted means 0 .. seq_len
-                - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or ``[seq_len]``
-                (``input_layout="2d"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
+                [seq_len] (1d, or 2d and bhsd shared by the batch) or [batch, seq_len] (2d, bhsd); omitted
+                means 0 .. seq_len - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or
+                ``[seq_len]`` (``input_layout="2d"``); ``[batch, seq_len]`` or ``[seq_len]``
+                (``input_layout="bhsd"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
             key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
                 launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
                 strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
                 (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
-                dtype float16, bfloat16, float32. Default None.
+                ``[batch, key_heads, seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16,
+                float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
                 any strides; it may be its own input exactly (in place) but may not otherwise overlap another
@@ -645,8 +662,9 @@ class RoPELlama31FwdOp(hooks.RoPELlama31FwdHooks):
         """Build the op; kernels are compiled at the first call.
 
         Args:
-            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim].
-                One of ``"1d"``, ``"2d"``. Default ``"1d"``.
+            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim];
+                bhsd: x is [batch, num_heads, seq_len, head_dim], transformers' layout (its transposed q and k
+                as they come, no copy). One of ``"1d"``, ``"2d"``, ``"bhsd"``. Default ``"1d"``.
             base (float): The frequency base. Default ``10000.0``.
             scale_factor (float): Divisor of the low frequencies. Default ``8.0``.
             low_freq_factor (float): Sets the long-wavelength edge of the blended band. Default ``1.0``.
@@ -682,17 +700,19 @@ class RoPELlama31FwdOp(hooks.RoPELlama31FwdHooks):
         Args:
             x (torch.Tensor): The tensor to rotate; the position of a row is position_ids, or its index along
                 seq_len when they are not given. Shape ``[seq_len, head_dim]`` (``input_layout="1d"``);
-                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); dtype float16, bfloat16,
-                float32.
+                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); ``[batch, num_heads,
+                seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16, float32.
             position_ids (torch.Tensor | None): Keyword-only. The position of each row, in [0, 2^24):
-                [seq_len] (1d, or 2d shared by the batch) or [batch, seq_len] (2d); omitted means 0 .. seq_len
-                - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or ``[seq_len]``
-                (``input_layout="2d"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
+                [seq_len] (1d, or 2d and bhsd shared by the batch) or [batch, seq_len] (2d, bhsd); omitted
+                means 0 .. seq_len - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or
+                ``[seq_len]`` (``input_layout="2d"``); ``[batch, seq_len]`` or ``[seq_len]``
+                (``input_layout="bhsd"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
             key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
                 launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
                 strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
                 (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
-                dtype float16, bfloat16, float32. Default None.
+                ``[batch, key_heads, seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16,
+                float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
                 any strides; it may be its own input exactly (in place) but may not otherwise overlap another
@@ -822,8 +842,9 @@ class YaRNFwdOp(hooks.YaRNFwdHooks):
         """Build the op; kernels are compiled at the first call.
 
         Args:
-            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim].
-                One of ``"1d"``, ``"2d"``. Default ``"1d"``.
+            input_layout (str): 1d: x is [seq_len, head_dim]; 2d: x is [batch, seq_len, num_heads, head_dim];
+                bhsd: x is [batch, num_heads, seq_len, head_dim], transformers' layout (its transposed q and k
+                as they come, no copy). One of ``"1d"``, ``"2d"``, ``"bhsd"``. Default ``"1d"``.
             base (float): The frequency base. Default ``10000.0``.
             scale (float): The context extension factor. Default ``16.0``.
             original_max_position (int): The pre-training context length. Default ``4096``.
@@ -864,17 +885,19 @@ class YaRNFwdOp(hooks.YaRNFwdHooks):
         Args:
             x (torch.Tensor): The tensor to rotate; the position of a row is position_ids, or its index along
                 seq_len when they are not given. Shape ``[seq_len, head_dim]`` (``input_layout="1d"``);
-                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); dtype float16, bfloat16,
-                float32.
+                ``[batch, seq_len, num_heads, head_dim]`` (``input_layout="2d"``); ``[batch, num_heads,
+                seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16, float32.
             position_ids (torch.Tensor | None): Keyword-only. The position of each row, in [0, 2^24):
-                [seq_len] (1d, or 2d shared by the batch) or [batch, seq_len] (2d); omitted means 0 .. seq_len
-                - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or ``[seq_len]``
-                (``input_layout="2d"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
+                [seq_len] (1d, or 2d and bhsd shared by the batch) or [batch, seq_len] (2d, bhsd); omitted
+                means 0 .. seq_len - 1. Shape ``[seq_len]`` (``input_layout="1d"``); ``[batch, seq_len]`` or
+                ``[seq_len]`` (``input_layout="2d"``); ``[batch, seq_len]`` or ``[seq_len]``
+                (``input_layout="bhsd"``); dtype int32, int64. Each value in ``[0, 16777216)``. Default None.
             key (torch.Tensor | None): Keyword-only. A second tensor rotated at the same positions in the same
                 launch (the attention key): like x, with its own number of heads (GQA, MQA) and its own
                 strides; the op then returns (out, key_out). Shape ``[seq_len, head_dim]``
                 (``input_layout="1d"``); ``[batch, seq_len, key_heads, head_dim]`` (``input_layout="2d"``);
-                dtype float16, bfloat16, float32. Default None.
+                ``[batch, key_heads, seq_len, head_dim]`` (``input_layout="bhsd"``); dtype float16, bfloat16,
+                float32. Default None.
             out (torch.Tensor | None): Keyword-only. Where to write the result (x rotated: a new tensor shaped
                 and typed like x, or the out= tensor (out=x rotates in place).). Shaped and typed like ``x``,
                 any strides; it may be its own input exactly (in place) but may not otherwise overlap another

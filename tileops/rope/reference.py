@@ -10,6 +10,8 @@ from typing import Any, Mapping
 
 import torch
 
+from .hooks import SEQ_AXIS
+
 __all__ = ["reference", "grads"]
 
 
@@ -38,7 +40,7 @@ def _rotated(op: Any, x: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> to
     if given is not None:
         pos = given.detach().cpu().to(torch.float64)
     else:
-        pos = torch.arange(x.shape[0] if op.layout == "1d" else x.shape[1], dtype=torch.float64)
+        pos = torch.arange(x.shape[SEQ_AXIS[op.layout]], dtype=torch.float64)
     if hasattr(op, "dynamic_inv_freq"):  # dynamic NTK: the frequencies of this call's length
         from .hooks import ntk_inv_freq
 
@@ -50,6 +52,8 @@ def _rotated(op: Any, x: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> to
     c, s = angle.cos() * amplitude, angle.sin() * amplitude
     if op.layout == "2d":
         c, s = (c[..., None, :], s[..., None, :]) if c.dim() == 3 else (c[None, :, None, :], s[None, :, None, :])
+    elif op.layout == "bhsd":  # [batch, seq, R/2] or [seq, R/2] against [batch, heads, seq, D]
+        c, s = (c[:, None], s[:, None]) if c.dim() == 3 else (c[None, None], s[None, None])
     elif op.layout == "ids":
         c, s = c[:, None, :], s[:, None, :]
     out = x.clone()

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from .hooks import SEQ_AXIS
+
 __all__ = ["implement"]
 
 
@@ -48,7 +50,7 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
                 op._raise_bad_position(position_ids)
             pos = position_ids
         else:
-            pos = torch.arange(x.shape[1] if op.layout == "2d" else x.shape[0], device=x.device)
+            pos = torch.arange(x.shape[SEQ_AXIS[op.layout]], device=x.device)
         dynamic = getattr(op, "dynamic_inv_freq", None)
         if dynamic is not None:  # this call's frequencies, from the op's state on the device
             angle = pos.to(torch.float64)[..., None] * dynamic(position_ids, pos.shape[-1], rot, x.device)
@@ -59,6 +61,8 @@ def implement(op: Any, spec: Any) -> Callable[..., torch.Tensor]:
             c, s = c[:, None, :], s[:, None, :]  # [tokens, 1, R/2] against [tokens, heads, D]
         elif op.layout == "2d":
             c, s = c[..., None, :], s[..., None, :]  # [(batch,) seq, 1, R/2]
+        elif op.layout == "bhsd":
+            c, s = c.unsqueeze(-3), s.unsqueeze(-3)  # [(batch,) 1, seq, R/2]
         out = _rotate(x, c, s, rot, op.pairing)
         return out if key is None else (out, _rotate(key, c, s, rot, op.pairing))
 
