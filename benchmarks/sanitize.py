@@ -102,7 +102,8 @@ def _case_calls() -> Iterator[Call]:
 
 
 def _base_calls() -> Iterator[Call]:
-    """RoPEFwdOp in 2d over head dims, heads, lengths, views, outputs and positions."""
+    """RoPEFwdOp in 2d over head dims, heads, lengths, views, outputs and positions; and in bhsd on
+    HF's own [B, H, S, D] (the head-major kernel at 8195 tokens)."""
     from tileops.rope import RoPEFwdOp
 
     reference, reference_grad, _ = _refs()
@@ -134,6 +135,11 @@ def _base_calls() -> Iterator[Call]:
                 (dq,) = torch.autograd.grad(op(leaf, position_ids=pos.to(DEV)), leaf, go)
                 _close(dq, reference_grad("RoPEFwdOp", params, {"x": cq, "position_ids": pos}, go.cpu()), f"D{D} dq")
                 op.check()
+                hf = RoPEFwdOp(input_layout="bhsd")  # the same q and k as HF holds them: [B, H, S, D]
+                qb, kb = hf(q.transpose(1, 2), position_ids=pos.to(DEV), key=k.transpose(1, 2))
+                _close(qb.transpose(1, 2), reference("RoPEFwdOp", params, {"x": cq, "position_ids": pos}), f"D{D} bhsd q")
+                _close(kb.transpose(1, 2), reference("RoPEFwdOp", params, {"x": ck, "position_ids": pos}), f"D{D} bhsd k")
+                hf.check()
             yield f"RoPEFwdOp 2d D={D} H={H}/{HK} S={S}", run
 
 
