@@ -128,3 +128,25 @@ def test_the_hf_patch_rotates_q_and_k_as_they_come(gen):
     k = torch.randn(2, 5, 2, 16, generator=gen).transpose(1, 2)
     out = tt._rotate((Spy(), torch.arange(5)[None]), q, k)
     assert seen[0][0] is q and seen[0][1] is k and out[0] is q and out[1] is k
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dense", [False, True], ids=["hf-views", "dense"])
+def test_bhsd_on_cuda_gives_the_bits_of_2d_short_and_head_major(dense, gen):
+    """On CUDA too, and past ``TRANSPOSED_MIN_TOKENS`` where a dense ``[B, H, S, D]`` (head-major in
+    memory) takes the kernel made for head-major views, as HF's views do under "2d"."""
+    from tileops.rope import RoPEFwdOp
+    from tileops.rope.builtin import TRANSPOSED_MIN_TOKENS
+
+    two, hf = RoPEFwdOp(input_layout="2d"), RoPEFwdOp(input_layout="bhsd")
+    for s in (7, TRANSPOSED_MIN_TOKENS + 3):
+        q = torch.randn(1, s, 4, 128, generator=gen).to("cuda", torch.bfloat16)  # [B, S, H, D]
+        k = torch.randn(1, s, 2, 128, generator=gen).to("cuda", torch.bfloat16)
+        pos = torch.randint(0, 1 << 20, (1, s), generator=gen).to("cuda")
+        call = _views({"x": q, "key": k, "position_ids": pos}, dense)
+        want = two(q, position_ids=pos, key=k)
+        got = hf(**call)
+        hf.check()
+        assert torch.equal(got[0].transpose(1, 2), want[0]) and torch.equal(got[1].transpose(1, 2), want[1])
+    head_major = (False, True) in next(iter(hf._impls.values()))._kernels
+    assert head_major == dense  # HF's views of [B, S, H, D] projections are token-major: the usual kernel

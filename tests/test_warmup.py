@@ -70,7 +70,7 @@ def test_compile_for_another_target_compiles_nothing():
 def test_warmup_builds_the_head_major_kernel_for_2d_ops_only():
     """A long head-major 2d view (HF's [B, H, S, D] through a transpose) is served on CUDA by a kernel
     of its own schedule: ``tileops warmup`` and ``op.compile`` build it beside the usual one, for 2d
-    ops only (a packed or 1d op never takes it), and never for the CPU."""
+    and bhsd ops only (a packed or 1d op never takes it), and never for the CPU."""
     from tileops.compile.warmup import op_kernel_jobs
 
     jobs = op_kernel_jobs("RoPEFwdOp", {"input_layout": "2d"}, {"head_dim": 128}, ["bfloat16"], "sm_90",
@@ -84,6 +84,9 @@ def test_warmup_builds_the_head_major_kernel_for_2d_ops_only():
     lanes = {s.transposed: s._head_lanes for s in specs}
     assert lanes[True] < lanes[False]
     assert max(s.group for s in specs if s.transposed) > max(s.group for s in specs if not s.transposed)
+    bhsd = op_kernel_jobs("RoPEFwdOp", {"input_layout": "bhsd"}, {"head_dim": 128}, ["bfloat16"], "sm_90",
+                          with_inputs=[])  # HF's own layout: the same kernels, through strides
+    assert [j[1] for j in bhsd] == specs
     assert {s.transposed for _, s, _, _ in op_kernel_jobs("RoPENeoxPositionIdsFwdOp", {"max_position": 64},
                                                           {"head_dim": 128}, ["float16"], "sm_90")} == {False}
     assert {s.transposed for _, s, _, _ in op_kernel_jobs("RoPEFwdOp", {"input_layout": "2d"}, {"head_dim": 128},

@@ -34,10 +34,10 @@ from .tables import DIGITS, LO
 __all__ = ["implement", "kernel_spec", "kernel_specs", "RoPEKernels", "TRANSPOSED_MIN_TOKENS", "CPU_WIDEN_FP16_MIN"]
 
 #: a 2d view of at least this many tokens (B x S) whose head stride exceeds its token stride (HF's
-#: ``[B, H, S, D]`` through a transpose) is served on CUDA by the kernel made for head-major views
-#: (``RoPEKernelSpec.transposed``); a shorter one keeps the usual schedule, whose many head lanes
-#: are what a few tokens need (H200: decode-size q+k on such views 4.7 us with 8 head lanes, 11.9
-#: us with 2; 8192 tokens 46.7 us with 8, 44.3 us with 2)
+#: ``[B, H, S, D]`` through a transpose; under ``"bhsd"``, such a tensor dense) is served on CUDA by
+#: the kernel made for head-major views (``RoPEKernelSpec.transposed``); a shorter one keeps the
+#: usual schedule, whose many head lanes are what a few tokens need (H200: decode-size q+k on such
+#: views 4.7 us with 8 head lanes, 11.9 us with 2; 8192 tokens 46.7 us with 8, 44.3 us with 2)
 TRANSPOSED_MIN_TOKENS = 8192
 
 #: fp16 on the CPU: from this many elements of x (and key) a call converts them to fp32 with torch,
