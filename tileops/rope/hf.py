@@ -174,7 +174,6 @@ def from_hf_config(config: Any, *, target: str | Target | None = None, input_lay
     if input_layout not in LAYOUTS:
         raise ValueError(f"{_NAME}: input_layout: expected one of {', '.join(map(repr, LAYOUTS))}, "
                          f"got {input_layout!r}")
-    layout = input_layout
     c = _Config(config)
     _check_rotary(c)
     rp = c.rp
@@ -182,7 +181,7 @@ def from_hf_config(config: Any, *, target: str | Target | None = None, input_lay
     if not isinstance(rope_type, str):
         raise TypeError(f"{_NAME}: {c.field('rope_type')}: expected a str, got {type(rope_type).__name__}")
     if c.model_type in MROPE_MODEL_TYPES:
-        return _mrope(c, rope_type, target, layout)
+        return _mrope(c, rope_type, target, input_layout)
     if rope_type == "mrope":
         raise NotImplementedError(f"{_NAME}: {c.field('rope_type')}: rope type 'mrope' is served for the model "
                                   f"types {', '.join(MROPE_MODEL_TYPES)}, got config.model_type "
@@ -246,12 +245,12 @@ def from_hf_config(config: Any, *, target: str | Target | None = None, input_lay
 
     if rope_type == "default":
         if rotary_dim is None:
-            return RoPEFwdOp(pairing, layout, base, target=target)
-        return RoPELinearFwdOp(layout, base, 1.0, rotary_dim, target=target)
+            return RoPEFwdOp(pairing, input_layout, base, target=target)
+        return RoPELinearFwdOp(input_layout, base, 1.0, rotary_dim, target=target)
 
     if rope_type == "linear":
         factor = c.number(c.field("factor"), c.required("factor"))
-        return RoPELinearFwdOp(layout, base, factor, rotary_dim, target=target)
+        return RoPELinearFwdOp(input_layout, base, factor, rotary_dim, target=target)
 
     if rope_type == "llama3":
         factor = c.number(c.field("factor"), c.required("factor"))
@@ -260,16 +259,16 @@ def from_hf_config(config: Any, *, target: str | Target | None = None, input_lay
         if low == high:
             raise ValueError(f"{_NAME}: {c.field('high_freq_factor')}: expected a value != low_freq_factor "
                              f"(the band's blend divides by their difference), got both {low}")
-        return RoPELlama31FwdOp(layout, base, factor, low, high, original_max(), target=target)
+        return RoPELlama31FwdOp(input_layout, base, factor, low, high, original_max(), target=target)
 
     if rope_type == "yarn":
-        return _yarn(c, base, original_max, max_positions, target, pairing, layout)
+        return _yarn(c, base, original_max, max_positions, target, pairing, input_layout)
 
     if rope_type == "dynamic":
         factor = c.number(c.field("factor"), c.required("factor"))
         if factor < 1:
             raise ValueError(f"{_NAME}: {c.field('factor')}: expected a factor >= 1 for dynamic NTK, got {factor}")
-        return RoPEDynamicNTKFwdOp(layout, base, factor, max_positions(), rotary_dim, target=target)
+        return RoPEDynamicNTKFwdOp(input_layout, base, factor, max_positions(), rotary_dim, target=target)
 
     # longrope
     omp = original_max()
@@ -285,7 +284,7 @@ def from_hf_config(config: Any, *, target: str | Target | None = None, input_lay
 
     short = torch.tensor(c.factors("short_factor", dim // 2), dtype=torch.float64)
     long = torch.tensor(c.factors("long_factor", dim // 2), dtype=torch.float64)
-    return Phi3LongRoPEFwdOp(layout, base, short, long, omp, mpe, attention, rotary_dim, target=target)
+    return Phi3LongRoPEFwdOp(input_layout, base, short, long, omp, mpe, attention, rotary_dim, target=target)
 
 
 #: what a transformers config holds when its model has rotary embeddings: the rope block
