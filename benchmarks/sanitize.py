@@ -124,11 +124,14 @@ def _base_calls() -> Iterator[Call]:
                 qo, ko = torch.full(q.shape, float("nan"), dtype=dt).to(DEV), torch.full(k.shape, float("nan"), dtype=dt).to(DEV)
                 op(q, position_ids=pos.to(DEV), key=k, out=qo, key_out=ko)
                 cq, ck = q.cpu(), k.cpu()
-                _close(qo, reference("RoPEFwdOp", params, {"x": cq, "position_ids": pos}), f"D{D} H{H} S{S} out=")
-                _close(ko, reference("RoPEFwdOp", params, {"x": ck, "position_ids": pos}), f"D{D} H{H} S{S} key_out=")
+                # float64 on the host, once for every call below that rotates q or k at pos
+                want_q = reference("RoPEFwdOp", params, {"x": cq, "position_ids": pos})
+                want_k = reference("RoPEFwdOp", params, {"x": ck, "position_ids": pos})
+                _close(qo, want_q, f"D{D} H{H} S{S} out=")
+                _close(ko, want_k, f"D{D} H{H} S{S} key_out=")
                 q2, k2 = q.clone(), k.clone()
                 op(q2, position_ids=pos.to(DEV), key=k2, out=q2, key_out=k2)  # in place
-                _close(q2, reference("RoPEFwdOp", params, {"x": cq, "position_ids": pos}), f"D{D} in place")
+                _close(q2, want_q, f"D{D} in place")
                 _close(op(q), reference("RoPEFwdOp", params, {"x": cq}), f"D{D} no positions")
                 leaf = q.detach().clone().requires_grad_(True)
                 go = torch.randn(2, H, S, D, generator=g).to(dt).to(DEV).transpose(1, 2)  # as HF's would be
@@ -137,8 +140,8 @@ def _base_calls() -> Iterator[Call]:
                 op.check()
                 hf = RoPEFwdOp(input_layout="bhsd")  # the same q and k as HF holds them: [B, H, S, D]
                 qb, kb = hf(q.transpose(1, 2), position_ids=pos.to(DEV), key=k.transpose(1, 2))
-                _close(qb.transpose(1, 2), reference("RoPEFwdOp", params, {"x": cq, "position_ids": pos}), f"D{D} bhsd q")
-                _close(kb.transpose(1, 2), reference("RoPEFwdOp", params, {"x": ck, "position_ids": pos}), f"D{D} bhsd k")
+                _close(qb.transpose(1, 2), want_q, f"D{D} bhsd q")
+                _close(kb.transpose(1, 2), want_k, f"D{D} bhsd k")
                 hf.check()
             yield f"RoPEFwdOp 2d D={D} H={H}/{HK} S={S}", run
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..targets import Target
-from .hooks import RoPEHooks
+from .hooks import BATCHED, RoPEHooks
 from .ops import (MRoPEFwdOp, Phi3LongRoPEFwdOp, RoPEDynamicNTKFwdOp, RoPEFwdOp, RoPELinearFwdOp,
                   RoPELlama31FwdOp, YaRNFwdOp)
 
@@ -39,8 +39,6 @@ MROPE_MODEL_TYPES: dict[str, tuple[bool, tuple[int, int, int]]] = {
 }
 
 _NAME = "from_hf_config"
-#: the layouts an op made here takes: x ``[batch, seq, heads, D]``, or transformers' ``[batch, heads, seq, D]``
-LAYOUTS = ("2d", "bhsd")
 
 
 class _Config:
@@ -171,8 +169,8 @@ def from_hf_config(config: Any, *, target: str | Target | None = None, input_lay
             model type.
         TypeError, ValueError: A config field of the wrong type or value; the message names it.
     """
-    if input_layout not in LAYOUTS:
-        raise ValueError(f"{_NAME}: input_layout: expected one of {', '.join(map(repr, LAYOUTS))}, "
+    if input_layout not in BATCHED:  # the layouts with a batch and a heads dim, which HF's tensors have
+        raise ValueError(f"{_NAME}: input_layout: expected one of {', '.join(map(repr, BATCHED))}, "
                          f"got {input_layout!r}")
     c = _Config(config)
     _check_rotary(c)

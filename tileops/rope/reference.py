@@ -52,8 +52,8 @@ def _rotated(op: Any, x: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> to
     c, s = angle.cos() * amplitude, angle.sin() * amplitude
     if op.layout == "2d":
         c, s = (c[..., None, :], s[..., None, :]) if c.dim() == 3 else (c[None, :, None, :], s[None, :, None, :])
-    elif op.layout == "bhsd":  # [batch, seq, R/2] or [seq, R/2] against [batch, heads, seq, D]
-        c, s = (c[:, None], s[:, None]) if c.dim() == 3 else (c[None, None], s[None, None])
+    elif op.layout == "bhsd":  # [(batch,) seq, R/2] against [batch, heads, seq, D]
+        c, s = c.unsqueeze(-3), s.unsqueeze(-3)
     elif op.layout == "ids":
         c, s = c[:, None, :], s[:, None, :]
     out = x.clone()
