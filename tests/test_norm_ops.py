@@ -371,7 +371,7 @@ def test_weight_and_bias_gradients_are_written_whole_and_planned_once(nan_empty,
     got, gs = _fp32_gradients_match(op, _layer_reference, inputs, gen)
     kernels = op._impl_for(op._check_call(inputs))
     def backward_bindings():  # (the forward's general path binds into the same cache; None: copied first)
-        return [b for b in kernels._bound.bindings() if b is None or b.names == BACKWARD.names]
+        return [b for b in kernels.op._bindings.of(kernels) if b is None or b.names == BACKWARD.names]
 
     (plan,) = backward_bindings()
     assert plan is not None and [launch.kernel for launch in plan.launches] == [
@@ -669,12 +669,12 @@ def test_the_cuda_host_path_emulated(emulated_cuda, gen):
         # dy one bf16 past the vector: strides as dy's, so the same plan, whose launch the pointer refuses;
         # then dy is copied, and the copies' signature (dx written into a buffer of its own) is bound once
         off = torch.empty(dy.numel() + 1, dtype=dy.dtype)[1:].view(dy.shape).copy_(dy)
-        plans = b._bound.bindings()
+        plans = b.op._bindings.of(b)
         for _ in range(2):
             leaves = [t.clone().requires_grad_(True) for t in (x, w, r)]
             got = torch.autograd.grad(op(leaves[0], leaves[1], residual=leaves[2]), leaves, (off, dh))
             assert all(torch.equal(u, v) for u, v in zip(got, (gx, gw, gr)))
-            assert b._bound.bindings()[:len(plans)] == plans and len(b._bound.bindings()) == len(plans) + 1
+            assert b.op._bindings.of(b)[:len(plans)] == plans and len(b.op._bindings.of(b)) == len(plans) + 1
     assert torch.equal(gx, gr) and torch.equal(cx, cr)
     # the two schedules sum in other orders: dx within a bf16 rounding, dw within its fp32 sums' error
     assert_close(gx, cx.double(), rtol=2.0**-7, atol=2.0**-7 * cx.abs().mean().item(), what="dx")

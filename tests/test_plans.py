@@ -15,7 +15,8 @@ import torch
 
 from tests.paths import native_module
 from tileops.runtime import executor
-from tileops.runtime.plan import WORK_ALIGN, Bound, Output, Plan, PlanError, Ptr, Scalar, Step, Workspace, signature
+from tileops.runtime.cache import Bindings
+from tileops.runtime.plan import WORK_ALIGN, Output, Plan, PlanError, Ptr, Scalar, Step, Workspace, signature
 
 EXAMPLE = Path(__file__).parents[1] / "docs" / "examples" / "two_kernel_plan.py"
 _spec = importlib.util.spec_from_file_location("two_kernel_plan", EXAMPLE)
@@ -48,7 +49,14 @@ def test_a_plan_of_two_kernels_and_a_workspace_runs_on_both_executors(which, gen
 
 
 def test_plans_are_bound_once_per_signature(gen):
-    bound = Bound(limit=3)
+    class Mirror:  # the native executor's index of the call entries, cleared with the cache
+        cleared = 0
+
+        def clear(self):
+            self.cleared += 1
+
+    mirror, owner, other = Mirror(), object(), object()
+    bound = Bindings(limit=3, mirror=mirror)
     made = []
 
     def make(x):
@@ -57,12 +65,35 @@ def test_plans_are_bound_once_per_signature(gen):
 
     x = torch.randn(8, 4, generator=gen)
     for _ in range(3):
-        bound.get(("sum", signature(SUM_ROWS.names, {"x": x})), lambda: make(x))
-    assert made == [(8, 4)] and len(bound) == 1
-    for m in (9, 10, 11):  # past the limit the cache starts over
+        bound.bind(owner, ("sum", signature(SUM_ROWS.names, {"x": x})), lambda: make(x))
+    assert made == [(8, 4)] and len(bound) == 1 and bound.of(owner) == [bound.bind(owner, ("sum", signature(
+        SUM_ROWS.names, {"x": x})), lambda: make(x))]
+    bound.bind(other, ("sum", signature(SUM_ROWS.names, {"x": x})), lambda: make(x))  # another owner's own entry
+    assert made == [(8, 4)] * 2 and len(bound.of(owner)) == len(bound.of(other)) == 1 and mirror.cleared == 0
+    for m in (9, 10):  # past the limit the cache starts over, its mirror with it
         y = torch.randn(m, 4, generator=gen)
-        bound.get(("sum", signature(SUM_ROWS.names, {"x": y})), lambda: make(y))
-    assert len(bound) == 1 and made[-1] == (11, 4)
+        bound.bind(owner, ("sum", signature(SUM_ROWS.names, {"x": y})), lambda: make(y))
+    assert len(bound) == 1 and made[-1] == (10, 4) and mirror.cleared == 1 and bound.of(other) == []
+    bound.clear()
+    assert len(bound) == 0 and mirror.cleared == 2
+
+
+def test_an_op_keeps_its_bindings_in_one_cache(gen):
+    """The call's entry and the general path's (autograd's forward here) land in the op's one cache, and
+    forgetting the op's bindings empties it and the executor's index."""
+    from tileops.rope import RoPEFwdOp
+
+    op = RoPEFwdOp("neox", "2d")
+    x = torch.randn(1, 4, 2, 64, generator=gen)
+    op(x)
+    op(x.clone().requires_grad_(True))  # the general path: the kernel set binds what it launches with
+    kernels = op._impl_for(op._check_call({"x": x, "position_ids": None, "key": None}))
+    (call,) = [e for e in op._bindings.values() if isinstance(e, tuple)]  # the call's: (kernel set, its binding)
+    (general,) = op._bindings.of(kernels)
+    assert call[0] is kernels and len(op._bindings) == 2 and general is not call[1] and general is not None
+    assert op._bindings.mirror is op._runtime
+    op._forget_bindings()
+    assert len(op._bindings) == 0 and op._runtime.stats()["bindings"] == 0
 
 
 def test_a_plan_names_what_does_not_fit():

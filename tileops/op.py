@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .runtime import errors, executor, library
-from .runtime.binding import Binding, with_overlap_checks
+from .runtime.binding import with_overlap_checks
+from .runtime.cache import Bindings
 from .runtime.memory import disjoint, same_view
 from .runtime.served import Served, layout_of
 from . import manifest as _manifest
@@ -65,8 +66,6 @@ class Op:
         #: (call specialization, token bucket, tables' generation) -> the schedule chosen for it
         self._schedules: dict[tuple, schedules.Schedule] = {}
         self._impls: dict[CallSpec, Callable[..., Any]] = {}
-        #: call signature -> (implementation, its Binding or None): see _eager_call
-        self._fast: dict[tuple, tuple[Any, Binding | None]] = {}
         #: what the runtime reads of this op, handed down once (tileops.runtime.served)
         self._layout = layout_of(self.manifest, self.params)
         self._outputs = {o.name: o for o in self._layout.outputs}
@@ -84,9 +83,15 @@ class Op:
     def _use_runtime(self, runtime: Any) -> None:
         """Serve the calls through ``runtime`` (:mod:`tileops.runtime.executor`; tests and benchmarks
         give an op the Python runtime beside the native one this way)."""
-        self._forget_bindings()
+        old = self.__dict__.get("_bindings")
+        if old is not None:
+            old.clear()
         self._runtime = runtime
         self._native_run = None if isinstance(runtime, executor.PythonRuntime) else runtime.run
+        #: every binding of this op's calls and its kernel sets' general paths, the one cache of them
+        #: (tileops.runtime.cache): call signature -> (implementation, its Binding or None), see
+        #: _eager_call; (kernel set, plan key) -> Binding. The native runtime's index mirrors the first.
+        self._bindings = Bindings(mirror=runtime)
 
     # ----------------------------------------------------------------------------- params
     def _check_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -356,7 +361,7 @@ class Op:
         outs = outs or {}
         try:
             sig = self._signature(tensors, outs)
-            entry = self._fast.get(sig)
+            entry = self._bindings.get(sig)
         except (AttributeError, TypeError):  # not a tensor: the full check names the argument
             sig, entry = None, None
         rt = self._runtime
@@ -375,9 +380,7 @@ class Op:
                 b = None  # the runtime makes a new output like its like input, in that input's dtype
             entry = (impl, with_overlap_checks(b, tensors, given, self._written) if b is not None else None)
             if sig is not None:
-                if len(self._fast) > 4096:  # many distinct shapes: keep the tables bounded
-                    self._forget_bindings()
-                self._fast[sig] = entry
+                self._bindings.put(sig, entry)
         if self._native_run is not None:  # (the Python runtime keeps no bindings, and defers nothing)
             if sig is not None:
                 rt.add(tensors, outs, entry[1])  # the next such call is served without Python
@@ -398,10 +401,7 @@ class Op:
 
     def _forget_bindings(self) -> None:
         """Drop every binding (the op's and its runtime's); the next call of each signature binds again."""
-        self._fast.clear()
-        runtime = self.__dict__.get("_runtime")
-        if runtime is not None:
-            runtime.clear()
+        self._bindings.clear()
 
     @staticmethod
     def _needs_grad(tensors: Mapping[str, Any]) -> bool:

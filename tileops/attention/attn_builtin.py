@@ -36,7 +36,7 @@ from ..autograd import grad_needed
 from ..compile.build import device_backend, load_kernel
 from ..compile.entry import encode_arg
 from ..runtime.binding import Binding
-from ..runtime.plan import (Bound, Dims, ErrorWord, Output, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace,
+from ..runtime.plan import (Dims, ErrorWord, Output, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace,
                             strides)
 from ..runtime.views import Misfit
 from ..schedules import static_for
@@ -187,7 +187,6 @@ class AttnKernels:
         self.scale_bits = encode_arg("float", self.scale)  # the kernel reinterprets the float32's bits
         self.cap_bits = encode_arg("float", p["softcap"] if p["softcap"] is not None else 1.0)
         self.window = min(p["sliding_window"] or 0, _MAX_WINDOW)
-        self._bound = Bound()
         from .hooks import AttnFwdHooks
 
         self._fields = AttnFwdHooks.kernel_fields_of(p, call)
@@ -246,7 +245,8 @@ class AttnKernels:
         placed = FORWARD.place(tensors, {"out": out}, self.unit)
         launch, writes = placed.inputs, placed.writes
         if lse_t is None:
-            b = self._bound.get(("forward", *FORWARD.key(launch, writes)), lambda: self._bind(launch, writes, {}, None))
+            b = self.op._bindings.bind(self, ("forward", *FORWARD.key(launch, writes)),
+                                       lambda: self._bind(launch, writes, {}, None))
         else:
             b = self._bind(launch, writes, {}, lse_t)  # the lse's address is this call's alone
         self.op._runtime.execute(b, launch, writes)
@@ -286,7 +286,8 @@ class AttnKernels:
         if self.varlen:
             launch.update(cu_seqlens_q=_monotone(tensors["cu_seqlens_q"], q.shape[0]),
                           cu_seqlens_k=_monotone(tensors["cu_seqlens_k"], k.shape[0]))
-        b = self._bound.get(("backward", *BACKWARD.key(launch, {})), lambda: self._backward_binding(launch))
+        b = self.op._bindings.bind(self, ("backward", *BACKWARD.key(launch, {})),
+                                   lambda: self._backward_binding(launch))
         if b is not None:
             got = self.op._runtime.execute(b, launch, {})
             if got is not NotImplemented:
@@ -294,7 +295,8 @@ class AttnKernels:
         # a view the kernels cannot address where it lies (a stride off 8 elements on CUDA, a last dim
         # not contiguous: an expanded dO of out.sum()): a dense copy; the new gradients are dense then
         fitted = BACKWARD.place(launch, {}, self.unit).inputs  # (the copies' signature: bound once too)
-        b = self._bound.get(("backward", *BACKWARD.key(fitted, {})), lambda: self._backward_binding(fitted))
+        b = self.op._bindings.bind(self, ("backward", *BACKWARD.key(fitted, {})),
+                                   lambda: self._backward_binding(fitted))
         return self.op._runtime.execute(b, fitted, {})
 
     def _refuse_backward(self) -> None:

@@ -25,7 +25,7 @@ import torch
 from ..compile.build import device_backend, load_kernel
 from ..compile.entry import encode_arg
 from ..kernels.float8 import CVT_MIN_SM
-from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, strides
+from ..runtime.plan import Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, strides
 from ..runtime.views import Misfit
 from ..schedules import static_for
 from . import attn_builtin, decode_builtin
@@ -57,7 +57,6 @@ class PrologueKernels:
         #: the call's plan (:data:`FORWARD` for this op's tensors, seen as :func:`plan_of` declares), and the
         #: general path's bindings by signature
         self.plan = plan_of(op)
-        self._bound = Bound()
 
     def prepare(self, tensors: dict) -> torch.Tensor:
         return self.tables.on(self.device)
@@ -78,7 +77,7 @@ class PrologueKernels:
         placed = self.plan.place(tensors, {"q_out": q_out if q_out is not None else self._new_q(qkv)}, self.unit)
         launch, writes = placed.inputs, placed.writes
         # bound once a signature of what is launched (the tables are one tensor a device: their address holds)
-        b = self._bound.get((tables.data_ptr(), *self.plan.key(launch, writes)),
+        b = self.op._bindings.bind(self, (tables.data_ptr(), *self.plan.key(launch, writes)),
                             lambda: self._bind(tables, launch, writes, {}))
         self.op._runtime.execute(b, launch, writes)
         placed.copy_back()

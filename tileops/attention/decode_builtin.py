@@ -35,7 +35,7 @@ from ..kernels.paged_decode import LENS_WORD, TABLES_WORD, cuda_problem
 from .attn_builtin import CUDA_ENV, cuda_enabled as _attn_cuda_enabled
 from .hooks import CACHE_DIMS, block_size
 from ..runtime.binding import Binding
-from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace, strides
+from ..runtime.plan import Dims, ErrorWord, Plan, Ptr, Size, Step, Stride, Tag, Value, Workspace, strides
 from ..runtime.views import Misfit
 from ..schedules import static_for
 
@@ -185,7 +185,6 @@ class DecodeKernels:
         self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
         self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, dims=_dims(p["cache_layout"]),
                             checks={"seq_lens": LENS_WORD, "block_tables": TABLES_WORD})
-        self._bound = Bound()
 
     def prepare(self, tensors: dict) -> None:
         return None
@@ -200,7 +199,7 @@ class DecodeKernels:
             return torch.empty_like(q) if out is None else out
         placed = self.plan.place(tensors, {"out": out}, self.units)
         launch, writes = placed.inputs, placed.writes
-        b = self._bound.get(self.plan.key(launch, writes), lambda: self._bind(launch, writes, {}))
+        b = self.op._bindings.bind(self, self.plan.key(launch, writes), lambda: self._bind(launch, writes, {}))
         self.op._runtime.execute(b, launch, writes)
         placed.copy_back()
         return placed.outs["out"]

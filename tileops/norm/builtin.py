@@ -18,7 +18,7 @@ strides computed by the runtime from the tensors seen as rows (:class:`tileops.r
 The runtime binds them per call signature and serves later forward calls without Python
 (:meth:`NormKernels.binding`); the general path places the call's tensors by the plans' fit policy
 (copies, :meth:`tileops.runtime.plan.Plan.place`) and binds what it launches with into the same
-cache (:class:`tileops.runtime.plan.Bound`) and runs them on the same executor. The backward runs
+cache (the op's :class:`tileops.runtime.cache.Bindings`) and runs them on the same executor. The backward runs
 ``bwd`` on ``G`` blocks, each summing its rows' weight (and bias) gradient in fp32 partial rows,
 then ``wsum`` adding the partial rows in a fixed order: ``G`` follows the row count and the device
 alone, so the same rows give the same bits. Both launches are one plan, :data:`BACKWARD` (a
@@ -37,7 +37,7 @@ from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
 from ..runtime.binding import Binding
 from ..schedules import static_for
-from ..runtime.plan import Bound, Dims, Output, Plan, Ptr, Rows, Size, Step, Stride, Value, Workspace
+from ..runtime.plan import Dims, Output, Plan, Ptr, Rows, Size, Step, Stride, Value, Workspace
 from ..runtime.views import Misfit
 from . import hooks
 
@@ -127,7 +127,6 @@ class NormKernels:
         #: the forward's plan (:data:`FORWARD` for this op's tensors)
         rows = dict.fromkeys(("x", "residual", "out", "residual_out"), _ROWS)
         self.plan = Plan.of(op.manifest, FORWARD, dims={**rows, "weight": _PARAM, "bias": _PARAM})
-        self._bound = Bound()  # the general path's bindings, by call signature (None: copied first)
         # the backward's stand-in for the bias, which it does not read (nor keep): its dtype, db's
         self._bias_stand_in = (torch.empty(0, dtype=DTYPE[self.given["bias"]], device=self.device)
                             if "bias" in self.given else None)
@@ -154,7 +153,8 @@ class NormKernels:
         if x.numel():
             placed = self.plan.place(tensors, {"out": y, "residual_out": h}, self.unit)
             launch, writes = placed.inputs, placed.writes
-            b = self._bound.get(("forward", *self.plan.key(launch, writes)), lambda: self._binding(launch, writes, {}))
+            b = self.op._bindings.bind(self, ("forward", *self.plan.key(launch, writes)),
+                                       lambda: self._binding(launch, writes, {}))
             self.op._runtime.execute(b, launch, writes)
             placed.copy_back()
         return y if r is None else (y, h)
@@ -220,7 +220,8 @@ class NormKernels:
         """:data:`BACKWARD` on ``launch`` (x or residual_out, dy, dro, weight, bias): ``(dx, dw, db)``,
         from the binding of this call's shape and strides (made at its first call), unless a view must
         be copied first (the plan's fit policy: its strides, or on CUDA a pointer, off the kernel's vector)."""
-        b = self._bound.get(("backward", *BACKWARD.key(launch, {})), lambda: self._backward_binding(launch, {}))
+        b = self.op._bindings.bind(self, ("backward", *BACKWARD.key(launch, {})),
+                                   lambda: self._backward_binding(launch, {}))
         if b is not None:
             got = self.op._runtime.execute(b, launch, {})
             if got is not NotImplemented:
@@ -228,7 +229,8 @@ class NormKernels:
         dx = torch.empty_like(launch["dy"], dtype=launch["x"].dtype)
         placed = BACKWARD.place(launch, {"dx": dx}, self.unit)
         fitted, writes = placed.inputs, placed.writes  # (the dense copies' signature: bound once too)
-        b = self._bound.get(("backward", *BACKWARD.key(fitted, writes)), lambda: self._backward_binding(fitted, writes))
+        b = self.op._bindings.bind(self, ("backward", *BACKWARD.key(fitted, writes)),
+                                   lambda: self._backward_binding(fitted, writes))
         got = _gradients(self.op._runtime.execute(b, fitted, writes), fitted)
         placed.copy_back()
         return dx, got[1], got[2]

@@ -25,7 +25,7 @@ from ..compile.build import device_backend, load_kernel
 from ..manifest import DTYPES as DTYPE
 from ..runtime.binding import Binding
 from ..runtime.memory import persistent
-from ..runtime.plan import Bound, Dims, ErrorWord, Plan, Ptr, Size, Step, Tag, Value, strides
+from ..runtime.plan import Dims, ErrorWord, Plan, Ptr, Size, Step, Tag, Value, strides
 from ..runtime.views import Misfit
 from ..schedules import static_for
 from . import hooks
@@ -121,7 +121,6 @@ class RoPEKernels:
         rotated = _HEADS_FIRST if self.layout == "bhsd" else _ROTATED
         self.plan = Plan.of(op.manifest, FORWARD, checks={"position_ids": 0},
                             dims={**dict.fromkeys(("x", "out", "key", "key_out"), rotated), "position_ids": positions})
-        self._bound = Bound()
         from tileops.kernels.rope import DIGITS as KDIGITS, LO as KLO
 
         if (KLO, KDIGITS) != (LO, DIGITS):
@@ -213,7 +212,7 @@ class RoPEKernels:
         # the same views with the op's fixed tables bind the same way: bound once
         cached = len(self.tables) == 1 and tables is self.tables[0].on(self.device)
         make = lambda: self._binding(kernel, launch, writes, {}, tables)  # noqa: E731
-        b = self._bound.get((id(kernel), *self.plan.key(launch, writes)), make) if cached else make()
+        b = self.op._bindings.bind(self, (id(kernel), *self.plan.key(launch, writes)), make) if cached else make()
         self.op._runtime.execute(b, launch, writes)
         placed.copy_back()
         return placed.outs["out"], placed.outs["key_out"]

@@ -21,7 +21,7 @@ import torch
 
 from ..compile.entry import encode_arg
 from ..runtime.memory import persistent
-from ..runtime.plan import Bound, Dims, Plan, Ptr, Scalar, Size, Step, Stride, Value, signature
+from ..runtime.plan import Dims, Plan, Ptr, Scalar, Size, Step, Stride, Value, signature
 
 __all__ = ["RoPETables", "DynamicNTKTables", "digit_tables"]
 
@@ -98,7 +98,6 @@ class DynamicNTKTables:
         self._env = {f"{n}_bits": encode_arg("double", float(v)) for n, v in doubles.items()}
         self.limit = limit
         self._kernels: dict[str | None, Any] = {}
-        self._bound = Bound()
 
     def _kernel(self, positions: str | None) -> Any:
         got = self._kernels.get(positions)
@@ -110,14 +109,15 @@ class DynamicNTKTables:
             got = self._kernels[positions] = load_kernel("ntk", spec, self.backend, self.arch, self.device, spec.args)
         return got
 
-    def update(self, position_ids: torch.Tensor | None, seq_len: int, runtime: Any) -> torch.Tensor:
+    def update(self, position_ids: torch.Tensor | None, seq_len: int, runtime: Any, bindings: Any) -> torch.Tensor:
         """Launch the update for a call of ``seq_len`` rows, or at ``position_ids`` (``[S]`` or
-        ``[B, S]``, on this device), through ``runtime`` (the op's: :mod:`tileops.runtime.executor`);
-        returns the tables (``[DIGITS, LO, 2, R/2]`` fp32), which the next call may rewrite."""
+        ``[B, S]``, on this device), through ``runtime`` (the op's: :mod:`tileops.runtime.executor`),
+        bound once per signature into ``bindings`` (the op's: :mod:`tileops.runtime.cache`); returns
+        the tables (``[DIGITS, LO, 2, R/2]`` fp32), which the next call may rewrite."""
         if position_ids is not None and position_ids.numel() == 0:  # no position, no length: all stays
             return self.tables
         tensors = {"tables": self.tables, "state": self.state, "stamps": self.stamps, "position_ids": position_ids}
-        b = self._bound.get(signature(NTK_UPDATE.inputs, tensors), lambda: self._binding(tensors))
+        b = bindings.bind(self, signature(NTK_UPDATE.inputs, tensors), lambda: self._binding(tensors))
         # a length that changes every call (a decode step's) is a per-call scalar, not a new binding
         runtime.execute(b, tensors, {}, (seq_len if position_ids is None else 0,))
         return self.tables

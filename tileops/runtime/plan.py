@@ -20,8 +20,8 @@ role:
 :class:`tileops.runtime.binding.Binding`: every launch's argument array filled but for the pointers,
 which each call of that signature brings. Both executors run it (:mod:`tileops.runtime.executor`):
 the outputs allocated, one allocation for the per-call workspaces, the launches queued in order on
-the current stream. :class:`Bound` keeps the bindings of one op specialization's plans by call
-signature: the one cache a family's general path binds into.
+the current stream. The op's :class:`tileops.runtime.cache.Bindings` keeps them, by :meth:`Plan.key`:
+the one cache of an op's bindings, its calls' and its general path's.
 
 Example: two kernels sharing a workspace (``docs/examples/two_kernel_plan.py``, which
 ``tests/test_plans.py`` runs on the CPU)::
@@ -39,7 +39,6 @@ Example: two kernels sharing a workspace (``docs/examples/two_kernel_plan.py``, 
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -50,7 +49,7 @@ from .binding import ABSENT, GIVEN, IN_PLACE, NEW, Binding, Launch, device_of
 from .views import Dims, Flat, Misfit, Placed, Rows, Units, View, align as align_of, extents, layout, place, unit_of
 
 __all__ = ["Plan", "Step", "Output", "Workspace", "Ptr", "Value", "Size", "Stride", "strides", "Scalar", "ErrorWord",
-           "Tag", "Bound", "PlanError", "WORK_ALIGN", "Dims", "Rows", "Flat", "Placed", "signature"]
+           "Tag", "PlanError", "WORK_ALIGN", "Dims", "Rows", "Flat", "Placed", "signature"]
 
 #: the bytes each per-call workspace starts on within the call's one allocation: the allocator's own
 #: 512 is more than a kernel's widest access needs; 256 keeps fp32 rows on a TMA/vector boundary
@@ -241,7 +240,7 @@ class Plan:
 
     def key(self, tensors: Mapping[str, Any], outs: Mapping[str, Any]) -> tuple:
         """What a binding of this plan for inputs ``tensors`` and written ``outs`` depends on (for
-        :class:`Bound`): every tensor's :func:`signature`, and which outputs are their like input."""
+        :meth:`tileops.runtime.cache.Bindings.bind`): every tensor's :func:`signature`, and which outputs are their like input."""
         return (signature(self.names, {**tensors, **outs}),
                 tuple(outs.get(o.name) is not None and outs.get(o.name) is tensors.get(o.like) for o in self.outputs))
 
@@ -426,38 +425,6 @@ class Plan:
         if isinstance(v, bool) or not isinstance(v, (int, float) if real else int):
             raise PlanError(f"plan {self.name!r}: {what}: `{expr}` gave {v!r}, not {'a number' if real else 'an int'}")
         return v
-
-
-class Bound:
-    """The bindings of one op specialization's plans, by plan and call signature: a family binds each
-    signature once (:meth:`get`) and the executor serves every later call of it. Bounded: past
-    ``limit`` signatures (a workload of ever-new shapes) it starts over."""
-
-    def __init__(self, limit: int = 256):
-        self.limit = limit
-        self._bindings: dict[tuple, Binding | None] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple, make: Callable[[], Binding | None]) -> Binding | None:
-        """The binding of ``key`` (the plan's name and the call's :func:`signature`, and whatever else
-        the binding depends on), made by ``make`` the first time (None: such calls cannot be bound)."""
-        try:
-            return self._bindings[key]
-        except KeyError:
-            pass
-        b = make()
-        with self._lock:
-            if len(self._bindings) >= self.limit:
-                self._bindings.clear()
-            self._bindings[key] = b
-        return b
-
-    def bindings(self) -> list[Binding | None]:
-        """The bindings made so far (None for a signature that cannot be bound), oldest first."""
-        return list(self._bindings.values())
-
-    def __len__(self) -> int:
-        return len(self._bindings)
 
 
 def signature(names: tuple[str, ...], tensors: Mapping[str, Any]) -> tuple:

@@ -19,7 +19,7 @@ import torch
 
 from tileops.compile.build import device_backend, load_kernel
 from tileops.runtime.binding import Binding
-from tileops.runtime.plan import Bound, Flat, Plan, Ptr, Size, Step, Value
+from tileops.runtime.plan import Flat, Plan, Ptr, Size, Step, Value
 from tileops.runtime.views import Misfit
 
 __all__ = ["implement", "kernel_specs", "ScaleKernels"]
@@ -51,7 +51,6 @@ class ScaleKernels:
         self.kernel = load_kernel(op.manifest.kernel.builder, kspec, backend, arch, spec.device, kspec.args)
         self.op = op
         self.plan = Plan.of(op.manifest, STEPS, dims=DIMS)
-        self.bound = Bound()
 
     def _binding(self, tensors: dict, outs: dict, views: dict) -> Binding:
         return self.plan.bind({"scale": self.kernel}, tensors, outs, env={"c": self.op.factor}, views=views)
@@ -70,7 +69,7 @@ class ScaleKernels:
         placed = self.plan.place({"x": x}, {"out": out}, 1)
         if x.numel():
             launch, writes = placed.inputs, placed.writes
-            b = self.bound.get(self.plan.key(launch, writes), lambda: self._binding(launch, writes, {}))
+            b = self.op._bindings.bind(self, self.plan.key(launch, writes), lambda: self._binding(launch, writes, {}))
             self.op._runtime.execute(b, launch, writes)
             placed.copy_back()
         return placed.outs["out"]
