@@ -46,12 +46,13 @@ def _paged(batch: int, ctx: int, bs: int, dtype, gen) -> dict:
             "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda")}
 
 
-def _reference(s: dict) -> torch.Tensor:
+def _reference(s: dict, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The decode of one input set in float32 from the definition: each sequence's keys gathered through
-    its block table, softmax(q k^T / sqrt(D)) v, GQA by repeating the kv heads."""
+    its block table (a float8 cache's times its scales), softmax(q k^T / sqrt(D)) v, GQA by repeating the
+    kv heads."""
     batch, per = s["block_tables"].shape
-    k = s["key_cache"][s["block_tables"].long()].float().reshape(batch, -1, HKV, D)  # [B, ctx, Hkv, D]
-    v = s["value_cache"][s["block_tables"].long()].float().reshape(batch, -1, HKV, D)
+    k = s["key_cache"][s["block_tables"].long()].float().reshape(batch, -1, HKV, D) * k_scale  # [B, ctx, Hkv, D]
+    v = s["value_cache"][s["block_tables"].long()].float().reshape(batch, -1, HKV, D) * v_scale
     k, v = k.repeat_interleave(HQ // HKV, dim=2), v.repeat_interleave(HQ // HKV, dim=2)
     w = torch.einsum("bhd,bthd->bht", s["q"].float(), k) / math.sqrt(D)
     return torch.einsum("bht,bthd->bhd", w.softmax(-1), v)
@@ -86,16 +87,18 @@ def schedule_specs(static: dict) -> list[tuple]:
 
 def parse_sweep(text: str) -> list[dict]:
     """``--sweep``'s schedules, comma-separated: THREADSxUNROLL[xPREFETCH[xSTAGES]] (CUDA cores), or
-    THREADSmTILE[pPREFETCH] (tensor cores, ``mma``: tokens a tile; p1: the next tile's rows loaded
-    during this tile's products)."""
+    THREADSmTILE[pPREFETCH][wWIDEN] (tensor cores, ``mma``: tokens a tile; p1: the next tile's rows loaded
+    during this tile's products; w1: a float8 cache widened eight elements at a time). A float8 cache
+    takes tiles of 64 without the prefetch whatever the sweep says (``decode_builtin._MMA_NARROW``)."""
     keys = ("threads", "unroll", "prefetch", "stages")
     configs = []
     for c in text.split(","):
         if "m" in c:
-            m = re.fullmatch(r"(\d+)m(\d+)(?:p([01]))?", c)
+            m = re.fullmatch(r"(\d+)m(\d+)(?:p([01]))?(?:w([01]))?", c)
             if not m:
-                raise SystemExit(f"--sweep: expected THREADSmTILE[pPREFETCH] (integers), got {c!r}")
-            configs.append({"threads": int(m[1]), "mma": 1, "tile": int(m[2]), "prefetch": int(m[3] or 0)})
+                raise SystemExit(f"--sweep: expected THREADSmTILE[pPREFETCH][wWIDEN] (integers), got {c!r}")
+            configs.append({"threads": int(m[1]), "mma": 1, "tile": int(m[2]), "prefetch": int(m[3] or 0),
+                            **({"widen": int(m[4])} if m[4] else {})})
             continue
         parts = c.split("x")
         if not 2 <= len(parts) <= 4 or not all(p.isdigit() for p in parts):
@@ -124,7 +127,8 @@ def _ours(batch: int, ctx: int, bs: int, dtype, gen, static: dict | None = None,
     if checked is not None:
         outs[0].fill_(float("nan"))
         op(**sets[0], **extra, out=outs[0])
-        checked.append(float((outs[0].float() - _reference(sets[0])).abs().max()))
+        want = _reference(sets[0], *(float(scales[n]) for n in ("k_scale", "v_scale"))) if fp8 else _reference(sets[0])
+        checked.append(float((outs[0].float() - want).abs().max()))
     return eager, graph
 
 
@@ -150,6 +154,8 @@ def main() -> None:
     ap.add_argument("--block-sizes", default="16,1")
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--sweep-cache", choices=("bf16", "fp8"), default="bf16",
+                    help="the cache a --sweep reads: bf16, or float8 e4m3fn with scales (its copy: the halved bytes)")
     ap.add_argument("--sweep", default="", help="THREADSxUNROLL[xPREFETCH[xSTAGES]] or THREADSmTILE (tensor cores), "
                                                 "comma-separated: ours alone at each (bf16, block size 16)")
     ap.add_argument("--splits", default="", help="PROGRAMS:MIN_TOKENS,...: ours alone (bf16, block size 16, "
@@ -202,10 +208,11 @@ def sweep(a: argparse.Namespace) -> None:
     print("| batch x context | copy | " + " | ".join(", ".join(f"{k} {v}" for k, v in c.items()) for c in configs)
           + " |")
     print("|---|---|" + "---|" * len(configs))
+    cache = torch.float8_e4m3fn if a.sweep_cache == "fp8" else torch.bfloat16
     for batch, ctx in rows:
-        copy = same_bytes_copy_us(2 * batch * ctx * HKV * D * 2)
+        copy = same_bytes_copy_us(2 * batch * ctx * HKV * D * cache.itemsize)
         errs: list[float] = []
-        got = [_ours(batch, ctx, 16, torch.bfloat16, gen, c, errs) for c in configs]
+        got = [_ours(batch, ctx, 16, cache, gen, c, errs) for c in configs]
         print(f"| {batch} x {ctx} | {copy:.1f} | " + " | ".join(
             f"{e:.1f} ({100 * copy / e:.0f}%) / {g:.1f}, {err:.1e}" for (e, g), err in zip(got, errs)) + " |",
               flush=True)

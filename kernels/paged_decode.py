@@ -66,6 +66,9 @@ STATIC = {
     "mma": (0, 1, "1: the group's q heads as the rows of tensor-core products over tiles of tokens (CUDA, 16-bit "
                   "q; unroll, prefetch and stages then do not apply)"),
     "tile": (16, 128, "tokens a tile of the mma schedule (16, 32, 64 or 128)"),
+    "widen": (0, 1, "1: a float8 cache's elements widened eight at a time into one 16-byte shared store, by bit "
+                    "moves and one bf16x2 product a pair (bf16 q) or the e4m3x2 conversion (fp16 q); 0: one at a "
+                    "time through fp16 and fp32 (mma with a float8 cache; not yet measured)"),
 }
 
 #: the caches' element types: the query's, or float8 e4m3fn with per-tensor scales
@@ -103,6 +106,7 @@ class PagedDecodeSpec:
     stages: int = 0  # S >= 1: steps it+1..it+S copied global -> shared by cp.async while step it computes
     mma: int = 0  # 1: tensor-core products, the group's heads as rows (:func:`_partial_mma`)
     tile: int = 64  # mma: tokens a tile
+    widen: int = 0  # mma, float8 cache: 1 widens eight elements at once (:data:`E4M3X8_HELPER`)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16", "float32"):
@@ -143,6 +147,11 @@ class PagedDecodeSpec:
             raise ValueError("tile: TileLang 0.1.15 cannot lower the score tile's row reduction at threads=256 "
                              "with tile=128 (16 tokens a warp over 8 warps; seen lowering it): expected tile 64 "
                              "at 256 threads, or 128 at 128 or 512")
+        if self.widen not in (0, 1):
+            raise ValueError(f"widen: expected 0 or 1, got {self.widen!r}")
+        if self.widen and not (self.mma and self.fp8 and self.kind == "partial"):
+            raise ValueError(f"widen: the tensor-core partial's float8 widening; expected widen=0 with mma={self.mma}, "
+                             f"kind {self.kind!r} and cache_dtype {self.cache_dtype!r}")
         if self.mma and self.dtype == "float32":
             raise ValueError("mma: the tensor-core products take 16-bit operands; expected dtype float16 or "
                              "bfloat16 with mma=1, got float32 (mma=0 reads fp32)")
@@ -398,6 +407,94 @@ __device__ __forceinline__ float tileops_e4m3_f32(unsigned char bits) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(bits, __NV_E4M3)));
 }
 """
+
+#: CUDA (sm_89 and later; the tensor-core partial with ``widen``): eight float8 e4m3fn bytes of a cache row
+#: (``in``, 8 bytes) as eight bf16 or fp16 (``out``, 16 bytes), or eight zeros where ``ok`` is 0 (a token
+#: not read). bf16 by bit moves: each byte into the high byte of a 16-bit half keeps its sign at bit 15,
+#: and its exponent and mantissa shifted down 4 bits land on bf16's: the bf16 of the value times 2^-120
+#: (exponent bias 127 against 7), exact, e4m3's subnormals included (they become bf16 subnormals); one
+#: ``fma.rn.bf16x2`` by 2^120 (0x7B80; adding -0 keeps a -0) restores the value exactly, and e4m3fn's NaN
+#: (low 7 bits all ones), which would read 480, is set apart. About 2 integer operations an element and
+#: no conversion instruction, against :data:`E4M3_HELPER`'s three conversions an element. fp16 by the
+#: hardware's ``cvt.rn.f16x2.e4m3x2``, two elements an instruction (exact, NaN kept). Each has an
+#: ``#else`` model for ``tests/cuda_on_cpu.py``, which runs the bit moves on the CPU (plain C++: nvcc's host
+#: pass parses it too).
+E4M3X8_HELPER = r"""
+__device__ __forceinline__ unsigned tileops_bf16x2_times_2p120(unsigned x) {
+#ifdef __CUDA_ARCH__
+  unsigned d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(0x7B807B80u), "r"(0x80008000u));
+  return d;
+#else
+  unsigned d = 0;
+  for (int k = 0; k < 32; k += 16) {
+    union { unsigned u; float f; } v, p;
+    v.u = ((x >> k) & 0xFFFFu) << 16;
+    p.u = 0x7B800000u;  // 2^120
+    v.f = v.f * p.f;  // exact: a power of two times a value of at most 4 significant bits
+    d |= (v.u >> 16) << k;
+  }
+  return d;
+#endif
+}
+__device__ __forceinline__ unsigned tileops_e4m3x2_f16x2(unsigned pair) {
+#ifdef __CUDA_ARCH__
+  unsigned d;
+  asm("{\n .reg .b16 p;\n cvt.u16.u32 p, %1;\n cvt.rn.f16x2.e4m3x2 %0, p;\n}" : "=r"(d) : "r"(pair));
+  return d;
+#else
+  unsigned d = 0;
+  for (int k = 0; k < 2; ++k) {
+    unsigned b = (pair >> (8 * k)) & 0xFFu, e = (b >> 3) & 15u, m = b & 7u, h = 0;
+    if (e == 15 && m == 7) {
+      h = 0x7E00u;  // NaN
+    } else if (e) {
+      h = ((e + 8) << 10) | (m << 7);  // a normal: exponent bias 7 -> 15
+    } else if (m) {  // a subnormal m * 2^-9 = 2^(top - 9) * (m / 2^top): an fp16 normal
+      unsigned top = m >= 4 ? 2 : m >= 2 ? 1 : 0;
+      h = ((top + 6) << 10) | ((m << (10 - top)) & 0x3FFu);
+    }
+    d |= (h | ((b & 0x80u) << 8)) << (16 * k);
+  }
+  return d;
+#endif
+}
+__device__ __forceinline__ unsigned tileops_e4m3x2_bf16x2(unsigned t) {
+  return tileops_bf16x2_times_2p120(((t >> 4) & 0x07F007F0u) | (t & 0x80008000u));
+}
+__device__ __forceinline__ void tileops_e4m3x8_bf16(void* out, const void* in, int ok) {
+  const unsigned* w = (const unsigned*)in;
+  unsigned* r = (unsigned*)out;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    unsigned x = ok ? w[i] : 0u;
+    unsigned lo = tileops_e4m3x2_bf16x2(((x & 0xFFu) << 8) | ((x & 0xFF00u) << 16));  // bytes 0, 1
+    unsigned hi = tileops_e4m3x2_bf16x2(((x >> 8) & 0xFF00u) | (x & 0xFF000000u));    // bytes 2, 3
+    // a NaN byte's low 7 bits are all ones: adding 1 carries into its bit 7, and into no other byte
+    unsigned nan = ((x & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+    if (nan) {
+      if (nan & 0x80u) lo = (lo & 0xFFFF0000u) | 0x7FC0u;
+      if (nan & 0x8000u) lo = (lo & 0xFFFFu) | 0x7FC00000u;
+      if (nan & 0x800000u) hi = (hi & 0xFFFF0000u) | 0x7FC0u;
+      if (nan & 0x80000000u) hi = (hi & 0xFFFFu) | 0x7FC00000u;
+    }
+    r[2 * i] = lo;
+    r[2 * i + 1] = hi;
+  }
+}
+__device__ __forceinline__ void tileops_e4m3x8_f16(void* out, const void* in, int ok) {
+  const unsigned* w = (const unsigned*)in;
+  unsigned* r = (unsigned*)out;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    unsigned x = ok ? w[i] : 0u;
+    r[2 * i] = tileops_e4m3x2_f16x2(x & 0xFFFFu);
+    r[2 * i + 1] = tileops_e4m3x2_f16x2(x >> 16);
+  }
+}
+"""
+#: the widening function of :data:`E4M3X8_HELPER` for q's dtype
+WIDEN_FUNCTIONS = {"bfloat16": "tileops_e4m3x8_bf16", "float16": "tileops_e4m3x8_f16"}
 
 
 def _program_setup(spec: PagedDecodeSpec):
@@ -701,7 +798,7 @@ def _partial_mma(spec: PagedDecodeSpec):
     dt = spec.dtype
     cst = "uint8" if spec.fp8 else dt
     rep = report("cuda")
-    helpers = _cuda_helpers() + (E4M3_HELPER if spec.fp8 else "")
+    helpers = _cuda_helpers() + ((E4M3X8_HELPER if spec.widen else E4M3_HELPER) if spec.fp8 else "")
     setup = _program_setup(spec)
     sig = _partial_buffers(dt, cst)
     ninf = _neg_inf()
@@ -766,6 +863,29 @@ def _partial_mma(spec: PagedDecodeSpec):
                     Vs[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[slot * BN + e // NVR] != 0,
                                                                      cache_f(vb[e0 * VEC + v]), zero)
 
+    widen = WIDEN_FUNCTIONS.get(dt, "")
+
+    @T.macro
+    def deposit_widened(Ks, Vs, kb, vb, okS, slot, tx):
+        """:func:`deposit` for a float8 cache with ``widen``: each vector of 8 elements widened whole into
+        ``wk`` / ``wv`` (registers; zeros for a token not read) by :data:`E4M3X8_HELPER`, then stored as one
+        16-byte vector. The products' swizzle moves 16-byte chunks whole, so a vector stays together."""
+        wk = T.alloc_local((VEC,), dt)
+        wv = T.alloc_local((VEC,), dt)
+        for e0 in T.unroll(NE):
+            e = e0 * TPB + tx
+            if e < BN * NVR:
+                T.evaluate(T.call_extern("handle", widen, T.address_of(wk[0]), T.address_of(kb[e0 * VEC]),
+                                         okS[slot * BN + e // NVR]))
+                T.evaluate(T.call_extern("handle", widen, T.address_of(wv[0]), T.address_of(vb[e0 * VEC]),
+                                         okS[slot * BN + e // NVR]))
+                for v in T.vectorized(VEC):
+                    Ks[e // NVR, e % NVR * VEC + v] = wk[v]
+                for v in T.vectorized(VEC):
+                    Vs[e // NVR, e % NVR * VEC + v] = wv[v]
+
+    put = deposit_widened if spec.widen else deposit
+
     @T.prim_func
     def paged_decode_partial_mma(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
                                  KS: sig["KS"], VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"],
@@ -824,13 +944,13 @@ def _partial_mma(spec: PagedDecodeSpec):
                     lookup(BT, ERR, okS, rowv, it, 0, t0, t1, b, kvh, hc, tx, btb, bs, nblocks, csb, csr, csh, tag)
                     T.sync_threads()
                     fetch(KC, VC, kb, vb, rowv, 0, tx, nblocks)
-                    deposit(Ks, Vs, kb, vb, okS, 0, tx)
+                    put(Ks, Vs, kb, vb, okS, 0, tx)
                 else:
                     T.sync_threads()  # the tile before is done with Ks, Vs and its slot's flags
                     if it + 1 < ntiles:  # the next tile's tokens into the other slot (the tile before's, read)
                         lookup(BT, ERR, okS, rowv, it + 1, 1 - slot_of(it), t0, t1, b, kvh, hc, tx, btb, bs,
                                nblocks, csb, csr, csh, tag)
-                    deposit(Ks, Vs, kb, vb, okS, slot_of(it), tx)
+                    put(Ks, Vs, kb, vb, okS, slot_of(it), tx)
                     # (one barrier for both, on every path: TileLang's sync planner let a barrier inside
                     # the branch above stand for one here, and the last tile's products read Ks
                     # unsynchronised)

@@ -312,3 +312,19 @@ def test_the_hf_profile_reports_each_variant(capsys, tmp_path):
         assert re.search(rf"^{name}: host CPU self [0-9.]+ ms, GPU [0-9.]+ ms, launches \d+, aten::mm [1-9]", out,
                          re.M), out
         assert (tmp_path / f"hf_profile_{name}.txt").read_text().count("aten::mm") >= 1
+
+
+def test_the_decode_sweep_parses_its_schedules_and_refuses_others():
+    """``python -m benchmarks.decode --sweep``: CUDA-core and tensor-core schedules, the latter with the
+    prefetch and the float8 widening; a malformed one is refused by name before any GPU work."""
+    from benchmarks.decode import parse_sweep
+
+    assert parse_sweep("128x2,128x2x1x0,128m64,128m128p1,128m64w1,128m64p0w0") == [
+        {"threads": 128, "unroll": 2}, {"threads": 128, "unroll": 2, "prefetch": 1, "stages": 0},
+        {"threads": 128, "mma": 1, "tile": 64, "prefetch": 0},
+        {"threads": 128, "mma": 1, "tile": 128, "prefetch": 1},
+        {"threads": 128, "mma": 1, "tile": 64, "prefetch": 0, "widen": 1},
+        {"threads": 128, "mma": 1, "tile": 64, "prefetch": 0, "widen": 0}]
+    for bad in ("128m64w2", "128m64x", "128"):
+        with pytest.raises(SystemExit, match=f"--sweep: expected .*got '{bad}'"):
+            parse_sweep(bad)

@@ -242,6 +242,10 @@ MMA_CASES = {
     "prefetch": (128, 8, 2, torch.bfloat16, None, "NHD", 16, LENS, {"prefetch": 1}, {}),
     "prefetch-float8-window": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, [2000, 700, 3],
                                {"prefetch": 1}, dict(sliding_window=300)),
+    # a float8 cache widened eight elements at once (widen=1): its caches hold every finite e4m3fn code
+    "float8-widen": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, LENS, {"widen": 1}, {}),
+    "float8-widen-fp16-nhd-window": (128, 32, 8, torch.float16, torch.float8_e4m3fn, "NHD", 1, [2000, 700, 3],
+                                     {"widen": 1}, dict(sliding_window=300)),
 }
 
 
@@ -274,7 +278,13 @@ def mma_kernel_jobs(arch: str) -> list[tuple]:
 def _case_inputs(name: str) -> dict:
     d, hq, hkv, dtype, cache, layout, bs, lens, fields, kw = MMA_CASES[name]
     t = _inputs(89, lens, bs=bs, d=d, hq=hq, hkv=hkv, dtype=dtype, layout=layout)
-    if cache is not None:
+    if cache is not None and fields.get("widen"):  # every finite code (all but 0x7F and 0xFF), key and value apart
+        finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.int32).to(torch.uint8)
+        for i, name in enumerate(("key_cache", "value_cache")):
+            n = t[name].numel()
+            t[name] = finite[(torch.arange(n) * (7 + 4 * i) + 3 * i) % len(finite)].view(cache).view(t[name].shape)
+        t.update(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.5]))
+    elif cache is not None:
         t["key_cache"] = (t["key_cache"].float() * 30).clamp(-448, 448).to(cache)
         t["value_cache"] = (t["value_cache"].float() * 30).clamp(-448, 448).to(cache)
         t.update(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.5]))

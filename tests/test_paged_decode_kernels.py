@@ -437,3 +437,105 @@ def test_tensor_core_schedule_lowers_to_mma_fed_by_16_byte_gathers(cache_dtype, 
     loads = re.findall(r"\*\((uint\d)\*\)\((?:KC|VC) \+", src)
     # every key and value vector one load: 16 bytes of bf16, 8 of float8 (a T.Parallel copy moved 4)
     assert loads and set(loads) == {"uint4" if cache_dtype == torch.bfloat16 else "uint2"}, loads
+
+
+# ``widen=1`` (the tensor-core partial with a float8 cache): eight e4m3fn bytes widened at once
+# (``kernels/paged_decode.py`` E4M3X8_HELPER) and stored as one 16-byte vector into the products' tile.
+def _widening_program(dtype: str):
+    """E4M3X8_HELPER's widening as deposit_widened calls it: 256 threads, each 8 bytes of X (loaded as one
+    vector into registers) and its OK flag, into 8 elements of Y (one vector store)."""
+    from tileops.compile import tilelang_api
+    from tileops.kernels import paged_decode
+
+    tilelang_api.load()
+    paged_decode._tl()
+    import tilelang.language as T
+
+    widen = paged_decode.WIDEN_FUNCTIONS[dtype]
+
+    @T.prim_func
+    def widening(X: T.Tensor((2048,), "uint8"), OK: T.Tensor((256,), "int32"), Y: T.Tensor((2048,), dtype)):
+        with T.Kernel(1, threads=256):
+            T.import_source(paged_decode.E4M3X8_HELPER)
+            tx = T.get_thread_binding()
+            xb = T.alloc_local((8,), "uint8")
+            yb = T.alloc_local((8,), dtype)
+            for v in T.vectorized(8):
+                xb[v] = X[tx * 8 + v]
+            T.evaluate(T.call_extern("handle", widen, T.address_of(yb[0]), T.address_of(xb[0]), OK[tx]))
+            for v in T.vectorized(8):
+                Y[tx * 8 + v] = yb[v]
+
+    return widening
+
+
+@NO_CXX
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float8_widening_reads_every_code_as_torch_does(dtype):
+    """Each of the 256 e4m3fn codes at each of the 8 places of a vector, widened on the CPU (the helper's
+    bit moves as written; its ``#else`` models stand for the one bf16x2 product by 2^120 and the fp16
+    conversion): torch's float8 -> float32 value exactly (rounded to ``dtype``: exact, e4m3's values are
+    bf16 and fp16 values), -0 kept, NaN for NaN; eight zeros for a vector whose flag is 0."""
+    from tileops.compile import build, tilelang_api
+
+    tilelang = tilelang_api.load()
+    from tvm import target as tvm_target
+    from tvm import transform
+
+    target = tvm_target.Target({"kind": "cuda", "arch": "sm_90"})
+    with target, transform.PassContext(config=build.PASS_CONFIGS):
+        src = tilelang.lower(_widening_program(NAMES[dtype]), target=target).kernel_source
+    # one 16-byte store of the widened vector, as in the decode's shared tile
+    assert re.search(r"\*\(uint4\*\)\(Y \+ .*\) = \*\(uint4\*\)\(yb \+ 0\)", src), src
+    emulated = cuda_on_cpu.CudaOnCpu(src)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    x = torch.cat([codes.view(32, 8).roll(r, dims=1).flatten() for r in range(8)])
+    ok = torch.tensor([0 if i % 37 == 5 else 1 for i in range(256)], dtype=torch.int32)  # 7 vectors not read
+    y = torch.full((2048,), float("nan"), dtype=dtype)
+    emulated.launch(1, 256, X=x.data_ptr(), OK=ok.data_ptr(), Y=y.data_ptr())
+    want = x.view(torch.float8_e4m3fn).to(torch.float32).to(dtype)
+    read = ok.repeat_interleave(8).bool()
+    assert torch.equal(y[~read].float(), torch.zeros(int((~read).sum()))) and not y[~read].signbit().any()
+    got, want = y[read].double(), want[read].double()
+    nan = want.isnan()
+    assert int(nan.sum()) >= 14 and torch.equal(got.isnan(), nan)  # 0x7F and 0xFF at every place, but where not read
+    assert torch.equal(got[~nan], want[~nan]) and torch.equal(got[~nan].signbit(), want[~nan].signbit())
+
+
+def test_widening_is_the_tensor_core_partials_alone():
+    """``widen`` is read by the tensor-core partial with a float8 cache only: the spec refuses it elsewhere,
+    and a call's kernels drop it where nothing reads it (a sweep may set it for every cache)."""
+    from tileops.attention import PagedAttnDecodeFwdOp
+    from tileops.attention.decode_builtin import kernel_specs
+    from tileops.manifest import call_specs
+
+    with pytest.raises(ValueError, match=r"widen: the tensor-core partial's float8 widening; expected widen=0 "
+                                         r"with mma=1, kind 'partial' and cache_dtype 'bfloat16'"):
+        spec("partial", torch.bfloat16, backend="cuda", mma=1, widen=1)
+    with pytest.raises(ValueError, match=r"widen: .* with mma=0"):
+        spec("partial", torch.bfloat16, torch.float8_e4m3fn, backend="cuda", widen=1)
+    with pytest.raises(ValueError, match=r"widen: expected 0 or 1, got 2"):
+        spec("partial", torch.bfloat16, torch.float8_e4m3fn, backend="cuda", mma=1, widen=2)
+    from benchmarks.decode import with_schedule
+
+    dims = {"q_dim": 128, "q_heads": 8, "cache_heads": 2}
+    for cache, given, dtype, want in ((None, (), "bfloat16", 0), (torch.float8_e4m3fn, ("k_scale", "v_scale"),
+                                                                  "bfloat16", 1),
+                                      (torch.float8_e4m3fn, ("k_scale", "v_scale"), "float32", 0)):
+        op = with_schedule(PagedAttnDecodeFwdOp(8, 2, 128, cache_dtype=cache), {"widen": 1})
+        (call,) = call_specs(op.manifest, dims, [dtype], torch.device("cuda"), given, params=op.params)
+        partial, merge = [s for _, s in kernel_specs(op.manifest, op.params, call, "cuda")]
+        assert (partial.widen, merge.widen) == (want, 0), (cache, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widened_tensor_core_partial_lowers_to_16_byte_shared_stores(dtype):
+    """With ``widen``, the float8 tile reaches shared memory in 16-byte stores through the helper, not
+    element by element through three conversions (``E4M3_HELPER`` gone from the source)."""
+    src = emit_source("paged_decode", spec("partial", dtype, torch.float8_e4m3fn, d=128, hq=32, hkv=8,
+                                           backend="cuda", mma=1, tile=64, widen=1), "cuda", "sm_90")
+    name = "tileops_e4m3x8_bf16" if dtype == torch.bfloat16 else "tileops_e4m3x8_f16"
+    assert src.count(f"  {name}((&(w") == 2 and "tileops_e4m3_f32(" not in src  # keys and values, once each
+    ctype = "bfloat16_t" if dtype == torch.bfloat16 else "half_t"
+    stores = re.findall(rf"\*\(uint4\*\)\(\(\({ctype}\*\)(Ks|Vs)\) \+ .*?\) = \*\(uint4\*\)\((wk|wv) \+ 0\)", src)
+    assert sorted(set(stores)) == [("Ks", "wk"), ("Vs", "wv")], stores

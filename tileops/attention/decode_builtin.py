@@ -62,7 +62,7 @@ MIN_SPLIT_TOKENS = 256
 #: the CUDA-cores partial's token-loop knobs, which the tensor-core one (``mma``) does not read
 _CUDA_CORE_LOOP = ("unroll", "stages")
 #: the manifest's knobs of the tensor-core partial, which an fp32 call (the CUDA cores') drops
-_MMA_KNOBS = ("mma", "tile", "prefetch")
+_MMA_KNOBS = ("mma", "tile", "prefetch", "widen")
 #: the tensor-core partial's tile where the manifest's (128 tokens, the next tile loaded during this
 #: one's products) loses. head_dim 256: tiles of 128 spill (ptxas, sm_90a, bf16: 255 registers and
 #: 1,260 bytes of spill stores; tiles of 64: 194 registers, none). A float8 cache: its per-element
@@ -151,6 +151,8 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     # the CUDA cores' token loop (so that a schedule sweep compiles one merge, not one a schedule)
     merge = {k: v for k, v in static.items() if k == "threads"}
     partial = {k: v for k, v in static.items() if not (static.get("mma") and k in _CUDA_CORE_LOOP)}
+    if not (partial.get("mma") and fields["cache_dtype"].startswith("float8")):
+        partial.pop("widen", None)  # (the tensor-core partial's float8 widening: nothing else reads it)
     return [(BUILDER, spec(backend=backend, kind="partial", **fields, **partial)),
             (BUILDER, spec(backend=backend, kind="merge", **fields, **merge))]
 
