@@ -89,7 +89,8 @@ def parse_sweep(text: str) -> list[dict]:
     """``--sweep``'s schedules, comma-separated: THREADSxUNROLL[xPREFETCH[xSTAGES]] (CUDA cores), or
     THREADSmTILE[pPREFETCH][wWIDEN] (tensor cores, ``mma``: tokens a tile; p1: the next tile's rows loaded
     during this tile's products; w1: a float8 cache widened eight elements at a time). A float8 cache
-    takes tiles of 64 without the prefetch whatever the sweep says (``decode_builtin._MMA_NARROW``)."""
+    read one element at a time takes tiles of 64 without the prefetch whatever the sweep says
+    (``decode_builtin._MMA_NARROW``); widened, it takes the sweep's."""
     keys = ("threads", "unroll", "prefetch", "stages")
     configs = []
     for c in text.split(","):

@@ -504,7 +504,8 @@ def test_float8_widening_reads_every_code_as_torch_does(dtype):
 
 def test_widening_is_the_tensor_core_partials_alone():
     """``widen`` is read by the tensor-core partial with a float8 cache only: the spec refuses it elsewhere,
-    and a call's kernels drop it where nothing reads it (a sweep may set it for every cache)."""
+    and a call's kernels drop it where nothing reads it (a sweep may set it for every cache). Widened, a
+    float8 cache is not narrowed to tiles of 64 without the prefetch."""
     from tileops.attention import PagedAttnDecodeFwdOp
     from tileops.attention.decode_builtin import kernel_specs
     from tileops.manifest import call_specs
@@ -526,14 +527,18 @@ def test_widening_is_the_tensor_core_partials_alone():
         (call,) = call_specs(op.manifest, dims, [dtype], torch.device("cuda"), given, params=op.params)
         partial, merge = [s for _, s in kernel_specs(op.manifest, op.params, call, "cuda")]
         assert (partial.widen, merge.widen) == (want, 0), (cache, dtype)
+        if want:  # widened, a float8 cache keeps the manifest's tile and prefetch (not _MMA_NARROW's 64, 0)
+            static = op.manifest.kernel.static
+            assert (partial.tile, partial.prefetch) == (static["tile"], static["prefetch"]) == (128, 1)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_widened_tensor_core_partial_lowers_to_16_byte_shared_stores(dtype):
+@pytest.mark.parametrize("dtype,tile,prefetch", [(torch.bfloat16, 64, 0), (torch.float16, 64, 0),
+                                                 (torch.bfloat16, 128, 1)])
+def test_widened_tensor_core_partial_lowers_to_16_byte_shared_stores(dtype, tile, prefetch):
     """With ``widen``, the float8 tile reaches shared memory in 16-byte stores through the helper, not
     element by element through three conversions (``E4M3_HELPER`` gone from the source)."""
-    src = emit_source("paged_decode", spec("partial", dtype, torch.float8_e4m3fn, d=128, hq=32, hkv=8,
-                                           backend="cuda", mma=1, tile=64, widen=1), "cuda", "sm_90")
+    src = emit_source("paged_decode", spec("partial", dtype, torch.float8_e4m3fn, d=128, hq=32, hkv=8, backend="cuda",
+                                           mma=1, tile=tile, prefetch=prefetch, widen=1), "cuda", "sm_90")
     name = "tileops_e4m3x8_bf16" if dtype == torch.bfloat16 else "tileops_e4m3x8_f16"
     assert src.count(f"  {name}((&(w") == 2 and "tileops_e4m3_f32(" not in src  # keys and values, once each
     ctype = "bfloat16_t" if dtype == torch.bfloat16 else "half_t"

@@ -68,7 +68,9 @@ _MMA_KNOBS = ("mma", "tile", "prefetch", "widen")
 #: 1,260 bytes of spill stores; tiles of 64: 194 registers, none). A float8 cache: its per-element
 #: conversion makes the program ALU-bound, and the prefetch's registers cost it programs an SM (H200,
 #: bf16 q, GQA 32/8, D 128, one split: 216 and 856 us at 64 x 1024 and 64 x 4096, against 165 and 636
-#: for tiles of 64 without it)
+#: for tiles of 64 without it). Widened eight elements at once (``widen``: no conversion instruction
+#: for bf16) it is not narrowed: it keeps the manifest's tile and prefetch (171 registers, as the bf16
+#: cache's program, ptxas sm_90a; not yet measured)
 _MMA_NARROW = {"tile": 64, "prefetch": 0}
 _PARTIAL_VALUES = ("splits", "chunk", "scale_bits", "softcap_bits", "window")
 
@@ -145,7 +147,8 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
         # the tensor-core products take 16-bit operands: fp32 q takes the CUDA cores' loop, whose copies
         # ahead are ``stages`` (the manifest's ``tile`` and ``prefetch`` are the tensor-core program's)
         static = {k: v for k, v in static.items() if k not in _MMA_KNOBS}
-    elif static.get("mma") and (fields["head_dim"] > 128 or fields["cache_dtype"].startswith("float8")):
+    elif static.get("mma") and (fields["head_dim"] > 128
+                                or (fields["cache_dtype"].startswith("float8") and not static.get("widen"))):
         static.update(_MMA_NARROW)
     # each program keyed by the knobs it reads: the merge by its threads, the tensor-core partial not by
     # the CUDA cores' token loop (so that a schedule sweep compiles one merge, not one a schedule)
