@@ -79,8 +79,13 @@ def test_jobs() -> list[tuple]:
         _fixture(kernels.warm_head_dims)(types.SimpleNamespace(session=types.SimpleNamespace(items=items)))
     finally:
         warmup.compile_jobs, build.device_backend, torch.cuda.is_available = saved
-    # the paged decode's tensor-core cases (TileLang's own build: they take dynamic shared memory)
-    jobs += _module("test_paged_decode_cuda").mma_kernel_jobs(ARCH)
+    # the paged decode's tensor-core cases and the ops its other tests make (TileLang's own build: they
+    # take dynamic shared memory), and the rows of benchmarks.decode
+    decode = _module("test_paged_decode_cuda")
+    jobs += decode.mma_kernel_jobs(ARCH) + decode.decode_kernel_jobs(ARCH)
+    from benchmarks.decode import schedule_specs
+
+    jobs += schedule_specs({})
     # the rope schedules test_cuda.py runs straight into NaN-filled outputs (TileLang's nvcc build took that
     # test 275 s on the H200 when it compiled them there)
     jobs += _module("test_cuda").every_element_jobs(ARCH)

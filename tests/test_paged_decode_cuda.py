@@ -300,3 +300,31 @@ def test_tensor_core_schedule(name):
     got = _check(_mma_op(name), _case_inputs(name))
     empty = [i for i, n in enumerate(MMA_CASES[name][7]) if n == 0]
     assert all(bool((got[i] == 0).all()) for i in empty), "a sequence of no token outputs zeros"
+
+
+#: the ops the tests above make with the manifest's schedule, as ``(num_q_heads, num_kv_heads, head_dim,
+#: q dtype, op kwargs)`` (:func:`decode_kernel_jobs`): layout and block size are not part of a kernel
+DEFAULT_SCHEDULE_OPS = [
+    (8, 2, 128, torch.bfloat16, {}), (8, 2, 128, torch.float16, {}),
+    (32, 8, 64, torch.bfloat16, {}), (8, 2, 256, torch.bfloat16, {}), (8, 8, 128, torch.float16, {}),
+    (16, 1, 128, torch.bfloat16, {}), (8, 2, 128, torch.float32, {}),
+    (8, 2, 128, torch.bfloat16, {"cache_dtype": torch.float8_e4m3fn}),
+    (8, 2, 128, torch.bfloat16, {"sliding_window": 300, "softcap": 30.0, "softmax_scale": 0.2}),
+    (4, 2, 64, torch.bfloat16, {}),
+]
+
+
+def decode_kernel_jobs(arch: str) -> list[tuple]:
+    """The kernel jobs of :data:`DEFAULT_SCHEDULE_OPS` (``benchmarks.device_cache`` compiles them off the
+    GPU, beside :func:`mma_kernel_jobs`'s)."""
+    from tileops.attention.decode_builtin import kernel_specs
+    from tileops.manifest import call_specs
+
+    jobs = []
+    for hq, hkv, d, dtype, kw in DEFAULT_SCHEDULE_OPS:
+        op = PagedAttnDecodeFwdOp(hq, hkv, d, **kw)
+        given = ("k_scale", "v_scale") if "cache_dtype" in kw else ()
+        for call in call_specs(op.manifest, {"q_dim": d, "q_heads": hq, "cache_heads": hkv},
+                               [str(dtype).removeprefix("torch.")], torch.device("cuda"), given, params=op.params):
+            jobs += [(b, s, "cuda", arch) for b, s in kernel_specs(op.manifest, op.params, call, "cuda")]
+    return list(dict.fromkeys(jobs))
