@@ -75,9 +75,9 @@ STATIC = {
 CACHE_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
 
 #: the partial program's parameters, in order (the launcher binds by name)
-PARTIAL_ARGS = ("Q", "KC", "VC", "BT", "SL", "KS", "VS", "OP", "LP", "ERR", "tag", "batch", "splits", "chunk",
+PARTIAL_ARGS = ("Q", "KC", "VC", "BT", "SL", "KS", "VS", "OP", "LP", "O", "ERR", "tag", "batch", "splits", "chunk",
                 "nblocks", "bs", "max_blocks", "btb", "qsb", "qsh", "csb", "csr", "csh", "scale_bits", "softcap_bits",
-                "window")
+                "window", "osb", "osh", "direct")
 #: the merge program's parameters
 MERGE_ARGS = ("OP", "LP", "O", "batch", "splits", "osb", "osh")
 
@@ -262,11 +262,14 @@ def _load(spec: PagedDecodeSpec, buf, idx, st: str, scale):
 
 
 def _partial_buffers(st: str, cst: str) -> dict:
-    """The partial program's buffer parameters, both schedules (flat, dynamic extents)."""
-    NQ, NC, NBT, NS, NO, NL = T.dynamic("NQ, NC, NBT, NS, NO, NL")
+    """The partial program's buffer parameters, both schedules (flat, dynamic extents). ``O`` is the
+    call's output, which a call of one split writes directly (``direct``; no merge): a split's own
+    normalised output is the merged one then, to the bit."""
+    NQ, NC, NBT, NS, NO, NL, NOUT = T.dynamic("NQ, NC, NBT, NS, NO, NL, NOUT")
     return dict(Q=T.Tensor((NQ,), st), KC=T.Tensor((NC,), cst), VC=T.Tensor((NC,), cst), BT=T.Tensor((NBT,), "int32"),
                 SL=T.Tensor((NS,), "int32"), KS=T.Tensor((1,), "float32"), VS=T.Tensor((1,), "float32"),
-                OP=T.Tensor((NO,), "float32"), LP=T.Tensor((NL,), "float32"), ERR=T.Tensor((ENTRY,), "int32"))
+                OP=T.Tensor((NO,), "float32"), LP=T.Tensor((NL,), "float32"), O=T.Tensor((NOUT,), st),
+                ERR=T.Tensor((ENTRY,), "int32"))
 
 
 def _partial(spec: PagedDecodeSpec):
@@ -278,11 +281,12 @@ def _partial(spec: PagedDecodeSpec):
 
     @T.prim_func
     def paged_decode_partial(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"], KS: sig["KS"],
-                             VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"], tag: T.int32,
+                             VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], O: sig["O"], ERR: sig["ERR"], tag: T.int32,
                              batch: T.int32, splits: T.int32, chunk: T.int32, nblocks: T.int32, bs: T.int32,
                              max_blocks: T.int32, btb: T.int64,
                              qsb: T.int64, qsh: T.int64, csb: T.int64, csr: T.int64, csh: T.int64,
-                             scale_bits: T.int32, softcap_bits: T.int32, window: T.int32):
+                             scale_bits: T.int32, softcap_bits: T.int32, window: T.int32,
+                             osb: T.int64, osh: T.int64, direct: T.int32):
         with T.Kernel(splits, HKV, batch, threads=1) as (s, kvh, b):
             scale = T.reinterpret(scale_bits, "float32")
             softcap = T.reinterpret(softcap_bits, "float32")
@@ -342,10 +346,16 @@ def _partial(spec: PagedDecodeSpec):
                         for d in T.serial(D):
                             acc[g * D + d] = acc[g * D + d] * sc[1] + p * kv[D + d]
             for g in T.serial(G):
-                row = (T.cast(b, "int64") * HQ + T.cast(kvh * G + g, "int64")) * T.cast(splits, "int64") + s
-                for d in T.serial(D):
-                    OP[row * D + d] = T.if_then_else(l[g] > 0, acc[g * D + d] / l[g], T.float32(0))
-                LP[row] = T.if_then_else(l[g] > 0, m[g] + T.log2(l[g]), -T.infinity("float32"))
+                if direct != 0:  # one split: its normalised output is the call's (what the merge would give)
+                    oo = T.cast(b, "int64") * osb + T.cast(kvh * G + g, "int64") * osh
+                    for d in T.serial(D):
+                        O[oo + d] = to_storage(T.if_then_else(l[g] > 0, acc[g * D + d] / l[g], T.float32(0)), st,
+                                               spec.dtype)
+                else:
+                    row = (T.cast(b, "int64") * HQ + T.cast(kvh * G + g, "int64")) * T.cast(splits, "int64") + s
+                    for d in T.serial(D):
+                        OP[row * D + d] = T.if_then_else(l[g] > 0, acc[g * D + d] / l[g], T.float32(0))
+                    LP[row] = T.if_then_else(l[g] > 0, m[g] + T.log2(l[g]), -T.infinity("float32"))
 
     return paged_decode_partial
 
@@ -537,6 +547,7 @@ def _partial_cuda(spec: PagedDecodeSpec):
     D, HQ, HKV, G = spec.head_dim, spec.hq, spec.hkv, spec.group
     GH, VEC, LG, TPB, U = spec.heads_per_block, spec.vec, spec.lanes, spec.threads, spec.unroll
     NV = D // VEC  # lanes of a group that hold a vector
+    OV = vector(spec.dtype)  # out's vector, the unit of its strides (a call of one split writes it: direct)
     NG = TPB // LG  # lane groups a block
     NHC = G // GH  # head chunks a kv head
     st = storage_dtype(spec.dtype, "cuda")
@@ -607,11 +618,12 @@ def _partial_cuda(spec: PagedDecodeSpec):
 
     @T.prim_func
     def paged_decode_partial_cuda(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
-                                  KS: sig["KS"], VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"],
+                                  KS: sig["KS"], VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], O: sig["O"], ERR: sig["ERR"],
                                   tag: T.int32, batch: T.int32, splits: T.int32,
                                   chunk: T.int32, nblocks: T.int32, bs: T.int32, max_blocks: T.int32, btb: T.int64,
                                   qsb: T.int64, qsh: T.int64, csb: T.int64, csr: T.int64, csh: T.int64,
-                                  scale_bits: T.int32, softcap_bits: T.int32, window: T.int32):
+                                  scale_bits: T.int32, softcap_bits: T.int32, window: T.int32,
+                             osb: T.int64, osh: T.int64, direct: T.int32):
         with T.Kernel(splits * (HKV * NHC) * batch, threads=TPB) as bx:
             T.import_source(helpers)
             tx = T.get_thread_binding()
@@ -764,11 +776,15 @@ def _partial_cuda(spec: PagedDecodeSpec):
                             w[3] = T.exp2(SM[g * GH + h] - w[0])
                             w[1] = w[1] + SLS[g * GH + h] * w[3]
                         w[2] = w[2] + SACC[(g * GH + h) * (NV * VEC) + e % (NV * VEC)]
-                    row = ((T.cast(b, "int64") * HQ + T.cast(kvh * G + hc * GH + h, "int64")) * T.cast(splits, "int64")
-                           + s)
-                    OP[row * D + e % (NV * VEC)] = T.if_then_else(w[1] > 0, w[2] / w[1], T.float32(0))
-                    if e % (NV * VEC) == 0:
-                        LP[row] = T.if_then_else(w[1] > 0, w[0] + T.log2(w[1]), ninf)
+                    if direct != 0:  # one split: the call's output (O's strides in its own vectors, OV)
+                        O[(T.cast(b, "int64") * osb + T.cast(kvh * G + hc * GH + h, "int64") * osh) * OV
+                          + e % (NV * VEC)] = T.cast(T.if_then_else(w[1] > 0, w[2] / w[1], T.float32(0)), st)
+                    else:
+                        row = ((T.cast(b, "int64") * HQ + T.cast(kvh * G + hc * GH + h, "int64"))
+                               * T.cast(splits, "int64") + s)
+                        OP[row * D + e % (NV * VEC)] = T.if_then_else(w[1] > 0, w[2] / w[1], T.float32(0))
+                        if e % (NV * VEC) == 0:
+                            LP[row] = T.if_then_else(w[1] > 0, w[0] + T.log2(w[1]), ninf)
 
     return paged_decode_partial_cuda
 
@@ -787,6 +803,7 @@ def _partial_mma(spec: PagedDecodeSpec):
     units of ``vec`` elements, as the other CUDA schedule's."""
     D, HQ, HKV, G = spec.head_dim, spec.hq, spec.hkv, spec.group
     GH, VEC, TPB, BN, BM = spec.heads_per_block, spec.vec, spec.threads, spec.tile, MMA_ROWS
+    OV = vector(spec.dtype)  # out's vector, the unit of its strides (a call of one split writes it: direct)
     NHC = G // GH
     NVR = D // VEC  # vectors a cache row
     NE = -(-BN * NVR // TPB)  # vectors of a tile's keys (and of its values) a thread gathers
@@ -888,11 +905,12 @@ def _partial_mma(spec: PagedDecodeSpec):
 
     @T.prim_func
     def paged_decode_partial_mma(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
-                                 KS: sig["KS"], VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], ERR: sig["ERR"],
+                                 KS: sig["KS"], VS: sig["VS"], OP: sig["OP"], LP: sig["LP"], O: sig["O"], ERR: sig["ERR"],
                                  tag: T.int32, batch: T.int32, splits: T.int32,
                                  chunk: T.int32, nblocks: T.int32, bs: T.int32, max_blocks: T.int32, btb: T.int64,
                                  qsb: T.int64, qsh: T.int64, csb: T.int64, csr: T.int64, csh: T.int64,
-                                 scale_bits: T.int32, softcap_bits: T.int32, window: T.int32):
+                                 scale_bits: T.int32, softcap_bits: T.int32, window: T.int32,
+                             osb: T.int64, osh: T.int64, direct: T.int32):
         with T.Kernel(splits * (HKV * NHC) * batch, threads=TPB) as bx:
             T.import_source(helpers)
             tx = T.get_thread_binding()
@@ -981,11 +999,15 @@ def _partial_mma(spec: PagedDecodeSpec):
                     Acc[i, d] *= resc[i]
                 T.gemm(Ps, Vs, Acc, policy=T.GemmWarpPolicy.FullCol)
             for i, d in T.Parallel(BM, D):
-                if i < GH:
+                if i < GH and direct != 0:  # one split: the call's output (O's strides in its own vectors, OV)
+                    O[(T.cast(b, "int64") * osb + T.cast(h0 + i, "int64") * osh) * OV + d] = T.cast(
+                        T.if_then_else(lsum[i] > 0, Acc[i, d] * vs / lsum[i], T.float32(0)), dt)
+            for i, d in T.Parallel(BM, D):
+                if i < GH and direct == 0:
                     OP[((T.cast(b, "int64") * HQ + T.cast(h0 + i, "int64")) * T.cast(splits, "int64") + s) * D + d] = (
                         T.if_then_else(lsum[i] > 0, Acc[i, d] * vs / lsum[i], T.float32(0)))
             for i in T.Parallel(BM):
-                if i < GH:
+                if i < GH and direct == 0:
                     LP[(T.cast(b, "int64") * HQ + T.cast(h0 + i, "int64")) * T.cast(splits, "int64") + s] = (
                         T.if_then_else(lsum[i] > 0, m[i] + T.log2(lsum[i]), ninf))
 

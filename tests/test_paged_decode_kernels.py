@@ -115,9 +115,11 @@ def _launch(s, cuda: bool, grid: int = 0, **args) -> None:
 
 
 def run(q, kc, vc, bt, sl, *, layout="NHD", splits=1, scale=0.125, softcap=None, window=None, k_scale=None,
-        v_scale=None, tag=7, fields=None, cuda=False):
+        v_scale=None, tag=7, fields=None, cuda=False, direct=False):
     """``(out, err)``: both programs on the CPU (workspaces and out NaN-filled first), and the error
-    entry they wrote. ``cuda``: the CUDA schedule's source run on the CPU, strides in its vectors."""
+    entry they wrote. ``cuda``: the CUDA schedule's source run on the CPU, strides in its vectors.
+    ``direct``: one split, the partial writing out itself (the runtime's plan for such calls), no merge;
+    its workspaces stay NaN."""
     B, hq, d = q.shape
     hkv = kc.shape[2] if layout == "NHD" else kc.shape[1]
     bs = kc.shape[1] if layout == "NHD" else kc.shape[2]
@@ -143,14 +145,20 @@ def run(q, kc, vc, bt, sl, *, layout="NHD", splits=1, scale=0.125, softcap=None,
     qsb, qsh, csb, csr, csh = (x // u for x in (q.stride(0), q.stride(1), csb, csr, csh))
     osb, osh = out.stride(0) // uo, out.stride(1) // uo
     grid = splits * hkv * (hq // hkv // part.heads_per_block) * B
+    assert splits == 1 or not direct, "a direct call has one split"
     _launch(part, cuda, grid, Q=q.data_ptr(), KC=raw(kc).data_ptr(), VC=raw(vc).data_ptr(), BT=bt.data_ptr(),
             SL=sl.data_ptr(),
-            KS=ks.data_ptr(), VS=vs.data_ptr(), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(), ERR=err.data_ptr(), tag=tag,
+            KS=ks.data_ptr(), VS=vs.data_ptr(), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(), O=out.data_ptr(),
+            ERR=err.data_ptr(), tag=tag,
             batch=B, splits=splits, chunk=chunk, nblocks=kc.shape[0], bs=bs, max_blocks=max_blocks,
             btb=bt.stride(0), qsb=qsb, qsh=qsh, csb=csb, csr=csr, csh=csh, scale_bits=bits(scale),
-            softcap_bits=bits(softcap or 1.0), window=window or 0)
-    _launch(merge, cuda, -(-B * hq // (merge.threads // merge.lanes)), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(),
-            O=out.data_ptr(), batch=B, splits=splits, osb=osb, osh=osh)
+            softcap_bits=bits(softcap or 1.0), window=window or 0, osb=osb, osh=osh, direct=int(direct))
+    if direct:
+        assert op_ws.isnan().all() and lp_ws.isnan().all(), "a direct partial wrote a workspace"
+    else:
+        assert out.isnan().all(), "the partial wrote out without direct"
+        _launch(merge, cuda, -(-B * hq // (merge.threads // merge.lanes)), OP=op_ws.data_ptr(), LP=lp_ws.data_ptr(),
+                O=out.data_ptr(), batch=B, splits=splits, osb=osb, osh=osh)
     return out, err
 
 
@@ -228,6 +236,27 @@ def test_splits_agree_with_one_split(cuda):
     """More splits than a sequence has tokens: splits that see no key weigh nothing in the merge."""
     t = make(42, lens=[3, 40], bs=4)
     check(*t, splits=7, cuda=cuda)  # chunks of 7 tokens over a table of 11 blocks: sequence 0 has one split of keys
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16-hnd", "fp16-window-softcap", "float8", "bad-table"])
+@SCHEDULES
+def test_one_split_written_directly_is_the_merge_to_the_bit(case, cuda):
+    """A call of one split (the runtime's DIRECT plan): the partial program writes out itself, no merge
+    and no workspace written; the same bits as the partial and merge of one split, and the same report
+    of a bad table entry."""
+    dtype = {"fp32": torch.float32, "fp16-window-softcap": torch.float16}.get(case, torch.bfloat16)
+    layout = "HND" if case in ("bf16-hnd", "float8") else "NHD"
+    t = list(make(47, lens=LENS, bs=16, layout=layout, dtype=dtype,
+                  cache_dtype=torch.float8_e4m3fn if case == "float8" else None))
+    if case == "bad-table":
+        t[3] = t[3].clone()
+        t[3][4, 1] = 10**6  # sequence 4's second block: outside the cache
+    kw = dict(layout=layout, cuda=cuda, **({"window": 9, "softcap": 5.0, "scale": 0.3} if "window" in case else {}),
+              **({"k_scale": 0.03, "v_scale": 0.5} if case == "float8" else {}))
+    merged, err = run(*t, **kw)
+    direct, err_direct = run(*t, direct=True, **kw)
+    assert not direct.isnan().any() and torch.equal(direct, merged)
+    assert torch.equal(err_direct, err) and (int(err[TABLES_WORD]) != 0) == (case == "bad-table")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

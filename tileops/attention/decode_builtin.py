@@ -74,20 +74,25 @@ _MMA_KNOBS = ("mma", "tile", "prefetch", "widen")
 _MMA_NARROW = {"tile": 64, "prefetch": 0}
 _PARTIAL_VALUES = ("splits", "chunk", "scale_bits", "softcap_bits", "window")
 
+#: what the partial program reads, whichever way it writes
+_PARTIAL = {"Q": Ptr("q"), "KC": Ptr("key_cache"), "VC": Ptr("value_cache"), "BT": Ptr("block_tables"),
+            "SL": Ptr("seq_lens"), "KS": Ptr("k_scale"), "VS": Ptr("v_scale"), "ERR": ErrorWord(), "tag": Tag(),
+            "batch": Size("q", "b"), "nblocks": Size("key_cache", "b"), "bs": Size("key_cache", "r"),
+            "max_blocks": Size("block_tables", "n"), "btb": Stride("block_tables", "b"),
+            **strides("q", "qs", "bh"), **strides("key_cache", "cs", "brh"), **{a: Value(a) for a in _PARTIAL_VALUES}}
 #: The call: partial outputs and log-sum-exps per (sequence, q head, split) into the workspaces, then
 #: their merge into out. Error words: 0 block_tables, 1 seq_lens.
-FORWARD = (Step("partial", {"Q": Ptr("q"), "KC": Ptr("key_cache"), "VC": Ptr("value_cache"), "BT": Ptr("block_tables"),
-                            "SL": Ptr("seq_lens"), "KS": Ptr("k_scale"), "VS": Ptr("v_scale"),
-                            "OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "ERR": ErrorWord(), "tag": Tag(),
-                            "batch": Size("q", "b"), "nblocks": Size("key_cache", "b"), "bs": Size("key_cache", "r"),
-                            "max_blocks": Size("block_tables", "n"), "btb": Stride("block_tables", "b"),
-                            **strides("q", "qs", "bh"), **strides("key_cache", "cs", "brh"),
-                            **{a: Value(a) for a in _PARTIAL_VALUES}}),
+FORWARD = (Step("partial", {**_PARTIAL, "OP": Ptr("partial_out"), "LP": Ptr("partial_lse")}),
            Step("merge", {"OP": Ptr("partial_out"), "LP": Ptr("partial_lse"), "O": Ptr("out"), "batch": Size("q", "b"),
                           "splits": Value("splits"), **strides("out", "os", "bh")}))
 #: the workspaces the two steps share, per call
 WORKSPACES = (Workspace("partial_out", "float32", "q_b * q_h * splits * q_d"),
               Workspace("partial_lse", "float32", "q_b * q_h * splits"))
+#: A call of one split (:func:`splits`: every sequence's tokens in one program, as at batch 64): the
+#: partial program normalises its output and writes out itself, the merge's answer to the bit (the merge
+#: of one split multiplies by 2^0 and divides by 1), with no merge launch and no workspace. H200, bf16
+#: GQA 32/8, D 128: the merge was a second launch at 64 x 1024 and 64 x 4096 (one split each).
+DIRECT = (Step("partial", {**_PARTIAL, "O": Ptr("out"), **strides("out", "os", "bh"), "direct": Value("1")}),)
 
 
 def cuda_enabled() -> bool:
@@ -188,8 +193,10 @@ class DecodeKernels:
         self.units = {"q": self.unit, "key_cache": self.unit, "value_cache": self.unit, "out": self.out_unit}
         p = op.params
         self.scale = p["softmax_scale"] if p["softmax_scale"] is not None else 1.0 / math.sqrt(p["head_dim"])
-        self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, dims=_dims(p["cache_layout"]),
-                            checks={"seq_lens": LENS_WORD, "block_tables": TABLES_WORD})
+        checks = {"seq_lens": LENS_WORD, "block_tables": TABLES_WORD}
+        self.plan = Plan.of(op.manifest, FORWARD, workspaces=WORKSPACES, dims=_dims(p["cache_layout"]), checks=checks)
+        #: a call of one split: the partial writes out (its tensors seen and placed as :attr:`plan` has them)
+        self.direct = Plan.of(op.manifest, DIRECT, dims=_dims(p["cache_layout"]), checks=checks)
 
     def prepare(self, tensors: dict) -> None:
         return None
@@ -229,7 +236,8 @@ class DecodeKernels:
         env = {"splits": n, "chunk": math.ceil(tokens / n), "scale_bits": encode_arg("float", self.scale),
                "softcap_bits": encode_arg("float", p["softcap"] or 1.0),
                "window": min(p["sliding_window"] or 0, 2**31 - 1)}
-        return self.plan.bind(self.kernels, tensors, outs, env=env, views=views, unit=self.units)
+        plan = self.direct if n == 1 else self.plan  # (n follows from the shapes: one binding per signature)
+        return plan.bind(self.kernels, tensors, outs, env=env, views=views, unit=self.units)
 
 
 def _dims(cache_layout: str) -> dict:

@@ -359,7 +359,8 @@ class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
     of q heads, into per-split outputs and log-sum-exps (the plan's workspaces, fp32); then ``merge``, a
     program per (q head, sequence) that weighs the splits. The splits come from the shapes alone (no
     synchronisation): as many programs as fill the device in one wave at small batches, none finer than 256
-    tokens. Arithmetic in fp32, the softmax online.
+    tokens. A call of one split (a large batch, or short contexts) is one launch: the partial writes out
+    itself, the merge's answer to the bit, with no workspace. Arithmetic in fp32, the softmax online.
 
     Built: the C schedule on the CPU (fp32, fp16, bf16; float8 caches), tested in CI, and two CUDA schedules.
     For fp16 and bf16 q, tensor cores (``mma``): a program's q heads (up to 16 of the kv head's group) are the
