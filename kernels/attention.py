@@ -437,11 +437,13 @@ def _c(spec: AttnKernelSpec, st: str):
                         for d in T.serial(D):
                             acc[d] = acc[d] * st_[3] + p * load_f32(V, vo + d, st, dt)
                 oo = T.cast(bz, "int64") * osb + T.cast(r, "int64") * oss + T.cast(h, "int64") * osh
+                # l != 0, not l > 0: only a row that saw no key (l exactly 0) outputs zeros; a NaN in q, k or
+                # v makes l or acc NaN and the row NaN, as torch's attention gives, never a plausible zero
                 for d in T.serial(D):
-                    O[oo + d] = to_storage(T.if_then_else(st_[1] > 0, acc[d] / st_[1], T.float32(0)), st, dt)
+                    O[oo + d] = to_storage(T.if_then_else(st_[1] != 0, acc[d] / st_[1], T.float32(0)), st, dt)
                 if has_lse != 0:
                     LSE[T.cast(bz, "int64") * lsb + T.cast(h, "int64") * lsh + T.cast(r, "int64")] = T.if_then_else(
-                        st_[1] > 0, (st_[0] + T.log2(st_[1])) * T.float32(_LN2), -T.infinity("float32"))
+                        st_[1] != 0, (st_[0] + T.log2(st_[1])) * T.float32(_LN2), -T.infinity("float32"))
 
     return body
 
@@ -542,7 +544,8 @@ def _cuda(spec: AttnKernelSpec):
             T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
             T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
         for i, d in T.Parallel(BM, D):
-            Acc[i, d] = T.if_then_else(lsum[i] > 0, Acc[i, d] / lsum[i], T.float32(0))
+            # (lsum != 0, not > 0: a NaN input gives NaN rows, a row that saw no key zeros; see _c)
+            Acc[i, d] = T.if_then_else(lsum[i] != 0, Acc[i, d] / lsum[i], T.float32(0))
         T.copy(Acc, Os)
         for i, d in T.Parallel(BM, D):
             if m0 + i < sq:
@@ -552,7 +555,7 @@ def _cuda(spec: AttnKernelSpec):
                 if m0 + i < sq:
                     LSE[T.cast(bz, "int64") * lsb + T.cast(h, "int64") * lsh
                         + T.cast(q0 + m0 + i, "int64")] = T.if_then_else(
-                        lsum[i] > 0, (m[i] + T.log2(lsum[i])) * T.float32(_LN2), -T.infinity(acc_t))
+                        lsum[i] != 0, (m[i] + T.log2(lsum[i])) * T.float32(_LN2), -T.infinity(acc_t))
 
     @T.macro
     def body(Q, K, V, O, LSE, CUQ, CUK, ERR, tag, batch, nb, sq, sk, tiles, lsb, lsh, has_lse, scale_bits, cap_bits,

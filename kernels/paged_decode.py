@@ -345,17 +345,20 @@ def _partial(spec: PagedDecodeSpec):
                         l[g] = l[g] * sc[1] + p
                         for d in T.serial(D):
                             acc[g * D + d] = acc[g * D + d] * sc[1] + p * kv[D + d]
+            # l != 0, not l > 0: only a head that saw no key (l exactly 0) outputs zeros; a NaN in q or the
+            # caches makes l or acc NaN and the head NaN (its log-sum-exp too, which the merge then spreads),
+            # as torch's attention gives, never a plausible zero
             for g in T.serial(G):
                 if direct != 0:  # one split: its normalised output is the call's (what the merge would give)
                     oo = T.cast(b, "int64") * osb + T.cast(kvh * G + g, "int64") * osh
                     for d in T.serial(D):
-                        O[oo + d] = to_storage(T.if_then_else(l[g] > 0, acc[g * D + d] / l[g], T.float32(0)), st,
+                        O[oo + d] = to_storage(T.if_then_else(l[g] != 0, acc[g * D + d] / l[g], T.float32(0)), st,
                                                spec.dtype)
                 else:
                     row = (T.cast(b, "int64") * HQ + T.cast(kvh * G + g, "int64")) * T.cast(splits, "int64") + s
                     for d in T.serial(D):
-                        OP[row * D + d] = T.if_then_else(l[g] > 0, acc[g * D + d] / l[g], T.float32(0))
-                    LP[row] = T.if_then_else(l[g] > 0, m[g] + T.log2(l[g]), -T.infinity("float32"))
+                        OP[row * D + d] = T.if_then_else(l[g] != 0, acc[g * D + d] / l[g], T.float32(0))
+                    LP[row] = T.if_then_else(l[g] != 0, m[g] + T.log2(l[g]), -T.infinity("float32"))
 
     return paged_decode_partial
 
@@ -374,11 +377,11 @@ def _merge(spec: PagedDecodeSpec):
             row = (T.cast(b, "int64") * HQ + T.cast(h, "int64")) * T.cast(splits, "int64")
             w[0] = -T.infinity("float32")
             for s in T.serial(splits):
-                w[0] = T.max(w[0], LP[row + s])
+                w[0] = _nan_max(w[0], LP[row + s])
             w[1] = T.float32(0)
             for d in T.serial(D):
                 acc[d] = T.float32(0)
-            if w[0] > -T.infinity("float32"):
+            if w[0] != -T.infinity("float32"):  # (a NaN split: its weight NaN, and the output)
                 for s in T.serial(splits):
                     w[2] = T.exp2(LP[row + s] - w[0])  # 0 for a split that saw no key
                     w[1] = w[1] + w[2]
@@ -386,7 +389,7 @@ def _merge(spec: PagedDecodeSpec):
                         acc[d] = acc[d] + w[2] * OP[(row + s) * D + d]
             oo = T.cast(b, "int64") * osb + T.cast(h, "int64") * osh
             for d in T.serial(D):
-                O[oo + d] = to_storage(T.if_then_else(w[1] > 0, acc[d] / w[1], T.float32(0)), st, spec.dtype)
+                O[oo + d] = to_storage(T.if_then_else(w[1] != 0, acc[d] / w[1], T.float32(0)), st, spec.dtype)
 
     return paged_decode_merge
 
@@ -735,8 +738,8 @@ def _partial_cuda(spec: PagedDecodeSpec):
                 for h in T.unroll(GH):
                     w[0] = m[h]
                     for u in T.unroll(U):
-                        w[0] = T.max(w[0], sc[u * GH + h])
-                    if w[0] > ninf:  # (else nothing seen yet: the state stays empty)
+                        w[0] = _nan_max(w[0], sc[u * GH + h])
+                    if w[0] != ninf:  # (else nothing seen yet: the state stays empty)
                         w[1] = T.exp2(m[h] - w[0])  # 0 while m is -inf
                         l[h] = l[h] * w[1]
                         for v in T.unroll(VEC):
@@ -757,7 +760,7 @@ def _partial_cuda(spec: PagedDecodeSpec):
                 w[0] = ninf
                 for g in T.serial(NG):
                     w[0] = T.max(w[0], SM[g * GH + h])
-                w[1] = T.if_then_else(m[h] > ninf, T.exp2(m[h] - w[0]), T.float32(0))
+                w[1] = T.if_then_else(m[h] != ninf, T.exp2(m[h] - w[0]), T.float32(0))
                 if vl:
                     for v in T.unroll(VEC):
                         SACC[(grp * GH + h) * (NV * VEC) + lane * VEC + v] = acc[h * VEC + v] * w[1]
@@ -772,19 +775,19 @@ def _partial_cuda(spec: PagedDecodeSpec):
                     w[1] = T.float32(0)  # the sum of the groups' rescaled sums
                     w[2] = T.float32(0)  # of their rescaled outputs
                     for g in T.serial(NG):
-                        if SM[g * GH + h] > ninf:
+                        if SM[g * GH + h] != ninf:
                             w[3] = T.exp2(SM[g * GH + h] - w[0])
                             w[1] = w[1] + SLS[g * GH + h] * w[3]
                         w[2] = w[2] + SACC[(g * GH + h) * (NV * VEC) + e % (NV * VEC)]
                     if direct != 0:  # one split: the call's output (O's strides in its own vectors, OV)
                         O[(T.cast(b, "int64") * osb + T.cast(kvh * G + hc * GH + h, "int64") * osh) * OV
-                          + e % (NV * VEC)] = T.cast(T.if_then_else(w[1] > 0, w[2] / w[1], T.float32(0)), st)
+                          + e % (NV * VEC)] = T.cast(T.if_then_else(w[1] != 0, w[2] / w[1], T.float32(0)), st)
                     else:
                         row = ((T.cast(b, "int64") * HQ + T.cast(kvh * G + hc * GH + h, "int64"))
                                * T.cast(splits, "int64") + s)
-                        OP[row * D + e % (NV * VEC)] = T.if_then_else(w[1] > 0, w[2] / w[1], T.float32(0))
+                        OP[row * D + e % (NV * VEC)] = T.if_then_else(w[1] != 0, w[2] / w[1], T.float32(0))
                         if e % (NV * VEC) == 0:
-                            LP[row] = T.if_then_else(w[1] > 0, w[0] + T.log2(w[1]), ninf)
+                            LP[row] = T.if_then_else(w[1] != 0, w[0] + T.log2(w[1]), ninf)
 
     return paged_decode_partial_cuda
 
@@ -1001,15 +1004,15 @@ def _partial_mma(spec: PagedDecodeSpec):
             for i, d in T.Parallel(BM, D):
                 if i < GH and direct != 0:  # one split: the call's output (O's strides in its own vectors, OV)
                     O[(T.cast(b, "int64") * osb + T.cast(h0 + i, "int64") * osh) * OV + d] = T.cast(
-                        T.if_then_else(lsum[i] > 0, Acc[i, d] * vs / lsum[i], T.float32(0)), dt)
+                        T.if_then_else(lsum[i] != 0, Acc[i, d] * vs / lsum[i], T.float32(0)), dt)
             for i, d in T.Parallel(BM, D):
                 if i < GH and direct == 0:
                     OP[((T.cast(b, "int64") * HQ + T.cast(h0 + i, "int64")) * T.cast(splits, "int64") + s) * D + d] = (
-                        T.if_then_else(lsum[i] > 0, Acc[i, d] * vs / lsum[i], T.float32(0)))
+                        T.if_then_else(lsum[i] != 0, Acc[i, d] * vs / lsum[i], T.float32(0)))
             for i in T.Parallel(BM):
                 if i < GH and direct == 0:
                     LP[(T.cast(b, "int64") * HQ + T.cast(h0 + i, "int64")) * T.cast(splits, "int64") + s] = (
-                        T.if_then_else(lsum[i] > 0, m[i] + T.log2(lsum[i]), ninf))
+                        T.if_then_else(lsum[i] != 0, m[i] + T.log2(lsum[i]), ninf))
 
     return paged_decode_partial_mma
 
@@ -1047,23 +1050,29 @@ def _merge_cuda(spec: PagedDecodeSpec):
                 row = T.cast(r, "int64") * T.cast(splits, "int64")
                 w[0] = ninf
                 for s in T.serial(splits):
-                    w[0] = T.max(w[0], LP[row + s])
+                    w[0] = _nan_max(w[0], LP[row + s])
                 w[1] = T.float32(0)
                 for v in T.unroll(VEC):
                     acc[v] = T.float32(0)
-                if w[0] > ninf:
+                if w[0] != ninf:  # (a NaN split: its weight NaN, and the output)
                     for s in T.serial(splits):
                         w[2] = T.exp2(LP[row + s] - w[0])  # 0 for a split that saw no key
                         w[1] = w[1] + w[2]
                         for v in T.unroll(VEC):
                             acc[v] = acc[v] + w[2] * OP[(row + s) * D + lane * VEC + v]
                 for v in T.unroll(VEC):
-                    ov[v] = T.cast(T.if_then_else(w[1] > 0, acc[v] / w[1], T.float32(0)), st)
+                    ov[v] = T.cast(T.if_then_else(w[1] != 0, acc[v] / w[1], T.float32(0)), st)
                 oo = (T.cast(r // HQ, "int64") * osb + T.cast(r % HQ, "int64") * osh) * VEC + lane * VEC
                 for v in T.vectorized(VEC):
                     O[oo + v] = ov[v]
 
     return paged_decode_merge_cuda
+
+
+def _nan_max(a, b):
+    """``max(a, b)``, NaN if either is: CUDA's ``max`` of floats (``fmaxf``) drops a NaN, and a running
+    max that drops them lets a NaN split or step look empty, its NaN then never reaching the output."""
+    return T.if_then_else(T.Or(T.isnan(a), T.isnan(b)), a + b, T.max(a, b))  # (TVM folds x != x to false)
 
 
 def _neg_inf():

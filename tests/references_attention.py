@@ -174,7 +174,14 @@ def attention(params: dict, inputs: dict, differentiable: bool = False) -> dict:
             e = torch.exp(s - m[:, None])  # exp(-inf) = 0 where hidden
             total = e.sum(-1)
             p = e / torch.where(some, total, torch.ones_like(total))[:, None]
-            row, mag = p @ vs[:, g], p @ vs[:, g].abs()
+            vg = vs[:, g]
+            bad = vg.isnan()
+            if bool(bad.any()):  # a NaN value reaches the rows that see its key (p * NaN), never the others
+                vg = vg.masked_fill(bad, 0.0)
+                hit = (seen.to(torch.float64) @ bad.to(torch.float64)) > 0  # [nq, D]: a row sees a NaN there
+                row, mag = (p @ vg).masked_fill(hit, float("nan")), p @ vg.abs()
+            else:
+                row, mag = p @ vg, p @ vg.abs()
             ls = torch.where(some, m + torch.log(torch.where(some, total, torch.ones_like(total))),
                              torch.full_like(total, float("-inf")))
             if dense:

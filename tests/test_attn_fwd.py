@@ -87,6 +87,35 @@ def test_rows_that_see_nothing_are_zeros():
     assert bool(torch.isfinite(lse[:, :, 4:]).all())
 
 
+def nan_case(op: AttnFwdOp, q, k, v) -> None:
+    """Run with NaN-filled ``out=`` after putting NaNs into q, k, v (rows of 8 tokens, GQA 4/2, causal with
+    a window of 3): out and lse NaN exactly where the float64 reference's are, the rest as without them."""
+    nan = float("nan")
+    k[0, 5, 1, 7] = nan  # a visible key: rows 5-7 of heads 2 and 3 of sequence 0, every column
+    v[1, 2, 0, 9] = nan  # a value: rows 2-4 of heads 0 and 1 of sequence 1, column 9 alone
+    q[1, 6, 3, 0] = nan  # a query: row 6 of head 3 of sequence 1
+    k[1, 0, 1, 4] = nan  # key 0: rows 3-7 do not see it (the window), rows 0-2 of heads 2 and 3 do
+    out = torch.full_like(q, nan)
+    got, lse = op(q, k, v, out=out, return_lse=True)
+    ref = refs.attention(_params(op), {"q": q, "k": k, "v": v})
+    want = ref["out"]
+    assert torch.equal(got.isnan(), want.isnan()), "NaN rows differ from the definition's"
+    assert torch.equal(lse.isnan(), ref["lse"].isnan())
+    assert 4 * 64 < int(want.isnan().sum()) < want.numel() // 4  # (the NaNs reach rows, not everything)
+    fine = ~want.isnan()
+    tol = (2 * 64 + 2 * 8 + 64) * (1 + ref["smax"]) * 2.0**-24 * ref["scale"] + 1e-30
+    assert bool(((got.double() - want).abs()[fine] <= tol[fine]).all())
+
+
+def test_a_nan_input_gives_nan_where_the_definition_puts_it():
+    """NaN in, NaN out, as torch's attention gives: the kernels had tested ``l > 0`` for "this row saw a
+    key", so a NaN score made a plausible row of zeros. Now only a row that saw no key (l exactly 0) is
+    zeros; a NaN key or query makes its rows NaN, a NaN value its column of those rows, and a NaN the
+    window hides is not seen."""
+    op = AttnFwdOp(4, 2, 64, causal=True, sliding_window=3)
+    nan_case(op, *_inputs(16, (2, 8, 4, 64), (2, 8, 2, 64)))
+
+
 def test_softcap_and_scale():
     op = AttnFwdOp(4, 2, 64, causal=True, softcap=2.5, softmax_scale=0.3)
     q, k, v = _inputs(13, (2, 6, 4, 64), (2, 8, 2, 64))

@@ -177,3 +177,24 @@ def test_matches_sdpa_at_scale():
                                                             is_causal=True, enable_gqa=True).transpose(1, 2)
     # both round P (or its equivalent) to bf16 and the output once: 4 half-ulps of |v| <= ~4.5
     assert (got.float() - want.float()).abs().max().item() <= 4 * 2.0**-8 * 4.5
+
+
+def test_a_nan_input_gives_nan_where_the_definition_puts_it():
+    """NaN in, NaN out, as torch's attention gives (``tests/test_attn_fwd.py`` says why this is tested): a
+    NaN in a visible key or a query makes the rows that read it NaN, a NaN value its column of those rows,
+    and a NaN the window hides is never seen, inside a tile the mask cuts or in a tile skipped whole."""
+    op = AttnFwdOp(8, 2, 128, causal=True, sliding_window=50)
+    q, k, v = _inputs(38, (2, 260, 8, 128), (2, 260, 2, 128), torch.bfloat16)
+    nan = float("nan")
+    k[0, 100, 1, 7] = nan  # rows 100-149 of heads 4-7, sequence 0
+    v[1, 20, 0, 9] = nan  # rows 20-69 of heads 0-3, column 9
+    q[1, 200, 3, 0] = nan  # row 200 of head 3
+    k[1, 0, 1, 4] = nan  # rows 0-49 of heads 4-7; rows 50 on do not see key 0
+    got, lse = op(q, k, v, out=torch.full_like(q, nan), return_lse=True)
+    ref = refs.attention(dict(op.params), {"q": q.cpu(), "k": k.cpu(), "v": v.cpu()})
+    got, lse, want = got.cpu(), lse.cpu(), ref["out"]
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(lse.isnan(), ref["lse"].isnan())
+    fine = ~want.isnan()
+    fp32_terms = (2 * 128 + 2 * 260 + 64) * (1 + ref["smax"]) * 2.0**-22
+    tol = (fp32_terms + 2 * _UNIT[q.dtype]) * ref["scale"] + 1e-30
+    assert bool(((got.double() - want).abs()[fine] <= tol[fine]).all())

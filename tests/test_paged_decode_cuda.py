@@ -328,3 +328,27 @@ def decode_kernel_jobs(arch: str) -> list[tuple]:
                                [str(dtype).removeprefix("torch.")], torch.device("cuda"), given, params=op.params):
             jobs += [(b, s, "cuda", arch) for b, s in kernel_specs(op.manifest, op.params, call, "cuda")]
     return list(dict.fromkeys(jobs))
+
+
+def test_a_nan_in_q_or_the_caches_gives_nan_where_the_definition_puts_it():
+    """NaN in, NaN out (``tests/test_paged_decode_kernels.py`` says why this is tested), on the tensor-core
+    schedule, one split (the partial writes out) and several (the merge): a NaN key element or a NaN in q
+    makes the heads that read it NaN, a NaN value element their column; an unreached block is never read."""
+    op = PagedAttnDecodeFwdOp(8, 2, 128)
+    for lens in ([37, 0, 1, 16, 300], [2000, 700, 3]):  # one split, then several (the longest sequence splits)
+        t = _inputs(90, lens, d=128, dtype=torch.bfloat16)
+        clean = {n: v.clone() for n, v in t.items()}  # (the bound's magnitudes, from the inputs without NaN)
+        bt = t["block_tables"]
+        nan = float("nan")
+        t["key_cache"][bt[0, 0], 5, 0, 7] = nan  # sequence 0, token 5, kv head 0: q heads 0-3
+        t["value_cache"][bt[-1, 0], 1, 1, 3] = nan  # the last sequence, token 1, kv head 1: column 3 of heads 4-7
+        t["q"][1, 2, 11] = nan  # sequence 1, q head 2 (a sequence of no token outputs zeros all the same)
+        unread = sorted(set(range(t["key_cache"].shape[0])) - set(bt.flatten().tolist()))
+        t["key_cache"][unread[0]] = nan
+        got = op(**_on(t), out=torch.full(t["q"].shape, nan, dtype=t["q"].dtype, device=DEV)).cpu()
+        op.check()
+        want, _ = refs.paged_decode(dict(op.params), t)
+        assert torch.equal(got.isnan(), want.isnan()), lens
+        fine = ~want.isnan()
+        tol = tolerance(op, clean, refs.paged_decode(dict(op.params), clean)[0])
+        assert bool(((got.double() - want).abs()[fine] <= tol[fine]).all()), lens

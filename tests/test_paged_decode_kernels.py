@@ -259,6 +259,30 @@ def test_one_split_written_directly_is_the_merge_to_the_bit(case, cuda):
     assert torch.equal(err_direct, err) and (int(err[TABLES_WORD]) != 0) == (case == "bad-table")
 
 
+@pytest.mark.parametrize("splits,direct", [(1, True), (1, False), (3, False)],
+                         ids=["direct", "one-split-merged", "three-splits"])
+@SCHEDULES
+def test_a_nan_in_q_or_the_caches_gives_nan_where_the_definition_puts_it(splits, direct, cuda):
+    """NaN in, NaN out, as torch's attention gives: the programs had tested ``l > 0`` for "this head saw a
+    key", so a NaN score made a plausible head of zeros (and the merge dropped a NaN split). Now only a head
+    that saw no key (l exactly 0) is zeros; a NaN key element or a NaN in q makes the heads that read it
+    NaN, a NaN value element their column; a NaN in a block no table reaches is never read."""
+    q, kc, vc, bt, sl = make(48, lens=LENS, bs=16)  # LENS = [37, 0, 1, 16, 64, 23]; kv heads 2 of 4 q heads
+    nan = float("nan")
+    kc[bt[0, 0], 5, 0, 7] = nan  # sequence 0, token 5, kv head 0: q heads 0-3 of sequence 0
+    vc[bt[4, 2], 8, 1, 3] = nan  # sequence 4, token 40, kv head 1: column 3 of q heads 4-7
+    q[5, 2, 11] = nan  # sequence 5, q head 2
+    unread = sorted(set(range(kc.shape[0])) - set(bt.flatten().tolist()))
+    kc[unread[0]] = nan  # a spare block: no table reaches it
+    got, err = run(q, kc, vc, bt, sl, splits=splits, direct=direct, cuda=cuda)
+    want, terms = reference(q, kc, vc, bt, sl, "NHD", 0.125)
+    assert torch.equal(got.isnan(), want.isnan()) and 0 < int(want.isnan().sum()) < want.numel() // 4
+    fine = ~want.isnan()
+    tol = bound(terms, q.shape[-1], splits, None, want.nan_to_num(), q.dtype)
+    assert bool(((got.double() - want).abs()[fine] <= tol[fine]).all())
+    assert int(err[0]) == 0 and int(err[1]) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @SCHEDULES
 def test_half_dtypes(dtype, cuda):
