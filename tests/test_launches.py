@@ -122,3 +122,19 @@ def test_no_kernel_set_maps_strides_to_kernel_arguments():
     found = [f"{p.relative_to(p.parents[2])}:{line}" for p in KERNEL_SETS for line in _stride_reads(p)]
     assert not found, f"strides read outside the runtime: {found}"
     assert _stride_reads(PACKAGE / "runtime" / "views.py"), "the scan finds the runtime's own"
+
+
+def _private_runtime_reads(path: Path) -> list[int]:
+    """The lines of ``path`` reading an op's cache or executor (``._bindings``, ``._runtime``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in ("_bindings", "_runtime")]
+
+
+def test_kernel_sets_run_plans_through_the_ops_door():
+    """A kernel set runs its plans through :meth:`tileops.op.Op.run_plan`, not by reaching into the op's
+    binding cache and executor (the op's private state, which the op alone keeps)."""
+    found = [f"{p.relative_to(p.parents[2])}:{line}"
+             for p in (*KERNEL_SETS, PACKAGE / "rope" / "hooks.py") for line in _private_runtime_reads(p)]
+    assert not found, f"an op's cache or executor read outside it: {found}"
+    assert _private_runtime_reads(PACKAGE / "op.py"), "the scan finds the op's own"

@@ -399,6 +399,19 @@ class Op:
                 self._check_outs(tensors, given)
         return run_differentiable(self, impl, tensors, given)
 
+    def run_plan(self, owner: Any, key: tuple | None, make: Callable[[], Any], tensors: Mapping[str, Any],
+                 outs: Mapping[str, Any], scalars: tuple[int, ...] = ()) -> Any:
+        """Run a kernel set's plan on this op's runtime: the binding ``owner`` keeps under ``key`` in the
+        op's one cache (:class:`tileops.runtime.cache.Bindings`), made by ``make`` at the key's first call;
+        ``key=None`` binds this call alone (an address only it holds). The kernel sets' one door to the
+        runtime, so that none of them reaches the op's cache or executor. Returns what the plan returns,
+        or NotImplemented where ``make`` gave None (such calls cannot be bound) or this call's pointers
+        miss the binding's alignment or overlap (the caller then fits a copy)."""
+        b = make() if key is None else self._bindings.bind(owner, key, make)
+        if b is None:
+            return NotImplemented
+        return self._runtime.execute(b, tensors, outs, scalars)
+
     def _forget_bindings(self) -> None:
         """Drop every binding (the op's and its runtime's); the next call of each signature binds again."""
         self._bindings.clear()

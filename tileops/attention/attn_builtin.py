@@ -244,12 +244,9 @@ class AttnKernels:
             return (out, lse_t) if lse else out
         placed = FORWARD.place(tensors, {"out": out}, self.unit)
         launch, writes = placed.inputs, placed.writes
-        if lse_t is None:
-            b = self.op._bindings.bind(self, ("forward", *FORWARD.key(launch, writes)),
-                                       lambda: self._bind(launch, writes, {}, None))
-        else:
-            b = self._bind(launch, writes, {}, lse_t)  # the lse's address is this call's alone
-        self.op._runtime.execute(b, launch, writes)
+        # bound once a signature; with the lse, for this call alone (the lse's address is its own)
+        key = ("forward", *FORWARD.key(launch, writes)) if lse_t is None else None
+        self.op.run_plan(self, key, lambda: self._bind(launch, writes, {}, lse_t), launch, writes)
         placed.copy_back()
         return (out, lse_t) if lse else out
 
@@ -286,18 +283,15 @@ class AttnKernels:
         if self.varlen:
             launch.update(cu_seqlens_q=_monotone(tensors["cu_seqlens_q"], q.shape[0]),
                           cu_seqlens_k=_monotone(tensors["cu_seqlens_k"], k.shape[0]))
-        b = self.op._bindings.bind(self, ("backward", *BACKWARD.key(launch, {})),
-                                   lambda: self._backward_binding(launch))
-        if b is not None:
-            got = self.op._runtime.execute(b, launch, {})
-            if got is not NotImplemented:
-                return got
+        got = self.op.run_plan(self, ("backward", *BACKWARD.key(launch, {})),
+                               lambda: self._backward_binding(launch), launch, {})
+        if got is not NotImplemented:
+            return got
         # a view the kernels cannot address where it lies (a stride off 8 elements on CUDA, a last dim
         # not contiguous: an expanded dO of out.sum()): a dense copy; the new gradients are dense then
         fitted = BACKWARD.place(launch, {}, self.unit).inputs  # (the copies' signature: bound once too)
-        b = self.op._bindings.bind(self, ("backward", *BACKWARD.key(fitted, {})),
-                                   lambda: self._backward_binding(fitted))
-        return self.op._runtime.execute(b, fitted, {})
+        return self.op.run_plan(self, ("backward", *BACKWARD.key(fitted, {})),
+                                lambda: self._backward_binding(fitted), fitted, {})
 
     def _refuse_backward(self) -> None:
         """A CUDA call whose gradient will be taken, before any kernel runs, unless :func:`cuda_enabled`."""

@@ -77,9 +77,8 @@ class PrologueKernels:
         placed = self.plan.place(tensors, {"q_out": q_out if q_out is not None else self._new_q(qkv)}, self.unit)
         launch, writes = placed.inputs, placed.writes
         # bound once a signature of what is launched (the tables are one tensor a device: their address holds)
-        b = self.op._bindings.bind(self, (tables.data_ptr(), *self.plan.key(launch, writes)),
-                            lambda: self._bind(tables, launch, writes, {}))
-        self.op._runtime.execute(b, launch, writes)
+        self.op.run_plan(self, (tables.data_ptr(), *self.plan.key(launch, writes)),
+                         lambda: self._bind(tables, launch, writes, {}), launch, writes)
         placed.copy_back()
         return placed.outs["q_out"]
 

@@ -211,8 +211,7 @@ class DecodeKernels:
             return torch.empty_like(q) if out is None else out
         placed = self.plan.place(tensors, {"out": out}, self.units)
         launch, writes = placed.inputs, placed.writes
-        b = self.op._bindings.bind(self, self.plan.key(launch, writes), lambda: self._bind(launch, writes, {}))
-        self.op._runtime.execute(b, launch, writes)
+        self.op.run_plan(self, self.plan.key(launch, writes), lambda: self._bind(launch, writes, {}), launch, writes)
         placed.copy_back()
         return placed.outs["out"]
 

@@ -153,9 +153,8 @@ class NormKernels:
         if x.numel():
             placed = self.plan.place(tensors, {"out": y, "residual_out": h}, self.unit)
             launch, writes = placed.inputs, placed.writes
-            b = self.op._bindings.bind(self, ("forward", *self.plan.key(launch, writes)),
-                                       lambda: self._binding(launch, writes, {}))
-            self.op._runtime.execute(b, launch, writes)
+            self.op.run_plan(self, ("forward", *self.plan.key(launch, writes)),
+                             lambda: self._binding(launch, writes, {}), launch, writes)
             placed.copy_back()
         return y if r is None else (y, h)
 
@@ -220,18 +219,15 @@ class NormKernels:
         """:data:`BACKWARD` on ``launch`` (x or residual_out, dy, dro, weight, bias): ``(dx, dw, db)``,
         from the binding of this call's shape and strides (made at its first call), unless a view must
         be copied first (the plan's fit policy: its strides, or on CUDA a pointer, off the kernel's vector)."""
-        b = self.op._bindings.bind(self, ("backward", *BACKWARD.key(launch, {})),
-                                   lambda: self._backward_binding(launch, {}))
-        if b is not None:
-            got = self.op._runtime.execute(b, launch, {})
-            if got is not NotImplemented:
-                return _gradients(got, launch)
+        got = self.op.run_plan(self, ("backward", *BACKWARD.key(launch, {})),
+                               lambda: self._backward_binding(launch, {}), launch, {})
+        if got is not NotImplemented:
+            return _gradients(got, launch)
         dx = torch.empty_like(launch["dy"], dtype=launch["x"].dtype)
         placed = BACKWARD.place(launch, {"dx": dx}, self.unit)
         fitted, writes = placed.inputs, placed.writes  # (the dense copies' signature: bound once too)
-        b = self.op._bindings.bind(self, ("backward", *BACKWARD.key(fitted, writes)),
-                                   lambda: self._backward_binding(fitted, writes))
-        got = _gradients(self.op._runtime.execute(b, fitted, writes), fitted)
+        got = _gradients(self.op.run_plan(self, ("backward", *BACKWARD.key(fitted, writes)),
+                                          lambda: self._backward_binding(fitted, writes), fitted, writes), fitted)
         placed.copy_back()
         return dx, got[1], got[2]
 

@@ -212,8 +212,7 @@ class RoPEKernels:
         # the same views with the op's fixed tables bind the same way: bound once
         cached = len(self.tables) == 1 and tables is self.tables[0].on(self.device)
         make = lambda: self._binding(kernel, launch, writes, {}, tables)  # noqa: E731
-        b = self.op._bindings.bind(self, (id(kernel), *self.plan.key(launch, writes)), make) if cached else make()
-        self.op._runtime.execute(b, launch, writes)
+        self.op.run_plan(self, (id(kernel), *self.plan.key(launch, writes)) if cached else None, make, launch, writes)
         placed.copy_back()
         return placed.outs["out"], placed.outs["key_out"]
 

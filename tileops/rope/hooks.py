@@ -360,7 +360,7 @@ class RoPEDynamicNTKFwdHooks(_PartialRotary):
             t = holders.setdefault((device, rot), DynamicNTKTables(
                 self._state(device), rot, device, p["base"], p["factor"], p["max_position_embeddings"],
                 self.position_limit()))
-        return t.update(position_ids, seq_len, self._runtime, self._bindings)
+        return t.update(position_ids, seq_len, self.run_plan)
 
 
 class MRoPEFwdHooks(RoPEHooks):

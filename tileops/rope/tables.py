@@ -15,7 +15,7 @@ depend on its cached length: :class:`DynamicNTKTables` keeps them on the device 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -109,17 +109,17 @@ class DynamicNTKTables:
             got = self._kernels[positions] = load_kernel("ntk", spec, self.backend, self.arch, self.device, spec.args)
         return got
 
-    def update(self, position_ids: torch.Tensor | None, seq_len: int, runtime: Any, bindings: Any) -> torch.Tensor:
+    def update(self, position_ids: torch.Tensor | None, seq_len: int, run_plan: Callable[..., Any]) -> torch.Tensor:
         """Launch the update for a call of ``seq_len`` rows, or at ``position_ids`` (``[S]`` or
-        ``[B, S]``, on this device), through ``runtime`` (the op's: :mod:`tileops.runtime.executor`),
-        bound once per signature into ``bindings`` (the op's: :mod:`tileops.runtime.cache`); returns
-        the tables (``[DIGITS, LO, 2, R/2]`` fp32), which the next call may rewrite."""
+        ``[B, S]``, on this device), through ``run_plan`` (the op's :meth:`tileops.op.Op.run_plan`: its
+        runtime, bound once per signature into its cache); returns the tables (``[DIGITS, LO, 2, R/2]``
+        fp32), which the next call may rewrite."""
         if position_ids is not None and position_ids.numel() == 0:  # no position, no length: all stays
             return self.tables
         tensors = {"tables": self.tables, "state": self.state, "stamps": self.stamps, "position_ids": position_ids}
-        b = bindings.bind(self, signature(NTK_UPDATE.inputs, tensors), lambda: self._binding(tensors))
         # a length that changes every call (a decode step's) is a per-call scalar, not a new binding
-        runtime.execute(b, tensors, {}, (seq_len if position_ids is None else 0,))
+        run_plan(self, signature(NTK_UPDATE.inputs, tensors), lambda: self._binding(tensors), tensors, {},
+                 (seq_len if position_ids is None else 0,))
         return self.tables
 
     def _binding(self, tensors: dict) -> Any:

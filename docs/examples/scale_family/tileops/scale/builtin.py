@@ -69,8 +69,8 @@ class ScaleKernels:
         placed = self.plan.place({"x": x}, {"out": out}, 1)
         if x.numel():
             launch, writes = placed.inputs, placed.writes
-            b = self.op._bindings.bind(self, self.plan.key(launch, writes), lambda: self._binding(launch, writes, {}))
-            self.op._runtime.execute(b, launch, writes)
+            self.op.run_plan(self, self.plan.key(launch, writes), lambda: self._binding(launch, writes, {}),
+                             launch, writes)
             placed.copy_back()
         return placed.outs["out"]
 
