@@ -116,6 +116,35 @@ def test_a_nan_input_gives_nan_where_the_definition_puts_it():
     nan_case(op, *_inputs(16, (2, 8, 4, 64), (2, 8, 2, 64)))
 
 
+def value_nan_spread(got_nan: torch.Tensor, want_nan: torch.Tensor, b: int, heads: slice, col: int,
+                     rows: int) -> list:
+    """What separates ``got_nan`` from ``want_nan`` (NaN masks ``[B, S, H, D]``) beyond the one spread the
+    tensor cores allow: a NaN value element (sequence ``b``, the q heads ``heads`` of its kv head, column
+    ``col``) also reaching rows below ``rows`` that hide its key, in its column alone. Empty when the
+    difference is that alone; else the places that break it, as lists of indices."""
+    missing = want_nan & ~got_nan
+    extra = got_nan & ~want_nan
+    allowed = torch.zeros_like(extra)
+    allowed[b, :rows, heads, col] = True
+    return [*missing.nonzero().tolist()[:5], *(extra & ~allowed).nonzero().tolist()[:5]]
+
+
+def test_value_nan_spread_tells_the_allowed_spread_from_a_fault():
+    """The check below is not vacuous: it accepts the tensor cores' spread and nothing else."""
+    want = torch.zeros(2, 260, 8, 128, dtype=torch.bool)
+    want[1, 20:70, 0:4, 9] = True
+    got = want.clone()
+    got[1, 0:128, 0:4, 9] = True  # a tile of 128 rows that computes key 20's tile
+    assert value_nan_spread(got, want, 1, slice(0, 4), 9, 256) == []
+    for where in ((1, 256, 0, 9), (1, 30, 4, 9), (0, 30, 0, 9), (1, 30, 0, 10)):
+        bad = got.clone()
+        bad[where] = True
+        assert value_nan_spread(bad, want, 1, slice(0, 4), 9, 256) == [list(where)]
+    lost = got.clone()
+    lost[1, 40, 2, 9] = False
+    assert value_nan_spread(lost, want, 1, slice(0, 4), 9, 256) == [[1, 40, 2, 9]]
+
+
 def test_softcap_and_scale():
     op = AttnFwdOp(4, 2, 64, causal=True, softcap=2.5, softmax_scale=0.3)
     q, k, v = _inputs(13, (2, 6, 4, 64), (2, 8, 2, 64))
