@@ -188,9 +188,10 @@ def test_a_nan_input_gives_nan_where_the_definition_puts_it():
     One spread beyond the definition, which torch's attention has too (its math path multiplies every
     masked weight, an exact 0, by the value, so a NaN value reaches its whole column): a NaN value
     element reaches, in its column, the rows of its sequence and kv group whose tile computes with its
-    key's tile though their mask hides the key (the tensor cores take 0 x NaN = NaN). Seen on an H100:
-    column 9 of rows outside 20-69. A tile skipped whole never does: rows 256 on start their keys at
-    207, past the first tile (block_N <= 176), whatever the schedule."""
+    key's tile though their mask hides the key (the tensor cores take 0 x NaN = NaN: the kernel's P @ V,
+    read from its source; on an H100 the test that required the definition's NaNs exactly found the
+    masks unequal, without saying where). A tile skipped whole never does: rows 256 on start their keys
+    at 207, past the first tile (block_N <= 176), whatever the schedule."""
     op = AttnFwdOp(8, 2, 128, causal=True, sliding_window=50)
     q, k, v = _inputs(38, (2, 260, 8, 128), (2, 260, 2, 128), torch.bfloat16)
     nan = float("nan")
