@@ -14,8 +14,11 @@ under each tool (``memcheck``, ``racecheck``, ``initcheck``, ``synccheck``), pri
 summary line and exits non-zero unless every tool reports no error and every call passed.
 ``--inner`` runs the calls in this process (what each tool runs); ``--tools`` picks tools;
 ``--concurrent`` runs the tools at once and ``--tool-parts N`` splits each tool's calls over N
-processes (on the H200's 16 cores, ``--concurrent --tool-parts 3``: twelve processes on one GPU, so
-that the whole run fits one device call, which the four tools one process each did not).
+processes (on the H200's 16 cores, ``--concurrent --tool-parts 3``: twelve processes on one GPU).
+``--shard K/N`` takes every N-th call from the K-th, for the plain run and the tools alike: the four
+tools over all the calls have never fitted one device call's 600 s (the first tensor-core call alone took
+261 s under each tool beside eleven other processes), so the whole run is N calls, each shard's summary
+line naming its shard.
 """
 
 from __future__ import annotations
@@ -184,10 +187,21 @@ def _ids_calls() -> Iterator[Call]:
         yield f"ids D={D} rot={rot}", run
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """``"K/N"`` (1-based, as pytest's ``--shard``) -> ``(K - 1, N)``; anything else is refused by name."""
+    m = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not m or not 1 <= int(m[1]) <= int(m[2]):
+        raise SystemExit(f"--shard: expected K/N with 1 <= K <= N (e.g. 2/3), got {text!r}")
+    return int(m[1]) - 1, int(m[2])
+
+
 def calls() -> list[Call]:
-    """Every call, or those whose name holds ``TILEOPS_SANITIZE_MATCH`` (``--match``), in a fixed order."""
+    """Every call, or those whose name holds ``TILEOPS_SANITIZE_MATCH`` (``--match``), in a fixed order;
+    of those, every N-th from the K-th under ``TILEOPS_SANITIZE_SHARD=K/N`` (``--shard``)."""
     match = os.environ.get("TILEOPS_SANITIZE_MATCH", "")
-    return [c for c in (*_case_calls(), *_base_calls(), *_ids_calls()) if match in c[0]]
+    chosen = [c for c in (*_case_calls(), *_base_calls(), *_ids_calls()) if match in c[0]]
+    k, n = _shard(os.environ.get("TILEOPS_SANITIZE_SHARD", "1/1"))
+    return chosen[k::n]
 
 
 def inner(part: int, parts: int) -> int:
@@ -279,7 +293,9 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
                   f"({time.time() - t0:.0f} s)", flush=True)
             if not good:
                 print("\n".join(ln for ln in log.splitlines() if re.search(r"FAILED|Error|error", ln))[-3000:])
-    print(f"sanitize: {'passed' if ok else 'FAILED'}: the plain run and {', '.join(tools)} over {len(calls())} calls "
+    shard = os.environ.get("TILEOPS_SANITIZE_SHARD", "")
+    print(f"sanitize{' shard ' + shard if shard else ''}: {'passed' if ok else 'FAILED'}: the plain run and "
+          f"{', '.join(tools)} over {len(calls())} calls "
           f"({time.time() - t_all:.0f} s under the tools)", flush=True)
     return 0 if ok else 1
 
@@ -296,9 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-parts", type=int, default=1,
                     help="split each tool's run over this many processes (with --concurrent: tools x parts at once)")
     ap.add_argument("--match", default=None, help="only the calls whose name holds this (e.g. 'AttnFwdOp')")
+    ap.add_argument("--shard", default=None,
+                    help="K/N: every N-th call from the K-th, plain run and tools alike, so that the whole run "
+                         "spreads over N device calls (each under the per-call limit)")
     a = ap.parse_args(argv)
     if a.match is not None:  # (the tools' processes inherit it)
         os.environ["TILEOPS_SANITIZE_MATCH"] = a.match
+    if a.shard is not None:
+        _shard(a.shard)  # refused here, before any process starts
+        os.environ["TILEOPS_SANITIZE_SHARD"] = a.shard
     if a.inner:
         return inner(a.part, a.parts)
     return outer([t for t in a.tools.split(",") if t], a.jobs, a.logdir, a.concurrent, a.tool_parts)
