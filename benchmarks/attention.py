@@ -157,6 +157,40 @@ def sdpa_fn(backend: str | None, row: tuple, t: dict[str, torch.Tensor], compile
     return run
 
 
+def work_list(rows: str = ",".join(DEFAULT_ROWS), dtypes: str | None = None) -> list[tuple[str, str]]:
+    """``(row, dtype)`` pairs of ``--rows`` and ``--dtypes``; an unknown row is refused by name."""
+    names = list(ROWS) if rows == "all" else [r.strip() for r in rows.split(",") if r.strip()]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; rows: {', '.join(ROWS)}")
+    work = []
+    for n in names:
+        dts = dtypes.split(",") if dtypes else (["bf16", "fp16"] if n in FP16_ROWS else ["bf16"])
+        work += [(n, dt) for dt in dts]
+    return work
+
+
+def kernel_jobs(work: list[tuple[str, str]], configs: list, arch: str, backward: bool = False) -> list[tuple]:
+    """The kernels a run of ``work`` x ``configs`` launches on ``arch`` (no GPU needed: what
+    ``python -m benchmarks.device_cache --attention-configs`` compiles ahead of a device call)."""
+    from tileops.compile.warmup import op_kernel_jobs
+
+    todo = []
+    for n, dt in work:
+        for c in configs:
+            op = make_op(ROWS[n], c)
+            row = ROWS[n]
+            dims = {"q_dim": row[4], "q_heads": row[2], "kv_heads": row[3]}
+            jobs = op_kernel_jobs("AttnFwdOp", op.params, dims, [{"bf16": "bfloat16", "fp16": "float16"}[dt]], arch,
+                                  with_inputs=("cu_seqlens_q", "cu_seqlens_k") if row[6] else (),
+                                  backward=backward)
+            if c is not None:  # the sweep's specs: the forward's with the config's schedule (the
+                # backward's programs keep their own tiles: their spec has none of these fields)
+                jobs = [(b, dataclasses.replace(s, **c) if b == "attention" else s, be, ar) for b, s, be, ar in jobs]
+            todo += jobs
+    return list(dict.fromkeys(todo))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated of {', '.join(ROWS)}, or all")
@@ -172,15 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             "SDPA flash's and cuDNN's; TFLOP/s count 2.5x the forward")
     ap.add_argument("--dry", action="store_true", help="print the rows, configs and specs; no GPU needed")
     a = ap.parse_args(argv)
-    names = list(ROWS) if a.rows == "all" else [r.strip() for r in a.rows.split(",") if r.strip()]
-    unknown = [n for n in names if n not in ROWS]
-    if unknown:
-        raise SystemExit(f"--rows: unknown {unknown}; rows: {', '.join(ROWS)}")
+    work = work_list(a.rows, a.dtypes)
     configs = [parse_config(c) for c in a.configs.split(",")] if a.configs else [None]
-    work = []
-    for n in names:
-        dts = a.dtypes.split(",") if a.dtypes else (["bf16", "fp16"] if n in FP16_ROWS else ["bf16"])
-        work += [(n, dt) for dt in dts]
     if a.dry:
         from tileops.attention.attn_builtin import kernel_specs
         from tileops.manifest import CallSpec
@@ -199,22 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("benchmarks.attention times CUDA kernels: no GPU here (--dry prints the plan)")
     from benchmarks.timing import gpu_time
     from tileops.compile.build import device_backend
-    from tileops.compile.warmup import compile_jobs, op_kernel_jobs
+    from tileops.compile.warmup import compile_jobs
 
-    arch = device_backend(torch.device("cuda"))[1]
-    todo = []
-    for n, dt in work:
-        for c in configs:
-            op = make_op(ROWS[n], c)
-            row = ROWS[n]
-            dims = {"q_dim": row[4], "q_heads": row[2], "kv_heads": row[3]}
-            jobs = op_kernel_jobs("AttnFwdOp", op.params, dims, [{"bf16": "bfloat16", "fp16": "float16"}[dt]], arch,
-                                  with_inputs=("cu_seqlens_q", "cu_seqlens_k") if row[6] else (),
-                                  backward=a.backward)
-            if c is not None:  # the sweep's specs: the forward's with the config's schedule (the
-                # backward's programs keep their own tiles: their spec has none of these fields)
-                jobs = [(b, dataclasses.replace(s, **c) if b == "attention" else s, be, ar) for b, s, be, ar in jobs]
-            todo += jobs
+    todo = kernel_jobs(work, configs, device_backend(torch.device("cuda"))[1], a.backward)
     t0 = time.perf_counter()
     count, _, failures = compile_jobs(todo, a.jobs, progress=True)
     print(f"compiled {count} kernels in {time.perf_counter() - t0:.0f} s"

@@ -161,6 +161,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / ".devsite" / "kcache.tar.xz"))
     ap.add_argument("--decode-sweep", default="", help="also the kernels of `python -m benchmarks.decode --sweep "
                                                        "THIS` (THREADSxUNROLL[xPREFETCH[xSTAGES]],...)")
+    ap.add_argument("--attention-configs", default="", help="also the kernels of `python -m benchmarks.attention "
+                                                            "--configs THIS` (BMxBNxSTAGESxTHREADS[xPIPELINE],...)")
+    ap.add_argument("--attention-rows", default=None, help="with --attention-configs: its --rows (default: the "
+                                                           "table's); --attention-dtypes: its --dtypes")
+    ap.add_argument("--attention-dtypes", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tune", default="", help="also every candidate of these ops' CUDA schedule spaces, for "
                                                "each of their cases (OP,...: what `tileops tune OP` builds)")
     ap.add_argument("--tune-cases", default="", help="with --tune: only these cases (LABEL,...: `tileops tune "
@@ -182,6 +187,12 @@ def main() -> int:
         from benchmarks.decode import parse_sweep, schedule_specs
 
         jobs += [j for c in parse_sweep(a.decode_sweep) for j in schedule_specs(c)]
+    if a.attention_configs:
+        from benchmarks import attention
+
+        work = attention.work_list(*([a.attention_rows] if a.attention_rows else []), a.attention_dtypes)
+        jobs += attention.kernel_jobs(work, [attention.parse_config(c) for c in a.attention_configs.split(",")], ARCH)
+        jobs = list(dict.fromkeys(jobs))
     n, seconds, failures = compile_jobs(jobs, a.jobs, progress=True)
     print(f"{n} kernels for {ARCH} in the index ({seconds:.0f} s); {len(failures)} failed", flush=True)
     for spec, err in failures:

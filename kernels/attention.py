@@ -50,7 +50,7 @@ from .storage import load_f32, storage_dtype, to_storage
 T: Any = None
 
 __all__ = ["AttnKernelSpec", "build_attention", "build", "Spec", "STATIC", "ARGS", "DEFAULT_TILES", "tile_defaults",
-           "PIPELINES", "DEFAULT_PIPELINE"]
+           "PIPELINES", "DEFAULT_PIPELINE", "PINGPONG_BARRIERS"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (read without importing the module). 0
 #: means "the default for the head_dim" (:data:`DEFAULT_TILES`); the C schedule has none.
@@ -59,8 +59,9 @@ STATIC = {
     "block_N": (0, 256, "keys a K/V tile holds, a multiple of 16 (CUDA; 0: by head_dim)"),
     "stages": (0, 4, "K/V tiles in flight through shared memory, T.Pipelined's num_stages (CUDA; 0: by head_dim)"),
     "threads": (0, 512, "threads a block, 128 a warpgroup (CUDA; 0: by head_dim)"),
-    "pipeline": (0, 2, "how K/V tiles reach shared memory (CUDA): 0 the default (2), 1 every thread loads "
-                       "(no TMA, no producer warpgroup), 2 TMA from TileLang's producer warpgroup (PIPELINES)"),
+    "pipeline": (0, 3, "how K/V tiles reach shared memory (CUDA): 0 the default (2), 1 every thread loads "
+                       "(no TMA, no producer warpgroup), 2 TMA from TileLang's producer warpgroup, 3 as 2 with the "
+                       "two consumer warpgroups in ping-pong (PIPELINES)"),
 }
 
 #: The CUDA schedule's ``pipeline`` knob -> the TileLang pass configs it lowers with. 2 is TileLang's
@@ -76,10 +77,26 @@ STATIC = {
 #: K/V tiles element by element (TileLang cannot prove a runtime stride a multiple of 8, so it neither
 #: vectorises nor uses cp.async) and computes: correct on the H200, and slow (110 TFLOP/s at 1 x 16384
 #: against cuDNN's 612, `benchmarks/NOTES.md`). On sm_80 both lower to that path (no TMA there).
+#:
+#: 3 lowers as 2 and orders the two consumer warpgroups' ``S = Q K^T`` issues with two named barriers
+#: (:data:`PINGPONG_BARRIERS`), FlashAttention-3's inter-warpgroup schedule: a warpgroup issues its
+#: ``Q K^T`` only after the other's has completed, so one warpgroup's softmax runs under the other's
+#: GEMMs. Without it the two warpgroups run in lock step and the tensor cores idle through both
+#: softmaxes (the generated loop is wgmma -> wait -> softmax -> wgmma -> wait in each; benchmarks/NOTES.md,
+#: the fourth and fifth sessions: 457 TFLOP/s at 1 x 16384 against cuDNN's 610 on the H200). TileLang
+#: 0.1.15 gives no intra-warpgroup overlap from a tile program: ``T.gemm`` waits on its wgmma at once,
+#: under warp specialisation ``T.Pipelined``'s ``order``/``stage`` leave that wait in place, and so does
+#: its ``role_based`` scheduler (all three lowered here). The barriers need exactly two consumer
+#: warpgroups of 64 rows: ``block_M`` 128 and 256 threads (checked).
 PIPELINES = {
     1: {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True},
     2: {},
+    3: {},
 }
+#: the named barriers (of the 16 a CTA has) the ping-pong of pipeline 3 uses, one a consumer
+#: warpgroup: the highest two, clear of the low ids TileLang 0.1.15 gives its own partial syncs
+#: (``__sync_thread_partial(3, 256)`` before the epilogue's store, in the CUDA it emits)
+PINGPONG_BARRIERS = (14, 15)
 #: the knob's value when the spec leaves it 0
 DEFAULT_PIPELINE = 2
 
@@ -173,6 +190,10 @@ class AttnKernelSpec:
                                  f"(see AttnKernelSpec.tiles): expected 1 or 0 (the default), got {st}")
         if self.pipeline not in (0, *PIPELINES):
             raise ValueError(f"pipeline: expected 0 or one of {sorted(PIPELINES)}, got {self.pipeline!r}")
+        if self.backend == "cuda" and self.pipeline == 3 and self.tiles[::3] != (128, 256):
+            bm, _, _, th = self.tiles
+            raise ValueError(f"pipeline: 3 (two consumer warpgroups in ping-pong) needs block_M 128 and 256 "
+                             f"threads, got block_M {bm} and {th} threads")
 
     @property
     def tiles(self) -> tuple[int, int, int, int]:
@@ -192,6 +213,12 @@ class AttnKernelSpec:
         finds its sequence in registers before the K/V loop (a bisection), which TileLang 0.1.15's
         producer warpgroup would read uninitialised (see :data:`PIPELINES`)."""
         return 1 if self.varlen else (self.pipeline or DEFAULT_PIPELINE)
+
+    @property
+    def pingpong(self) -> bool:
+        """Whether the two consumer warpgroups take turns issuing ``Q K^T`` (pipeline 3; not varlen,
+        which lowers as 1 and has no producer warpgroup)."""
+        return self.backend == "cuda" and self.loads == 3
 
     @property
     def pass_configs(self) -> dict[str, bool]:
@@ -514,7 +541,21 @@ def _cuda(spec: AttnKernelSpec):
         for t in T.Pipelined(t0, t1, num_stages=STAGES):
             n0 = t * BN
             T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
+            if spec.pingpong:
+                # warpgroup w waits on barrier w, issues its Q K^T (T.gemm waits for it), then lets the
+                # other go: 128 threads arrive and 128 wait on each, 256 a barrier. Warpgroup 1 opens
+                # warpgroup 0's first turn and skips its last arrive, so that each barrier is arrived
+                # at as often as it is waited on (none is left half-arrived when the block exits). The
+                # thread index here is the consumers' own (0-255): TileLang renumbers it inside the
+                # warp-specialised loop (seen in the CUDA it emits)
+                wg = T.get_thread_binding() // 128
+                if T.And(wg == 1, t == t0):
+                    T.named_barrier_arrive(PINGPONG_BARRIERS[0], 256)
+                T.sync_threads(PINGPONG_BARRIERS[0] + wg, 256)
             T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+            if spec.pingpong:
+                if T.Or(wg == 0, t < t1 - 1):
+                    T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
             # only a tile a mask or the keys' end cuts is masked element by element
             cut = n0 + BN > sk
             if spec.causal:

@@ -233,6 +233,99 @@ def test_cuda_spec_takes_one_stage_where_every_thread_loads():
             S(**base, **fields)
 
 
+def test_pingpong_needs_two_consumer_warpgroups():
+    """Pipeline 3 orders two consumer warpgroups of 64 rows: another tile shape is refused by name, and
+    varlen (which lowers as pipeline 1, no producer warpgroup) takes no ping-pong."""
+    from tileops.kernels import get_spec
+
+    S = get_spec("attention")
+    base = dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda", pipeline=3)
+    assert S(**base).pingpong and S(**base).pass_configs == {}
+    assert not S(**base, varlen=True).pingpong and S(**base, varlen=True).loads == 1
+    assert not S(**{**base, "pipeline": 2}).pingpong
+    for fields, got in ((dict(block_M=64), "block_M 64 and 256"), (dict(threads=384), "block_M 128 and 384")):
+        with pytest.raises(ValueError, match=rf"^pipeline: 3 .*needs block_M 128 and 256 threads, got {got}"):
+            S(**base, **fields)
+
+
+def _pingpong_turns(tiles: int) -> list[tuple[int, str]]:
+    """The order in which two warpgroups issue ``Q K^T`` under the protocol of pipeline 3 (what
+    ``kernels/attention.py`` emits: warpgroup 1 arrives at barrier 0 before its first tile; each
+    warpgroup waits on its own barrier, issues, and arrives at the other's, warpgroup 1 not after its
+    last tile), run as a scheduler of two threads; ``bar.sync`` completes once both of its 256
+    threads have come (128 arriving, 128 waiting). Fails on a deadlock or a barrier left arrived."""
+    pending = [0, 0]  # arrivals at each barrier not yet matched by a wait
+    pc = [0, 0]  # next step of each warpgroup's program
+    prog = {w: [] for w in (0, 1)}
+    if tiles:
+        prog[1].append(("arrive", 0))
+    for t in range(tiles):
+        for w in (0, 1):
+            prog[w] += [("wait", w), ("issue", t)]
+            if w == 0 or t < tiles - 1:
+                prog[w].append(("arrive", 1 - w))
+    turns = []
+    while pc[0] < len(prog[0]) or pc[1] < len(prog[1]):
+        moved = False
+        for w in (0, 1):
+            while pc[w] < len(prog[w]):
+                op, arg = prog[w][pc[w]]
+                if op == "wait":
+                    if not pending[arg]:
+                        break
+                    pending[arg] -= 1
+                elif op == "arrive":
+                    pending[arg] += 1
+                else:
+                    turns.append((arg, f"wg{w}"))
+                pc[w] += 1
+                moved = True
+        assert moved, f"deadlock at {pc} over {tiles} tiles"
+    assert pending == [0, 0], f"barriers left arrived: {pending}"
+    return turns
+
+
+@pytest.mark.parametrize("tiles", [0, 1, 2, 5])
+def test_pingpong_protocol_alternates_and_leaves_no_barrier_arrived(tiles):
+    """The protocol alone: the warpgroups take turns, warpgroup 0 first at every tile, none waits
+    forever, and each barrier is waited on as often as it is arrived at (a block exits clean)."""
+    turns = _pingpong_turns(tiles)
+    assert turns == [(t, w) for t in range(tiles) for w in ("wg0", "wg1")]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_pingpong_is_emitted_in_the_consumers_loop(causal):
+    """Lowered for sm_90 (no GPU): pipeline 3's CUDA holds the protocol above, in the consumers'
+    numbering (TileLang runs them as threads 128-383: warpgroup 0 is ``threadIdx.x >> 7 == 1``), around
+    the one ``Q K^T`` wgmma of the loop; pipeline 2's holds no named barrier of the two."""
+    pytest.importorskip("tilelang")
+    import re
+
+    from tileops.kernels.attention import PINGPONG_BARRIERS
+    from tileops.compile.build import emit_source
+    from tileops.kernels import get_spec
+
+    S = get_spec("attention")
+    base = dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda", causal=causal)
+    b0, b1 = PINGPONG_BARRIERS
+    plain = emit_source("attention", S(**base, pipeline=2), "cuda", "sm_90")
+    src = emit_source("attention", S(**base, pipeline=3), "cuda", "sm_90")
+    assert "__named_barrier_arrive" not in plain and "__sync_thread_partial(((((int)threadIdx.x) >> 7)" not in plain
+    consumers = src[src.index("warpgroup_reg_alloc"):]
+    opening = re.findall(r"if \(\(\(\(\(int\)threadIdx.x\) >> 7\) == 2\) && \(t_1 == [^{]*\{\s*"
+                         rf"tl::__named_barrier_arrive\({b0}, 256\);", consumers)
+    waits = re.findall(rf"tl::__sync_thread_partial\(\(\(\(\(int\)threadIdx.x\) >> 7\) \+ {b0 - 1}\), 256\);",
+                       consumers)
+    handoffs = re.findall(r"if \(\(\(\(\(int\)threadIdx.x\) >> 7\) == 1\) \|\| [^{]*\{\s*"
+                          rf"tl::__named_barrier_arrive\(\({b1 + 1} - \(\(\(int\)threadIdx.x\) >> 7\)\), 256\);",
+                          consumers)
+    assert len(opening) == len(waits) == len(handoffs) == 1, (opening, waits, handoffs)
+    # the wait comes before the Q K^T wgmma (shared A and B) and the handoff after its wait
+    w, qk, h = consumers.index(waits[0]), consumers.index("tl::wgmma_ss"), consumers.index(handoffs[0])
+    assert w < qk < h and consumers.count("tl::wgmma_ss") == 1
+    assert "warpgroup_wait<0>" in consumers[qk:h]
+
+
 def _no_kernel(op):
     assert not op._impls, "a kernel was made before the error"
 
@@ -347,8 +440,9 @@ def test_cuda_gradients_are_refused_on_a_gpu_when_the_variable_says_0(monkeypatc
 
 
 @pytest.mark.parametrize("fields", [dict(), dict(pipeline=2), dict(causal=True, pipeline=2),
+                                    dict(causal=True, window=True, pipeline=3),
                                     dict(causal=True, window=True, varlen=True)],
-                         ids=["dense", "dense-tma", "dense-causal-tma", "varlen-window"])
+                         ids=["dense", "dense-tma", "dense-causal-tma", "dense-window-pingpong", "varlen-window"])
 def test_cuda_kernels_take_every_argument_their_plan_binds(fields):
     """Each CUDA kernel of a call (the forward, then the backward's three) takes every argument its
     plan step binds by name: a parameter of its prim_func, or a variable of a tensor's shape or
