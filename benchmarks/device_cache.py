@@ -190,7 +190,8 @@ def main() -> int:
     if a.attention_configs:
         from benchmarks import attention
 
-        work = attention.work_list(*([a.attention_rows] if a.attention_rows else []), a.attention_dtypes)
+        work = attention.work_list(**({"rows": a.attention_rows} if a.attention_rows else {}),
+                                   dtypes=a.attention_dtypes)
         jobs += attention.kernel_jobs(work, [attention.parse_config(c) for c in a.attention_configs.split(",")], ARCH)
         jobs = list(dict.fromkeys(jobs))
     n, seconds, failures = compile_jobs(jobs, a.jobs, progress=True)

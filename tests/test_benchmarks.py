@@ -328,3 +328,23 @@ def test_the_decode_sweep_parses_its_schedules_and_refuses_others():
     for bad in ("128m64w2", "128m64x", "128"):
         with pytest.raises(SystemExit, match=f"--sweep: expected .*got '{bad}'"):
             parse_sweep(bad)
+
+
+def test_the_attention_sweep_names_its_kernels_without_a_gpu():
+    """``benchmarks.attention``'s rows and configs give the kernels a run launches, with no GPU (what
+    ``benchmarks.device_cache --attention-configs`` compiles ahead): the forward's spec carries each
+    config's schedule, ping-pong (pipeline 3) among them; a bad row or config is refused by name."""
+    from benchmarks import attention
+
+    work = attention.work_list(rows="16k,16k-causal", dtypes="bf16")
+    assert work == [("16k", "bf16"), ("16k-causal", "bf16")]
+    configs = [attention.parse_config(c) for c in ("128x128x2x256x2", "128x176x2x256x3")]
+    jobs = attention.kernel_jobs(work, configs, "sm_90")
+    specs = [s for b, s, _, arch in jobs if b == "attention" and arch == "sm_90"]
+    assert len(jobs) == len(specs) == 4
+    assert {(s.causal, s.block_N, s.pipeline, s.pingpong) for s in specs} == {
+        (c, bn, p, p == 3) for c in (False, True) for bn, p in ((128, 2), (176, 3))}
+    with pytest.raises(SystemExit, match=r"--rows: unknown \['bf16'\]"):
+        attention.work_list(rows="bf16")
+    with pytest.raises(SystemExit, match=r"--configs: expected .*got '128x128'"):
+        attention.parse_config("128x128")
