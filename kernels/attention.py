@@ -59,9 +59,10 @@ STATIC = {
     "block_N": (0, 256, "keys a K/V tile holds, a multiple of 16 (CUDA; 0: by head_dim)"),
     "stages": (0, 4, "K/V tiles in flight through shared memory, T.Pipelined's num_stages (CUDA; 0: by head_dim)"),
     "threads": (0, 512, "threads a block, 128 a warpgroup (CUDA; 0: by head_dim)"),
-    "pipeline": (0, 3, "how K/V tiles reach shared memory (CUDA): 0 the default (2), 1 every thread loads "
+    "pipeline": (0, 4, "how K/V tiles reach shared memory (CUDA): 0 the default (2), 1 every thread loads "
                        "(no TMA, no producer warpgroup), 2 TMA from TileLang's producer warpgroup, 3 as 2 with the "
-                       "two consumer warpgroups in ping-pong (PIPELINES)"),
+                       "two consumer warpgroups in ping-pong, 4 as 3 with each tile's softmax under the previous "
+                       "tile's P V (PIPELINES)"),
 }
 
 #: The CUDA schedule's ``pipeline`` knob -> the TileLang pass configs it lowers with. 2 is TileLang's
@@ -84,14 +85,19 @@ STATIC = {
 #: GEMMs. Without it the two warpgroups run in lock step and the tensor cores idle through both
 #: softmaxes (the generated loop is wgmma -> wait -> softmax -> wgmma -> wait in each; benchmarks/NOTES.md,
 #: the fourth and fifth sessions: 457 TFLOP/s at 1 x 16384 against cuDNN's 610 on the H200). TileLang
-#: 0.1.15 gives no intra-warpgroup overlap from a tile program: ``T.gemm`` waits on its wgmma at once,
-#: under warp specialisation ``T.Pipelined``'s ``order``/``stage`` leave that wait in place, and so does
-#: its ``role_based`` scheduler (all three lowered here). The barriers need exactly two consumer
-#: warpgroups of 64 rows: ``block_M`` 128 and 256 threads (checked).
+#: 0.1.15 gives no intra-warpgroup overlap from ``T.gemm``: it waits on its wgmma at once, and under
+#: warp specialisation ``T.Pipelined``'s ``order``/``stage`` leave that wait in place, as does its
+#: ``role_based`` scheduler (all three lowered here; pipeline 4 writes the overlap out). The barriers
+#: need exactly two consumer warpgroups of 64 rows: ``block_M`` 128 and 256 threads (checked).
+#:
+#: 4 is 3 with FlashAttention-3's intra-warpgroup overlap written out (``T.wgmma_gemm``, which does not
+#: wait, and ``T.wait_wgmma``): a tile's softmax runs while the previous tile's ``P V`` is on the tensor
+#: cores (:func:`_cuda`'s ``work``). Same constraints.
 PIPELINES = {
     1: {"tl.disable_warp_specialized": True, "tl.disable_tma_lower": True},
     2: {},
     3: {},
+    4: {},
 }
 #: the named barriers (of the 16 a CTA has) the ping-pong of pipeline 3 uses, one a consumer
 #: warpgroup: the highest two, clear of the low ids TileLang 0.1.15 gives its own partial syncs
@@ -190,10 +196,10 @@ class AttnKernelSpec:
                                  f"(see AttnKernelSpec.tiles): expected 1 or 0 (the default), got {st}")
         if self.pipeline not in (0, *PIPELINES):
             raise ValueError(f"pipeline: expected 0 or one of {sorted(PIPELINES)}, got {self.pipeline!r}")
-        if self.backend == "cuda" and self.pipeline == 3 and self.tiles[::3] != (128, 256):
+        if self.backend == "cuda" and self.pipeline in (3, 4) and self.tiles[::3] != (128, 256):
             bm, _, _, th = self.tiles
-            raise ValueError(f"pipeline: 3 (two consumer warpgroups in ping-pong) needs block_M 128 and 256 "
-                             f"threads, got block_M {bm} and {th} threads")
+            raise ValueError(f"pipeline: {self.pipeline} (two consumer warpgroups in ping-pong) needs block_M 128 "
+                             f"and 256 threads, got block_M {bm} and {th} threads")
 
     @property
     def tiles(self) -> tuple[int, int, int, int]:
@@ -218,7 +224,13 @@ class AttnKernelSpec:
     def pingpong(self) -> bool:
         """Whether the two consumer warpgroups take turns issuing ``Q K^T`` (pipeline 3; not varlen,
         which lowers as 1 and has no producer warpgroup)."""
-        return self.backend == "cuda" and self.loads == 3
+        return self.backend == "cuda" and self.loads in (3, 4)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether a warpgroup also runs a tile's softmax under the previous tile's ``P V`` (pipeline 4,
+        with the ping-pong of 3)."""
+        return self.backend == "cuda" and self.loads == 4
 
     @property
     def pass_configs(self) -> dict[str, bool]:
@@ -516,6 +528,34 @@ def _cuda(spec: AttnKernelSpec):
     steps = 31
 
     @T.macro
+    def scores(S, m0, n0, sk, off, window, scale, cap):
+        # pipeline 4's: the loop of the other pipelines writes the same out (its TIR, and so the shipped
+        # kernels, stay as they were). Only a tile a mask or the keys' end cuts is masked element by element
+        cut = n0 + BN > sk
+        if spec.causal:
+            cut = T.Or(cut, n0 + BN - 1 > m0 + off)
+        if spec.window:
+            cut = T.Or(cut, n0 <= m0 + BM - 1 + off - window)
+        for i, j in T.Parallel(BM, BN):
+            S[i, j] = T.if_then_else(
+                T.Or(T.Not(cut), _visible(spec, m0 + i, n0 + j, sk, off, window)),
+                _score(spec, S[i, j], scale, cap), -T.infinity(acc_t))
+
+    @T.macro
+    def softmax(S, m, m_prev, resc, rsum, lsum):
+        T.copy(m, m_prev)
+        T.reduce_max(S, m, dim=1, clear=False)
+        # a row with no visible key so far keeps m = -inf: its rescale is 1 and its p are
+        # exp2(-inf - 0) = 0, never exp2(-inf + inf) = NaN
+        for i in T.Parallel(BM):
+            resc[i] = T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(1), T.exp2(m_prev[i] - m[i]))
+        for i, j in T.Parallel(BM, BN):
+            S[i, j] = T.exp2(S[i, j] - T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(0), m[i]))
+        T.reduce_sum(S, rsum, dim=1)
+        for i in T.Parallel(BM):
+            lsum[i] = lsum[i] * resc[i] + rsum[i]
+
+    @T.macro
     def work(Q, K, V, O, LSE, Qs, Ks, Vs, Os, S, P, Acc, m, m_prev, resc, rsum, lsum, bz, h, q0, sq, k0, sk, tile,
              lsb, lsh, has_lse, scale, cap, window):
         # one q tile of one sequence: rows [q0 + tile * BM, + BM) of its sq against the keys [k0, k0 + sk).
@@ -538,52 +578,98 @@ def _cuda(spec: AttnKernelSpec):
         # H200; :func:`build` now refuses a renamed extent)
         t0 = _span(spec, m0, T.min(m0 + BM, sq), sk, off, window)[0] // BN
         t1 = T.max(T.ceildiv(_span(spec, m0, T.min(m0 + BM, sq), sk, off, window)[1], BN), t0)
-        for t in T.Pipelined(t0, t1, num_stages=STAGES):
-            n0 = t * BN
-            T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
-            if spec.pingpong:
-                # warpgroup w waits on barrier w, issues its Q K^T (T.gemm waits for it), then lets the
-                # other go: 128 threads arrive and 128 wait on each, 256 a barrier. Warpgroup 1 opens
-                # warpgroup 0's first turn and skips its last arrive, so that each barrier is arrived
-                # at as often as it is waited on (none is left half-arrived when the block exits). The
-                # thread index here is the consumers' own (0-255): TileLang renumbers it inside the
-                # warp-specialised loop (seen in the CUDA it emits)
+        if spec.overlap:
+            # pipeline 4: iteration t issues Q K(t)^T and P(t-1) V(t-1) together (wgmma without its wait)
+            # and runs tile t's softmax while P V runs, FlashAttention-3's intra-warpgroup overlap. One
+            # iteration more than tiles, the first with no P V and the last with no softmax: its Q K^T
+            # reads tile t1 - 1 again and is dropped (no loop peeling: TileLang 0.1.15 refuses a
+            # multi-buffered K/V tile used outside its pipelined loop, "versioned buffer load escaped").
+            # The Q K^T issue is unconditional and each wait sits in the branch that chose its count:
+            # with either conditional, ptxas (13.0) saw a path where softmax wrote S under an unretired
+            # wgmma and serialised every wgmma (C7515, seen here), which is the overlap undone.
+            # The reads of Ks and Vs after the waits (``touch``) are where TileLang's warp
+            # specialisation puts each tile's release to the producer: right after the last statement
+            # that reads it, which an unwaited wgmma is not (checked in tests/test_attn_fwd.py).
+            touch = T.alloc_local((2,), dt)
+            per_thread_s, per_thread_acc = BM * BN // THREADS, BM * D // THREADS
+            T.clear(P)  # (read by no wgmma before tile t0's softmax writes it; TileLang's check cannot tell)
+            for t in T.Pipelined(t0, T.if_then_else(t1 > t0, t1 + 1, t0), num_stages=STAGES):
+                tk = T.min(t, t1 - 1)
+                tv = T.max(t - 1, t0)
+                T.copy(K[bz, k0 + tk * BN:k0 + tk * BN + BN, kvh, :], Ks)
+                T.copy(V[bz, k0 + tv * BN:k0 + tv * BN + BN, kvh, :], Vs)
                 wg = T.get_thread_binding() // 128
                 if T.And(wg == 1, t == t0):
                     T.named_barrier_arrive(PINGPONG_BARRIERS[0], 256)
                 T.sync_threads(PINGPONG_BARRIERS[0] + wg, 256)
-            T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-            if spec.pingpong:
-                if T.Or(wg == 0, t < t1 - 1):
-                    T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
-            # only a tile a mask or the keys' end cuts is masked element by element
-            cut = n0 + BN > sk
-            if spec.causal:
-                cut = T.Or(cut, n0 + BN - 1 > m0 + off)
-            if spec.window:
-                cut = T.Or(cut, n0 <= m0 + BM - 1 + off - window)
-            for i, j in T.Parallel(BM, BN):
-                S[i, j] = T.if_then_else(
-                    T.Or(T.Not(cut), _visible(spec, m0 + i, n0 + j, sk, off, window)),
-                    _score(spec, S[i, j], scale, cap), -T.infinity(acc_t))
-            T.copy(m, m_prev)
-            T.reduce_max(S, m, dim=1, clear=False)
-            # a row with no visible key so far keeps m = -inf: its rescale is 1 and its p are
-            # exp2(-inf - 0) = 0, never exp2(-inf + inf) = NaN
-            for i in T.Parallel(BM):
-                resc[i] = T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(1), T.exp2(m_prev[i] - m[i]))
-            for i, j in T.Parallel(BM, BN):
-                S[i, j] = T.exp2(S[i, j] - T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(0), m[i]))
-            T.reduce_sum(S, rsum, dim=1)
-            for i in T.Parallel(BM):
-                lsum[i] = lsum[i] * resc[i] + rsum[i]
-            T.copy(S, P)
-            for i, d in T.Parallel(BM, D):
-                Acc[i, d] *= resc[i]
-            # V rows past the keys are zeros (T.copy's bound) or another sequence's finite values,
-            # both times p = 0: never a NaN of uninitialised memory
-            T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
-            T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
+                T.wgmma_gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if t > t0:
+                    T.wgmma_gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
+                    if T.Or(wg == 0, t < t1):
+                        T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
+                    T.wait_wgmma(1)
+                else:
+                    if T.Or(wg == 0, t < t1):
+                        T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
+                    T.wait_wgmma(0)
+                # (the registers a wgmma wrote, read only after its wait: nvcc may not hoist the reads)
+                T.warpgroup_fence_operand(S, 0, per_thread_s)
+                touch[0] = Ks[0, 0]
+                if t < t1:
+                    scores(S, m0, t * BN, sk, off, window, scale, cap)
+                    softmax(S, m, m_prev, resc, rsum, lsum)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(Acc, 0, per_thread_acc)
+                touch[1] = Vs[0, 0]
+                if t < t1:
+                    for i, d in T.Parallel(BM, D):
+                        Acc[i, d] *= resc[i]
+                    T.copy(S, P)
+        else:
+            for t in T.Pipelined(t0, t1, num_stages=STAGES):
+                n0 = t * BN
+                T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
+                if spec.pingpong:
+                    # warpgroup w waits on barrier w, issues its Q K^T (T.gemm waits for it), then lets
+                    # the other go: 128 threads arrive and 128 wait on each, 256 a barrier. Warpgroup 1
+                    # opens warpgroup 0's first turn and skips its last arrive, so that each barrier is
+                    # arrived at as often as it is waited on (none is left half-arrived when the block
+                    # exits). The thread index here is the consumers' own (0-255): TileLang renumbers
+                    # it inside the warp-specialised loop (seen in the CUDA it emits)
+                    wg = T.get_thread_binding() // 128
+                    if T.And(wg == 1, t == t0):
+                        T.named_barrier_arrive(PINGPONG_BARRIERS[0], 256)
+                    T.sync_threads(PINGPONG_BARRIERS[0] + wg, 256)
+                T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if spec.pingpong:
+                    if T.Or(wg == 0, t < t1 - 1):
+                        T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
+                # only a tile a mask or the keys' end cuts is masked element by element
+                cut = n0 + BN > sk
+                if spec.causal:
+                    cut = T.Or(cut, n0 + BN - 1 > m0 + off)
+                if spec.window:
+                    cut = T.Or(cut, n0 <= m0 + BM - 1 + off - window)
+                for i, j in T.Parallel(BM, BN):
+                    S[i, j] = T.if_then_else(
+                        T.Or(T.Not(cut), _visible(spec, m0 + i, n0 + j, sk, off, window)),
+                        _score(spec, S[i, j], scale, cap), -T.infinity(acc_t))
+                T.copy(m, m_prev)
+                T.reduce_max(S, m, dim=1, clear=False)
+                for i in T.Parallel(BM):
+                    resc[i] = T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(1), T.exp2(m_prev[i] - m[i]))
+                for i, j in T.Parallel(BM, BN):
+                    S[i, j] = T.exp2(S[i, j] - T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(0), m[i]))
+                T.reduce_sum(S, rsum, dim=1)
+                for i in T.Parallel(BM):
+                    lsum[i] = lsum[i] * resc[i] + rsum[i]
+                T.copy(S, P)
+                for i, d in T.Parallel(BM, D):
+                    Acc[i, d] *= resc[i]
+                # V rows past the keys are zeros (T.copy's bound) or another sequence's finite values,
+                # both times p = 0: never a NaN of uninitialised memory
+                T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
+                T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
         for i, d in T.Parallel(BM, D):
             # (lsum != 0, not > 0: a NaN input gives NaN rows, a row that saw no key zeros; see _c)
             Acc[i, d] = T.if_then_else(lsum[i] != 0, Acc[i, d] / lsum[i], T.float32(0))
