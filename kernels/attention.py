@@ -529,8 +529,7 @@ def _cuda(spec: AttnKernelSpec):
 
     @T.macro
     def scores(S, m0, n0, sk, off, window, scale, cap):
-        # pipeline 4's: the loop of the other pipelines writes the same out (its TIR, and so the shipped
-        # kernels, stay as they were). Only a tile a mask or the keys' end cuts is masked element by element
+        # only a tile a mask or the keys' end cuts is masked element by element
         cut = n0 + BN > sk
         if spec.causal:
             cut = T.Or(cut, n0 + BN - 1 > m0 + off)
@@ -644,25 +643,8 @@ def _cuda(spec: AttnKernelSpec):
                 if spec.pingpong:
                     if T.Or(wg == 0, t < t1 - 1):
                         T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
-                # only a tile a mask or the keys' end cuts is masked element by element
-                cut = n0 + BN > sk
-                if spec.causal:
-                    cut = T.Or(cut, n0 + BN - 1 > m0 + off)
-                if spec.window:
-                    cut = T.Or(cut, n0 <= m0 + BM - 1 + off - window)
-                for i, j in T.Parallel(BM, BN):
-                    S[i, j] = T.if_then_else(
-                        T.Or(T.Not(cut), _visible(spec, m0 + i, n0 + j, sk, off, window)),
-                        _score(spec, S[i, j], scale, cap), -T.infinity(acc_t))
-                T.copy(m, m_prev)
-                T.reduce_max(S, m, dim=1, clear=False)
-                for i in T.Parallel(BM):
-                    resc[i] = T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(1), T.exp2(m_prev[i] - m[i]))
-                for i, j in T.Parallel(BM, BN):
-                    S[i, j] = T.exp2(S[i, j] - T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(0), m[i]))
-                T.reduce_sum(S, rsum, dim=1)
-                for i in T.Parallel(BM):
-                    lsum[i] = lsum[i] * resc[i] + rsum[i]
+                scores(S, m0, n0, sk, off, window, scale, cap)
+                softmax(S, m, m_prev, resc, rsum, lsum)
                 T.copy(S, P)
                 for i, d in T.Parallel(BM, D):
                     Acc[i, d] *= resc[i]
