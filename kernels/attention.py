@@ -99,7 +99,7 @@ PIPELINES = {
     3: {},
     4: {},
 }
-#: the named barriers (of the 16 a CTA has) the ping-pong of pipeline 3 uses, one a consumer
+#: the named barriers (of the 16 a CTA has) the ping-pong of pipelines 3 and 4 uses, one a consumer
 #: warpgroup: the highest two, clear of the low ids TileLang 0.1.15 gives its own partial syncs
 #: (``__sync_thread_partial(3, 256)`` before the epilogue's store, in the CUDA it emits)
 PINGPONG_BARRIERS = (14, 15)
@@ -222,8 +222,8 @@ class AttnKernelSpec:
 
     @property
     def pingpong(self) -> bool:
-        """Whether the two consumer warpgroups take turns issuing ``Q K^T`` (pipeline 3; not varlen,
-        which lowers as 1 and has no producer warpgroup)."""
+        """Whether the two consumer warpgroups take turns issuing ``Q K^T`` (pipelines 3 and 4; not
+        varlen, which lowers as 1 and has no producer warpgroup)."""
         return self.backend == "cuda" and self.loads in (3, 4)
 
     @property
