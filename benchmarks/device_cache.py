@@ -155,6 +155,22 @@ def tune_jobs(ops: list[str], cases: "list[str] | None") -> list[tuple]:
     return [j for j in kernel_jobs(ops, ARCH, schedules.space_for("cuda"), cases) if j[2] == "cuda"]
 
 
+def prune(kernels: Path, jobs: list[tuple]) -> int:
+    """Remove the entries of the index folder ``kernels`` that none of ``jobs`` is found under (either
+    build's key, :func:`tileops.compile.build.index_key`); the number of entries removed."""
+    from tileops.compile.build import index_key
+
+    import re
+
+    keep = {index_key(*j, lean=lean) for j in jobs for lean in (True, False)}
+    entry = re.compile(r"([0-9a-f]{32})\.(json|so)")  # an entry's two files (the lock file stays)
+    stale = {m[1] for f in kernels.iterdir() if (m := entry.fullmatch(f.name)) and m[1] not in keep}
+    for key in stale:
+        for suffix in (".json", ".so"):
+            (kernels / f"{key}{suffix}").unlink(missing_ok=True)
+    return len(stale)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=None, help="compiles at once (default: one per CPU core)")
@@ -170,6 +186,10 @@ def main() -> int:
                                                "each of their cases (OP,...: what `tileops tune OP` builds)")
     ap.add_argument("--tune-cases", default="", help="with --tune: only these cases (LABEL,...: `tileops tune "
                                                      "--cases`)")
+    ap.add_argument("--prune", action="store_true", help="before packing, remove the index's entries that no kernel "
+                                                        "of this run names (an earlier source's: every builder "
+                                                        "edit moves its kernels' keys, and stale entries only "
+                                                        "swell the pack)")
     a = ap.parse_args()
     os.environ.setdefault("TILEOPS_CACHE_DIR", str(ROOT / ".kcache"))
     from tileops import schedules
@@ -199,6 +219,8 @@ def main() -> int:
     for spec, err in failures:
         print(f"  {spec}: {err}", file=sys.stderr)
     index = os.environ["TILEOPS_CACHE_DIR"]
+    if a.prune:
+        print(f"pruned {prune(Path(index) / 'kernels', jobs)} stale entries from {index}/kernels", flush=True)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     print(f"packing {index}/kernels into {a.out} (xz -9e: ~2-3 min on 2 cores) ...", flush=True)
     with open(a.out, "wb") as out:

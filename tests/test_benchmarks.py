@@ -348,3 +348,20 @@ def test_the_attention_sweep_names_its_kernels_without_a_gpu():
         attention.work_list(rows="bf16")
     with pytest.raises(SystemExit, match=r"--configs: expected .*got '128x128'"):
         attention.parse_config("128x128")
+
+
+def test_device_cache_prune_keeps_the_entries_its_kernels_are_found_under(tmp_path):
+    """``benchmarks.device_cache --prune`` removes an index entry no kernel of the run names (both of
+    its files), keeps each kernel's entry under either build's key, and leaves other files alone."""
+    from benchmarks.device_cache import prune
+    from tileops.compile.build import index_key
+    from tileops.kernels import get_spec
+
+    job = ("attention", get_spec("attention")(dtype="bfloat16", head_dim=64, hq=4, hkv=2, backend="cuda"),
+           "cuda", "sm_90")
+    kept = [index_key(*job), index_key(*job, lean=True)]
+    names = [f"{k}.{s}" for k in (*kept, "a" * 32) for s in ("json", "so")] + ["compile.lock"]
+    for n in names:
+        (tmp_path / n).write_text("x")
+    assert prune(tmp_path, [job]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n in names if not n.startswith("a" * 32))
