@@ -158,11 +158,14 @@ def sdpa_fn(backend: str | None, row: tuple, t: dict[str, torch.Tensor], compile
 
 
 def work_list(rows: str = ",".join(DEFAULT_ROWS), dtypes: str | None = None) -> list[tuple[str, str]]:
-    """``(row, dtype)`` pairs of ``--rows`` and ``--dtypes``; an unknown row is refused by name."""
+    """``(row, dtype)`` pairs of ``--rows`` and ``--dtypes``; an unknown row or dtype is refused by name."""
     names = list(ROWS) if rows == "all" else [r.strip() for r in rows.split(",") if r.strip()]
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         raise SystemExit(f"--rows: unknown {unknown}; rows: {', '.join(ROWS)}")
+    unknown = [d for d in (dtypes.split(",") if dtypes else ()) if d not in DTYPES]
+    if unknown:  # (else a KeyError once the kernels are listed, or after the baselines ran)
+        raise SystemExit(f"--dtypes: unknown {unknown}; dtypes: {', '.join(DTYPES)}")
     work = []
     for n in names:
         dts = dtypes.split(",") if dtypes else (["bf16", "fp16"] if n in FP16_ROWS else ["bf16"])

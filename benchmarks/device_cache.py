@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -159,8 +160,6 @@ def prune(kernels: Path, jobs: list[tuple]) -> int:
     """Remove the entries of the index folder ``kernels`` that none of ``jobs`` is found under (either
     build's key, :func:`tileops.compile.build.index_key`); the number of entries removed."""
     from tileops.compile.build import index_key
-
-    import re
 
     keep = {index_key(*j, lean=lean) for j in jobs for lean in (True, False)}
     entry = re.compile(r"([0-9a-f]{32})\.(json|so)")  # an entry's two files (the lock file stays)

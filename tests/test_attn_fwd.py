@@ -295,6 +295,12 @@ def test_pingpong_protocol_alternates_and_leaves_no_barrier_arrived(tiles):
     assert turns == [(t, w) for t in range(tiles) for w in ("wg0", "wg1")]
 
 
+def _consumers(src: str) -> str:
+    """The consumer warpgroups' part of a warp-specialised CUDA kernel (TileLang: after their
+    ``warpgroup_reg_alloc``)."""
+    return src[src.index("warpgroup_reg_alloc"):]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_pingpong_is_emitted_in_the_consumers_loop(causal):
     """Lowered for sm_90 (no GPU): pipeline 3's CUDA holds the protocol above, in the consumers'
@@ -313,7 +319,7 @@ def test_pingpong_is_emitted_in_the_consumers_loop(causal):
     plain = emit_source("attention", S(**base, pipeline=2), "cuda", "sm_90")
     src = emit_source("attention", S(**base, pipeline=3), "cuda", "sm_90")
     assert "__named_barrier_arrive" not in plain and "__sync_thread_partial(((((int)threadIdx.x) >> 7)" not in plain
-    consumers = src[src.index("warpgroup_reg_alloc"):]
+    consumers = _consumers(src)
     opening = re.findall(r"if \(\(\(\(\(int\)threadIdx.x\) >> 7\) == 2\) && \(t_1 == [^{]*\{\s*"
                          rf"tl::__named_barrier_arrive\({b0}, 256\);", consumers)
     waits = re.findall(rf"tl::__sync_thread_partial\(\(\(\(\(int\)threadIdx.x\) >> 7\) \+ {b0 - 1}\), 256\);",
@@ -326,12 +332,6 @@ def test_pingpong_is_emitted_in_the_consumers_loop(causal):
     w, qk, h = consumers.index(waits[0]), consumers.index("tl::wgmma_ss"), consumers.index(handoffs[0])
     assert w < qk < h and consumers.count("tl::wgmma_ss") == 1
     assert "warpgroup_wait<0>" in consumers[qk:h]
-
-
-def _consumers(src: str) -> str:
-    """The consumer warpgroups' part of a warp-specialised CUDA kernel (TileLang: after their
-    ``warpgroup_reg_alloc``)."""
-    return src[src.index("warpgroup_reg_alloc"):]
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

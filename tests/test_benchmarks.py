@@ -346,6 +346,8 @@ def test_the_attention_sweep_names_its_kernels_without_a_gpu():
         (c, bn, p, p == 3) for c in (False, True) for bn, p in ((128, 2), (176, 3))}
     with pytest.raises(SystemExit, match=r"--rows: unknown \['bf16'\]"):
         attention.work_list(rows="bf16")
+    with pytest.raises(SystemExit, match=r"--dtypes: unknown \['fp8'\]; dtypes: bf16, fp16"):
+        attention.work_list(dtypes="bf16,fp8")
     with pytest.raises(SystemExit, match=r"--configs: expected .*got '128x128'"):
         attention.parse_config("128x128")
 
