@@ -45,6 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
     _log_compiles(config)
+    _share_threads(config)
     if hasattr(config, "workerinput") or os.environ.get("TILEOPS_NATIVE", "1").strip() in ("0", "false", "no", "off"):
         return
     code = ("from tileops.runtime import native\n"
@@ -52,6 +53,19 @@ def pytest_configure(config: pytest.Config) -> None:
             "except OSError as e:  # no compiler or headers: the tests run the Python runtime alone\n"
             "    print(f'tileops: no native runtime for these tests ({e})')\n")
     subprocess.run([sys.executable, "-c", code], check=False)
+
+
+def _share_threads(config: pytest.Config) -> None:
+    """In a pytest-xdist worker, torch's CPU threads are the machine's cores shared among the workers
+    (at least one). Each process would otherwise start one thread per core: on the GPU machine's 16
+    cores, 15 workers made 240 threads for the float64 references, whose OpenMP threads spin while
+    they wait; the suite's longest test there (``test_AttnFwdOp[gqa-4x512-causal-bf16-cuda]``, 17
+    GFLOP of float64 reference and no kernel to compile) took 292 s of its part's 415 s (H100,
+    2026-12-05). The count can move a float64 reduction's last bits (torch splits a long sum among
+    its threads), far inside every tolerance; a worker keeps one count for all its tests."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 #: the test running in this process, for the compile log's lines (``TILEOPS_COMPILE_LOG``)

@@ -162,3 +162,26 @@ def test_shards_split_the_tests_by_the_crc32_of_their_node_ids_each_once(tmp_pat
     bad = _collected(tmp_path, "--shard", "3/2")
     assert bad.returncode == 4 and "--shard: expected K/N with 1 <= K <= N (integers), got '3/2'" in bad.stderr, (
         bad.stdout[-1000:] + bad.stderr[-1000:])
+
+
+# ------------------------------------------------------------------- torch's threads in xdist workers
+
+
+def test_xdist_workers_share_the_cores_among_them(request):
+    """Each worker's torch threads are the cores shared among the workers (``_share_threads``): 2
+    processes of 2 threads each on 2 cores took 10.7 s for the float64 attention reference that 1
+    thread does in 1.0 s (OpenMP threads spin while they wait; this machine, 2026-12-05)."""
+    import conftest
+
+    cores, before = os.cpu_count() or 1, torch.get_num_threads()
+    if hasattr(request.config, "workerinput"):  # this very run: the count its worker was given
+        assert before == max(1, cores // int(request.config.workerinput["workercount"]))
+    try:
+        for workers, want in ((1, cores), (cores, 1), (4 * cores, 1)):
+            conftest._share_threads(type("Config", (), {"workerinput": {"workercount": workers}})())
+            assert torch.get_num_threads() == want, (workers, torch.get_num_threads())
+        torch.set_num_threads(3)
+        conftest._share_threads(type("Config", (), {})())  # not a worker (-n 0): torch's own count stays
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
