@@ -1,7 +1,7 @@
 """Compile, on this machine (the CUDA toolkit, no GPU), the sm_90 kernels the H200's CUDA suite
 would otherwise compile there, and pack them for the device machine.
 
-    python -m benchmarks.device_cache [--jobs 2] [--out .devsite/kcache.tar.xz] [--tune OP,...]
+    python -m benchmarks.device_cache [--jobs 2] [--out .devsite/kcache.tar.xz] [--tune OP,...] [--merge PACK ...]
 
 What it compiles: every manifest case's kernels (``tileops warmup``'s list), the attention tests'
 warm-up lists (``tests/test_attn_fwd_cuda.py``, ``tests/test_attn_bwd_cuda.py``,
@@ -156,14 +156,44 @@ def tune_jobs(ops: list[str], cases: "list[str] | None") -> list[tuple]:
     return [j for j in kernel_jobs(ops, ARCH, schedules.space_for("cuda"), cases) if j[2] == "cuda"]
 
 
-def prune(kernels: Path, jobs: list[tuple]) -> int:
+#: an index entry's two files (the lock file is neither)
+_ENTRY = re.compile(r"([0-9a-f]{32})\.(json|so)")
+
+
+def merge(kernels: Path, packs: list[str]) -> set[str]:
+    """Add to the index folder ``kernels`` the entries of ``packs``: the ``new-kernels-KofN.tar.xz``
+    files ``benchmarks/device/suite.sh`` brings back, the kernels a device run of the suite still built
+    there (185 of them on the H100, 2026-12-05: norm, rope and prologue variants the tests make beyond
+    the manifests' cases, which :func:`test_jobs` does not list). Only ``kernels/<key>.json`` and
+    ``kernels/<key>.so`` members are taken; a pack holding anything else is refused whole. Returns the
+    keys added, which ``--prune`` keeps: no kernel of this run names them."""
+    import tarfile
+
+    keys: set[str] = set()
+    for pack in packs:
+        with tarfile.open(pack, "r:*") as tar:
+            members = [m for m in tar.getmembers() if not (m.isdir() and m.name.rstrip("/") == "kernels")]
+            odd = [m.name for m in members if not (m.isfile() and m.name.startswith("kernels/")
+                                                   and _ENTRY.fullmatch(m.name[len("kernels/"):]))]
+            if odd:
+                raise SystemExit(f"--merge {pack}: expected only kernels/<32 hex>.json and .so entries, got "
+                                 f"{odd[0]!r}")
+            for m in members:
+                name = m.name[len("kernels/"):]
+                with tar.extractfile(m) as src, open(kernels / name, "wb") as dst:
+                    dst.write(src.read())
+                keys.add(name.split(".")[0])
+    return keys
+
+
+def prune(kernels: Path, jobs: list[tuple], keep: "set[str]" = frozenset()) -> int:
     """Remove the entries of the index folder ``kernels`` that none of ``jobs`` is found under (either
-    build's key, :func:`tileops.compile.build.index_key`); the number of entries removed."""
+    build's key, :func:`tileops.compile.build.index_key`) and ``keep`` does not name; the number of
+    entries removed."""
     from tileops.compile.build import index_key
 
-    keep = {index_key(*j, lean=lean) for j in jobs for lean in (True, False)}
-    entry = re.compile(r"([0-9a-f]{32})\.(json|so)")  # an entry's two files (the lock file stays)
-    stale = {m[1] for f in kernels.iterdir() if (m := entry.fullmatch(f.name)) and m[1] not in keep}
+    keep = set(keep) | {index_key(*j, lean=lean) for j in jobs for lean in (True, False)}
+    stale = {m[1] for f in kernels.iterdir() if (m := _ENTRY.fullmatch(f.name)) and m[1] not in keep}
     for key in stale:
         for suffix in (".json", ".so"):
             (kernels / f"{key}{suffix}").unlink(missing_ok=True)
@@ -185,6 +215,9 @@ def main() -> int:
                                                "each of their cases (OP,...: what `tileops tune OP` builds)")
     ap.add_argument("--tune-cases", default="", help="with --tune: only these cases (LABEL,...: `tileops tune "
                                                      "--cases`)")
+    ap.add_argument("--merge", nargs="*", default=[], metavar="PACK",
+                    help="also the index entries of these packs: a device run's new-kernels-KofN.tar.xz "
+                         "(benchmarks/device/suite.sh), the kernels the suite built there; --prune keeps them")
     ap.add_argument("--prune", action="store_true", help="before packing, remove the index's entries that no kernel "
                                                         "of this run names (an earlier source's: every builder "
                                                         "edit moves its kernels' keys, and stale entries only "
@@ -213,13 +246,19 @@ def main() -> int:
                                    dtypes=a.attention_dtypes)
         jobs += attention.kernel_jobs(work, [attention.parse_config(c) for c in a.attention_configs.split(",")], ARCH)
         jobs = list(dict.fromkeys(jobs))
+    index = os.environ["TILEOPS_CACHE_DIR"]
+    (Path(index) / "kernels").mkdir(parents=True, exist_ok=True)
+    merged = merge(Path(index) / "kernels", a.merge)  # first: a job among them is not compiled again
+    if a.merge:
+        print(f"merged {len(merged)} entries from {len(a.merge)} packs into {index}/kernels", flush=True)
     n, seconds, failures = compile_jobs(jobs, a.jobs, progress=True)
     print(f"{n} kernels for {ARCH} in the index ({seconds:.0f} s); {len(failures)} failed", flush=True)
     for spec, err in failures:
         print(f"  {spec}: {err}", file=sys.stderr)
     index = os.environ["TILEOPS_CACHE_DIR"]
     if a.prune:
-        print(f"pruned {prune(Path(index) / 'kernels', jobs)} stale entries from {index}/kernels", flush=True)
+        print(f"pruned {prune(Path(index) / 'kernels', jobs, merged)} stale entries from {index}/kernels",
+              flush=True)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     print(f"packing {index}/kernels into {a.out} (xz -9e: ~2-3 min on 2 cores) ...", flush=True)
     with open(a.out, "wb") as out:

@@ -367,3 +367,35 @@ def test_device_cache_prune_keeps_the_entries_its_kernels_are_found_under(tmp_pa
         (tmp_path / n).write_text("x")
     assert prune(tmp_path, [job]) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n in names if not n.startswith("a" * 32))
+
+
+def test_device_cache_merge_adds_a_device_packs_entries_and_prune_keeps_them(tmp_path):
+    """``benchmarks.device_cache --merge PACK`` adds the entries of a device run's pack
+    (``benchmarks/device/suite.sh``'s ``new-kernels-KofN.tar.xz``) to the index and ``--prune`` keeps
+    them; a pack with any other member is refused whole, before anything is written."""
+    import tarfile
+
+    from benchmarks.device_cache import merge, prune
+
+    src, index = tmp_path / "src", tmp_path / "index"
+    (src / "kernels").mkdir(parents=True)
+    index.mkdir()
+    key = "b" * 32
+    for suffix in ("json", "so"):
+        (src / "kernels" / f"{key}.{suffix}").write_text(suffix)
+    good = tmp_path / "new-kernels-1of2.tar.xz"
+    with tarfile.open(good, "w:xz") as tar:
+        tar.add(src / "kernels", arcname="kernels")
+    (index / f"{'c' * 32}.json").write_text("stale")
+    assert merge(index, [str(good)]) == {key}
+    assert (index / f"{key}.so").read_text() == "so" and (index / f"{key}.json").read_text() == "json"
+    assert prune(index, [], merge(index, [str(good)])) == 1  # the stale entry only
+    assert sorted(p.name for p in index.iterdir()) == [f"{key}.json", f"{key}.so"]
+    (src / "evil.sh").write_text("x")
+    bad = tmp_path / "bad.tar.xz"
+    with tarfile.open(bad, "w:xz") as tar:
+        tar.add(src / "kernels" / f"{key}.so", arcname=f"kernels/{'d' * 32}.so")
+        tar.add(src / "evil.sh", arcname="../evil.sh")
+    with pytest.raises(SystemExit, match=r"--merge .*bad.tar.xz: expected only kernels/<32 hex>.*'../evil.sh'"):
+        merge(index, [str(bad)])
+    assert not (index / f"{'d' * 32}.so").exists() and not (tmp_path / "evil.sh").exists()
