@@ -58,8 +58,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def _share_threads(config: pytest.Config) -> None:
     """In a pytest-xdist worker, torch's CPU threads are the machine's cores shared among the workers
     (at least one). Each process would otherwise start one thread per core: on the GPU machine's 16
-    cores, 15 workers made 240 threads for the float64 references, whose OpenMP threads spin while
-    they wait; the suite's longest test there (``test_AttnFwdOp[gqa-4x512-causal-bf16-cuda]``, 17
+    cores, 15 workers of a thread per core each ran the float64 references, and OpenMP's threads
+    spin while they wait; the suite's longest test there (``test_AttnFwdOp[gqa-4x512-causal-bf16-cuda]``, 17
     GFLOP of float64 reference and no kernel to compile) took 292 s of its part's 415 s (H100,
     2026-12-05). The count can move a float64 reduction's last bits (torch splits a long sum among
     its threads), far inside every tolerance; a worker keeps one count for all its tests."""
