@@ -399,3 +399,23 @@ def test_device_cache_merge_adds_a_device_packs_entries_and_prune_keeps_them(tmp
     with pytest.raises(SystemExit, match=r"--merge .*bad.tar.xz: expected only kernels/<32 hex>.*'../evil.sh'"):
         merge(index, [str(bad)])
     assert not (index / f"{'d' * 32}.so").exists() and not (tmp_path / "evil.sh").exists()
+
+
+def test_attention_cost_fits_a_line_and_plans_its_calls(capsys):
+    """``benchmarks.attention_cost``: the least-squares line through exact points is that line; each
+    call gives every SM ``--waves`` blocks of one q tile walking ``n`` K/V tiles; ``--dry`` prints the
+    plan with no GPU and a count list that makes no line is refused by name."""
+    from benchmarks import attention_cost
+
+    f, t = attention_cost.fit([(1, 19.5), (2, 21.75), (8, 35.25), (32, 89.25)])  # 17.25 + 2.25 n
+    assert (f, t) == (17.25, 2.25)
+    rows = attention_cost.calls([1, 4], waves=8, sms=132)
+    assert [r[1] for r in rows] == [128, 512] and all(r[0] * attention_cost.HQ >= 8 * 132 for r in rows)
+    assert all(r[5] is False for r in rows)  # not causal: every block walks all its tiles
+    assert attention_cost.main(["--dry", "--tiles", "1,2"]) == 0
+    out = capsys.readouterr().out
+    assert "1056 blocks), seq_q 128, seq_k 256" in out and "kind='fwd'" in out and "bwd" not in out
+    with pytest.raises(SystemExit, match=r"--tiles: a line needs two or more counts"):
+        attention_cost.main(["--dry", "--tiles", "4"])
+    with pytest.raises(SystemExit, match=r"--tiles: expected counts like 1,2,4,8, got '1,x'"):
+        attention_cost.main(["--dry", "--tiles", "1,x"])
