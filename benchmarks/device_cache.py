@@ -255,7 +255,6 @@ def main() -> int:
     print(f"{n} kernels for {ARCH} in the index ({seconds:.0f} s); {len(failures)} failed", flush=True)
     for spec, err in failures:
         print(f"  {spec}: {err}", file=sys.stderr)
-    index = os.environ["TILEOPS_CACHE_DIR"]
     if a.prune:
         print(f"pruned {prune(Path(index) / 'kernels', jobs, merged)} stale entries from {index}/kernels",
               flush=True)
