@@ -73,6 +73,9 @@ def main(argv: "list[str] | None" = None) -> int:
         raise SystemExit(f"--tiles: expected counts like 1,2,4,8, got {a.tiles!r}") from None
     if len(tiles) < 2 or tiles[0] < 1:
         raise SystemExit(f"--tiles: a line needs two or more counts of at least 1, got {a.tiles!r}")
+    for flag, value in (("--waves", a.waves), ("--batches", a.batches)):
+        if value < 1:
+            raise SystemExit(f"{flag}: expected a count of at least 1, got {value}")
     configs = [parse_config(c) for c in a.configs.split(",")] if a.configs else [None]
     dtype = DTYPES[a.dtype]
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
