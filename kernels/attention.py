@@ -137,6 +137,18 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
+#: ``ex2.approx.ftz``: exp2f without fast math is the same instruction behind a range check and two
+#: predicated multiplies for results below 2^-126 (3 more instructions an element of S, a tile's
+#: largest loop after the gemms); a p under 2^-126 flushes to 0, against a row sum of at least 1
+EX2_SOURCE = """
+__device__ __forceinline__ float tileops_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+
+
 def tile_defaults(head_dim: int) -> tuple[int, int, int, int]:
     """(block_M, block_N, stages, threads) for ``head_dim``: the table's, or the next larger one's."""
     for d in sorted(DEFAULT_TILES):
@@ -529,27 +541,39 @@ def _cuda(spec: AttnKernelSpec):
 
     @T.macro
     def scores(S, m0, n0, sk, off, window, scale, cap):
-        # only a tile a mask or the keys' end cuts is masked element by element
+        # only a tile a mask or the keys' end cuts is masked element by element, in a branch of its own:
+        # one select an element for every tile (cut or visible) compiled to a branch an element, some 6
+        # instructions each (BSSY/BRA/BSYNC, a third of a 16 x 1024 causal call's warp samples, H100)
         cut = n0 + BN > sk
         if spec.causal:
             cut = T.Or(cut, n0 + BN - 1 > m0 + off)
         if spec.window:
             cut = T.Or(cut, n0 <= m0 + BM - 1 + off - window)
-        for i, j in T.Parallel(BM, BN):
-            S[i, j] = T.if_then_else(
-                T.Or(T.Not(cut), _visible(spec, m0 + i, n0 + j, sk, off, window)),
-                _score(spec, S[i, j], scale, cap), -T.infinity(acc_t))
+        if spec.softcap:
+            # the scale cannot move past tanh: the scores are made base-2 logits here (unit 1 below)
+            for i, j in T.Parallel(BM, BN):
+                S[i, j] = _score(spec, S[i, j], scale, cap)
+        if cut:
+            for i, j in T.Parallel(BM, BN):
+                S[i, j] = T.if_then_else(_visible(spec, m0 + i, n0 + j, sk, off, window), S[i, j],
+                                         -T.infinity(acc_t))
 
     @T.macro
-    def softmax(S, m, m_prev, resc, rsum, lsum):
+    def softmax(S, m, m_prev, resc, rsum, lsum, unit):
+        # S * unit is the base-2 logit (unit = scale * log2(e): S holds the raw dot products; 1 after a
+        # softcap, which applied the scale itself), m is in base-2 logits. The scale rides in the
+        # exponent's FFMA, exp2(S unit - m), as in FlashAttention-3, instead of a multiply an element
+        # before the max (the row max commutes with it: scale > 0)
         T.copy(m, m_prev)
-        T.reduce_max(S, m, dim=1, clear=False)
+        T.reduce_max(S, rsum, dim=1, clear=True)
         # a row with no visible key so far keeps m = -inf: its rescale is 1 and its p are
         # exp2(-inf - 0) = 0, never exp2(-inf + inf) = NaN
         for i in T.Parallel(BM):
+            m[i] = T.max(m_prev[i], rsum[i] * unit)
             resc[i] = T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(1), T.exp2(m_prev[i] - m[i]))
         for i, j in T.Parallel(BM, BN):
-            S[i, j] = T.exp2(S[i, j] - T.if_then_else(m[i] == -T.infinity(acc_t), T.float32(0), m[i]))
+            S[i, j] = T.call_extern(acc_t, "tileops_ex2", S[i, j] * unit - T.if_then_else(
+                m[i] == -T.infinity(acc_t), T.float32(0), m[i]))
         T.reduce_sum(S, rsum, dim=1)
         for i in T.Parallel(BM):
             lsum[i] = lsum[i] * resc[i] + rsum[i]
@@ -565,9 +589,7 @@ def _cuda(spec: AttnKernelSpec):
         off = sk - sq
         m0 = tile * BM
         kvh = h // G
-        # rows past the sequence but inside the buffer are read (another sequence's, varlen) and
-        # never written back; past the buffer T.copy fills zeros
-        T.copy(Q[bz, q0 + m0:q0 + m0 + BM, h, :], Qs)
+        unit = T.float32(1) if spec.softcap else scale * T.float32(_LOG2E)
         T.fill(Acc, 0)
         T.fill(lsum, 0)
         T.fill(m, -T.infinity(acc_t))
@@ -577,101 +599,122 @@ def _cuda(spec: AttnKernelSpec):
         # H200; :func:`build` now refuses a renamed extent)
         t0 = _span(spec, m0, T.min(m0 + BM, sq), sk, off, window)[0] // BN
         t1 = T.max(T.ceildiv(_span(spec, m0, T.min(m0 + BM, sq), sk, off, window)[1], BN), t0)
-        if spec.overlap:
-            # pipeline 4: iteration t issues Q K(t)^T and P(t-1) V(t-1) together (wgmma without its wait)
-            # and runs tile t's softmax while P V runs, FlashAttention-3's intra-warpgroup overlap. One
-            # iteration more than tiles, the first with no P V and the last with no softmax: its Q K^T
-            # reads tile t1 - 1 again and is dropped (no loop peeling: TileLang 0.1.15 refuses a
-            # multi-buffered K/V tile used outside its pipelined loop, "versioned buffer load escaped").
-            # The Q K^T issue is unconditional and each wait sits in the branch that chose its count:
-            # with either conditional, ptxas (13.0) saw a path where softmax wrote S under an unretired
-            # wgmma and serialised every wgmma (C7515, seen here), which is the overlap undone.
-            # The reads of Ks and Vs after the waits (``touch``) are where TileLang's warp
-            # specialisation puts each tile's release to the producer: right after the last statement
-            # that reads it, which an unwaited wgmma is not (checked in tests/test_attn_fwd.py).
-            touch = T.alloc_local((2,), dt)
-            per_thread_s, per_thread_acc = BM * BN // THREADS, BM * D // THREADS
-            T.clear(P)  # (read by no wgmma before tile t0's softmax writes it; TileLang's check cannot tell)
-            for t in T.Pipelined(t0, T.if_then_else(t1 > t0, t1 + 1, t0), num_stages=STAGES):
-                tk = T.min(t, t1 - 1)
-                tv = T.max(t - 1, t0)
-                T.copy(K[bz, k0 + tk * BN:k0 + tk * BN + BN, kvh, :], Ks)
-                T.copy(V[bz, k0 + tv * BN:k0 + tv * BN + BN, kvh, :], Vs)
-                wg = T.get_thread_binding() // 128
-                if T.And(wg == 1, t == t0):
-                    T.named_barrier_arrive(PINGPONG_BARRIERS[0], 256)
-                T.sync_threads(PINGPONG_BARRIERS[0] + wg, 256)
-                T.wgmma_gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if t > t0:
-                    T.wgmma_gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
-                    if T.Or(wg == 0, t < t1):
-                        T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
-                    T.wait_wgmma(1)
-                else:
-                    if T.Or(wg == 0, t < t1):
-                        T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
-                    T.wait_wgmma(0)
-                # (the registers a wgmma wrote, read only after its wait: nvcc may not hoist the reads)
-                T.warpgroup_fence_operand(S, 0, per_thread_s)
-                touch[0] = Ks[0, 0]
-                if t < t1:
-                    scores(S, m0, t * BN, sk, off, window, scale, cap)
-                    softmax(S, m, m_prev, resc, rsum, lsum)
-                T.wait_wgmma(0)
-                T.warpgroup_fence_operand(Acc, 0, per_thread_acc)
-                touch[1] = Vs[0, 0]
-                if t < t1:
-                    for i, d in T.Parallel(BM, D):
-                        Acc[i, d] *= resc[i]
-                    T.copy(S, P)
-        else:
-            for t in T.Pipelined(t0, t1, num_stages=STAGES):
-                n0 = t * BN
-                T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
-                if spec.pingpong:
-                    # warpgroup w waits on barrier w, issues its Q K^T (T.gemm waits for it), then lets
-                    # the other go: 128 threads arrive and 128 wait on each, 256 a barrier. Warpgroup 1
-                    # opens warpgroup 0's first turn and skips its last arrive, so that each barrier is
-                    # arrived at as often as it is waited on (none is left half-arrived when the block
-                    # exits). The thread index here is the consumers' own (0-255): TileLang renumbers
-                    # it inside the warp-specialised loop (seen in the CUDA it emits)
+        # A block that walks no tile (rows above a causal diagonal when seq_q > seq_k, no keys) loads
+        # no Q either: on sm_90 the Q tile comes by TMA, waited for in the loop's first iteration, and
+        # the epilogue's O tile reuses Q's shared memory, so an unwaited load landed over the zeros
+        # staged there and went out as the output (Q's values in O, seen on the H100 once the epilogue
+        # got fast; and a load still in flight when its block exits)
+        if t1 > t0:
+            # rows past the sequence but inside the buffer are read (another sequence's, varlen) and
+            # never written back; past the buffer T.copy fills zeros
+            T.copy(Q[bz, q0 + m0:q0 + m0 + BM, h, :], Qs)
+            if spec.overlap:
+                # pipeline 4: iteration t issues Q K(t)^T and P(t-1) V(t-1) together (wgmma without its wait)
+                # and runs tile t's softmax while P V runs, FlashAttention-3's intra-warpgroup overlap. One
+                # iteration more than tiles, the first with no P V and the last with no softmax: its Q K^T
+                # reads tile t1 - 1 again and is dropped (no loop peeling: TileLang 0.1.15 refuses a
+                # multi-buffered K/V tile used outside its pipelined loop, "versioned buffer load escaped").
+                # The Q K^T issue is unconditional and each wait sits in the branch that chose its count:
+                # with either conditional, ptxas (13.0) saw a path where softmax wrote S under an unretired
+                # wgmma and serialised every wgmma (C7515, seen here), which is the overlap undone.
+                # The reads of Ks and Vs after the waits (``touch``) are where TileLang's warp
+                # specialisation puts each tile's release to the producer: right after the last statement
+                # that reads it, which an unwaited wgmma is not (checked in tests/test_attn_fwd.py).
+                touch = T.alloc_local((2,), dt)
+                per_thread_s, per_thread_acc = BM * BN // THREADS, BM * D // THREADS
+                T.clear(P)  # (read by no wgmma before tile t0's softmax writes it; TileLang's check cannot tell)
+                for t in T.Pipelined(t0, T.if_then_else(t1 > t0, t1 + 1, t0), num_stages=STAGES):
+                    tk = T.min(t, t1 - 1)
+                    tv = T.max(t - 1, t0)
+                    T.copy(K[bz, k0 + tk * BN:k0 + tk * BN + BN, kvh, :], Ks)
+                    T.copy(V[bz, k0 + tv * BN:k0 + tv * BN + BN, kvh, :], Vs)
                     wg = T.get_thread_binding() // 128
                     if T.And(wg == 1, t == t0):
                         T.named_barrier_arrive(PINGPONG_BARRIERS[0], 256)
                     T.sync_threads(PINGPONG_BARRIERS[0] + wg, 256)
-                T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if spec.pingpong:
-                    if T.Or(wg == 0, t < t1 - 1):
-                        T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
-                scores(S, m0, n0, sk, off, window, scale, cap)
-                softmax(S, m, m_prev, resc, rsum, lsum)
-                T.copy(S, P)
-                for i, d in T.Parallel(BM, D):
-                    Acc[i, d] *= resc[i]
-                # V rows past the keys are zeros (T.copy's bound) or another sequence's finite values,
-                # both times p = 0: never a NaN of uninitialised memory
-                T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
-                T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    if t > t0:
+                        T.wgmma_gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
+                        if T.Or(wg == 0, t < t1):
+                            T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
+                        T.wait_wgmma(1)
+                    else:
+                        if T.Or(wg == 0, t < t1):
+                            T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
+                        T.wait_wgmma(0)
+                    # (the registers a wgmma wrote, read only after its wait: nvcc may not hoist the reads)
+                    T.warpgroup_fence_operand(S, 0, per_thread_s)
+                    touch[0] = Ks[0, 0]
+                    if t < t1:
+                        scores(S, m0, t * BN, sk, off, window, scale, cap)
+                        softmax(S, m, m_prev, resc, rsum, lsum, unit)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(Acc, 0, per_thread_acc)
+                    touch[1] = Vs[0, 0]
+                    if t < t1:
+                        for i, d in T.Parallel(BM, D):
+                            Acc[i, d] *= resc[i]
+                        T.copy(S, P)
+            else:
+                for t in T.Pipelined(t0, t1, num_stages=STAGES):
+                    n0 = t * BN
+                    T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
+                    if spec.pingpong:
+                        # warpgroup w waits on barrier w, issues its Q K^T (T.gemm waits for it), then lets
+                        # the other go: 128 threads arrive and 128 wait on each, 256 a barrier. Warpgroup 1
+                        # opens warpgroup 0's first turn and skips its last arrive, so that each barrier is
+                        # arrived at as often as it is waited on (none is left half-arrived when the block
+                        # exits). The thread index here is the consumers' own (0-255): TileLang renumbers
+                        # it inside the warp-specialised loop (seen in the CUDA it emits)
+                        wg = T.get_thread_binding() // 128
+                        if T.And(wg == 1, t == t0):
+                            T.named_barrier_arrive(PINGPONG_BARRIERS[0], 256)
+                        T.sync_threads(PINGPONG_BARRIERS[0] + wg, 256)
+                    T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    if spec.pingpong:
+                        if T.Or(wg == 0, t < t1 - 1):
+                            T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
+                    scores(S, m0, n0, sk, off, window, scale, cap)
+                    softmax(S, m, m_prev, resc, rsum, lsum, unit)
+                    T.copy(S, P)
+                    for i, d in T.Parallel(BM, D):
+                        Acc[i, d] *= resc[i]
+                    # V rows past the keys are zeros (T.copy's bound) or another sequence's finite values,
+                    # both times p = 0: never a NaN of uninitialised memory
+                    T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
+                    T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
+        # one reciprocal a row, then multiplies: a division an element was IEEE fdiv with its slow
+        # path, some 10% of a 16 x 1024 causal call's warp samples (Nsight Compute, H100)
+        for i in T.Parallel(BM):
+            resc[i] = T.float32(1) / lsum[i]
         for i, d in T.Parallel(BM, D):
-            # (lsum != 0, not > 0: a NaN input gives NaN rows, a row that saw no key zeros; see _c)
-            Acc[i, d] = T.if_then_else(lsum[i] != 0, Acc[i, d] / lsum[i], T.float32(0))
+            # (lsum != 0, not > 0: a NaN input gives NaN rows, a row that saw no key zeros; see _c.
+            # t1 > t0 first: TileLang's warp specialisation moves the fills above into the consumers'
+            # branch of the tiles' `if`, so a block that walks no tile never set lsum, m or Acc)
+            Acc[i, d] = T.if_then_else(T.And(t1 > t0, lsum[i] != 0), Acc[i, d] * resc[i], T.float32(0))
         T.copy(Acc, Os)
-        for i, d in T.Parallel(BM, D):
-            if m0 + i < sq:
-                O[bz, q0 + m0 + i, h, d] = Os[i, d]
+        if spec.varlen:
+            # rows past the sequence belong to the next packed one: written element by element, guarded
+            for i, d in T.Parallel(BM, D):
+                if m0 + i < sq:
+                    O[bz, q0 + m0 + i, h, d] = Os[i, d]
+        else:
+            # the tile at once (TMA on sm_90, which drops the rows past sq): the guarded element-wise
+            # store it replaces, 64-bit index arithmetic an element, was a quarter of the same samples
+            T.copy(Os, O[bz, m0:m0 + BM, h, :])
         if has_lse != 0:
             for i in T.Parallel(BM):
                 if m0 + i < sq:
                     LSE[T.cast(bz, "int64") * lsb + T.cast(h, "int64") * lsh
                         + T.cast(q0 + m0 + i, "int64")] = T.if_then_else(
-                        lsum[i] != 0, (m[i] + T.log2(lsum[i])) * T.float32(_LN2), -T.infinity(acc_t))
+                        T.And(t1 > t0, lsum[i] != 0), (m[i] + T.log2(lsum[i])) * T.float32(_LN2),
+                        -T.infinity(acc_t))
 
     @T.macro
     def body(Q, K, V, O, LSE, CUQ, CUK, ERR, tag, batch, nb, sq, sk, tiles, lsb, lsh, has_lse, scale_bits, cap_bits,
              window):
         with T.Kernel(tiles, HQ, nb, threads=THREADS) as (bx, h, bz):
-            if spec.varlen:
-                T.import_source(REPORT_SOURCE)
+            T.import_source(EX2_SOURCE + (REPORT_SOURCE if spec.varlen else ""))  # (one import a kernel)
             Qs = T.alloc_shared((BM, D), dt)
             Ks = T.alloc_shared((BN, D), dt)
             Vs = T.alloc_shared((BN, D), dt)
