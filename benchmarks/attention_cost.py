@@ -25,9 +25,11 @@ import time
 
 import torch
 
-from benchmarks.attention import parse_config, sdpa_fn
+from benchmarks.attention import DTYPES, ROWS, kernel_jobs, make_op, parse_config, sdpa_fn
 
-HQ, HKV, D = 32, 8, 128
+#: the table's 1 x 16384 row: its heads, head_dim and mask (the kernels do not depend on the lengths)
+BASE = "16k"
+HQ, HKV, D = ROWS[BASE][2:5]
 
 
 def calls(tiles: list[int], waves: int, sms: int) -> list[tuple]:
@@ -56,18 +58,12 @@ def _inputs(row: tuple, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             "v": torch.randn(b, sk, hkv, d, generator=g, device="cuda", dtype=dtype)}
 
 
-def _op(static: "dict[str, int] | None"):
-    from benchmarks.attention import make_op
-
-    return make_op((1, 128, HQ, HKV, D, False, None), static)
-
-
 def main(argv: "list[str] | None" = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=None, help="BMxBNxSTAGESxTHREADS[xPIPELINE],... (default: the manifest's)")
     ap.add_argument("--tiles", default="1,2,4,8,16,32", help="K/V tiles a block walks, one call each")
     ap.add_argument("--waves", type=int, default=8, help="blocks an SM in each call (default 8)")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--batches", type=int, default=10, help="timed batches of 3 calls (default 10)")
     ap.add_argument("--dry", action="store_true", help="print the calls and kernels; no GPU needed")
     a = ap.parse_args(argv)
@@ -77,27 +73,17 @@ def main(argv: "list[str] | None" = None) -> int:
         raise SystemExit(f"--tiles: expected counts like 1,2,4,8, got {a.tiles!r}") from None
     if len(tiles) < 2 or tiles[0] < 1:
         raise SystemExit(f"--tiles: a line needs two or more counts of at least 1, got {a.tiles!r}")
+    for flag, value in (("--waves", a.waves), ("--batches", a.batches)):
+        if value < 1:
+            raise SystemExit(f"{flag}: expected a count of at least 1, got {value}")
     configs = [parse_config(c) for c in a.configs.split(",")] if a.configs else [None]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    dtype = DTYPES[a.dtype]
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
     rows = calls(tiles, a.waves, sms)
-    from tileops.compile.warmup import op_kernel_jobs
-
-    jobs = []
-    for c in configs:
-        op = _op(c)
-        js = op_kernel_jobs("AttnFwdOp", op.params, {"q_dim": D, "q_heads": HQ, "kv_heads": HKV},
-                            [{"bf16": "bfloat16", "fp16": "float16"}[a.dtype]], "sm_90", with_inputs=(),
-                            backward=False)
-        if c is not None:
-            import dataclasses
-
-            js = [(b, dataclasses.replace(s, **c) if b == "attention" else s, be, ar) for b, s, be, ar in js]
-        jobs += js
     if a.dry:
         for row in rows:
             print(f"batch {row[0]} x {HQ} heads ({row[0] * HQ} blocks), seq_q 128, seq_k {row[1]}")
-        for job in dict.fromkeys(jobs):
+        for job in kernel_jobs([(BASE, a.dtype)], configs, "sm_90"):
             print(job[0], job[1])
         return 0
     if not torch.cuda.is_available():
@@ -106,12 +92,12 @@ def main(argv: "list[str] | None" = None) -> int:
     from tileops.compile.build import device_backend
     from tileops.compile.warmup import compile_jobs
 
-    arch = device_backend(torch.device("cuda"))[1]
-    jobs = [(b, s, be, arch) for b, s, be, _ in dict.fromkeys(jobs)]
+    jobs = kernel_jobs([(BASE, a.dtype)], configs, device_backend(torch.device("cuda"))[1])
     t0 = time.perf_counter()
     count, _, failures = compile_jobs(jobs, None, progress=True)
     print(f"compiled {count} kernels in {time.perf_counter() - t0:.0f} s" +
           (f"; {len(failures)} failed: {failures[0][1][:300]}" if failures else ""), flush=True)
+    ops = [make_op(ROWS[BASE], c) for c in configs]
     labels = ["x".join(str(v) for v in c.values()) if c else "manifest" for c in configs] + ["cudnn"]
     points: dict[str, list] = {k: [] for k in labels}
     print(f"us a block on its SM ({sms} SMs, {a.waves} blocks an SM, {a.dtype}, GQA {HQ}/{HKV}, D {D}):", flush=True)
@@ -123,7 +109,7 @@ def main(argv: "list[str] | None" = None) -> int:
         ref = ref_fn() if ref_fn is not None else None
         tol = 4 * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-11) * float(t["v"].abs().max())
         cells = []
-        fns = [(lab, (lambda op=_op(c), t=t: op(t["q"], t["k"], t["v"]))) for lab, c in zip(labels, configs)]
+        fns = [(lab, (lambda op=op, t=t: op(t["q"], t["k"], t["v"]))) for lab, op in zip(labels, ops)]
         fns.append(("cudnn", ref_fn))
         for lab, fn in fns:
             if fn is None:

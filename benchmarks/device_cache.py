@@ -171,6 +171,8 @@ def merge(kernels: Path, packs: list[str]) -> set[str]:
 
     keys: set[str] = set()
     for pack in packs:
+        if not os.path.isfile(pack):
+            raise SystemExit(f"--merge: expected a pack file (new-kernels-KofN.tar.xz), got {pack!r}: no such file")
         with tarfile.open(pack, "r:*") as tar:
             members = [m for m in tar.getmembers() if not (m.isdir() and m.name.rstrip("/") == "kernels")]
             odd = [m.name for m in members if not (m.isfile() and m.name.startswith("kernels/")
@@ -255,7 +257,6 @@ def main() -> int:
     print(f"{n} kernels for {ARCH} in the index ({seconds:.0f} s); {len(failures)} failed", flush=True)
     for spec, err in failures:
         print(f"  {spec}: {err}", file=sys.stderr)
-    index = os.environ["TILEOPS_CACHE_DIR"]
     if a.prune:
         print(f"pruned {prune(Path(index) / 'kernels', jobs, merged)} stale entries from {index}/kernels",
               flush=True)

@@ -399,6 +399,8 @@ def test_device_cache_merge_adds_a_device_packs_entries_and_prune_keeps_them(tmp
     with pytest.raises(SystemExit, match=r"--merge .*bad.tar.xz: expected only kernels/<32 hex>.*'../evil.sh'"):
         merge(index, [str(bad)])
     assert not (index / f"{'d' * 32}.so").exists() and not (tmp_path / "evil.sh").exists()
+    with pytest.raises(SystemExit, match=r"--merge: expected a pack file .*'nowhere.tar.xz': no such file"):
+        merge(index, ["nowhere.tar.xz"])
 
 
 def test_attention_cost_fits_a_line_and_plans_its_calls(capsys):
@@ -419,3 +421,5 @@ def test_attention_cost_fits_a_line_and_plans_its_calls(capsys):
         attention_cost.main(["--dry", "--tiles", "4"])
     with pytest.raises(SystemExit, match=r"--tiles: expected counts like 1,2,4,8, got '1,x'"):
         attention_cost.main(["--dry", "--tiles", "1,x"])
+    with pytest.raises(SystemExit, match=r"--waves: expected a count of at least 1, got 0"):
+        attention_cost.main(["--dry", "--waves", "0"])
