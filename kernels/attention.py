@@ -679,9 +679,19 @@ def _cuda(spec: AttnKernelSpec):
                     T.copy(S, P)
                     for i, d in T.Parallel(BM, D):
                         Acc[i, d] *= resc[i]
-                    # V rows past the keys are zeros (T.copy's bound) or another sequence's finite values,
-                    # both times p = 0: never a NaN of uninitialised memory
-                    T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
+                    if spec.varlen:
+                        # V rows past the sequence's keys are zeros, not the next sequence's values: their
+                        # weight is an exact 0, but 0 x NaN (or Inf) is NaN, and a non-finite value of one
+                        # sequence reached the last rows' outputs of the sequence packed before it. (K's
+                        # rows there need nothing: a hidden score is replaced, not multiplied.) Dense calls
+                        # read zeros past the keys already (T.copy's bound at the buffer's end). The loads
+                        # are the ones T.copy made here before (predicated 2-byte loads: varlen has no TMA),
+                        # now run just before P V instead of after the previous tile's; zeroing the rows
+                        # after a T.copy instead, TileLang 0.1.15's pipeline planner refuses two writes to Vs
+                        for j, d in T.Parallel(BN, D):
+                            Vs[j, d] = T.if_then_else(n0 + j < sk, V[bz, k0 + n0 + j, kvh, d], T.cast(0, dt))
+                    else:
+                        T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
                     T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
         # one reciprocal a row, then multiplies: a division an element was IEEE fdiv with its slow
         # path, some 10% of a 16 x 1024 causal call's warp samples (Nsight Compute, H100)

@@ -334,6 +334,29 @@ def test_pingpong_is_emitted_in_the_consumers_loop(causal):
     assert "warpgroup_wait<0>" in consumers[qk:h]
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_varlen_loads_no_value_past_its_sequence(arch):
+    """Lowered (no GPU): the varlen kernel loads a row of V only where the row is a key of the block's
+    own sequence (its count, the register ``seq[4]``) and writes zeros in the tile elsewhere, never
+    the next packed sequence's values, whose NaN or Inf the exact-0 weight would still carry (0 x NaN);
+    ``tests/test_attn_fwd_cuda.py`` checks the outputs. The dense kernel's bound is the buffer's end."""
+    pytest.importorskip("tilelang")
+    import re
+
+    from tileops.compile.build import emit_source
+    from tileops.kernels import get_spec
+
+    S = get_spec("attention")
+    base = dict(dtype="bfloat16", head_dim=128, hq=8, hkv=2, backend="cuda", causal=True)
+    src = emit_source("attention", S(**base, varlen=True), "cuda", arch).splitlines()
+    loads = [i for i, line in enumerate(src) if re.search(r"= V\[", line)]
+    assert loads, "no load of V in the varlen kernel's source"
+    for i in loads:
+        guard = next(line for line in reversed(src[:i]) if line.strip().startswith("if ("))
+        assert "seq[4]" in guard and " sk" not in guard, (arch, guard.strip()[:200])
+        assert re.search(r"= bfloat16_t\(0x0p\+0f", src[i + 2]), src[i + 2]  # else: zero
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_overlap_releases_each_tile_after_the_wgmma_that_reads_it(causal):
     """Pipeline 4 issues ``Q K(t)^T`` and ``P(t-1) V(t-1)`` without waiting: a K/V tile may go back to

@@ -123,6 +123,32 @@ def test_varlen_with_empty_sequences():
     _check(op, q, k, v, cu_q, cu_k)
 
 
+def test_varlen_a_non_finite_value_stays_in_its_sequence():
+    """A NaN or Inf value of one packed sequence reaches no row of another. Sequence 0 has 100 keys, so
+    its one K/V tile (128 keys) runs 28 keys into sequence 1; those rows of V are zeros in the tile,
+    not sequence 1's values: their weight is an exact 0, but 0 x NaN = NaN and 0 x Inf = NaN, and
+    before, column 9 of sequence 0's rows came out NaN (``docs/reliability.md`` listed it). Sequence
+    1's rows get what the definition puts (a NaN in column 9 of the rows that see key 10), plus, in
+    those columns of its own rows alone, the spread its own tiles allow (``test_a_nan_input_gives_nan_...``)."""
+    op = AttnFwdOp(8, 2, 128, causal=True)
+    cu = torch.tensor([0, 100, 160], dtype=torch.int32, device=DEV)
+    q, k, v = _inputs(39, (160, 8, 128), (160, 2, 128), torch.bfloat16)
+    v[110, 0, 9] = float("nan")  # sequence 1's key 10, kv head 0 (q heads 0-3)
+    v[105, 1, 3] = float("inf")  # its key 5, kv head 1 (q heads 4-7)
+    got = op(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, out=torch.full_like(q, float("nan"))).cpu()
+    ref = refs.attention(dict(op.params), {"q": q.cpu(), "k": k.cpu(), "v": v.cpu(), "cu_seqlens_q": cu.cpu(),
+                                           "cu_seqlens_k": cu.cpu()})
+    assert bool(torch.isfinite(got[:100]).all()), torch.nonzero(~torch.isfinite(got[:100]))[:4].tolist()
+    fp32_terms = (2 * 128 + 2 * 100 + 64) * (1 + ref["smax"]) * 2.0**-22
+    tol = (fp32_terms + 2 * _UNIT[q.dtype]) * ref["scale"][:100] + 1e-30
+    assert bool(((got[:100].double() - ref["out"][:100]).abs() <= tol).all())
+    assert bool(got[110:160, 0:4, 9].isnan().all())  # the rows of sequence 1 that see key 10
+    odd = ~torch.isfinite(got[100:])
+    odd[:, 0:4, 9] = False
+    odd[:, 4:8, 3] = False
+    assert not bool(odd.any()), torch.nonzero(odd)[:4].tolist()
+
+
 def test_bad_cu_seqlens_reported_with_index():
     op = AttnFwdOp(8, 2, 128, causal=True)
     q, k, v = _inputs(36, (100, 8, 128), (90, 2, 128), torch.bfloat16)
