@@ -590,6 +590,9 @@ def _cuda(spec: AttnKernelSpec):
         m0 = tile * BM
         kvh = h // G
         unit = T.float32(1) if spec.softcap else scale * T.float32(_LOG2E)
+        # rows past the sequence but inside the buffer are read (another sequence's, varlen) and
+        # never written back; past the buffer T.copy fills zeros
+        T.copy(Q[bz, q0 + m0:q0 + m0 + BM, h, :], Qs)
         T.fill(Acc, 0)
         T.fill(lsum, 0)
         T.fill(m, -T.infinity(acc_t))
@@ -598,110 +601,105 @@ def _cuda(spec: AttnKernelSpec):
         # itself, K's shape read [nb, hi, ...] and TileLang's launcher took "hi" for "sk" (seen on the
         # H200; :func:`build` now refuses a renamed extent)
         t0 = _span(spec, m0, T.min(m0 + BM, sq), sk, off, window)[0] // BN
-        t1 = T.max(T.ceildiv(_span(spec, m0, T.min(m0 + BM, sq), sk, off, window)[1], BN), t0)
-        # A block that walks no tile (rows above a causal diagonal when seq_q > seq_k, no keys) loads
-        # no Q either: on sm_90 the Q tile comes by TMA, waited for in the loop's first iteration, and
-        # the epilogue's O tile reuses Q's shared memory, so an unwaited load landed over the zeros
-        # staged there and went out as the output (Q's values in O, seen on the H100 once the epilogue
-        # got fast; and a load still in flight when its block exits)
-        if t1 > t0:
-            # rows past the sequence but inside the buffer are read (another sequence's, varlen) and
-            # never written back; past the buffer T.copy fills zeros
-            T.copy(Q[bz, q0 + m0:q0 + m0 + BM, h, :], Qs)
-            if spec.overlap:
-                # pipeline 4: iteration t issues Q K(t)^T and P(t-1) V(t-1) together (wgmma without its wait)
-                # and runs tile t's softmax while P V runs, FlashAttention-3's intra-warpgroup overlap. One
-                # iteration more than tiles, the first with no P V and the last with no softmax: its Q K^T
-                # reads tile t1 - 1 again and is dropped (no loop peeling: TileLang 0.1.15 refuses a
-                # multi-buffered K/V tile used outside its pipelined loop, "versioned buffer load escaped").
-                # The Q K^T issue is unconditional and each wait sits in the branch that chose its count:
-                # with either conditional, ptxas (13.0) saw a path where softmax wrote S under an unretired
-                # wgmma and serialised every wgmma (C7515, seen here), which is the overlap undone.
-                # The reads of Ks and Vs after the waits (``touch``) are where TileLang's warp
-                # specialisation puts each tile's release to the producer: right after the last statement
-                # that reads it, which an unwaited wgmma is not (checked in tests/test_attn_fwd.py).
-                touch = T.alloc_local((2,), dt)
-                per_thread_s, per_thread_acc = BM * BN // THREADS, BM * D // THREADS
-                T.clear(P)  # (read by no wgmma before tile t0's softmax writes it; TileLang's check cannot tell)
-                for t in T.Pipelined(t0, T.if_then_else(t1 > t0, t1 + 1, t0), num_stages=STAGES):
-                    tk = T.min(t, t1 - 1)
-                    tv = T.max(t - 1, t0)
-                    T.copy(K[bz, k0 + tk * BN:k0 + tk * BN + BN, kvh, :], Ks)
-                    T.copy(V[bz, k0 + tv * BN:k0 + tv * BN + BN, kvh, :], Vs)
+        # At least one tile, even for rows that see no key (above a causal diagonal when seq_q > seq_k,
+        # a window past the keys): that tile is cut, so masked whole (p = 0, lsum = 0: zeros and lse
+        # -inf). A block that walked none never waited for its Q tile, which on sm_90 comes by TMA into
+        # the shared memory the epilogue stages O in: the load landed over the staged zeros and Q's
+        # values came out (seen on the H100 once the epilogue got fast). Skipping the load instead, in
+        # an `if` around the loop, made ptxas serialise every wgmma (C7512: setmaxnreg under a branch)
+        t1 = T.max(T.ceildiv(_span(spec, m0, T.min(m0 + BM, sq), sk, off, window)[1], BN), t0 + 1)
+        if spec.overlap:
+            # pipeline 4: iteration t issues Q K(t)^T and P(t-1) V(t-1) together (wgmma without its wait)
+            # and runs tile t's softmax while P V runs, FlashAttention-3's intra-warpgroup overlap. One
+            # iteration more than tiles, the first with no P V and the last with no softmax: its Q K^T
+            # reads tile t1 - 1 again and is dropped (no loop peeling: TileLang 0.1.15 refuses a
+            # multi-buffered K/V tile used outside its pipelined loop, "versioned buffer load escaped").
+            # The Q K^T issue is unconditional and each wait sits in the branch that chose its count:
+            # with either conditional, ptxas (13.0) saw a path where softmax wrote S under an unretired
+            # wgmma and serialised every wgmma (C7515, seen here), which is the overlap undone.
+            # The reads of Ks and Vs after the waits (``touch``) are where TileLang's warp
+            # specialisation puts each tile's release to the producer: right after the last statement
+            # that reads it, which an unwaited wgmma is not (checked in tests/test_attn_fwd.py).
+            touch = T.alloc_local((2,), dt)
+            per_thread_s, per_thread_acc = BM * BN // THREADS, BM * D // THREADS
+            T.clear(P)  # (read by no wgmma before tile t0's softmax writes it; TileLang's check cannot tell)
+            for t in T.Pipelined(t0, T.if_then_else(t1 > t0, t1 + 1, t0), num_stages=STAGES):
+                tk = T.min(t, t1 - 1)
+                tv = T.max(t - 1, t0)
+                T.copy(K[bz, k0 + tk * BN:k0 + tk * BN + BN, kvh, :], Ks)
+                T.copy(V[bz, k0 + tv * BN:k0 + tv * BN + BN, kvh, :], Vs)
+                wg = T.get_thread_binding() // 128
+                if T.And(wg == 1, t == t0):
+                    T.named_barrier_arrive(PINGPONG_BARRIERS[0], 256)
+                T.sync_threads(PINGPONG_BARRIERS[0] + wg, 256)
+                T.wgmma_gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if t > t0:
+                    T.wgmma_gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
+                    if T.Or(wg == 0, t < t1):
+                        T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
+                    T.wait_wgmma(1)
+                else:
+                    if T.Or(wg == 0, t < t1):
+                        T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
+                    T.wait_wgmma(0)
+                # (the registers a wgmma wrote, read only after its wait: nvcc may not hoist the reads)
+                T.warpgroup_fence_operand(S, 0, per_thread_s)
+                touch[0] = Ks[0, 0]
+                if t < t1:
+                    scores(S, m0, t * BN, sk, off, window, scale, cap)
+                    softmax(S, m, m_prev, resc, rsum, lsum, unit)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(Acc, 0, per_thread_acc)
+                touch[1] = Vs[0, 0]
+                if t < t1:
+                    for i, d in T.Parallel(BM, D):
+                        Acc[i, d] *= resc[i]
+                    T.copy(S, P)
+        else:
+            for t in T.Pipelined(t0, t1, num_stages=STAGES):
+                n0 = t * BN
+                T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
+                if spec.pingpong:
+                    # warpgroup w waits on barrier w, issues its Q K^T (T.gemm waits for it), then lets
+                    # the other go: 128 threads arrive and 128 wait on each, 256 a barrier. Warpgroup 1
+                    # opens warpgroup 0's first turn and skips its last arrive, so that each barrier is
+                    # arrived at as often as it is waited on (none is left half-arrived when the block
+                    # exits). The thread index here is the consumers' own (0-255): TileLang renumbers
+                    # it inside the warp-specialised loop (seen in the CUDA it emits)
                     wg = T.get_thread_binding() // 128
                     if T.And(wg == 1, t == t0):
                         T.named_barrier_arrive(PINGPONG_BARRIERS[0], 256)
                     T.sync_threads(PINGPONG_BARRIERS[0] + wg, 256)
-                    T.wgmma_gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    if t > t0:
-                        T.wgmma_gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
-                        if T.Or(wg == 0, t < t1):
-                            T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
-                        T.wait_wgmma(1)
-                    else:
-                        if T.Or(wg == 0, t < t1):
-                            T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
-                        T.wait_wgmma(0)
-                    # (the registers a wgmma wrote, read only after its wait: nvcc may not hoist the reads)
-                    T.warpgroup_fence_operand(S, 0, per_thread_s)
-                    touch[0] = Ks[0, 0]
-                    if t < t1:
-                        scores(S, m0, t * BN, sk, off, window, scale, cap)
-                        softmax(S, m, m_prev, resc, rsum, lsum, unit)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(Acc, 0, per_thread_acc)
-                    touch[1] = Vs[0, 0]
-                    if t < t1:
-                        for i, d in T.Parallel(BM, D):
-                            Acc[i, d] *= resc[i]
-                        T.copy(S, P)
-            else:
-                for t in T.Pipelined(t0, t1, num_stages=STAGES):
-                    n0 = t * BN
-                    T.copy(K[bz, k0 + n0:k0 + n0 + BN, kvh, :], Ks)
-                    if spec.pingpong:
-                        # warpgroup w waits on barrier w, issues its Q K^T (T.gemm waits for it), then lets
-                        # the other go: 128 threads arrive and 128 wait on each, 256 a barrier. Warpgroup 1
-                        # opens warpgroup 0's first turn and skips its last arrive, so that each barrier is
-                        # arrived at as often as it is waited on (none is left half-arrived when the block
-                        # exits). The thread index here is the consumers' own (0-255): TileLang renumbers
-                        # it inside the warp-specialised loop (seen in the CUDA it emits)
-                        wg = T.get_thread_binding() // 128
-                        if T.And(wg == 1, t == t0):
-                            T.named_barrier_arrive(PINGPONG_BARRIERS[0], 256)
-                        T.sync_threads(PINGPONG_BARRIERS[0] + wg, 256)
-                    T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    if spec.pingpong:
-                        if T.Or(wg == 0, t < t1 - 1):
-                            T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
-                    scores(S, m0, n0, sk, off, window, scale, cap)
-                    softmax(S, m, m_prev, resc, rsum, lsum, unit)
-                    T.copy(S, P)
-                    for i, d in T.Parallel(BM, D):
-                        Acc[i, d] *= resc[i]
-                    if spec.varlen:
-                        # V rows past the sequence's keys are zeros, not the next sequence's values: their
-                        # weight is an exact 0, but 0 x NaN (or Inf) is NaN, and a non-finite value of one
-                        # sequence reached the last rows' outputs of the sequence packed before it. (K's
-                        # rows there need nothing: a hidden score is replaced, not multiplied.) Dense calls
-                        # read zeros past the keys already (T.copy's bound at the buffer's end). The loads
-                        # are the ones T.copy made here before (predicated 2-byte loads: varlen has no TMA),
-                        # now run just before P V instead of after the previous tile's; zeroing the rows
-                        # after a T.copy instead, TileLang 0.1.15's pipeline planner refuses two writes to Vs
-                        for j, d in T.Parallel(BN, D):
-                            Vs[j, d] = T.if_then_else(n0 + j < sk, V[bz, k0 + n0 + j, kvh, d], T.cast(0, dt))
-                    else:
-                        T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
-                    T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if spec.pingpong:
+                    if T.Or(wg == 0, t < t1 - 1):
+                        T.named_barrier_arrive(PINGPONG_BARRIERS[1] - wg, 256)
+                scores(S, m0, n0, sk, off, window, scale, cap)
+                softmax(S, m, m_prev, resc, rsum, lsum, unit)
+                T.copy(S, P)
+                for i, d in T.Parallel(BM, D):
+                    Acc[i, d] *= resc[i]
+                if spec.varlen:
+                    # V rows past the sequence's keys are zeros, not the next sequence's values: their
+                    # weight is an exact 0, but 0 x NaN (or Inf) is NaN, and a non-finite value of one
+                    # sequence reached the last rows' outputs of the sequence packed before it. (K's
+                    # rows there need nothing: a hidden score is replaced, not multiplied.) Dense calls
+                    # read zeros past the keys already (T.copy's bound at the buffer's end). The loads
+                    # are the ones T.copy made here before (predicated 2-byte loads: varlen has no TMA),
+                    # now run just before P V instead of after the previous tile's; zeroing the rows
+                    # after a T.copy instead, TileLang 0.1.15's pipeline planner refuses two writes to Vs
+                    for j, d in T.Parallel(BN, D):
+                        Vs[j, d] = T.if_then_else(n0 + j < sk, V[bz, k0 + n0 + j, kvh, d], T.cast(0, dt))
+                else:
+                    T.copy(V[bz, k0 + n0:k0 + n0 + BN, kvh, :], Vs)
+                T.gemm(P, Vs, Acc, policy=T.GemmWarpPolicy.FullRow)
         # one reciprocal a row, then multiplies: a division an element was IEEE fdiv with its slow
         # path, some 10% of a 16 x 1024 causal call's warp samples (Nsight Compute, H100)
         for i in T.Parallel(BM):
             resc[i] = T.float32(1) / lsum[i]
         for i, d in T.Parallel(BM, D):
-            # (lsum != 0, not > 0: a NaN input gives NaN rows, a row that saw no key zeros; see _c.
-            # t1 > t0 first: TileLang's warp specialisation moves the fills above into the consumers'
-            # branch of the tiles' `if`, so a block that walks no tile never set lsum, m or Acc)
-            Acc[i, d] = T.if_then_else(T.And(t1 > t0, lsum[i] != 0), Acc[i, d] * resc[i], T.float32(0))
+            # (lsum != 0, not > 0: a NaN input gives NaN rows, a row that saw no key zeros; see _c)
+            Acc[i, d] = T.if_then_else(lsum[i] != 0, Acc[i, d] * resc[i], T.float32(0))
         T.copy(Acc, Os)
         if spec.varlen:
             # rows past the sequence belong to the next packed one: written element by element, guarded
@@ -717,8 +715,7 @@ def _cuda(spec: AttnKernelSpec):
                 if m0 + i < sq:
                     LSE[T.cast(bz, "int64") * lsb + T.cast(h, "int64") * lsh
                         + T.cast(q0 + m0 + i, "int64")] = T.if_then_else(
-                        T.And(t1 > t0, lsum[i] != 0), (m[i] + T.log2(lsum[i])) * T.float32(_LN2),
-                        -T.infinity(acc_t))
+                        lsum[i] != 0, (m[i] + T.log2(lsum[i])) * T.float32(_LN2), -T.infinity(acc_t))
 
     @T.macro
     def body(Q, K, V, O, LSE, CUQ, CUK, ERR, tag, batch, nb, sq, sk, tiles, lsb, lsh, has_lse, scale_bits, cap_bits,
