@@ -65,6 +65,7 @@ for varlen calls (no host synchronisation for the max length), ``W`` 0 without a
 from dataclasses import dataclass
 from typing import Any
 
+from .attention import EX2_SOURCE
 from .storage import load_f32, storage_dtype, to_storage
 
 #: ``tilelang.language``, imported when a kernel is first built (:func:`_tl`)
@@ -563,6 +564,52 @@ def _p_ds(spec: AttnBwdKernelSpec, qk, dp, lse, delta, i, j, sq, sk, W, scale, s
     return p, (ds * dcap if spec.softcap else ds)
 
 
+def _cut(spec: AttnBwdKernelSpec, m0, BM, n0, BN, sq, sk, W):
+    """Whether some query of rows ``m0 .. m0 + BM - 1`` does not see some key of ``n0 .. n0 + BN - 1`` (or
+    either lies past its sequence): only such a tile is masked element by element (:func:`_probs`)."""
+    off = sk - sq
+    cut = T.Or(m0 + BM > sq, n0 + BN > sk)
+    if spec.causal:
+        cut = T.Or(cut, n0 + BN - 1 > m0 + off)
+    if spec.window:
+        cut = T.Or(cut, n0 <= m0 + BM - 1 + off - W)
+    return cut
+
+
+def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with_p: bool):
+    """The CUDA schedule's p and ds of a tile without a softcap, as a macro: the products ``qk`` (then p,
+    fp32, in place) and ``dp`` over ``rows x cols`` fragments (``transposed``: keys by queries, dk/dv's),
+    into ``p_t`` (``with_p``: dk/dv's; dq's takes ds alone) and ``ds_t`` in the dtype. ``p = exp2(qk scale log2(e) - lse log2(e))``, one FFMA and
+    ``ex2.approx.ftz`` an element, computed once (written as :func:`_p_ds`'s expression, each of p and
+    ds evaluated it: two exp2 an element); hidden pairs get p = 0 in a branch of their own, taken by
+    the tiles a mask or an end cuts (:func:`_cut`): a select an element compiled to a branch an element
+    (the forward's, a third of its warp samples on the H100)."""
+    dt = spec.dtype
+
+    @T.macro
+    def probs(qk, dp, p_t, ds_t, lse_s, dl_s, m0, n0, Sq, Sk, W, scale):
+        # (Sq, Sk, W, scale: the kernel's own names; a dense call hands it its extents, and a macro's
+        # parameter renames the variable it is given: the launcher then missed 'Sq', tests/test_attn_fwd.py)
+        unit = scale * T.float32(_LOG2E)
+        if _cut(spec, m0, cols if transposed else rows, n0, rows if transposed else cols, Sq, Sk, W):
+            for a, c in T.Parallel(rows, cols):
+                i, j = (m0 + c, n0 + a) if transposed else (m0 + a, n0 + c)
+                r = c if transposed else a
+                qk[a, c] = T.if_then_else(_visible(spec, i, j, Sq, Sk, W), T.call_extern(
+                    "float32", "tileops_ex2", qk[a, c] * unit - lse_s[r] * T.float32(_LOG2E)), T.float32(0))
+        else:
+            for a, c in T.Parallel(rows, cols):
+                r = c if transposed else a
+                qk[a, c] = T.call_extern("float32", "tileops_ex2", qk[a, c] * unit - lse_s[r] * T.float32(_LOG2E))
+        for a, c in T.Parallel(rows, cols):
+            r = c if transposed else a
+            if with_p:
+                p_t[a, c] = T.cast(qk[a, c], dt)
+            ds_t[a, c] = T.cast(qk[a, c] * (dp[a, c] - dl_s[r]) * scale, dt)
+
+    return probs
+
+
 def _q_tile(spec: AttnBwdKernelSpec):
     """The CUDA schedule's load of a q tile (both programs): a macro that copies rows ``m0 .. m0 + BM``
     of q head ``h`` of batch ``b`` from Q and dO into ``Q_s``, ``G_s`` and their lse and delta into
@@ -590,12 +637,14 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
     NS = spec.tile("stages")
     FULL = T.GemmWarpPolicy.FullRow
     load_q = _q_tile(spec)
+    probs = _probs(spec, BN, BM, transposed=True, with_p=True)
     via_shared = spec.tile("ds_shared") == 2
 
     @T.macro
     def body(Q, K, V, DO, LSE, DELTA, DK, DV, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss,
              ksh, vsb, vss, vsh, dosb, doss, dosh, lsb, lsh, dksb, dkss, dksh, dvsb, dvss, dvsh):
         with T.Kernel(T.ceildiv(Sk, BN), Hkv, B, threads=spec.threads) as (nb, hk, b):
+            T.import_source(EX2_SOURCE)
             q, k = _Seq(spec, CUQ, b, Sq), _Seq(spec, CUK, b, Sk)
             K_s = T.alloc_shared((BN, D), dt)
             V_s = T.alloc_shared((BN, D), dt)
@@ -632,11 +681,14 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
                     T.gemm(K_s, Q_s, sT, transpose_B=True, policy=FULL)
                     T.clear(dpT)
                     T.gemm(V_s, G_s, dpT, transpose_B=True, policy=FULL)
-                    for jj, r in T.Parallel(BN, BM):
-                        p, ds = _p_ds(spec, sT[jj, r], dpT[jj, r], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len, k.len,
-                                      W, scale, softcap)
-                        pT[jj, r] = T.cast(p, dt)
-                        dsT[jj, r] = T.cast(ds, dt)
+                    if spec.softcap:
+                        for jj, r in T.Parallel(BN, BM):
+                            p, ds = _p_ds(spec, sT[jj, r], dpT[jj, r], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len,
+                                          k.len, W, scale, softcap)
+                            pT[jj, r] = T.cast(p, dt)
+                            dsT[jj, r] = T.cast(ds, dt)
+                    else:
+                        probs(sT, dpT, pT, dsT, lse_s, dl_s, m0, n0, q.len, k.len, W, scale)
                     if via_shared:
                         T.copy(pT, pT_s)
                         T.copy(dsT, dsT_s)
@@ -658,12 +710,14 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
     NS = spec.tile("stages")
     FULL = T.GemmWarpPolicy.FullRow
     load_q = _q_tile(spec)
+    probs = _probs(spec, BM, BN, transposed=False, with_p=False)
     via_shared = spec.tile("ds_shared") == 2
 
     @T.macro
     def body(Q, K, V, DO, LSE, DELTA, DQ, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss, ksh,
              vsb, vss, vsh, dosb, doss, dosh, lsb, lsh, dqsb, dqss, dqsh):
         with T.Kernel(T.ceildiv(Sq, BM), Hkv * G, B, threads=spec.threads) as (mb, h, b):
+            T.import_source(EX2_SOURCE)
             q, k = _Seq(spec, CUQ, b, Sq), _Seq(spec, CUK, b, Sk)
             hk = T.truncdiv(h, G)
             Q_s = T.alloc_shared((BM, D), dt)
@@ -693,10 +747,13 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
                     T.gemm(Q_s, K_s, s_f, transpose_B=True, policy=FULL)
                     T.clear(dp)
                     T.gemm(G_s, V_s, dp, transpose_B=True, policy=FULL)
-                    for r, jj in T.Parallel(BM, BN):
-                        _, ds = _p_ds(spec, s_f[r, jj], dp[r, jj], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len, k.len,
-                                      W, scale, softcap)
-                        ds_f[r, jj] = T.cast(ds, dt)
+                    if spec.softcap:
+                        for r, jj in T.Parallel(BM, BN):
+                            _, ds = _p_ds(spec, s_f[r, jj], dp[r, jj], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len,
+                                          k.len, W, scale, softcap)
+                            ds_f[r, jj] = T.cast(ds, dt)
+                    else:
+                        probs(s_f, dp, None, ds_f, lse_s, dl_s, m0, n0, q.len, k.len, W, scale)
                     if via_shared:
                         T.copy(ds_f, ds_s)
                         T.gemm(ds_s, K_s, dq, policy=FULL)
