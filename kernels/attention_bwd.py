@@ -579,11 +579,13 @@ def _cut(spec: AttnBwdKernelSpec, m0, BM, n0, BN, sq, sk, W):
 def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with_p: bool):
     """The CUDA schedule's p and ds of a tile without a softcap, as a macro: the products ``qk`` (then p,
     fp32, in place) and ``dp`` over ``rows x cols`` fragments (``transposed``: keys by queries, dk/dv's),
-    into ``p_t`` (``with_p``: dk/dv's; dq's takes ds alone) and ``ds_t`` in the dtype. ``p = exp2(qk scale log2(e) - lse log2(e))``, one FFMA and
-    ``ex2.approx.ftz`` an element, computed once (written as :func:`_p_ds`'s expression, each of p and
-    ds evaluated it: two exp2 an element); hidden pairs get p = 0 in a branch of their own, taken by
-    the tiles a mask or an end cuts (:func:`_cut`): a select an element compiled to a branch an element
-    (the forward's, a third of its warp samples on the H100)."""
+    into ``p_t`` (``with_p``: dk/dv's; dq's takes ds alone) and ``ds_t`` in the dtype.
+
+    ``p = exp2(qk scale log2(e) - lse log2(e))``, one FFMA and ``ex2.approx.ftz`` an element, computed
+    once (written as :func:`_p_ds`'s expression, each of p and ds evaluated it: two exp2 an element).
+    Hidden pairs get p = 0 in a branch of their own, taken by the tiles a mask or an end cuts
+    (:func:`_cut`): a select an element compiled to a branch an element (the forward's, a third of its
+    warp samples on the H100). 1.8-2.0x the backward on the H200's causal rows (benchmarks/NOTES.md)."""
     dt = spec.dtype
 
     @T.macro

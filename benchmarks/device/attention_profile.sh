@@ -1,5 +1,5 @@
 # Where the attention forward's time goes, for the rows that lose most to cuDNN (short causal
-# sequences, 0.36x at 16 x 1024 on the H100, 2026-12-05):
+# sequences: 0.36x at 16 x 1024 on the H100, 0.79x since the fixes this found, 2026-12-05):
 #   bash .devsite/gpu.sh bash benchmarks/device/attention_profile.sh
 # 1. benchmarks.attention_cost: a block's fixed cost and its cost per K/V tile, fitted, for pipelines 2
 #    and 4 (and 4 at 176-key tiles) beside cuDNN's; 2. Nsight Compute on one call of the default
