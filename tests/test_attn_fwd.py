@@ -342,8 +342,6 @@ def test_varlen_loads_no_value_past_its_sequence(arch):
     the next packed sequence's values, whose NaN or Inf the exact-0 weight would still carry (0 x NaN);
     ``tests/test_attn_fwd_cuda.py`` checks the outputs. The dense kernel's bound is the buffer's end."""
     pytest.importorskip("tilelang")
-    import re
-
     from tileops.compile.build import emit_source
     from tileops.kernels import get_spec
 
@@ -437,8 +435,8 @@ def test_wgmmas_stay_asynchronous_in_ptxas(case):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "C751" not in out.stderr, out.stderr[-2000:]  # C7510-C7515: wgmma serialised
-    assert "spill stores" in out.stderr and " 0 bytes spill stores" in out.stderr, out.stderr[-2000:]
-    assert not re.search(r"[1-9]\d* bytes spill stores", out.stderr), out.stderr[-2000:]
+    spills = re.findall(r"(\d+) bytes spill stores", out.stderr)  # a line a function
+    assert spills and set(spills) == {"0"}, out.stderr[-2000:]
 
 
 def _no_kernel(op):

@@ -98,11 +98,12 @@ def test_masks_gqa_bf16(causal, window, sq, sk):
 
 
 def test_blocks_that_walk_no_tile_write_zeros():
-    """Causal, seq_q 2048 against 64 keys: 15 of each head's 16 row tiles sit above the diagonal and walk
-    no K/V tile, so their rows are zeros and their lse -inf. On sm_90 such a block's output tile is staged
-    in the shared memory of its Q tile, whose TMA load is waited for in the first tile's iteration: once
-    the epilogue got fast, the unwaited load landed over the staged zeros and Q's values came out (seen
-    on the H100, 2026-12-05); the block now loads no Q."""
+    """Causal, seq_q 2048 against 64 keys: 15 of each head's 16 row tiles sit above the diagonal and see
+    no key, so their rows are zeros and their lse -inf. Such a block walked no K/V tile. On sm_90 its
+    output tile is staged in the shared memory of its Q tile, whose TMA load is waited for in the
+    first tile's iteration: once the epilogue got fast, the unwaited load landed over the staged zeros
+    and Q's values came out (seen on the H100, 2026-12-05). Each block now walks at least one tile,
+    which such a block's masks hide whole (p = 0), so its Q load is waited for like any other's."""
     op = AttnFwdOp(8, 2, 128, causal=True)
     _check(op, *_inputs(37, (2, 2048, 8, 128), (2, 64, 2, 128), torch.bfloat16))
 
