@@ -3,6 +3,7 @@ backward, on the H200.
 
     python -m benchmarks.attention_bwd                  # the issue's rows, the default tiles
     python -m benchmarks.attention_bwd --configs        # and a sweep of tile shapes, each checked
+    python -m benchmarks.attention_bwd --configs "default,loads 1"   # some of them, side by side
     python -m benchmarks.attention_bwd --rows 0 --configs --quick   # one row, fewer samples
     python -m benchmarks.attention_bwd --dry            # anywhere: rows, configs and their specs
 
@@ -41,6 +42,8 @@ HQ, HKV, D = 32, 8, 128
 #: config -> spec fields over the defaults ("default": the H200 defaults of ``kernels/attention_bwd.py``)
 CONFIGS = {
     "default": {},
+    "loads 1": dict(loads=1),  # every thread loads, one stage: the dense programs before TMA, varlen's now
+    "loads 1 dkdv q64": dict(loads=1, dkdv_block_q=64),
     "dkdv q64": dict(dkdv_block_q=64),
     "dkdv kv64 q64": dict(dkdv_block_kv=64, dkdv_block_q=64, dkdv_threads=128),
     "dq q64 kv64 t128": dict(dq_block_q=64, dq_threads=128),
@@ -58,13 +61,14 @@ def flops(batch: int, seq: int, causal: bool) -> float:
 
 def specs(causal: bool, fields: dict) -> dict:
     """The three kernels' specs of a config: each kind takes its own knobs (``dkdv_*``, ``dq_*``) and
-    the shared ones (``stages``, ``ds_shared``), so that a config changing one program shares the other's compiled kernel."""
+    the shared ones (``stages``, ``ds_shared``, ``loads``; the prep ``loads`` alone), so that a config changing one
+    program shares the other's compiled kernel."""
     S = get_spec("attention_bwd")
 
     def own(kind):
-        return {k: v for k, v in fields.items() if k.startswith(kind + "_") or k in ("stages", "ds_shared")}
+        return {k: v for k, v in fields.items() if k.startswith(kind + "_") or k in ("stages", "ds_shared", "loads")}
 
-    return {"prep": S(kind="prep", head_dim=D, dtype="bfloat16"),
+    return {"prep": S(kind="prep", head_dim=D, dtype="bfloat16", **{k: v for k, v in fields.items() if k == "loads"}),
             "dkdv": S(kind="dkdv", head_dim=D, dtype="bfloat16", causal=causal, **own("dkdv")),
             "dq": S(kind="dq", head_dim=D, dtype="bfloat16", causal=causal, **own("dq"))}
 
@@ -80,6 +84,9 @@ class Ours:
         self.dq, self.dk, self.dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self.delta = torch.empty_like(lse)
         b, sq, hq, _ = q.shape
+        if kinds["dkdv"].tma:
+            self._tma(q, k, v, o, do, lse)
+            return
 
         def st(p, t):
             return {f"{p}s{n}": x // u for n, x in zip("bsh", t.stride()[:3])}
@@ -96,6 +103,32 @@ class Ours:
                                  **st("dv", self.dv))
         self.args["dq"] = dict(common, DQ=self.dq.data_ptr(), **st("dq", self.dq))
         self.bound = {n: self.k[n].bind(**a, **dict.fromkeys(self.k[n].extent_names, 0)) for n, a in self.args.items()}
+
+    def _tma(self, q, k, v, o, do, lse) -> None:
+        """The arguments of TMA programs (``loads`` 2): lse2 and delta in rows padded to ``dlh``, the
+        gradient programs' sizes and element strides as their tensors' extents (by name)."""
+        from tileops.kernels.attention_bwd import padded_rows
+
+        b, sq, hq, _ = q.shape
+        dlh = padded_rows(sq)
+        self.lse2 = torch.empty(b, hq, dlh, device=q.device)
+        self.delta = torch.empty(b, hq, dlh, device=q.device)
+
+        def st(p, t, u):
+            return {f"{p}s{n}": x // u for n, x in zip("bsh", t.stride()[:3])}
+
+        self.args = {"prep": dict(O=o.data_ptr(), DO=do.data_ptr(), LSE=lse.data_ptr(), LSE2=self.lse2.data_ptr(),
+                                  DELTA=self.delta.data_ptr(), CUQ=0, B=b, Hq=hq, Sq=sq, **st("o", o, 8),
+                                  **st("do", do, 8), lsb=lse.stride(0), lsh=lse.stride(1), dlh=dlh)}
+        common = dict(Q=q.data_ptr(), K=k.data_ptr(), V=v.data_ptr(), DO=do.data_ptr(), LSE2=self.lse2.data_ptr(),
+                      DELTA=self.delta.data_ptr(), G=hq // k.shape[2], W=0, scale=D ** -0.5, softcap=0.0, B=b, Sq=sq,
+                      Sk=k.shape[1], Hq=hq, Hkv=k.shape[2], dlb=hq * dlh, dlh=dlh, **st("q", q, 1), **st("k", k, 1),
+                      **st("v", v, 1), **st("do", do, 1))
+        self.args["dkdv"] = dict(common, DK=self.dk.data_ptr(), DV=self.dv.data_ptr(), **st("dk", self.dk, 1),
+                                 **st("dv", self.dv, 1))
+        self.args["dq"] = dict(common, DQ=self.dq.data_ptr(), **st("dq", self.dq, 1))
+        self.bound = {n: self.k[n].bind(**{**dict.fromkeys(self.k[n].extent_names, 0), **a})
+                      for n, a in self.args.items()}
 
     def run(self, *names: str) -> None:
         for n in names or ("prep", "dkdv", "dq"):
@@ -143,14 +176,22 @@ def time_us(fn, quick: bool) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", action="store_true", help="sweep CONFIGS, not only the default")
+    ap.add_argument("--configs", nargs="?", const="all", default="",
+                    help="sweep CONFIGS, not only the default (or NAME,NAME: those of them)")
     ap.add_argument("--rows", type=str, default="", help="comma-separated row indices (default: all)")
     ap.add_argument("--quick", action="store_true", help="fewer samples")
     ap.add_argument("--dry", action="store_true", help="print the rows, configs and specs; no GPU")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: one per CPU)")
     a = ap.parse_args()
     rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS
-    configs = CONFIGS if a.configs else {"default": {}}
+    if a.configs and a.configs != "all":
+        names = [n.strip() for n in a.configs.split(",")]
+        unknown = [n for n in names if n not in CONFIGS]
+        if unknown:
+            ap.error(f"--configs: {unknown} are not among {list(CONFIGS)}")
+        configs = {n: CONFIGS[n] for n in names}
+    else:
+        configs = CONFIGS if a.configs else {"default": {}}
     if a.dry:
         for label, b, s, c in rows:
             print(label, f"{flops(b, s, c) / 1e12:.2f} TFLOP")

@@ -72,7 +72,8 @@ from .storage import load_f32, storage_dtype, to_storage
 T: Any = None
 
 __all__ = ["AttnBwdKernelSpec", "build_attention_bwd", "build", "Spec", "STATIC", "PREP_ARGS", "DKDV_ARGS",
-           "DQ_ARGS", "HEAD_DIMS", "delta_numel"]
+           "DQ_ARGS", "PREP_TMA_ARGS", "DKDV_TMA_ARGS", "DQ_TMA_ARGS", "TMA_EXTENTS", "HEAD_DIMS", "delta_numel",
+           "padded_rows"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set; 0 takes the H200 default for the head
 #: dim (:data:`_DEFAULTS`). Every other field of :class:`AttnBwdKernelSpec` the op derives from the call.
@@ -87,6 +88,9 @@ STATIC = {
                      "default"),
     "ds_shared": (0, 2, "where p and ds meet the tensor cores: 1 registers (the A operand of wgmma/mma), 2 shared "
                         "memory; 0: the default (shared at head_dim 256) (CUDA)"),
+    "loads": (0, 2, "how the streamed tiles reach shared memory (CUDA): 1 every thread (cp.async, one stage), 2 TMA "
+                    "from a producer warpgroup TileLang adds on sm_90 (dense calls only); 0: the default (2 dense, "
+                    "1 varlen)"),
 }
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -136,6 +140,23 @@ DKDV_ARGS = (*_GRAD_IN, "DK", "DV", *_SCALARS, *_strides("Q", "K", "V", "DO"), "
 DQ_ARGS = (*_GRAD_IN, "DQ", *_SCALARS, *_strides("Q", "K", "V", "DO"), "lsb", "lsh", *_strides("DQ"))
 
 
+#: TMA programs (``loads`` 2): the prep's parameters (it reads the forward's lse by its strides and writes
+#: ``lse * log2(e)`` and delta padded, :func:`padded_rows`); the gradient programs' (their tensors' sizes
+#: and strides are the dynamic extents :data:`TMA_EXTENTS`)
+PREP_TMA_ARGS = ("O", "DO", "LSE", "LSE2", "DELTA", "CUQ", "B", "Hq", "Sq", *_strides("O", "DO"), "lsb", "lsh", "dlh")
+DKDV_TMA_ARGS = ("Q", "K", "V", "DO", "LSE2", "DELTA", "DK", "DV", "G", "W", "scale", "softcap")
+DQ_TMA_ARGS = ("Q", "K", "V", "DO", "LSE2", "DELTA", "DQ", "G", "W", "scale", "softcap")
+#: the TMA gradient programs' dynamic extents and strides (in elements), by name
+TMA_EXTENTS = ("B", "Sq", "Sk", "Hq", "Hkv", "dlb", "dlh", *_strides("Q", "K", "V", "DO", "DQ", "DK", "DV"))
+#: lse2 and delta rows are padded to a multiple of this many fp32 elements: 16 bytes, TMA's stride unit
+_PAD = 4
+
+
+def padded_rows(seq_q: int) -> int:
+    """``dlh``: the row stride of the padded ``[B, Hq, dlh]`` lse2 and delta of the TMA programs."""
+    return -(-seq_q // _PAD) * _PAD
+
+
 def delta_numel(batch: int, num_q_heads: int, seq_q: int, total_q: "int | None" = None) -> int:
     """Elements of the fp32 ``delta`` workspace: one per (q row, q head), laid out like lse."""
     return num_q_heads * total_q if total_q is not None else batch * num_q_heads * seq_q
@@ -161,6 +182,7 @@ class AttnBwdKernelSpec:
     dq_threads: int = 0
     stages: int = 0
     ds_shared: int = 0
+    loads: int = 0
 
     def __post_init__(self) -> None:
         for name, value, choices in (("kind", self.kind, _KINDS), ("dtype", self.dtype, _DTYPES),
@@ -184,10 +206,14 @@ class AttnBwdKernelSpec:
         for name in ("dkdv_threads", "dq_threads"):
             if self.backend == "cuda" and self.tile(name) % 128:
                 raise ValueError(f"{name}: expected a multiple of 128 (a warpgroup), got {self.tile(name)}")
-        if self.backend == "cuda" and self.stages > 1:
+        if self.loads == 2 and self.varlen:
+            raise ValueError("loads: 2 (TMA) addresses a dense [batch, seq, heads, head_dim] tensor; a varlen call's "
+                             "tiles cross its sequences' ends, where TMA would read the next sequence's rows: "
+                             "expected 1 or 0 (chosen), got 2")
+        if self.backend == "cuda" and self.stages > 1 and not self.tma:
             raise ValueError(f"stages: TileLang 0.1.15's cp.async pipeline at 2 or more stages reads its last tile "
-                             f"before the copy lands (see _DEFAULTS): expected 1 or 0 (the default, 1), got "
-                             f"{self.stages}")
+                             f"before the copy lands (see _DEFAULTS; loads 2, TMA, synchronises through mbarriers "
+                             f"and takes more): expected 1 or 0 (the default, 1), got {self.stages}")
         if self.ds_shared == 1 and self.split_by_columns:
             rows, threads = self.score_rows, self.threads
             raise ValueError(f"ds_shared: 1 (p and ds in registers) needs the {self.kind} program's {rows}-row tile "
@@ -202,8 +228,20 @@ class AttnBwdKernelSpec:
             return v
         if name == "ds_shared" and self.split_by_columns:
             return 2
+        if name == "loads":
+            return 2 if self.backend == "cuda" and not self.varlen else 1
+        if name == "stages" and self.tma:
+            return 2
         table = _C_DEFAULTS if self.backend == "c" else _DEFAULTS[self.head_dim]
         return table[tuple(STATIC).index(name)]
+
+    @property
+    def tma(self) -> bool:
+        """Whether this CUDA program's tiles come by TMA (``loads`` 2, dense calls): q, k, v, dO and the
+        gradients as 4-D strided tensors, lse and delta as the padded ``[B, Hq, dlh]`` rows ``prep``
+        writes (:func:`padded_rows`), the streamed tiles pipelined at ``stages`` (2 by default) through
+        the mbarriers of the producer warpgroup TileLang adds, as the forward's are."""
+        return self.backend == "cuda" and self.tile("loads") == 2
 
     @property
     def split_by_columns(self) -> bool:
@@ -253,7 +291,10 @@ class AttnBwdKernelSpec:
 
     @property
     def args(self) -> tuple[str, ...]:
-        """The generated function's parameter names, in order."""
+        """The generated function's parameter names, in order (TMA programs: then their tensors' dynamic
+        extents and strides, :data:`TMA_EXTENTS`, which the launcher passes by name)."""
+        if self.tma:
+            return {"prep": PREP_TMA_ARGS, "dkdv": DKDV_TMA_ARGS, "dq": DQ_TMA_ARGS}[self.kind]
         return {"prep": PREP_ARGS, "dkdv": DKDV_ARGS, "dq": DQ_ARGS}[self.kind]
 
 
@@ -392,8 +433,14 @@ def _prep(spec: AttnBwdKernelSpec):
                             acc[0] = acc[0] + load_f32(O, oo + d, st, dt) * load_f32(DO, go + d, st, dt)
                         DELTA[q.lse(i, h, lsb, lsh)] = acc[0]
     else:
+        def out_at(q, i, h, lsb, lsh, dlb, dlh):
+            # (a function, not a name rebound in the macro: binding lsb to another name renames the variable)
+            return q.lse(i, h, dlb, dlh) if spec.tma else q.lse(i, h, lsb, lsh)
+
         @T.macro
-        def body(O, DO, DELTA, CUQ, B, Hq, Sq, osb, oss, osh, dosb, doss, dosh, lsb, lsh):
+        def body(O, DO, DELTA, CUQ, B, Hq, Sq, osb, oss, osh, dosb, doss, dosh, lsb, lsh, LSE=None, LSE2=None, dlb=None,
+                 dlh=None):
+            # (TMA programs, spec.tma: delta and lse * log2(e) into the padded rows dlb, dlh; lse read by lsb, lsh)
             with T.Kernel(T.ceildiv(Sq, BP), Hq, B, threads=spec.threads) as (mb, h, b):
                 q = _Seq(spec, CUQ, b, Sq)
                 prod = T.alloc_fragment((BP, DP), "float32")
@@ -414,7 +461,28 @@ def _prep(spec: AttnBwdKernelSpec):
                     T.reduce_sum(prod, dl, dim=1)  # a fixed tree: deterministic
                     for r in T.Parallel(BP):
                         if mb * BP + r < q.len:
-                            DELTA[q.lse(mb * BP + r, h, lsb, lsh)] = dl[r]
+                            DELTA[out_at(q, mb * BP + r, h, lsb, lsh, dlb, dlh)] = dl[r]
+                    if spec.tma:
+                        for r in T.Parallel(BP):
+                            if mb * BP + r < q.len:
+                                LSE2[q.lse(mb * BP + r, h, dlb, dlh)] = (LSE[q.lse(mb * BP + r, h, lsb, lsh)]
+                                                                         * T.float32(_LOG2E))
+
+    if spec.tma:
+        # the TMA programs' prep (dense): delta, and lse * log2(e) from the forward's lse (its own strides),
+        # into rows padded to dlh (padded_rows: a multiple of 4): the gradient programs load both by TMA, whose
+        # strides are multiples of 16 bytes (lse's rows are Sq long), and take p as exp2(qk unit - lse2)
+        tsig = _sig(spec, ("O", "DO", "LSE", "LSE2", "DELTA", "CUQ"))
+
+        @T.prim_func
+        def attn_bwd_prep_tma(O: tsig["O"], DO: tsig["DO"], LSE: tsig["LSE"], LSE2: tsig["LSE2"],
+                              DELTA: tsig["DELTA"], CUQ: tsig["CUQ"], B: T.int32, Hq: T.int32, Sq: T.int32,
+                              osb: T.int64, oss: T.int64, osh: T.int64, dosb: T.int64, doss: T.int64, dosh: T.int64,
+                              lsb: T.int64, lsh: T.int64, dlh: T.int64):
+            body(O, DO, DELTA, CUQ, B, Hq, Sq, osb, oss, osh, dosb, doss, dosh, lsb, lsh, LSE, LSE2, _i64(Hq) * dlh,
+                 dlh)
+
+        return attn_bwd_prep_tma
 
     @T.prim_func
     def attn_bwd_prep(O: sig["O"], DO: sig["DO"], DELTA: sig["DELTA"], CUQ: sig["CUQ"], B: T.int32, Hq: T.int32,
@@ -552,14 +620,15 @@ def _last(i, n):
     return T.min(i, n - 1)
 
 
-def _p_ds(spec: AttnBwdKernelSpec, qk, dp, lse, delta, i, j, sq, sk, W, scale, softcap):
+def _p_ds(spec: AttnBwdKernelSpec, qk, dp, lse, delta, i, j, sq, sk, W, scale, softcap, base2: bool = False):
     """The CUDA schedule's (p, ds) of query ``i`` and key ``j`` from their tile products ``qk = q.k`` and
     ``dp = dO.v``: ``p = exp(s - lse)`` through ``exp2`` (0 where j is hidden: a select, so a row of
     lse -inf never makes a NaN), ``ds = scale * p * (dp - delta)``, times ``1 - t^2`` with a softcap
-    (the scale folded in here, so that dk and dq are the plain tile products ``ds^T q``, ``ds k``)."""
+    (the scale folded in here, so that dk and dq are the plain tile products ``ds^T q``, ``ds k``).
+    ``base2``: ``lse`` is ``lse * log2(e)`` already (the TMA programs')."""
     s, dcap = _score(spec, qk, scale, softcap)
     p = T.if_then_else(_visible(spec, i, j, sq, sk, W),
-                       T.exp2(s * T.float32(_LOG2E) - lse * T.float32(_LOG2E)), T.float32(0))
+                       T.exp2(s * T.float32(_LOG2E) - (lse if base2 else lse * T.float32(_LOG2E))), T.float32(0))
     ds = p * (dp - delta) * scale
     return p, (ds * dcap if spec.softcap else ds)
 
@@ -576,7 +645,7 @@ def _cut(spec: AttnBwdKernelSpec, m0, BM, n0, BN, sq, sk, W):
     return cut
 
 
-def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with_p: bool):
+def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with_p: bool, base2: bool = False):
     """The CUDA schedule's p and ds of a tile without a softcap, as a macro: the products ``qk`` (then p,
     fp32, in place) and ``dp`` over ``rows x cols`` fragments (``transposed``: keys by queries, dk/dv's),
     into ``p_t`` (``with_p``: dk/dv's; dq's takes ds alone) and ``ds_t`` in the dtype.
@@ -585,8 +654,13 @@ def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with
     once (written as :func:`_p_ds`'s expression, each of p and ds evaluated it: two exp2 an element).
     Hidden pairs get p = 0 in a branch of their own, taken by the tiles a mask or an end cuts
     (:func:`_cut`): a select an element compiled to a branch an element (the forward's, a third of its
-    warp samples on the H100). 1.8-2.0x the backward on the H200's causal rows (benchmarks/NOTES.md)."""
+    warp samples on the H100). 1.8-2.0x the backward on the H200's causal rows (benchmarks/NOTES.md).
+    ``base2``: ``lse_s`` holds ``lse * log2(e)`` already (the TMA programs' lse2)."""
     dt = spec.dtype
+    to2 = 1.0 if base2 else _LOG2E
+
+    def lse2(x):
+        return x if base2 else x * T.float32(to2)
 
     @T.macro
     def probs(qk, dp, p_t, ds_t, lse_s, dl_s, m0, n0, Sq, Sk, W, scale):
@@ -598,11 +672,11 @@ def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with
                 i, j = (m0 + c, n0 + a) if transposed else (m0 + a, n0 + c)
                 r = c if transposed else a
                 qk[a, c] = T.if_then_else(_visible(spec, i, j, Sq, Sk, W), T.call_extern(
-                    "float32", "tileops_ex2", qk[a, c] * unit - lse_s[r] * T.float32(_LOG2E)), T.float32(0))
+                    "float32", "tileops_ex2", qk[a, c] * unit - lse2(lse_s[r])), T.float32(0))
         else:
             for a, c in T.Parallel(rows, cols):
                 r = c if transposed else a
-                qk[a, c] = T.call_extern("float32", "tileops_ex2", qk[a, c] * unit - lse_s[r] * T.float32(_LOG2E))
+                qk[a, c] = T.call_extern("float32", "tileops_ex2", qk[a, c] * unit - lse2(lse_s[r]))
         for a, c in T.Parallel(rows, cols):
             r = c if transposed else a
             if with_p:
@@ -634,12 +708,75 @@ def _q_tile(spec: AttnBwdKernelSpec):
     return load_q
 
 
+def _dkdv_step(spec: AttnBwdKernelSpec, base2: bool):
+    """One q tile of the CUDA dk/dv program (both loads): ``sT = K Q^T``, ``dpT = V dO^T``, their p and ds,
+    then ``dV += pT dO`` and ``dK += dsT Q``, as a macro (its parameters carry the kernel's own names)."""
+    BN, BM, dt = spec.block_kv, spec.block_q, spec.dtype
+    FULL = T.GemmWarpPolicy.FullRow
+    probs = _probs(spec, BN, BM, transposed=True, with_p=True, base2=base2)
+    via_shared = spec.tile("ds_shared") == 2
+
+    @T.macro
+    def step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, m0, n0, Sq, Sk, W, scale, softcap):
+        T.clear(sT)
+        T.gemm(K_s, Q_s, sT, transpose_B=True, policy=FULL)
+        T.clear(dpT)
+        T.gemm(V_s, G_s, dpT, transpose_B=True, policy=FULL)
+        if spec.softcap:
+            for jj, r in T.Parallel(BN, BM):
+                p, ds = _p_ds(spec, sT[jj, r], dpT[jj, r], lse_s[r], dl_s[r], m0 + r, n0 + jj, Sq, Sk, W, scale,
+                              softcap, base2=base2)
+                pT[jj, r] = T.cast(p, dt)
+                dsT[jj, r] = T.cast(ds, dt)
+        else:
+            probs(sT, dpT, pT, dsT, lse_s, dl_s, m0, n0, Sq, Sk, W, scale)
+        if via_shared:
+            T.copy(pT, pT_s)
+            T.copy(dsT, dsT_s)
+            T.gemm(pT_s, G_s, dv, policy=FULL)
+            T.gemm(dsT_s, Q_s, dk, policy=FULL)
+        else:
+            T.gemm(pT, G_s, dv, policy=FULL)
+            T.gemm(dsT, Q_s, dk, policy=FULL)
+
+    return step
+
+
+def _dq_step(spec: AttnBwdKernelSpec, base2: bool):
+    """One K/V tile of the CUDA dq program (both loads): ``s = Q K^T``, ``dp = dO V^T``, ds, then
+    ``dQ += ds K``, as a macro (its parameters carry the kernel's own names)."""
+    BN, BM, dt = spec.block_kv, spec.block_q, spec.dtype
+    FULL = T.GemmWarpPolicy.FullRow
+    probs = _probs(spec, BM, BN, transposed=False, with_p=False, base2=base2)
+    via_shared = spec.tile("ds_shared") == 2
+
+    @T.macro
+    def step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, m0, n0, Sq, Sk, W, scale, softcap):
+        T.clear(s_f)
+        T.gemm(Q_s, K_s, s_f, transpose_B=True, policy=FULL)
+        T.clear(dp)
+        T.gemm(G_s, V_s, dp, transpose_B=True, policy=FULL)
+        if spec.softcap:
+            for r, jj in T.Parallel(BM, BN):
+                _, ds = _p_ds(spec, s_f[r, jj], dp[r, jj], lse_s[r], dl_s[r], m0 + r, n0 + jj, Sq, Sk, W, scale,
+                              softcap, base2=base2)
+                ds_f[r, jj] = T.cast(ds, dt)
+        else:
+            probs(s_f, dp, None, ds_f, lse_s, dl_s, m0, n0, Sq, Sk, W, scale)
+        if via_shared:
+            T.copy(ds_f, ds_s)
+            T.gemm(ds_s, K_s, dq, policy=FULL)
+        else:
+            T.gemm(ds_f, K_s, dq, policy=FULL)
+
+    return step
+
+
 def _dkdv_cuda(spec: AttnBwdKernelSpec):
     D, BN, BM, dt, U = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype, _VEC
     NS = spec.tile("stages")
-    FULL = T.GemmWarpPolicy.FullRow
     load_q = _q_tile(spec)
-    probs = _probs(spec, BN, BM, transposed=True, with_p=True)
+    step = _dkdv_step(spec, base2=False)
     via_shared = spec.tile("ds_shared") == 2
 
     @T.macro
@@ -679,26 +816,8 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
                     m0 = (first + T.truncmod(n - first * G, nq)) * BM
                     load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh,
                            lsb, lsh)
-                    T.clear(sT)
-                    T.gemm(K_s, Q_s, sT, transpose_B=True, policy=FULL)
-                    T.clear(dpT)
-                    T.gemm(V_s, G_s, dpT, transpose_B=True, policy=FULL)
-                    if spec.softcap:
-                        for jj, r in T.Parallel(BN, BM):
-                            p, ds = _p_ds(spec, sT[jj, r], dpT[jj, r], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len,
-                                          k.len, W, scale, softcap)
-                            pT[jj, r] = T.cast(p, dt)
-                            dsT[jj, r] = T.cast(ds, dt)
-                    else:
-                        probs(sT, dpT, pT, dsT, lse_s, dl_s, m0, n0, q.len, k.len, W, scale)
-                    if via_shared:
-                        T.copy(pT, pT_s)
-                        T.copy(dsT, dsT_s)
-                        T.gemm(pT_s, G_s, dv, policy=FULL)
-                        T.gemm(dsT_s, Q_s, dk, policy=FULL)
-                    else:
-                        T.gemm(pT, G_s, dv, policy=FULL)
-                        T.gemm(dsT, Q_s, dk, policy=FULL)
+                    step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, m0, n0, q.len, k.len, W,
+                         scale, softcap)
                 for jj, d in T.Parallel(BN, D):
                     if n0 + jj < k.len:
                         DK[k.row(n0 + jj, hk, dksb, dkss, dksh, U) + d] = T.cast(dk[jj, d], dt)
@@ -710,9 +829,8 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
 def _dq_cuda(spec: AttnBwdKernelSpec):
     D, BN, BM, dt, U = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype, _VEC
     NS = spec.tile("stages")
-    FULL = T.GemmWarpPolicy.FullRow
     load_q = _q_tile(spec)
-    probs = _probs(spec, BM, BN, transposed=False, with_p=False)
+    step = _dq_step(spec, base2=False)
     via_shared = spec.tile("ds_shared") == 2
 
     @T.macro
@@ -745,22 +863,8 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
                         K_s[jj, d] = K[k.row(_last(n0 + jj, k.len), hk, ksb, kss, ksh, U) + d]
                     for jj, d in T.Parallel(BN, D):
                         V_s[jj, d] = V[k.row(_last(n0 + jj, k.len), hk, vsb, vss, vsh, U) + d]
-                    T.clear(s_f)
-                    T.gemm(Q_s, K_s, s_f, transpose_B=True, policy=FULL)
-                    T.clear(dp)
-                    T.gemm(G_s, V_s, dp, transpose_B=True, policy=FULL)
-                    if spec.softcap:
-                        for r, jj in T.Parallel(BM, BN):
-                            _, ds = _p_ds(spec, s_f[r, jj], dp[r, jj], lse_s[r], dl_s[r], m0 + r, n0 + jj, q.len,
-                                          k.len, W, scale, softcap)
-                            ds_f[r, jj] = T.cast(ds, dt)
-                    else:
-                        probs(s_f, dp, None, ds_f, lse_s, dl_s, m0, n0, q.len, k.len, W, scale)
-                    if via_shared:
-                        T.copy(ds_f, ds_s)
-                        T.gemm(ds_s, K_s, dq, policy=FULL)
-                    else:
-                        T.gemm(ds_f, K_s, dq, policy=FULL)
+                    step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, m0, n0, q.len, k.len, W, scale,
+                         softcap)
                 for r, d in T.Parallel(BM, D):
                     if m0 + r < q.len:
                         DQ[q.row(m0 + r, h, dqsb, dqss, dqsh, U) + d] = T.cast(dq[r, d], dt)
@@ -768,7 +872,145 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
     return body
 
 
+# ------------------------------------------------------------------- TMA programs (loads 2, dense)
+def _tma_sig(spec: AttnBwdKernelSpec, names: tuple[str, ...]) -> dict[str, Any]:
+    """4-D strided tensors ``[B, S, H, D]`` (head_dim contiguous) with dynamic extents and strides named
+    as :data:`TMA_EXTENTS`, and lse2/delta ``[B, Hq, Sq]`` over rows padded to ``dlh``: TileLang builds
+    their TMA descriptors on the host from these (strides in elements, multiples of 16 bytes: the
+    host's fit checks q, k, v, dO and the gradients; :func:`padded_rows` lse2's and delta's, ``dlb =
+    Hq * dlh``, ``dlh = padded_rows(Sq)``)."""
+    D, dt = spec.head_dim, spec.dtype
+    B, Sq, Sk, Hq, Hkv = T.dynamic("B, Sq, Sk, Hq, Hkv", "int32")
+    dlb, dlh = T.dynamic("dlb, dlh", "int64")
+    rows = {"Q": (Sq, Hq), "DO": (Sq, Hq), "DQ": (Sq, Hq), "K": (Sk, Hkv), "V": (Sk, Hkv), "DK": (Sk, Hkv),
+            "DV": (Sk, Hkv)}
+    out = {}
+    for n in names:
+        if n in ("LSE2", "DELTA"):
+            out[n] = T.StridedTensor((B, Hq, Sq), (dlb, dlh, 1), "float32")
+        else:
+            sb, ss, sh = T.dynamic(", ".join(_strides(n)), "int64")
+            out[n] = T.StridedTensor((B, *rows[n][:1], rows[n][1], D), (sb, ss, sh, 1), dt)
+    return out
+
+
+def _dkdv_tma(spec: AttnBwdKernelSpec):
+    """The dk/dv program of a dense call with its tiles by TMA: :func:`_dkdv_cuda`'s math, the Q, dO, lse2
+    and delta tiles of each step streamed by the producer warpgroup TileLang adds (``stages`` buffers,
+    mbarriers), K and V loaded once. Rows past the sequences come as zeros (TMA's bounds), which the
+    masks then hide; dk and dv are stored a tile at once (TMA drops the rows past ``Sk``)."""
+    D, BN, BM, dt = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype
+    NS = spec.tile("stages")
+    step = _dkdv_step(spec, base2=True)
+    via_shared = spec.tile("ds_shared") == 2
+    sig = _tma_sig(spec, ("Q", "K", "V", "DO", "LSE2", "DELTA", "DK", "DV"))
+
+    @T.prim_func
+    def attn_bwd_dkdv_tma(Q: sig["Q"], K: sig["K"], V: sig["V"], DO: sig["DO"], LSE2: sig["LSE2"],
+                          DELTA: sig["DELTA"], DK: sig["DK"], DV: sig["DV"], G: T.int32, W: T.int32,
+                          scale: T.float32, softcap: T.float32):
+        B, Sk, Hkv = K.shape[0], K.shape[1], K.shape[2]
+        Sq = Q.shape[1]
+        with T.Kernel(T.ceildiv(Sk, BN), Hkv, B, threads=spec.threads) as (nb, hk, b):
+            T.import_source(EX2_SOURCE)
+            K_s = T.alloc_shared((BN, D), dt)
+            V_s = T.alloc_shared((BN, D), dt)
+            Q_s = T.alloc_shared((BM, D), dt)
+            G_s = T.alloc_shared((BM, D), dt)  # dO
+            lse_s = T.alloc_shared((BM,), "float32")
+            dl_s = T.alloc_shared((BM,), "float32")
+            sT = T.alloc_fragment((BN, BM), "float32")
+            dpT = T.alloc_fragment((BN, BM), "float32")
+            pT = T.alloc_fragment((BN, BM), dt)
+            dsT = T.alloc_fragment((BN, BM), dt)
+            dk = T.alloc_fragment((BN, D), "float32")
+            dv = T.alloc_fragment((BN, D), "float32")
+            pT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
+            dsT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
+            dK_s = T.alloc_shared((BN, D), dt)
+            dV_s = T.alloc_shared((BN, D), dt)
+            n0 = nb * BN
+            T.copy(K[b, n0:n0 + BN, hk, :], K_s)
+            T.copy(V[b, n0:n0 + BN, hk, :], V_s)
+            T.clear(dk)
+            T.clear(dv)
+            first, nq = _q_blocks(spec, n0, BN, BM, Sq, Sk, W)
+            # At least one step, as the forward's blocks walk one tile: a program whose keys no query sees
+            # (a window past them) would otherwise never wait on its K/V loads, and TileLang may stage dK/dV
+            # in their shared memory (the forward's race, benchmarks/NOTES.md). That step's tile is past the
+            # queries or hidden whole, so cut (_cut) and masked to zeros. Its (head, q block) from
+            # max(nq, 1): the loop's bounds and every TMA coordinate are expressions of the arguments and
+            # the loop variable, never a register (the producer warpgroup gets none written before the loop)
+            nq1 = T.max(nq, 1)
+            for n in T.Pipelined(first * G, first * G + T.max(nq * G, 1), num_stages=NS):
+                h = hk * G + T.truncdiv(n - first * G, nq1)
+                m0 = (first + T.truncmod(n - first * G, nq1)) * BM
+                T.copy(Q[b, m0:m0 + BM, h, :], Q_s)
+                T.copy(DO[b, m0:m0 + BM, h, :], G_s)
+                T.copy(LSE2[b, h, m0:m0 + BM], lse_s)
+                T.copy(DELTA[b, h, m0:m0 + BM], dl_s)
+                step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, m0, n0, Sq, Sk, W, scale,
+                     softcap)
+            T.copy(dk, dK_s)
+            T.copy(dv, dV_s)
+            T.copy(dK_s, DK[b, n0:n0 + BN, hk, :])
+            T.copy(dV_s, DV[b, n0:n0 + BN, hk, :])
+
+    return attn_bwd_dkdv_tma
+
+
+def _dq_tma(spec: AttnBwdKernelSpec):
+    """The dq program of a dense call with its tiles by TMA: :func:`_dq_cuda`'s math, Q, dO, lse2 and
+    delta loaded once, the K and V tiles streamed by the producer warpgroup (``stages`` buffers)."""
+    D, BN, BM, dt = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype
+    NS = spec.tile("stages")
+    step = _dq_step(spec, base2=True)
+    via_shared = spec.tile("ds_shared") == 2
+    sig = _tma_sig(spec, ("Q", "K", "V", "DO", "LSE2", "DELTA", "DQ"))
+
+    @T.prim_func
+    def attn_bwd_dq_tma(Q: sig["Q"], K: sig["K"], V: sig["V"], DO: sig["DO"], LSE2: sig["LSE2"],
+                        DELTA: sig["DELTA"], DQ: sig["DQ"], G: T.int32, W: T.int32, scale: T.float32,
+                        softcap: T.float32):
+        B, Sq, Hq = Q.shape[0], Q.shape[1], Q.shape[2]
+        Sk = K.shape[1]
+        with T.Kernel(T.ceildiv(Sq, BM), Hq, B, threads=spec.threads) as (mb, h, b):
+            T.import_source(EX2_SOURCE)
+            hk = h // G
+            Q_s = T.alloc_shared((BM, D), dt)
+            G_s = T.alloc_shared((BM, D), dt)  # dO
+            K_s = T.alloc_shared((BN, D), dt)
+            V_s = T.alloc_shared((BN, D), dt)
+            lse_s = T.alloc_shared((BM,), "float32")
+            dl_s = T.alloc_shared((BM,), "float32")
+            s_f = T.alloc_fragment((BM, BN), "float32")
+            dp = T.alloc_fragment((BM, BN), "float32")
+            ds_f = T.alloc_fragment((BM, BN), dt)
+            dq = T.alloc_fragment((BM, D), "float32")
+            ds_s = T.alloc_shared((BM, BN), dt) if via_shared else None
+            dQ_s = T.alloc_shared((BM, D), dt)
+            m0 = mb * BM
+            T.copy(Q[b, m0:m0 + BM, h, :], Q_s)
+            T.copy(DO[b, m0:m0 + BM, h, :], G_s)
+            T.copy(LSE2[b, h, m0:m0 + BM], lse_s)
+            T.copy(DELTA[b, h, m0:m0 + BM], dl_s)
+            T.clear(dq)
+            first, nk = _kv_blocks(spec, m0, BM, BN, Sq, Sk, W)
+            # at least one tile (see _dkdv_tma): rows that see no key walk one, cut and masked whole
+            for n in T.Pipelined(first, first + T.max(nk, 1), num_stages=NS):
+                n0 = n * BN
+                T.copy(K[b, n0:n0 + BN, hk, :], K_s)
+                T.copy(V[b, n0:n0 + BN, hk, :], V_s)
+                step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, m0, n0, Sq, Sk, W, scale, softcap)
+            T.copy(dq, dQ_s)
+            T.copy(dQ_s, DQ[b, m0:m0 + BM, h, :])
+
+    return attn_bwd_dq_tma
+
+
 def _dkdv(spec: AttnBwdKernelSpec):
+    if spec.tma:
+        return _dkdv_tma(spec)
     sig = _sig(spec, ("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV", "CUQ", "CUK"))
     body = _dkdv_cuda(spec) if spec.backend == "cuda" else _dkdv_c(spec)
 
@@ -787,6 +1029,8 @@ def _dkdv(spec: AttnBwdKernelSpec):
 
 
 def _dq(spec: AttnBwdKernelSpec):
+    if spec.tma:
+        return _dq_tma(spec)
     sig = _sig(spec, ("Q", "K", "V", "DO", "LSE", "DELTA", "DQ", "CUQ", "CUK"))
     body = _dq_cuda(spec) if spec.backend == "cuda" else _dq_c(spec)
 

@@ -207,7 +207,7 @@ def _kernel(s, device):
 
 def launch(s, device, **args) -> None:
     k = _kernel(s, device)
-    k(*k.bind(**args, **dict.fromkeys(k.extent_names, 0)))
+    k(*k.bind(**{**dict.fromkeys(k.extent_names, 0), **args}))
 
 
 def strides(prefix: str, t: torch.Tensor, varlen: bool, unit: int) -> dict[str, int]:
@@ -233,6 +233,8 @@ def run_backward(case: Case, device: torch.device = CPU, **fields) -> tuple[torc
     b = len(case.lens_q)
     sq, sk = max(case.lens_q), max(case.lens_k)
     kinds = {kind: spec(kind, case, backend, **fields) for kind in ("prep", "dkdv", "dq")}
+    if kinds["dkdv"].tma:
+        return _run_tma(kinds, q, k, v, do, o, lse, dq, dk, dv, case)
     unit = kinds["dq"].stride_unit
     lse_st = dict(lsb=0 if vl else lse.stride(0), lsh=lse.stride(-2))
     cu = dict(CUQ=cuq.data_ptr() if vl else 0, CUK=cuk.data_ptr() if vl else 0)
@@ -245,6 +247,30 @@ def run_backward(case: Case, device: torch.device = CPU, **fields) -> tuple[torc
     launch(kinds["dkdv"], device, **common, DK=dk.data_ptr(), DV=dv.data_ptr(), **strides("dk", dk, vl, unit),
            **strides("dv", dv, vl, unit))
     launch(kinds["dq"], device, **common, DQ=dq.data_ptr(), **strides("dq", dq, vl, unit))
+    return dq.cpu(), dk.cpu(), dv.cpu()
+
+
+def _run_tma(kinds, q, k, v, do, o, lse, dq, dk, dv, case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`run_backward`'s launches for TMA programs (dense CUDA, ``loads`` 2): prep writes lse * log2(e)
+    and delta into rows padded to ``dlh``; the gradient programs take sizes and element strides as their
+    tensors' extents, by name."""
+    from tileops.kernels.attention_bwd import padded_rows
+
+    device, (b, sq, hq, _), sk = q.device, q.shape, k.shape[1]
+    dlh = padded_rows(sq)
+    lse2 = torch.full((b, hq, dlh), NAN, dtype=torch.float32, device=device)
+    delta = torch.full((b, hq, dlh), NAN, dtype=torch.float32, device=device)
+    launch(kinds["prep"], device, O=o.data_ptr(), DO=do.data_ptr(), LSE=lse.data_ptr(), LSE2=lse2.data_ptr(),
+           DELTA=delta.data_ptr(), CUQ=0, B=b, Hq=hq, Sq=sq, **strides("o", o, False, 8),
+           **strides("do", do, False, 8), lsb=lse.stride(0), lsh=lse.stride(1), dlh=dlh)
+    common = dict(Q=q.data_ptr(), K=k.data_ptr(), V=v.data_ptr(), DO=do.data_ptr(), LSE2=lse2.data_ptr(),
+                  DELTA=delta.data_ptr(), G=case.hq // case.hkv, W=case.window or 0, scale=case.scale,
+                  softcap=case.softcap or 0.0, B=b, Sq=sq, Sk=sk, Hq=hq, Hkv=case.hkv, dlb=hq * dlh, dlh=dlh,
+                  **strides("q", q, False, 1), **strides("k", k, False, 1), **strides("v", v, False, 1),
+                  **strides("do", do, False, 1))
+    launch(kinds["dkdv"], device, **common, DK=dk.data_ptr(), DV=dv.data_ptr(), **strides("dk", dk, False, 1),
+           **strides("dv", dv, False, 1))
+    launch(kinds["dq"], device, **common, DQ=dq.data_ptr(), **strides("dq", dq, False, 1))
     return dq.cpu(), dk.cpu(), dv.cpu()
 
 
@@ -269,8 +295,12 @@ def test_spec_rejects_bad_fields_by_name():
                          (dict(kind="dq", head_dim=64, dq_block_q=48), "dq_block_q"),
                          (dict(kind="dq", head_dim=64, dq_threads=96), "dq_threads"),
                          (dict(kind="dq", head_dim=64, stages=5), "stages"),
-                         # TileLang 0.1.15's cp.async pipeline at 2+ stages skips its last wait
-                         (dict(kind="dq", head_dim=64, stages=2, backend="cuda"), "stages")]:
+                         # TileLang 0.1.15's cp.async pipeline at 2+ stages skips its last wait (TMA's does not)
+                         (dict(kind="dq", head_dim=64, stages=2, backend="cuda", loads=1), "stages"),
+                         (dict(kind="dq", head_dim=64, stages=2, backend="cuda", varlen=True), "stages"),
+                         (dict(kind="dq", head_dim=64, loads=3), "loads"),
+                         # TMA would read the next sequence's rows past a varlen sequence's end
+                         (dict(kind="dkdv", head_dim=64, loads=2, backend="cuda", varlen=True), "loads")]:
         with pytest.raises(ValueError, match=rf"^{word}: "):
             S(**fields)
 
@@ -358,13 +388,37 @@ def test_cuda_schedule_lowers_to_tensor_cores_and_async_copies():
 def test_cuda_loops_from_the_first_tile_lower():
     """dq without a window and dk/dv without causal loop from the first tile: TileLang 0.1.15's codegen
     refused those pipelined loops when they started at a literal 0 (every row of the op's backward but
-    windowed ones failed to build); they start at ``_zero(W)`` now. Head_dim 64, dense (~15 s here)."""
+    windowed ones failed to build); they start at ``_zero(W)`` now. Head_dim 64, dense, every thread
+    loading (``loads`` 1; ~15 s here)."""
     from tileops.compile.build import emit_source
 
     S = get_spec("attention_bwd")
     for kind in ("dq", "dkdv"):
-        src = emit_source("attention_bwd", S(kind=kind, head_dim=64, dtype="bfloat16"), "cuda", "sm_90")
+        src = emit_source("attention_bwd", S(kind=kind, head_dim=64, dtype="bfloat16", loads=1), "cuda", "sm_90")
         assert "tl::wgmma" in src and "cp_async_gs<16>" in src, kind
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(causal=True, window=True, softcap=True, head_dim=256)],
+                         ids=["full-d128", "masked-softcap-d256"])
+def test_cuda_dense_programs_take_their_tiles_by_tma(fields):
+    """A dense call's gradient programs (``loads`` 2, the default): every tile by TMA (K/V once and Q/dO
+    streamed in dk/dv, the reverse in dq, lse2 and delta by 1-D boxes), under the producer warpgroup
+    TileLang adds (``setmaxnreg``: 384 threads, two stages of mbarriers), no ``cp.async``, the products on
+    wgmma, and the gradients stored a tile at once (``tma_store``). The prep writes lse2 beside delta."""
+    from tileops.compile.build import emit_source
+
+    S = get_spec("attention_bwd")
+    fields = {"head_dim": 128, **fields}
+    for kind, loads in (("dkdv", 6), ("dq", 6)):
+        spec = S(kind=kind, dtype="bfloat16", backend="cuda", **fields)
+        assert spec.tma and spec.tile("stages") == 2
+        src = emit_source("attention_bwd", spec, "cuda", "sm_90")
+        assert src.count("tl::tma_load(") == loads, (kind, src.count("tl::tma_load("))
+        assert "cp_async" not in src and "tl::wgmma" in src and "tl::tma_store(" in src, kind
+        assert "__launch_bounds__(384, 1)" in src and "warpgroup_reg_alloc" in src, kind
+    prep = emit_source("attention_bwd", S(kind="prep", dtype="bfloat16", backend="cuda", head_dim=fields["head_dim"]),
+                       "cuda", "sm_90")
+    assert "LSE2[" in prep and "1.442695" in prep
 
 
 def test_cuda_tiles_split_by_columns_take_p_and_ds_through_shared_memory():
@@ -446,7 +500,8 @@ def warm_head_dims(request):
 @pytest.fixture(scope="module")
 def warm_masks():
     rest = [_specs(**{k: v for k, v in kw.items() if k not in ("lens_q", "lens_k", "scale")}) for kw in MASKS.values()]
-    _warm([x for group in (*rest, _specs(causal=True), _specs(causal=True, **TILES)) for x in group])
+    _warm([x for group in (*rest, _specs(causal=True), _specs(causal=True, **TILES), _specs(causal=True, loads=1))
+           for x in group])
 
 
 @pytest.mark.cuda
@@ -468,10 +523,12 @@ def test_cuda_masks(gen, warm_masks, name):
 @ATTN_CUDA
 def test_cuda_mha_and_tile_shapes(gen, warm_masks):
     """MHA, and other tiles: the dk/dv program's q step at 64, the dq program's 64-row tiles over
-    128-key steps, one stage (knobs the benchmark's sweep tries)."""
+    128-key steps, one stage (knobs the benchmark's sweep tries); and a dense call's programs with every
+    thread loading (``loads`` 1, the varlen path's), which a schedule may still choose."""
     case = Case(gen, lens_q=[300], lens_k=[300], hq=4, hkv=4, d=128, dtype=torch.bfloat16, causal=True)
     check(case, CUDA)
     check(case, CUDA, **TILES)
+    check(case, CUDA, loads=1)
 
 
 @pytest.mark.cuda

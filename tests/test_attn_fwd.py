@@ -389,7 +389,8 @@ def test_overlap_releases_each_tile_after_the_wgmma_that_reads_it(causal):
 
 
 #: kernels whose wgmma ptxas must leave asynchronous: the forward's default (pipeline 2) and overlap
-#: (pipeline 4) schedules, masked and not, and the backward's two gradient programs
+#: (pipeline 4) schedules, masked and not, and the backward's two gradient programs (dense: by TMA,
+#: ``loads`` 2; varlen: every thread loading)
 _PTXAS_CASES = {
     "fwd-p2-causal": ("attention", dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda", causal=True)),
     "fwd-p2-full": ("attention", dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda")),
@@ -400,7 +401,16 @@ _PTXAS_CASES = {
     "bwd-dkdv-causal": ("attention_bwd", dict(kind="dkdv", head_dim=128, dtype="bfloat16", causal=True,
                                               backend="cuda")),
     "bwd-dq-causal": ("attention_bwd", dict(kind="dq", head_dim=128, dtype="bfloat16", causal=True, backend="cuda")),
+    "bwd-dkdv-softcap-d256": ("attention_bwd", dict(kind="dkdv", head_dim=256, dtype="bfloat16", causal=True,
+                                                    softcap=True, backend="cuda")),
+    "bwd-dq-d256": ("attention_bwd", dict(kind="dq", head_dim=256, dtype="bfloat16", causal=True, backend="cuda")),
+    "bwd-dq-varlen": ("attention_bwd", dict(kind="dq", head_dim=128, dtype="bfloat16", causal=True, varlen=True,
+                                            backend="cuda")),
 }
+#: Left out: the dense dq program without a mask, or with a window at head_dim 64, spills 32 bytes (ptxas 13.0),
+#: all of it in TileLang's producer warpgroup (after its ``setmaxnreg`` down to 24 registers: the SASS's
+#: local stores lie past ``USETMAXREG.DEALLOC``, around its 4x-unrolled K/V address arithmetic), not in the
+#: consumers' loop this test guards
 
 
 @pytest.mark.slow
@@ -567,7 +577,7 @@ def test_cuda_kernels_take_every_argument_their_plan_binds(fields):
     (the names are the prim_func's); ``build`` itself now refuses a renamed extent, so this test
     fails on either check."""
     pytest.importorskip("tilelang")
-    from tileops.attention.attn_builtin import BACKWARD, FORWARD, backward_specs
+    from tileops.attention.attn_builtin import FORWARD, backward_plan, backward_specs
     from tileops.compile.build import prim_func
     from tileops.kernels import get_spec
 
@@ -575,9 +585,9 @@ def test_cuda_kernels_take_every_argument_their_plan_binds(fields):
     base = dict(dtype="bfloat16", head_dim=64, varlen=fields.get("varlen", False), causal=fields.get("causal", False),
                 window=fields.get("window", False), softcap=False)
     fwd = get_spec("attention")(backend="cuda", hq=4, hkv=2, pipeline=pipeline, **base)
-    steps = {s.kernel: s for s in BACKWARD.steps}
     jobs = [("attention", fwd, FORWARD.steps[0])]
-    jobs += [("attention_bwd", s, steps[s.kind]) for s in backward_specs(base, "cuda")]
+    for s in backward_specs(base, "cuda"):
+        jobs.append(("attention_bwd", s, {t.kernel: t for t in backward_plan(s.tma).steps}[s.kind]))
     for builder, spec, step in jobs:
         func = prim_func(builder, spec)
         takes = set()

@@ -23,6 +23,8 @@ same inputs give the same bits. Varlen calls pass the token counts (``total_q``,
 kernels' bound on a sequence's length (``Sq``/``Sk``): the max sequence length would need the offsets
 on the host (a synchronisation every backward), and the bound costs only programs that find no rows
 and return (``batch * ceil(total / block)`` of them in place of about ``ceil(total / block) + batch``).
+Dense CUDA calls run :data:`BACKWARD_TMA` instead: the same three programs with their tiles by TMA
+(``kernels/attention_bwd.py``'s ``loads`` 2), lse2 and delta in rows padded for TMA.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ from ..runtime.plan import (Dims, ErrorWord, Output, Plan, Ptr, Size, Step, Stri
 from ..runtime.views import Misfit
 from ..schedules import static_for
 
-__all__ = ["AttnKernels", "BACKWARD", "FORWARD", "CUDA_ENV", "backward_specs", "cuda_enabled", "implement",
-           "kernel_specs"]
+__all__ = ["AttnKernels", "BACKWARD", "BACKWARD_TMA", "FORWARD", "backward_plan", "CUDA_ENV", "backward_specs",
+           "cuda_enabled", "implement", "kernel_specs"]
 
 #: The environment variable that, set to 0, refuses CUDA calls of the attention backward's and the paged
 #: decode's tile programs (a way back to ``target="torch"``'s answers on a GPU where they misbehave).
@@ -125,6 +127,35 @@ BACKWARD = Plan(
            Step("dq", {**_GRAD_PTRS, "DQ": Ptr("dq"), **_GRAD_VALUES, **_bsh("dq", "dq")})),
     dims=DIMS)
 
+#: The backward of a dense CUDA call with its tiles by TMA (``kernels/attention_bwd.py``'s ``loads`` 2, the
+#: default there): ``prep`` also writes ``lse * log2(e)``, and both it and delta go into rows padded to
+#: ``dlh`` (a multiple of 16 bytes, as TMA's strides must be; :func:`padded_rows`), two per-call workspaces
+#: ``[B, Hq, dlh]``; the gradient programs take q, k, v, dO and the gradients as 4-D tensors, their sizes
+#: and strides (in elements) the kernels' dynamic extents.
+_TMA_VALUES = {"G": Value("q_h // k_h"), "W": Value("W"), "scale": Value("scale"), "softcap": Value("softcap"),
+               "B": Size("q", "b"), "Sq": Size("q", "s"), "Sk": Size("k", "s"), "Hq": Size("q", "h"),
+               "Hkv": Size("k", "h"), "dlb": Value("q_h * dlh"), "dlh": Value("dlh"), **_bsh("q", "q", True),
+               **_bsh("k", "k", True), **_bsh("v", "v", True), **_bsh("dout", "do", True)}
+_TMA_PTRS = {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "DO": Ptr("dout"), "LSE2": Ptr("lse2"),
+             "DELTA": Ptr("delta")}
+BACKWARD_TMA = Plan(
+    "attention backward (TMA)", inputs=BACKWARD.inputs, outputs=BACKWARD.outputs,
+    workspaces=(Workspace("lse2", "float32", "q_b * q_h * dlh"), Workspace("delta", "float32", "q_b * q_h * dlh")),
+    steps=(Step("prep", {"O": Ptr("out"), "DO": Ptr("dout"), "LSE": Ptr("lse"), "LSE2": Ptr("lse2"),
+                         "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"), "B": Value("B"), "Hq": Size("q", "h"),
+                         "Sq": Size("q", "s"), "lsb": Stride("lse", "b"), "lsh": Stride("lse", "h"),
+                         "dlh": Value("dlh"), **_bsh("out", "o"), **_bsh("dout", "do")}),
+           Step("dkdv", {**_TMA_PTRS, "DK": Ptr("dk"), "DV": Ptr("dv"), **_TMA_VALUES, **_bsh("dk", "dk", True),
+                         **_bsh("dv", "dv", True)}),
+           Step("dq", {**_TMA_PTRS, "DQ": Ptr("dq"), **_TMA_VALUES, **_bsh("dq", "dq", True)})),
+    dims=DIMS)
+
+
+def backward_plan(tma: bool) -> Plan:
+    """The backward's plan for its programs: :data:`BACKWARD_TMA` for TMA programs (``spec.tma``), else
+    :data:`BACKWARD`."""
+    return BACKWARD_TMA if tma else BACKWARD
+
 
 def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: bool = True) -> list[tuple[str, Any]]:
     """The ``(builder, spec)`` a call of one specialization launches, for ``tileops warmup``,
@@ -192,6 +223,7 @@ class AttnKernels:
         self._fields = AttnFwdHooks.kernel_fields_of(p, call)
         self.call = call
         self._bwd_kernels: dict[str, Any] | None = None  # compiled at the first backward
+        self._bwd_spec_list: list[Any] | None = None
 
     def _env(self, t: dict, lse: torch.Tensor | None) -> dict[str, int]:
         """The forward's values besides its tensors' sizes and strides."""
@@ -283,14 +315,15 @@ class AttnKernels:
         if self.varlen:
             launch.update(cu_seqlens_q=_monotone(tensors["cu_seqlens_q"], q.shape[0]),
                           cu_seqlens_k=_monotone(tensors["cu_seqlens_k"], k.shape[0]))
-        got = self.op.run_plan(self, ("backward", *BACKWARD.key(launch, {})),
+        plan = self._bwd_plan()
+        got = self.op.run_plan(self, ("backward", *plan.key(launch, {})),
                                lambda: self._backward_binding(launch), launch, {})
         if got is not NotImplemented:
             return got
         # a view the kernels cannot address where it lies (a stride off 8 elements on CUDA, a last dim
         # not contiguous: an expanded dO of out.sum()): a dense copy; the new gradients are dense then
-        fitted = BACKWARD.place(launch, {}, self.unit).inputs  # (the copies' signature: bound once too)
-        return self.op.run_plan(self, ("backward", *BACKWARD.key(fitted, {})),
+        fitted = plan.place(launch, {}, self.unit).inputs  # (the copies' signature: bound once too)
+        return self.op.run_plan(self, ("backward", *plan.key(fitted, {})),
                                 lambda: self._backward_binding(fitted), fitted, {})
 
     def _refuse_backward(self) -> None:
@@ -302,12 +335,22 @@ class AttnKernels:
                 f"torch.no_grad() or with inputs that do not require grad, or use target='torch' to train "
                 f"through PyTorch's attention")
 
+    def _bwd_specs(self) -> list[Any]:
+        if self._bwd_spec_list is None:  # (once: the plan is chosen by them at every backward call)
+            self._bwd_spec_list = backward_specs(self._fields, self.backend,
+                                                 static_for(self.op.manifest, self.call, BWD_BUILDER))
+        return self._bwd_spec_list
+
+    def _bwd_plan(self) -> Plan:
+        """:data:`BACKWARD_TMA` where the backward's programs take their tiles by TMA (dense CUDA calls,
+        unless a schedule sets ``loads`` 1), else :data:`BACKWARD`."""
+        return backward_plan(self._bwd_specs()[1].tma)
+
     def _bwd(self) -> dict[str, Any]:
         if self._bwd_kernels is None:
-            static = static_for(self.op.manifest, self.call, BWD_BUILDER)
             self._bwd_kernels = {
                 s.kind: load_kernel(BWD_BUILDER, s, self.backend, self.arch, self.device, s.args, op_name=self.op.name)
-                for s in backward_specs(self._fields, self.backend, static)}
+                for s in self._bwd_specs()}
         return self._bwd_kernels
 
     def _backward_binding(self, launch: dict) -> Binding | None:
@@ -316,16 +359,20 @@ class AttnKernels:
         # the new gradients are laid out as empty_like lays out q, k, v (the binding's strides for them)
         metas = {n: torch.empty_like(launch[like], device="meta") for n, like in (("dq", "q"), ("dk", "k"),
                                                                                    ("dv", "v"))}
-        if isinstance(BACKWARD.layout({**launch, **metas}, self.unit), Misfit):
+        plan = self._bwd_plan()
+        if isinstance(plan.layout({**launch, **metas}, self.unit), Misfit):
             return None
-        return BACKWARD.bind(self._bwd(), launch, {}, env=self._backward_env(launch), unit=self.unit)
+        return plan.bind(self._bwd(), launch, {}, env=self._backward_env(launch), unit=self.unit)
 
     def _backward_env(self, launch: dict) -> dict[str, Any]:
         """The backward's values besides its tensors' sizes and strides: the batch (varlen: the offsets'
         count), the window, the scale and the softcap."""
+        from tileops.kernels.attention_bwd import padded_rows
+
         batch = launch["cu_seqlens_q"].shape[0] - 1 if self.varlen else launch["q"].shape[0]
+        rows = launch["q"].shape[0] if self.varlen else launch["q"].shape[1]
         return {"B": batch, "W": self.window, "scale": float(self.scale),
-                "softcap": float(self.op.params["softcap"] or 0.0)}
+                "softcap": float(self.op.params["softcap"] or 0.0), "dlh": padded_rows(rows)}
 
 
 def _monotone(cu: torch.Tensor, total: int) -> torch.Tensor:
