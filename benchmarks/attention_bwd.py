@@ -44,6 +44,7 @@ CONFIGS = {
     "default": {},
     "loads 1": dict(loads=1),  # every thread loads, one stage: the dense programs before TMA, varlen's now
     "loads 1 dkdv q64": dict(loads=1, dkdv_block_q=64),
+    "dkdv q32": dict(dkdv_block_q=32),  # the dk/dv q step before TMA's default went to 64 (D 96, 128)
     "dkdv q64": dict(dkdv_block_q=64),
     "dkdv kv64 q64": dict(dkdv_block_kv=64, dkdv_block_q=64, dkdv_threads=128),
     "dq q64 kv64 t128": dict(dq_block_q=64, dq_threads=128),

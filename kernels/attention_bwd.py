@@ -120,6 +120,11 @@ _LOG2E = 1.4426950408889634
 _DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 1, 1), 80: (128, 32, 256, 128, 64, 256, 1, 1),
              96: (128, 32, 256, 128, 64, 256, 1, 1), 128: (128, 32, 256, 128, 64, 256, 1, 1),
              256: (64, 32, 256, 64, 64, 256, 1, 2)}
+#: TMA programs (``loads`` 2): the knobs whose default differs from :data:`_DEFAULTS`, per head dim. The dk/dv
+#: program's q step at 64 rows: with the step's loads behind mbarriers, a wider wgmma N (64, not 32) paid
+#: on the H100, dk/dv 17.9 -> 14.7 ms at 1 x 16384 and 727 -> 576 us at 16 x 1024 causal (GQA 32/8, bf16;
+#: benchmarks/NOTES.md, the twentieth session); 168 registers, no spill (ptxas 13.0) at D 96 and 128
+_TMA_DEFAULTS = {"dkdv_block_q": {96: 64, 128: 64}}
 #: the C schedule's default tiles: small, so that the CPU tests cross tile edges with short sequences
 _C_DEFAULTS = (16, 16, 1, 16, 16, 1, 1, 1)
 
@@ -232,6 +237,8 @@ class AttnBwdKernelSpec:
             return 2 if self.backend == "cuda" and not self.varlen else 1
         if name == "stages" and self.tma:
             return 2
+        if self.tma and self.head_dim in _TMA_DEFAULTS.get(name, {}):
+            return _TMA_DEFAULTS[name][self.head_dim]
         table = _C_DEFAULTS if self.backend == "c" else _DEFAULTS[self.head_dim]
         return table[tuple(STATIC).index(name)]
 
@@ -404,7 +411,7 @@ def _capped(spec: AttnBwdKernelSpec, s, softcap):
 def _sig(spec: AttnBwdKernelSpec, names: tuple[str, ...]) -> dict[str, Any]:
     st = storage_dtype(spec.dtype, spec.backend)
     ext = _flat(*names)
-    return {n: T.Tensor((e,), "float32" if n in ("LSE", "DELTA") else "int32" if n in ("CUQ", "CUK") else st)
+    return {n: T.Tensor((e,), "float32" if n in ("LSE", "LSE2", "DELTA") else "int32" if n in ("CUQ", "CUK") else st)
             for n, e in zip(names, ext)}
 
 

@@ -419,6 +419,10 @@ def test_cuda_dense_programs_take_their_tiles_by_tma(fields):
     prep = emit_source("attention_bwd", S(kind="prep", dtype="bfloat16", backend="cuda", head_dim=fields["head_dim"]),
                        "cuda", "sm_90")
     assert "LSE2[" in prep and "1.442695" in prep
+    # fp32, as the gradient programs read it: first written in the inputs' dtype (bf16 bits read as fp32
+    # made p garbage; dq off by up to 1e11 on the H100)
+    for name in ("LSE2", "DELTA", "LSE"):
+        assert f"float* __restrict__ {name}" in prep, name
 
 
 def test_cuda_tiles_split_by_columns_take_p_and_ds_through_shared_memory():
