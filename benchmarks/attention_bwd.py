@@ -42,9 +42,9 @@ HQ, HKV, D = 32, 8, 128
 #: config -> spec fields over the defaults ("default": the H200 defaults of ``kernels/attention_bwd.py``)
 CONFIGS = {
     "default": {},
-    "loads 1": dict(loads=1),  # every thread loads, one stage: the dense programs before TMA, varlen's now
-    "loads 1 dkdv q64": dict(loads=1, dkdv_block_q=64),
-    "dkdv q32": dict(dkdv_block_q=32),  # the dk/dv q step before TMA's default went to 64 (D 96, 128)
+    "tma": dict(loads=2),  # the tiles by TMA from a producer warpgroup, two stages (dk/dv q step 64 at D 128)
+    "tma dkdv q32": dict(loads=2, dkdv_block_q=32),
+    "tma dq kv128": dict(loads=2, dq_block_kv=128),
     "dkdv q64": dict(dkdv_block_q=64),
     "dkdv kv64 q64": dict(dkdv_block_kv=64, dkdv_block_q=64, dkdv_threads=128),
     "dq q64 kv64 t128": dict(dq_block_q=64, dq_threads=128),

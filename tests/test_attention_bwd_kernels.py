@@ -401,7 +401,7 @@ def test_cuda_loops_from_the_first_tile_lower():
 @pytest.mark.parametrize("fields", [dict(), dict(causal=True, window=True, softcap=True, head_dim=256)],
                          ids=["full-d128", "masked-softcap-d256"])
 def test_cuda_dense_programs_take_their_tiles_by_tma(fields):
-    """A dense call's gradient programs (``loads`` 2, the default): every tile by TMA (K/V once and Q/dO
+    """A dense call's gradient programs with ``loads`` 2: every tile by TMA (K/V once and Q/dO
     streamed in dk/dv, the reverse in dq, lse2 and delta by 1-D boxes), under the producer warpgroup
     TileLang adds (``setmaxnreg``: 384 threads, two stages of mbarriers), no ``cp.async``, the products on
     wgmma, and the gradients stored a tile at once (``tma_store``). The prep writes lse2 beside delta."""
@@ -410,14 +410,14 @@ def test_cuda_dense_programs_take_their_tiles_by_tma(fields):
     S = get_spec("attention_bwd")
     fields = {"head_dim": 128, **fields}
     for kind, loads in (("dkdv", 6), ("dq", 6)):
-        spec = S(kind=kind, dtype="bfloat16", backend="cuda", **fields)
+        spec = S(kind=kind, dtype="bfloat16", backend="cuda", loads=2, **fields)
         assert spec.tma and spec.tile("stages") == 2
         src = emit_source("attention_bwd", spec, "cuda", "sm_90")
         assert src.count("tl::tma_load(") == loads, (kind, src.count("tl::tma_load("))
         assert "cp_async" not in src and "tl::wgmma" in src and "tl::tma_store(" in src, kind
         assert "__launch_bounds__(384, 1)" in src and "warpgroup_reg_alloc" in src, kind
-    prep = emit_source("attention_bwd", S(kind="prep", dtype="bfloat16", backend="cuda", head_dim=fields["head_dim"]),
-                       "cuda", "sm_90")
+    prep = emit_source("attention_bwd", S(kind="prep", dtype="bfloat16", backend="cuda", loads=2,
+                                          head_dim=fields["head_dim"]), "cuda", "sm_90")
     assert "LSE2[" in prep and "1.442695" in prep
     # fp32, as the gradient programs read it: first written in the inputs' dtype (bf16 bits read as fp32
     # made p garbage; dq off by up to 1e11 on the H100)
@@ -504,7 +504,9 @@ def warm_head_dims(request):
 @pytest.fixture(scope="module")
 def warm_masks():
     rest = [_specs(**{k: v for k, v in kw.items() if k not in ("lens_q", "lens_k", "scale")}) for kw in MASKS.values()]
-    _warm([x for group in (*rest, _specs(causal=True), _specs(causal=True, **TILES), _specs(causal=True, loads=1))
+    tma = [_specs(loads=2, **{k: v for k, v in kw.items() if k not in ("lens_q", "lens_k", "scale")})
+           for kw in MASKS.values() if not kw.get("varlen")]
+    _warm([x for group in (*rest, *tma, _specs(causal=True), _specs(causal=True, **TILES), _specs(causal=True, loads=2))
            for x in group])
 
 
@@ -525,14 +527,22 @@ def test_cuda_masks(gen, warm_masks, name):
 
 @pytest.mark.cuda
 @ATTN_CUDA
+@pytest.mark.parametrize("name", [n for n, kw in MASKS.items() if not kw.get("varlen")])
+def test_cuda_masks_tma(gen, warm_masks, name):
+    """Every dense mask with the programs' tiles by TMA (``loads`` 2: a producer warpgroup, two stages, lse2
+    and delta padded; the prep's lse2 in fp32)."""
+    check(Case(gen, hq=8, hkv=2, d=128, dtype=torch.bfloat16, **MASKS[name]), CUDA, loads=2)
+
+
+@pytest.mark.cuda
+@ATTN_CUDA
 def test_cuda_mha_and_tile_shapes(gen, warm_masks):
     """MHA, and other tiles: the dk/dv program's q step at 64, the dq program's 64-row tiles over
-    128-key steps, one stage (knobs the benchmark's sweep tries); and a dense call's programs with every
-    thread loading (``loads`` 1, the varlen path's), which a schedule may still choose."""
+    128-key steps, one stage (knobs the benchmark's sweep tries); and with the tiles by TMA (``loads`` 2)."""
     case = Case(gen, lens_q=[300], lens_k=[300], hq=4, hkv=4, d=128, dtype=torch.bfloat16, causal=True)
     check(case, CUDA)
     check(case, CUDA, **TILES)
-    check(case, CUDA, loads=1)
+    check(case, CUDA, loads=2)
 
 
 @pytest.mark.cuda

@@ -389,8 +389,8 @@ def test_overlap_releases_each_tile_after_the_wgmma_that_reads_it(causal):
 
 
 #: kernels whose wgmma ptxas must leave asynchronous: the forward's default (pipeline 2) and overlap
-#: (pipeline 4) schedules, masked and not, and the backward's two gradient programs (dense: by TMA,
-#: ``loads`` 2; varlen: every thread loading)
+#: (pipeline 4) schedules, masked and not, and the backward's two gradient programs (every thread loading,
+#: the default, dense and varlen; and by TMA, ``loads`` 2)
 _PTXAS_CASES = {
     "fwd-p2-causal": ("attention", dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda", causal=True)),
     "fwd-p2-full": ("attention", dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda")),
@@ -401,13 +401,18 @@ _PTXAS_CASES = {
     "bwd-dkdv-causal": ("attention_bwd", dict(kind="dkdv", head_dim=128, dtype="bfloat16", causal=True,
                                               backend="cuda")),
     "bwd-dq-causal": ("attention_bwd", dict(kind="dq", head_dim=128, dtype="bfloat16", causal=True, backend="cuda")),
-    "bwd-dkdv-softcap-d256": ("attention_bwd", dict(kind="dkdv", head_dim=256, dtype="bfloat16", causal=True,
-                                                    softcap=True, backend="cuda")),
-    "bwd-dq-d256": ("attention_bwd", dict(kind="dq", head_dim=256, dtype="bfloat16", causal=True, backend="cuda")),
+    "bwd-dkdv-tma-causal": ("attention_bwd", dict(kind="dkdv", head_dim=128, dtype="bfloat16", causal=True,
+                                                  backend="cuda", loads=2)),
+    "bwd-dq-tma-causal": ("attention_bwd", dict(kind="dq", head_dim=128, dtype="bfloat16", causal=True,
+                                                backend="cuda", loads=2)),
+    "bwd-dkdv-tma-softcap-d256": ("attention_bwd", dict(kind="dkdv", head_dim=256, dtype="bfloat16", causal=True,
+                                                        softcap=True, backend="cuda", loads=2)),
+    "bwd-dq-tma-d256": ("attention_bwd", dict(kind="dq", head_dim=256, dtype="bfloat16", causal=True, backend="cuda",
+                                              loads=2)),
     "bwd-dq-varlen": ("attention_bwd", dict(kind="dq", head_dim=128, dtype="bfloat16", causal=True, varlen=True,
                                             backend="cuda")),
 }
-#: Left out: the dense dq program without a mask, or with a window at head_dim 64, spills 32 bytes (ptxas 13.0),
+#: Left out: the dense dq program by TMA without a mask, or with a window at head_dim 64, spills 32 bytes (ptxas 13.0),
 #: all of it in TileLang's producer warpgroup (after its ``setmaxnreg`` down to 24 registers: the SASS's
 #: local stores lie past ``USETMAXREG.DEALLOC``, around its 4x-unrolled K/V address arithmetic), not in the
 #: consumers' loop this test guards
