@@ -569,9 +569,9 @@ def test_cuda_gradients_are_refused_on_a_gpu_when_the_variable_says_0(monkeypatc
 
 @pytest.mark.parametrize("fields", [dict(), dict(pipeline=2), dict(causal=True, pipeline=2),
                                     dict(causal=True, window=True, pipeline=3), dict(causal=True, pipeline=4),
-                                    dict(causal=True, window=True, varlen=True)],
+                                    dict(causal=True, window=True, varlen=True), dict(causal=True, loads=2)],
                          ids=["dense", "dense-tma", "dense-causal-tma", "dense-window-pingpong", "dense-causal-overlap",
-                              "varlen-window"])
+                              "varlen-window", "dense-causal-bwd-tma"])
 def test_cuda_kernels_take_every_argument_their_plan_binds(fields):
     """Each CUDA kernel of a call (the forward, then the backward's three) takes every argument its
     plan step binds by name: a parameter of its prim_func, or a variable of a tensor's shape or
@@ -591,7 +591,10 @@ def test_cuda_kernels_take_every_argument_their_plan_binds(fields):
                 window=fields.get("window", False), softcap=False)
     fwd = get_spec("attention")(backend="cuda", hq=4, hkv=2, pipeline=pipeline, **base)
     jobs = [("attention", fwd, FORWARD.steps[0])]
-    for s in backward_specs(base, "cuda"):
+    specs = backward_specs(base, "cuda", {"loads": fields["loads"]} if "loads" in fields else None)
+    # (a schedule's loads reaches all three programs: the plan is chosen by them together)
+    assert len({s.tma for s in specs}) == 1, specs
+    for s in specs:
         jobs.append(("attention_bwd", s, {t.kernel: t for t in backward_plan(s.tma).steps}[s.kind]))
     for builder, spec, step in jobs:
         func = prim_func(builder, spec)

@@ -186,7 +186,7 @@ def backward_specs(fields: dict, backend: str, static: "dict | None" = None) -> 
     """The ``prep``, ``dkdv`` and ``dq`` specs of the backward of a forward of ``fields``
     (:meth:`AttnFwdHooks.kernel_fields_of`), ``static`` the knobs of ``kernels/attention_bwd.py`` a
     chosen schedule sets (:func:`tileops.schedules.static_for`; none: its defaults). ``prep`` reads o
-    and dO alone: no mask field, and no knob."""
+    and dO alone: no mask field, and of the knobs ``loads`` alone."""
     from tileops.kernels import get_spec
 
     make = get_spec(BWD_BUILDER)
@@ -196,7 +196,9 @@ def backward_specs(fields: dict, backend: str, static: "dict | None" = None) -> 
     # each program keyed by the knobs it reads (a dq knob on the dk/dv spec would only make a second key)
     own = {kind: {k: v for k, v in static.items() if not k.startswith(other)}
            for kind, other in (("dkdv", "dq_"), ("dq", "dkdv_"))}
-    return [make(kind="prep", **common), make(kind="dkdv", **common, **masks, **own["dkdv"]),
+    # the prep takes ``loads`` alone: with TMA programs (2) it writes their padded lse2 and delta
+    prep = {k: v for k, v in static.items() if k == "loads"}
+    return [make(kind="prep", **common, **prep), make(kind="dkdv", **common, **masks, **own["dkdv"]),
             make(kind="dq", **common, **masks, **own["dq"])]
 
 
