@@ -74,6 +74,11 @@ def specs(causal: bool, fields: dict) -> dict:
             "dq": S(kind="dq", head_dim=D, dtype="bfloat16", causal=causal, **own("dq"))}
 
 
+def _strides(prefix: str, t: torch.Tensor, unit: int) -> dict[str, int]:
+    """``<prefix>s{b,s,h}``: a ``[B, S, H, D]`` tensor's first three strides in ``unit`` elements."""
+    return {f"{prefix}s{n}": x // unit for n, x in zip("bsh", t.stride()[:3])}
+
+
 class Ours:
     """The three kernels of one config bound to one row's tensors: ``prep()``, ``dkdv()``, ``dq()``."""
 
@@ -90,7 +95,7 @@ class Ours:
             return
 
         def st(p, t):
-            return {f"{p}s{n}": x // u for n, x in zip("bsh", t.stride()[:3])}
+            return _strides(p, t, u)
 
         lse_st = dict(lsb=lse.stride(0), lsh=lse.stride(1))
         self.args = {
@@ -114,9 +119,7 @@ class Ours:
         dlh = padded_rows(sq)
         self.lse2 = torch.empty(b, hq, dlh, device=q.device)
         self.delta = torch.empty(b, hq, dlh, device=q.device)
-
-        def st(p, t, u):
-            return {f"{p}s{n}": x // u for n, x in zip("bsh", t.stride()[:3])}
+        st = _strides
 
         self.args = {"prep": dict(O=o.data_ptr(), DO=do.data_ptr(), LSE=lse.data_ptr(), LSE2=self.lse2.data_ptr(),
                                   DELTA=self.delta.data_ptr(), CUQ=0, B=b, Hq=hq, Sq=sq, **st("o", o, 8),

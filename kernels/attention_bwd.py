@@ -629,6 +629,11 @@ def _last(i, n):
     return T.min(i, n - 1)
 
 
+def _lse2(lse, base2: bool):
+    """``lse`` in base 2 (``lse * log2(e)``); ``base2``: it is already (the TMA programs' lse2)."""
+    return lse if base2 else lse * T.float32(_LOG2E)
+
+
 def _p_ds(spec: AttnBwdKernelSpec, qk, dp, lse, delta, i, j, sq, sk, W, scale, softcap, base2: bool = False):
     """The CUDA schedule's (p, ds) of query ``i`` and key ``j`` from their tile products ``qk = q.k`` and
     ``dp = dO.v``: ``p = exp(s - lse)`` through ``exp2`` (0 where j is hidden: a select, so a row of
@@ -637,7 +642,7 @@ def _p_ds(spec: AttnBwdKernelSpec, qk, dp, lse, delta, i, j, sq, sk, W, scale, s
     ``base2``: ``lse`` is ``lse * log2(e)`` already (the TMA programs')."""
     s, dcap = _score(spec, qk, scale, softcap)
     p = T.if_then_else(_visible(spec, i, j, sq, sk, W),
-                       T.exp2(s * T.float32(_LOG2E) - (lse if base2 else lse * T.float32(_LOG2E))), T.float32(0))
+                       T.exp2(s * T.float32(_LOG2E) - _lse2(lse, base2)), T.float32(0))
     ds = p * (dp - delta) * scale
     return p, (ds * dcap if spec.softcap else ds)
 
@@ -666,10 +671,6 @@ def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with
     warp samples on the H100). 1.8-2.0x the backward on the H200's causal rows (benchmarks/NOTES.md).
     ``base2``: ``lse_s`` holds ``lse * log2(e)`` already (the TMA programs' lse2)."""
     dt = spec.dtype
-    to2 = 1.0 if base2 else _LOG2E
-
-    def lse2(x):
-        return x if base2 else x * T.float32(to2)
 
     @T.macro
     def probs(qk, dp, p_t, ds_t, lse_s, dl_s, m0, n0, Sq, Sk, W, scale):
@@ -681,11 +682,11 @@ def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with
                 i, j = (m0 + c, n0 + a) if transposed else (m0 + a, n0 + c)
                 r = c if transposed else a
                 qk[a, c] = T.if_then_else(_visible(spec, i, j, Sq, Sk, W), T.call_extern(
-                    "float32", "tileops_ex2", qk[a, c] * unit - lse2(lse_s[r])), T.float32(0))
+                    "float32", "tileops_ex2", qk[a, c] * unit - _lse2(lse_s[r], base2)), T.float32(0))
         else:
             for a, c in T.Parallel(rows, cols):
                 r = c if transposed else a
-                qk[a, c] = T.call_extern("float32", "tileops_ex2", qk[a, c] * unit - lse2(lse_s[r]))
+                qk[a, c] = T.call_extern("float32", "tileops_ex2", qk[a, c] * unit - _lse2(lse_s[r], base2))
         for a, c in T.Parallel(rows, cols):
             r = c if transposed else a
             if with_p:
@@ -781,12 +782,25 @@ def _dq_step(spec: AttnBwdKernelSpec, base2: bool):
     return step
 
 
+def _dkdv_tiles(spec: AttnBwdKernelSpec) -> tuple:
+    """The CUDA dk/dv program's tiles (both loads), allocated where it is called: K, V, Q, dO and lse,
+    delta in shared memory, the score, p and ds fragments and the dk, dv accumulators, p and ds in
+    shared memory too with ``ds_shared`` 2 (else None)."""
+    D, BN, BM, dt = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype
+    via_shared = spec.tile("ds_shared") == 2
+    return (T.alloc_shared((BN, D), dt), T.alloc_shared((BN, D), dt), T.alloc_shared((BM, D), dt),
+            T.alloc_shared((BM, D), dt), T.alloc_shared((BM,), "float32"), T.alloc_shared((BM,), "float32"),
+            T.alloc_fragment((BN, BM), "float32"), T.alloc_fragment((BN, BM), "float32"),
+            T.alloc_fragment((BN, BM), dt), T.alloc_fragment((BN, BM), dt), T.alloc_fragment((BN, D), "float32"),
+            T.alloc_fragment((BN, D), "float32"), T.alloc_shared((BN, BM), dt) if via_shared else None,
+            T.alloc_shared((BN, BM), dt) if via_shared else None)
+
+
 def _dkdv_cuda(spec: AttnBwdKernelSpec):
     D, BN, BM, dt, U = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype, _VEC
     NS = spec.tile("stages")
     load_q = _q_tile(spec)
     step = _dkdv_step(spec, base2=False)
-    via_shared = spec.tile("ds_shared") == 2
 
     @T.macro
     def body(Q, K, V, DO, LSE, DELTA, DK, DV, CUQ, CUK, B, Hkv, G, Sq, Sk, W, scale, softcap, qsb, qss, qsh, ksb, kss,
@@ -794,20 +808,7 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
         with T.Kernel(T.ceildiv(Sk, BN), Hkv, B, threads=spec.threads) as (nb, hk, b):
             T.import_source(EX2_SOURCE)
             q, k = _Seq(spec, CUQ, b, Sq), _Seq(spec, CUK, b, Sk)
-            K_s = T.alloc_shared((BN, D), dt)
-            V_s = T.alloc_shared((BN, D), dt)
-            Q_s = T.alloc_shared((BM, D), dt)
-            G_s = T.alloc_shared((BM, D), dt)  # dO
-            lse_s = T.alloc_shared((BM,), "float32")
-            dl_s = T.alloc_shared((BM,), "float32")
-            sT = T.alloc_fragment((BN, BM), "float32")
-            dpT = T.alloc_fragment((BN, BM), "float32")
-            pT = T.alloc_fragment((BN, BM), dt)
-            dsT = T.alloc_fragment((BN, BM), dt)
-            dk = T.alloc_fragment((BN, D), "float32")
-            dv = T.alloc_fragment((BN, D), "float32")
-            pT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
-            dsT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
+            K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, dk, dv, pT_s, dsT_s = _dkdv_tiles(spec)
             n0 = nb * BN
             if n0 < k.len:
                 for jj, d in T.Parallel(BN, D):
@@ -825,8 +826,8 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
                     m0 = (first + T.truncmod(n - first * G, nq)) * BM
                     load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh,
                            lsb, lsh)
-                    step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, m0, n0, q.len, k.len, W,
-                         scale, softcap)
+                    step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, m0, n0, q.len, k.len,
+                         W, scale, softcap)
                 for jj, d in T.Parallel(BN, D):
                     if n0 + jj < k.len:
                         DK[k.row(n0 + jj, hk, dksb, dkss, dksh, U) + d] = T.cast(dk[jj, d], dt)
@@ -899,7 +900,7 @@ def _tma_sig(spec: AttnBwdKernelSpec, names: tuple[str, ...]) -> dict[str, Any]:
             out[n] = T.StridedTensor((B, Hq, Sq), (dlb, dlh, 1), "float32")
         else:
             sb, ss, sh = T.dynamic(", ".join(_strides(n)), "int64")
-            out[n] = T.StridedTensor((B, *rows[n][:1], rows[n][1], D), (sb, ss, sh, 1), dt)
+            out[n] = T.StridedTensor((B, *rows[n], D), (sb, ss, sh, 1), dt)
     return out
 
 
@@ -911,7 +912,6 @@ def _dkdv_tma(spec: AttnBwdKernelSpec):
     D, BN, BM, dt = spec.head_dim, spec.block_kv, spec.block_q, spec.dtype
     NS = spec.tile("stages")
     step = _dkdv_step(spec, base2=True)
-    via_shared = spec.tile("ds_shared") == 2
     sig = _tma_sig(spec, ("Q", "K", "V", "DO", "LSE2", "DELTA", "DK", "DV"))
 
     @T.prim_func
@@ -922,20 +922,7 @@ def _dkdv_tma(spec: AttnBwdKernelSpec):
         Sq = Q.shape[1]
         with T.Kernel(T.ceildiv(Sk, BN), Hkv, B, threads=spec.threads) as (nb, hk, b):
             T.import_source(EX2_SOURCE)
-            K_s = T.alloc_shared((BN, D), dt)
-            V_s = T.alloc_shared((BN, D), dt)
-            Q_s = T.alloc_shared((BM, D), dt)
-            G_s = T.alloc_shared((BM, D), dt)  # dO
-            lse_s = T.alloc_shared((BM,), "float32")
-            dl_s = T.alloc_shared((BM,), "float32")
-            sT = T.alloc_fragment((BN, BM), "float32")
-            dpT = T.alloc_fragment((BN, BM), "float32")
-            pT = T.alloc_fragment((BN, BM), dt)
-            dsT = T.alloc_fragment((BN, BM), dt)
-            dk = T.alloc_fragment((BN, D), "float32")
-            dv = T.alloc_fragment((BN, D), "float32")
-            pT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
-            dsT_s = T.alloc_shared((BN, BM), dt) if via_shared else None
+            K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, dk, dv, pT_s, dsT_s = _dkdv_tiles(spec)
             dK_s = T.alloc_shared((BN, D), dt)
             dV_s = T.alloc_shared((BN, D), dt)
             n0 = nb * BN

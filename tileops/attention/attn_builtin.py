@@ -104,12 +104,17 @@ FORWARD = Plan("attention forward", inputs=("q", "k", "v", "cu_seqlens_q", "cu_s
 #: the values every gradient program takes: the sizes (``Sq``/``Sk`` the dense lengths, varlen the
 #: token counts: the module's doc; ``G`` the q heads a kv head serves), the window and the fp32 scale and
 #: softcap, lse's (and delta's) strides
-_GRAD_VALUES = {"B": Value("B"), "Hkv": Size("k", "h"), "G": Value("q_h // k_h"), "Sq": Size("q", "s"),
-                "Sk": Size("k", "s"), "W": Value("W"), "scale": Value("scale"), "softcap": Value("softcap"),
+_GRAD_SCALARS = {"G": Value("q_h // k_h"), "W": Value("W"), "scale": Value("scale"), "softcap": Value("softcap")}
+_GRAD_VALUES = {"B": Value("B"), "Hkv": Size("k", "h"), "Sq": Size("q", "s"), "Sk": Size("k", "s"), **_GRAD_SCALARS,
                 "lsb": Stride("lse", "b"), "lsh": Stride("lse", "h"), **_bsh("q", "q"), **_bsh("k", "k"),
                 **_bsh("v", "v"), **_bsh("dout", "do")}
 _GRAD_PTRS = {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "DO": Ptr("dout"), "LSE": Ptr("lse"),
               "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"), "CUK": Ptr("cu_seqlens_k")}
+
+#: the prep's arguments (delta laid out by lse's strides; the TMA plan's prep adds its padded rows)
+_PREP = {"O": Ptr("out"), "DO": Ptr("dout"), "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"), "B": Value("B"),
+         "Hq": Size("q", "h"), "Sq": Size("q", "s"), "lsb": Stride("lse", "b"), "lsh": Stride("lse", "h"),
+         **_bsh("out", "o"), **_bsh("dout", "do")}
 
 #: The backward: delta = rowsum(dO * O) into the per-call workspace (fp32, one element per query row
 #: and q head, laid out like lse: ``batch * seq_q * Hq``, varlen ``total_q * Hq``), then dk/dv
@@ -119,9 +124,7 @@ BACKWARD = Plan(
     "attention backward", inputs=("q", "k", "v", "out", "dout", "lse", "cu_seqlens_q", "cu_seqlens_k"),
     outputs=(Output("dq", like="q"), Output("dk", like="k"), Output("dv", like="v")),
     workspaces=(Workspace("delta", "float32", "q_b * q_s * q_h"),),
-    steps=(Step("prep", {"O": Ptr("out"), "DO": Ptr("dout"), "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"),
-                         "B": Value("B"), "Hq": Size("q", "h"), "Sq": Size("q", "s"), "lsb": Stride("lse", "b"),
-                         "lsh": Stride("lse", "h"), **_bsh("out", "o"), **_bsh("dout", "do")}),
+    steps=(Step("prep", _PREP),
            Step("dkdv", {**_GRAD_PTRS, "DK": Ptr("dk"), "DV": Ptr("dv"), **_GRAD_VALUES, **_bsh("dk", "dk"),
                          **_bsh("dv", "dv")}),
            Step("dq", {**_GRAD_PTRS, "DQ": Ptr("dq"), **_GRAD_VALUES, **_bsh("dq", "dq")})),
@@ -132,8 +135,7 @@ BACKWARD = Plan(
 #: ``dlh`` (a multiple of 16 bytes, as TMA's strides must be; :func:`padded_rows`), two per-call workspaces
 #: ``[B, Hq, dlh]``; the gradient programs take q, k, v, dO and the gradients as 4-D tensors, their sizes
 #: and strides (in elements) the kernels' dynamic extents.
-_TMA_VALUES = {"G": Value("q_h // k_h"), "W": Value("W"), "scale": Value("scale"), "softcap": Value("softcap"),
-               "B": Size("q", "b"), "Sq": Size("q", "s"), "Sk": Size("k", "s"), "Hq": Size("q", "h"),
+_TMA_VALUES = {**_GRAD_SCALARS, "B": Size("q", "b"), "Sq": Size("q", "s"), "Sk": Size("k", "s"), "Hq": Size("q", "h"),
                "Hkv": Size("k", "h"), "dlb": Value("q_h * dlh"), "dlh": Value("dlh"), **_bsh("q", "q", True),
                **_bsh("k", "k", True), **_bsh("v", "v", True), **_bsh("dout", "do", True)}
 _TMA_PTRS = {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "DO": Ptr("dout"), "LSE2": Ptr("lse2"),
@@ -141,10 +143,7 @@ _TMA_PTRS = {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "DO": Ptr("dout"), "LS
 BACKWARD_TMA = Plan(
     "attention backward (TMA)", inputs=BACKWARD.inputs, outputs=BACKWARD.outputs,
     workspaces=(Workspace("lse2", "float32", "q_b * q_h * dlh"), Workspace("delta", "float32", "q_b * q_h * dlh")),
-    steps=(Step("prep", {"O": Ptr("out"), "DO": Ptr("dout"), "LSE": Ptr("lse"), "LSE2": Ptr("lse2"),
-                         "DELTA": Ptr("delta"), "CUQ": Ptr("cu_seqlens_q"), "B": Value("B"), "Hq": Size("q", "h"),
-                         "Sq": Size("q", "s"), "lsb": Stride("lse", "b"), "lsh": Stride("lse", "h"),
-                         "dlh": Value("dlh"), **_bsh("out", "o"), **_bsh("dout", "do")}),
+    steps=(Step("prep", {**_PREP, "LSE": Ptr("lse"), "LSE2": Ptr("lse2"), "dlh": Value("dlh")}),
            Step("dkdv", {**_TMA_PTRS, "DK": Ptr("dk"), "DV": Ptr("dv"), **_TMA_VALUES, **_bsh("dk", "dk", True),
                          **_bsh("dv", "dv", True)}),
            Step("dq", {**_TMA_PTRS, "DQ": Ptr("dq"), **_TMA_VALUES, **_bsh("dq", "dq", True)})),
