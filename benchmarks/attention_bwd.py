@@ -3,7 +3,7 @@ backward, on the H200.
 
     python -m benchmarks.attention_bwd                  # the rows, the default tiles
     python -m benchmarks.attention_bwd --configs        # and a sweep of tile shapes, each checked
-    python -m benchmarks.attention_bwd --configs "default,loads 1"   # some of them, side by side
+    python -m benchmarks.attention_bwd --configs "default,tma"   # some of them, side by side
     python -m benchmarks.attention_bwd --rows 0 --configs --quick   # one row, fewer samples
     python -m benchmarks.attention_bwd --dry            # anywhere: rows, configs and their specs
 
