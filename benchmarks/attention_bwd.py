@@ -3,7 +3,7 @@ backward, on the H200.
 
     python -m benchmarks.attention_bwd                  # the issue's rows, the default tiles
     python -m benchmarks.attention_bwd --configs        # and a sweep of tile shapes, each checked
-    python -m benchmarks.attention_bwd --configs "default,tma"   # some of them, side by side
+    python -m benchmarks.attention_bwd --configs "default,every thread"   # some of them, side by side
     python -m benchmarks.attention_bwd --rows 0 --configs --quick   # one row, fewer samples
     python -m benchmarks.attention_bwd --dry            # anywhere: rows, configs and their specs
 
@@ -41,18 +41,17 @@ ROWS = [("1 x 16384", 1, 16384, False), ("1 x 16384 causal", 1, 16384, True), ("
 HQ, HKV, D = 32, 8, 128
 #: config -> spec fields over the defaults ("default": the H200 defaults of ``kernels/attention_bwd.py``)
 CONFIGS = {
-    "default": {},
-    "tma": dict(loads=2),  # the tiles by TMA from a producer warpgroup, two stages (dk/dv q step 64 at D 128)
-    "tma dkdv q32": dict(loads=2, dkdv_block_q=32),
-    "tma dq kv128": dict(loads=2, dq_block_kv=128),
-    "dkdv q64": dict(dkdv_block_q=64),
-    "dkdv kv64 q64": dict(dkdv_block_kv=64, dkdv_block_q=64, dkdv_threads=128),
-    "dq q64 kv64 t128": dict(dq_block_q=64, dq_threads=128),
-    "dq kv128": dict(dq_block_kv=128),
-    "dkdv t128 dq t128": dict(dkdv_threads=128, dq_threads=128),
+    "default": {},  # dense: the tiles by TMA from a producer warpgroup, two stages (dk/dv q step 64 at D 128)
+    "every thread": dict(loads=1),  # every thread's cp.async, one stage: varlen's programs
+    "tma dkdv q32": dict(dkdv_block_q=32),
+    "tma dq kv128": dict(dq_block_kv=128),
     "ds via shared": dict(ds_shared=2),
+    "every thread dkdv q64": dict(loads=1, dkdv_block_q=64),
+    "every thread dkdv kv64 q64": dict(loads=1, dkdv_block_kv=64, dkdv_block_q=64, dkdv_threads=128),
+    "every thread dq q64 kv64 t128": dict(loads=1, dq_block_q=64, dq_threads=128),
+    "every thread dq kv128": dict(loads=1, dq_block_kv=128),
+    "every thread dkdv t128 dq t128": dict(loads=1, dkdv_threads=128, dq_threads=128),
 }
-
 
 def flops(batch: int, seq: int, causal: bool) -> float:
     """The backward's FLOPs by the issue's convention."""

@@ -89,8 +89,8 @@ STATIC = {
     "ds_shared": (0, 2, "where p and ds meet the tensor cores: 1 registers (the A operand of wgmma/mma), 2 shared "
                         "memory; 0: the default (shared at head_dim 256) (CUDA)"),
     "loads": (0, 2, "how the streamed tiles reach shared memory (CUDA): 1 every thread (cp.async, one stage), 2 TMA "
-                    "from a producer warpgroup TileLang adds on sm_90 (dense calls only; not yet through its CUDA "
-                    "tests); 0: the default (1)"),
+                    "from a producer warpgroup TileLang adds on sm_90 (dense calls only); 0: the default (2 for a "
+                    "dense call, 1 for varlen)"),
 }
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -234,9 +234,9 @@ class AttnBwdKernelSpec:
         if name == "ds_shared" and self.split_by_columns:
             return 2
         if name == "loads":
-            # 1 until TMA's programs (2) pass their CUDA tests: their first GPU run (the H100) found the prep's
-            # lse2 declared bf16, fixed since, and no device was lent again that session to run them
-            return 1
+            # TMA (2) wherever it can address the tensors, dense CUDA calls (faster than every thread's loads on
+            # every row measured: benchmarks/NOTES.md); a varlen call's rows are not a box TMA can describe
+            return 2 if self.backend == "cuda" and not self.varlen else 1
         if name == "stages" and self.tma:
             return 2
         if self.tma and self.head_dim in _TMA_DEFAULTS.get(name, {}):
@@ -634,19 +634,6 @@ def _lse2(lse, base2: bool):
     return lse if base2 else lse * T.float32(_LOG2E)
 
 
-def _p_ds(spec: AttnBwdKernelSpec, qk, dp, lse, delta, i, j, sq, sk, W, scale, softcap, base2: bool = False):
-    """The CUDA schedule's (p, ds) of query ``i`` and key ``j`` from their tile products ``qk = q.k`` and
-    ``dp = dO.v``: ``p = exp(s - lse)`` through ``exp2`` (0 where j is hidden: a select, so a row of
-    lse -inf never makes a NaN), ``ds = scale * p * (dp - delta)``, times ``1 - t^2`` with a softcap
-    (the scale folded in here, so that dk and dq are the plain tile products ``ds^T q``, ``ds k``).
-    ``base2``: ``lse`` is ``lse * log2(e)`` already (the TMA programs')."""
-    s, dcap = _score(spec, qk, scale, softcap)
-    p = T.if_then_else(_visible(spec, i, j, sq, sk, W),
-                       T.exp2(s * T.float32(_LOG2E) - _lse2(lse, base2)), T.float32(0))
-    ds = p * (dp - delta) * scale
-    return p, (ds * dcap if spec.softcap else ds)
-
-
 def _cut(spec: AttnBwdKernelSpec, m0, BM, n0, BN, sq, sk, W):
     """Whether some query of rows ``m0 .. m0 + BM - 1`` does not see some key of ``n0 .. n0 + BN - 1`` (or
     either lies past its sequence): only such a tile is masked element by element (:func:`_probs`)."""
@@ -660,12 +647,15 @@ def _cut(spec: AttnBwdKernelSpec, m0, BM, n0, BN, sq, sk, W):
 
 
 def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with_p: bool, base2: bool = False):
-    """The CUDA schedule's p and ds of a tile without a softcap, as a macro: the products ``qk`` (then p,
-    fp32, in place) and ``dp`` over ``rows x cols`` fragments (``transposed``: keys by queries, dk/dv's),
-    into ``p_t`` (``with_p``: dk/dv's; dq's takes ds alone) and ``ds_t`` in the dtype.
+    """The CUDA schedule's p and ds of a tile, as a macro: the products ``qk`` (then p, fp32, in place)
+    and ``dp`` over ``rows x cols`` fragments (``transposed``: keys by queries, dk/dv's), into ``p_t``
+    (``with_p``: dk/dv's; dq's takes ds alone) and ``ds_t`` in the dtype.
 
     ``p = exp2(qk scale log2(e) - lse log2(e))``, one FFMA and ``ex2.approx.ftz`` an element, computed
-    once (written as :func:`_p_ds`'s expression, each of p and ds evaluated it: two exp2 an element).
+    once into ``qk`` and read by both p and ds (an expression each of them evaluated was two exp2 an
+    element). With a softcap, ``t = tanh(qk scale / c)`` goes into ``qk`` first and ``dp`` becomes
+    ``(dp - delta) scale (1 - t^2)`` in place, so that tanh too is taken once an element; then
+    ``p = exp2(t c log2(e) - lse log2(e))``.
     Hidden pairs get p = 0 in a branch of their own, taken by the tiles a mask or an end cuts
     (:func:`_cut`): a select an element compiled to a branch an element (the forward's, a third of its
     warp samples on the H100). 1.8-2.0x the backward on the H200's causal rows (benchmarks/NOTES.md).
@@ -673,10 +663,16 @@ def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with
     dt = spec.dtype
 
     @T.macro
-    def probs(qk, dp, p_t, ds_t, lse_s, dl_s, m0, n0, Sq, Sk, W, scale):
-        # (Sq, Sk, W, scale: the kernel's own names; a dense call hands it its extents, and a macro's
-        # parameter renames the variable it is given: the launcher then missed 'Sq', tests/test_attn_fwd.py)
-        unit = scale * T.float32(_LOG2E)
+    def probs(qk, dp, p_t, ds_t, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap):
+        # (Sq, Sk, W, scale, softcap: the kernel's own names; a dense call hands it its extents, and a
+        # macro's parameter renames the variable it is given: the launcher then missed 'Sq', tests/test_attn_fwd.py)
+        unit = (softcap if spec.softcap else scale) * T.float32(_LOG2E)
+        if spec.softcap:
+            for a, c in T.Parallel(rows, cols):
+                qk[a, c] = T.tanh(qk[a, c] * scale / softcap)
+            for a, c in T.Parallel(rows, cols):
+                r = c if transposed else a
+                dp[a, c] = (dp[a, c] - dl_s[r]) * scale * (T.float32(1) - qk[a, c] * qk[a, c])
         if _cut(spec, m0, cols if transposed else rows, n0, rows if transposed else cols, Sq, Sk, W):
             for a, c in T.Parallel(rows, cols):
                 i, j = (m0 + c, n0 + a) if transposed else (m0 + a, n0 + c)
@@ -691,7 +687,10 @@ def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with
             r = c if transposed else a
             if with_p:
                 p_t[a, c] = T.cast(qk[a, c], dt)
-            ds_t[a, c] = T.cast(qk[a, c] * (dp[a, c] - dl_s[r]) * scale, dt)
+            if spec.softcap:
+                ds_t[a, c] = T.cast(qk[a, c] * dp[a, c], dt)
+            else:
+                ds_t[a, c] = T.cast(qk[a, c] * (dp[a, c] - dl_s[r]) * scale, dt)
 
     return probs
 
@@ -721,7 +720,7 @@ def _q_tile(spec: AttnBwdKernelSpec):
 def _dkdv_step(spec: AttnBwdKernelSpec, base2: bool):
     """One q tile of the CUDA dk/dv program (both loads): ``sT = K Q^T``, ``dpT = V dO^T``, their p and ds,
     then ``dV += pT dO`` and ``dK += dsT Q``, as a macro (its parameters carry the kernel's own names)."""
-    BN, BM, dt = spec.block_kv, spec.block_q, spec.dtype
+    BN, BM = spec.block_kv, spec.block_q
     FULL = T.GemmWarpPolicy.FullRow
     probs = _probs(spec, BN, BM, transposed=True, with_p=True, base2=base2)
     via_shared = spec.tile("ds_shared") == 2
@@ -732,14 +731,7 @@ def _dkdv_step(spec: AttnBwdKernelSpec, base2: bool):
         T.gemm(K_s, Q_s, sT, transpose_B=True, policy=FULL)
         T.clear(dpT)
         T.gemm(V_s, G_s, dpT, transpose_B=True, policy=FULL)
-        if spec.softcap:
-            for jj, r in T.Parallel(BN, BM):
-                p, ds = _p_ds(spec, sT[jj, r], dpT[jj, r], lse_s[r], dl_s[r], m0 + r, n0 + jj, Sq, Sk, W, scale,
-                              softcap, base2=base2)
-                pT[jj, r] = T.cast(p, dt)
-                dsT[jj, r] = T.cast(ds, dt)
-        else:
-            probs(sT, dpT, pT, dsT, lse_s, dl_s, m0, n0, Sq, Sk, W, scale)
+        probs(sT, dpT, pT, dsT, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap)
         if via_shared:
             T.copy(pT, pT_s)
             T.copy(dsT, dsT_s)
@@ -755,7 +747,7 @@ def _dkdv_step(spec: AttnBwdKernelSpec, base2: bool):
 def _dq_step(spec: AttnBwdKernelSpec, base2: bool):
     """One K/V tile of the CUDA dq program (both loads): ``s = Q K^T``, ``dp = dO V^T``, ds, then
     ``dQ += ds K``, as a macro (its parameters carry the kernel's own names)."""
-    BN, BM, dt = spec.block_kv, spec.block_q, spec.dtype
+    BN, BM = spec.block_kv, spec.block_q
     FULL = T.GemmWarpPolicy.FullRow
     probs = _probs(spec, BM, BN, transposed=False, with_p=False, base2=base2)
     via_shared = spec.tile("ds_shared") == 2
@@ -766,13 +758,7 @@ def _dq_step(spec: AttnBwdKernelSpec, base2: bool):
         T.gemm(Q_s, K_s, s_f, transpose_B=True, policy=FULL)
         T.clear(dp)
         T.gemm(G_s, V_s, dp, transpose_B=True, policy=FULL)
-        if spec.softcap:
-            for r, jj in T.Parallel(BM, BN):
-                _, ds = _p_ds(spec, s_f[r, jj], dp[r, jj], lse_s[r], dl_s[r], m0 + r, n0 + jj, Sq, Sk, W, scale,
-                              softcap, base2=base2)
-                ds_f[r, jj] = T.cast(ds, dt)
-        else:
-            probs(s_f, dp, None, ds_f, lse_s, dl_s, m0, n0, Sq, Sk, W, scale)
+        probs(s_f, dp, None, ds_f, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap)
         if via_shared:
             T.copy(ds_f, ds_s)
             T.gemm(ds_s, K_s, dq, policy=FULL)

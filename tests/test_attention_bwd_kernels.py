@@ -469,8 +469,10 @@ MASKS = {
     "softcap": dict(lens_q=[257], lens_k=[257], causal=True, softcap=50.0, scale=4.0),
     "varlen": dict(lens_q=[190, 0, 129, 1], lens_k=[250, 0, 64, 300], causal=True, varlen=True),
 }
-#: the tile knobs of test_cuda_mha_and_tile_shapes' second run
-TILES = dict(dkdv_block_q=64, dq_block_kv=128, dq_block_q=64, stages=1)
+#: the tile knobs of test_cuda_mha_and_tile_shapes' every-thread run (the knobs its sweep tries)
+TILES = dict(dkdv_block_q=64, dq_block_kv=128, dq_block_q=64, stages=1, loads=1)
+#: and of its TMA run: the dk/dv program's q step at 32 (the TMA default is 64 at head_dim 128)
+TMA_TILES = dict(dkdv_block_q=32)
 
 
 def _specs(d=128, dtype=torch.bfloat16, causal=False, window=None, softcap=None, varlen=False, **fields):
@@ -506,9 +508,9 @@ def warm_head_dims(request):
 def warm_masks():
     fields = [{k: v for k, v in kw.items() if k not in ("lens_q", "lens_k", "scale")} for kw in MASKS.values()]
     rest = [_specs(**f) for f in fields]
-    tma = [_specs(loads=2, **f) for f in fields if not f.get("varlen")]
-    _warm([x for group in (*rest, *tma, _specs(causal=True), _specs(causal=True, **TILES), _specs(causal=True, loads=2))
-           for x in group])
+    every = [_specs(loads=1, **f) for f in fields if not f.get("varlen")]
+    mha = [_specs(causal=True, **f) for f in ({}, TMA_TILES, dict(loads=1), TILES)]
+    _warm([x for group in (*rest, *every, *mha) for x in group])
 
 
 @pytest.mark.cuda
@@ -529,21 +531,23 @@ def test_cuda_masks(gen, warm_masks, name):
 @pytest.mark.cuda
 @ATTN_CUDA
 @pytest.mark.parametrize("name", [n for n, kw in MASKS.items() if not kw.get("varlen")])
-def test_cuda_masks_tma(gen, warm_masks, name):
-    """Every dense mask with the programs' tiles by TMA (``loads`` 2: a producer warpgroup, two stages, lse2
-    and delta padded; the prep's lse2 in fp32)."""
-    check(Case(gen, hq=8, hkv=2, d=128, dtype=torch.bfloat16, **MASKS[name]), CUDA, loads=2)
+def test_cuda_masks_every_thread(gen, warm_masks, name):
+    """Every dense mask with the programs' tiles loaded by every thread (``loads`` 1, one stage: varlen's
+    programs, which a schedule may also choose for a dense call; the default, TMA, is test_cuda_masks')."""
+    check(Case(gen, hq=8, hkv=2, d=128, dtype=torch.bfloat16, **MASKS[name]), CUDA, loads=1)
 
 
 @pytest.mark.cuda
 @ATTN_CUDA
 def test_cuda_mha_and_tile_shapes(gen, warm_masks):
-    """MHA, and other tiles: the dk/dv program's q step at 64, the dq program's 64-row tiles over
-    128-key steps, one stage (knobs the benchmark's sweep tries); and with the tiles by TMA (``loads`` 2)."""
+    """MHA, and other tiles: by TMA (the default) and with the dk/dv program's q step at 32; by every
+    thread's loads (``loads`` 1), and with the dk/dv program's q step at 64, the dq program's 64-row tiles
+    over 128-key steps (knobs the benchmark's sweep tries)."""
     case = Case(gen, lens_q=[300], lens_k=[300], hq=4, hkv=4, d=128, dtype=torch.bfloat16, causal=True)
     check(case, CUDA)
+    check(case, CUDA, **TMA_TILES)
+    check(case, CUDA, loads=1)
     check(case, CUDA, **TILES)
-    check(case, CUDA, loads=2)
 
 
 @pytest.mark.cuda

@@ -23,7 +23,7 @@ same inputs give the same bits. Varlen calls pass the token counts (``total_q``,
 kernels' bound on a sequence's length (``Sq``/``Sk``): the max sequence length would need the offsets
 on the host (a synchronisation every backward), and the bound costs only programs that find no rows
 and return (``batch * ceil(total / block)`` of them in place of about ``ceil(total / block) + batch``).
-A schedule that sets ``kernels/attention_bwd.py``'s ``loads`` to 2 (dense CUDA calls) runs :data:`BACKWARD_TMA`
+A dense CUDA call (``kernels/attention_bwd.py``'s ``loads`` 2, its default there) runs :data:`BACKWARD_TMA`
 instead: the same three programs with their tiles by TMA, lse2 and delta in rows padded for TMA.
 """
 
@@ -130,8 +130,8 @@ BACKWARD = Plan(
            Step("dq", {**_GRAD_PTRS, "DQ": Ptr("dq"), **_GRAD_VALUES, **_bsh("dq", "dq")})),
     dims=DIMS)
 
-#: The backward of a dense CUDA call with its tiles by TMA (``kernels/attention_bwd.py``'s ``loads`` 2, which a
-#: schedule sets): ``prep`` also writes ``lse * log2(e)``, and both it and delta go into rows padded to
+#: The backward of a dense CUDA call with its tiles by TMA (``kernels/attention_bwd.py``'s ``loads`` 2, the
+#: default of a dense call): ``prep`` also writes ``lse * log2(e)``, and both it and delta go into rows padded to
 #: ``dlh`` (a multiple of 16 bytes, as TMA's strides must be; :func:`padded_rows`), two per-call workspaces
 #: ``[B, Hq, dlh]``; the gradient programs take q, k, v, dO and the gradients as 4-D tensors, their sizes
 #: and strides (in elements) the kernels' dynamic extents.
@@ -343,8 +343,8 @@ class AttnKernels:
         return self._bwd_spec_list
 
     def _bwd_plan(self) -> Plan:
-        """:data:`BACKWARD_TMA` where the backward's programs take their tiles by TMA (a schedule's ``loads``
-        2, dense CUDA calls), else :data:`BACKWARD`."""
+        """:data:`BACKWARD_TMA` where the backward's programs take their tiles by TMA (``loads``
+        2: dense CUDA calls, unless a schedule sets 1), else :data:`BACKWARD`."""
         return backward_plan(self._bwd_specs()[1].tma)
 
     def _bwd(self) -> dict[str, Any]:

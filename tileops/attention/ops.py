@@ -57,9 +57,9 @@ class AttnFwdOp(hooks.AttnFwdHooks):
     warmup`` compiles them ahead of time, in parallel, into the disk cache that later processes load from.
 
     Gradients of q, k and v (``backward``; ``kernels/attention_bwd.py``): FlashAttention-2's backward as three
-    programs of one plan, without atomics (the same inputs give the same bits). Their tiles are loaded by
-    every thread, one stage deep; a schedule may set ``loads: 2`` (``kernels/attention_bwd.py``) for a dense
-    call's tiles by TMA from a producer warpgroup, two stages deep, not yet through its CUDA tests.
+    programs of one plan, without atomics (the same inputs give the same bits). A dense CUDA call's tiles come
+    by TMA from a producer warpgroup, two stages deep; a varlen call's are loaded by every thread, one stage
+    deep (``loads`` 1 in ``kernels/attention_bwd.py``, which a schedule may set for a dense call too).
     ``return_lse=True`` is refused while an input requires grad (lse's gradient is not taken).
 
     References: Dao et al., FlashAttention-2 (2023) and FlashAttention-3 (2024); TileLang
