@@ -202,6 +202,32 @@ def _timed(real, times):
     return trial
 
 
+def test_a_budget_spent_before_any_candidate_keeps_nothing(gen):
+    """The built-in schedule is timed first; a budget that ends there tries no candidate, so the class
+    keeps no entry (one would read "tuned on this machine" of a search that never ran: the H200's
+    ``tileops tune AttnFwdOp --budget 360`` wrote three such entries, 0 of 24 candidates tried).
+    A nanosecond of budget is spent by the time the built-in schedule has run."""
+    q, k, v = _qkv(gen, seq=8)
+    result = tuning.tune_calls(AttnFwdOp(4, 2, 64), [{"q": q, "k": k, "v": v}], budget=1e-9, progress=False)
+    assert result.trials == [] and result.chosen.knobs == ()
+    assert result.chosen.source == "not kept: the budget ended before any candidate was tried"
+    assert not schedules.tuned_path({}).exists()
+
+
+def test_the_tune_command_skips_the_classes_a_spent_budget_leaves(capsys, monkeypatch):
+    """Past its ``--budget`` the command tunes no further class, and says which it left (the budget,
+    a nanosecond, is spent making the cases' inputs)."""
+    def tune_calls(op, calls, **kw):
+        raise AssertionError(f"a spent budget tuned {kw['label']}")
+
+    monkeypatch.setattr(tuning, "tune_calls", tune_calls)
+    assert main(["tune", "AttnFwdOp", "--device", "cpu", "--budget", "1e-9", "--cases", "gqa-2k"]) == 0
+    out, err = capsys.readouterr()
+    for label in ("gqa-2k-bf16", "gqa-2k-fp16"):
+        assert f"tileops tune: AttnFwdOp {label}: not tuned, the budget (1e-09 s) is spent" in err
+    assert "AttnFwdOp: 0 of 2 shape classes tuned in" in out
+
+
 def test_tune_refuses_an_op_with_no_space_for_the_backend():
     from tileops.rope import RoPEFwdOp
 

@@ -19,7 +19,8 @@ and the calls that stand for it:
 
 A space of up to :data:`EXHAUSTIVE` points is searched whole; a larger one one knob at a time from its
 first point (each knob's values with the others held at the best so far, twice over the knobs).
-``budget`` seconds bound the search: the best found by then is kept.
+``budget`` seconds bound the search: the best found by then is kept. A class whose budget ends before
+any candidate is tried keeps nothing: an entry then would say "tuned" of a search that never ran.
 """
 
 from __future__ import annotations
@@ -456,7 +457,10 @@ def tune_calls(op: Any, calls: list[Mapping[str, torch.Tensor]], *, budget: floa
     for t in result.dropped:
         print(f"tileops tune: {m.name} {cls}: dropped {t.label()}: {t.dropped}", file=sys.stderr)
     result.seconds = time.monotonic() - t0
-    if record:
+    if not trials:
+        result.chosen = schedules.Schedule(source="not kept: the budget ended before any candidate was tried",
+                                           shape_class=cls)
+    elif record:
         schedules.record(m, device, cls, chosen, {
             "us": round(chosen_s * 1e6, 2), "builtin_us": round(builtin_s * 1e6, 2),
             "candidates": len(space), "tried": len(trials), "dropped": len(result.dropped),
