@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -200,6 +201,30 @@ def _timed(real, times):
             t.seconds = times[knobs]
         return t
     return trial
+
+
+@pytest.mark.parametrize("size", [6, tuning.EXHAUSTIVE + 1])
+def test_the_search_builds_each_batch_of_points_before_it_times_them(size):
+    """A small space is built whole before its first trial; a larger one knob by knob, each knob's
+    values (the others held at the best so far) built before they are timed. Every point timed was
+    built first, and no point is timed twice."""
+    space = [(("k", "a", a), ("k", "b", b)) for a in range(size) for b in range(2)]
+    events = []
+    ran = tuning._search(space, lambda point: events.append(("run", point)) or tuning.Trial(point, 1.0),
+                         math.inf, lambda batch: events.append(("build", tuple(batch))))
+    built = set()
+    for what, x in events:
+        if what == "build":
+            assert not built & set(x), "a point built twice"
+            built |= set(x)
+        else:
+            assert x in built, f"{x} timed before it was built"
+    timed = [x for what, x in events if what == "run"]
+    assert len(timed) == len(set(timed)) == len(ran)
+    if size <= tuning.EXHAUSTIVE:
+        assert events[0] == ("build", tuple(space)) and set(timed) == set(space)
+    else:
+        assert sum(what == "build" for what, _ in events) > 1 and len(timed) < len(space)
 
 
 def test_a_budget_spent_before_any_candidate_keeps_nothing(gen):

@@ -5,7 +5,8 @@ and the calls that stand for it:
 
 1. the built-in schedule is run and timed first: the baseline every candidate must beat;
 2. each candidate of the manifest's space for the device's backend (``kernel.tune``, its rules
-   applied) is built as an op of its own, run on every call and **checked against the family's
+   applied; their kernels compiled a batch at a time, in parallel: :func:`_builder`) is built as an
+   op of its own, run on every call and **checked against the family's
    float64 reference** (``tileops.<family>.reference``: the output, and the gradients where the knobs
    reach a backward's kernels and the reference has them: :func:`_backward_checked`; an input the op
    writes, a KV cache, against the built-in schedule's writes) before it is timed; on CUDA a call is
@@ -359,20 +360,53 @@ def _confirm(op: Any, knobs: tuple, calls: list[_Call], reps: int, rounds: int =
     return statistics.median(got[0]), statistics.median(got[1])
 
 
-def _search(space: list[tuple], run: Callable[[tuple], Trial], deadline: float) -> list[Trial]:
-    """Trials over ``space``: every point when it is small, else one knob at a time from the best."""
+def _builder(op: Any, calls: list[Mapping[str, torch.Tensor]], backward: bool,
+             progress: bool | None) -> Callable[[list[tuple]], None]:
+    """What :func:`_search` hands each batch of points: their kernels for ``calls`` (the backward's too
+    where a candidate's gradients are checked), compiled at once, one process a CPU, into the disk cache
+    the trials then load from. One after another in the trials, the H200's first ``tileops tune
+    AttnFwdOp`` spent 15-22 s a candidate compiling (381 s for 21 of 24), its 16 CPUs one at a time. A
+    kernel that fails to build here is built again by its trial, which drops the candidate with the error."""
+    import dataclasses
+
+    from .compile.build import device_backend
+    from .compile.warmup import compile_jobs
+
+    m = op.manifest
+    specs = importlib.import_module(f"tileops.{m.family}.builtin").kernel_specs
+    device = next(t.device for t in calls[0].values() if isinstance(t, torch.Tensor))
+    backend, arch = device_backend(device)
+    call_specs = list(dict.fromkeys(op._check_call(c) for c in calls))
+
+    def build(points: list[tuple]) -> None:
+        jobs = [(b, spec, backend, arch) for call in call_specs for knobs in points
+                for b, spec in specs(m, op.params, dataclasses.replace(call, schedule=knobs), backend, backward)]
+        compile_jobs(jobs, progress=progress)
+
+    return build
+
+
+def _search(space: list[tuple], run: Callable[[tuple], Trial], deadline: float,
+            build: Callable[[list[tuple]], None] = lambda points: None) -> list[Trial]:
+    """Trials over ``space``: every point when it is small, else one knob at a time from the best.
+    ``build`` is handed each batch of points before they are visited (all of a small space; a knob's
+    values, the others held), to compile their kernels at once (:func:`_builder`)."""
     trials: list[Trial] = []
     seen: set[tuple] = set()
 
-    def visit(point: tuple) -> None:
-        if point in seen or time.monotonic() > deadline:
+    def visit(batch: list[tuple]) -> None:
+        batch = [p for p in dict.fromkeys(batch) if p not in seen]
+        if not batch or time.monotonic() > deadline:
             return
-        seen.add(point)
-        trials.append(run(point))
+        build(batch)
+        for point in batch:
+            if time.monotonic() > deadline:
+                return
+            seen.add(point)
+            trials.append(run(point))
 
     if len(space) <= EXHAUSTIVE:
-        for point in space:
-            visit(point)
+        visit(space)
         return trials
     allowed = set(space)
     names = [(b, k) for b, k, _ in space[0]]
@@ -380,10 +414,8 @@ def _search(space: list[tuple], run: Callable[[tuple], Trial], deadline: float) 
     best_point = space[0]
     for _ in range(2):
         for bk in names:
-            for v in values[bk]:
-                point = tuple((b, k, (v if (b, k) == bk else pv)) for (b, k, pv) in best_point)
-                if point in allowed:
-                    visit(point)
+            visit([p for v in values[bk]
+                   if (p := tuple((b, k, (v if (b, k) == bk else pv)) for (b, k, pv) in best_point)) in allowed])
             timed = [t for t in trials if t.seconds is not None]
             if timed:
                 best_point = min(timed, key=lambda t: t.seconds).knobs
@@ -440,7 +472,7 @@ def tune_calls(op: Any, calls: list[Mapping[str, torch.Tensor]], *, budget: floa
                                              else f"DROPPED ({trial.dropped})"))
             return trial
 
-        trials = _search(space, run, deadline)
+        trials = _search(space, run, deadline, _builder(base_op, calls, checked, show))
     result = Result(m.name, cls, schedules.Schedule(shape_class=cls), baseline, trials)
     best = result.best
     chosen: tuple = ()
