@@ -53,6 +53,7 @@ CONFIGS = {
     "every thread dkdv t128 dq t128": dict(loads=1, dkdv_threads=128, dq_threads=128),
 }
 
+
 def flops(batch: int, seq: int, causal: bool) -> float:
     """The backward's FLOPs by the issue's convention."""
     f = 4.0 * seq * seq * D * HQ * batch * 2.5

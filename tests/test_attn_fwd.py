@@ -389,8 +389,8 @@ def test_overlap_releases_each_tile_after_the_wgmma_that_reads_it(causal):
 
 
 #: kernels whose wgmma ptxas must leave asynchronous: the forward's default (pipeline 2) and overlap
-#: (pipeline 4) schedules, masked and not, and the backward's two gradient programs (every thread loading,
-#: the default, dense and varlen; and by TMA, ``loads`` 2)
+#: (pipeline 4) schedules, masked and not, and the backward's two gradient programs (by TMA, ``loads`` 2,
+#: the dense default; and every thread loading, ``loads`` 1, dense and varlen's default)
 _PTXAS_CASES = {
     "fwd-p2-causal": ("attention", dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda", causal=True)),
     "fwd-p2-full": ("attention", dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda")),

@@ -360,27 +360,22 @@ def _confirm(op: Any, knobs: tuple, calls: list[_Call], reps: int, rounds: int =
     return statistics.median(got[0]), statistics.median(got[1])
 
 
-def _builder(op: Any, calls: list[Mapping[str, torch.Tensor]], backward: bool,
+def _builder(op: Any, calls: list[Any], device: torch.device, backward: bool,
              progress: bool | None) -> Callable[[list[tuple]], None]:
-    """What :func:`_search` hands each batch of points: their kernels for ``calls`` (the backward's too
-    where a candidate's gradients are checked), compiled at once, one process a CPU, into the disk cache
-    the trials then load from. One after another in the trials, the H200's first ``tileops tune
-    AttnFwdOp`` spent 15-22 s a candidate compiling (381 s for 21 of 24), its 16 CPUs one at a time. A
-    kernel that fails to build here is built again by its trial, which drops the candidate with the error."""
-    import dataclasses
-
+    """What :func:`_search` hands each batch of points: their kernels for ``calls`` (the
+    :class:`~tileops.manifest.CallSpec` of each; the backward's kernels too where a candidate's gradients
+    are checked), compiled at once, one process a CPU, into the disk cache the trials then load from. One
+    after another in the trials, the H200's first ``tileops tune AttnFwdOp`` spent 15-22 s a candidate
+    compiling (381 s for 21 of 24), its 16 CPUs one at a time. A kernel that fails to build here is built
+    again by its trial, which drops the candidate with the error."""
     from .compile.build import device_backend
-    from .compile.warmup import compile_jobs
+    from .compile.warmup import compile_jobs, schedule_jobs
 
-    m = op.manifest
-    specs = importlib.import_module(f"tileops.{m.family}.builtin").kernel_specs
-    device = next(t.device for t in calls[0].values() if isinstance(t, torch.Tensor))
-    backend, arch = device_backend(device)
-    call_specs = list(dict.fromkeys(op._check_call(c) for c in calls))
+    arch = device_backend(device)[1]
 
     def build(points: list[tuple]) -> None:
-        jobs = [(b, spec, backend, arch) for call in call_specs for knobs in points
-                for b, spec in specs(m, op.params, dataclasses.replace(call, schedule=knobs), backend, backward)]
+        jobs = [j for call in dict.fromkeys(calls) for j in schedule_jobs(op.manifest, op.params, call, points, arch,
+                                                                           backward)]
         compile_jobs(jobs, progress=progress)
 
     return build
@@ -443,9 +438,9 @@ def tune_calls(op: Any, calls: list[Mapping[str, torch.Tensor]], *, budget: floa
     t0 = time.monotonic()
     deadline = t0 + budget if budget is not None else math.inf
     base_op = type(op)(**op.params, target=BUILTIN)
-    classes = set()
+    classes, call_specs = set(), []
     for c in calls:
-        base_op._check_call(c)
+        call_specs.append(base_op._check_call(c))
         classes.add(base_op.schedule.shape_class)
     if len(classes) != 1:
         raise ValueError(f"{m.name}.tune: the calls are of several shape classes ({', '.join(sorted(classes))}); "
@@ -472,7 +467,7 @@ def tune_calls(op: Any, calls: list[Mapping[str, torch.Tensor]], *, budget: floa
                                              else f"DROPPED ({trial.dropped})"))
             return trial
 
-        trials = _search(space, run, deadline, _builder(base_op, calls, checked, show))
+        trials = _search(space, run, deadline, _builder(base_op, call_specs, device, checked, show))
     result = Result(m.name, cls, schedules.Schedule(shape_class=cls), baseline, trials)
     best = result.best
     chosen: tuple = ()

@@ -34,8 +34,8 @@ from typing import Any, Callable, Iterable, Mapping
 from . import cuda_build, lowered
 from .cuda_build import MIN_SM
 
-__all__ = ["kernel_jobs", "op_kernel_jobs", "compile_jobs", "warmup", "write_lowered", "map_jobs", "default_arch",
-           "arch_problem"]
+__all__ = ["kernel_jobs", "op_kernel_jobs", "schedule_jobs", "compile_jobs", "warmup", "write_lowered", "map_jobs",
+           "default_arch", "arch_problem"]
 
 
 def default_arch() -> str:
@@ -113,23 +113,33 @@ def op_kernel_jobs(name: str, params: Mapping[str, Any], dims: Mapping[str, int]
     ``every_index_dtype`` (:func:`tileops.manifest.call_specs`). The family's ``kernel_specs``
     names the kernels of each call; ``schedules``, where given, the schedules besides the built-in one
     whose kernels each call also needs."""
-    import dataclasses
-
     import torch
 
     from ..manifest import call_specs, registry
 
     backend = "c" if arch == "c" else "cuda"
     m = registry()[name]
-    specs = importlib.import_module(f"tileops.{m.family}.builtin").kernel_specs
     params = {**m.defaults(), **params}
     jobs: list[tuple[str, Any, str, str]] = []
     for call in call_specs(m, dims, dtypes, torch.device("cpu" if backend == "c" else "cuda"), with_inputs,
                            every_index_dtype, params):
-        for knobs in ((), *(schedules(m, call, dims, params) if schedules is not None else ())):
-            sched = dataclasses.replace(call, schedule=knobs) if knobs else call
-            jobs += [(builder, spec, backend, arch) for builder, spec in specs(m, params, sched, backend, backward)]
+        knobs = ((), *(schedules(m, call, dims, params) if schedules is not None else ()))
+        jobs += schedule_jobs(m, params, call, knobs, arch, backward)
     return list(dict.fromkeys(jobs))
+
+
+def schedule_jobs(manifest: Any, params: Mapping[str, Any], call: Any, schedules: Iterable[tuple], arch: str,
+                  backward: bool = True) -> list[tuple[str, Any, str, str]]:
+    """The kernel jobs of one call (a :class:`tileops.manifest.CallSpec`) of an op built with ``params``
+    under each of ``schedules`` (knobs ``((builder, knob, value), ...)``; ``()``: the built-in one), as the
+    family's ``kernel_specs`` names them: the forward's and, with ``backward``, the backward's."""
+    import dataclasses
+
+    backend = "c" if arch == "c" else "cuda"
+    specs = importlib.import_module(f"tileops.{manifest.family}.builtin").kernel_specs
+    return [(builder, spec, backend, arch) for knobs in schedules
+            for builder, spec in specs(manifest, params, dataclasses.replace(call, schedule=knobs) if knobs else call,
+                                       backend, backward)]
 
 
 def _compile(job: tuple[str, Any, str, str]) -> str | None:
