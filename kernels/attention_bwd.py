@@ -123,8 +123,10 @@ _DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 1, 1), 80: (128, 32, 256, 128, 64,
 #: TMA programs (``loads`` 2): the knobs whose default differs from :data:`_DEFAULTS`, per head dim. The dk/dv
 #: program's q step at 64 rows: with the step's loads behind mbarriers, a wider wgmma N (64, not 32) paid
 #: on the H100, dk/dv 17.9 -> 14.7 ms at 1 x 16384 and 727 -> 576 us at 16 x 1024 causal (GQA 32/8, bf16;
-#: benchmarks/NOTES.md, the twentieth session); 168 registers, no spill (ptxas 13.0) at D 96 and 128
-_TMA_DEFAULTS = {"dkdv_block_q": {96: 64, 128: 64}}
+#: benchmarks/NOTES.md, the twentieth session); 168 registers, no spill (ptxas 13.0) at D 96 and 128. The dq
+#: program's K/V step at 128 keys: 1.01-1.07x the backward at D 128 on the H200's four rows, side by side
+#: (dq 11.45 -> 10.04 ms at 1 x 16384, 460 -> 430 us at 16 x 1024 causal; the twenty-first session)
+_TMA_DEFAULTS = {"dkdv_block_q": {96: 64, 128: 64}, "dq_block_kv": {128: 128}}
 #: the C schedule's default tiles: small, so that the CPU tests cross tile edges with short sequences
 _C_DEFAULTS = (16, 16, 1, 16, 16, 1, 1, 1)
 
