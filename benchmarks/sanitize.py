@@ -43,6 +43,49 @@ MAX_POS = (1 << 24) - 1
 DEV = os.environ.get("TILEOPS_SANITIZE_DEVICE", "cuda")
 
 
+#: set in initcheck's processes (``outer``): each call first fills the memory the caching allocator holds free
+PREFILL_ENV = "TILEOPS_SANITIZE_PREFILL"
+
+
+class _Raw:
+    """``length`` bytes of device memory at ``ptr`` as torch sees an array it does not own."""
+
+    def __init__(self, ptr: int, length: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+def _free_blocks() -> Iterator[tuple[int, int]]:
+    """``(address, size)`` of every block this process's caching allocator holds free."""
+    for seg in torch.cuda.memory_snapshot():
+        addr = seg["address"]
+        for blk in seg["blocks"]:
+            if blk["state"] == "inactive":
+                yield blk.get("address", addr), blk["size"]
+            addr += blk["size"]
+
+
+def _prefill() -> None:
+    """Fill with 0xFF bytes (NaN in every float dtype, -1 in every int) the memory the caching allocator
+    holds free, after growing both of its pools, so that what a call allocates next is written memory.
+
+    initcheck does not see the TMA engine's stores (``cp.async.bulk.tensor``): on 2026-12-06 (an H100)
+    it reported every element of out, dq, dk and dv of the attention calls as read uninitialised
+    (196,608 reads for gqa-2k shrunk: out and dq 16 x 32 x 128, dk and dv 32 x 8 x 128; 262,144 for
+    mha-1k-d64: four tensors of 2 x 32 x 16 x 64), exactly what those kernels store from shared memory
+    by TMA, while every value matched its float64 reference. With the fill, an output lands on written
+    memory, and an element a kernel failed to store stays NaN, which ``_close`` rejects; initcheck still
+    reports any read of memory nothing wrote (a new segment, a workspace of a later allocation)."""
+    # the small pool serves allocations up to 1 MiB from 2 MiB segments, the large pool the rest
+    held = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(32)]
+    held += [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (8, 8, 64, 256)]
+    del held
+    torch.cuda.synchronize()
+    for addr, size in _free_blocks():
+        torch.as_tensor(_Raw(addr, size), device="cuda").fill_(0xFF)
+    torch.cuda.synchronize()
+
+
 def _refs():
     from tests.references import reference, reference_grad
     from tileops.testing import tolerance
@@ -209,9 +252,12 @@ def inner(part: int, parts: int) -> int:
 
     todo = calls()[part::parts]
     failed = refused = 0
+    prefill = DEV == "cuda" and os.environ.get(PREFILL_ENV) == "1"
     for name, run in todo:
         t0 = time.time()
         try:
+            if prefill:
+                _prefill()
             run()
             print(f"ok {name} ({time.time() - t0:.1f} s)", flush=True)  # (how far a run cut short got)
         except NotImplementedError as e:
@@ -243,6 +289,8 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
     of them all), each split over ``tool_parts`` processes (every ``tool_parts``-th call, as the plain
     run splits them)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if logdir:
+        os.makedirs(logdir, exist_ok=True)
     me = [sys.executable, "-m", "benchmarks.sanitize", "--inner"]
     t0 = time.time()
     procs = [subprocess.Popen([*me, "--part", str(i), "--parts", str(jobs)], env=env, stdout=subprocess.PIPE,
@@ -272,7 +320,8 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
         name = f"sanitize-{tool}.log" if tool_parts == 1 else f"sanitize-{tool}-{part}.log"
         sink = open(os.path.join(logdir, name), "w+") if logdir else tempfile.TemporaryFile("w+")
         inner = [*me, "--part", str(part), "--parts", str(tool_parts)]
-        return subprocess.Popen([*cmd, *inner], env=env, stdout=sink, stderr=subprocess.STDOUT, text=True), sink
+        tool_env = {**env, PREFILL_ENV: "1"} if tool == "initcheck" else env  # (``_prefill`` says why)
+        return subprocess.Popen([*cmd, *inner], env=tool_env, stdout=sink, stderr=subprocess.STDOUT, text=True), sink
 
     t_all = time.time()
     started = {(tool, i): start(tool, i) for tool in tools for i in range(tool_parts)} if concurrent else {}

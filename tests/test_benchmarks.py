@@ -423,3 +423,40 @@ def test_attention_cost_fits_a_line_and_plans_its_calls(capsys):
         attention_cost.main(["--dry", "--tiles", "1,x"])
     with pytest.raises(SystemExit, match=r"--waves: expected a count of at least 1, got 0"):
         attention_cost.main(["--dry", "--waves", "0"])
+
+
+def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_asks_for_it(monkeypatch, tmp_path):
+    from benchmarks import sanitize
+
+    snap = [{"address": 1000, "blocks": [{"size": 64, "state": "active_allocated", "address": 1000},
+                                         {"size": 32, "state": "inactive", "address": 1064}]},
+            # a snapshot without block addresses: each block starts where the one before ended
+            {"address": 5000, "blocks": [{"size": 16, "state": "inactive"}, {"size": 8, "state": "active_allocated"},
+                                         {"size": 40, "state": "inactive"}]}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snap)
+    assert list(sanitize._free_blocks()) == [(1064, 32), (5000, 16), (5024, 40)]
+    assert sanitize._Raw(5024, 40).__cuda_array_interface__["data"] == (5024, False)
+
+    # initcheck's processes, and only they, get the variable; --logdir is made where it is missing
+    seen = {}
+
+    class Proc:
+        returncode = 0
+
+        def __init__(self, cmd, env, stdout, **_):
+            if "--tool" in cmd:
+                seen[cmd[cmd.index("--tool") + 1]] = env.get(sanitize.PREFILL_ENV)
+            self.cmd, self.sink = cmd, stdout
+
+        def communicate(self):
+            return "sanitize calls: 0 passed, 0 failed, 0 refused\n", None
+
+        def wait(self):
+            self.sink.write("ERROR SUMMARY: 0 errors\nsanitize calls: 0 passed, 0 failed, 0 refused\n")
+
+    monkeypatch.setattr(sanitize.subprocess, "Popen", Proc)
+    monkeypatch.setattr(sanitize, "calls", lambda: [])
+    logdir = tmp_path / "new" / "logs"
+    assert sanitize.outer(["memcheck", "initcheck", "synccheck"], 1, str(logdir)) == 0
+    assert seen == {"memcheck": None, "initcheck": "1", "synccheck": None}
+    assert (logdir / "sanitize-initcheck.log").exists()
