@@ -287,7 +287,8 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
     """The plain run over ``jobs`` processes, then each tool's run (one after another, or with
     ``concurrent`` all at once: independent processes on one GPU; a tool's time is then from the start
     of them all), each split over ``tool_parts`` processes (every ``tool_parts``-th call, as the plain
-    run splits them)."""
+    run splits them). ``jobs`` 0 skips the plain run (a device call whose earlier command ran it on the
+    same tree: its kernels are in the cache, its results checked), and the summary line says so."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if logdir:
         os.makedirs(logdir, exist_ok=True)
@@ -307,8 +308,11 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
         print(f"  plain part {i}: rc={p.returncode}; {'; '.join(shown) or '(no summary)'}")
         if p.returncode != 0:
             print("\n".join("    " + ln for ln in lines[-15:]))
-    print(f"plain run ({len(calls())} calls, {jobs} processes, kernels compiled): {'ok' if ok else 'FAILED'} "
-          f"in {time.time() - t0:.0f} s", flush=True)
+    if jobs:
+        print(f"plain run ({len(calls())} calls, {jobs} processes, kernels compiled): {'ok' if ok else 'FAILED'} "
+              f"in {time.time() - t0:.0f} s", flush=True)
+    else:
+        print("plain run: skipped (--jobs 0)", flush=True)
     exe = os.environ.get("COMPUTE_SANITIZER", "compute-sanitizer")
 
     def start(tool: str, part: int) -> tuple[subprocess.Popen, typing.IO[str]]:
@@ -343,7 +347,8 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
             if not good:
                 print("\n".join(ln for ln in log.splitlines() if re.search(r"FAILED|Error|error", ln))[-3000:])
     shard = os.environ.get("TILEOPS_SANITIZE_SHARD", "")
-    print(f"sanitize{' shard ' + shard if shard else ''}: {'passed' if ok else 'FAILED'}: the plain run and "
+    print(f"sanitize{' shard ' + shard if shard else ''}: {'passed' if ok else 'FAILED'}: "
+          f"{'the plain run and ' if jobs else '(no plain run) '}"
           f"{', '.join(tools)} over {len(calls())} calls "
           f"({time.time() - t_all:.0f} s under the tools)", flush=True)
     return 0 if ok else 1
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", type=int, default=0)
     ap.add_argument("--parts", type=int, default=1)
     ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
-    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes for the plain run")
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes for the plain run; 0: no plain run")
     ap.add_argument("--logdir", default="", help="write each tool's full log here")
     ap.add_argument("--concurrent", action="store_true", help="run the tools at once, not one after another")
     ap.add_argument("--tool-parts", type=int, default=1,

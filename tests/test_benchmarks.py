@@ -425,7 +425,7 @@ def test_attention_cost_fits_a_line_and_plans_its_calls(capsys):
         attention_cost.main(["--dry", "--waves", "0"])
 
 
-def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_asks_for_it(monkeypatch, tmp_path):
+def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_asks_for_it(monkeypatch, tmp_path, capsys):
     from benchmarks import sanitize
 
     snap = [{"address": 1000, "blocks": [{"size": 64, "state": "active_allocated", "address": 1000},
@@ -460,3 +460,6 @@ def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_as
     assert sanitize.outer(["memcheck", "initcheck", "synccheck"], 1, str(logdir)) == 0
     assert seen == {"memcheck": None, "initcheck": "1", "synccheck": None}
     assert (logdir / "sanitize-initcheck.log").exists()
+    assert sanitize.outer(["initcheck"], 0, str(logdir)) == 0  # --jobs 0: no plain run, and said so
+    out = capsys.readouterr().out
+    assert "plain run: skipped (--jobs 0)" in out and "passed: (no plain run) initcheck over 0 calls" in out
