@@ -347,9 +347,9 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
             if not good:
                 print("\n".join(ln for ln in log.splitlines() if re.search(r"FAILED|Error|error", ln))[-3000:])
     shard = os.environ.get("TILEOPS_SANITIZE_SHARD", "")
+    ran = (["the plain run"] if jobs else []) + list(tools)
     print(f"sanitize{' shard ' + shard if shard else ''}: {'passed' if ok else 'FAILED'}: "
-          f"{'the plain run and ' if jobs else '(no plain run) '}"
-          f"{', '.join(tools)} over {len(calls())} calls "
+          f"{', '.join(ran) or 'nothing'}{'' if jobs else ' (no plain run)'} over {len(calls())} calls "
           f"({time.time() - t_all:.0f} s under the tools)", flush=True)
     return 0 if ok else 1
 

@@ -462,4 +462,6 @@ def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_as
     assert (logdir / "sanitize-initcheck.log").exists()
     assert sanitize.outer(["initcheck"], 0, str(logdir)) == 0  # --jobs 0: no plain run, and said so
     out = capsys.readouterr().out
-    assert "plain run: skipped (--jobs 0)" in out and "passed: (no plain run) initcheck over 0 calls" in out
+    assert "plain run: skipped (--jobs 0)" in out and "passed: initcheck (no plain run) over 0 calls" in out
+    assert sanitize.outer([], 1, str(logdir)) == 0  # no tool: the plain run alone, named so
+    assert "passed: the plain run over 0 calls" in capsys.readouterr().out
