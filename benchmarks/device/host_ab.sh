@@ -5,10 +5,11 @@
 # timed in the same process, and across rounds. The earlier tree travels as a git archive:
 #   git archive a305eac | xz -9 > .devsite/before.tar.xz    # a305eac: before issue 35's first commit
 #   run carry [..., ".devsite/before.tar.xz"]:  bash .devsite/gpu.sh bash benchmarks/device/host_ab.sh 2
+# BEFORE=FILE takes another archive as the earlier tree (e.g. main's, for a branch checked out here).
 source benchmarks/device/common.sh
 rounds=${1:-2}
 here=$PWD
-mkdir -p /tmp/before && tar -xJf .devsite/before.tar.xz -C /tmp/before
+mkdir -p /tmp/before && tar -xJf "${BEFORE:-.devsite/before.tar.xz}" -C /tmp/before
 for r in $(seq "$rounds"); do
   for tree in before after; do
     dir=$here; [[ $tree == before ]] && dir=/tmp/before
