@@ -166,3 +166,39 @@ def test_one_prim_func_per_backend_whose_parameters_are_every_argument():
         assert not read["plain"] & {"P", "ERR", "psb", "pss", "psc", "limit", "tag"}, read["plain"]
         assert {"P", "ERR", "psb", "pss", "limit", "tag"} <= read["ids"] and "psc" not in read["ids"], read["ids"]
         assert "seq" not in read["ntk-ids"] and "P" in read["ntk-ids"], read["ntk-ids"]
+
+
+def test_digit_tables_take_no_torch_trigonometry_and_round_float64_once(monkeypatch):
+    """The digit tables are the same bits in every process: torch's float64 cos, split over its CPU
+    threads, gave half of a first call's values up to 6.8e-9 off in some processes (rope/tables.py),
+    so the tables never call it. Each entry is float64's (cos, sin) rounded once to fp32: within
+    half an fp32 ulp (2^-24 relative) of torch's float64 values taken on one thread, plus 2^-50 for
+    the two libraries' last float64 bits."""
+    from tileops.rope import freqs
+    from tileops.rope.tables import DIGITS, LO, digit_tables
+
+    inv, amp = freqs.base_inv_freq(500000.0, 96), 0.75
+
+    def refused(*args, **kwargs):
+        raise AssertionError("digit_tables called torch's trigonometry")
+
+    with monkeypatch.context() as m:
+        for fn in ("cos", "sin"):
+            m.setattr(torch, fn, refused)
+            m.setattr(torch.Tensor, fn, refused)
+        got = digit_tables(inv, amp)
+    assert got.dtype == torch.float32 and got.shape == (DIGITS, LO, 2, 48)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        d = torch.arange(LO, dtype=torch.float64)
+        want = []
+        for k in range(DIGITS):
+            angle = (d * float(LO**k))[:, None] * inv
+            a = amp if k == 0 else 1.0
+            want.append(torch.stack([angle.cos() * a, angle.sin() * a], dim=1))
+        want = torch.stack(want)
+    finally:
+        torch.set_num_threads(threads)
+    assert bool(((got.double() - want).abs() <= want.abs() * 2.0**-24 + 2.0**-50).all())
+    assert got[0, 0, 0].eq(amp).all() and got[1:, 0, 0].eq(1.0).all() and got[:, 0, 1].eq(0.0).all()

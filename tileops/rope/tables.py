@@ -14,6 +14,7 @@ depend on its cached length: :class:`DynamicNTKTables` keeps them on the device 
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable
 
@@ -32,15 +33,28 @@ DIGITS = 3
 
 def digit_tables(inv_freq: torch.Tensor, amplitude: float) -> torch.Tensor:
     """``[DIGITS, LO, 2, R/2]`` fp32 on ``inv_freq``'s device: ``(cos, sin)(d * LO^k * f)``, evaluated in
-    float64, amplitude in digit 0."""
-    inv = inv_freq.to(torch.float64)
-    d = torch.arange(LO, dtype=torch.float64, device=inv.device)
-    out = []
+    float64, amplitude in digit 0.
+
+    The angles go through the C library's ``cos`` and ``sin`` (:mod:`math`), one at a time, not torch's:
+    torch's float64 ``cos`` splits a call of 4,096 elements or more over its CPU threads, and the first
+    such call of a process gave half of them values up to 6.8e-9 off (torch 2.13, this repository's
+    2-core CI CPU: 5 processes of 25, never with one thread). Rounded to fp32, that moved some table
+    entries by an ulp, so two ops with the same frequencies gave results a bit apart in some
+    processes (``tests/test_native.py``'s bit-for-bit comparison of the two runtimes failed 6 runs of
+    20). From :mod:`math` the tables are the same bits in every process: 3 x 256 x R/2 angles, some
+    20 ms at R = 128, once per op and frequency set."""
+    inv = inv_freq.detach().to(torch.float64).cpu().tolist()
+    table = []
     for k in range(DIGITS):
-        angle = (d * float(LO**k))[:, None] * inv
         a = float(amplitude) if k == 0 else 1.0
-        out.append(torch.stack([angle.cos() * a, angle.sin() * a], dim=1))
-    return torch.stack(out).to(torch.float32).contiguous()
+        for d in range(LO):
+            step = d * float(LO**k)  # exact; each angle then rounded once, as torch's tensors took it
+            angles = [step * f for f in inv]
+            for fn in (math.cos, math.sin):
+                values = list(map(fn, angles))
+                table.append(values if a == 1.0 else [v * a for v in values])  # (times 1.0 is exact)
+    out = torch.tensor(table, dtype=torch.float64).view(DIGITS, LO, 2, len(inv))
+    return out.to(torch.float32).to(inv_freq.device).contiguous()
 
 
 class RoPETables:
