@@ -360,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", type=int, default=0)
     ap.add_argument("--parts", type=int, default=1)
     ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, from {', '.join(TOOLS)}")
-    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="processes for the plain run; 0: no plain run")
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
+                    help="processes for the plain run; 0: no plain run")
     ap.add_argument("--logdir", default="", help="write each tool's full log here")
     ap.add_argument("--concurrent", action="store_true", help="run the tools at once, not one after another")
     ap.add_argument("--tool-parts", type=int, default=1,
@@ -370,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="K/N: every N-th call from the K-th, plain run and tools alike, so that the whole run "
                          "spreads over N device calls (each under the per-call limit)")
     a = ap.parse_args(argv)
+    tools = [t for t in a.tools.split(",") if t]
+    if a.jobs < 0:
+        ap.error(f"--jobs: expected a count of processes >= 0 (0: no plain run), got {a.jobs}")
+    if a.tool_parts < 1:
+        ap.error(f"--tool-parts: expected a count of processes >= 1, got {a.tool_parts}")
+    if unknown := [t for t in tools if t not in TOOLS]:
+        ap.error(f"--tools: expected names from {', '.join(TOOLS)}, got {', '.join(unknown)}")
     if a.match is not None:  # (the tools' processes inherit it)
         os.environ["TILEOPS_SANITIZE_MATCH"] = a.match
     if a.shard is not None:
@@ -377,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TILEOPS_SANITIZE_SHARD"] = a.shard
     if a.inner:
         return inner(a.part, a.parts)
-    return outer([t for t in a.tools.split(",") if t], a.jobs, a.logdir, a.concurrent, a.tool_parts)
+    return outer(tools, a.jobs, a.logdir, a.concurrent, a.tool_parts)
 
 
 if __name__ == "__main__":

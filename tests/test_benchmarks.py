@@ -425,7 +425,8 @@ def test_attention_cost_fits_a_line_and_plans_its_calls(capsys):
         attention_cost.main(["--dry", "--waves", "0"])
 
 
-def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_asks_for_it(monkeypatch, tmp_path, capsys):
+def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_asks_for_it(monkeypatch, tmp_path,
+                                                                                         capsys):
     from benchmarks import sanitize
 
     snap = [{"address": 1000, "blocks": [{"size": 64, "state": "active_allocated", "address": 1000},
@@ -465,3 +466,17 @@ def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_as
     assert "plain run: skipped (--jobs 0)" in out and "passed: initcheck (no plain run) over 0 calls" in out
     assert sanitize.outer([], 1, str(logdir)) == 0  # no tool: the plain run alone, named so
     assert "passed: the plain run over 0 calls" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--jobs", "-1"], "--jobs: expected a count of processes >= 0"),
+    (["--tool-parts", "0"], "--tool-parts: expected a count of processes >= 1"),
+    (["--tools", "memcheck,leakcheck"], "--tools: expected names from memcheck, racecheck, initcheck, synccheck, "
+                                        "got leakcheck")])
+def test_sanitize_refuses_bad_counts_and_tools_before_any_process_starts(argv, says, capsys, monkeypatch):
+    from benchmarks import sanitize
+
+    monkeypatch.setattr(sanitize.subprocess, "Popen", None)  # nothing may start
+    with pytest.raises(SystemExit):
+        sanitize.main(argv)
+    assert says in capsys.readouterr().err
