@@ -73,11 +73,11 @@ constexpr int kWords = 4;
 constexpr int kEntry = kWords + 2 * kWords;
 constexpr int kRecordDims = 4;  // a checked tensor's dims the tracker keeps to place a record (positions: 3)
 constexpr int kMaxChunks = 4096;
-// Every kEventEvery-th tracked call of a stream's queue records a CUDA event: each event is a
-// cuEventRecord after the kernel and, at a later call, a cuEventQuery between two capture-mode exchanges, which together made a call with positions 8.94 us against 6.59 us without (H100 host
-// table, 2026-12-06: 2.35 us of a 6.6 us bare `mul`). The calls between are judged when a later event of
-// their stream completes (calls on a stream complete in order), or at once where a word already holds
-// its tag (see reap).
+// Every kEventEvery-th tracked call of a stream's queue records a CUDA event. An event is a cuEventRecord
+// after the kernel and, at a later call, a cuEventQuery between two capture-mode exchanges: with one a
+// call, the host table's call with positions took 8.94 us against 6.59 us without (H100, 2026-12-06;
+// a bare `mul` 6.6 us). The calls between are judged when a later event of their stream completes
+// (calls on a stream complete in order), or at once where a word already holds its tag (see reap).
 constexpr int kEventEvery = 8;
 enum Mode : int8_t { ABSENT = 0, NEW = 1, IN_PLACE = 2, GIVEN = 3 };  // as tileops/runtime/binding.py
 
@@ -646,14 +646,15 @@ bool stream_capturing(const Driver& d, void* stream) {
 bool cover(const Driver& d, StreamCalls& sc) {
   Pending& last = sc.calls.back();
   if (last.event != nullptr) return true;
+  void* ev = sc.pool->event(last.word, d);  // the word's own event, made at its first use
   int mode = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED: safe while another thread captures a graph
   d.exchange(&mode);
   bool capturing = stream_capturing(d, sc.stream);
-  int rc = capturing ? 0 : ((int (*)(void*, void*))d.record)(sc.pool->event(last.word, d), sc.stream);
+  int rc = capturing ? 0 : ((int (*)(void*, void*))d.record)(ev, sc.stream);
   d.exchange(&mode);
   if (capturing) return false;
   if (rc != 0) throw std::runtime_error("tileops: cuEventRecord failed with CUDA error " + std::to_string(rc));
-  last.event = sc.pool->event(last.word, d);
+  last.event = ev;
   sc.since_event = 0;
   return true;
 }
@@ -683,7 +684,8 @@ void reap(const Core& core, bool wait) {
       continue;
     }
     while (!sc.calls.empty() && failed_word < 0) {
-      auto covering = std::find_if(sc.calls.begin(), sc.calls.end(), [](const Pending& c) { return c.event != nullptr; });
+      auto covering =
+          std::find_if(sc.calls.begin(), sc.calls.end(), [](const Pending& c) { return c.event != nullptr; });
       if (covering == sc.calls.end()) {
         if (!hurry || !cover(d, sc)) break;
         covering = std::prev(sc.calls.end());
@@ -1250,9 +1252,9 @@ PyObject* Dispatch_stats(Dispatch* d, PyObject*) {
   auto it = m.find(c.id);
   if (it != m.end())
     for (const StreamCalls& sc : it->second.streams) pending += sc.calls.size();
-  return Py_BuildValue("{s:n,s:K,s:K,s:n,s:n}", "bindings", (Py_ssize_t)bindings, "hits", (unsigned long long)c.hits.load(),
-                       "misses", (unsigned long long)c.misses.load(), "graph_words", (Py_ssize_t)graph,
-                       "pending", (Py_ssize_t)pending);
+  return Py_BuildValue("{s:n,s:K,s:K,s:n,s:n}", "bindings", (Py_ssize_t)bindings, "hits",
+                       (unsigned long long)c.hits.load(), "misses", (unsigned long long)c.misses.load(),
+                       "graph_words", (Py_ssize_t)graph, "pending", (Py_ssize_t)pending);
 }
 
 // _track(launch, values, stream, device): a tracked CUDA launch with `launch` standing in for
