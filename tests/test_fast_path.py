@@ -4,6 +4,7 @@ decide (overlap, alignment), and every path gives the float64 reference's answer
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import pytest
@@ -122,3 +123,33 @@ def test_launcher_without_a_compiler_or_a_writable_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEOPS_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
     assert entry._trampoline(["void*", "int32_t"]) is not None
     assert list((tmp_path / "tmp").glob("tileops-launch-*/trampoline-*.so"))
+
+
+def test_the_trampoline_asks_about_capture_for_a_tracked_call_and_records_only_with_an_event():
+    """(entry, args, stream, record, event, capturing): an untracked call (no ``capturing``) asks the
+    driver nothing; a tracked one asks whether its stream is being captured (CAPTURING if so, the
+    kernel launched either way), and records ``event`` after the kernel only when given one: most
+    tracked calls have none (the native tracker's kEventEvery)."""
+    tramp = entry._trampoline(["int32_t"])
+    if tramp is None:
+        pytest.skip("no C compiler")
+    log: list = []
+    capturing = [False]
+    vp, ip = ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)
+    fns = [ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int32, vp)(lambda a, st: log.append(("kernel", a)) or 0),
+           ctypes.CFUNCTYPE(ctypes.c_int, vp, vp)(lambda ev, st: log.append(("record", ev)) or 0),
+           ctypes.CFUNCTYPE(ctypes.c_int, vp, ip)(lambda st, status: log.append("asked")
+                                                  or status.__setitem__(0, int(capturing[0])) or 0)]
+    kernel, record, capture = (ctypes.cast(f, ctypes.c_void_p).value for f in fns)
+    args = (ctypes.c_int64 * 1)(5)
+
+    def call(event: int, asks: bool) -> int:
+        log.clear()
+        return tramp(kernel, ctypes.addressof(args), 7, record, event, capture if asks else 0)
+
+    assert call(0, False) == 0 and log == [("kernel", 5)]
+    assert call(0, True) == 0 and log == ["asked", ("kernel", 5)]
+    assert call(99, True) == 0 and log == ["asked", ("kernel", 5), ("record", 99)]
+    capturing[0] = True
+    assert call(99, True) == entry.CAPTURING and log == ["asked", ("kernel", 5)]
+    assert call(0, True) == entry.CAPTURING and log == ["asked", ("kernel", 5)]

@@ -9,7 +9,8 @@ Converting ~30 arguments through ctypes costs 3-4 µs per call, so each kernel s
 a small C *trampoline*, compiled once with the system C compiler and cached on disk: it takes one
 ``int64`` array of every argument (a float as its IEEE bits), casts each to its C type and calls
 the entry point, then (for a call whose completion is tracked, :mod:`tileops.runtime.errors`)
-records a CUDA event on the same stream unless the stream is being captured into a graph. The
+says whether the stream is being captured into a graph and, unless it is, records a CUDA event on
+the same stream. The
 native runtime (:mod:`tileops.runtime.native`) calls it by its address, without Python. Without a
 C compiler the launcher falls back to plain ctypes: correct, and slower.
 """
@@ -119,10 +120,11 @@ class RawKernel:
                capturing: int = 0) -> bool:
         """Launch with ``args`` (params then extents, all integers: see :func:`encode_arg`) on the raw ``stream``.
 
-        With ``event``, the call's completion is tracked: the event is recorded on the stream right
-        after the kernel with ``record`` (``cuEventRecord``'s address), unless the stream is being
-        captured into a CUDA graph, which ``capturing`` (``cuStreamIsCapturing``'s address) tells.
-        Returns whether the stream was capturing (then no event was recorded)."""
+        With ``capturing`` (``cuStreamIsCapturing``'s address), a call whose values are checked asks
+        whether the stream is being captured into a CUDA graph; with ``event`` too, its completion is
+        tracked: the event is recorded on the stream right after the kernel with ``record``
+        (``cuEventRecord``'s address), unless the stream is being captured. Returns whether the
+        stream was capturing (then no event was recorded)."""
         # the C entry point launches on the current device
         switch = self.device_index is not None and torch.cuda.current_device() != self.device_index
         with torch.cuda.device(self.device_index) if switch else contextlib.nullcontext():
@@ -144,12 +146,14 @@ class RawKernel:
         if self.packed is not None:
             a = args if isinstance(args, array.array) else array.array("q", args)
             return self.packed(self._entry, a.buffer_info()[0], stream, record, event, capturing)
-        cap = bool(event) and _stream_capturing(capturing, stream)  # the same steps, through ctypes
+        cap = bool(capturing) and _stream_capturing(capturing, stream)  # the same steps, through ctypes
         rc = self.call(*(_decode(t, v) for t, v in zip(self.arg_types, args)), stream)
-        if rc != 0 or not event:
+        if rc != 0:
             return rc
         if cap:
             return CAPTURING
+        if not event:
+            return 0
         return RECORD_FAILED if _c_fn(record, 2)(event, stream) != 0 else 0
 
 
@@ -213,13 +217,14 @@ def _trampoline_source(ctypes_args: list[str]) -> str:
         "int32_t tileops_launch(void* f, const int64_t* a, void* stream, void* record, void* event,\n"
         "                       void* capturing) {\n"
         "  int cap = 0;\n"
-        "  if (event) {  /* a stream being captured gets no event: a graph replays the kernel later */\n"
+        "  if (capturing) {  /* a stream being captured gets no event: a graph replays the kernel later */\n"
         "    int status = 0;\n"
         "    cap = ((fn2_t)capturing)(stream, &status) != 0 || status != 0;\n"
         "  }\n"
         f"  int32_t rc = ((entry_t)f)({', '.join(casts + ['stream'])});\n"
-        "  if (rc != 0 || !event) return rc;\n"
+        "  if (rc != 0) return rc;\n"
         f"  if (cap) return {CAPTURING};\n"
+        "  if (!event) return 0;\n"
         f"  if (((fn2_t)record)(event, stream) != 0) return {RECORD_FAILED};\n"
         "  return 0;\n"
         "}\n"

@@ -4,15 +4,21 @@ synchronisation: the one error tracker of every family.
 A kernel that checks an input's values (a binding's ``checked`` input) clamps one outside its range
 (RoPE reads position 0, so nothing is indexed out of bounds) and writes the call's *tag*, a 31-bit
 number unique to that call, into an error entry of its own: pinned host memory the GPU writes
-directly (mapped through unified addressing), so no copy follows the kernel. Right after the kernel,
-in the same C call as the launch, a CUDA event is recorded on the same stream; nothing waits. The
-call is then *pending*:
+directly (mapped through unified addressing), so no copy follows the kernel. Every eighth call of a
+stream's queue records a CUDA event on the same stream right after the kernel, in the same C call as
+the launch; nothing waits. (An event a call, recorded and later
+queried, cost 2.35 us of a 9 us call on an H100: the calls between are covered by the next event,
+as calls on one stream complete in order.) The call is then *pending*:
 
-* at the next call of the same op from the same thread, on the same device and stream, every pending
-  call whose event has completed is judged (``cuEventQuery`` does not block; calls on one stream
-  complete in order, so judging stops at the first unfinished one): a word holding its tag raises the
-  op's ``ValueError`` naming the index and value of the bad one, before that next call runs;
-* ``op.check()`` waits for this thread's pending calls of the op (the GIL released) and reports them;
+* at the next call of the same op from the same thread, on the same device and stream, a pending
+  call whose word already holds its tag has run and found a bad value: its stream is waited for (an
+  event recorded after its last call, unless the stream is being captured) and its calls judged in
+  order. Otherwise, at the call after each event, every pending call that a completed event covers is
+  judged (``cuEventQuery`` does not block; judging stops at the first unfinished event). A word
+  holding its tag raises the op's ``ValueError`` naming the index and value of the bad one, before
+  that next call runs;
+* ``op.check()`` waits for this thread's pending calls of the op (the GIL released; an event is
+  recorded after the last where it has none) and reports them;
 * each bad call raises its own ``ValueError``, once: a judgement stops at the first bad call, and the
   calls after it stay pending for the next call or ``check()``;
 * in strict mode (``TILEOPS_STRICT=1`` when tileops is imported, or ``with tileops.strict():``) every
