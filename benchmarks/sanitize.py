@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -283,60 +284,121 @@ def _summary(tool: str, log: str) -> str:
     return lines[-1].strip() if lines else "(no summary line)"
 
 
+class _Cut(Exception):
+    """SIGTERM reached the runner (``timeout``'s, a device call's limit): what ran is reported, then it exits."""
+
+
+def _cut(signum: int, frame: object) -> None:
+    raise _Cut()
+
+
+def _progress(log: str, total: int) -> str:
+    """How far a part cut short got, from its log: the calls that passed, and the last one that ended."""
+    done = [ln for ln in log.splitlines() if ln.startswith(("ok ", "FAILED ", "REFUSED "))]
+    passed = sum(ln.startswith("ok ") for ln in done)
+    failed = [ln for ln in done if ln.startswith("FAILED ")]
+    last = f"; last ended: {done[-1]}" if done else ""
+    return f"cut after {len(done)} of {total} calls ({passed} ok, {len(failed)} failed){last}"
+
+
 def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, tool_parts: int = 1) -> int:
     """The plain run over ``jobs`` processes, then each tool's run (one after another, or with
     ``concurrent`` all at once: independent processes on one GPU; a tool's time is then from the start
     of them all), each split over ``tool_parts`` processes (every ``tool_parts``-th call, as the plain
     run splits them). ``jobs`` 0 skips the plain run (a device call whose earlier command ran it on the
-    same tree: its kernels are in the cache, its results checked), and the summary line says so."""
+    same tree: its kernels are in the cache, its results checked), and the summary line says so.
+
+    Every process writes straight into its log (``--logdir``'s file, else a temporary one), so a run
+    cut short keeps what it did: on SIGTERM (``timeout``, which signals the children too) the runner
+    prints, for each part not yet reported, how many calls it got through, and exits 124. (On
+    2026-12-06 a plain run cut at 105 s on a fresh machine printed nothing: it reported its parts
+    only once all of them had ended.)"""
+    previous = signal.signal(signal.SIGTERM, _cut)
+    running: dict[str, tuple[subprocess.Popen, typing.IO[str], int]] = {}
+    t_all = time.time()
+    try:
+        return _outer(tools, jobs, logdir, concurrent, tool_parts, running)
+    except _Cut:
+        for label, (proc, sink, total) in running.items():
+            if proc.poll() is None:
+                proc.kill()
+            sink.seek(0)
+            print(f"  {label}: {_progress(sink.read(), total)}", flush=True)
+        shard = os.environ.get("TILEOPS_SANITIZE_SHARD", "")
+        print(f"sanitize{' shard ' + shard if shard else ''}: CUT by SIGTERM after {time.time() - t_all:.0f} s "
+              f"(the {len(running)} parts that had not ended are above)", flush=True)
+        return 124
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for _, sink, _ in running.values():
+            sink.close()
+
+
+def _outer(tools: list[str], jobs: int, logdir: str, concurrent: bool, tool_parts: int,
+           running: "dict[str, tuple[subprocess.Popen, typing.IO[str], int]]") -> int:
+    """:func:`outer`'s runs; ``running`` holds every process started and not yet reported, by label."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if logdir:
         os.makedirs(logdir, exist_ok=True)
     me = [sys.executable, "-m", "benchmarks.sanitize", "--inner"]
+    n_calls = len(calls())
+
+    def sink_for(name: str) -> typing.IO[str]:
+        return open(os.path.join(logdir, name), "w+") if logdir else tempfile.TemporaryFile("w+")
+
+    def report(label: str) -> tuple[subprocess.Popen, str]:
+        """Wait for ``label``'s process; its return code and log, once it is no longer running."""
+        proc, sink, _ = running[label]
+        proc.wait()
+        sink.seek(0)
+        log = sink.read()
+        del running[label]
+        sink.close()
+        return proc, log
+
     t0 = time.time()
-    procs = [subprocess.Popen([*me, "--part", str(i), "--parts", str(jobs)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(jobs)]
+    for i in range(jobs):
+        sink = sink_for(f"sanitize-plain-{i}.log")
+        proc = subprocess.Popen([*me, "--part", str(i), "--parts", str(jobs)], env=env, stdout=sink,
+                                stderr=subprocess.STDOUT, text=True)
+        running[f"plain part {i}"] = (proc, sink, len(range(i, n_calls, jobs)))
     ok = True
-    for i, p in enumerate(procs):
-        out, _ = p.communicate()
+    for i in range(jobs):
+        p, out = report(f"plain part {i}")
         ok &= p.returncode == 0
-        if logdir:
-            with open(os.path.join(logdir, f"sanitize-plain-{i}.log"), "w") as f:
-                f.write(out)
         lines = out.splitlines()
         shown = [ln for ln in lines if ln.startswith(("FAILED", "REFUSED", "sanitize calls"))]
-        print(f"  plain part {i}: rc={p.returncode}; {'; '.join(shown) or '(no summary)'}")
+        print(f"  plain part {i}: rc={p.returncode}; {'; '.join(shown) or '(no summary)'}", flush=True)
         if p.returncode != 0:
-            print("\n".join("    " + ln for ln in lines[-15:]))
+            print("\n".join("    " + ln for ln in lines[-15:]), flush=True)
     if jobs:
-        print(f"plain run ({len(calls())} calls, {jobs} processes, kernels compiled): {'ok' if ok else 'FAILED'} "
+        print(f"plain run ({n_calls} calls, {jobs} processes, kernels compiled): {'ok' if ok else 'FAILED'} "
               f"in {time.time() - t0:.0f} s", flush=True)
     else:
         print("plain run: skipped (--jobs 0)", flush=True)
     exe = os.environ.get("COMPUTE_SANITIZER", "compute-sanitizer")
 
-    def start(tool: str, part: int) -> tuple[subprocess.Popen, typing.IO[str]]:
-        """Part ``part`` of the tool's run, its output going straight to its log (``--logdir``'s file, so
-        that what a run cut short wrote survives; else a temporary file)."""
+    def start(tool: str, part: int) -> str:
+        """Start part ``part`` of the tool's run, its output going straight to its log; its label in ``running``."""
         cmd = [exe, "--tool", tool, "--error-exitcode", "99", "--print-limit", "20"]
         if tool == "racecheck":
             cmd += ["--racecheck-report", "all"]
         name = f"sanitize-{tool}.log" if tool_parts == 1 else f"sanitize-{tool}-{part}.log"
-        sink = open(os.path.join(logdir, name), "w+") if logdir else tempfile.TemporaryFile("w+")
+        sink = sink_for(name)
         inner = [*me, "--part", str(part), "--parts", str(tool_parts)]
         tool_env = {**env, PREFILL_ENV: "1"} if tool == "initcheck" else env  # (``_prefill`` says why)
-        return subprocess.Popen([*cmd, *inner], env=tool_env, stdout=sink, stderr=subprocess.STDOUT, text=True), sink
+        proc = subprocess.Popen([*cmd, *inner], env=tool_env, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        label = f"{tool} part {part}"
+        running[label] = (proc, sink, len(range(part, n_calls, tool_parts)))
+        return label
 
     t_all = time.time()
     started = {(tool, i): start(tool, i) for tool in tools for i in range(tool_parts)} if concurrent else {}
     for tool in tools:
         t0 = t_all if concurrent else time.time()
         runs = [started.get((tool, i)) or start(tool, i) for i in range(tool_parts)]
-        for i, (proc, sink) in enumerate(runs):
-            proc.wait()
-            sink.seek(0)
-            log = sink.read()
-            sink.close()
+        for i, label in enumerate(runs):
+            proc, log = report(label)
             calls_line = next((ln for ln in log.splitlines() if ln.startswith("sanitize calls")),
                               "(calls did not finish)")
             good = proc.returncode == 0
@@ -349,7 +411,7 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
     shard = os.environ.get("TILEOPS_SANITIZE_SHARD", "")
     ran = (["the plain run"] if jobs else []) + list(tools)
     print(f"sanitize{' shard ' + shard if shard else ''}: {'passed' if ok else 'FAILED'}: "
-          f"{', '.join(ran) or 'nothing'}{'' if jobs else ' (no plain run)'} over {len(calls())} calls "
+          f"{', '.join(ran) or 'nothing'}{'' if jobs else ' (no plain run)'} over {n_calls} calls "
           f"({time.time() - t_all:.0f} s under the tools)", flush=True)
     return 0 if ok else 1
 

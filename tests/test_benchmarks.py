@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -449,9 +450,6 @@ def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_as
                 seen[cmd[cmd.index("--tool") + 1]] = env.get(sanitize.PREFILL_ENV)
             self.cmd, self.sink = cmd, stdout
 
-        def communicate(self):
-            return "sanitize calls: 0 passed, 0 failed, 0 refused\n", None
-
         def wait(self):
             self.sink.write("ERROR SUMMARY: 0 errors\nsanitize calls: 0 passed, 0 failed, 0 refused\n")
 
@@ -466,6 +464,49 @@ def test_sanitize_prefill_finds_the_allocators_free_blocks_and_only_initcheck_as
     assert "plain run: skipped (--jobs 0)" in out and "passed: initcheck (no plain run) over 0 calls" in out
     assert sanitize.outer([], 1, str(logdir)) == 0  # no tool: the plain run alone, named so
     assert "passed: the plain run over 0 calls" in capsys.readouterr().out
+
+
+def test_sanitize_cut_by_sigterm_says_how_far_each_part_got(monkeypatch, tmp_path, capsys):
+    """A run cut short (``timeout``'s SIGTERM, a device call's limit) prints, for each part that had not
+    ended, the calls it got through from its log, and exits 124; the logs stay in ``--logdir``."""
+    import signal
+
+    from benchmarks import sanitize
+
+    class Proc:
+        returncode = 0
+        started = []
+
+        def __init__(self, cmd, env, stdout, **_):
+            self.part, self.sink, self.killed = int(cmd[cmd.index("--part") + 1]), stdout, False
+            Proc.started.append(self)
+
+        def poll(self):
+            return None
+
+        def kill(self):
+            self.killed = True
+
+        def wait(self):
+            if self.part == 0:  # part 0 ends whole; part 1 has run two calls of four when the signal comes
+                self.sink.write("ok a (0.1 s)\nok c (0.1 s)\nsanitize calls: 2 passed, 0 failed, 0 refused\n")
+                return
+            self.sink.write("ok b (0.1 s)\nFAILED d: ValueError: off\n")
+            self.sink.flush()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(sanitize.subprocess, "Popen", Proc)
+    monkeypatch.setattr(sanitize, "calls", lambda: [(n, None) for n in "abcdefgh"])
+    before = signal.getsignal(signal.SIGTERM)
+    assert sanitize.outer(["memcheck"], 2, str(tmp_path)) == 124
+    out = capsys.readouterr().out
+    assert "plain part 0: rc=0; sanitize calls: 2 passed" in out
+    assert ("plain part 1: cut after 2 of 4 calls (1 ok, 1 failed); last ended: FAILED d: ValueError: off"
+            in out)
+    assert "CUT by SIGTERM" in out and "memcheck" not in out  # no tool started after the cut
+    assert [p.killed for p in Proc.started] == [False, True]
+    assert (tmp_path / "sanitize-plain-1.log").read_text().startswith("ok b")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the runner's only while it runs
 
 
 @pytest.mark.parametrize("argv, says", [
