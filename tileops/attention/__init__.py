@@ -1,5 +1,6 @@
-"""Attention operators: the attention forward on tensor cores, and the attention prologue (per-head q/k
-RMSNorm, RoPE at positions and the paged KV-cache write) fused into one launch.
+"""Attention operators: attention forward and backward on tensor cores, the attention prologue (per-head
+q/k RMSNorm, RoPE at positions and the paged KV-cache write) fused into one launch, and paged decode over
+the cache the prologue writes.
 
 ``AttnFwdOp`` (``manifests/attention/AttnFwdOp.yaml``) is softmax attention in one pass over K/V,
 FlashAttention's layout, dense or varlen, causal (bottom-right), sliding window, softcap and GQA; its
@@ -11,9 +12,11 @@ backward reads. Gradients of q, k and v: ``kernels/attention_bwd.py``'s three pr
 
 ``PagedAttnDecodeFwdOp`` (``manifests/attention/PagedAttnDecodeFwdOp.yaml``) reads the paged KV cache
 the prologue writes, one query token a sequence, as a plan of two programs (``kernels/paged_decode.py``:
-split-KV partials, then their merge); its host side is :mod:`tileops.attention.decode_builtin`. A C
-schedule for the CPU and a CUDA one (CUDA cores, 16-byte vectors, a lane group a token;
-``TILEOPS_ATTENTION_CUDA=0`` refuses it: :func:`tileops.attention.decode_builtin.cuda_enabled`).
+split-KV partials, then their merge; one launch when a call has one split); its host side is
+:mod:`tileops.attention.decode_builtin`. A C schedule for the CPU; on CUDA, tensor cores (``mma.sync``
+over tiles of tokens gathered from the pages) for fp16 and bf16 q, and CUDA cores (16-byte vectors, a
+lane group a token) for fp32 (``TILEOPS_ATTENTION_CUDA=0`` refuses them:
+:func:`tileops.attention.decode_builtin.cuda_enabled`).
 
 The prologue is a composition declared in its manifest (``manifests/attention/AttnPrologueFwdOp.yaml``,
 ``compose:``): a norm stage (the norm family's ``RMSNormFwdOp``), a rope stage (any op of the rope

@@ -208,7 +208,7 @@ class AttnPrologueFwdOp(hooks.AttnPrologueFwdHooks):
     does not; ``q_out`` off them is written through a copy), and a head row must fit one warp (at 16-byte
     vectors, head_dim up to 512 in bf16/fp16, 256 in fp32). On the H200, Qwen3's 32/8 heads of 128 in bf16 run
     at 90-93% of a same-bytes copy from 2,048 tokens up, YaRN and MRoPE's per-pair streams included, and at
-    89-92% with float8 caches; 2.3 us a decode call of 64 tokens replayed in a CUDA graph
+    88-93% with float8 caches; 2.3 us a decode call of 64 tokens replayed in a CUDA graph
     (``benchmarks/prologue.py``).
 
     References: vLLM fused_qk_norm_rope and reshape_and_cache_flash; flashinfer
