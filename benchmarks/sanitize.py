@@ -296,9 +296,15 @@ def _progress(log: str, total: int) -> str:
     """How far a part cut short got, from its log: the calls that passed, and the last one that ended."""
     done = [ln for ln in log.splitlines() if ln.startswith(("ok ", "FAILED ", "REFUSED "))]
     passed = sum(ln.startswith("ok ") for ln in done)
-    failed = [ln for ln in done if ln.startswith("FAILED ")]
+    failed = sum(ln.startswith("FAILED ") for ln in done)
     last = f"; last ended: {done[-1]}" if done else ""
-    return f"cut after {len(done)} of {total} calls ({passed} ok, {len(failed)} failed){last}"
+    return f"cut after {len(done)} of {total} calls ({passed} ok, {failed} failed){last}"
+
+
+def _run_name() -> str:
+    """``sanitize``, with the shard it runs (``--shard``), for the summary line."""
+    shard = os.environ.get("TILEOPS_SANITIZE_SHARD", "")
+    return f"sanitize shard {shard}" if shard else "sanitize"
 
 
 def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, tool_parts: int = 1) -> int:
@@ -324,8 +330,7 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
                 proc.kill()
             sink.seek(0)
             print(f"  {label}: {_progress(sink.read(), total)}", flush=True)
-        shard = os.environ.get("TILEOPS_SANITIZE_SHARD", "")
-        print(f"sanitize{' shard ' + shard if shard else ''}: CUT by SIGTERM after {time.time() - t_all:.0f} s "
+        print(f"{_run_name()}: CUT by SIGTERM after {time.time() - t_all:.0f} s "
               f"(the {len(running)} parts that had not ended are above)", flush=True)
         return 124
     finally:
@@ -408,9 +413,8 @@ def _outer(tools: list[str], jobs: int, logdir: str, concurrent: bool, tool_part
                   f"({time.time() - t0:.0f} s)", flush=True)
             if not good:
                 print("\n".join(ln for ln in log.splitlines() if re.search(r"FAILED|Error|error", ln))[-3000:])
-    shard = os.environ.get("TILEOPS_SANITIZE_SHARD", "")
     ran = (["the plain run"] if jobs else []) + list(tools)
-    print(f"sanitize{' shard ' + shard if shard else ''}: {'passed' if ok else 'FAILED'}: "
+    print(f"{_run_name()}: {'passed' if ok else 'FAILED'}: "
           f"{', '.join(ran) or 'nothing'}{'' if jobs else ' (no plain run)'} over {n_calls} calls "
           f"({time.time() - t_all:.0f} s under the tools)", flush=True)
     return 0 if ok else 1

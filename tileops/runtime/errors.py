@@ -6,9 +6,9 @@ A kernel that checks an input's values (a binding's ``checked`` input) clamps on
 number unique to that call, into an error entry of its own: pinned host memory the GPU writes
 directly (mapped through unified addressing), so no copy follows the kernel. Every eighth call of a
 stream's queue records a CUDA event on the same stream right after the kernel, in the same C call as
-the launch; nothing waits. (An event a call, recorded and later
-queried, cost 2.35 us of a 9 us call on an H100: the calls between are covered by the next event,
-as calls on one stream complete in order.) The call is then *pending*:
+the launch; nothing waits. (An event a call, recorded and later queried, cost 2.35 us of a 9 us call
+on an H100: the calls between are covered by the next event, as calls on one stream complete in
+order.) The call is then *pending*:
 
 * at the next call of the same op from the same thread, on the same device and stream, a pending
   call whose word already holds its tag has run and found a bad value: its stream is waited for (an
