@@ -68,7 +68,7 @@ STATIC = {
     "tile": (16, 128, "tokens a tile of the mma schedule (16, 32, 64 or 128)"),
     "widen": (0, 1, "1: a float8 cache's elements widened eight at a time into one 16-byte shared store, by bit "
                     "moves and one bf16x2 product a pair (bf16 q) or the e4m3x2 conversion (fp16 q); 0: one at a "
-                    "time through fp16 and fp32 (mma with a float8 cache; not yet measured)"),
+                    "time through fp16 and fp32 (mma with a float8 cache; widened: 1.65-1.71x, H100, 2026-12-06)"),
 }
 
 #: the caches' element types: the query's, or float8 e4m3fn with per-tensor scales

@@ -235,17 +235,18 @@ MMA_CASES = {
     "mha": (128, 8, 8, torch.float16, None, "NHD", 16, [700, 5, 64], {}, {}),
     "group16": (128, 16, 1, torch.bfloat16, None, "NHD", 16, [700, 5, 64], {}, {}),
     "group32-two-chunks": (64, 32, 1, torch.bfloat16, None, "NHD", 8, [200, 3], {"tile": 16, "threads": 64}, {}),
-    "float8": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, LENS, {}, {}),
+    # a float8 cache read one element at a time (widen=0; the manifest widens): tiles of 64, no prefetch
+    "float8": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, LENS, {"widen": 0}, {}),
     "window-softcap": (128, 8, 2, torch.bfloat16, None, "NHD", 16, [2000, 700, 3], {},
                        dict(sliding_window=300, softcap=30.0, softmax_scale=0.2)),
     # the next tile's pages and rows loaded during this tile's products (two slots of token flags)
     "prefetch": (128, 8, 2, torch.bfloat16, None, "NHD", 16, LENS, {"prefetch": 1}, {}),
     # (a float8 cache read one element at a time takes tiles of 64 without the prefetch whatever the
     # schedule asks: decode_builtin's _MMA_NARROW; this case once asked for the prefetch, and ran without it)
-    "float8-window": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, [2000, 700, 3], {},
+    "float8-window": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, [2000, 700, 3], {"widen": 0},
                       dict(sliding_window=300)),
-    # a float8 cache widened eight elements at once (widen=1), its caches holding every finite e4m3fn code:
-    # at the manifest's tiles of 128 with the prefetch (not narrowed when widened), and at tiles of 64
+    # a float8 cache widened eight elements at once (widen=1, the manifest's), its caches holding every finite
+    # e4m3fn code: at the manifest's tiles of 128 with the prefetch (not narrowed when widened), and at tiles of 64
     "float8-widen": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, LENS, {"widen": 1}, {}),
     "float8-widen-fp16-nhd-window-tile64": (128, 32, 8, torch.float16, torch.float8_e4m3fn, "NHD", 1,
                                             [2000, 700, 3], {"widen": 1, "tile": 64, "prefetch": 0},

@@ -453,12 +453,13 @@ def test_a_call_keys_each_program_by_the_knobs_it_reads():
 
 
 @pytest.mark.parametrize("d,cache,want", [(128, "bfloat16", (128, 1)), (64, "float16", (128, 1)),
-                                          (128, "float8_e4m3fn", (64, 0)), (256, "bfloat16", (64, 0)),
+                                          (128, "float8_e4m3fn", (128, 1)), (256, "bfloat16", (64, 0)),
                                           (128, "float32", None)])
 def test_the_manifests_tensor_core_tile_and_where_it_narrows(d, cache, want):
     """The manifest's tensor-core partial (tiles of 128 tokens, the next one loaded during the products)
-    for 16-bit caches up to head_dim 128; a float8 cache and head_dim 256 take tiles of 64 without the
-    prefetch (``decode_builtin._MMA_NARROW``: tiles of 128 spill at 256, and lose with float8). fp32 q
+    for 16-bit caches up to head_dim 128, and for a float8 cache, which the manifest widens eight elements
+    at once; head_dim 256 takes tiles of 64 without the prefetch (``decode_builtin._MMA_NARROW``: tiles of
+    128 spill there), as would a float8 cache read one element at a time. fp32 q
     takes the CUDA cores' loop, its copies ahead the manifest's ``stages``, none of the tensor-core knobs
     (its ``prefetch`` with ``stages`` would be refused)."""
     from tileops.attention import PagedAttnDecodeFwdOp
@@ -477,6 +478,7 @@ def test_the_manifests_tensor_core_tile_and_where_it_narrows(d, cache, want):
         return
     assert (partial.mma, partial.cache_dtype, partial.head_dim) == (1, cache, d)
     assert (partial.tile, partial.prefetch) == want
+    assert partial.widen == (1 if cache.startswith("float8") else 0)
     # the split rule aims for one wave of the schedule's programs: 2 an SM at tiles of 128 or head_dim 256, 4
     # at tiles of 64 up to head_dim 128
     assert target_programs(partial) == 132 * (4 if want[0] == 64 and d <= 128 else 2)
