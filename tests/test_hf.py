@@ -426,6 +426,14 @@ def _check_generation(model, got: torch.Tensor, want: torch.Tensor, exact: bool)
     assert float(top[0] - top[1]) < 0.05 * float(logits.abs().max()), (row, col)
 
 
+def _start_afresh(model: torch.nn.Module, kind: str) -> None:
+    """HF's dynamic rope keeps the longest length seen (the generations grew it): back to the trained one."""
+    if kind == "llama-dynamic":
+        rot = model.model.rotary_emb
+        rot.inv_freq.copy_(rot.original_inv_freq)
+        rot.max_seq_len_cached = rot.original_max_seq_len
+
+
 def _compare(kind: str, dtype, device, tol_logits, tol_grads, rope=True, norm=True):
     """``patch(model, rope=rope, norm=norm)`` against the model unpatched: logits, gradients (q/k
     projections and norm weights), greedy generations; then unpatched, the model's own again."""
@@ -436,6 +444,7 @@ def _compare(kind: str, dtype, device, tol_logits, tol_grads, rope=True, norm=Tr
     mask[1, :5] = 0  # left padding in the second row
     ids[1, :5] = 0
     before = _run(model, ids, mask)
+    _start_afresh(model, kind)  # patch() carries the length seen: both runs start from the trained one
     mod = __import__(type(model).__module__, fromlist=["apply_rotary_pos_emb"])
     original_fn = mod.apply_rotary_pos_emb
     assert tt.patch(model, rope=rope, norm=norm) is model and tt.is_patched(model)
@@ -459,10 +468,7 @@ def _compare(kind: str, dtype, device, tol_logits, tol_grads, rope=True, norm=Tr
     assert tt.unpatch(model) is model and not tt.is_patched(model)
     assert mod.apply_rotary_pos_emb is original_fn
     assert all("forward" not in m.__dict__ for m in model.modules())
-    if kind == "llama-dynamic":  # HF's dynamic rope keeps the longest length seen: start it afresh
-        rot = model.model.rotary_emb
-        rot.inv_freq.copy_(rot.original_inv_freq)
-        rot.max_seq_len_cached = rot.original_max_seq_len
+    _start_afresh(model, kind)
     again = _run(model, ids, mask)
     assert torch.equal(again[0], before[0]) and torch.equal(again[2], before[2]) and torch.equal(again[3], before[3])
     print(f"\n{kind} {dtype} {device} ({served}): logits rel diff {d_logits:.2e}, grad rel diff {d_grads:.2e}")
@@ -710,6 +716,37 @@ def test_dynamic_ntk_bad_call_leaves_the_length_alone(gen):
     assert float(state) == 41.0
     op(x, position_ids=torch.tensor([[0, 1, 2, 3, 4]]))  # shorter than 16: back to the trained length
     assert float(state) == 16.0
+
+
+def test_patch_carries_the_dynamic_length_the_model_has_seen(gen):
+    """HF's dynamic rope keeps the longest length seen across calls. A model that ran 64 tokens
+    (trained on 32) and is patched then must rotate a 40-token call with the frequencies of 64, as
+    it would unpatched: the op starts from the rotary embedding's ``max_seq_len_cached`` (it started
+    from the trained length: logits 0.023 relative off, no error). Again after unpatch and patch."""
+    from tileops.rope import RoPEDynamicNTKFwdOp
+
+    cfg = transformers.LlamaConfig(**{**TINY, "max_position_embeddings": 32},
+                                   rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    long_ids, ids = torch.randint(3, 128, (1, 64), generator=gen), torch.randint(3, 128, (1, 40), generator=gen)
+    with torch.no_grad():
+        model(long_ids)
+        want = model(ids).logits  # 40: no growth past 64, no reset (not below 32)
+    assert model.model.rotary_emb.max_seq_len_cached == 64
+    for _ in range(2):
+        tt.patch(model, norm=False)
+        try:
+            with torch.no_grad():
+                got = model(ids).logits
+        finally:
+            tt.unpatch(model)
+        assert _rel(got, want) < 1e-5
+    op = RoPEDynamicNTKFwdOp(input_layout="2d", factor=2.0, max_position_embeddings=32)
+    with pytest.raises(ValueError, match=r"length: expected an int >= max_position_embeddings \(32\), got 31"):
+        op.set_seen_length(31, "cpu")
+    op.set_seen_length(64, "cpu")
+    assert float(op._ntk_state[torch.device("cpu")]) == 64.0
 
 
 # ----------------------------------------------------------------------------------- MRoPE

@@ -186,8 +186,10 @@ def test_what_the_op_does_not_serve_runs_transformers_attention_and_says_why_onc
     finally:
         tt.unpatch(model)
     ours = [w for w in caught if "tileops" in str(w.message)]
-    assert len(ours) == 1 and "a mask that is not a padding mask" in str(ours[0].message), [str(w.message) for w in ours]
-    assert rep["attention_fallbacks"] == ["a mask that is not a padding mask (a 4-D or custom mask)"]
+    assert len(ours) == 1 and "a mask that is not causal or sliding-window with padding" in str(ours[0].message), [
+        str(w.message) for w in ours]
+    assert rep["attention_fallbacks"] == ["a mask that is not causal or sliding-window with padding (packed "
+                                          "sequences, a bidirectional block or window, a 4-D or custom mask)"]
     assert _rel(got, want) < 1e-5
 
 
@@ -276,7 +278,7 @@ def test_a_model_sharing_the_patched_models_config_keeps_its_results(gen):
         tt.unpatch(model)
     assert _rel(got, want) < 1e-5
     ours = [str(w.message) for w in caught if "tileops" in str(w.message)]
-    assert len(ours) <= 1 and all("config is shared" in m for m in ours), ours
+    assert len(ours) <= 1 and all("sharing a patched model's config" in m for m in ours), ours
 
 
 def test_cuda_training_falls_back_when_the_variable_refuses_the_backward(monkeypatch):
@@ -301,3 +303,137 @@ def test_cuda_training_falls_back_when_the_variable_refuses_the_backward(monkeyp
         assert ta._unserved(None, trained, None, 0.0, True, None, (trained, trained, trained)) is None
     monkeypatch.setenv("TILEOPS_ATTENTION_CUDA", "1")
     assert ta._unserved(None, trained, None, 0.0, True, None, (trained, frozen, frozen)) is None
+
+
+#: the reason a call whose mask transformers composed beyond causal, window and padding is given
+COMPOSED = ("a mask that is not causal or sliding-window with padding (packed sequences, a bidirectional block or "
+            "window, a 4-D or custom mask)")
+HOLE = "a sliding window over a padding mask with a hole (a masked token between two real ones)"
+
+
+def _patched_logits(model: torch.nn.Module, **inputs) -> tuple[torch.Tensor, list]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _patch(model)
+        try:
+            with torch.no_grad():
+                got = model(**inputs).logits
+            return got, tt.report(model)["attention_fallbacks"]
+        finally:
+            tt.unpatch(model)
+
+
+def test_packed_documents_stay_apart(gen):
+    """One row of two documents, positions restarting at the second and no mask (a flattening
+    collator's batch): transformers keeps them apart (``find_packed_sequence_indices``), a pattern
+    the op's arguments do not express, so the call gets transformers' mask and attention. (It did
+    not: the second document attended to the first, its logits 1.04 relative off, no warning.)"""
+    model = _model("llama", gen)
+    ids = torch.randint(3, 128, (1, 24), generator=gen)
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    with torch.no_grad():
+        want = model(ids, position_ids=pos, use_cache=False).logits
+        apart = torch.cat([model(ids[:, :10], use_cache=False).logits, model(ids[:, 10:], use_cache=False).logits], 1)
+    assert _rel(want, apart) < 1e-5  # what transformers does: each document on its own
+    got, fallbacks = _patched_logits(model, input_ids=ids, position_ids=pos, use_cache=False)
+    assert fallbacks == [COMPOSED]
+    assert _rel(got, want) < 1e-5
+
+
+def test_a_bidirectional_window_gets_transformers_mask(gen):
+    """Gemma 3 with ``use_bidirectional_attention``: its sliding layers see ``|i - j|`` within the
+    window both ways (an or-mask on the causal one). The fallback once spelled out ``j > i - w``
+    instead, every later key visible: logits 0.97 relative off under a warning that promised
+    transformers' attention."""
+    cfg = transformers.Gemma3TextConfig(**TINY, query_pre_attn_scalar=64, sliding_window=4,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        use_bidirectional_attention=True)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 128, (2, 16), generator=gen)
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+    got, fallbacks = _patched_logits(model, input_ids=ids, use_cache=False)
+    assert fallbacks == [COMPOSED]
+    assert _rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "llama"])
+def test_a_window_over_a_mask_with_a_hole(kind, gen):
+    """A mask with zeros between ones (a left-padded turn appended to a batch's first turn): the
+    varlen path drops the masked tokens, which moves the later keys closer to the queries, and a
+    window counts positions. A windowed layer's such call runs transformers' attention (it once ran
+    the op, 0.92 relative off at the real tokens); a layer without a window keeps the op, whose
+    causal order the dropped tokens do not change."""
+    model = _model(kind, gen)
+    ids = torch.randint(3, 128, (2, 20), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, 3:6] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, use_cache=False).logits
+    got, fallbacks = _patched_logits(model, input_ids=ids, attention_mask=mask, use_cache=False)
+    assert fallbacks == ([] if kind == "llama" else [HOLE])
+    real = mask.bool()
+    assert _rel(got[real], want[real]) < 1e-5
+
+
+def test_a_fallback_on_a_static_cache_keeps_the_causal_order(gen):
+    """head_dim 16 is not the op's: every call runs transformers' attention on the mask spelled out.
+    On a static cache the keys run past the filled slots; the queries are the last of the filled
+    ones. Aligned at the end of all the slots instead, a prefill's queries saw each other's keys
+    both ways: logits up to 0.67 off, tokens changed. Every step within 1e-5, full and left-padded."""
+    cfg = transformers.LlamaConfig(**{**TINY, "hidden_size": 64, "head_dim": 16})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 128, (2, 20), generator=gen)
+    padded = torch.ones_like(ids)
+    padded[1, :4] = 0
+    for m in (torch.ones_like(ids), padded):
+        def run():
+            with torch.no_grad():
+                return model.generate(ids, attention_mask=m, max_new_tokens=4, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True, cache_implementation="static")
+        want = run()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _patch(model)
+            try:
+                got = run()
+                fallbacks = tt.report(model)["attention_fallbacks"]
+            finally:
+                tt.unpatch(model)
+        assert fallbacks == ["head_dim 16 (served: 64, 80, 96, 128, 256)"]
+        assert torch.equal(got.sequences, want.sequences)
+        for i, (a, b) in enumerate(zip(got.logits, want.logits)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {i}'s logits")
+
+
+def test_gemma3_image_tokens_keep_their_bidirectional_block(gen):
+    """Gemma 3's image tokens see each other both ways (an or-mask from ``token_type_ids``), which the
+    op's arguments do not express: transformers' mask and attention serve such a call. Its vision
+    tower, a module the patch does not own, reaches the same function with an ``is_causal`` of its
+    own (which crashed: given twice). Logits within 1e-5 of the unpatched model, image included."""
+    T = transformers
+    text = dict(TINY, query_pre_attn_scalar=64, sliding_window=WINDOW, layer_types=["sliding_attention",
+                                                                                     "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    cfg = T.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=100,
+                         boi_token_index=101, eoi_token_index=102)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = T.Gemma3ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(3, 99, (1, 14), generator=gen)
+    ids[0, 4], ids[0, 9] = 101, 102
+    ids[0, 5:9] = 100  # <boi>, four image tokens, <eoi>
+    pixels = torch.randn(1, 3, 28, 28, generator=gen)
+    inputs = dict(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == 100).long())
+    with torch.no_grad():
+        want = model(**inputs).logits
+        causal = model(input_ids=ids, pixel_values=pixels).logits
+    assert _rel(causal[:, 5:9], want[:, 5:9]) > 1e-3  # the block matters at the image's tokens
+    got, fallbacks = _patched_logits(model, **inputs)
+    assert COMPOSED in fallbacks
+    assert _rel(got, want) < 1e-5

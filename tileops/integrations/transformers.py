@@ -201,6 +201,24 @@ def _check_tables(op: Any, rotary: torch.nn.Module, config: Any, head_dim: int, 
                                   f"config: {problem}")
 
 
+def _carry_seen_length(op: Any, rotaries: list, model_type: str) -> None:
+    """Dynamic NTK: the op starts from the longest length the model's rotary embedding has seen
+    (``max_seq_len_cached``, which HF's ``dynamic_rope_update`` keeps across calls and which patched
+    calls keep updating, the rotary embedding still running). From the trained length instead, a model
+    that had run 64 tokens (trained on 32) rotated a 40-token call with other frequencies than HF's:
+    logits 0.023 relative off."""
+    if not hasattr(op, "set_seen_length"):
+        return
+    seen = {int(getattr(r, "max_seq_len_cached", op.params["max_position_embeddings"])) for r in rotaries}
+    if len(seen) > 1:
+        raise NotImplementedError(f"tileops.integrations.transformers.patch: {model_type} with rope type 'dynamic': "
+                                  f"its rotary embeddings have seen different lengths ({sorted(seen)}); one op "
+                                  f"serves them all")
+    # on the device the rotary embedding is on now (a model moved after patch() starts the op's state of
+    # its new device at the trained length, as a fresh op's)
+    op.set_seen_length(max(seen.pop(), int(op.params["max_position_embeddings"])), rotaries[0].inv_freq.device)
+
+
 def _mrope_problem(op: Any, rotary: torch.nn.Module, rot: int) -> str | None:
     """Whether the model's rotary embedding assigns each pair the stream the op does: its own
     ``recomposition_frequencies`` applied to a marker (stream c holding the value c) reads the map
@@ -407,6 +425,7 @@ def _rope_plan(model: torch.nn.Module, model_type: Any) -> dict[str, Any]:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     for r in rotaries:
         _check_tables(op, r, config, head_dim, model_type)
+    _carry_seen_length(op, rotaries, model_type)
     return {"op": op, "module": mod, "rotaries": rotaries, "attentions": slots, "head_dim": head_dim}
 
 

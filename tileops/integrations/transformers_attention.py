@@ -12,7 +12,14 @@ Gemma 3 in transformers 5.17 and 5.24, which pass ``scaling``, ``sliding_window`
 
 * the mask function returns what FlashAttention's does (``flash_attention_mask``): ``None`` when no
   token is padding and the keys are exactly the cache's tokens, else the 2-D boolean padding mask
-  of the keys. No ``[batch, 1, q, k]`` mask is ever built on the served path;
+  of the keys. No ``[batch, 1, q, k]`` mask is ever built on the served path. That path is taken only
+  for transformers' plain patterns, causal or sliding-window causal, each with its padding: the mask
+  creators say so by letting sdpa skip the mask (``allow_is_causal_skip``), which they refuse for
+  anything composed on top (packed sequences found from ``position_ids``, Gemma 3's bidirectional
+  image blocks and windows, a model's or/and mask functions); a decode step of one query on a static
+  cache, whose skip they refuse for ``torch.compile``'s sake, is plain too unless a mask function was
+  composed (``use_vmap``). Every other call gets transformers' own 4-D mask (its ``sdpa`` mask
+  function) and runs as the next item but one says;
 * ``None``: one dense call on the layer's ``[batch, heads, seq, head_dim]`` q, k and v as
   ``[batch, seq, heads, head_dim]`` views (no copies), GQA without repeating k and v, the causal mask
   aligned bottom-right (a decode step's query sees the whole cache) and the layer's window and
@@ -20,11 +27,12 @@ Gemma 3 in transformers 5.17 and 5.24, which pass ``scaling``, ``sliding_window`
 * a padding mask: the padded tokens are dropped and the batch runs as one varlen call
   (``cu_seqlens``), the output scattered back with zeros at padded queries. Finding the tokens
   reads the mask on the host, as transformers' FlashAttention path does; the unpadded case never
-  reads anything back;
-* anything else the op cannot compute exactly (a 4-D mask the caller passed, dropout in training,
-  a bidirectional window, a dtype or head size the op does not take) runs transformers' ``sdpa``
-  (``eager`` where Gemma 2's softcap needs it) with the mask spelled out in full, and warns once
-  per patched model and reason, naming it.
+  reads anything back. A sliding window counts positions, which dropping tokens from the middle of a
+  row would shift: a windowed layer's mask with a hole (a zero between ones) is not served;
+* anything else the op cannot compute exactly (a 4-D mask, dropout in training, a bidirectional
+  window, a dtype or head size the op does not take, a module tileops did not patch) runs
+  transformers' ``sdpa`` (``eager`` where Gemma 2's softcap needs it) with the mask spelled out in
+  full, and warns once per patched model and reason, naming it.
 
 One op serves every layer with the same (heads, kv heads, head_dim, causal, scale, window,
 softcap): Gemma 2/3's sliding and full layers take two.
@@ -104,13 +112,38 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, attention_mask)
 
 
+def _plain(q_length: int, kwargs: dict) -> bool:
+    """Whether the mask a creator asks for is causal or sliding-window causal with padding and nothing
+    composed on top, told by the flags it passes (the module's docstring): never by calling the mask
+    function, which is O(batch q k), nor by its closures, which differ between transformers releases.
+    A creator that passes no flag is not known to be plain."""
+    if kwargs.get("allow_is_causal_skip") is True:
+        return True
+    # one query on a static cache: the skip is refused for torch.compile, not for a pattern
+    return (q_length == 1 and kwargs.get("use_vmap") is False and "allow_is_causal_skip" in kwargs
+            and "allow_is_bidirectional_skip" not in kwargs)
+
+
+def _full_mask(**arguments: Any) -> torch.Tensor:
+    """transformers' own ``[batch, 1, q, k]`` boolean mask for the arguments a mask creator passed
+    (its ``sdpa`` mask function, never skipped)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](**{**arguments, "allow_is_causal_skip": False,
+                                                   "allow_is_bidirectional_skip": False})
+
+
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function: Any = None, attention_mask: torch.Tensor | None = None,
                    **kwargs: Any) -> torch.Tensor | None:
     """The mask a layer gets: None (nothing padded, the keys are the cache's tokens), or the 2-D
     boolean padding mask of the keys ``[batch, <= kv_length]`` (a static cache's mask is shorter than
     its ``kv_length``: the slots past it are not filled yet). The pattern itself (causal, window)
-    comes from the layer's own arguments.
+    comes from the layer's own arguments. A pattern that is not plain (:func:`_plain`: packed
+    sequences, bidirectional blocks or windows, a composed mask function) gets transformers' own 4-D
+    mask instead, which the attention function hands to transformers' attention: without it, the
+    packed documents of one row attended to each other (a tiny Llama's second document's logits off
+    by 1.04 relative) and Gemma 3's image tokens lost their bidirectional block, with no warning.
 
     Without a padding mask (transformers drops an all-ones one) a static cache's keys are still not
     all tokens: a full-attention layer's ``kv_length`` is the cache's length, of which ``q_offset +
@@ -118,6 +151,9 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     a score of 0 each, in every softmax's sum; the patched model's logits moved by 0.2 on a tiny
     Llama). The filled slots are then marked as the keys: at a decode step ``q_offset`` is the layer's
     device counter, read on the host, as the padded path reads its mask."""
+    if not _plain(q_length, kwargs):
+        return _full_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     if attention_mask is None:
         filled = q_offset + q_length - kv_offset
         if not torch.is_tensor(filled) and filled >= kv_length:
@@ -147,8 +183,12 @@ def _warn_once(state: AttentionState | None, why: str, runs: str) -> None:
 def _visible(sq: int, sk: int, causal: bool, window: int | None, keys: torch.Tensor | None,
              device: torch.device) -> torch.Tensor:
     """``[batch or 1, 1, sq, sk]`` bool, True where query i sees key j: the op's rule (causal aligned
-    bottom-right, the window behind it) and, with ``keys`` (``[batch, <= sk]``), the padding."""
-    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    bottom-right, the window behind it) and, with ``keys`` (``[batch, <= sk]``), the padding. The
+    queries are the last ``sq`` of the filled key slots, as :func:`_varlen` takes them: a static
+    cache's keys run past its filled slots (``keys`` ends at them), and aligned at the end of all
+    ``sk`` slots a prefill's queries saw each other's keys both ways."""
+    end = sk if keys is None else keys.shape[1]
+    i = torch.arange(sq, device=device)[:, None] + (end - sq)
     j = torch.arange(sk, device=device)[None, :]
     see = torch.ones(sq, sk, dtype=torch.bool, device=device)
     if causal:
@@ -169,6 +209,9 @@ def _fallback(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     """transformers' own attention on an explicit mask (sdpa; eager for a softcap, which sdpa refuses)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    # the mask below is explicit: a caller's own is_causal (SigLIP's vision attention passes one) would
+    # be given twice
+    kwargs = {k: v for k, v in kwargs.items() if k != "is_causal"}
     if mask is None or mask.dim() == 2:
         mask = _visible(query.shape[2], key.shape[2], causal, window, mask, query.device)
     if softcap is not None:
@@ -188,7 +231,8 @@ def _unserved(module: torch.nn.Module, query: torch.Tensor, mask: Any, dropout: 
     """Why the op cannot compute this call exactly, or None (``tensors``: q, k and v, for whether a
     gradient will be taken)."""
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool):
-        return "a mask that is not a padding mask (a 4-D or custom mask)"
+        return ("a mask that is not causal or sliding-window with padding (packed sequences, a bidirectional "
+                "block or window, a 4-D or custom mask)")
     if dropout:
         return f"attention dropout {dropout} in training"
     if window is not None and not causal:
@@ -218,10 +262,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     cap = float(softcap) if softcap else None
     # a module not patched by tileops gets here when its config is shared with a patched model's
     # (the implementation is a config attribute): it runs transformers' attention, as before
-    why = ("the module was not patched by tileops (its config is shared with a patched model)" if state is None
-           else _unserved(module, query, attention_mask, dropout, causal, window, (query, key, value)))
+    why = ("a module tileops did not patch (a vision tower, or a model sharing a patched model's config)"
+           if state is None else _unserved(module, query, attention_mask, dropout, causal, window, (query, key, value)))
     if why is None and (key.dtype != query.dtype or value.dtype != query.dtype):
         why = f"q, k, v of dtypes {query.dtype}, {key.dtype}, {value.dtype}"
+    if why is None and window is not None and attention_mask is not None and _holes(attention_mask):
+        why = "a sliding window over a padding mask with a hole (a masked token between two real ones)"
     if why is not None:
         _warn_once(state, why, "eager attention" if cap is not None else "sdpa")
         return _fallback(module, query, key, value, attention_mask, causal, window, cap, dropout, scale, kwargs)
@@ -231,6 +277,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is None:
         return op(q, k, v), None
     return _varlen(op, q, k, v, attention_mask), None
+
+
+def _holes(keys: torch.Tensor) -> bool:
+    """Whether a row of the 2-D key mask has a masked slot between two real ones (a host read, as
+    :func:`_varlen`'s): dropping it would move the later keys closer to the queries, and a window
+    counts positions (a tiny Mistral of window 4 was 0.92 relative off at the real tokens)."""
+    real = keys.to(torch.int32)
+    starts = (real[:, 1:] > real[:, :-1]).sum(1) + real[:, 0]  # runs of real slots a row
+    return bool((starts > 1).any())
 
 
 def _varlen(op: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

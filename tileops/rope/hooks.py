@@ -327,6 +327,18 @@ class RoPEDynamicNTKFwdHooks(_PartialRotary):
                 lambda: torch.full((), mpe, dtype=torch.float64, device=device), device))
         return st
 
+    def set_seen_length(self, length: int, device: "torch.device | str") -> None:
+        """Set the longest length seen on ``device`` to ``length``, as a model that already ran has it
+        (HF's ``max_seq_len_cached``): the next call grows it or goes back to ``max_position_embeddings``
+        from there, as HF's would. The tables follow at that call (they are stamped with the length
+        they were built for). Raises ValueError for a length below ``max_position_embeddings``, which
+        the state never holds."""
+        mpe = int(self.params["max_position_embeddings"])
+        if isinstance(length, bool) or not isinstance(length, int) or length < mpe:
+            raise ValueError(f"{self.name}: length: expected an int >= max_position_embeddings ({mpe}), got "
+                             f"{length!r}")
+        self._state(torch.device(device)).fill_(float(length))
+
     def dynamic_inv_freq(self, position_ids: torch.Tensor | None, seq_len: int, rot: int,
                          device: torch.device) -> torch.Tensor:
         """This call's ``inv_freq`` ``[rot // 2]`` float64 on ``device``, after updating the cached
