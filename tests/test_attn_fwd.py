@@ -117,6 +117,42 @@ def test_a_nan_input_gives_nan_where_the_definition_puts_it():
     nan_case(op, *_inputs(16, (2, 8, 4, 64), (2, 8, 2, 64)))
 
 
+def test_the_torch_target_keeps_nan_where_the_definition_puts_it():
+    """The same for ``target="torch"``, whose probabilities went through ``nan_to_num`` (meant for a row
+    that sees no key): a NaN query's rows came out zeros, a plausible answer. A row that sees no key is
+    still zeros, and its lse -inf."""
+    op = AttnFwdOp(4, 2, 64, causal=True, sliding_window=3, target="torch")
+    q, k, v = _inputs(16, (2, 8, 4, 64), (2, 8, 2, 64))
+    clean = op(q, k, v)
+    q[1, 6, 3, 0] = k[0, 5, 1, 7] = float("nan")  # a query's row; a key that rows 5-7 of heads 2, 3 see
+    got = op(q, k, v)
+    want = torch.zeros_like(got, dtype=torch.bool)
+    want[1, 6, 3] = True
+    want[0, 5:8, 2:4] = True
+    assert torch.equal(got.isnan(), want)
+    assert torch.equal(got[~want], clean[~want])
+    q, k, v = _inputs(17, (1, 6, 4, 64), (1, 2, 2, 64))
+    out, lse = AttnFwdOp(4, 2, 64, causal=True, target="torch")(q, k, v, return_lse=True)
+    assert bool((out[0, :4] == 0).all()) and bool(torch.isneginf(lse[0, :, :4]).all())  # 6 queries, 2 keys
+
+
+@pytest.mark.parametrize("target", [None, "torch"])
+def test_an_empty_call_takes_gradients(target):
+    """No query row (a batch of 0, or every sequence empty): the output is empty and the inputs'
+    gradients come back zero-size (q) or zeros (k, v of sequences with keys), from either target. The
+    torch target's empty output had no grad_fn, which the op's autograd refused."""
+    op = AttnFwdOp(4, 2, 64, causal=True, target=target)
+    cu_q, cu_k = torch.tensor([0, 0, 0], dtype=torch.int32), torch.tensor([0, 2, 5], dtype=torch.int32)
+    for q, k, extra in ((torch.zeros(0, 3, 4, 64), torch.ones(0, 5, 2, 64), {}),
+                        (torch.zeros(0, 4, 64), torch.ones(5, 2, 64), dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k))):
+        q, k = q.requires_grad_(), k.requires_grad_()
+        v = k.detach().clone().requires_grad_()
+        out = op(q, k, v, **extra)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+        assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert not bool(dk.any()) and not bool(dv.any())
+
+
 def value_nan_spread(got_nan: torch.Tensor, want_nan: torch.Tensor, b: int, heads: slice, col: int,
                      rows: int) -> list:
     """What separates ``got_nan`` from ``want_nan`` (NaN masks ``[B, S, H, D]``) beyond the one spread the

@@ -112,7 +112,9 @@ def _attention(op: Any) -> Callable[..., Any]:
             seen &= j > i + sk - sq - w
         s = s.masked_fill(~seen, float("-inf"))
         lse = torch.logsumexp(s, -1)
-        pr = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        # a row that sees no key (lse -inf) gets zeros; a NaN stays NaN (a nan_to_num here once gave a
+        # NaN input's row zeros, a plausible answer where the kernels give NaN)
+        pr = torch.where(torch.isneginf(lse)[..., None], 0.0, torch.exp(s - lse[..., None]))
         return torch.einsum("hqk,khd->qhd", pr, vf), lse
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None,
@@ -134,6 +136,13 @@ def _attention(op: Any) -> Callable[..., Any]:
                 o, x = one(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]])
                 out[cq[b]:cq[b + 1]], lse[:, cq[b]:cq[b + 1]] = o, x
         out = out.to(q.dtype)
+        if out.numel() == 0 and torch.is_grad_enabled() and not out.requires_grad:
+            # no query row (batch 0, or every sequence empty): the output still hangs on the inputs
+            # that take gradients, which come back zero-size or zero, as the kernels' do (a bare empty
+            # tensor has no grad_fn, which the op's autograd refuses). Nothing is added to a value
+            live = [t.float().sum() * 0 for t in (q, k, v) if t.requires_grad]
+            if live:
+                out = out + sum(live).to(out.dtype)
         return (out, lse.float()) if return_lse else out
 
     return run
