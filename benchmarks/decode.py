@@ -87,19 +87,21 @@ def schedule_specs(static: dict) -> list[tuple]:
 
 def parse_sweep(text: str) -> list[dict]:
     """``--sweep``'s schedules, comma-separated: THREADSxUNROLL[xPREFETCH[xSTAGES]] (CUDA cores), or
-    THREADSmTILE[pPREFETCH][wWIDEN] (tensor cores, ``mma``: tokens a tile; p1: the next tile's rows loaded
-    during this tile's products; w1: a float8 cache widened eight elements at a time). A float8 cache
+    THREADSmTILE[pPREFETCH][wWIDEN][bMIN_BLOCKS] (tensor cores, ``mma``: tokens a tile; p1: the next tile's
+    rows loaded during this tile's products; w1: a float8 cache widened eight elements at a time; b3: three
+    programs an SM asked of nvcc, ``__launch_bounds__``, and aimed at by the split rule). A float8 cache
     read one element at a time takes tiles of 64 without the prefetch whatever the sweep says
     (``decode_builtin._MMA_NARROW``); widened, it takes the sweep's."""
     keys = ("threads", "unroll", "prefetch", "stages")
     configs = []
     for c in text.split(","):
         if "m" in c:
-            m = re.fullmatch(r"(\d+)m(\d+)(?:p([01]))?(?:w([01]))?", c)
+            m = re.fullmatch(r"(\d+)m(\d+)(?:p([01]))?(?:w([01]))?(?:b([1-8]))?", c)
             if not m:
-                raise SystemExit(f"--sweep: expected THREADSmTILE[pPREFETCH][wWIDEN] (integers), got {c!r}")
+                raise SystemExit(f"--sweep: expected THREADSmTILE[pPREFETCH][wWIDEN][bMIN_BLOCKS] (integers), "
+                                 f"got {c!r}")
             configs.append({"threads": int(m[1]), "mma": 1, "tile": int(m[2]), "prefetch": int(m[3] or 0),
-                            **({"widen": int(m[4])} if m[4] else {})})
+                            **({"widen": int(m[4])} if m[4] else {}), **({"min_blocks": int(m[5])} if m[5] else {})})
             continue
         parts = c.split("x")
         if not 2 <= len(parts) <= 4 or not all(p.isdigit() for p in parts):
@@ -157,8 +159,9 @@ def main() -> None:
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--sweep-cache", choices=("bf16", "fp8"), default="bf16",
                     help="the cache a --sweep reads: bf16, or float8 e4m3fn with scales (its copy: the halved bytes)")
-    ap.add_argument("--sweep", default="", help="THREADSxUNROLL[xPREFETCH[xSTAGES]] or THREADSmTILE (tensor cores), "
-                                                "comma-separated: ours alone at each (bf16, block size 16)")
+    ap.add_argument("--sweep", default="", help="THREADSxUNROLL[xPREFETCH[xSTAGES]] or THREADSmTILE[pP][wW][bB] "
+                                                "(tensor cores), comma-separated: ours alone at each (bf16, block "
+                                                "size 16)")
     ap.add_argument("--splits", default="", help="PROGRAMS:MIN_TOKENS,...: ours alone (bf16, block size 16, "
                                                  "the manifest's schedule) with the split rule aiming at PROGRAMS "
                                                  "programs, no split under MIN_TOKENS tokens")

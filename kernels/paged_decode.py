@@ -69,6 +69,8 @@ STATIC = {
     "widen": (0, 1, "1: a float8 cache's elements widened eight at a time into one 16-byte shared store, by bit "
                     "moves and one bf16x2 product a pair (bf16 q) or the e4m3x2 conversion (fp16 q); 0: one at a "
                     "time through fp16 and fp32 (mma with a float8 cache; widened: 1.65-1.71x, H100, 2026-12-06)"),
+    "min_blocks": (1, 8, "programs an SM must hold at once, asked of nvcc (__launch_bounds__) for the tensor-core "
+                         "partial: it caps the registers a thread at 65536 / (min_blocks * threads) (CUDA)"),
 }
 
 #: the caches' element types: the query's, or float8 e4m3fn with per-tensor scales
@@ -107,6 +109,7 @@ class PagedDecodeSpec:
     mma: int = 0  # 1: tensor-core products, the group's heads as rows (:func:`_partial_mma`)
     tile: int = 64  # mma: tokens a tile
     widen: int = 0  # mma, float8 cache: 1 widens eight elements at once (:data:`E4M3X8_HELPER`)
+    min_blocks: int = 1  # mma partial: programs an SM asked of nvcc (``__launch_bounds__(threads, min_blocks)``)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16", "float32"):
@@ -152,6 +155,11 @@ class PagedDecodeSpec:
         if self.widen and not (self.mma and self.fp8 and self.kind == "partial"):
             raise ValueError(f"widen: the tensor-core partial's float8 widening; expected widen=0 with mma={self.mma}, "
                              f"kind {self.kind!r} and cache_dtype {self.cache_dtype!r}")
+        if type(self.min_blocks) is not int or not 1 <= self.min_blocks <= 8:
+            raise ValueError(f"min_blocks: expected an int in [1, 8], got {self.min_blocks!r}")
+        if self.min_blocks != 1 and not (self.mma and self.kind == "partial"):
+            raise ValueError(f"min_blocks: the tensor-core partial's programs an SM; expected min_blocks=1 with "
+                             f"mma={self.mma} and kind {self.kind!r}, got {self.min_blocks}")
         if self.mma and self.dtype == "float32":
             raise ValueError("mma: the tensor-core products take 16-bit operands; expected dtype float16 or "
                              "bfloat16 with mma=1, got float32 (mma=0 reads fp32)")
@@ -916,6 +924,11 @@ def _partial_mma(spec: PagedDecodeSpec):
                              osb: T.int64, osh: T.int64, direct: T.int32):
         with T.Kernel(splits * (HKV * NHC) * batch, threads=TPB) as bx:
             T.import_source(helpers)
+            if spec.min_blocks > 1:
+                # registers a thread capped at 65536 / (min_blocks * TPB): the widened float8 program at
+                # tiles of 128 with the prefetch takes 171 (2 programs an SM), 161 with 3 and no spill
+                # (ptxas, sm_90a, bf16 q, D 128)
+                T.annotate_min_blocks_per_sm(spec.min_blocks)
             tx = T.get_thread_binding()
             div, mod = T.truncdiv, T.truncmod  # every operand >= 0
             s = mod(bx, splits)

@@ -317,16 +317,18 @@ def test_the_hf_profile_reports_each_variant(capsys, tmp_path):
 
 def test_the_decode_sweep_parses_its_schedules_and_refuses_others():
     """``python -m benchmarks.decode --sweep``: CUDA-core and tensor-core schedules, the latter with the
-    prefetch and the float8 widening; a malformed one is refused by name before any GPU work."""
+    prefetch, the float8 widening and the programs an SM asked of nvcc; a malformed one is refused by name
+    before any GPU work."""
     from benchmarks.decode import parse_sweep
 
-    assert parse_sweep("128x2,128x2x1x0,128m64,128m128p1,128m64w1,128m64p0w0") == [
+    assert parse_sweep("128x2,128x2x1x0,128m64,128m128p1,128m64w1,128m64p0w0,128m128p1w1b3") == [
         {"threads": 128, "unroll": 2}, {"threads": 128, "unroll": 2, "prefetch": 1, "stages": 0},
         {"threads": 128, "mma": 1, "tile": 64, "prefetch": 0},
         {"threads": 128, "mma": 1, "tile": 128, "prefetch": 1},
         {"threads": 128, "mma": 1, "tile": 64, "prefetch": 0, "widen": 1},
-        {"threads": 128, "mma": 1, "tile": 64, "prefetch": 0, "widen": 0}]
-    for bad in ("128m64w2", "128m64x", "128"):
+        {"threads": 128, "mma": 1, "tile": 64, "prefetch": 0, "widen": 0},
+        {"threads": 128, "mma": 1, "tile": 128, "prefetch": 1, "widen": 1, "min_blocks": 3}]
+    for bad in ("128m64w2", "128m64x", "128", "128m64b9", "128m64b3w1"):
         with pytest.raises(SystemExit, match=f"--sweep: expected .*got '{bad}'"):
             parse_sweep(bad)
 

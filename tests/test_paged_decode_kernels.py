@@ -494,6 +494,26 @@ def test_tensor_core_schedule_lowers_to_mma_fed_by_16_byte_gathers(cache_dtype, 
     assert loads and set(loads) == {"uint4" if cache_dtype == torch.bfloat16 else "uint2"}, loads
 
 
+def test_min_blocks_asks_nvcc_for_programs_an_sm_and_the_split_rule_aims_at_them():
+    """``min_blocks`` (the tensor-core partial): ``__launch_bounds__(threads, min_blocks)`` in the source,
+    which caps ptxas's registers a thread, and the split rule's programs an SM at least that many; 1 (the
+    default) leaves the source as it was. Refused for the merge and the CUDA cores' program."""
+    from tileops.attention.decode_builtin import target_programs
+
+    fields = dict(d=128, hq=32, hkv=8, backend="cuda", mma=1, tile=128, prefetch=1, widen=1)
+    three = spec("partial", torch.bfloat16, torch.float8_e4m3fn, **fields, min_blocks=3)
+    assert "__launch_bounds__(128, 3)" in emit_source("paged_decode", three, "cuda", "sm_90")
+    one = spec("partial", torch.bfloat16, torch.float8_e4m3fn, **fields)
+    assert "__launch_bounds__(128, 1)" in emit_source("paged_decode", one, "cuda", "sm_90")
+    assert (target_programs(one), target_programs(three)) == (2 * 132, 3 * 132)
+    with pytest.raises(ValueError, match=r"min_blocks: the tensor-core partial's programs an SM"):
+        spec("merge", torch.bfloat16, d=128, backend="cuda", min_blocks=2)
+    with pytest.raises(ValueError, match=r"min_blocks: the tensor-core partial's programs an SM"):
+        spec("partial", torch.float32, d=128, backend="cuda", min_blocks=2)
+    with pytest.raises(ValueError, match=r"min_blocks: expected an int in \[1, 8\], got 9"):
+        spec("partial", torch.bfloat16, d=128, backend="cuda", mma=1, min_blocks=9)
+
+
 # ``widen=1`` (the tensor-core partial with a float8 cache): eight e4m3fn bytes widened at once
 # (``kernels/paged_decode.py`` E4M3X8_HELPER) and stored as one 16-byte vector into the products' tile.
 def _widening_program(dtype: str):

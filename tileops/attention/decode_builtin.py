@@ -62,7 +62,7 @@ MIN_SPLIT_TOKENS = 256
 #: the CUDA-cores partial's token-loop knobs, which the tensor-core one (``mma``) does not read
 _CUDA_CORE_LOOP = ("unroll", "stages")
 #: the manifest's knobs of the tensor-core partial, which an fp32 call (the CUDA cores') drops
-_MMA_KNOBS = ("mma", "tile", "prefetch", "widen")
+_MMA_KNOBS = ("mma", "tile", "prefetch", "widen", "min_blocks")
 #: the tensor-core partial's tile where the manifest's (128 tokens, the next tile loaded during this
 #: one's products) loses. head_dim 256: tiles of 128 spill (ptxas, sm_90a, bf16: 255 registers and
 #: 1,260 bytes of spill stores; tiles of 64: 194 registers, none). A float8 cache: its per-element
@@ -116,9 +116,10 @@ def target_programs(partial: Any) -> int:
     1060, 916 and 640 us (H200, bf16 q, GQA 32/8, D 128)."""
     if partial is None or not partial.mma:
         return TARGET_PROGRAMS
+    # (a schedule's min_blocks asks nvcc for that many programs an SM: the rule aims at them)
     if partial.tile == 128:
-        return PROGRAMS_AN_SM["tile128"] * SMS
-    return PROGRAMS_AN_SM["tile64-d256" if partial.head_dim > 128 else "tile64"] * SMS
+        return max(PROGRAMS_AN_SM["tile128"], partial.min_blocks) * SMS
+    return max(PROGRAMS_AN_SM["tile64-d256" if partial.head_dim > 128 else "tile64"], partial.min_blocks) * SMS
 
 
 def splits(batch: int, hkv: int, tokens: int, programs: int = TARGET_PROGRAMS) -> int:
