@@ -91,7 +91,8 @@ def parse_sweep(text: str) -> list[dict]:
     rows loaded during this tile's products; w1: a float8 cache widened eight elements at a time; b3: three
     programs an SM asked of nvcc, ``__launch_bounds__``, and aimed at by the split rule). A float8 cache
     read one element at a time takes tiles of 64 without the prefetch whatever the sweep says
-    (``decode_builtin._MMA_NARROW``); widened, it takes the sweep's."""
+    (``decode_builtin._MMA_NARROW``); widened, tiles of 64 and the sweep's prefetch
+    (``_MMA_FLOAT8_WIDENED``)."""
     keys = ("threads", "unroll", "prefetch", "stages")
     configs = []
     for c in text.split(","):

@@ -246,7 +246,7 @@ MMA_CASES = {
     "float8-window": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, [2000, 700, 3], {"widen": 0},
                       dict(sliding_window=300)),
     # a float8 cache widened eight elements at once (widen=1, the manifest's), its caches holding every finite
-    # e4m3fn code: at the manifest's tiles of 128 with the prefetch (not narrowed when widened), and at tiles of 64
+    # e4m3fn code: at tiles of 64 with the prefetch (decode_builtin._MMA_FLOAT8_WIDENED), and without it
     "float8-widen": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, LENS, {"widen": 1}, {}),
     "float8-widen-fp16-nhd-window-tile64": (128, 32, 8, torch.float16, torch.float8_e4m3fn, "NHD", 1,
                                             [2000, 700, 3], {"widen": 1, "tile": 64, "prefetch": 0},

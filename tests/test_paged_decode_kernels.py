@@ -453,13 +453,14 @@ def test_a_call_keys_each_program_by_the_knobs_it_reads():
 
 
 @pytest.mark.parametrize("d,cache,want", [(128, "bfloat16", (128, 1)), (64, "float16", (128, 1)),
-                                          (128, "float8_e4m3fn", (128, 1)), (256, "bfloat16", (64, 0)),
+                                          (128, "float8_e4m3fn", (64, 1)), (256, "bfloat16", (64, 0)),
                                           (128, "float32", None)])
 def test_the_manifests_tensor_core_tile_and_where_it_narrows(d, cache, want):
     """The manifest's tensor-core partial (tiles of 128 tokens, the next one loaded during the products)
-    for 16-bit caches up to head_dim 128, and for a float8 cache, which the manifest widens eight elements
-    at once; head_dim 256 takes tiles of 64 without the prefetch (``decode_builtin._MMA_NARROW``: tiles of
-    128 spill there), as would a float8 cache read one element at a time. fp32 q
+    for 16-bit caches up to head_dim 128; a float8 cache, which the manifest widens eight elements at
+    once, takes tiles of 64 with the prefetch (``decode_builtin._MMA_FLOAT8_WIDENED``); head_dim 256 takes
+    tiles of 64 without the prefetch (``_MMA_NARROW``: tiles of 128 spill there), as would a float8 cache
+    read one element at a time. fp32 q
     takes the CUDA cores' loop, its copies ahead the manifest's ``stages``, none of the tensor-core knobs
     (its ``prefetch`` with ``stages`` would be refused)."""
     from tileops.attention import PagedAttnDecodeFwdOp
@@ -602,9 +603,9 @@ def test_widening_is_the_tensor_core_partials_alone():
         (call,) = call_specs(op.manifest, dims, [dtype], torch.device("cuda"), given, params=op.params)
         partial, merge = [s for _, s in kernel_specs(op.manifest, op.params, call, "cuda")]
         assert (partial.widen, merge.widen) == (want, 0), (cache, dtype)
-        if want:  # widened, a float8 cache keeps the manifest's tile and prefetch (not _MMA_NARROW's 64, 0)
+        if want:  # widened, a float8 cache keeps the manifest's prefetch at tiles of 64 (not _MMA_NARROW's 64, 0)
             static = op.manifest.kernel.static
-            assert (partial.tile, partial.prefetch) == (static["tile"], static["prefetch"]) == (128, 1)
+            assert (partial.tile, partial.prefetch) == (64, static["prefetch"]) == (64, 1)
 
 
 @pytest.mark.parametrize("dtype,tile,prefetch", [(torch.bfloat16, 64, 0), (torch.float16, 64, 0),

@@ -65,14 +65,19 @@ _CUDA_CORE_LOOP = ("unroll", "stages")
 _MMA_KNOBS = ("mma", "tile", "prefetch", "widen", "min_blocks")
 #: the tensor-core partial's tile where the manifest's (128 tokens, the next tile loaded during this
 #: one's products) loses. head_dim 256: tiles of 128 spill (ptxas, sm_90a, bf16: 255 registers and
-#: 1,260 bytes of spill stores; tiles of 64: 194 registers, none). A float8 cache: its per-element
-#: conversion makes the program ALU-bound, and the prefetch's registers cost it programs an SM (H200,
-#: bf16 q, GQA 32/8, D 128, one split: 216 and 856 us at 64 x 1024 and 64 x 4096, against 165 and 636
-#: for tiles of 64 without it). Widened eight elements at once (``widen``, the manifest's: no conversion
-#: instruction for bf16) it is not narrowed: it keeps the manifest's tile and prefetch (171 registers, as
-#: the bf16 cache's program, ptxas sm_90a; H100, the same rows: 99.5 and 364.5 us, and tiles of 64 widened
-#: 95.9 and 360.7, 1-4% apart, which the tune space can choose)
+#: 1,260 bytes of spill stores; tiles of 64: 194 registers, none). A float8 cache read one element at a
+#: time: its per-element conversion makes the program ALU-bound, and the prefetch's registers cost it
+#: programs an SM (H200, bf16 q, GQA 32/8, D 128, one split: 216 and 856 us at 64 x 1024 and 64 x 4096,
+#: against 165 and 636 for tiles of 64 without it).
 _MMA_NARROW = {"tile": 64, "prefetch": 0}
+#: A float8 cache widened eight elements at once (``widen``, the manifest's) keeps the prefetch at tiles
+#: of 64: 120 registers, 4 programs an SM, against 171 and 2 at tiles of 128. H100, bf16 q, GQA 32/8, D
+#: 128, block size 16 (2026-12-06, ``benchmarks.decode --sweep ... --sweep-cache fp8``), eager us: 64 x
+#: 1024 84.7 against 103.0 at tiles of 128 (94.3 at 64 without the prefetch), 64 x 4096 321.7 / 367.6
+#: (356.0), 8 x 32768 333.9 / 385.6 (370.4), 1 x 4096 20.3 / 20.0 (23.6). Asking nvcc for 3 programs of
+#: tiles of 128 an SM (``min_blocks``, 161 registers, no spill) gained 2% or lost 25%: the program is
+#: not short of bytes in flight.
+_MMA_FLOAT8_WIDENED = {"tile": 64}
 _PARTIAL_VALUES = ("splits", "chunk", "scale_bits", "softcap_bits", "window")
 
 #: what the partial program reads, whichever way it writes
@@ -157,6 +162,8 @@ def kernel_specs(manifest: Any, params: Any, call: Any, backend: str, backward: 
     elif static.get("mma") and (fields["head_dim"] > 128
                                 or (fields["cache_dtype"].startswith("float8") and not static.get("widen"))):
         static.update(_MMA_NARROW)
+    elif static.get("mma") and fields["cache_dtype"].startswith("float8"):
+        static.update(_MMA_FLOAT8_WIDENED)
     # each program keyed by the knobs it reads: the merge by its threads, the tensor-core partial not by
     # the CUDA cores' token loop (so that a schedule sweep compiles one merge, not one a schedule)
     merge = {k: v for k, v in static.items() if k == "threads"}
