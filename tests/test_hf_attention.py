@@ -125,26 +125,37 @@ def test_static_cache_generation_matches_the_unpatched_logits(kind, gen):
     step's logits within 1e-5 of the unpatched model's. Mistral's and Gemma's sliding layers keep a
     static cache of ``WINDOW`` (8) slots, which the 20-token prompt and 5 steps fill and roll over:
     their mask sizes carry a ``kv_offset``."""
-    model = _model(kind, gen)
-    ids = torch.randint(3, 128, (2, 20), generator=gen)
-    padded = torch.ones_like(ids)
-    padded[1, :4] = 0
-    for m in (torch.ones_like(ids), padded):
-        def run():
-            with torch.no_grad():
-                return model.generate(ids, attention_mask=m, max_new_tokens=5, do_sample=False, output_logits=True,
-                                      return_dict_in_generate=True, cache_implementation="static")
-        want = run()
-        _patch(model)
-        try:
-            got = run()
-            rep = tt.report(model)
-        finally:
-            tt.unpatch(model)
-        assert rep["attention_fallbacks"] == [], rep["attention_fallbacks"]
+    for want, got, fallbacks in _static_generations(_model(kind, gen), gen, steps=5):
+        assert fallbacks == [], fallbacks
         assert torch.equal(got.sequences, want.sequences), f"{kind}: tokens differ"
         for i, (a, b) in enumerate(zip(got.logits, want.logits)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{kind}: step {i}'s logits")
+
+
+def _static_generations(model: torch.nn.Module, gen: torch.Generator, steps: int) -> list:
+    """Static-cache greedy generations of 2 x 20 tokens, full and with the second row left-padded by 4,
+    unpatched then patched: ``(want, got, the patch's fallbacks)`` for each (warnings silenced)."""
+    ids = torch.randint(3, 128, (2, 20), generator=gen)
+    padded = torch.ones_like(ids)
+    padded[1, :4] = 0
+    runs = []
+    for m in (torch.ones_like(ids), padded):
+        def run():
+            with torch.no_grad():
+                return model.generate(ids, attention_mask=m, max_new_tokens=steps, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True,
+                                      cache_implementation="static")
+        want = run()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _patch(model)
+            try:
+                got = run()
+                fallbacks = tt.report(model)["attention_fallbacks"]
+            finally:
+                tt.unpatch(model)
+        runs.append((want, got, fallbacks))
+    return runs
 
 
 def test_padded_prefill_logits_match_at_the_real_tokens(gen):
@@ -387,23 +398,7 @@ def test_a_fallback_on_a_static_cache_keeps_the_causal_order(gen):
     cfg._attn_implementation = "eager"
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     model = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(3, 128, (2, 20), generator=gen)
-    padded = torch.ones_like(ids)
-    padded[1, :4] = 0
-    for m in (torch.ones_like(ids), padded):
-        def run():
-            with torch.no_grad():
-                return model.generate(ids, attention_mask=m, max_new_tokens=4, do_sample=False, output_logits=True,
-                                      return_dict_in_generate=True, cache_implementation="static")
-        want = run()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _patch(model)
-            try:
-                got = run()
-                fallbacks = tt.report(model)["attention_fallbacks"]
-            finally:
-                tt.unpatch(model)
+    for want, got, fallbacks in _static_generations(model, gen, steps=4):
         assert fallbacks == ["head_dim 16 (served: 64, 80, 96, 128, 256)"]
         assert torch.equal(got.sequences, want.sequences)
         for i, (a, b) in enumerate(zip(got.logits, want.logits)):
