@@ -432,3 +432,21 @@ def test_gemma3_image_tokens_keep_their_bidirectional_block(gen):
     got, fallbacks = _patched_logits(model, **inputs)
     assert COMPOSED in fallbacks
     assert _rel(got, want) < 1e-5
+
+
+def test_the_fallback_refuses_to_spell_out_a_bidirectional_window():
+    """transformers' bidirectional windows differ by model (Gemma 3: ``|i - j| < w``; its generic overlay:
+    ``<= w``), so the fallback never builds one itself (it once built ``j > i - w``, every later key
+    visible): without transformers' own 4-D mask such a call is refused, naming why."""
+    from tileops.integrations.transformers_attention import attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal = False
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 4, 6, 64, generator=g), torch.randn(1, 2, 6, 64, generator=g)
+    for mask in (None, torch.ones(1, 6, dtype=torch.bool)):
+        with pytest.raises(NotImplementedError, match=r"a sliding window without the causal mask needs "
+                                                      r"transformers' own 4-D mask; got (no mask|a 2-D padding mask)"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                attention_forward(module, q, k, k, mask, sliding_window=3)

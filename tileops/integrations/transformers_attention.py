@@ -187,6 +187,13 @@ def _visible(sq: int, sk: int, causal: bool, window: int | None, keys: torch.Ten
     queries are the last ``sq`` of the filled key slots, as :func:`_varlen` takes them: a static
     cache's keys run past its filled slots (``keys`` ends at them), and aligned at the end of all
     ``sk`` slots a prefill's queries saw each other's keys both ways."""
+    if window is not None and not causal:
+        # transformers' bidirectional windows differ (Gemma 3's sees |i - j| < w, its generic overlay
+        # <= w): only its own 4-D mask, which the mask function returns for every such pattern, says which
+        # (this spelled out j > i - w once, every later key visible: 0.97 relative off)
+        raise NotImplementedError("tileops.integrations.transformers: attention: a sliding window without the "
+                                  "causal mask needs transformers' own 4-D mask; got "
+                                  f"{'no mask' if keys is None else 'a 2-D padding mask'}")
     end = sk if keys is None else keys.shape[1]
     i = torch.arange(sq, device=device)[:, None] + (end - sq)
     j = torch.arange(sk, device=device)[None, :]
