@@ -121,10 +121,12 @@ def target_programs(partial: Any) -> int:
     1060, 916 and 640 us (H200, bf16 q, GQA 32/8, D 128)."""
     if partial is None or not partial.mma:
         return TARGET_PROGRAMS
-    # (a schedule's min_blocks asks nvcc for that many programs an SM: the rule aims at them)
     if partial.tile == 128:
-        return max(PROGRAMS_AN_SM["tile128"], partial.min_blocks) * SMS
-    return max(PROGRAMS_AN_SM["tile64-d256" if partial.head_dim > 128 else "tile64"], partial.min_blocks) * SMS
+        per_sm = PROGRAMS_AN_SM["tile128"]
+    else:
+        per_sm = PROGRAMS_AN_SM["tile64-d256" if partial.head_dim > 128 else "tile64"]
+    # (a schedule's min_blocks asks nvcc for that many programs an SM: the rule aims at them)
+    return max(per_sm, partial.min_blocks) * SMS
 
 
 def splits(batch: int, hkv: int, tokens: int, programs: int = TARGET_PROGRAMS) -> int:
