@@ -66,9 +66,10 @@ STATIC = {
     "mma": (0, 1, "1: the group's q heads as the rows of tensor-core products over tiles of tokens (CUDA, 16-bit "
                   "q; unroll, prefetch and stages then do not apply)"),
     "tile": (16, 128, "tokens a tile of the mma schedule (16, 32, 64 or 128)"),
-    "widen": (0, 1, "1: a float8 cache's elements widened eight at a time into one 16-byte shared store, by bit "
-                    "moves and one bf16x2 product a pair (bf16 q) or the e4m3x2 conversion (fp16 q); 0: one at a "
-                    "time through fp16 and fp32 (mma with a float8 cache; widened: 1.65-1.71x, H100, 2026-12-06)"),
+    "widen": (0, 1, "1: a float8 cache's elements widened eight at a time into one 16-byte shared store by the "
+                    "e4m3x2 -> f16x2 conversion, the products in fp16 (bf16 q: each head's row rescaled into fp16 "
+                    "by a power of two); 0: one at a time through fp16 and fp32 into q's dtype (mma with a float8 "
+                    "cache; fp16 products: 1.43x the bf16 bit moves, H100, 2026-12-06)"),
     "min_blocks": (1, 8, "programs an SM must hold at once, asked of nvcc (__launch_bounds__) for the tensor-core "
                          "partial: it caps the registers a thread at 65536 / (min_blocks * threads) (CUDA)"),
 }
@@ -171,6 +172,13 @@ class PagedDecodeSpec:
     @property
     def fp8(self) -> bool:
         return self.cache_dtype == "float8_e4m3fn"
+
+    @property
+    def products(self) -> str:
+        """The tensor-core products' operand type: q's, but fp16 for a widened float8 cache (its elements
+        reach fp16 by one conversion instruction a pair, bf16 only by bit moves that made the program
+        ALU-bound; :func:`_partial_mma` rescales a bf16 q row into fp16)."""
+        return "float16" if self.widen else self.dtype
 
     @property
     def args(self) -> tuple[str, ...]:
@@ -430,34 +438,15 @@ __device__ __forceinline__ float tileops_e4m3_f32(unsigned char bits) {
 """
 
 #: CUDA (sm_89 and later; the tensor-core partial with ``widen``): eight float8 e4m3fn bytes of a cache row
-#: (``in``, 8 bytes) as eight bf16 or fp16 (``out``, 16 bytes), or eight zeros where ``ok`` is 0 (a token
-#: not read). bf16 by bit moves: each byte into the high byte of a 16-bit half keeps its sign at bit 15,
-#: and its exponent and mantissa shifted down 4 bits land on bf16's: the bf16 of the value times 2^-120
-#: (exponent bias 127 against 7), exact, e4m3's subnormals included (they become bf16 subnormals); one
-#: ``fma.rn.bf16x2`` by 2^120 (0x7B80; adding -0 keeps a -0) restores the value exactly, and e4m3fn's NaN
-#: (low 7 bits all ones), which would read 480, is set apart. About 2 integer operations an element and
-#: no conversion instruction, against :data:`E4M3_HELPER`'s three conversions an element. fp16 by the
-#: hardware's ``cvt.rn.f16x2.e4m3x2``, two elements an instruction (exact, NaN kept). Each has an
-#: ``#else`` model for ``tests/cuda_on_cpu.py``, which runs the bit moves on the CPU (plain C++: nvcc's host
-#: pass parses it too).
+#: (``in``, 8 bytes) as eight fp16 (``out``, 16 bytes), or eight zeros where ``ok`` is 0 (a token not read),
+#: by the hardware's ``cvt.rn.f16x2.e4m3x2``, two elements an instruction (exact: e4m3's values are fp16
+#: values; NaN kept). The products are then fp16 whatever q's dtype (:attr:`PagedDecodeSpec.products`): a
+#: bf16 widening by bit moves (each byte into a half's high byte, shifted to bf16's exponent, one
+#: ``fma.rn.bf16x2`` by 2^120, NaN set apart) cost ~15 integer operations a 4 bytes, and left the program
+#: ALU-bound (Nsight Compute, H100, 64 x 4096: ALU pipe 59% of peak, 166 M instructions against bf16's
+#: 71 M for twice the bytes; long-scoreboard stalls 4% of samples). The ``#else`` model is for
+#: ``tests/cuda_on_cpu.py``, which runs it on the CPU (plain C++: nvcc's host pass parses it too).
 E4M3X8_HELPER = r"""
-__device__ __forceinline__ unsigned tileops_bf16x2_times_2p120(unsigned x) {
-#ifdef __CUDA_ARCH__
-  unsigned d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(0x7B807B80u), "r"(0x80008000u));
-  return d;
-#else
-  unsigned d = 0;
-  for (int k = 0; k < 32; k += 16) {
-    union { unsigned u; float f; } v, p;
-    v.u = ((x >> k) & 0xFFFFu) << 16;
-    p.u = 0x7B800000u;  // 2^120
-    v.f = v.f * p.f;  // exact: a power of two times a value of at most 4 significant bits
-    d |= (v.u >> 16) << k;
-  }
-  return d;
-#endif
-}
 __device__ __forceinline__ unsigned tileops_e4m3x2_f16x2(unsigned pair) {
 #ifdef __CUDA_ARCH__
   unsigned d;
@@ -480,29 +469,6 @@ __device__ __forceinline__ unsigned tileops_e4m3x2_f16x2(unsigned pair) {
   return d;
 #endif
 }
-__device__ __forceinline__ unsigned tileops_e4m3x2_bf16x2(unsigned t) {
-  return tileops_bf16x2_times_2p120(((t >> 4) & 0x07F007F0u) | (t & 0x80008000u));
-}
-__device__ __forceinline__ void tileops_e4m3x8_bf16(void* out, const void* in, int ok) {
-  const unsigned* w = (const unsigned*)in;
-  unsigned* r = (unsigned*)out;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    unsigned x = ok ? w[i] : 0u;
-    unsigned lo = tileops_e4m3x2_bf16x2(((x & 0xFFu) << 8) | ((x & 0xFF00u) << 16));  // bytes 0, 1
-    unsigned hi = tileops_e4m3x2_bf16x2(((x >> 8) & 0xFF00u) | (x & 0xFF000000u));    // bytes 2, 3
-    // a NaN byte's low 7 bits are all ones: adding 1 carries into its bit 7, and into no other byte
-    unsigned nan = ((x & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-    if (nan) {
-      if (nan & 0x80u) lo = (lo & 0xFFFF0000u) | 0x7FC0u;
-      if (nan & 0x8000u) lo = (lo & 0xFFFFu) | 0x7FC00000u;
-      if (nan & 0x800000u) hi = (hi & 0xFFFF0000u) | 0x7FC0u;
-      if (nan & 0x80000000u) hi = (hi & 0xFFFFu) | 0x7FC00000u;
-    }
-    r[2 * i] = lo;
-    r[2 * i + 1] = hi;
-  }
-}
 __device__ __forceinline__ void tileops_e4m3x8_f16(void* out, const void* in, int ok) {
   const unsigned* w = (const unsigned*)in;
   unsigned* r = (unsigned*)out;
@@ -514,8 +480,8 @@ __device__ __forceinline__ void tileops_e4m3x8_f16(void* out, const void* in, in
   }
 }
 """
-#: the widening function of :data:`E4M3X8_HELPER` for q's dtype
-WIDEN_FUNCTIONS = {"bfloat16": "tileops_e4m3x8_bf16", "float16": "tileops_e4m3x8_f16"}
+#: the widening function of :data:`E4M3X8_HELPER`
+WIDEN_FUNCTION = "tileops_e4m3x8_f16"
 
 
 def _program_setup(spec: PagedDecodeSpec):
@@ -824,6 +790,8 @@ def _partial_mma(spec: PagedDecodeSpec):
         """The slot of tile ``it``'s token flags and rows."""
         return T.truncmod(it, 2) if spec.prefetch else 0
     dt = spec.dtype
+    pt = spec.products  # the tensor-core operands' type: dt, or fp16 for a widened float8 cache
+    rescale = pt != dt  # bf16 q rows rescaled into fp16 by a power of two each (undone on the scores)
     cst = "uint8" if spec.fp8 else dt
     rep = report("cuda")
     helpers = _cuda_helpers() + ((E4M3X8_HELPER if spec.widen else E4M3_HELPER) if spec.fp8 else "")
@@ -891,21 +859,19 @@ def _partial_mma(spec: PagedDecodeSpec):
                     Vs[e // NVR, e % NVR * VEC + v] = T.if_then_else(okS[slot * BN + e // NVR] != 0,
                                                                      cache_f(vb[e0 * VEC + v]), zero)
 
-    widen = WIDEN_FUNCTIONS.get(dt, "")
-
     @T.macro
     def deposit_widened(Ks, Vs, kb, vb, okS, slot, tx):
         """:func:`deposit` for a float8 cache with ``widen``: each vector of 8 elements widened whole into
         ``wk`` / ``wv`` (registers; zeros for a token not read) by :data:`E4M3X8_HELPER`, then stored as one
         16-byte vector. The products' swizzle moves 16-byte chunks whole, so a vector stays together."""
-        wk = T.alloc_local((VEC,), dt)
-        wv = T.alloc_local((VEC,), dt)
+        wk = T.alloc_local((VEC,), pt)
+        wv = T.alloc_local((VEC,), pt)
         for e0 in T.unroll(NE):
             e = e0 * TPB + tx
             if e < BN * NVR:
-                T.evaluate(T.call_extern("handle", widen, T.address_of(wk[0]), T.address_of(kb[e0 * VEC]),
+                T.evaluate(T.call_extern("handle", WIDEN_FUNCTION, T.address_of(wk[0]), T.address_of(kb[e0 * VEC]),
                                          okS[slot * BN + e // NVR]))
-                T.evaluate(T.call_extern("handle", widen, T.address_of(wv[0]), T.address_of(vb[e0 * VEC]),
+                T.evaluate(T.call_extern("handle", WIDEN_FUNCTION, T.address_of(wv[0]), T.address_of(vb[e0 * VEC]),
                                          okS[slot * BN + e // NVR]))
                 for v in T.vectorized(VEC):
                     Ks[e // NVR, e % NVR * VEC + v] = wk[v]
@@ -913,6 +879,34 @@ def _partial_mma(spec: PagedDecodeSpec):
                     Vs[e // NVR, e % NVR * VEC + v] = wv[v]
 
     put = deposit_widened if spec.widen else deposit
+
+    @T.macro
+    def q_rows(Q, Qs, rowf, b, h0, qsb, qsh):
+        """Q's rows into the fp16 products for a bf16 q (``rescale``): each head's row times 2^-e, e from its
+        largest magnitude's fp32 exponent bits so that it lands in [2^13, 2^14) (exact: a power of two and
+        11 bits for bf16's 8; fp16's largest finite is 65504, and an element under 2^-27 of the largest goes
+        subnormal, its share of q . k under 2^-24 of the largest term's); ``rowf`` gets 2^e for the scores.
+        A row whose largest is inf or NaN is taken as it is (e = 0): its scores are inf or NaN either way;
+        e >= -126 keeps 2^-e and 2^e normal fp32 (a row under 2^-113 then lands under 2^13)."""
+        Qf = T.alloc_fragment((BM, D), "float32")
+        qmax = T.alloc_fragment((BM,), "float32")
+        qinv = T.alloc_fragment((BM,), "float32")
+        qe = T.alloc_shared((BM,), "int32")
+        for i, d in T.Parallel(BM, D):
+            Qf[i, d] = T.if_then_else(
+                i < GH, T.cast(Q[(T.cast(b, "int64") * qsb + T.cast(h0 + T.min(i, GH - 1), "int64") * qsh) * VEC + d],
+                               "float32"), T.float32(0))
+        T.reduce_absmax(Qf, qmax, dim=1)
+        for i in T.Parallel(BM):
+            be = T.shift_right(T.reinterpret(qmax[i], "int32"), 23)  # the biased exponent (qmax >= 0)
+            qe[i] = T.if_then_else(be == 255, 0, T.max(be - (127 + 13), -126))
+        T.sync_threads()
+        for i in T.Parallel(BM):
+            qinv[i] = T.reinterpret(T.shift_left(127 - qe[i], 23), "float32")
+        for i, d in T.Parallel(BM, D):
+            Qs[i, d] = T.cast(Qf[i, d] * qinv[i], pt)
+        for i in T.Parallel(BM):
+            rowf[i] = T.reinterpret(T.shift_left(127 + qe[i], 23), "float32")
 
     @T.prim_func
     def paged_decode_partial_mma(Q: sig["Q"], KC: sig["KC"], VC: sig["VC"], BT: sig["BT"], SL: sig["SL"],
@@ -937,10 +931,10 @@ def _partial_mma(spec: PagedDecodeSpec):
             b = div(bx, splits * NHC * HKV)
             scale = T.reinterpret(scale_bits, "float32")
             softcap = T.reinterpret(softcap_bits, "float32")
-            Qs = T.alloc_shared((BM, D), dt)
-            Ks = T.alloc_shared((BN, D), dt)
-            Vs = T.alloc_shared((BN, D), dt)
-            Ps = T.alloc_shared((BM, BN), dt)
+            Qs = T.alloc_shared((BM, D), pt)
+            Ks = T.alloc_shared((BN, D), pt)
+            Vs = T.alloc_shared((BN, D), pt)
+            Ps = T.alloc_shared((BM, BN), pt)
             # a tile's tokens: each one's cache row in vectors, and 1 where it is read (two tiles' with prefetch)
             rowv = T.alloc_shared((SLOTS * BN,), "int64")
             okS = T.alloc_shared((SLOTS * BN,), "int32")
@@ -953,6 +947,8 @@ def _partial_mma(spec: PagedDecodeSpec):
             resc = T.alloc_fragment((BM,), "float32")
             rsum = T.alloc_fragment((BM,), "float32")
             lsum = T.alloc_fragment((BM,), "float32")
+            # rescale: 2^e a row, undoing its q row's factor 2^-e on the scores (q_rows)
+            rowf = T.alloc_fragment((BM,), "float32") if rescale else None
             scales = T.alloc_local((2,), "float32")  # the key and value scales
             rng = T.alloc_local((2,), "int32")  # the split's visible tokens [t0, t1)
             setup(SL, KS, VS, ERR, tag, scales, rng, b, s, s == 0 and kvh == 0 and hc == 0 and tx == 0, chunk,
@@ -960,10 +956,13 @@ def _partial_mma(spec: PagedDecodeSpec):
             ks, vs, t0, t1 = scales[0], scales[1], rng[0], rng[1]
             h0 = kvh * G + hc * GH  # the chunk's first q head
             # Q's rows: the chunk's heads, zeros below them (a row past them reads the last head's, in bounds)
-            for i, d in T.Parallel(BM, D):
-                Qs[i, d] = T.if_then_else(
-                    i < GH, Q[(T.cast(b, "int64") * qsb + T.cast(h0 + T.min(i, GH - 1), "int64") * qsh) * VEC + d],
-                    T.cast(0, dt))
+            if rescale:
+                q_rows(Q, Qs, rowf, b, h0, qsb, qsh)
+            else:
+                for i, d in T.Parallel(BM, D):
+                    Qs[i, d] = T.if_then_else(
+                        i < GH, Q[(T.cast(b, "int64") * qsb + T.cast(h0 + T.min(i, GH - 1), "int64") * qsh) * VEC + d],
+                        T.cast(0, dt))
             T.fill(Acc, 0)
             T.fill(lsum, 0)
             T.fill(m, ninf)
@@ -993,12 +992,13 @@ def _partial_mma(spec: PagedDecodeSpec):
                         fetch(KC, VC, kb, vb, rowv, 1 - slot_of(it), tx, nblocks)
                 T.gemm(Qs, Ks, S, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 for i, j in T.Parallel(BM, BN):
+                    sij = S[i, j] * rowf[i] if rescale else S[i, j]
                     if spec.softcap:
                         S[i, j] = T.if_then_else(okS[slot_of(it) * BN + j] != 0,
-                                                 softcap * T.tanh(S[i, j] * ks * scale / softcap) * T.float32(_LOG2E),
+                                                 softcap * T.tanh(sij * ks * scale / softcap) * T.float32(_LOG2E),
                                                  ninf)
                     else:
-                        S[i, j] = T.if_then_else(okS[slot_of(it) * BN + j] != 0, S[i, j] * (ks * scale * T.float32(_LOG2E)),
+                        S[i, j] = T.if_then_else(okS[slot_of(it) * BN + j] != 0, sij * (ks * scale * T.float32(_LOG2E)),
                                                  ninf)
                 T.copy(m, m_prev)
                 T.reduce_max(S, m, dim=1, clear=False)

@@ -251,7 +251,16 @@ MMA_CASES = {
     "float8-widen-fp16-nhd-window-tile64": (128, 32, 8, torch.float16, torch.float8_e4m3fn, "NHD", 1,
                                             [2000, 700, 3], {"widen": 1, "tile": 64, "prefetch": 0},
                                             dict(sliding_window=300)),
+    # widened, the products are fp16 and a bf16 q's rows are rescaled into fp16 by a power of two: q times
+    # 2^17 (past fp16's 65504) and 2^-30 (under its smallest subnormal, 2^-24), the scale undoing it, so
+    # that a q cast to fp16 as it comes gives inf or zeros
+    "float8-widen-q-large": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "NHD", 16, LENS, {"widen": 1},
+                             dict(softmax_scale=2.0**-17 / 128**0.5)),
+    "float8-widen-q-small-softcap": (128, 8, 2, torch.bfloat16, torch.float8_e4m3fn, "HND", 16, LENS, {"widen": 1},
+                                     dict(softmax_scale=2.0**30 / 128**0.5, softcap=20.0)),
 }
+#: the factor a case's q is multiplied by (a power of two: exact in bf16)
+Q_FACTOR = {"float8-widen-q-large": 2.0**17, "float8-widen-q-small-softcap": 2.0**-30}
 
 
 def _mma_op(name: str) -> PagedAttnDecodeFwdOp:
@@ -283,6 +292,7 @@ def mma_kernel_jobs(arch: str) -> list[tuple]:
 def _case_inputs(name: str) -> dict:
     d, hq, hkv, dtype, cache, layout, bs, lens, fields, kw = MMA_CASES[name]
     t = _inputs(89, lens, bs=bs, d=d, hq=hq, hkv=hkv, dtype=dtype, layout=layout)
+    t["q"] = t["q"] * Q_FACTOR.get(name, 1.0)
     if cache is not None and fields.get("widen"):  # every finite code (all but 0x7F and 0xFF), key and value apart
         finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.int32).to(torch.uint8)
         for i, name in enumerate(("key_cache", "value_cache")):

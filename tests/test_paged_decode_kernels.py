@@ -517,9 +517,9 @@ def test_min_blocks_asks_nvcc_for_programs_an_sm_and_the_split_rule_aims_at_them
 
 # ``widen=1`` (the tensor-core partial with a float8 cache): eight e4m3fn bytes widened at once
 # (``kernels/paged_decode.py`` E4M3X8_HELPER) and stored as one 16-byte vector into the products' tile.
-def _widening_program(dtype: str):
+def _widening_program():
     """E4M3X8_HELPER's widening as deposit_widened calls it: 256 threads, each 8 bytes of X (loaded as one
-    vector into registers) and its OK flag, into 8 elements of Y (one vector store)."""
+    vector into registers) and its OK flag, into 8 fp16 elements of Y (one vector store)."""
     from tileops.compile import tilelang_api
     from tileops.kernels import paged_decode
 
@@ -527,15 +527,15 @@ def _widening_program(dtype: str):
     paged_decode._tl()
     import tilelang.language as T
 
-    widen = paged_decode.WIDEN_FUNCTIONS[dtype]
+    widen = paged_decode.WIDEN_FUNCTION
 
     @T.prim_func
-    def widening(X: T.Tensor((2048,), "uint8"), OK: T.Tensor((256,), "int32"), Y: T.Tensor((2048,), dtype)):
+    def widening(X: T.Tensor((2048,), "uint8"), OK: T.Tensor((256,), "int32"), Y: T.Tensor((2048,), "float16")):
         with T.Kernel(1, threads=256):
             T.import_source(paged_decode.E4M3X8_HELPER)
             tx = T.get_thread_binding()
             xb = T.alloc_local((8,), "uint8")
-            yb = T.alloc_local((8,), dtype)
+            yb = T.alloc_local((8,), "float16")
             for v in T.vectorized(8):
                 xb[v] = X[tx * 8 + v]
             T.evaluate(T.call_extern("handle", widen, T.address_of(yb[0]), T.address_of(xb[0]), OK[tx]))
@@ -546,12 +546,12 @@ def _widening_program(dtype: str):
 
 
 @NO_CXX
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_float8_widening_reads_every_code_as_torch_does(dtype):
+def test_float8_widening_reads_every_code_as_torch_does():
     """Each of the 256 e4m3fn codes at each of the 8 places of a vector, widened on the CPU (the helper's
-    bit moves as written; its ``#else`` models stand for the one bf16x2 product by 2^120 and the fp16
-    conversion): torch's float8 -> float32 value exactly (rounded to ``dtype``: exact, e4m3's values are
-    bf16 and fp16 values), -0 kept, NaN for NaN; eight zeros for a vector whose flag is 0."""
+    ``#else`` model stands for the hardware's e4m3x2 -> f16x2 conversion): torch's float8 -> float32 value
+    exactly (rounded to fp16: exact, e4m3's values are fp16 values), -0 kept, NaN for NaN; eight zeros for a
+    vector whose flag is 0."""
+    dtype = torch.float16
     from tileops.compile import build, tilelang_api
 
     tilelang = tilelang_api.load()
@@ -560,7 +560,7 @@ def test_float8_widening_reads_every_code_as_torch_does(dtype):
 
     target = tvm_target.Target({"kind": "cuda", "arch": "sm_90"})
     with target, transform.PassContext(config=build.PASS_CONFIGS):
-        src = tilelang.lower(_widening_program(NAMES[dtype]), target=target).kernel_source
+        src = tilelang.lower(_widening_program(), target=target).kernel_source
     # one 16-byte store of the widened vector, as in the decode's shared tile
     assert re.search(r"\*\(uint4\*\)\(Y \+ .*\) = \*\(uint4\*\)\(yb \+ 0\)", src), src
     emulated = cuda_on_cpu.CudaOnCpu(src)
@@ -609,14 +609,19 @@ def test_widening_is_the_tensor_core_partials_alone():
 
 
 @pytest.mark.parametrize("dtype,tile,prefetch", [(torch.bfloat16, 64, 0), (torch.float16, 64, 0),
-                                                 (torch.bfloat16, 128, 1)])
+                                                 (torch.bfloat16, 128, 1), (torch.bfloat16, 64, 1)])
 def test_widened_tensor_core_partial_lowers_to_16_byte_shared_stores(dtype, tile, prefetch):
-    """With ``widen``, the float8 tile reaches shared memory in 16-byte stores through the helper, not
-    element by element through three conversions (``E4M3_HELPER`` gone from the source)."""
+    """With ``widen``, the float8 tile reaches shared memory in 16-byte stores of fp16 through the helper,
+    not element by element through three conversions (``E4M3_HELPER`` gone from the source). The products
+    are fp16 for either q; a bf16 q's rows are rescaled into them by a power of two each, undone on the
+    scores (``rowf``), and out stays bf16."""
     src = emit_source("paged_decode", spec("partial", dtype, torch.float8_e4m3fn, d=128, hq=32, hkv=8, backend="cuda",
                                            mma=1, tile=tile, prefetch=prefetch, widen=1), "cuda", "sm_90")
-    name = "tileops_e4m3x8_bf16" if dtype == torch.bfloat16 else "tileops_e4m3x8_f16"
-    assert src.count(f"  {name}((&(w") == 2 and "tileops_e4m3_f32(" not in src  # keys and values, once each
-    ctype = "bfloat16_t" if dtype == torch.bfloat16 else "half_t"
-    stores = re.findall(rf"\*\(uint4\*\)\(\(\({ctype}\*\)(Ks|Vs)\) \+ .*?\) = \*\(uint4\*\)\((wk|wv) \+ 0\)", src)
+    assert src.count("  tileops_e4m3x8_f16((&(w") == 2 and "tileops_e4m3_f32(" not in src  # keys and values, once each
+    stores = re.findall(r"\*\(uint4\*\)\(\(\(half_t\*\)(Ks|Vs)\) \+ .*?\) = \*\(uint4\*\)\((wk|wv) \+ 0\)", src)
     assert sorted(set(stores)) == [("Ks", "wk"), ("Vs", "wv")], stores
+    operands = set(re.findall(r"\(\((\w+)\*\)(?:Qs|Ks|Vs|Ps)\)", src))
+    assert operands == {"half_t"}, operands  # every product's operand fp16
+    bf16 = dtype == torch.bfloat16
+    assert ("rowf[" in src) == bf16 and ("tl::AllReduce<tl::MaxOp" in src.split("for (int it")[0]) == bf16
+    assert re.search(r"\b" + ("bfloat16_t" if bf16 else "half_t") + r" O_local_cast", src)  # out in q's dtype

@@ -369,20 +369,22 @@ class PagedAttnDecodeFwdOp(hooks.PagedAttnDecodeFwdHooks):
     rows of ``mma.sync`` products over tiles of 128 tokens, the next tile's loaded during this one's products
     (a float8 cache: tiles of 64; head_dim 256: tiles of 64, loaded in turn), each tile's key and value rows
     gathered through the block table into shared memory as 16-byte vectors (a float8 cache's eight elements a
-    vector widened together by bit operations, exactly, its scales applied to the fp32 scores and output); ``q
-    . k`` and ``p . v`` accumulate in fp32, p is rounded to the dtype for ``p . v``, and the softmax is
-    ``AttnFwdOp``'s, one rescale a tile. For fp32 q, CUDA cores: lane groups of ``head_dim / 8`` lanes
-    (4-element vectors for fp32), a token a group, each lane loading a 16-byte vector of the token's key and
-    value rows for 2 tokens, copied into shared memory by ``cp.async`` a step ahead; the group's dot products
-    summed by xor-shuffles; a program serves up to 8 q heads. head_dim: a multiple of 8 (4 for fp32) up to 256
-    (128 for fp32) on CUDA, else ``NotImplementedError`` at the first call naming ``target="torch"``. q and
-    out off the 16-byte vectors go through a dense copy; a cache off them is a ValueError naming it. The
-    tensor-core program is built by TileLang's own nvcc build, not tileops' lean one, which refuses its
-    dynamic shared memory: the cold first call of a new specialization compiles it (10-30 s a program on a
-    2-core machine; not timed on the H200) and needs nvcc there; the merge and the fp32 program take the lean
-    build. ``op.compile(...)`` or ``tileops warmup`` compiles them ahead of time into the disk cache. The
-    schedules' GPU tests passed on the H200; ``TILEOPS_ATTENTION_CUDA=0`` refuses CUDA calls
-    (``NotImplementedError`` before anything runs, naming ``target="torch"``).
+    vector widened together to fp16 by the hardware's conversion, exactly, its scales applied to the fp32
+    scores and output; the products are then fp16, a bf16 q's head rows rescaled into fp16 by a power of two
+    each, exactly, and the scores by its inverse); ``q . k`` and ``p . v`` accumulate in fp32, p is rounded to
+    the products' type for ``p . v``, and the softmax is ``AttnFwdOp``'s, one rescale a tile. For fp32 q, CUDA
+    cores: lane groups of ``head_dim / 8`` lanes (4-element vectors for fp32), a token a group, each lane
+    loading a 16-byte vector of the token's key and value rows for 2 tokens, copied into shared memory by
+    ``cp.async`` a step ahead; the group's dot products summed by xor-shuffles; a program serves up to 8 q
+    heads. head_dim: a multiple of 8 (4 for fp32) up to 256 (128 for fp32) on CUDA, else
+    ``NotImplementedError`` at the first call naming ``target="torch"``. q and out off the 16-byte vectors go
+    through a dense copy; a cache off them is a ValueError naming it. The tensor-core program is built by
+    TileLang's own nvcc build, not tileops' lean one, which refuses its dynamic shared memory: the cold first
+    call of a new specialization compiles it (10-30 s a program on a 2-core machine; not timed on the H200)
+    and needs nvcc there; the merge and the fp32 program take the lean build. ``op.compile(...)`` or ``tileops
+    warmup`` compiles them ahead of time into the disk cache. The schedules' GPU tests passed on the H200;
+    ``TILEOPS_ATTENTION_CUDA=0`` refuses CUDA calls (``NotImplementedError`` before anything runs, naming
+    ``target="torch"``).
 
     References: vLLM paged_attention (v1/v2: split-KV partitions and their reduce); flashinfer
         BatchDecodeWithPagedKVCache; Dao et al., Flash-Decoding (2023).
