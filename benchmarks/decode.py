@@ -205,15 +205,36 @@ def _rows(text: str) -> list[tuple[int, int]]:
     return [ROWS[int(i)] for i in text.split(",")]
 
 
+def built_knobs(static: dict, cache) -> dict:
+    """The knobs the partial program is built with for a sweep's ``static`` on ``cache`` (the table's
+    bf16 q): ``kernel_specs``' rules may override the sweep's (a float8 cache's tile), and a column must
+    say what ran."""
+    from tileops.attention import PagedAttnDecodeFwdOp
+    from tileops.attention.decode_builtin import kernel_specs
+    from tileops.manifest import call_specs
+
+    fp8 = cache == torch.float8_e4m3fn
+    op = with_schedule(PagedAttnDecodeFwdOp(HQ, HKV, D, cache_dtype=cache if fp8 else None), static)
+    (call,) = call_specs(op.manifest, {"q_dim": D, "q_heads": HQ, "cache_heads": HKV}, ["bfloat16"],
+                         torch.device("cuda"), ("k_scale", "v_scale") if fp8 else (), params=op.params)
+    partial = next(s for _, s in kernel_specs(op.manifest, op.params, call, "cuda") if s.kind == "partial")
+    return {k: getattr(partial, k) for k in static}
+
+
+def sweep_label(static: dict, cache) -> str:
+    """A sweep column's title: the knobs as built, each one a rule changed named with what was asked."""
+    built = built_knobs(static, cache)
+    return ", ".join(f"{k} {built[k]}" + (f" (asked {v})" if built[k] != v else "") for k, v in static.items())
+
+
 def sweep(a: argparse.Namespace) -> None:
     rows = _rows(a.rows)
     configs = parse_sweep(a.sweep)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print("eager us (% of copy) / graph us, max abs error against float32")
-    print("| batch x context | copy | " + " | ".join(", ".join(f"{k} {v}" for k, v in c.items()) for c in configs)
-          + " |")
-    print("|---|---|" + "---|" * len(configs))
     cache = torch.float8_e4m3fn if a.sweep_cache == "fp8" else torch.bfloat16
+    print("eager us (% of copy) / graph us, max abs error against float32")
+    print("| batch x context | copy | " + " | ".join(sweep_label(c, cache) for c in configs) + " |")
+    print("|---|---|" + "---|" * len(configs))
     for batch, ctx in rows:
         copy = same_bytes_copy_us(2 * batch * ctx * HKV * D * cache.itemsize)
         errs: list[float] = []

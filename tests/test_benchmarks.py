@@ -333,6 +333,24 @@ def test_the_decode_sweep_parses_its_schedules_and_refuses_others():
             parse_sweep(bad)
 
 
+def test_a_decode_sweep_column_says_what_ran():
+    """A sweep's column is titled with the partial program's knobs as built: where ``kernel_specs``' rules
+    override the sweep (a widened float8 cache takes tiles of 64; a bf16 cache has no widening), the title
+    names the knob as built and what was asked. (2026-12-06: a float8 sweep's "tile 128" columns had run at
+    tiles of 64, and read as a tie.)"""
+    import torch
+
+    from benchmarks.decode import parse_sweep, sweep_label
+
+    (asked,) = parse_sweep("128m128p1w1b3")
+    assert sweep_label(asked, torch.float8_e4m3fn) == (
+        "threads 128, mma 1, tile 64 (asked 128), prefetch 1, widen 1, min_blocks 3")
+    assert sweep_label(asked, torch.bfloat16) == (
+        "threads 128, mma 1, tile 128, prefetch 1, widen 0 (asked 1), min_blocks 3")
+    (same,) = parse_sweep("128m64p1w1")
+    assert "asked" not in sweep_label(same, torch.float8_e4m3fn)
+
+
 def test_the_attention_sweep_names_its_kernels_without_a_gpu():
     """``benchmarks.attention``'s rows and configs give the kernels a run launches, with no GPU (what
     ``benchmarks.device_cache --attention-configs`` compiles ahead): the forward's spec carries each

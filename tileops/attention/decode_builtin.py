@@ -71,13 +71,14 @@ _MMA_KNOBS = ("mma", "tile", "prefetch", "widen", "min_blocks")
 #: against 165 and 636 for tiles of 64 without it).
 _MMA_NARROW = {"tile": 64, "prefetch": 0}
 #: A float8 cache widened eight elements at once (``widen``, the manifest's; fp16 products) keeps the
-#: prefetch at tiles of 64: 126 registers (bf16 q, its rows rescaled; fp16 q 120), 4 programs an SM, against
-#: 177 and 2 at tiles of 128. H100, bf16 q, GQA 32/8, D 128, block size 16 (2026-12-06, ``benchmarks.decode
-#: --sweep 128m64p1w1,128m128p1w1,128m128p1w1b3,128m64w1,128m64p1w1b5 --sweep-cache fp8``), eager us: 64 x
-#: 1024 60.1 against 60.1 at tiles of 128 (73.5 at 64 without the prefetch), 64 x 4096 221.2 / 220.5
-#: (269.0), 8 x 32768 224.6 / 227.7 (273.3), 1 x 4096 16.0 / 15.9 (19.1); 3 programs of tiles of 128 an
-#: SM (``min_blocks``) and 5 of 64 gained nothing. Before the fp16 products (bf16 widened by bit moves,
-#: ALU-bound) tiles of 64 won by 10-15%: 84.7 / 103.0, 321.7 / 367.6, 333.9 / 385.6.
+#: prefetch at tiles of 64 (whatever tile the schedule asks): 126 registers (bf16 q, its rows rescaled;
+#: fp16 q 120), 4 programs an SM, against 177 and 2 at tiles of 128. H100, bf16 q, GQA 32/8, D 128, block
+#: size 16, eager us (``benchmarks.decode --sweep ... --sweep-cache fp8``): with the fp16 products
+#: (2026-12-06, b87affa) 64 x 1024 60.1, 64 x 4096 221.2, 8 x 32768 224.6, 1 x 4096 16.0, and 73.5 / 269.0 /
+#: 273.3 / 19.1 without the prefetch (tiles of 128 not measured: this rule made the sweep's "tile 128"
+#: run at 64); before them (bf16 widened by bit moves, ALU-bound) tiles of 64 won over 128 by 10-15%:
+#: 84.7 / 103.0, 321.7 / 367.6, 333.9 / 385.6, 20.3 / 20.0, and 3 programs of 128 an SM (``min_blocks``)
+#: gained 2% or lost 25%.
 _MMA_FLOAT8_WIDENED = {"tile": 64}
 _PARTIAL_VALUES = ("splits", "chunk", "scale_bits", "softcap_bits", "window")
 
