@@ -354,10 +354,12 @@ def _partial(spec: PagedDecodeSpec):
                             sc[0] = softcap * T.tanh(sc[0] * scale / softcap) * T.float32(_LOG2E)
                         else:
                             sc[0] = sc[0] * (scale * T.float32(_LOG2E))
-                        # online softmax: m' = max(m, s); the sum and the output rescaled by 2^(m - m')
+                        # online softmax: m' = max(m, s); the sum and the output rescaled by 2^(m - m').
+                        # A score of -inf weighs 0: as a head's first key, 2^(s - m') was 2^(-inf + inf),
+                        # NaN (a NaN score still gives NaN)
                         sc[1] = T.if_then_else(sc[0] > m[g], T.exp2(m[g] - sc[0]), T.float32(1))
                         m[g] = T.max(m[g], sc[0])
-                        p = T.exp2(sc[0] - m[g])
+                        p = T.if_then_else(sc[0] == -T.infinity("float32"), T.float32(0), T.exp2(sc[0] - m[g]))
                         l[g] = l[g] * sc[1] + p
                         for d in T.serial(D):
                             acc[g * D + d] = acc[g * D + d] * sc[1] + p * kv[D + d]

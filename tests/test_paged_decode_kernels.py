@@ -283,6 +283,31 @@ def test_a_nan_in_q_or_the_caches_gives_nan_where_the_definition_puts_it(splits,
     assert int(err[0]) == 0 and int(err[1]) == 0
 
 
+@pytest.mark.parametrize("tok", [0, 9, 32], ids=["first-key", "a-later-key", "token-32"])
+@pytest.mark.parametrize("splits", [1, 2])
+@SCHEDULES
+def test_a_key_scoring_minus_inf_weighs_nothing(tok, splits, cuda):
+    """A key whose score is -inf (an infinite key element against positive q elements) weighs 0, as softmax
+    gives it. The C schedule's online softmax took 2^(s - m') = 2^(-inf + inf), NaN, where it was a split's
+    first key: token 0, and token 32 of sequence 0 with two splits (its table of 4 blocks in chunks of 32
+    tokens)."""
+    q, kc, vc, bt, sl = make(50, lens=[37, 16, 10], bs=16)
+    q[..., 0] = q[..., 0].abs() + 0.5  # every q head's first element positive
+    hit = []
+    for b, n in enumerate([37, 16, 10]):
+        if tok < n:  # sequence b's token tok, kv head 0 (q heads 0-3)
+            kc[bt[b, tok // 16], tok % 16, 0, 0] = float("-inf")
+            hit.append(b)
+    got, err = run(q, kc, vc, bt, sl, splits=splits, cuda=cuda)
+    want, _ = reference(q, kc, vc, bt, sl, "NHD", 0.125)
+    _, terms = reference(q, kc.nan_to_num(neginf=0.0), vc, bt, sl, "NHD", 0.125)  # the bound's magnitudes
+    assert not want.isnan().any() and hit
+    assert not got.isnan().any(), f"NaN at {got.isnan().nonzero()[0].tolist()}"
+    tol = bound(terms, q.shape[-1], splits, None, want, q.dtype)
+    assert bool(((got.double() - want).abs() <= tol).all())
+    assert int(err[0]) == 0 and int(err[1]) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @SCHEDULES
 def test_half_dtypes(dtype, cuda):
