@@ -207,17 +207,10 @@ def _rows(text: str) -> list[tuple[int, int]]:
 
 def built_knobs(static: dict, cache) -> dict:
     """The knobs the partial program is built with for a sweep's ``static`` on ``cache`` (the table's
-    bf16 q): ``kernel_specs``' rules may override the sweep's (a float8 cache's tile), and a column must
-    say what ran."""
-    from tileops.attention import PagedAttnDecodeFwdOp
-    from tileops.attention.decode_builtin import kernel_specs
-    from tileops.manifest import call_specs
-
-    fp8 = cache == torch.float8_e4m3fn
-    op = with_schedule(PagedAttnDecodeFwdOp(HQ, HKV, D, cache_dtype=cache if fp8 else None), static)
-    (call,) = call_specs(op.manifest, {"q_dim": D, "q_heads": HQ, "cache_heads": HKV}, ["bfloat16"],
-                         torch.device("cuda"), ("k_scale", "v_scale") if fp8 else (), params=op.params)
-    partial = next(s for _, s in kernel_specs(op.manifest, op.params, call, "cuda") if s.kind == "partial")
+    bf16 q; :func:`schedule_specs`' jobs): ``kernel_specs``' rules may override the sweep's (a float8
+    cache's tile), and a column must say what ran."""
+    name = str(cache).removeprefix("torch.")
+    partial = next(s for _, s, _, _ in schedule_specs(static) if s.kind == "partial" and s.cache_dtype == name)
     return {k: getattr(partial, k) for k in static}
 
 
