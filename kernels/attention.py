@@ -480,10 +480,12 @@ def _c(spec: AttnKernelSpec, st: str):
                         for d in T.serial(D):
                             st_[2] = st_[2] + qv[d] * load_f32(K, ko + d, st, dt)
                         st_[2] = _score(spec, st_[2], scale, cap)
-                        # online softmax, one key at a time: m' = max(m, s), acc and l rescaled by 2^(m - m')
+                        # online softmax, one key at a time: m' = max(m, s), acc and l rescaled by 2^(m - m').
+                        # A score of -inf weighs 0: as a row's first key, 2^(s - m') was 2^(-inf + inf), NaN
+                        # (a NaN score still gives NaN)
                         st_[3] = T.if_then_else(st_[2] > st_[0], T.exp2(st_[0] - st_[2]), T.float32(1))
                         st_[0] = T.max(st_[0], st_[2])
-                        p = T.exp2(st_[2] - st_[0])
+                        p = T.if_then_else(st_[2] == -T.infinity("float32"), T.float32(0), T.exp2(st_[2] - st_[0]))
                         st_[1] = st_[1] * st_[3] + p
                         for d in T.serial(D):
                             acc[d] = acc[d] * st_[3] + p * load_f32(V, vo + d, st, dt)

@@ -137,6 +137,31 @@ def test_the_torch_target_keeps_nan_where_the_definition_puts_it():
 
 
 @pytest.mark.parametrize("target", [None, "torch"])
+@pytest.mark.parametrize("causal,window,key", [(False, None, (0, 0, 1)), (True, 3, (1, 3, 0))],
+                         ids=["first-of-every-row", "first-of-a-window"])
+def test_a_key_scoring_minus_inf_weighs_nothing(target, causal, window, key):
+    """A key whose score is -inf (an infinite key element against a positive q element) weighs 0, as
+    softmax gives it. The C schedule's online softmax took 2^(s - m') = 2^(-inf + inf), NaN, where the
+    row's first key scored -inf: key 0 of sequence 0, kv head 1 (every row of q heads 2 and 3, no mask),
+    and key 3 of sequence 1, kv head 0 (the first a causal window of 3 shows row 5; rows 3 and 4 see it
+    among others). A row whose every visible key scores -inf is left out: softmax is 0/0 there."""
+    q, k, v = _inputs(18, (2, 6, 4, 64), (2, 6, 2, 64))
+    q[..., 0] = q[..., 0].abs() + 0.5  # every q element 0 positive: -inf in k[..., 0] scores -inf
+    k[(*key, 0)] = float("-inf")
+    op = AttnFwdOp(4, 2, 64, causal=causal, sliding_window=window, target=target)
+    ref = refs.attention(_params(op), {"q": q, "k": k, "v": v})
+    assert not ref["out"].isnan().any()
+    out = torch.full_like(q, float("nan"))
+    got, lse = op(q, k, v, out=out, return_lse=True)
+    assert not got.isnan().any(), f"NaN at {got.isnan().nonzero()[0].tolist()}"
+    assert not lse.isnan().any()
+    clean = k.nan_to_num(neginf=0.0)  # the bound's magnitudes: the -inf key's score left out
+    smax = refs.attention(_params(op), {"q": q, "k": clean, "v": v})["smax"]
+    tol = (2 * 64 + 2 * 6 + 64) * (1 + smax) * 2.0**-24 * ref["scale"] + 1e-30
+    assert bool(((got.double() - ref["out"]).abs() <= tol).all())
+
+
+@pytest.mark.parametrize("target", [None, "torch"])
 def test_an_empty_call_takes_gradients(target):
     """No query row (a batch of 0, or every sequence empty): the output is empty and the inputs'
     gradients come back zero-size (q) or zeros (k, v of sequences with keys), from either target. The

@@ -245,3 +245,24 @@ def test_a_nan_input_gives_nan_where_the_definition_puts_it():
     fp32_terms = (2 * 128 + 2 * 260 + 64) * (1 + ref["smax"]) * 2.0**-22
     tol = (fp32_terms + 2 * _UNIT[q.dtype]) * ref["scale"] + 1e-30
     assert bool(((got.double() - want).abs()[fine] <= tol[fine]).all())
+
+
+def test_a_key_scoring_minus_inf_weighs_nothing():
+    """A key whose score is -inf weighs 0, as softmax gives it (``tests/test_attn_fwd.py``: the C
+    schedule's online softmax had made it NaN as a row's first key). Key 1 of sequence 0 (in the first
+    tile; row 1 sees keys 0 and 1) and key 100 of sequence 1, the first that the window of 50 shows row
+    149, each for every q head of its kv head."""
+    op = AttnFwdOp(8, 2, 128, causal=True, sliding_window=50)
+    q, k, v = _inputs(40, (2, 260, 8, 128), (2, 260, 2, 128), torch.bfloat16)
+    q[..., 0] = q[..., 0].abs() + 0.5  # every q element 0 positive: -inf in k[..., 0] scores -inf
+    k[0, 1, 1, 0] = k[1, 100, 0, 0] = float("-inf")
+    got, lse = op(q, k, v, out=torch.full_like(q, float("nan")), return_lse=True)
+    cpu = {"q": q.cpu(), "k": k.cpu(), "v": v.cpu()}
+    ref = refs.attention(dict(op.params), cpu)
+    smax = refs.attention(dict(op.params), {**cpu, "k": cpu["k"].nan_to_num(neginf=0.0)})["smax"]
+    got, lse = got.cpu(), lse.cpu()
+    assert not ref["out"].isnan().any()
+    assert not got.isnan().any() and not lse.isnan().any()
+    fp32_terms = (2 * 128 + 2 * 260 + 64) * (1 + smax) * 2.0**-22
+    tol = (fp32_terms + 2 * _UNIT[q.dtype]) * ref["scale"] + 1e-30
+    assert bool(((got.double() - ref["out"]).abs() <= tol).all())
