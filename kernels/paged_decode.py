@@ -864,15 +864,16 @@ def _partial_mma(spec: PagedDecodeSpec):
     @T.macro
     def deposit_widened(Ks, Vs, kb, vb, okS, slot, tx):
         """:func:`deposit` for a float8 cache with ``widen``: each vector of 8 elements widened whole into
-        ``wk`` / ``wv`` (registers; zeros for a token not read) by :data:`E4M3X8_HELPER`, then stored as one
-        16-byte vector. The products' swizzle moves 16-byte chunks whole, so a vector stays together."""
+        ``wk`` / ``wv`` (registers; a value row zeroed for a token not read) by :data:`E4M3X8_HELPER`, then
+        stored as one 16-byte vector. The products' swizzle moves 16-byte chunks whole, so a vector stays
+        together. A key row not read is kept as loaded: its scores are replaced by -inf whatever they are
+        (NaN included), where its value row would meet a weight of 0."""
         wk = T.alloc_local((VEC,), pt)
         wv = T.alloc_local((VEC,), pt)
         for e0 in T.unroll(NE):
             e = e0 * TPB + tx
             if e < BN * NVR:
-                T.evaluate(T.call_extern("handle", WIDEN_FUNCTION, T.address_of(wk[0]), T.address_of(kb[e0 * VEC]),
-                                         okS[slot * BN + e // NVR]))
+                T.evaluate(T.call_extern("handle", WIDEN_FUNCTION, T.address_of(wk[0]), T.address_of(kb[e0 * VEC]), 1))
                 T.evaluate(T.call_extern("handle", WIDEN_FUNCTION, T.address_of(wv[0]), T.address_of(vb[e0 * VEC]),
                                          okS[slot * BN + e // NVR]))
                 for v in T.vectorized(VEC):
@@ -947,7 +948,7 @@ def _partial_mma(spec: PagedDecodeSpec):
             m = T.alloc_fragment((BM,), "float32")
             m_prev = T.alloc_fragment((BM,), "float32")
             resc = T.alloc_fragment((BM,), "float32")
-            rsum = T.alloc_fragment((BM,), "float32")
+            L = T.alloc_fragment((BM, BN), "float32")
             lsum = T.alloc_fragment((BM,), "float32")
             # rescale: 2^e a row, undoing its q row's factor 2^-e on the scores (q_rows)
             rowf = T.alloc_fragment((BM,), "float32") if rescale else None
@@ -966,7 +967,7 @@ def _partial_mma(spec: PagedDecodeSpec):
                         i < GH, Q[(T.cast(b, "int64") * qsb + T.cast(h0 + T.min(i, GH - 1), "int64") * qsh) * VEC + d],
                         T.cast(0, dt))
             T.fill(Acc, 0)
-            T.fill(lsum, 0)
+            T.fill(L, 0)
             T.fill(m, ninf)
             ntiles = T.ceildiv(T.max(t1 - t0, 0), BN)
             if spec.prefetch:  # tile 0's rows in flight before the loop
@@ -1003,19 +1004,21 @@ def _partial_mma(spec: PagedDecodeSpec):
                         S[i, j] = T.if_then_else(okS[slot_of(it) * BN + j] != 0, sij * (ks * scale * T.float32(_LOG2E)),
                                                  ninf)
                 T.copy(m, m_prev)
-                T.reduce_max(S, m, dim=1, clear=False)
+                # a thread's two rows (mma's r and r + 8) in one exchange across the warps: 5 barriers, not 10
+                T.reduce_max(S, m, dim=1, clear=False, batch=2)
                 # a row that saw no key keeps m = -inf: rescale 1 and p = exp2(-inf - 0) = 0, never NaN
                 for i in T.Parallel(BM):
                     resc[i] = T.if_then_else(m[i] == ninf, T.float32(1), T.exp2(m_prev[i] - m[i]))
                 for i, j in T.Parallel(BM, BN):
                     S[i, j] = T.exp2(S[i, j] - T.if_then_else(m[i] == ninf, T.float32(0), m[i]))
-                T.reduce_sum(S, rsum, dim=1)
-                for i in T.Parallel(BM):
-                    lsum[i] = lsum[i] * resc[i] + rsum[i]
+                    # each thread's share of the row sums, rescaled with the row: summed across the warps
+                    # once, after the last tile (a reduction a tile cost ten barriers)
+                    L[i, j] = L[i, j] * resc[i] + S[i, j]
                 T.copy(S, Ps)
                 for i, d in T.Parallel(BM, D):
                     Acc[i, d] *= resc[i]
                 T.gemm(Ps, Vs, Acc, policy=T.GemmWarpPolicy.FullCol)
+            T.reduce_sum(L, lsum, dim=1)
             for i, d in T.Parallel(BM, D):
                 if i < GH and direct != 0:  # one split: the call's output (O's strides in its own vectors, OV)
                     O[(T.cast(b, "int64") * osb + T.cast(h0 + i, "int64") * osh) * OV + d] = T.cast(

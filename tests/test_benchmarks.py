@@ -344,7 +344,7 @@ def test_a_decode_sweep_column_says_what_ran():
 
     (asked,) = parse_sweep("128m128p1w1b3")
     assert sweep_label(asked, torch.float8_e4m3fn) == (
-        "threads 128, mma 1, tile 64 (asked 128), prefetch 1, widen 1, min_blocks 3")
+        "threads 128, mma 1, tile 64 (asked 128), prefetch 1, widen 1, min_blocks 4 (asked 3)")
     assert sweep_label(asked, torch.bfloat16) == (
         "threads 128, mma 1, tile 128, prefetch 1, widen 0 (asked 1), min_blocks 3")
     (same,) = parse_sweep("128m64p1w1")

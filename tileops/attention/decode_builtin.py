@@ -79,7 +79,11 @@ _MMA_NARROW = {"tile": 64, "prefetch": 0}
 #: run at 64); before them (bf16 widened by bit moves, ALU-bound) tiles of 64 won over 128 by 10-15%:
 #: 84.7 / 103.0, 321.7 / 367.6, 333.9 / 385.6, 20.3 / 20.0, and 3 programs of 128 an SM (``min_blocks``)
 #: gained 2% or lost 25%.
-_MMA_FLOAT8_WIDENED = {"tile": 64}
+#: ``min_blocks`` 4 holds it there: the row sums kept per element (a reduction a tile fewer) take 136
+#: registers unasked, 127 asked, no spill (ptxas, sm_90a; with a window and softcap 134 / 127). With them
+#: and the row maxima in one exchange (2026-12-06, H100, against the tree before, alternated twice in one
+#: call): 60.8 -> 56.3, 216.6 -> 204.4, 221.7 -> 209.9, 16.0 -> 15.3 us.
+_MMA_FLOAT8_WIDENED = {"tile": 64, "min_blocks": 4}
 _PARTIAL_VALUES = ("splits", "chunk", "scale_bits", "softcap_bits", "window")
 
 #: what the partial program reads, whichever way it writes
