@@ -883,6 +883,11 @@ def _partial_mma(spec: PagedDecodeSpec):
 
     put = deposit_widened if spec.widen else deposit
 
+    def q_elem(Q, b, h0, i, d, qsb, qsh):
+        """Element ``d`` of row ``i`` of the chunk's q heads (from head ``h0``): a row past them reads the
+        last head's, in bounds, for the caller to replace by zero."""
+        return Q[(T.cast(b, "int64") * qsb + T.cast(h0 + T.min(i, GH - 1), "int64") * qsh) * VEC + d]
+
     @T.macro
     def q_rows(Q, Qs, rowf, b, h0, qsb, qsh):
         """Q's rows into the fp16 products for a bf16 q (``rescale``): each head's row times 2^-e, e from its
@@ -897,8 +902,7 @@ def _partial_mma(spec: PagedDecodeSpec):
         qe = T.alloc_shared((BM,), "int32")
         for i, d in T.Parallel(BM, D):
             Qf[i, d] = T.if_then_else(
-                i < GH, T.cast(Q[(T.cast(b, "int64") * qsb + T.cast(h0 + T.min(i, GH - 1), "int64") * qsh) * VEC + d],
-                               "float32"), T.float32(0))
+                i < GH, T.cast(q_elem(Q, b, h0, i, d, qsb, qsh), "float32"), T.float32(0))
         T.reduce_absmax(Qf, qmax, dim=1)
         for i in T.Parallel(BM):
             be = T.shift_right(T.reinterpret(qmax[i], "int32"), 23)  # the biased exponent (qmax >= 0)
@@ -964,8 +968,7 @@ def _partial_mma(spec: PagedDecodeSpec):
             else:
                 for i, d in T.Parallel(BM, D):
                     Qs[i, d] = T.if_then_else(
-                        i < GH, Q[(T.cast(b, "int64") * qsb + T.cast(h0 + T.min(i, GH - 1), "int64") * qsh) * VEC + d],
-                        T.cast(0, dt))
+                        i < GH, q_elem(Q, b, h0, i, d, qsb, qsh), T.cast(0, dt))
             T.fill(Acc, 0)
             T.fill(L, 0)
             T.fill(m, ninf)
