@@ -5,6 +5,7 @@ contiguous cache, side by side in one process (issue 37's table).
     python -m benchmarks.decode --sweep 128x2,128x2x1,128x2x0x2 --rows 1,3   # THREADSxUNROLL[xPREFETCH[xSTAGES]]
     python -m benchmarks.decode --sweep 128x2x0x1,128m64,128m32 --rows 1,3    # THREADSmTILE: tensor cores
     python -m benchmarks.decode --splits 264:256,528:128,1056:64 --rows 1,3  # PROGRAMS:MIN_TOKENS
+    python -m benchmarks.decode --kernels --rows 3   # each kernel's time in a call replayed from a graph
 
 Rows: bf16, GQA 32/8, head_dim 128, one query token a sequence, ``batch x context`` tokens in the
 cache. Columns, medians in us (``benchmarks.timing.gpu_time``: back-to-back calls between events, the
@@ -23,6 +24,7 @@ import argparse
 import dataclasses
 import math
 import re
+import statistics
 import sys
 
 import torch
@@ -166,7 +168,12 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="PROGRAMS:MIN_TOKENS,...: ours alone (bf16, block size 16, "
                                                  "the manifest's schedule) with the split rule aiming at PROGRAMS "
                                                  "programs, no split under MIN_TOKENS tokens")
+    ap.add_argument("--kernels", action="store_true",
+                    help="each kernel's device time (and the gap before it) in one call replayed from a CUDA graph, "
+                         "bf16 and float8 caches at block size 16 (torch.profiler; default row: 1 x 4096)")
     a = ap.parse_args()
+    if a.kernels:
+        return kernel_times(a)
     if a.sweep:
         return sweep(a)
     if a.splits:
@@ -235,6 +242,64 @@ def sweep(a: argparse.Namespace) -> None:
         print(f"| {batch} x {ctx} | {copy:.1f} | " + " | ".join(
             f"{e:.1f} ({100 * copy / e:.0f}%) / {g:.1f}, {err:.1e}" for (e, g), err in zip(got, errs)) + " |",
               flush=True)
+
+
+def kernel_rows(events: list[tuple[str, float, float]]) -> list[tuple[str, int, float, float]]:
+    """Per kernel name, in order of first launch: (name, launches, median duration, median gap between the
+    previous kernel's end and its start), from ``(name, start, end)`` of each kernel run on the device (us).
+    In replays of a call of two launches, the first one's gap is between replays and the second's is the
+    one inside the call."""
+    events = sorted(events, key=lambda e: e[1])
+    durations: dict[str, list[float]] = {}
+    gaps: dict[str, list[float]] = {}
+    for i, (name, start, end) in enumerate(events):
+        durations.setdefault(name, []).append(end - start)
+        if i:
+            gaps.setdefault(name, []).append(start - events[i - 1][2])
+
+    def median(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+    return [(n, len(d), median(d), median(gaps.get(n, []))) for n, d in durations.items()]
+
+
+def kernel_times(a: argparse.Namespace) -> None:
+    """Where a call's time goes on the device: one call captured in a CUDA graph, replayed 50 times under
+    torch.profiler, each kernel's median time and the median gap before it, next to the graph's time a
+    call (``graph_us_per_call``, without the profiler). bf16 and float8 caches, block size 16."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tileops.attention import PagedAttnDecodeFwdOp
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("| batch x context | cache | kernel | launches | median us | gap before it, us | graph, us a call |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, ctx in _rows(a.rows or "3"):
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            fp8 = dtype == torch.float8_e4m3fn
+            op = PagedAttnDecodeFwdOp(HQ, HKV, D, cache_dtype=dtype if fp8 else None)
+            s = _paged(batch, ctx, 16, dtype, gen)
+            extra = ({"k_scale": torch.tensor([0.02], device="cuda"), "v_scale": torch.tensor([0.5], device="cuda")}
+                     if fp8 else {})
+            out = torch.empty_like(s["q"])
+            per_call = graph_us_per_call(lambda: op(**s, **extra, out=out), calls=20)
+            g = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.cuda.graph(g):
+                op(**s, **extra, out=out)
+            for _ in range(20):
+                g.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(50):
+                    g.replay()
+                torch.cuda.synchronize()
+            op.check()
+            events = [(e.name.split("(")[0], e.time_range.start, e.time_range.end) for e in prof.events()
+                      if e.device_type.name == "CUDA"]
+            for name, n, us, gap in kernel_rows(events):
+                print(f"| {batch} x {ctx} | {'float8' if fp8 else 'bf16'} | {name} | {n} | {us:.2f} | {gap:.2f} | "
+                      f"{per_call:.1f} |", flush=True)
 
 
 def split_sweep(a: argparse.Namespace) -> None:

@@ -541,3 +541,19 @@ def test_sanitize_refuses_bad_counts_and_tools_before_any_process_starts(argv, s
     with pytest.raises(SystemExit):
         sanitize.main(argv)
     assert says in capsys.readouterr().err
+
+
+def test_decode_kernel_rows_give_each_kernels_time_and_the_gap_before_it():
+    """``python -m benchmarks.decode --kernels``: from the device's kernel events of replays of a call of
+    two launches, each kernel's median time and the median gap before it: the partial's gap is between
+    replays, the merge's the one inside the call."""
+    from benchmarks.decode import kernel_rows
+
+    events = []
+    t = 0.0
+    for replay in range(5):
+        events.append(("partial", t, t + 9.0 + replay % 2))  # 9 or 10 us
+        events.append(("merge", t + 10.5, t + 10.5 + 5.0))  # 0.5 or 1.5 us after the partial ends
+        t += 20.0  # the next replay: 4.5 us after this merge ends
+    rows = kernel_rows(events[::-1])  # (any order: sorted by start)
+    assert rows == [("partial", 5, 9.0, 4.5), ("merge", 5, 5.0, 1.5)]
