@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from benchmarks.timing import gpu_time, graph_us_per_call, rotation, same_bytes_copy_us
+from benchmarks.timing import captured, gpu_time, graph_us_per_call, rotation, same_bytes_copy_us
 
 ROWS = [(64, 1024), (64, 4096), (8, 32768), (1, 4096)]
 HQ, HKV, D = 32, 8, 128
@@ -114,18 +114,29 @@ def parse_sweep(text: str) -> list[dict]:
     return configs
 
 
-def _ours(batch: int, ctx: int, bs: int, dtype, gen, static: dict | None = None,
-          checked: list | None = None) -> tuple[float, float]:
-    """Eager and graph medians of the op on ``batch x ctx``; with ``checked``, the largest error of the
-    first set's output against :func:`_reference` is appended to it."""
+def _scales() -> dict:
+    """The float8 cache's per-tensor scales (k, v) every row here calls with."""
+    return {"k_scale": torch.tensor([0.02], device="cuda"), "v_scale": torch.tensor([0.5], device="cuda")}
+
+
+def _op(dtype, static: dict | None = None) -> tuple:
+    """The op over a ``dtype`` cache with the manifest's schedule updated by ``static``, and the scales its
+    calls take (none for a bf16 cache)."""
     from tileops.attention import PagedAttnDecodeFwdOp
 
     fp8 = dtype == torch.float8_e4m3fn
     op = with_schedule(PagedAttnDecodeFwdOp(HQ, HKV, D, cache_dtype=dtype if fp8 else None), static)
+    return op, (_scales() if fp8 else {})
+
+
+def _ours(batch: int, ctx: int, bs: int, dtype, gen, static: dict | None = None,
+          checked: list | None = None) -> tuple[float, float]:
+    """Eager and graph medians of the op on ``batch x ctx``; with ``checked``, the largest error of the
+    first set's output against :func:`_reference` is appended to it."""
+    fp8 = dtype == torch.float8_e4m3fn
+    op, extra = _op(dtype, static)
     kv = 2 * batch * ctx * HKV * D * (1 if fp8 else 2)
     sets = [_paged(batch, ctx, bs, dtype, gen) for _ in range(rotation(kv))]
-    scales = {"k_scale": torch.tensor([0.02], device="cuda"), "v_scale": torch.tensor([0.5], device="cuda")}
-    extra = scales if fp8 else {}
     outs = [torch.empty_like(s["q"]) for s in sets]
     eager = gpu_time(lambda i: op(**sets[i], **extra, out=outs[i]), len(sets))[0]
     graph = graph_us_per_call(lambda: op(**sets[0], **extra, out=outs[0]), calls=20)
@@ -133,7 +144,7 @@ def _ours(batch: int, ctx: int, bs: int, dtype, gen, static: dict | None = None,
     if checked is not None:
         outs[0].fill_(float("nan"))
         op(**sets[0], **extra, out=outs[0])
-        want = _reference(sets[0], *(float(scales[n]) for n in ("k_scale", "v_scale"))) if fp8 else _reference(sets[0])
+        want = _reference(sets[0], *(float(extra[n]) for n in ("k_scale", "v_scale"))) if fp8 else _reference(sets[0])
         checked.append(float((outs[0].float() - want).abs().max()))
     return eager, graph
 
@@ -172,6 +183,9 @@ def main() -> None:
                     help="each kernel's device time (and the gap before it) in one call replayed from a CUDA graph, "
                          "bf16 and float8 caches at block size 16 (torch.profiler; default row: 1 x 4096)")
     a = ap.parse_args()
+    modes = [f for f, on in (("--kernels", a.kernels), ("--sweep", a.sweep), ("--splits", a.splits)) if on]
+    if len(modes) > 1:  # each is a run of its own: one would silently not run
+        ap.error(f"{' and '.join(modes)}: expected at most one of --kernels, --sweep and --splits")
     if a.kernels:
         return kernel_times(a)
     if a.sweep:
@@ -268,25 +282,16 @@ def kernel_times(a: argparse.Namespace) -> None:
     call (``graph_us_per_call``, without the profiler). bf16 and float8 caches, block size 16."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tileops.attention import PagedAttnDecodeFwdOp
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     print("| batch x context | cache | kernel | launches | median us | gap before it, us | graph, us a call |")
     print("|---|---|---|---|---|---|---|")
     for batch, ctx in _rows(a.rows or "3"):
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            fp8 = dtype == torch.float8_e4m3fn
-            op = PagedAttnDecodeFwdOp(HQ, HKV, D, cache_dtype=dtype if fp8 else None)
+            op, extra = _op(dtype)
             s = _paged(batch, ctx, 16, dtype, gen)
-            extra = ({"k_scale": torch.tensor([0.02], device="cuda"), "v_scale": torch.tensor([0.5], device="cuda")}
-                     if fp8 else {})
             out = torch.empty_like(s["q"])
             per_call = graph_us_per_call(lambda: op(**s, **extra, out=out), calls=20)
-            g = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.cuda.graph(g):
-                op(**s, **extra, out=out)
+            g = captured(lambda: op(**s, **extra, out=out))
             for _ in range(20):
                 g.replay()
             torch.cuda.synchronize()
@@ -298,7 +303,7 @@ def kernel_times(a: argparse.Namespace) -> None:
             events = [(e.name.split("(")[0], e.time_range.start, e.time_range.end) for e in prof.events()
                       if e.device_type.name == "CUDA"]
             for name, n, us, gap in kernel_rows(events):
-                print(f"| {batch} x {ctx} | {'float8' if fp8 else 'bf16'} | {name} | {n} | {us:.2f} | {gap:.2f} | "
+                print(f"| {batch} x {ctx} | {'float8' if extra else 'bf16'} | {name} | {n} | {us:.2f} | {gap:.2f} | "
                       f"{per_call:.1f} |", flush=True)
 
 

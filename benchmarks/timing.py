@@ -102,9 +102,9 @@ def same_bytes_copy_us(nbytes: int) -> float:
     return med
 
 
-def graph_us_per_call(fn: Callable[[], Any], calls: int = 100) -> float:
-    """Median microseconds per call of ``fn()`` replayed from one CUDA graph holding ``calls`` calls,
-    captured on a side stream after one warm-up call (what a server's decode step does)."""
+def captured(fn: Callable[[], Any], calls: int = 1) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls`` calls of ``fn()``, captured on a side stream after one warm-up call (what
+    a server's decode step does)."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -113,4 +113,11 @@ def graph_us_per_call(fn: Callable[[], Any], calls: int = 100) -> float:
     with torch.cuda.stream(s), torch.cuda.graph(g):
         for _ in range(calls):
             fn()
+    return g
+
+
+def graph_us_per_call(fn: Callable[[], Any], calls: int = 100) -> float:
+    """Median microseconds per call of ``fn()`` replayed from one CUDA graph holding ``calls`` calls
+    (:func:`captured`)."""
+    g = captured(fn, calls)
     return gpu_time(lambda i: g.replay(), 1, batches=20, per_batch=1)[0] / calls

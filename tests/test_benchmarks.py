@@ -557,3 +557,17 @@ def test_decode_kernel_rows_give_each_kernels_time_and_the_gap_before_it():
         t += 20.0  # the next replay: 4.5 us after this merge ends
     rows = kernel_rows(events[::-1])  # (any order: sorted by start)
     assert rows == [("partial", 5, 9.0, 4.5), ("merge", 5, 5.0, 1.5)]
+
+
+@pytest.mark.parametrize("argv,says", [(["--kernels", "--sweep", "128m64"], "--kernels and --sweep"),
+                                       (["--sweep", "128m64", "--splits", "264:256"], "--sweep and --splits")])
+def test_decode_refuses_two_runs_at_once(argv, says, monkeypatch, capsys):
+    """``python -m benchmarks.decode``: --kernels, --sweep and --splits are each a run of their own; asked
+    together, one of them silently did not run. Refused before anything touches a GPU."""
+    from benchmarks import decode
+
+    monkeypatch.setattr(sys, "argv", ["decode", *argv])
+    with pytest.raises(SystemExit) as e:
+        decode.main()
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
