@@ -238,6 +238,17 @@ def test_splits_agree_with_one_split(cuda):
     check(*t, splits=7, cuda=cuda)  # chunks of 7 tokens over a table of 11 blocks: sequence 0 has one split of keys
 
 
+@pytest.mark.parametrize("splits", [8, 11, 17])
+@SCHEDULES
+def test_many_splits_merge_in_rounds(splits, cuda):
+    """The CUDA merge reads the splits MERGE_SPLITS (8) a round: one whole round, a second round cut at 3
+    splits, three rounds; a split past the last weighs 0. Sequence 1's 5 tokens leave most splits empty."""
+    from tileops.kernels.paged_decode import MERGE_SPLITS
+
+    assert MERGE_SPLITS == 8
+    check(*make(47, lens=[200, 5], bs=16), splits=splits, cuda=cuda)
+
+
 @pytest.mark.parametrize("case", ["fp32", "bf16-hnd", "fp16-window-softcap", "float8", "bad-table"])
 @SCHEDULES
 def test_one_split_written_directly_is_the_merge_to_the_bit(case, cuda):
