@@ -50,7 +50,7 @@ from .storage import load_f32, storage_dtype, to_storage
 T: Any = None
 
 __all__ = ["AttnKernelSpec", "build_attention", "build", "Spec", "STATIC", "ARGS", "DEFAULT_TILES", "tile_defaults",
-           "PIPELINES", "DEFAULT_PIPELINE", "PINGPONG_BARRIERS"]
+           "PIPELINES", "DEFAULT_PIPELINE", "PINGPONG_HEAD_DIMS", "PINGPONG_BARRIERS"]
 
 #: The schedule choices a manifest's ``kernel.static`` may set (read without importing the module). 0
 #: means "the default for the head_dim" (:data:`DEFAULT_TILES`); the C schedule has none.
@@ -59,7 +59,8 @@ STATIC = {
     "block_N": (0, 256, "keys a K/V tile holds, a multiple of 16 (CUDA; 0: by head_dim)"),
     "stages": (0, 4, "K/V tiles in flight through shared memory, T.Pipelined's num_stages (CUDA; 0: by head_dim)"),
     "threads": (0, 512, "threads a block, 128 a warpgroup (CUDA; 0: by head_dim)"),
-    "pipeline": (0, 4, "how K/V tiles reach shared memory (CUDA): 0 the default (2), 1 every thread loads "
+    "pipeline": (0, 4, "how K/V tiles reach shared memory (CUDA): 0 the default (4 at head_dim 128 with "
+                       "block_M 128 and 256 threads, else 2), 1 every thread loads "
                        "(no TMA, no producer warpgroup), 2 TMA from TileLang's producer warpgroup, 3 as 2 with the "
                        "two consumer warpgroups in ping-pong, 4 as 3 with each tile's softmax under the previous "
                        "tile's P V (PIPELINES)"),
@@ -103,8 +104,13 @@ PIPELINES = {
 #: warpgroup: the highest two, clear of the low ids TileLang 0.1.15 gives its own partial syncs
 #: (``__sync_thread_partial(3, 256)`` before the epilogue's store, in the CUDA it emits)
 PINGPONG_BARRIERS = (14, 15)
-#: the knob's value when the spec leaves it 0
+#: the knob's value when the spec leaves it 0, except at the head_dims of :data:`PINGPONG_HEAD_DIMS`
 DEFAULT_PIPELINE = 2
+#: head_dims whose default is pipeline 4 where the tile shape allows it (block_M 128, 256 threads):
+#: at D 128 it was faster than pipeline 2 on each of issue 36's four rows, 1.03x at 1 x 16384, 1.15x
+#: causal, 1.07x at 4 x 4096 causal and 1.03x at 16 x 1024 causal, and the H200's tuning chose it
+#: where it searched (H100, one run, benchmarks/NOTES.md 2026-12-06). Other head_dims are unmeasured.
+PINGPONG_HEAD_DIMS = frozenset({128})
 
 #: CUDA tile shape per head_dim: (block_M, block_N, stages, threads). Shared memory per block is about
 #: ``2 bytes * (2 * block_M + 2 * stages * block_N) * D`` (Q and the output tile, K and V per stage),
@@ -175,7 +181,7 @@ class AttnKernelSpec:
     block_N: int = 0
     stages: int = 0
     threads: int = 0
-    pipeline: int = 0  # :data:`PIPELINES` (CUDA); 0: :data:`DEFAULT_PIPELINE`
+    pipeline: int = 0  # :data:`PIPELINES` (CUDA); 0: :attr:`default_pipeline`
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float16", "bfloat16", "float32"):
@@ -230,7 +236,17 @@ class AttnKernelSpec:
         """The :data:`PIPELINES` entry this kernel lowers with: the knob's, but 1 for varlen, whose block
         finds its sequence in registers before the K/V loop (a bisection), which TileLang 0.1.15's
         producer warpgroup would read uninitialised (see :data:`PIPELINES`)."""
-        return 1 if self.varlen else (self.pipeline or DEFAULT_PIPELINE)
+        return 1 if self.varlen else (self.pipeline or self.default_pipeline)
+
+    @property
+    def default_pipeline(self) -> int:
+        """The pipeline a spec that leaves it 0 lowers with: 4 at :data:`PINGPONG_HEAD_DIMS` on CUDA where
+        the tiles have its two consumer warpgroups, else :data:`DEFAULT_PIPELINE`."""
+        d = tile_defaults(self.head_dim)  # (not self.tiles, whose stages depend on this)
+        if self.backend == "cuda" and self.head_dim in PINGPONG_HEAD_DIMS and (self.block_M or d[0],
+                                                                               self.threads or d[3]) == (128, 256):
+            return 4
+        return DEFAULT_PIPELINE
 
     @property
     def pingpong(self) -> bool:

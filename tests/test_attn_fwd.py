@@ -312,6 +312,22 @@ def test_pingpong_needs_two_consumer_warpgroups(pipeline):
             S(**base, **fields)
 
 
+def test_default_pipeline_is_the_overlap_at_head_dim_128_only():
+    """A spec that leaves ``pipeline`` 0 lowers with 4 (ping-pong and overlap) at head_dim 128 where its
+    tiles have the two consumer warpgroups, and with 2 everywhere else: another head_dim, a tile shape
+    the ping-pong refuses (never an error for a knob the user did not set), and varlen (1)."""
+    from tileops.kernels import get_spec
+
+    S = get_spec("attention")
+    base = dict(dtype="bfloat16", hq=4, hkv=2, backend="cuda")
+    d128 = S(**base, head_dim=128)
+    assert (d128.loads, d128.pingpong, d128.overlap, d128.tiles) == (4, True, True, (128, 128, 2, 256))
+    assert S(**base, head_dim=128, block_N=176).loads == 4
+    for fields in (dict(head_dim=64), dict(head_dim=96), dict(head_dim=256), dict(head_dim=128, block_M=64),
+                   dict(head_dim=128, threads=128), dict(head_dim=128, pipeline=2)):
+        assert S(**base, **fields).loads == 2 and not S(**base, **fields).pingpong, fields
+    assert S(**base, head_dim=128, varlen=True).loads == 1
+
 def _pingpong_turns(tiles: int) -> list[tuple[int, str]]:
     """The order in which two warpgroups issue ``Q K^T`` under the protocol of pipeline 3 (what
     ``kernels/attention.py`` emits: warpgroup 1 arrives at barrier 0 before its first tile; each
