@@ -289,6 +289,10 @@ class _Cut(Exception):
 
 
 def _cut(signum: int, frame: object) -> None:
+    # once: timeout signals the runner and then its process group, the runner again, and a second
+    # SIGTERM while the runner reported raised out of the report, which printed nothing (an H100,
+    # 2026-12-06); :func:`outer` puts the previous handler back when it returns
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Cut()
 
 
@@ -325,9 +329,6 @@ def outer(tools: list[str], jobs: int, logdir: str, concurrent: bool = False, to
     try:
         return _outer(tools, jobs, logdir, concurrent, tool_parts, running)
     except _Cut:
-        # timeout signals the runner and then its process group, the runner again: a second SIGTERM
-        # while reporting raised out of the report (an H100, 2026-12-06), so the report ignores it
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for label, (proc, sink, total) in running.items():
             if proc.poll() is None:
                 proc.kill()

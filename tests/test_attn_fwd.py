@@ -328,6 +328,7 @@ def test_default_pipeline_is_the_overlap_at_head_dim_128_only():
         assert S(**base, **fields).loads == 2 and not S(**base, **fields).pingpong, fields
     assert S(**base, head_dim=128, varlen=True).loads == 1
 
+
 def _pingpong_turns(tiles: int) -> list[tuple[int, str]]:
     """The order in which two warpgroups issue ``Q K^T`` under the protocol of pipeline 3 (what
     ``kernels/attention.py`` emits: warpgroup 1 arrives at barrier 0 before its first tile; each
