@@ -373,6 +373,29 @@ def test_the_attention_sweep_names_its_kernels_without_a_gpu():
         attention.parse_config("128x128")
 
 
+def test_the_attention_table_puts_the_builtin_and_derived_schedules_side_by_side():
+    """``--configs builtin,derived``: the op built with ``target=BUILTIN`` and with ``target=None``; once
+    an op has run, its label says which schedule served it and where that came from. Their kernels are
+    the built-in ones (a derived choice's are built by its first call, or were by the tune before it)."""
+    from benchmarks import attention
+    from tileops.schedules import Schedule
+
+    assert [attention.parse_config(c) for c in ("builtin", " Derived")] == ["builtin", "derived"]
+    row = attention.ROWS["16x1k-causal"]
+    built, derived = attention.make_op(row, "builtin"), attention.make_op(row, "derived")
+    assert built._fixed_target is not None and built._fixed_target.name == "builtin"
+    assert derived._fixed_target is None and derived.params["causal"] is True
+    jobs = attention.kernel_jobs([("16x1k-causal", "bf16")], ["builtin", "derived"], "sm_90")
+    assert jobs == attention.kernel_jobs([("16x1k-causal", "bf16")], [None], "sm_90")
+    assert attention.config_label("derived") == "derived"
+    derived._schedule = Schedule(knobs=(("attention", "block_M", 64), ("attention", "block_N", 176)),
+                                source="tuned on this machine at 2026-12-06 21:00 UTC")
+    assert attention.config_label("derived", derived) == ("derived: 64x176 (tuned on this machine at "
+                                                          "2026-12-06 21:00 UTC)")
+    with pytest.raises(SystemExit, match=r"or one of builtin, derived; got 'tuned'"):
+        attention.parse_config("tuned")
+
+
 def test_device_cache_prune_keeps_the_entries_its_kernels_are_found_under(tmp_path):
     """``benchmarks.device_cache --prune`` removes an index entry no kernel of the run names (both of
     its files), keeps each kernel's entry under either build's key, and leaves other files alone."""

@@ -74,7 +74,30 @@ def test_shape_class_buckets_the_token_count(seq, bucket):
     kv = torch.empty(1, 8, 2, 64)
     op = AttnFwdOp(4, 2, 64, causal=True)
     cls = _class_of(op, q, kv, kv)
-    assert cls.endswith("," + bucket) and cls.startswith("causal=True,q=float32")
+    assert cls.endswith(f",{bucket},seq_k<=2048") and cls.startswith("causal=True,q=float32")
+
+
+@pytest.mark.parametrize("batch,seq", [(16, 1024), (1, 16384)])
+def test_one_token_bucket_is_split_by_the_keys_a_sequence_has(batch, seq):
+    # both calls are 16,384 tokens; a sequence's keys (dim_buckets: {seq_k: [2048]}) tell them apart
+    q = torch.empty(batch, seq, 4, 64)
+    got = _class_of(AttnFwdOp(4, 2, 64, causal=True), q, q[:, :, :2], q[:, :, :2])
+    assert got.endswith(",tokens<=32768," + ("seq_k<=2048" if seq <= 2048 else "seq_k>2048"))
+
+
+def test_an_op_keeps_its_choice_per_class_not_per_token_bucket():
+    """One op called on 4 x 1,024 then 1 x 4,096 (one token bucket, one CallSpec) takes each class's
+    own choice: the op's cache of choices is keyed by the dim buckets too."""
+    op = AttnFwdOp(4, 2, 64, causal=True)
+    short, long = torch.empty(4, 1024, 4, 64), torch.empty(1, 4096, 4, 64)
+    cls = _class_of(AttnFwdOp(4, 2, 64, causal=True), long, long[:, :, :2], long[:, :, :2])
+    device = schedules.device_identity(torch.device("cpu"))
+    _write(schedules.tuned_path(device), device,
+           {"AttnFwdOp": {cls: _entry({"attention_bwd": {"dq_block_q": 32}})}})
+    schedules.forget_tables()
+    got = [(_class_of(op, x, x[:, :, :2], x[:, :, :2]), op.schedule.knobs) for x in (short, long, short)]
+    assert [c.rsplit(",", 1)[1] for c, _ in got] == ["seq_k<=2048", "seq_k>2048", "seq_k<=2048"]
+    assert [k for _, k in got] == [(), (("attention_bwd", "dq_block_q", 32),), ()]
 
 
 def test_a_varlen_call_buckets_its_total_tokens():
@@ -83,6 +106,7 @@ def test_a_varlen_call_buckets_its_total_tokens():
     cu = torch.tensor([0, 600], dtype=torch.int32)
     op._check_call({"q": q, "k": kv, "v": kv, "cu_seqlens_q": cu, "cu_seqlens_k": torch.tensor([0, 30],
                                                                                              dtype=torch.int32)})
+    # (no seq_k: a varlen call's sequences are on the device, and the class is made before any sync)
     assert op.schedule.shape_class.endswith(",tokens<=4096")
 
 
@@ -303,9 +327,10 @@ def test_a_norm_class_is_bucketed_by_its_rows():
     assert cls(edge // 2, 2, 2).endswith(f"tokens<={nxt}")  # 2 * edge rows over three leading dims
 
 
-def test_warmup_builds_the_shipped_choices_for_their_classes_only(tmp_path):
+def test_warmup_builds_the_shipped_choices_for_their_kernels_only(tmp_path):
     """``tileops warmup`` and the lowered kernels take :func:`schedules.shipped_for`: a shipped entry's
-    kernels are built for the cases of its class and for no other case."""
+    kernels are built for the cases whose kernels its class keys (params, dtypes, specialized dims), in
+    any token bucket, and for no other case."""
     from tileops.compile.warmup import kernel_jobs
     from tileops.manifest import call_specs, case_dims, case_params
 
@@ -330,6 +355,29 @@ def test_warmup_builds_the_shipped_choices_for_their_classes_only(tmp_path):
     # another arch's warm-up takes nothing of an sm_90 table
     assert kernel_jobs(["RMSNormFwdOp"], "sm_80", schedules.shipped_for("sm_80")) == kernel_jobs(["RMSNormFwdOp"],
                                                                                                  "sm_80")
+
+
+def test_warmup_builds_a_shipped_choice_whose_bucket_no_case_reaches(tmp_path):
+    """An entry for attention's 16 x 1,024 causal class (16,384 tokens: no manifest case has so many) is
+    still built for the cases of its kernels (causal, bf16, head_dim 128, GQA 32/8), so that a fresh
+    process that takes it has it lowered rather than compiled at its first call; a non-causal case's
+    kernels are not."""
+    from tileops.compile.warmup import kernel_jobs
+
+    op = AttnFwdOp(32, 8, 128, causal=True)
+    q = torch.empty(16, 1024, 32, 128, dtype=torch.bfloat16)
+    cls = _class_of(op, q, q[:, :, :8], q[:, :, :8])
+    assert cls.endswith(",tokens<=32768,seq_k<=2048")
+    chosen = {"attention": {"block_M": 64, "block_N": 176, "stages": 1, "threads": 128, "pipeline": 2}}
+    _write(tmp_path / "shipped" / "h200.json", {"kind": "cuda", "name": "NVIDIA H200", "arch": "sm_90", "sms": 132,
+                                                "driver": "1"}, {"AttnFwdOp": {cls: _entry(chosen, ATTN)}})
+    schedules.forget_tables()
+    plain = kernel_jobs(["AttnFwdOp"], "sm_90")
+    added = [j for j in kernel_jobs(["AttnFwdOp"], "sm_90", schedules.shipped_for("sm_90")) if j not in plain]
+    fwd = [j[1] for j in added if j[0] == "attention"]
+    assert fwd and all((s.block_M, s.block_N, s.threads, s.causal, s.dtype, s.head_dim) == (64, 176, 128, True,
+                                                                                            "bfloat16", 128)
+                       for s in fwd)
 
 
 def test_rope_reference_gradients_are_the_rotation_by_the_negated_angle(gen):

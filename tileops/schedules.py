@@ -3,7 +3,8 @@
 A manifest's ``kernel.static`` is the built-in schedule. Its ``kernel.tune`` section declares, per
 backend, the space ``tileops tune`` searches (candidate values of knobs of the op's builders, and
 rules between them) and the *shape classes* a tuned choice is kept for: the call's dtypes, its
-specialized dims (``kernel.specialize``: the head dim) and a bucket of its token count.
+specialized dims (``kernel.specialize``: the head dim), a bucket of its token count and buckets of the
+dims ``kernel.tune.dim_buckets`` names (attention's keys a sequence).
 
 Tables of choices are JSON files, one per device:
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import re
@@ -41,11 +41,10 @@ from .compile.entry import cache_root
 from .manifest import OpManifest
 from .manifest.call import CallSpec
 from .manifest.expr import ExprError
-from .manifest.schema import LEAD, ROWS
 
 __all__ = ["Schedule", "BUILT_IN", "FORMAT", "shape_class", "token_count", "device_identity", "device_slug",
            "candidates", "choose", "static_for", "record", "tuned_path", "shipped_dir", "digest_of", "forget_tables",
-           "cpu_model", "bucket", "generation", "shipped_for", "space_for"]
+           "cpu_model", "bucket", "dim_buckets", "generation", "shipped_for", "space_for"]
 
 #: the tables' layout version: a file of another is ignored (with its warning)
 FORMAT = 1
@@ -94,21 +93,31 @@ def bucket(manifest: OpManifest, dims: Mapping[str, int]) -> str | None:
     if tune is None or not tune.buckets:
         return None
     n = token_count(manifest, dims)
-    if n is None:
-        return None
-    edge = next((b for b in tune.buckets if n <= b), None)
-    return f"tokens<={edge}" if edge is not None else f"tokens>{tune.buckets[-1]}"
+    return None if n is None else _edge("tokens", n, tune.buckets)
+
+
+def _edge(name: str, n: int, edges: tuple[int, ...]) -> str:
+    edge = next((b for b in edges if n <= b), None)
+    return f"{name}<={edge}" if edge is not None else f"{name}>{edges[-1]}"
+
+
+def dim_buckets(manifest: OpManifest, dims: Mapping[str, int]) -> list[str]:
+    """A call's buckets of the dims ``kernel.tune.dim_buckets`` names (``seq_k<=2048``), in the manifest's
+    order; a dim the call lacks (a varlen call's ``seq_k``) gives none."""
+    tune = manifest.kernel.tune
+    return [_edge(d, int(dims[d]), edges) for d, edges in (tune.dim_buckets if tune is not None else ())
+            if d in dims]
 
 
 def shape_class(manifest: OpManifest, call: CallSpec, dims: Mapping[str, int],
                 params: Mapping[str, Any]) -> str:
     """The shape class a call's schedule is chosen for: the params ``kernel.tune.by`` names, its dtypes,
-    its specialized dims and its token :func:`bucket`, as one readable key."""
+    its specialized dims, its token :func:`bucket` and its :func:`dim_buckets`, as one readable key."""
     tune = manifest.kernel.tune
     parts = [f"{p}={params.get(p)}" for p in (tune.by if tune is not None else ())]
     parts += [f"{n}={d}" for n, d in call.dtypes] + [f"{n}={v}" for n, v in call.dims]
     tokens = bucket(manifest, dims)
-    return ",".join(parts + [tokens] if tokens is not None else parts)
+    return ",".join(parts + ([tokens] if tokens is not None else []) + dim_buckets(manifest, dims))
 
 
 # ------------------------------------------------------------------------------ devices
@@ -346,11 +355,13 @@ def choose(manifest: OpManifest, call: CallSpec, dims: Mapping[str, int], params
     return Schedule(shape_class=cls)
 
 
-def _class_dims(dims: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A case's dims (:func:`tileops.manifest.case_dims`, its leading dims under ``"..."``) with the
-    :data:`~tileops.manifest.schema.ROWS` a call of it has."""
-    lead = dims.get(LEAD)
-    return dims if lead is None else {**dims, ROWS: math.prod(lead)}
+#: a shape class's bucket part (``tokens<=2048``, ``seq_k>2048``), as :func:`_edge` writes it
+_BUCKET = re.compile(r"[A-Za-z_][A-Za-z_0-9]*(<=|>)[0-9]+")
+
+
+def _unbucketed(cls: str) -> str:
+    """A shape class without its bucket parts: what its kernels are keyed by."""
+    return ",".join(p for p in cls.split(",") if not _BUCKET.fullmatch(p))
 
 
 def shipped_for(arch: str) -> "Callable[[OpManifest, CallSpec, Mapping[str, Any], Mapping[str, Any]], list[tuple]]":
@@ -367,10 +378,16 @@ def shipped_for(arch: str) -> "Callable[[OpManifest, CallSpec, Mapping[str, Any]
 
     def choices(manifest: OpManifest, call: CallSpec, dims: Mapping[str, Any],
                 params: Mapping[str, Any]) -> list[tuple]:
+        # every bucket's: a case has one token count, but its kernels (keyed by params, dtypes and the
+        # specialized dims alone) serve calls of every count, and a table's choice for another bucket
+        # (attention's seq_k>2048 classes, which no case reaches) would otherwise compile at a user's
+        # first such call
         if manifest.kernel.tune is None:
             return []
-        cls = shape_class(manifest, call, _class_dims(dims), params)
-        got = (_entry(path, table, manifest, cls) for path, table in tables)
+        kernel_key = shape_class(manifest, call, {}, params)
+        got = (_entry(path, table, manifest, cls) for path, table in tables
+               for cls in sorted((table["ops"].get(manifest.name) or {}) if isinstance(table["ops"], dict) else ())
+               if _unbucketed(cls) == kernel_key)
         return list(dict.fromkeys(e[0] for e in got if e is not None and e[0]))
 
     return choices

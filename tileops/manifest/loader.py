@@ -704,7 +704,8 @@ def _expr_over(ctx: _Ctx, node: yaml.Node, what: str, names: "set[str] | frozens
 def _tune(ctx: _Ctx, node: yaml.Node, dims: frozenset[str], params: Mapping[str, ParamSpec]) -> Tuning:
     """``kernel.tune``: each backend's knobs checked against their builder's ``STATIC`` (known builder
     and knob, every candidate in range, no knob name twice in a backend: rules name knobs bare), its
-    rules parsed and naming knobs only; the token expressions naming dims only; the buckets rising."""
+    rules parsed and naming knobs only; the token expressions naming dims only; the buckets rising, and
+    those of ``dim_buckets`` each of a dim of the inputs."""
     from tileops.kernels import STATIC
 
     tm = ctx.section(node, "tune", "kernel.tune")
@@ -714,14 +715,19 @@ def _tune(ctx: _Ctx, node: yaml.Node, dims: frozenset[str], params: Mapping[str,
         tokens.append(_expr_over(ctx, tnode, "kernel.tune.tokens", dims, "a dim; dims"))
     buckets: tuple[int, ...] = ()
     if "buckets" in tm:
-        bnode = tm["buckets"][1]
-        if not isinstance(bnode, yaml.SequenceNode):
-            raise ctx.err(bnode, f"kernel.tune.buckets: expected a list of integers, found {_kind(bnode)}")
-        buckets = tuple(ctx.typed(b, (int,), "kernel.tune.buckets[]", "an integer") for b in bnode.value)
-        if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ctx.err(bnode, f"kernel.tune.buckets: expected rising positive integers, found {list(buckets)}")
+        buckets = _edges(ctx, tm["buckets"][1], "kernel.tune.buckets")
         if not tokens:
-            raise ctx.err(bnode, "kernel.tune.buckets: given without `tokens`, the count they bucket")
+            raise ctx.err(tm["buckets"][1], "kernel.tune.buckets: given without `tokens`, the count they bucket")
+    dim_buckets: list[tuple[str, tuple[int, ...]]] = []
+    if "dim_buckets" in tm:
+        for dim, (dknode, dvnode) in ctx.mapping(tm["dim_buckets"][1], "kernel.tune.dim_buckets").items():
+            if dim not in dims:
+                raise ctx.err(dknode, f"kernel.tune.dim_buckets: {dim!r} is not a dim of the op's inputs; dims: "
+                                      f"{', '.join(sorted(dims))}")
+            edges = _edges(ctx, dvnode, f"kernel.tune.dim_buckets.{dim}")
+            if not edges:
+                raise ctx.err(dvnode, f"kernel.tune.dim_buckets.{dim}: expected at least one edge, found none")
+            dim_buckets.append((dim, edges))
     spaces: dict[str, TuneSpace] = {}
     for backend in ("cuda", "c"):
         if backend not in tm:
@@ -767,7 +773,18 @@ def _tune(ctx: _Ctx, node: yaml.Node, dims: frozenset[str], params: Mapping[str,
         if name not in params or params[name].type in ("tensor", "op"):
             raise ctx.err(tm["by"][1], f"kernel.tune.by: {name!r} is not a param of a plain value; params: "
                                        f"{', '.join(n for n, p in params.items() if p.type not in ('tensor', 'op'))}")
-    return Tuning(spaces=spaces, tokens=tuple(tokens), buckets=buckets, by=by, line=node.start_mark.line + 1)
+    return Tuning(spaces=spaces, tokens=tuple(tokens), buckets=buckets, dim_buckets=tuple(dim_buckets), by=by,
+                  line=node.start_mark.line + 1)
+
+
+def _edges(ctx: _Ctx, node: yaml.Node, what: str) -> tuple[int, ...]:
+    """A bucket's upper edges: a list of rising positive integers."""
+    if not isinstance(node, yaml.SequenceNode):
+        raise ctx.err(node, f"{what}: expected a list of integers, found {_kind(node)}")
+    edges = tuple(ctx.typed(b, (int,), f"{what}[]", "an integer") for b in node.value)
+    if any(b < 1 for b in edges) or list(edges) != sorted(set(edges)):
+        raise ctx.err(node, f"{what}: expected rising positive integers, found {list(edges)}")
+    return edges
 
 
 def _builders() -> tuple[str, ...]:

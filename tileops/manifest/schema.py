@@ -180,6 +180,11 @@ SCHEMA: dict[str, dict[str, tuple[bool, str, str]]] = {
         "buckets": (False, "list[int]", "Rising upper edges of the token buckets (`[2048, 16384]`: up to 2,048, up "
                                         "to 16,384, and more); a class is also keyed by the specialized dims and "
                                         "the dtypes."),
+        "dim_buckets": (False, "map[dim -> list[int]]", "Dims a shape class is also bucketed by, each with its rising "
+                                                        "upper edges (`{seq_k: [2048]}`: the keys a sequence has, "
+                                                        "which the token count cannot tell: 16 x 1,024 and "
+                                                        "1 x 16,384 are both 16,384 tokens); a dim a call lacks "
+                                                        "(a varlen call's `seq_k`) adds nothing."),
         "by": (False, "list[param]", "Params a shape class is also keyed by, where they change the kernels "
                                      "(`causal`, `input_layout`): a choice tuned for one value never serves another."),
         "cuda": (False, "map", "The CUDA schedule space: a `tune_space` section."),
@@ -332,6 +337,8 @@ class Tuning:
     spaces: Mapping[str, TuneSpace]
     tokens: tuple[Expr, ...] = ()
     buckets: tuple[int, ...] = ()
+    #: ``kernel.tune.dim_buckets``: ``((dim, rising edges), ...)``
+    dim_buckets: tuple[tuple[str, tuple[int, ...]], ...] = ()
     by: tuple[str, ...] = ()
     line: int = 0
 
