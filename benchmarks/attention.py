@@ -7,6 +7,11 @@ run (issue 36's table), and a sweep of the CUDA tile shape.
                                                       # schedules: block_M x block_N x stages x threads
                                                       # [x pipeline], beside the baselines
     python -m benchmarks.attention --backward         # the backward through the op: vs SDPA flash and cuDNN's
+    python -m benchmarks.attention --tune 150 --rows 4x4k,4x4k-causal,16x1k-causal
+                                                      # op.tune on each row's shape class (seconds each;
+                                                      # kept in this machine's table), then the table
+    python -m benchmarks.attention --configs builtin,derived
+                                                      # target=BUILTIN beside target=None (the tables')
     python -m benchmarks.attention --dry              # anywhere: the rows, configs and kernel specs
 
 TFLOP/s counts ``4 * Sq * Sk * D * Hq`` per sequence, halved when causal (the issue's convention), and
@@ -45,6 +50,7 @@ PEAK_TFLOPS = 989.0
 ROWS: dict[str, tuple] = {
     "16k": (1, 16384, 32, 8, 128, False, None),
     "16k-causal": (1, 16384, 32, 8, 128, True, None),
+    "4x4k": (4, 4096, 32, 8, 128, False, None),
     "4x4k-causal": (4, 4096, 32, 8, 128, True, None),
     "16x1k-causal": (16, 1024, 32, 8, 128, True, None),
     "mha-16k": (1, 16384, 32, 32, 128, False, None),
@@ -78,28 +84,78 @@ def backward_call(forward: Any, t: dict[str, torch.Tensor], dout: torch.Tensor) 
     return call, call()
 
 
-def parse_config(text: str) -> dict[str, int]:
+#: ``--configs`` words that are not tile shapes: the op built with ``target=BUILTIN`` (the manifest's
+#: schedule) and with ``target=None`` (this device's tuned or shipped choice for the row's shape class)
+TARGETS = ("builtin", "derived")
+
+
+def parse_config(text: str) -> "dict[str, int] | str":
     """``128x64x2x256`` -> the manifest's ``kernel.static`` keys; a fifth number is the ``pipeline``
-    knob (``128x128x2x256x2``: TMA loads from TileLang's producer warpgroup)."""
+    knob (``128x128x2x256x2``: TMA loads from TileLang's producer warpgroup). ``builtin`` and
+    ``derived`` (:data:`TARGETS`) are kept as words."""
+    if text.strip().lower() in TARGETS:
+        return text.strip().lower()
     try:
         parts = [int(p) for p in text.lower().split("x")]
     except ValueError:
         parts = []
     if len(parts) not in (4, 5):
-        raise SystemExit(f"--configs: expected block_M x block_N x stages x threads [x pipeline], got {text!r}")
+        raise SystemExit(f"--configs: expected block_M x block_N x stages x threads [x pipeline], or one of "
+                         f"{', '.join(TARGETS)}; got {text!r}")
     return dict(zip(("block_M", "block_N", "stages", "threads", "pipeline"), parts))
 
 
-def make_op(row: tuple, static: dict[str, int] | None) -> Any:
-    """The op for ``row``, its manifest's tile shape replaced by ``static`` (None: the manifest's)."""
+def make_op(row: tuple, static: "dict[str, int] | str | None") -> Any:
+    """The op for ``row``, its manifest's tile shape replaced by ``static`` (None: the manifest's;
+    ``"builtin"`` / ``"derived"``: built with ``target=BUILTIN`` / ``None``)."""
     from tileops.attention import AttnFwdOp
+    from tileops.targets import BUILTIN
 
     _, _, hq, hkv, d, causal, _ = row
+    if isinstance(static, str):
+        return AttnFwdOp(hq, hkv, d, causal=causal, target=BUILTIN if static == "builtin" else None)
     op = AttnFwdOp(hq, hkv, d, causal=causal)
     if static is not None:  # an op reads its own manifest object: a copy with another schedule
         kernel = dataclasses.replace(op.manifest.kernel, static={**op.manifest.kernel.static, **static})
         op.manifest = dataclasses.replace(op.manifest, kernel=kernel)
     return op
+
+
+def config_label(c: "dict[str, int] | str | None", op: Any = None) -> str:
+    """A config's name in the table; a ``builtin`` / ``derived`` op that has run also says which
+    schedule served it and where it came from (``tuned on this machine at ...``)."""
+    if isinstance(c, dict):
+        return "x".join(str(v) for v in c.values())
+    if c is None:
+        return "manifest"
+    if op is None or op.schedule is None:
+        return c
+    knobs = "x".join(str(v) for b, _, v in op.schedule.knobs if b == "attention") or "kernel.static"
+    return f"{c}: {knobs} ({op.schedule.source})"
+
+
+def tune_rows(work: list[tuple[str, str]], budget: float) -> None:
+    """``--tune``: ``op.tune`` on each row's inputs (``budget`` seconds each; a row whose shape class an
+    earlier row of the run tuned is not tuned again), kept in this machine's table, so that the table's
+    ``derived`` ops take it. The tuner checks each candidate against the float64 reference first."""
+    done: dict[str, str] = {}
+    for n, dt in work:
+        row = ROWS[n]
+        op = make_op(row, "builtin")
+        t = inputs(row, DTYPES[dt])
+        kw = {k: v for k, v in t.items() if k.startswith("cu_")}
+        op._check_call({"q": t["q"], "k": t["k"], "v": t["v"], "cu_seqlens_q": kw.get("cu_seqlens_q"),
+                        "cu_seqlens_k": kw.get("cu_seqlens_k")})
+        cls = op.schedule.shape_class
+        if cls in done:
+            print(f"tune {n} {dt}: class tuned by row {done[cls]}", flush=True)
+            continue
+        done[cls] = f"{n} {dt}"
+        t0 = time.perf_counter()
+        got = op.tune(t["q"], t["k"], t["v"], **kw, budget=budget, progress=True)
+        print(f"tune {n} {dt}: {got} in {time.perf_counter() - t0:.0f} s", flush=True)
+        del t
+        torch.cuda.empty_cache()
 
 
 def inputs(row: tuple, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -187,7 +243,7 @@ def kernel_jobs(work: list[tuple[str, str]], configs: list, arch: str, backward:
             jobs = op_kernel_jobs("AttnFwdOp", op.params, dims, [{"bf16": "bfloat16", "fp16": "float16"}[dt]], arch,
                                   with_inputs=("cu_seqlens_q", "cu_seqlens_k") if row[6] else (),
                                   backward=backward)
-            if c is not None:  # the sweep's specs: the forward's with the config's schedule (the
+            if isinstance(c, dict):  # the sweep's specs: the forward's with the config's schedule (the
                 # backward's programs keep their own tiles: their spec has none of these fields)
                 jobs = [(b, dataclasses.replace(s, **c) if b == "attention" else s, be, ar) for b, s, be, ar in jobs]
             todo += jobs
@@ -207,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=None, help="parallel kernel compiles (default: a CPU each)")
     ap.add_argument("--backward", action="store_true", help="time the backward (autograd.grad with one dO) against "
                                                             "SDPA flash's and cuDNN's; TFLOP/s count 2.5x the forward")
+    ap.add_argument("--tune", type=float, default=None, metavar="SECONDS",
+                    help="first op.tune each row's shape class (at most SECONDS each), kept in this machine's "
+                         "table; then the table (with --configs builtin,derived: the two side by side)")
     ap.add_argument("--dry", action="store_true", help="print the rows, configs and specs; no GPU needed")
     a = ap.parse_args(argv)
     work = work_list(a.rows, a.dtypes)
@@ -236,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     count, _, failures = compile_jobs(todo, a.jobs, progress=True)
     print(f"compiled {count} kernels in {time.perf_counter() - t0:.0f} s"
           + (f"; {len(failures)} failed: {failures[0][1][:300]}" if failures else ""), flush=True)
+    if a.tune is not None:
+        tune_rows(work, a.tune)
     baselines = not a.no_baselines
     if a.backward:
         return backward_table(work, configs, baselines, a.batches)
@@ -253,10 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for c in configs:
             op = make_op(row, c)
-            label = "x".join(str(v) for v in c.values()) if c else "manifest"
+            label = config_label(c)
             try:  # a tile shape TileLang cannot build (or the device cannot launch) fails its cell only
                 got = op(t["q"], t["k"], t["v"], **kw)
                 torch.cuda.synchronize()
+                label = config_label(c, op)
             except Exception as e:  # noqa: BLE001 - reported, and the sweep goes on
                 cells.append((label, f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
                 print(f"SWEEP {json.dumps({'row': n, 'dtype': dt, 'config': label, 'error': str(e)[:300]})}",
@@ -315,10 +377,11 @@ def backward_table(work: list, configs: list, baselines: bool, batches: int) -> 
         extra = extra[::-1] if baselines else []  # (flash, cudnn) as the header orders them
         for c in configs:
             op = make_op(row, c)
-            label = "x".join(str(v) for v in c.values()) if c else "manifest"
+            label = config_label(c)
             try:
                 call, got = backward_call(lambda x, op=op: op(x["q"], x["k"], x["v"], **kw), t, dout)
                 torch.cuda.synchronize()
+                label = config_label(c, op)
             except Exception as e:  # noqa: BLE001 - reported, and the sweep goes on
                 cell = f"FAIL {type(e).__name__}: {str(e).splitlines()[0][:120]}"
             else:
