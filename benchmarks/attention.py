@@ -144,17 +144,16 @@ def tune_rows(work: list[tuple[str, str]], budget: float) -> None:
         op = make_op(row, "builtin")
         t = inputs(row, DTYPES[dt])
         kw = {k: v for k, v in t.items() if k.startswith("cu_")}
-        op._check_call({"q": t["q"], "k": t["k"], "v": t["v"], "cu_seqlens_q": kw.get("cu_seqlens_q"),
-                        "cu_seqlens_k": kw.get("cu_seqlens_k")})
+        # one call first, outside the budget (it also names the class): a fresh process's one-off builds
+        # (the native runtime's 23 s on the H100, 2026-12-06) ate the first class's 75 s before any
+        # candidate was tried
+        op(t["q"], t["k"], t["v"], **kw)
+        torch.cuda.synchronize()
         cls = op.schedule.shape_class
         if cls in done:
             print(f"tune {n} {dt}: class tuned by row {done[cls]}", flush=True)
             continue
         done[cls] = f"{n} {dt}"
-        # one call first, outside the budget: a fresh process's one-off builds (the native runtime's 23 s
-        # on the H100, 2026-12-06) ate the first class's 75 s before any candidate was tried
-        op(t["q"], t["k"], t["v"], **kw)
-        torch.cuda.synchronize()
         t0 = time.perf_counter()
         got = op.tune(t["q"], t["k"], t["v"], **kw, budget=budget, progress=True)
         print(f"tune {n} {dt}: {got} in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -538,9 +538,8 @@ class Op:
         (:meth:`tune`), else for ``target=None`` served by BUILTIN the tuned or shipped choice for the
         call's shape class, else the built-in one (``target=BUILTIN``; another target has its own)."""
         # kept per class: a backward checks its call again every step (the choice costs 8-70 us on 2 cores)
-        # (the dim buckets too: 16 x 1,024 and 1 x 16,384 share a token bucket and CallSpec, not a class)
-        key = (call, schedules.bucket(self.manifest, dims), *schedules.dim_buckets(self.manifest, dims),
-               schedules.generation())
+        # (every bucket: 16 x 1,024 and 1 x 16,384 share a token bucket and CallSpec, not a class)
+        key = (call, schedules.buckets(self.manifest, dims), schedules.generation())
         got = self._schedules.get(key)
         if got is not None:
             return got

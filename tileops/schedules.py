@@ -44,7 +44,7 @@ from .manifest.expr import ExprError
 
 __all__ = ["Schedule", "BUILT_IN", "FORMAT", "shape_class", "token_count", "device_identity", "device_slug",
            "candidates", "choose", "static_for", "record", "tuned_path", "shipped_dir", "digest_of", "forget_tables",
-           "cpu_model", "bucket", "dim_buckets", "generation", "shipped_for", "space_for"]
+           "cpu_model", "bucket", "dim_buckets", "buckets", "generation", "shipped_for", "space_for"]
 
 #: the tables' layout version: a file of another is ignored (with its warning)
 FORMAT = 1
@@ -109,15 +109,21 @@ def dim_buckets(manifest: OpManifest, dims: Mapping[str, int]) -> list[str]:
             if d in dims]
 
 
+def buckets(manifest: OpManifest, dims: Mapping[str, int]) -> tuple[str, ...]:
+    """Every bucket part of a call's shape class: its token :func:`bucket`, then its :func:`dim_buckets`
+    (with the call's specialization, what tells its class from another's)."""
+    tokens = bucket(manifest, dims)
+    return ((tokens,) if tokens is not None else ()) + tuple(dim_buckets(manifest, dims))
+
+
 def shape_class(manifest: OpManifest, call: CallSpec, dims: Mapping[str, int],
                 params: Mapping[str, Any]) -> str:
     """The shape class a call's schedule is chosen for: the params ``kernel.tune.by`` names, its dtypes,
-    its specialized dims, its token :func:`bucket` and its :func:`dim_buckets`, as one readable key."""
+    its specialized dims and its :func:`buckets`, as one readable key."""
     tune = manifest.kernel.tune
     parts = [f"{p}={params.get(p)}" for p in (tune.by if tune is not None else ())]
     parts += [f"{n}={d}" for n, d in call.dtypes] + [f"{n}={v}" for n, v in call.dims]
-    tokens = bucket(manifest, dims)
-    return ",".join(parts + ([tokens] if tokens is not None else []) + dim_buckets(manifest, dims))
+    return ",".join([*parts, *buckets(manifest, dims)])
 
 
 # ------------------------------------------------------------------------------ devices
@@ -385,9 +391,11 @@ def shipped_for(arch: str) -> "Callable[[OpManifest, CallSpec, Mapping[str, Any]
         if manifest.kernel.tune is None:
             return []
         kernel_key = shape_class(manifest, call, {}, params)
-        got = (_entry(path, table, manifest, cls) for path, table in tables
-               for cls in sorted((table["ops"].get(manifest.name) or {}) if isinstance(table["ops"], dict) else ())
-               if _unbucketed(cls) == kernel_key)
+        got = []
+        for path, table in tables:
+            entries = table["ops"].get(manifest.name)  # (a corrupt op entry: _entry warns of none)
+            got += [_entry(path, table, manifest, cls) for cls in sorted(entries if isinstance(entries, dict) else ())
+                    if _unbucketed(cls) == kernel_key]
         return list(dict.fromkeys(e[0] for e in got if e is not None and e[0]))
 
     return choices
