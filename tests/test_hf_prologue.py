@@ -418,3 +418,57 @@ def test_decode_steps_run_the_paged_decode_op_when_attention_is_patched_too(kind
     assert len(rep["decode"]) == 2 and all(op.params["cache_layout"] == "HND" for op in rep["decode"])
     assert torch.equal(got, want), (got, want)
     assert torch.equal(got_padded, want_padded), (got_padded, want_padded)
+
+
+class _CountingAotEager(_AotEager):
+    """``_AotEager`` that also counts the compiled graphs' runs (``runs``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs) -> object:
+        compiled = super().__call__(gm, example_inputs)
+
+        def run(*args):
+            self.runs += 1
+            return compiled(*args)
+        return run
+
+
+def test_a_compiled_decode_step_with_attention_patched_too_is_one_graph(gen):
+    """``patch(prologue=True, attention=True)`` with ``model.forward`` compiled: each decode step runs
+    one graph, which calls the prologue and the paged decode op. The mask function read a static
+    layer's length counter on the host and the decode ops were built at the first step, inside the
+    trace: both broke the graph, and a step of this 2-layer Qwen3 ran 15 graphs. (The prefill's
+    attention still reads the counter: its graphs are not counted here.) The tokens are the unpatched
+    model's, fp32 on the CPU."""
+    from tileops.runtime.library import layout
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = transformers.Qwen3ForCausalLM(D64_CONFIGS["qwen3"]()).eval()
+    ids = torch.randint(3, 128, (2, 11), generator=gen)
+    with torch.no_grad():
+        want = _generate(model, ids, 9)[0]
+    tt.patch(model, prologue=True, attention=True)
+    backend = _CountingAotEager()
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=backend)
+    try:
+        runs = {}
+        with torch.no_grad():
+            for new in (8, 9):  # one decode step more: the difference is one step's graphs
+                backend.runs = 0
+                got = _generate(model, ids, new, disable_compile=True)[0]
+                runs[new] = backend.runs
+        called = [{layout(n.args[0]).name for n in g.graph.nodes
+                   if n.op == "call_function" and str(n.target).startswith("tileops.")} for g in backend.graphs]
+        rep = tt.report(model)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+        tt.unpatch(model)
+    assert runs[9] - runs[8] == 1, runs
+    assert torch.equal(got, want), (got, want)
+    assert len(rep["decode"]) == 2, rep["decode"]
+    assert {"AttnPrologueFwdOp", "PagedAttnDecodeFwdOp"} in called, called  # a decode step's graph

@@ -70,6 +70,22 @@ class AttentionState:
         self.ops: dict[tuple, Any] = {}
         self.fallbacks: set[str] = set()
 
+    def prepare(self, modules: list[torch.nn.Module]) -> None:
+        """Build, with the model, the op each module's calls will ask for, from what the module holds
+        (its config's heads, its head size, scale, window and softcap, as the forwards of
+        :data:`ATTENTION_MODEL_TYPES` pass them). Built at the first call inside a compiled forward,
+        an op's construction (it reads its manifest) broke the graph there. A call that asks for
+        another op (arguments a module does not hold) still gets it built then."""
+        for m in modules:
+            config = getattr(m.config, "text_config", None) or m.config
+            hq = config.num_attention_heads
+            hkv = getattr(config, "num_key_value_heads", None) or hq
+            d = getattr(m, "head_dim", None)
+            if d not in HEAD_DIMS or hq % hkv:
+                continue  # such calls are refused or fall back; nothing to build ahead
+            self.op(*op_key(m, hq, hkv, d, getattr(m, "scaling", None), getattr(m, "sliding_window", None),
+                            getattr(m, "attn_logit_softcapping", None)))
+
     def op(self, hq: int, hkv: int, d: int, causal: bool, scale: float, window: int | None,
            softcap: float | None) -> Any:
         key = (hq, hkv, d, causal, scale, window, softcap)
@@ -80,6 +96,15 @@ class AttentionState:
             op = self.ops[key] = AttnFwdOp(hq, hkv, d, causal=causal, softmax_scale=scale, sliding_window=window,
                                            softcap=softcap)
         return op
+
+
+def op_key(module: torch.nn.Module, hq: int, hkv: int, d: int, scaling: float | None, sliding_window: int | None,
+           softcap: float | None) -> tuple:
+    """The arguments of :meth:`AttentionState.op` for a call of ``module`` with these arguments."""
+    causal = bool(getattr(module, "is_causal", True))
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(d)
+    return (hq, hkv, d, causal, scale, int(sliding_window) if sliding_window else None,
+            float(softcap) if softcap else None)
 
 
 def _config(model: torch.nn.Module) -> Any:
@@ -150,22 +175,49 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
     q_length`` slots are filled. Returning None there let the queries see the unfilled slots (zeros:
     a score of 0 each, in every softmax's sum; the patched model's logits moved by 0.2 on a tiny
     Llama). The filled slots are then marked as the keys: at a decode step ``q_offset`` is the layer's
-    device counter, read on the host, as the padded path reads its mask."""
+    device counter, which :class:`FilledSlots` holds unread until a path needs the mask spelled out
+    (the attention function does; the prologue's paged decode does not)."""
+    if isinstance(attention_mask, FilledSlots):
+        attention_mask = None  # its own answer handed back (the docstring of FilledSlots): nothing padded
     if not _plain(q_length, kwargs):
         return _full_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                           kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     if attention_mask is None:
         filled = q_offset + q_length - kv_offset
-        if not torch.is_tensor(filled) and filled >= kv_length:
+        if torch.is_tensor(filled):  # a static layer's counter: read where a path needs it, not here
+            return FilledSlots(filled, batch_size, kv_length)
+        if filled >= kv_length:
             return None  # the keys are exactly the tokens (a dynamic cache): nothing read
-        n = int(filled)  # (a host read when q_offset is a static layer's counter)
-        if n >= kv_length:
-            return None
-        return torch.ones(batch_size, n, dtype=torch.bool)
+        return torch.ones(batch_size, filled, dtype=torch.bool)
     mask = attention_mask[:, -kv_length:].to(torch.bool)
     if mask.shape[1] == kv_length and bool(mask.all()):
         return None
     return mask
+
+
+class FilledSlots:
+    """What the mask function returns for a static cache with nothing padded: each row's keys are its
+    first ``count`` cache slots, ``count`` a device counter (the layer's). Read on the host there, it
+    synchronised every step, and under ``torch.compile`` broke the graph at every decode step (a
+    tiny Qwen3 patched with ``prologue=True, attention=True`` compiled 25 graphs for 8 new tokens,
+    the unpatched model 2), though the prologue's paged decode reads the counter on the device and
+    needs no mask. So the read waits for a path that needs the mask spelled out (:meth:`mask`)."""
+
+    #: transformers hands the mask back to the mask function as a 2-D padding mask (``generate`` builds
+    #: it ahead for a compileable cache, the model's forward from it again), after ``.to(device, bool)``
+    ndim = 2
+
+    def __init__(self, count: torch.Tensor, batch: int, kv_length: int) -> None:
+        self.count, self.batch, self.kv_length = count, batch, kv_length
+
+    def to(self, *args: Any, **kwargs: Any) -> "FilledSlots":
+        return self
+
+    def mask(self) -> torch.Tensor | None:
+        """The 2-D boolean mask of the filled slots, ``[batch, count]``, or None when every slot is
+        filled (a host read of the counter)."""
+        n = int(self.count)
+        return None if n >= self.kv_length else torch.ones(self.batch, n, dtype=torch.bool)
 
 
 #: the reasons warned of for modules no patch owns (a config shared with a patched model)
@@ -262,11 +314,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function protocol: q ``[batch, Hq, seq_q, D]``, k and v ``[batch, Hkv,
     seq_k, D]`` -> ``([batch, seq_q, Hq, D], None)``."""
+    if isinstance(attention_mask, FilledSlots):
+        attention_mask = attention_mask.mask()
     state = getattr(module, STATE_ATTR, None)
-    causal = bool(getattr(module, "is_causal", True))
-    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    window = int(sliding_window) if sliding_window else None
-    cap = float(softcap) if softcap else None
+    b, hq, sq, d = query.shape
+    wanted = op_key(module, hq, key.shape[1], d, scaling, sliding_window, softcap)
+    causal, scale, window, cap = wanted[3:]
     # a module not patched by tileops gets here when its config is shared with a patched model's
     # (the implementation is a config attribute): it runs transformers' attention, as before
     why = ("a module tileops did not patch (a vision tower, or a model sharing a patched model's config)"
@@ -278,8 +331,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if why is not None:
         _warn_once(state, why, "eager attention" if cap is not None else "sdpa")
         return _fallback(module, query, key, value, attention_mask, causal, window, cap, dropout, scale, kwargs)
-    b, hq, sq, d = query.shape
-    op = state.op(hq, key.shape[1], d, causal, scale, window, cap)
+    op = state.op(*wanted)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, S, H, D] views
     if attention_mask is None:
         return op(q, k, v), None

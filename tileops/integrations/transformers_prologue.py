@@ -20,9 +20,10 @@ What a patched attention layer does, per call (read from those classes' ``forwar
    except a decode step (one token a sequence) of a model also patched with ``attention=True``,
    which :class:`tileops.attention.PagedAttnDecodeFwdOp` serves from the cache the op just wrote
    (``_decode``): block table ``[[0], [1], ...]`` (a sequence's block is its row of the static
-   layer), lengths the layer's ``cumulative_length``. Where a token of the batch is padding (the 2-D
-   mask the attention patch passes holds a False: the op takes no per-sequence start; reading it is a
-   host read, as the attention patch's own mask function does), the head size is not one the op
+   layer), lengths the layer's ``cumulative_length``, read on the device: nothing of the step is read
+   back, so a compiled step is one graph. Where a token of the batch is padding (the 2-D mask the
+   attention patch passes holds a False: the op takes no per-sequence start; reading it is a host
+   read), the head size is not one the op
    takes, or the op's CUDA kernels are refused (``decode_builtin.cuda_enabled``), the step runs the
    attention as above.
 
@@ -236,31 +237,40 @@ def _decodes(layer: PrologueLayer, q: torch.Tensor, static: Any, mask: Any, impl
     """Whether this decode step's attention is :class:`tileops.attention.PagedAttnDecodeFwdOp`'s to serve
     (the module docstring, item 3): the model patched with ``attention=True``, a head size and device
     the op takes, the cache in q's dtype, and no padded key (the mask the attention patch's mask
-    function returns: None, or a 2-D boolean mask; a 4-D mask from elsewhere is not read)."""
+    function returns: None or its ``FilledSlots``, nothing padded; or a 2-D boolean mask, read; a
+    4-D mask from elsewhere is not read)."""
     from ..attention.decode_builtin import cuda_enabled
-    from .transformers_attention import NAME
+    from .transformers_attention import NAME, FilledSlots
 
     if implementation != NAME or q.shape[-1] not in DECODE_HEAD_DIMS or static.keys.dtype != q.dtype:
         return False
     if q.device.type == "cuda" and not cuda_enabled():
         return False
-    if mask is None:
+    if mask is None or isinstance(mask, FilledSlots):  # (no padding: the keys are the filled slots)
         return True
     return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.bool and bool(mask.all())
+
+
+def decode_op(layer: PrologueLayer, head_dim: int) -> Any:
+    """The layer's :class:`tileops.attention.PagedAttnDecodeFwdOp`, built at its first use. ``patch``
+    builds it with the model (``attention=True``): built at the first decode step inside a compiled
+    forward, its construction (which reads the op's manifest) broke the graph, and each layer's frame
+    then compiled apart, one recompile a layer index (a tiny Qwen3: 22 graphs for 8 new tokens)."""
+    from ..attention import PagedAttnDecodeFwdOp
+
+    if layer.decode is None:
+        op = layer.op.params
+        layer.decode = PagedAttnDecodeFwdOp(op["num_q_heads"], op["num_kv_heads"], head_dim,
+                                            softmax_scale=float(layer.module.scaling), cache_layout="HND")
+    return layer.decode
 
 
 def _decode(layer: PrologueLayer, q: torch.Tensor, static: Any) -> torch.Tensor:
     """``[batch, Hq, D]``: one token a sequence (q, ``[batch, Hq, 1, D]``) against the static layer's
     cache, as one paged cache of ``batch`` blocks of ``max_cache_len`` rows (HND) and lengths the
     layer's ``cumulative_length`` (the current token included: the prologue wrote it)."""
-    from ..attention import PagedAttnDecodeFwdOp
-
-    module = layer.module
     batch, hq, _, d = q.shape
-    if layer.decode is None:
-        op = layer.op.params
-        layer.decode = PagedAttnDecodeFwdOp(op["num_q_heads"], op["num_kv_heads"], d,
-                                            softmax_scale=float(module.scaling), cache_layout="HND")
+    decode_op(layer, d)
     key = (batch, q.device)
     if key not in layer.tables:
         layer.tables[key] = torch.arange(batch, dtype=torch.int32, device=q.device)[:, None]
