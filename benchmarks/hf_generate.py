@@ -35,9 +35,12 @@ The variants, copies with the same weights so that all stay compiled side by sid
   ``tileops.attention.AttnPrologueFwdOp``. It serves a ``StaticCache`` in inference: its training
   column runs transformers' attention with the rope+norm routing (it warns once saying so), a
   control that should equal rope+norm's.
-* ``attention`` (``--attention``): rope+norm and ``patch(model, attention=True)``, attention itself
-  through ``tileops.attention.AttnFwdOp`` (transformers' ``AttentionInterface``) in place of HF's
-  ``sdpa`` (what the unpatched model runs). Results go to ``hf_generate[_MODEL]_attention.*``.
+* ``attention`` (``--attention``, Llama): rope+norm and ``patch(model, attention=True)``, attention
+  itself through ``tileops.attention.AttnFwdOp`` (transformers' ``AttentionInterface``) in place of
+  HF's ``sdpa`` (what the unpatched model runs). Results go to ``hf_generate[_MODEL]_attention.*``;
+* ``prologue+attention`` (``--attention``, Qwen3): ``patch(model, prologue=True, attention=True)``:
+  the prologue's variant with the prefill's attention through ``AttnFwdOp`` and each decode step's
+  through ``PagedAttnDecodeFwdOp``, over the cache the prologue wrote (one graph a compiled step).
 
 Rows (``--rows`` picks some; each a median of ``--reps`` timings after ``--warmup`` runs, the variants in turn, their order
 reversed every other run so that all see the same noise; the ratios are the model's
@@ -129,7 +132,8 @@ QUICK_MODEL = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, interm
 #: the variants: the keyword arguments of ``patch``, None for the unpatched model
 VARIANTS: dict[str, dict | None] = {"unpatched": None, "rope": {"rope": True, "norm": False},
                                    "rope+norm": {"rope": True, "norm": True}, "prologue": {"prologue": True},
-                                   "attention": {"rope": True, "norm": True, "attention": True}}
+                                   "attention": {"rope": True, "norm": True, "attention": True},
+                                   "prologue+attention": {"prologue": True, "attention": True}}
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class Model:
     variants: tuple[str, ...]  #: names in :data:`VARIANTS`, ``unpatched`` first
     ratios: tuple[tuple[str, str], ...]  #: (numerator, denominator) per ratio column
     eager_cache: str  #: the cache of the eager generate row: "dynamic" or "static"
+    attention: str  #: the variant ``--attention`` adds, set beside the one it differs from by attention alone
     reps: int  #: default timed runs (``--quick``: 2)
     warmup: int  #: default warm-up runs
 
@@ -151,24 +156,27 @@ MODELS = {
                    size=dict(layers=8, hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816, vocab=32000),
                    variants=("unpatched", "rope", "rope+norm"),
                    ratios=(("rope", "unpatched"), ("rope+norm", "unpatched"), ("rope+norm", "rope")),
-                   eager_cache="dynamic", reps=10, warmup=2),
+                   eager_cache="dynamic", attention="attention", reps=10, warmup=2),
     "qwen3": Model(config="Qwen3Config", causal_lm="Qwen3ForCausalLM",
                    size=dict(layers=8, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=32000),
                    variants=("unpatched", "rope", "rope+norm", "prologue"),
                    ratios=(("rope+norm", "unpatched"), ("prologue", "unpatched"), ("prologue", "rope+norm")),
-                   eager_cache="static", reps=5, warmup=1),
+                   eager_cache="static", attention="prologue+attention", reps=5, warmup=1),
 }
 
 
 def model_spec(model: str, attention: bool = False) -> Model:
-    """:data:`MODELS` ``[model]``; with ``attention`` (``--attention``), plus the ``attention``
-    variant (rope+norm and attention through ``AttnFwdOp``) and its ratios to unpatched (HF's
-    ``sdpa``) and to rope+norm (what attention alone changes)."""
+    """:data:`MODELS` ``[model]``; with ``attention`` (``--attention``), plus the model's attention
+    variant (:attr:`Model.attention`) and its ratios to unpatched (HF's ``sdpa``) and to the variant
+    it differs from by attention alone: ``attention`` against rope+norm (Llama), ``prologue+attention``
+    against prologue (Qwen3: its decode steps read the prologue's cache through
+    ``PagedAttnDecodeFwdOp``; its training step runs rope+norm's routing, as prologue's does)."""
     spec = MODELS[model]
     if not attention:
         return spec
-    return dataclasses.replace(spec, variants=(*spec.variants, "attention"),
-                               ratios=(*spec.ratios, ("attention", "unpatched"), ("attention", "rope+norm")))
+    ours, base = spec.attention, "prologue" if spec.attention == "prologue+attention" else "rope+norm"
+    return dataclasses.replace(spec, variants=(*spec.variants, ours),
+                               ratios=(*spec.ratios, (ours, "unpatched"), (ours, base)))
 
 
 def sizes(model: str, quick: bool, attention: bool = False) -> dict:
@@ -330,12 +338,14 @@ def run(model: str, size: dict, device: torch.device, backend: str, warmup: int,
         for name, m in models.items():
             m.forward = torch.compile(m.forward, backend=backends[name])
         try:
-            row = timed(f"compiled generate ({backend}, static cache), {shape}",
-                        lambda m: generate(m, cache_implementation="static", disable_compile=True), True)
+            with _graphs_for(models):
+                row = timed(f"compiled generate ({backend}, static cache), {shape}",
+                            lambda m: generate(m, cache_implementation="static", disable_compile=True), True)
             row["ops"] = {name: dict(b.ops) for name, b in backends.items()}
         finally:
             for m in models.values():
                 del m.forward
+        _refuse_eager(rows)
         save(rows)
 
     if "eager" in which:
@@ -364,10 +374,29 @@ def run(model: str, size: dict, device: torch.device, backend: str, warmup: int,
         torch._dynamo.reset()
         setup = f"HF's compiled generate (prefill eager, decode reduce-overhead), {shape}"
         try:
-            timed(setup, lambda m: generate(m, cache_implementation="static"), True)
+            with _graphs_for(models):
+                timed(setup, lambda m: generate(m, cache_implementation="static"), True)
+            _refuse_eager(rows)
         except Exception as e:  # noqa: BLE001 - a row that fails is reported, the others still run
             rows.append({"setup": setup, "error": f"{type(e).__name__}: {e}"[:300]})
     return rows
+
+
+def _graphs_for(models: dict[str, Any]) -> Any:
+    """Room in Dynamo's cache for every variant's graphs. The variants' ``forward`` is one code object
+    to Dynamo, which keeps ``recompile_limit`` (8) graphs a code object and runs the calls past them
+    eager: the four variants' prefill and decode graphs filled it, and ``--attention``'s fifth variant
+    was timed eager in the compiled row (0 graphs compiled; seen on the CPU, 2026-12-07)."""
+    return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 4 * len(models)))
+
+
+def _refuse_eager(rows: list[dict]) -> None:
+    """The last row, a compiled one, becomes an error row if any variant compiled no graph: its time
+    would be an eager run's under a compiled row's name."""
+    eager = [name for name, t in rows[-1]["times"].items() if t["graphs_compiled"] == 0]
+    if eager:
+        rows[-1] = {"setup": rows[-1]["setup"], "error": f"compiled no graph for {', '.join(eager)}: their calls ran "
+                                                          f"eager, so the row is not reported"}
 
 
 def ratio_row(got: dict[str, dict], ratios: tuple[tuple[str, str], ...]) -> dict:

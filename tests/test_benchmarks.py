@@ -271,6 +271,40 @@ def test_the_hf_benchmark_quick_qwen3_prologue_gives_the_unpatched_tokens(tmp_pa
     assert "| prologue | 1.000 | 2 / 2 | none |" in (tmp_path / "hf_generate_qwen3.md").read_text()
 
 
+@pytest.mark.slow  # five models compiled with aot_eager on the CPU, and the attention ops' C kernels
+def test_the_hf_benchmark_compiles_every_variant_with_attention(tmp_path):
+    """``--attention`` adds a fifth variant, whose graphs went past Dynamo's cache of eight a code
+    object (the variants share ``forward``'s): the compiled row then timed it eager and said it had
+    compiled 0 graphs. Every variant compiles now; Qwen3's attention variant (prologue and attention
+    patched) calls the prologue, ``AttnFwdOp`` (the prefill) and ``PagedAttnDecodeFwdOp`` (the
+    steps), and gives the unpatched tokens in fp32."""
+    pytest.importorskip("transformers")
+    from benchmarks import hf_generate
+
+    assert hf_generate.main(["--quick", "--model", "qwen3", "--attention", "--rows", "compiled", "--reps", "1",
+                             "--warmup", "0", "--out", str(tmp_path)]) == 0
+    (compiled,) = json.loads((tmp_path / "hf_generate_qwen3_attention.json").read_text())["rows"]
+    assert "error" not in compiled, compiled
+    graphs = {k: t["graphs_compiled"] for k, t in compiled["times"].items()}
+    assert list(graphs) == ["unpatched", "rope", "rope+norm", "prologue", "prologue+attention"]
+    assert min(graphs.values()) >= 1, graphs
+    assert set(compiled["ops"]["prologue+attention"]) == {"AttnPrologueFwdOp", "AttnFwdOp", "PagedAttnDecodeFwdOp"}
+    assert compiled["agreement"]["prologue+attention"]["tokens_equal"] == 1.0, compiled["agreement"]
+    assert "prologue+attention / prologue" in compiled["ratios"]
+
+
+def test_a_compiled_row_with_a_variant_run_eager_is_not_reported():
+    """A variant whose calls compiled no graph (Dynamo ran them eager) turns its compiled row into an
+    error row, which the table prints as failed, never as a time."""
+    from benchmarks import hf_generate
+
+    times = {n: {"graphs_compiled": g} for n, g in (("unpatched", 2), ("attention", 0))}
+    rows = [{"setup": "compiled generate", "times": times}]
+    hf_generate._refuse_eager(rows)
+    assert rows == [{"setup": "compiled generate", "error": "compiled no graph for attention: their calls ran eager, "
+                                                             "so the row is not reported"}]
+
+
 def test_backward_bytes_count_what_each_backward_must_move():
     """RoPE's backward: the output's gradient in, x's out. A norm's also reads x (h with a residual,
     whose gradient is x's own tensor: written once), and the weight and its gradient."""
