@@ -222,6 +222,22 @@ def test_unpatch_restores_the_implementation_and_patch_checks_its_arguments(gen)
     assert not tt.is_patched(phi3)
 
 
+def test_patch_builds_every_op_the_layers_ask_for(gen):
+    """The ops are built with the model, from what each attention module holds (heads, head size,
+    scale, window, softcap): built at a first call inside a compiled forward, an op's construction
+    broke the graph there. A forward of each served model asks for no op the patch had not built."""
+    for kind in KINDS:
+        model = _model(kind, gen)
+        _patch(model)
+        try:
+            built = list(tt.report(model)["attention"])
+            with torch.no_grad():
+                model(torch.randint(3, 128, (1, 12), generator=gen))
+            assert tt.report(model)["attention"] == built and built, (kind, built)
+        finally:
+            tt.unpatch(model)
+
+
 def test_compiled_forward_has_no_graph_break(gen):
     """``model.forward`` compiled whole (``fullgraph=True``: a graph break is an error) through the
     op, equal to the eager patched model."""

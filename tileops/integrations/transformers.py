@@ -519,9 +519,10 @@ def report(model: torch.nn.Module) -> dict[str, Any]:
         modules (a class name holding ``Norm``) by class name, which stay transformers';
         ``prologue``: the attention prologue ops (empty without ``prologue=True``);
         ``prologue_fallbacks``: why attention calls ran unfused so far (each kind once);
-        ``attention``: the attention ops built so far (``attention=True``); ``attention_fallbacks``:
-        why attention calls ran transformers' attention so far (each kind once); ``decode``: the
-        decode ops built so far (``prologue=True, attention=True``: a static cache's decode steps).
+        ``attention``: the attention ops (``attention=True``: those built with the model, and any
+        other a call asked for); ``attention_fallbacks``: why attention calls ran transformers'
+        attention so far (each kind once); ``decode``: the decode ops (``prologue=True,
+        attention=True``: a static cache's decode steps; built with the model).
 
     Raises:
         ValueError: ``model`` is not patched.

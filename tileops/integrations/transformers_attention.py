@@ -83,7 +83,9 @@ class AttentionState:
             d = getattr(m, "head_dim", None)
             if d not in HEAD_DIMS or hq % hkv:
                 continue  # such calls are refused or fall back; nothing to build ahead
-            self.op(*op_key(m, hq, hkv, d, getattr(m, "scaling", None), getattr(m, "sliding_window", None),
+            # (Mistral passes its config's window; Qwen2/3 and Gemma their module's, None on full layers)
+            window = getattr(m, "sliding_window", getattr(config, "sliding_window", None))
+            self.op(*op_key(m, hq, hkv, d, getattr(m, "scaling", None), window,
                             getattr(m, "attn_logit_softcapping", None)))
 
     def op(self, hq: int, hkv: int, d: int, causal: bool, scale: float, window: int | None,
