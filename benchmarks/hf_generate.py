@@ -262,7 +262,10 @@ class _Recording:
 
         for n in gm.graph.nodes:
             if n.op == "call_function" and str(n.target).startswith("tileops."):
-                self.ops[layout(n.args[0]).name] += 1
+                # a handle Dynamo made a graph input (an int that changed between compiles of one frame:
+                # one op a layer, each layer's frame compiled apart after a graph break) names no op here
+                h = n.args[0]
+                self.ops[layout(h).name if isinstance(h, int) else "(an op whose handle is a graph input)"] += 1
         return self.compile(gm, example_inputs)
 
 
