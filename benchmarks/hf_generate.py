@@ -451,10 +451,11 @@ def markdown(rows: list[dict], info: dict) -> str:
             calls = "; ".join(f"{n}: {', '.join(f'{k} x {v}' for k, v in sorted(r['ops'][n].items())) or 'none'}"
                               for n in names)
             lines += ["", f"tileops ops in the graphs of {r['setup']} (calls, all graphs together): {calls}."]
-    lines += ["", f"Tokens against unpatched (greedy, {s['batch']} x {s['new']} new tokens, the last timed run; "
-                  f"step 1: the logits after the prefill):", "",
-              "| setup | variant | tokens equal | rows all equal | first differing step | step-1 logits max abs diff "
-              "(unpatched max abs) |", "|---|---|---:|---:|---:|---:|"]
+    if any("agreement" in r for r in rows):  # (a training row alone compares no tokens)
+        lines += ["", f"Tokens against unpatched (greedy, {s['batch']} x {s['new']} new tokens, the last timed run; "
+                      f"step 1: the logits after the prefill):", "",
+                  "| setup | variant | tokens equal | rows all equal | first differing step | step-1 logits max abs "
+                  "diff (unpatched max abs) |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         for name, a in r.get("agreement", {}).items():
             lines.append(f"| {r['setup']} | {name} | {a['tokens_equal']:.3f} | {a['rows_equal']} / {a['rows']} | "
