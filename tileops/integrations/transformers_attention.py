@@ -75,7 +75,8 @@ class AttentionState:
         (its config's heads, its head size, scale, window and softcap, as the forwards of
         :data:`ATTENTION_MODEL_TYPES` pass them). Built at the first call inside a compiled forward,
         an op's construction (it reads its manifest) broke the graph there. A call that asks for
-        another op (arguments a module does not hold) still gets it built then."""
+        another op (arguments a module does not hold) still gets it built then; an op built here that
+        no call asks for stays unused."""
         for m in modules:
             config = getattr(m.config, "text_config", None) or m.config
             hq = config.num_attention_heads
@@ -200,10 +201,11 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int
 class FilledSlots:
     """What the mask function returns for a static cache with nothing padded: each row's keys are its
     first ``count`` cache slots, ``count`` a device counter (the layer's). Read on the host there, it
-    synchronised every step, and under ``torch.compile`` broke the graph at every decode step (a
-    tiny Qwen3 patched with ``prologue=True, attention=True`` compiled 25 graphs for 8 new tokens,
-    the unpatched model 2), though the prologue's paged decode reads the counter on the device and
-    needs no mask. So the read waits for a path that needs the mask spelled out (:meth:`mask`)."""
+    synchronised every step, and under ``torch.compile`` broke the graph at every decode step (with
+    the ops then built inside the trace too, a tiny two-layer Qwen3 patched with ``prologue=True,
+    attention=True`` ran 15 graphs a step, the unpatched model 1), though the prologue's paged decode
+    reads the counter on the device and needs no mask. So the read waits for a path that needs the
+    mask spelled out (:meth:`mask`)."""
 
     #: transformers hands the mask back to the mask function as a 2-D padding mask (``generate`` builds
     #: it ahead for a compileable cache, the model's forward from it again), after ``.to(device, bool)``

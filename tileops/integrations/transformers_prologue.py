@@ -21,11 +21,12 @@ What a patched attention layer does, per call (read from those classes' ``forwar
    which :class:`tileops.attention.PagedAttnDecodeFwdOp` serves from the cache the op just wrote
    (``_decode``): block table ``[[0], [1], ...]`` (a sequence's block is its row of the static
    layer), lengths the layer's ``cumulative_length``, read on the device: nothing of the step is read
-   back, so a compiled step is one graph. Where a token of the batch is padding (the 2-D mask the
-   attention patch passes holds a False: the op takes no per-sequence start; reading it is a host
-   read), the head size is not one the op
-   takes, or the op's CUDA kernels are refused (``decode_builtin.cuda_enabled``), the step runs the
-   attention as above.
+   back, so a compiled step is one graph (where transformers' ``generate`` drops an all-ones mask, as
+   5.25 does; 5.17 hands it to every step, and reading it is the check for padding). Where a token of
+   the batch is padding (the 2-D mask the attention patch passes holds a False: the op takes no
+   per-sequence start; reading it is a host read), the head size is not one the op takes, or the
+   op's CUDA kernels are refused (``decode_builtin.cuda_enabled``), the step runs the attention as
+   above.
 
 The static cache as the op sees it. A ``StaticLayer`` holds ``keys``/``values`` of shape
 ``[batch, Hkv, max_cache_len, head_dim]``: the op's ``"HND"`` layout with one block per sequence
@@ -255,7 +256,7 @@ def decode_op(layer: PrologueLayer, head_dim: int) -> Any:
     """The layer's :class:`tileops.attention.PagedAttnDecodeFwdOp`, built at its first use. ``patch``
     builds it with the model (``attention=True``): built at the first decode step inside a compiled
     forward, its construction (which reads the op's manifest) broke the graph, and each layer's frame
-    then compiled apart, one recompile a layer index (a tiny Qwen3: 22 graphs for 8 new tokens)."""
+    then compiled apart, recompiled once a layer index (Dynamo specialises on ``layer_idx``)."""
     from ..attention import PagedAttnDecodeFwdOp
 
     if layer.decode is None:
