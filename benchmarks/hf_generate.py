@@ -146,7 +146,7 @@ class Model:
     variants: tuple[str, ...]  #: names in :data:`VARIANTS`, ``unpatched`` first
     ratios: tuple[tuple[str, str], ...]  #: (numerator, denominator) per ratio column
     eager_cache: str  #: the cache of the eager generate row: "dynamic" or "static"
-    attention: str  #: the variant ``--attention`` adds, set beside the one it differs from by attention alone
+    attention: tuple[str, str]  #: the variant ``--attention`` adds, and the one it differs from by attention alone
     reps: int  #: default timed runs (``--quick``: 2)
     warmup: int  #: default warm-up runs
 
@@ -156,12 +156,12 @@ MODELS = {
                    size=dict(layers=8, hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816, vocab=32000),
                    variants=("unpatched", "rope", "rope+norm"),
                    ratios=(("rope", "unpatched"), ("rope+norm", "unpatched"), ("rope+norm", "rope")),
-                   eager_cache="dynamic", attention="attention", reps=10, warmup=2),
+                   eager_cache="dynamic", attention=("attention", "rope+norm"), reps=10, warmup=2),
     "qwen3": Model(config="Qwen3Config", causal_lm="Qwen3ForCausalLM",
                    size=dict(layers=8, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=32000),
                    variants=("unpatched", "rope", "rope+norm", "prologue"),
                    ratios=(("rope+norm", "unpatched"), ("prologue", "unpatched"), ("prologue", "rope+norm")),
-                   eager_cache="static", attention="prologue+attention", reps=5, warmup=1),
+                   eager_cache="static", attention=("prologue+attention", "prologue"), reps=5, warmup=1),
 }
 
 
@@ -174,7 +174,7 @@ def model_spec(model: str, attention: bool = False) -> Model:
     spec = MODELS[model]
     if not attention:
         return spec
-    ours, base = spec.attention, "prologue" if spec.attention == "prologue+attention" else "rope+norm"
+    ours, base = spec.attention
     return dataclasses.replace(spec, variants=(*spec.variants, ours),
                                ratios=(*spec.ratios, (ours, "unpatched"), (ours, base)))
 

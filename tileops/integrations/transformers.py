@@ -48,7 +48,7 @@ from ..rope.hf import from_hf_config
 from .transformers_norm import RMSNORM_CLASSES, NormOps, left_alone, norm_form, routed_forward
 from .transformers_attention import NAME as _ATTN_NAME, STATE_ATTR as _ATTN_ATTR, AttentionState, attention_plan
 from .transformers_attention import register as _register_attention
-from .transformers_prologue import DECODE_HEAD_DIMS as _DECODE_HEAD_DIMS, decode_op, prologue_forward, prologue_plan
+from .transformers_prologue import build_decode_ops, prologue_forward, prologue_plan
 
 __all__ = ["patch", "unpatch", "is_patched", "report", "SERVED_MODEL_TYPES", "RMSNORM_CLASSES"]
 
@@ -365,9 +365,7 @@ def patch(model: torch.nn.Module, *, rope: bool = True, norm: bool = True, prolo
         state.attention = AttentionState(model.config._attn_implementation)
         state.attention_modules = attentions
         state.attention.prepare(attentions)
-        for layer in fused:  # (the decode steps' op, built with the model as the attention ops are)
-            if layer.op.params["head_dim"] in _DECODE_HEAD_DIMS:
-                decode_op(layer, layer.op.params["head_dim"])
+        build_decode_ops(fused)
         for a in attentions:
             object.__setattr__(a, _ATTN_ATTR, state.attention)
         model.set_attn_implementation(_ATTN_NAME)

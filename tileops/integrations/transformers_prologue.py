@@ -266,6 +266,15 @@ def decode_op(layer: PrologueLayer, head_dim: int) -> Any:
     return layer.decode
 
 
+def build_decode_ops(layers: list[PrologueLayer]) -> None:
+    """Each layer's decode op (:func:`decode_op`) where its head size is one the op takes, built with
+    the model (``patch(prologue=True, attention=True)``)."""
+    for layer in layers:
+        d = layer.op.params["head_dim"]
+        if d in DECODE_HEAD_DIMS:
+            decode_op(layer, d)
+
+
 def _decode(layer: PrologueLayer, q: torch.Tensor, static: Any) -> torch.Tensor:
     """``[batch, Hq, D]``: one token a sequence (q, ``[batch, Hq, 1, D]``) against the static layer's
     cache, as one paged cache of ``batch`` blocks of ``max_cache_len`` rows (HND) and lengths the
