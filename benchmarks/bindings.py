@@ -278,13 +278,23 @@ def _cases() -> list:
                 lambda: att(rn(1, 16, 4, 64), rn(1, 16, 2, 64), rn(1, 16, 2, 64)),
                 lambda: att(off((2, 8, 4, 64)), rn(2, 8, 2, 64), rn(2, 8, 2, 64)),
                 lambda: att(rn(2, 8, 4, 72)[..., :64], rn(2, 8, 2, 64), rn(2, 8, 2, 64)),
+                # with the lse (return_lse, or a training call's forward): its plan's second output
+                lambda: att(rn(2, 16, 4, 64), rn(2, 16, 2, 64), rn(2, 16, 2, 64), return_lse=True),
+                lambda: att(
+                    rn(2, 4, 16, 64).transpose(1, 2),
+                    rn(2, 2, 16, 64).transpose(1, 2),
+                    rn(2, 2, 16, 64).transpose(1, 2),
+                    return_lse=True,
+                ),
             ],
         )
     )
     attv = AttnFwdOp(4, 2, 64)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     cases.append(
-        ("attnv", attv, [lambda: attv(rn(12, 4, 64), rn(12, 2, 64), rn(12, 2, 64), cu_seqlens_q=cu, cu_seqlens_k=cu)])
+        ("attnv", attv, [lambda: attv(rn(12, 4, 64), rn(12, 2, 64), rn(12, 2, 64), cu_seqlens_q=cu, cu_seqlens_k=cu),
+                         lambda: attv(rn(12, 4, 64), rn(12, 2, 64), rn(12, 2, 64), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                      return_lse=True)])
     )
 
     return cases

@@ -105,6 +105,10 @@ def test_a_plan_names_what_does_not_fit():
         Plan("bad", inputs=("x",), outputs=(), steps=(Step("k", {"S": Scalar("s")}),))
     with pytest.raises(PlanError, match="dtype 'float7'"):
         Plan("bad", inputs=("x",), outputs=(), workspaces=(Workspace("w", "float7", "1"),), steps=())
+    with pytest.raises(PlanError, match="output y: dtype 'fp32': expected one of float32, "):
+        Plan("bad", inputs=("x",), outputs=(Output("y", like="x", dtype="fp32"),), steps=())
+    with pytest.raises(PlanError, match="output y: dtype 'float32': .*no dtype_of beside it"):
+        Plan("bad", inputs=("x",), outputs=(Output("y", like="x", dtype="float32", dtype_of="x"),), steps=())
     with pytest.raises(PlanError, match=r"error words are 0 \.\. 3, got \{'x': 4\}"):
         Plan("bad", inputs=("x",), outputs=(), checks={"x": 4}, steps=())
     x = torch.zeros(4, 4)

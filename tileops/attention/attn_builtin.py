@@ -8,10 +8,12 @@ contiguous, a stride off the CUDA kernel's 16-byte vectors, or (CUDA) a pointer 
 first (an output written through a buffer and copied back: the plan's fit policy, declared with the
 dims of its tensors, :data:`DIMS`, which the runtime applies).
 
-``return_lse`` (:meth:`AttnKernels.forward` with ``lse``) binds the lse tensor's address as a value
-for that one call (``keep``), so the runtime's cached bindings (the fast path, which the native
-runtime serves without Python) never write one. Varlen calls check ``cu_seqlens_q``/``cu_seqlens_k``
-on the device: error words 0 and 1 of the plan (:mod:`tileops.kernels.report`).
+A call that wants the lse (``return_lse``, or a gradient to come) runs :data:`FORWARD_LSE`, whose
+second output is the lse: a new fp32 tensor a call, so its binding is cached per signature as the
+plain forward's is (it was bound for each such call once, with the lse's address as a value: every
+training step's forward paid a whole binding on the host). Varlen calls check
+``cu_seqlens_q``/``cu_seqlens_k`` on the device: error words 0 and 1 of the plan
+(:mod:`tileops.kernels.report`).
 
 Gradients (the manifest's ``backward``): a call whose q, k or v requires grad gets a per-call state
 from :meth:`AttnKernels.prepare` (a dict), into which the forward writes the lse it computes for that
@@ -88,17 +90,22 @@ def _bsh(tensor: str, prefix: str, elements: bool = False) -> dict:
 #: that 2^30 does not (sequences hold fewer than 2^31 tokens)
 _MAX_WINDOW = 2**30
 
-#: The forward: out (and, with ``lse_ptr``, the lse) from q, k, v; varlen calls check their offsets
-#: (error word 0 for cu_seqlens_q, 1 for cu_seqlens_k)
-FORWARD = Plan("attention forward", inputs=("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
-               outputs=(Output("out", like="q"),),
-               steps=(Step("fwd", {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "O": Ptr("out"),
-                                   "LSE": Value("lse_ptr"), "CUQ": Ptr("cu_seqlens_q"), "CUK": Ptr("cu_seqlens_k"),
-                                   "ERR": ErrorWord(), "tag": Tag(), "nb": Size("q", "b"), "sq": Size("q", "s"),
-                                   "sk": Size("k", "s"), **_bsh("q", "q", True), **_bsh("k", "k", True),
-                                   **_bsh("v", "v", True), **_bsh("out", "o", True),
-                                   **{a: Value(a) for a in _VALUES}}),),
-               checks={"cu_seqlens_q": 0, "cu_seqlens_k": 1}, dims=DIMS)
+_INPUTS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+_FWD_ARGS = {"Q": Ptr("q"), "K": Ptr("k"), "V": Ptr("v"), "O": Ptr("out"), "CUQ": Ptr("cu_seqlens_q"),
+             "CUK": Ptr("cu_seqlens_k"), "ERR": ErrorWord(), "tag": Tag(), "nb": Size("q", "b"), "sq": Size("q", "s"),
+             "sk": Size("k", "s"), **_bsh("q", "q", True), **_bsh("k", "k", True), **_bsh("v", "v", True),
+             **_bsh("out", "o", True), **{a: Value(a) for a in _VALUES}}
+#: The forward: out from q, k, v (``has_lse`` 0: the kernel writes no lse); varlen calls check their
+#: offsets (error word 0 for cu_seqlens_q, 1 for cu_seqlens_k)
+FORWARD = Plan("attention forward", inputs=_INPUTS, outputs=(Output("out", like="q"),),
+               steps=(Step("fwd", _FWD_ARGS),), checks={"cu_seqlens_q": 0, "cu_seqlens_k": 1}, dims=DIMS)
+#: The forward with the lse (``has_lse`` 1), per q's rank: a new fp32 ``[B, Hq, Sq]`` (varlen ``[Hq, T]``),
+#: C-contiguous, the ``lsb``/``lsh`` strides :meth:`AttnKernels._env` passes
+FORWARD_LSE = {rank: Plan(f"attention forward with the lse ({rank}-D q)", inputs=_INPUTS,
+                          outputs=(Output("out", like="q"), Output("lse", like="q", shape=shape, dtype="float32")),
+                          steps=(Step("fwd", {**_FWD_ARGS, "LSE": Ptr("lse")}),),
+                          checks={"cu_seqlens_q": 0, "cu_seqlens_k": 1}, dims=DIMS)
+               for rank, shape in ((4, ("q_b", "q_h", "q_s")), (3, ("q_h", "q_s")))}
 
 
 #: the values every gradient program takes: the sizes (``Sq``/``Sk`` the dense lengths, varlen the
@@ -226,8 +233,8 @@ class AttnKernels:
         self._bwd_kernels: dict[str, Any] | None = None  # compiled at the first backward
         self._bwd_spec_list: list[Any] | None = None
 
-    def _env(self, t: dict, lse: torch.Tensor | None) -> dict[str, int]:
-        """The forward's values besides its tensors' sizes and strides."""
+    def _env(self, t: dict, lse: bool) -> dict[str, int]:
+        """The forward's values besides its tensors' sizes and strides (``lse``: whether it writes one)."""
         q, hq = t["q"], self.spec.hq
         if self.varlen:
             batch, sq = t["cu_seqlens_q"].shape[0] - 1, q.shape[0]
@@ -237,9 +244,8 @@ class AttnKernels:
             batch, sq = q.shape[0], q.shape[1]
             tiles = -(-sq // self.spec.rows_per_tile)
             lsb, lsh = hq * sq, sq
-        return {"batch": batch, "tiles": tiles, "lsb": lsb, "lsh": lsh, "has_lse": int(lse is not None),
-                "lse_ptr": 0 if lse is None else lse.data_ptr(), "scale_bits": self.scale_bits,
-                "cap_bits": self.cap_bits, "window": self.window}
+        return {"batch": batch, "tiles": tiles, "lsb": lsb, "lsh": lsh, "has_lse": int(lse),
+                "scale_bits": self.scale_bits, "cap_bits": self.cap_bits, "window": self.window}
 
     def _empty(self, t: dict) -> bool:
         """Whether the call launches nothing: no query rows, or (the CUDA kernel's TMA descriptors
@@ -264,28 +270,31 @@ class AttnKernels:
         q = tensors["q"]
         out = outs.get("out")
         out = self.op._new_output("out", tensors) if out is None else out
-        lse_t = None
-        if lse or state is not None:
-            shape = (q.shape[0], self.spec.hq, q.shape[1]) if q.dim() == 4 else (self.spec.hq, q.shape[0])
-            lse_t = torch.empty(shape, dtype=torch.float32, device=q.device)
-        if state is not None:
-            state["lse"] = lse_t
+        want = lse or state is not None
         if self._empty(tensors):
             out.zero_()
-            if lse_t is not None:
-                lse_t.fill_(-math.inf)
-            return (out, lse_t) if lse else out
-        placed = FORWARD.place(tensors, {"out": out}, self.unit)
-        launch, writes = placed.inputs, placed.writes
-        # bound once a signature; with the lse, for this call alone (the lse's address is its own)
-        key = ("forward", *FORWARD.key(launch, writes)) if lse_t is None else None
-        self.op.run_plan(self, key, lambda: self._bind(launch, writes, {}, lse_t), launch, writes)
-        placed.copy_back()
+            lse_t = None
+            if want:
+                shape = (q.shape[0], self.spec.hq, q.shape[1]) if q.dim() == 4 else (self.spec.hq, q.shape[0])
+                lse_t = torch.full(shape, -math.inf, dtype=torch.float32, device=q.device)
+        else:
+            plan = FORWARD_LSE[q.dim()] if want else FORWARD
+            placed = plan.place(tensors, {"out": out}, self.unit)
+            launch, writes = placed.inputs, placed.writes
+            # bound once a signature, the lse's too (a new tensor a call, which the plan makes)
+            got = self.op.run_plan(self, (plan.name, *plan.key(launch, writes)),
+                                   lambda: self._bind(plan, launch, writes, {}), launch, writes)
+            if got is NotImplemented:  # (place fitted the call's views and pointers: nothing to fit here)
+                raise RuntimeError(f"{self.op.name}: the forward's binding refused a call its plan had placed")
+            lse_t = got[1] if want else None  # (out, lse): out as written, the lse new
+            placed.copy_back()
+        if state is not None:
+            state["lse"] = lse_t
         return (out, lse_t) if lse else out
 
-    def _bind(self, tensors: dict, outs: dict, views: dict, lse: torch.Tensor | None) -> Binding:
-        return FORWARD.bind({"fwd": self.kernel}, tensors, outs, env=self._env(tensors, lse), views=views,
-                            keep=() if lse is None else (lse,), unit=self.unit)
+    def _bind(self, plan: Plan, tensors: dict, outs: dict, views: dict) -> Binding:
+        return plan.bind({"fwd": self.kernel}, tensors, outs, env=self._env(tensors, plan is not FORWARD),
+                         views=views, unit=self.unit)
 
     def binding(self, tensors: dict, outs: dict) -> Binding | None:
         """The binding of every later call shaped like this one (without lse), or None where the call
@@ -294,7 +303,7 @@ class AttnKernels:
         view = out if out is not None else self.op._new_output("out", tensors)
         if self._empty(tensors) or isinstance(FORWARD.layout({**tensors, "out": view}, self.unit), Misfit):
             return None
-        return self._bind(tensors, {"out": out}, {"out": view}, None)
+        return self._bind(FORWARD, tensors, {"out": out}, {"out": view})
 
     # ------------------------------------------------------------------------------ backward
     def backward(self, state: dict | None, grads: tuple, tensors: dict) -> tuple:

@@ -132,12 +132,13 @@ def strides(tensor: str, prefix: str, dims: str, elements: bool = False) -> dict
 class Output:
     """An output of the call: a new tensor unless given, laid out like input ``like`` (absent with
     it), or of a shape of its own (``shape``: expressions, C-contiguous); in the dtype of input
-    ``dtype_of`` when it is not ``like``'s."""
+    ``dtype_of`` when it is not ``like``'s, or in ``dtype`` (a name: ``"float32"``) whatever the inputs'."""
 
     name: str
     like: str
     shape: tuple[str, ...] | None = None
     dtype_of: str | None = None
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,9 @@ class Plan:
             for n in (o.like, o.dtype_of):
                 if n is not None and n not in self.inputs:
                     raise PlanError(f"plan {self.name!r}: output {o.name}: {n!r} is not an input")
+            if o.dtype is not None and (o.dtype_of is not None or o.dtype not in _ELEMENT):
+                raise PlanError(f"plan {self.name!r}: output {o.name}: dtype {o.dtype!r}: expected one of "
+                                f"{', '.join(_ELEMENT)}, and no dtype_of beside it")
         for w in self.workspaces:
             if w.when is not None and w.when not in self.inputs:
                 raise PlanError(f"plan {self.name!r}: workspace {w.name}: when {w.when!r} is not an input")
@@ -284,7 +288,8 @@ class Plan:
             src, dst = tensors.get(o.like), outs.get(o.name)
             mode = ABSENT if src is None else NEW if dst is None else IN_PLACE if dst is src else GIVEN
             modes.append(mode)
-            dtype = None if o.dtype_of is None or tensors.get(o.dtype_of) is None else tensors[o.dtype_of].dtype
+            dtype = (getattr(torch, o.dtype) if o.dtype is not None
+                     else None if o.dtype_of is None or tensors.get(o.dtype_of) is None else tensors[o.dtype_of].dtype)
             dtypes.append(None if mode != NEW or dtype == src.dtype else dtype)
             if mode != NEW:
                 strides.append(())
