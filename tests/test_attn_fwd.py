@@ -258,22 +258,28 @@ def test_out_given_with_strides_and_no_lse():
     assert bool(((got.double() - ref["out"]).abs() <= 1e-4 * ref["scale"] + 1e-30).all())
 
 
+def _plans_calling(monkeypatch, method: str) -> list[str]:
+    """The names of the plans whose ``method`` (``Plan.bind``, ``Plan.place``) is called from now on, in order."""
+    from tileops.runtime.plan import Plan
+
+    names: list[str] = []
+    real = getattr(Plan, method)
+
+    def counting(plan, *a, **kw):
+        names.append(plan.name)
+        return real(plan, *a, **kw)
+
+    monkeypatch.setattr(Plan, method, counting)
+    return names
+
+
 def test_a_forward_with_its_lse_binds_once_a_signature(monkeypatch):
     """A call that keeps its lse (a training step's forward, or ``return_lse``) is bound once a
     signature, as a plain call is: its lse is the plan's second output, a new tensor a call. It was
     bound anew at every such call, with the lse's address as a value: the host's whole binding in
     every training step's forward (on an H100, 4 x 2048 at head_dim 64, the forward's 124 us kernel
     took 267-468 us a call with gradients on, timed between CUDA events)."""
-    from tileops.runtime.plan import Plan
-
-    bound: list[str] = []
-    real = Plan.bind
-
-    def counting(plan, *a, **kw):
-        bound.append(plan.name)
-        return real(plan, *a, **kw)
-
-    monkeypatch.setattr(Plan, "bind", counting)
+    bound = _plans_calling(monkeypatch, "bind")
     op = AttnFwdOp(4, 2, 64, causal=True)
     q, k, v = _inputs(31, (2, 9, 4, 64), (2, 9, 2, 64))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -293,16 +299,7 @@ def test_a_view_placed_first_on_the_lse_path_every_call(monkeypatch):
     """A forward that keeps its lse tries its binding where the views lie, as the backward does, and
     places (copies) only a view its kernel cannot address. It placed every call's views in Python
     first: half a training forward's host time (138-182 -> 68-84 us a call on a 2-core CPU)."""
-    from tileops.runtime.plan import Plan
-
-    placed: list[str] = []
-    real = Plan.place
-
-    def counting(plan, *a, **kw):
-        placed.append(plan.name)
-        return real(plan, *a, **kw)
-
-    monkeypatch.setattr(Plan, "place", counting)
+    placed = _plans_calling(monkeypatch, "place")
     op = AttnFwdOp(4, 2, 64, causal=True)
     g = torch.Generator().manual_seed(23)
     qh, kh, vh = (torch.randn(2, h, 7, 64, generator=g) for h in (4, 2, 2))
