@@ -282,8 +282,9 @@ class AttnKernels:
             writes = {"out": out}
             # bound once a signature, the lse's too (a new tensor a call, which the plan makes). The
             # views are tried where they lie first, as the backward's are: placing them in Python at
-            # every call cost a training forward about half its host time (138-182 -> 68-84 us a call
-            # on a 2-core CPU: tests/test_attn_fwd.py, test_a_view_placed_first_on_the_lse_path_every_call)
+            # every call cost a training forward about half its host time (on a 2-core CPU, HF's views
+            # of a tiny shape: 170-229 -> 96-120 us a call; tests/test_attn_fwd.py,
+            # test_a_view_placed_first_on_the_lse_path_every_call)
             got = self.op.run_plan(self, (plan.name, *plan.key(tensors, writes)),
                                    lambda: self._bind_where_they_lie(plan, tensors, writes), tensors, writes)
             if got is NotImplemented:  # a view or a pointer the kernel cannot address: the plan's fit policy
