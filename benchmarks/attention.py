@@ -55,6 +55,8 @@ ROWS: dict[str, tuple] = {
     "16x1k-causal": (16, 1024, 32, 8, 128, True, None),
     "mha-16k": (1, 16384, 32, 32, 128, False, None),
     "4x4k-causal-d64": (4, 4096, 32, 8, 64, True, None),
+    # the HF Llama training step of benchmarks.hf_generate (16 q / 4 kv heads of 64)
+    "llama-4x2k-causal-d64": (4, 2048, 16, 4, 64, True, None),
     "4x4k-causal-d256": (4, 4096, 32, 8, 256, True, None),
     "varlen-causal": (0, 0, 32, 8, 128, True, [8192, 3000, 2048, 1500, 1024, 700, 256, 100]),
 }

@@ -6,9 +6,12 @@ backward, on the H200.
     python -m benchmarks.attention_bwd --configs "default,every thread"   # some of them, side by side
     python -m benchmarks.attention_bwd --rows 0 --configs --quick   # one row, fewer samples
     python -m benchmarks.attention_bwd --dry            # anywhere: rows, configs and their specs
+    python -m benchmarks.attention_bwd --rows 4 --heads 16/4 --head-dim 64 --configs "default,d64 dq kv128"
+                                                        # HF Llama's training shape (8 layers of 16/4 heads of 64)
 
 Rows (issue 36's table): GQA 32 q / 8 kv heads, head_dim 128, bf16: 1 x 16384 not causal and causal,
-4 x 4096 causal, 16 x 1024 causal. TFLOP/s counts 2.5 x the forward's ``4 * Sq * Sk * D * Hq``
+4 x 4096 causal, 16 x 1024 causal (the default rows); row 4, 4 x 2048 causal, is the HF Llama training step
+of ``benchmarks.hf_generate`` with ``--heads 16/4 --head-dim 64``. TFLOP/s counts 2.5 x the forward's ``4 * Sq * Sk * D * Hq``
 (halved when causal), the issue's convention; ``%`` is of the H200's dense bf16 peak, 989 TFLOP/s.
 
 Ours is delta + dk/dv + dq launched back to back (the three kernels' own times are given too), from
@@ -37,7 +40,10 @@ from tileops.kernels import get_spec
 PEAK = 989.0
 #: (label, batch, seq, causal)
 ROWS = [("1 x 16384", 1, 16384, False), ("1 x 16384 causal", 1, 16384, True), ("4 x 4096 causal", 4, 4096, True),
-        ("16 x 1024 causal", 16, 1024, True)]
+        ("16 x 1024 causal", 16, 1024, True), ("4 x 2048 causal", 4, 2048, True)]
+#: the rows run without ``--rows``: the issue's four
+DEFAULT_ROWS = 4
+#: q heads, kv heads, head_dim (``--heads``, ``--head-dim``)
 HQ, HKV, D = 32, 8, 128
 #: config -> spec fields over the defaults ("default": the H200 defaults of ``kernels/attention_bwd.py``)
 CONFIGS = {
@@ -51,6 +57,21 @@ CONFIGS = {
     "every thread dq q64 kv64 t128": dict(loads=1, dq_block_q=64, dq_threads=128),
     "every thread dq kv128": dict(loads=1, dq_block_kv=128),
     "every thread dkdv t128 dq t128": dict(loads=1, dkdv_threads=128, dq_threads=128),
+    # head_dim 64 (--head-dim 64): a wider dq K/V step (the H100's 9% on dq at the Llama shape, the thirtieth
+    # session), a wider dk/dv q step, and FlashAttention-3's 192-row tiles over three consumer warpgroups
+    "d64 before": dict(dkdv_block_q=64, dq_block_kv=64),  # D 64's defaults until the thirty-second session
+    "d64 dq kv128": dict(dq_block_kv=128),
+    "d64 dkdv q128": dict(dkdv_block_q=128),
+    "d64 dkdv kv192 t384": dict(dkdv_block_kv=192, dkdv_threads=384),
+    "d64 dkdv kv192 t384 dq kv128": dict(dkdv_block_kv=192, dkdv_threads=384, dq_block_kv=128),
+    "d64 dq q192 t384 kv128": dict(dq_block_q=192, dq_threads=384, dq_block_kv=128),
+    "d64 dkdv kv64 t128": dict(dkdv_block_kv=64, dkdv_threads=128),
+    "d64 3 stages dq kv128": dict(stages=3, dq_block_kv=128),
+    "d64 dkdv q128 dq kv128": dict(dkdv_block_q=128, dq_block_kv=128),
+    "d64 dkdv kv192 q128 t384 dq kv128": dict(dkdv_block_kv=192, dkdv_block_q=128, dkdv_threads=384,
+                                              dq_block_kv=128),
+    "d64 dkdv q128 dq kv128 3 stages": dict(dkdv_block_q=128, dq_block_kv=128, stages=3),
+    "d64 dkdv kv64 q128 t128 dq kv128": dict(dkdv_block_kv=64, dkdv_block_q=128, dkdv_threads=128, dq_block_kv=128),
 }
 
 
@@ -179,6 +200,7 @@ def time_us(fn, quick: bool) -> float:
 
 
 def main() -> int:
+    global HQ, HKV, D
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", nargs="?", const="all", default="",
                     help="sweep CONFIGS, not only the default (or NAME,NAME: those of them)")
@@ -186,8 +208,17 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer samples")
     ap.add_argument("--dry", action="store_true", help="print the rows, configs and specs; no GPU")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: one per CPU)")
+    ap.add_argument("--heads", default=f"{HQ}/{HKV}", help=f"q heads / kv heads (default {HQ}/{HKV})")
+    ap.add_argument("--head-dim", type=int, default=D, help=f"head_dim (default {D})")
     a = ap.parse_args()
-    rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS
+    try:
+        HQ, HKV = (int(x) for x in a.heads.split("/"))
+    except ValueError:
+        ap.error(f"--heads: expected Q/KV, two ints, got {a.heads!r}")
+    if HQ % HKV:
+        ap.error(f"--heads: q heads ({HQ}) must be a multiple of kv heads ({HKV})")
+    D = a.head_dim
+    rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS[:DEFAULT_ROWS]
     if a.configs and a.configs != "all":
         names = [n.strip() for n in a.configs.split(",")]
         unknown = [n for n in names if n not in CONFIGS]
