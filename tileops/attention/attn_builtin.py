@@ -285,20 +285,29 @@ class AttnKernels:
             # every call cost a training forward about half its host time (on a 2-core CPU, HF's views
             # of a tiny shape: 170-229 -> 96-120 us a call; tests/test_attn_fwd.py,
             # test_a_view_placed_first_on_the_lse_path_every_call)
-            got = self.op.run_plan(self, (plan.name, *plan.key(tensors, writes)),
-                                   lambda: self._bind_where_they_lie(plan, tensors, writes), tensors, writes)
-            if got is NotImplemented:  # a view or a pointer the kernel cannot address: the plan's fit policy
-                placed = plan.place(tensors, writes, self.unit)
-                launch, fitted = placed.inputs, placed.writes
-                got = self.op.run_plan(self, (plan.name, *plan.key(launch, fitted)),
-                                       lambda: self._bind(plan, launch, fitted, {}), launch, fitted)
-                if got is NotImplemented:  # (place fitted the call's views and pointers: nothing to fit here)
-                    raise RuntimeError(f"{self.op.name}: the forward's binding refused a call its plan had placed")
-                placed.copy_back()
+            got = self._run(plan, plan.name, tensors, writes,
+                            lambda t, w: self._bind_where_they_lie(plan, t, w))
             lse_t = got[1] if want else None  # (out, lse): out as written, the lse new
         if state is not None:
             state["lse"] = lse_t
         return (out, lse_t) if lse else out
+
+    def _run(self, plan: Plan, name: str, tensors: dict, writes: dict, bind: Any) -> Any:
+        """Run ``plan`` (its bindings cached by ``name`` and signature) on the call's tensors as they lie,
+        or, where ``bind(tensors, writes)`` refuses them (None: a view no kernel addresses, or a pointer
+        off the alignment), on the copies its fit policy makes (:meth:`Plan.place`), whose writes are
+        copied back. The forward and the backward both run so."""
+        got = self.op.run_plan(self, (name, *plan.key(tensors, writes)), lambda: bind(tensors, writes), tensors,
+                               writes)
+        if got is not NotImplemented:
+            return got
+        placed = plan.place(tensors, writes, self.unit)
+        launch, fitted = placed.inputs, placed.writes
+        got = self.op.run_plan(self, (name, *plan.key(launch, fitted)), lambda: bind(launch, fitted), launch, fitted)
+        if got is NotImplemented:  # (place fitted the call's views and pointers: nothing is left to fit)
+            raise RuntimeError(f"{self.op.name}: the {name} plan's binding refused a call its plan had placed")
+        placed.copy_back()
+        return got
 
     def _bind_where_they_lie(self, plan: Plan, tensors: dict, outs: dict) -> Binding | None:
         """``plan`` bound for the call's tensors as they lie, or None where a view is not one the kernel
@@ -341,15 +350,9 @@ class AttnKernels:
             launch.update(cu_seqlens_q=_monotone(tensors["cu_seqlens_q"], q.shape[0]),
                           cu_seqlens_k=_monotone(tensors["cu_seqlens_k"], k.shape[0]))
         plan = self._bwd_plan()
-        got = self.op.run_plan(self, ("backward", *plan.key(launch, {})),
-                               lambda: self._backward_binding(launch), launch, {})
-        if got is not NotImplemented:
-            return got
         # a view the kernels cannot address where it lies (a stride off 8 elements on CUDA, a last dim
-        # not contiguous: an expanded dO of out.sum()): a dense copy; the new gradients are dense then
-        fitted = plan.place(launch, {}, self.unit).inputs  # (the copies' signature: bound once too)
-        return self.op.run_plan(self, ("backward", *plan.key(fitted, {})),
-                                lambda: self._backward_binding(fitted), fitted, {})
+        # not contiguous: an expanded dO of out.sum()) runs on dense copies; the new gradients are dense then
+        return self._run(plan, "backward", launch, {}, lambda t, w: self._backward_binding(t))
 
     def _refuse_backward(self) -> None:
         """A CUDA call whose gradient will be taken, before any kernel runs, unless :func:`cuda_enabled`."""
