@@ -11,8 +11,9 @@ backward, on the H200.
 
 Rows (issue 36's table): GQA 32 q / 8 kv heads, head_dim 128, bf16: 1 x 16384 not causal and causal,
 4 x 4096 causal, 16 x 1024 causal (the default rows); row 4, 4 x 2048 causal, is the HF Llama training step
-of ``benchmarks.hf_generate`` with ``--heads 16/4 --head-dim 64``. TFLOP/s counts 2.5 x the forward's ``4 * Sq * Sk * D * Hq``
-(halved when causal), the issue's convention; ``%`` is of the H200's dense bf16 peak, 989 TFLOP/s.
+of ``benchmarks.hf_generate`` with ``--heads 16/4 --head-dim 64``. TFLOP/s counts 2.5 x the forward's
+``4 * Sq * Sk * D * Hq`` (halved when causal), the issue's convention; ``%`` is of the H200's dense bf16
+peak, 989 TFLOP/s.
 
 Ours is delta + dk/dv + dq launched back to back (the three kernels' own times are given too), from
 the o and lse of SDPA's flash forward (``aten._scaled_dot_product_flash_attention``, whose lse is
