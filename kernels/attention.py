@@ -121,7 +121,11 @@ PINGPONG_HEAD_DIMS = frozenset({128})
 #: warpgroup: 240 registers, no spill, in the sm_90a build here). Starting points, not measured optima
 #: (no GPU here): ``python -m benchmarks.attention --configs`` sweeps them on the H200.
 DEFAULT_TILES = {
-    64: (128, 128, 2, 256),
+    # D 64: FlashAttention-3's tile, 192 rows over three consumer warpgroups and 192-key tiles: on an
+    # H100 (bf16, causal, benchmarks.attention --configs, benchmarks/NOTES.md, thirty-second session)
+    # 1.08x 128 x 128 at 4 x 4096 GQA 32/8 (393 vs 365 TFLOP/s; cuDNN 432), even at HF Llama's 4 x 2048
+    # of 16/4 heads (120 us each; 128 x 64, 64 x 128 and 192 x 128 were 5-34% slower there)
+    64: (192, 192, 2, 384),
     80: (128, 64, 2, 256),  # 128 x 128 at D 80: TileLang 0.1.15 "cannot lower a required shared-memory
                             # sync inside a divergent region with 186 participating threads" (seen here)
     96: (128, 128, 2, 256),
