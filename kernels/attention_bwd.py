@@ -129,8 +129,8 @@ _DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 1, 1), 80: (128, 32, 256, 128, 64,
 #: At D 64 both are 128 wide: the dk/dv program's [128, 128] sT and dpT fit beside its 64-wide accumulators,
 #: and the backward went 456 -> 406 us at HF Llama's 4 x 2048 causal (16/4 heads; dk/dv 277 -> 239, dq
 #: 166 -> 151) and 2588 -> 2261 us at 4 x 4096 causal (32/8), side by side on an H100 (benchmarks.attention_bwd
-#: --head-dim 64; the thirty-second session). Three stages, 192 kv rows over 384 threads, and 64 kv rows
-#: over 128 threads were each slower there
+#: --head-dim 64; the thirty-second session). Three stages, 64 kv rows over 128 threads, and (tried before
+#: the tiles were held to powers of two again) 192 kv rows over 384 threads were each slower there
 _TMA_DEFAULTS = {"dkdv_block_q": {64: 128, 96: 64, 128: 64}, "dq_block_kv": {64: 128, 128: 128}}
 #: the C schedule's default tiles: small, so that the CPU tests cross tile edges with short sequences
 _C_DEFAULTS = (16, 16, 1, 16, 16, 1, 1, 1)
@@ -213,10 +213,11 @@ class AttnBwdKernelSpec:
                 raise ValueError(f"{key}: expected an int in [{low}, {high}], got {v!r}")
         for name in ("dkdv_block_kv", "dkdv_block_q", "dq_block_q", "dq_block_kv"):
             v = self.tile(name)
-            # a multiple of the wgmma's K (16) on CUDA: 192-row tiles (three warpgroups) are FlashAttention-3's
-            # at head_dim 64; the tile walks (_q_blocks, _kv_blocks) divide, they never shift
-            if v < 1 or (self.backend == "cuda" and v % 16):
-                raise ValueError(f"{name}: expected a positive int (a multiple of 16 on CUDA), got {v}")
+            # powers of two: a dk/dv q step of 112 rows (a multiple of the wgmma's 16) stopped the H100 with
+            # "misaligned address" while 96 and 192 ran (benchmarks/NOTES.md, the thirty-second session);
+            # every tile measured faster was a power of two
+            if v < 1 or v & (v - 1) or (self.backend == "cuda" and v < 16):
+                raise ValueError(f"{name}: expected a power of two (at least 16 on CUDA), got {v}")
         for name in ("dkdv_threads", "dq_threads"):
             if self.backend == "cuda" and self.tile(name) % 128:
                 raise ValueError(f"{name}: expected a multiple of 128 (a warpgroup), got {self.tile(name)}")

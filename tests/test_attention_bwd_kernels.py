@@ -292,8 +292,9 @@ def test_spec_rejects_bad_fields_by_name():
     for fields, word in [(dict(kind="fwd", head_dim=64), "kind"), (dict(kind="dq", head_dim=72), "head_dim"),
                          (dict(kind="dq", head_dim=64, dtype="float32"), "dtype"),
                          (dict(kind="dq", head_dim=64, causal=1), "causal"),
-                         (dict(kind="dq", head_dim=64, dq_block_q=40), "dq_block_q"),  # (wgmma's K is 16)
-                         (dict(kind="dq", head_dim=64, dq_block_q=0, dq_block_kv=-16), "dq_block_kv"),
+                         (dict(kind="dq", head_dim=64, dq_block_q=48), "dq_block_q"),
+                         # a multiple of 16 that is no power of two: 112 rows stopped the H100 (misaligned)
+                         (dict(kind="dkdv", head_dim=64, dkdv_block_q=112), "dkdv_block_q"),
                          (dict(kind="dq", head_dim=64, dq_threads=96), "dq_threads"),
                          (dict(kind="dq", head_dim=64, stages=5), "stages"),
                          # TileLang 0.1.15's cp.async pipeline at 2+ stages skips its last wait (TMA's does not)
