@@ -121,11 +121,11 @@ PINGPONG_HEAD_DIMS = frozenset({128})
 #: warpgroup: 240 registers, no spill, in the sm_90a build here). Starting points, not measured optima
 #: (no GPU here): ``python -m benchmarks.attention --configs`` sweeps them on the H200.
 DEFAULT_TILES = {
-    # D 64: FlashAttention-3's tile, 192 rows over three consumer warpgroups and 192-key tiles: on an
-    # H100 (bf16, causal, benchmarks.attention --configs, benchmarks/NOTES.md, thirty-second session)
-    # 1.08x 128 x 128 at 4 x 4096 GQA 32/8 (393 vs 365 TFLOP/s; cuDNN 432), even at HF Llama's 4 x 2048
-    # of 16/4 heads (120 us each; 128 x 64, 64 x 128 and 192 x 128 were 5-34% slower there)
-    64: (192, 192, 2, 384),
+    # D 64 keeps 128 x 128 for every length. FlashAttention-3's 192 x 192 over three consumer warpgroups
+    # was 1.06-1.08x at 4 x 4096 causal and even at 4 x 2048 on an H100, but 1.23x slower at 2 x 1024
+    # causal (32.5 against 26.5 us; benchmarks/NOTES.md, the thirty-second session): the tune space holds
+    # it, and a shape class of long sequences may choose it (tileops tune)
+    64: (128, 128, 2, 256),
     80: (128, 64, 2, 256),  # 128 x 128 at D 80: TileLang 0.1.15 "cannot lower a required shared-memory
                             # sync inside a divergent region with 186 participating threads" (seen here)
     96: (128, 128, 2, 256),

@@ -732,10 +732,7 @@ def test_cuda_kernels_take_every_argument_their_plan_binds(fields):
     pipeline = fields.get("pipeline", 0)
     base = dict(dtype="bfloat16", head_dim=64, varlen=fields.get("varlen", False), causal=fields.get("causal", False),
                 window=fields.get("window", False), softcap=False)
-    # the ping-pong pipelines take two consumer warpgroups of 64 rows: named here, D 64's default tile being
-    # 192 rows over three (kernels/attention.py, DEFAULT_TILES)
-    tiles = dict(block_M=128, threads=256) if pipeline in (3, 4) else {}
-    fwd = get_spec("attention")(backend="cuda", hq=4, hkv=2, pipeline=pipeline, **tiles, **base)
+    fwd = get_spec("attention")(backend="cuda", hq=4, hkv=2, pipeline=pipeline, **base)
     jobs = [("attention", fwd, FORWARD.steps[0])]
     specs = backward_specs(base, "cuda", {"loads": fields["loads"]} if "loads" in fields else None)
     # (a schedule's loads reaches all three programs: the plan is chosen by them together)
