@@ -37,6 +37,7 @@ import torch
 
 from tileops.compile.build import device_backend, load_kernel
 from tileops.kernels import get_spec
+from tileops.kernels.attention_bwd import HEAD_DIMS
 
 PEAK = 989.0
 #: (label, batch, seq, causal)
@@ -206,14 +207,14 @@ def main() -> int:
     ap.add_argument("--dry", action="store_true", help="print the rows, configs and specs; no GPU")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: one per CPU)")
     ap.add_argument("--heads", default=f"{HQ}/{HKV}", help=f"q heads / kv heads (default {HQ}/{HKV})")
-    ap.add_argument("--head-dim", type=int, default=D, help=f"head_dim (default {D})")
+    ap.add_argument("--head-dim", type=int, default=D, choices=HEAD_DIMS, help=f"head_dim (default {D})")
     a = ap.parse_args()
     try:
         HQ, HKV = (int(x) for x in a.heads.split("/"))
     except ValueError:
         ap.error(f"--heads: expected Q/KV, two ints, got {a.heads!r}")
-    if HQ % HKV:
-        ap.error(f"--heads: q heads ({HQ}) must be a multiple of kv heads ({HKV})")
+    if HQ < 1 or HKV < 1 or HQ % HKV:
+        ap.error(f"--heads: expected positive q heads that are a multiple of the kv heads, got {HQ}/{HKV}")
     D = a.head_dim
     rows = [ROWS[int(i)] for i in a.rows.split(",")] if a.rows else ROWS[:DEFAULT_ROWS]
     if a.configs and a.configs != "all":
