@@ -58,9 +58,14 @@ def test_jobs() -> list[tuple]:
     """The kernel jobs of the attention tests' warm-up fixtures, as on an H200 (sm_90)."""
     import torch
 
+    import tileops.attention.builtin  # noqa: F401
     import tileops.compile.build as build
     import tileops.compile.warmup as warmup
+    import tileops.norm.builtin  # noqa: F401
+    import tileops.rope.builtin  # noqa: F401
 
+    # (the families' kernel modules bind ``device_backend`` by name when first imported: imported under the
+    # stand-in below, they kept it, and hf_jobs' CPU models then built CUDA kernels and failed)
     jobs: list[tuple] = []
     saved = warmup.compile_jobs, build.device_backend, torch.cuda.is_available
     warmup.compile_jobs = lambda todo, *a, **k: jobs.extend(todo) or (0, 0.0, [])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -632,3 +633,27 @@ def test_decode_refuses_two_runs_at_once(argv, says, monkeypatch, capsys):
         decode.main()
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_device_cache_test_jobs_leaves_the_families_the_real_device_backend():
+    """``benchmarks.device_cache`` lists the attention tests' kernels under a stand-in CUDA device, then runs
+    HF's tiny models on the CPU (``hf_jobs``) in the same process. The families' kernel modules bind
+    ``device_backend`` by name when first imported; imported under the stand-in they kept it, and those CPU
+    models built CUDA specs ("dtype: the CUDA schedule runs on tensor cores ..., got float32"). Run in a
+    process of its own: the modules must be imported there for the first time."""
+    code = (
+        "import sys; sys.path.insert(0, '.')\n"
+        "import benchmarks.device_cache as dc\n"
+        "assert dc.test_jobs()\n"
+        "import tileops.compile.build as b\n"
+        "import tileops.attention.attn_builtin, tileops.attention.decode_builtin, tileops.attention.builtin\n"
+        "import tileops.norm.builtin, tileops.rope.builtin\n"
+        "mods = [tileops.attention.attn_builtin, tileops.attention.decode_builtin, tileops.attention.builtin,\n"
+        "        tileops.norm.builtin, tileops.rope.builtin]\n"
+        "bad = [m.__name__ for m in mods if m.device_backend is not b.device_backend]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n")
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-1000:] + run.stderr[-3000:]
