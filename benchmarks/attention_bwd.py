@@ -50,6 +50,9 @@ HQ, HKV, D = 32, 8, 128
 #: config -> spec fields over the defaults ("default": the H200 defaults of ``kernels/attention_bwd.py``)
 CONFIGS = {
     "default": {},  # dense: the tiles by TMA from a producer warpgroup, two stages (dk/dv q step 64 at D 128)
+    # the products' overlap (kernels/attention_bwd.py, `overlap`; the default takes dk/dv 3, dq 2 at D 80-128)
+    "no overlap": dict(overlap=1),  # each tile product waited on where it is issued
+    "overlap scores": dict(overlap=2),  # the two score products together, p's exp2 under the second
     "every thread": dict(loads=1),  # every thread's cp.async, one stage: varlen's programs
     "tma dkdv q32": dict(dkdv_block_q=32),
     "tma dq kv128": dict(dq_block_kv=128),
@@ -81,12 +84,13 @@ def flops(batch: int, seq: int, causal: bool) -> float:
 
 def specs(causal: bool, fields: dict) -> dict:
     """The three kernels' specs of a config: each kind takes its own knobs (``dkdv_*``, ``dq_*``) and
-    the shared ones (``stages``, ``ds_shared``, ``loads``; the prep ``loads`` alone), so that a config changing one
-    program shares the other's compiled kernel."""
+    the shared ones (``stages``, ``ds_shared``, ``loads``, ``overlap``; the prep ``loads`` alone), so that a
+    config changing one program shares the other's compiled kernel."""
     S = get_spec("attention_bwd")
 
     def own(kind):
-        return {k: v for k, v in fields.items() if k.startswith(kind + "_") or k in ("stages", "ds_shared", "loads")}
+        shared = ("stages", "ds_shared", "loads", "overlap")
+        return {k: v for k, v in fields.items() if k.startswith(kind + "_") or k in shared}
 
     return {"prep": S(kind="prep", head_dim=D, dtype="bfloat16", **{k: v for k, v in fields.items() if k == "loads"}),
             "dkdv": S(kind="dkdv", head_dim=D, dtype="bfloat16", causal=causal, **own("dkdv")),
@@ -230,8 +234,9 @@ def main() -> int:
             print(label, f"{flops(b, s, c) / 1e12:.2f} TFLOP")
         for name, fields in configs.items():
             got = specs(True, fields)
-            print(name, {k: (got[k].block_q, got[k].block_kv, got[k].threads, got[k].tile("stages"))
-                         for k in ("dkdv", "dq")}, "(block_q, block_kv, threads, stages)")
+            print(name, {k: (got[k].block_q, got[k].block_kv, got[k].threads, got[k].tile("stages"),
+                             got[k].tile("overlap")) for k in ("dkdv", "dq")},
+                  "(block_q, block_kv, threads, stages, overlap)")
         return 0
     if not torch.cuda.is_available():
         print("no GPU: nothing to time (--dry prints the plan)")

@@ -91,6 +91,10 @@ STATIC = {
     "loads": (0, 2, "how the streamed tiles reach shared memory (CUDA): 1 every thread (cp.async, one stage), 2 TMA "
                     "from a producer warpgroup TileLang adds on sm_90 (dense calls only); 0: the default (2 for a "
                     "dense call, 1 for varlen)"),
+    "overlap": (0, 3, "which tile products a step leaves running while it computes (TMA programs, sm_90): 1 none, "
+                      "each waited on where issued; 2 the two score products issued together, p's exp2 under the "
+                      "second; 3 (dk/dv) also dV += pT dO issued before ds, ds under it; 0: the highest that fits "
+                      "(_OVERLAP_WORDS)"),
 }
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -134,6 +138,12 @@ _DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 1, 1), 80: (128, 32, 256, 128, 64,
 _TMA_DEFAULTS = {"dkdv_block_q": {64: 128, 96: 64, 128: 64}, "dq_block_kv": {64: 128, 128: 128}}
 #: the C schedule's default tiles: small, so that the CPU tests cross tile edges with short sequences
 _C_DEFAULTS = (16, 16, 1, 16, 16, 1, 1, 1)
+#: fp32 registers a consumer thread may hold live in the dk/dv program for ``overlap`` 3 to be its default: the
+#: dk and dv accumulators, sT and dpT, and pT and dsT (half words, bf16/fp16) all at once, ds being computed while
+#: dV's product reads pT. 224 admits head_dim 80 to 128 (128: 224 words; 168 registers, no spill, nvcc 13.0
+#: sm_90a); head_dim 64's 128-row q step needs 256, and ptxas 13.0 serialised every wgmma of that build
+#: (C7512, TileLang's 240-register consumers): it takes 2
+_OVERLAP_WORDS = 224
 
 _STRIDES = {"Q": "q", "K": "k", "V": "v", "O": "o", "DO": "do", "DQ": "dq", "DK": "dk", "DV": "dv"}
 
@@ -195,6 +205,7 @@ class AttnBwdKernelSpec:
     stages: int = 0
     ds_shared: int = 0
     loads: int = 0
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         for name, value, choices in (("kind", self.kind, _KINDS), ("dtype", self.dtype, _DTYPES),
@@ -234,13 +245,31 @@ class AttnBwdKernelSpec:
             raise ValueError(f"ds_shared: 1 (p and ds in registers) needs the {self.kind} program's {rows}-row tile "
                              f"in slices of 64 rows a warpgroup; {threads} threads split it by columns, which "
                              f"TileLang 0.1.15 cannot lay out: expected 2 (shared memory) or 0 (chosen), got 1")
+        if self.overlap >= 2:
+            if self.kind == "prep":
+                raise ValueError(f"overlap: the prep program has no tile products to overlap: expected 1 or 0, got "
+                                 f"{self.overlap}")
+            if self.overlap == 3 and self.kind == "dq":
+                raise ValueError("overlap: 3 issues dV's product under ds, which the dq program has not: expected 0, "
+                                 "1 or 2, got 3")
+            if not self.overlaps_possible:
+                why = ("the C schedule (no tensor cores)" if self.backend == "c" else
+                       "a softcap (its tanh feeds p and ds both)" if self.softcap else
+                       "p and ds through shared memory (ds_shared 2)" if self.tile("ds_shared") == 2 else
+                       "p and ds split by columns" if self.split_by_columns else
+                       "tiles loaded by every thread (overlap needs loads 2, TMA, and sm_90's wgmma)")
+                raise ValueError(f"overlap: {self.overlap} leaves tile products running, which this {self.kind} "
+                                 f"program cannot with {why}: expected 1 or 0 (chosen), got {self.overlap}")
 
     def tile(self, name: str) -> int:
         """A schedule knob's value: the field, or (0) the default for the head dim and backend;
-        ``ds_shared``'s default is 2 wherever the tile is split by columns (:attr:`split_by_columns`)."""
+        ``ds_shared``'s default is 2 wherever the tile is split by columns (:attr:`split_by_columns`),
+        ``overlap``'s the highest level that applies and fits (:attr:`overlap_level`)."""
         v = getattr(self, name)
         if v:
             return v
+        if name == "overlap":
+            return self.overlap_level
         if name == "ds_shared" and self.split_by_columns:
             return 2
         if name == "loads":
@@ -253,6 +282,33 @@ class AttnBwdKernelSpec:
             return _TMA_DEFAULTS[name][self.head_dim]
         table = _C_DEFAULTS if self.backend == "c" else _DEFAULTS[self.head_dim]
         return table[tuple(STATIC).index(name)]
+
+    @property
+    def overlaps_possible(self) -> bool:
+        """Whether this program can leave a tile product running while it computes (``overlap`` 2 or 3): a
+        dk/dv or dq program with its tiles by TMA (``T.wgmma_gemm``, Hopper's asynchronous wgmma), p and ds
+        in registers (``ds_shared`` 1: through shared memory the next product waits on its copy anyway) and
+        no softcap (its tanh feeds p and ds both, so p could not go ahead of dp's product)."""
+        return (self.kind != "prep" and self.tma and not self.softcap and not self.split_by_columns
+                and self.tile("ds_shared") == 1)
+
+    @property
+    def overlap_words(self) -> int:
+        """fp32 registers a dk/dv consumer thread holds live at ``overlap`` 3 (:data:`_OVERLAP_WORDS`): dk and dv,
+        sT and dpT, and pT and dsT in the 16-bit dtype (half a register an element)."""
+        bn, bm, d = self.block_kv, self.block_q, self.head_dim
+        return (2 * bn * d + 3 * bn * bm) // self.threads
+
+    @property
+    def overlap_level(self) -> int:
+        """``overlap``'s value: the field, or (0) the highest level that applies: 1 where no product can be left
+        running (:attr:`overlaps_possible`), dq's 2, dk/dv's 3 where :attr:`overlap_words` fit
+        :data:`_OVERLAP_WORDS`, else 2."""
+        if self.overlap:
+            return self.overlap
+        if not self.overlaps_possible:
+            return 1
+        return 3 if self.kind == "dkdv" and self.overlap_words <= _OVERLAP_WORDS else 2
 
     @property
     def tma(self) -> bool:
@@ -659,23 +715,33 @@ def _cut(spec: AttnBwdKernelSpec, m0, BM, n0, BN, sq, sk, W):
 def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with_p: bool, base2: bool = False):
     """The CUDA schedule's p and ds of a tile, as a macro: the products ``qk`` (then p, fp32, in place)
     and ``dp`` over ``rows x cols`` fragments (``transposed``: keys by queries, dk/dv's), into ``p_t``
-    (``with_p``: dk/dv's; dq's takes ds alone) and ``ds_t`` in the dtype.
-
-    ``p = exp2(qk scale log2(e) - lse log2(e))``, one FFMA and ``ex2.approx.ftz`` an element, computed
-    once into ``qk`` and read by both p and ds (an expression each of them evaluated was two exp2 an
-    element). With a softcap, ``t = tanh(qk scale / c)`` goes into ``qk`` first and ``dp`` becomes
-    ``(dp - delta) scale (1 - t^2)`` in place, so that tanh too is taken once an element; then
-    ``p = exp2(t c log2(e) - lse log2(e))``.
-    Hidden pairs get p = 0 in a branch of their own, taken by the tiles a mask or an end cuts
-    (:func:`_cut`): a select an element compiled to a branch an element (the forward's, a third of its
-    warp samples on the H100). 1.8-2.0x the backward on the H200's causal rows (benchmarks/NOTES.md).
+    (``with_p``: dk/dv's; dq's takes ds alone) and ``ds_t`` in the dtype: :func:`_exp_p`, then :func:`_ds`.
     ``base2``: ``lse_s`` holds ``lse * log2(e)`` already (the TMA programs' lse2)."""
-    dt = spec.dtype
+    exp_p = _exp_p(spec, rows, cols, transposed, base2)
+    ds = _ds(spec, rows, cols, transposed, with_p, True)
 
     @T.macro
     def probs(qk, dp, p_t, ds_t, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap):
         # (Sq, Sk, W, scale, softcap: the kernel's own names; a dense call hands it its extents, and a
         # macro's parameter renames the variable it is given: the launcher then missed 'Sq', tests/test_attn_fwd.py)
+        exp_p(qk, dp, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap)
+        ds(qk, dp, p_t, ds_t, dl_s, scale)
+
+    return probs
+
+
+def _exp_p(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, base2: bool):
+    """p of a tile into its products ``qk``, in place (a macro): ``p = exp2(qk scale log2(e) - lse log2(e))``,
+    one FFMA and ``ex2.approx.ftz`` an element, computed once and read by both p and ds (an expression each of
+    them evaluated was two exp2 an element). With a softcap, ``t = tanh(qk scale / c)`` goes into ``qk`` first
+    and ``dp`` becomes ``(dp - delta) scale (1 - t^2)`` in place, so that tanh too is taken once an element;
+    then ``p = exp2(t c log2(e) - lse log2(e))``: only then does it read ``dp``.
+    Hidden pairs get p = 0 in a branch of their own, taken by the tiles a mask or an end cuts
+    (:func:`_cut`): a select an element compiled to a branch an element (the forward's, a third of its
+    warp samples on the H100). 1.8-2.0x the backward on the H200's causal rows (benchmarks/NOTES.md)."""
+
+    @T.macro
+    def exp_p(qk, dp, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap):
         unit = (softcap if spec.softcap else scale) * T.float32(_LOG2E)
         if spec.softcap:
             for a, c in T.Parallel(rows, cols):
@@ -693,16 +759,30 @@ def _probs(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with
             for a, c in T.Parallel(rows, cols):
                 r = c if transposed else a
                 qk[a, c] = T.call_extern("float32", "tileops_ex2", qk[a, c] * unit - _lse2(lse_s[r], base2))
+
+    return exp_p
+
+
+def _ds(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, with_p: bool, with_ds: bool):
+    """p (``with_p``) and ds (``with_ds``) of a tile in the dtype, the A operands of the next products (a macro):
+    from p in ``qk`` (:func:`_exp_p`) and the products ``dp``, ``ds = p (dp - delta) scale`` (with a softcap
+    ``dp`` holds ``(dp - delta) scale (1 - t^2)`` already). One loop writes both where both are asked (one
+    pass over the fragments); ``overlap`` 3 writes p first and ds once dp has landed."""
+    dt = spec.dtype
+
+    @T.macro
+    def ds(qk, dp, p_t, ds_t, dl_s, scale):
         for a, c in T.Parallel(rows, cols):
             r = c if transposed else a
             if with_p:
                 p_t[a, c] = T.cast(qk[a, c], dt)
-            if spec.softcap:
-                ds_t[a, c] = T.cast(qk[a, c] * dp[a, c], dt)
-            else:
-                ds_t[a, c] = T.cast(qk[a, c] * (dp[a, c] - dl_s[r]) * scale, dt)
+            if with_ds:
+                if spec.softcap:
+                    ds_t[a, c] = T.cast(qk[a, c] * dp[a, c], dt)
+                else:
+                    ds_t[a, c] = T.cast(qk[a, c] * (dp[a, c] - dl_s[r]) * scale, dt)
 
-    return probs
+    return ds
 
 
 def _q_tile(spec: AttnBwdKernelSpec):
@@ -729,41 +809,134 @@ def _q_tile(spec: AttnBwdKernelSpec):
 
 def _dkdv_step(spec: AttnBwdKernelSpec, base2: bool):
     """One q tile of the CUDA dk/dv program (both loads): ``sT = K Q^T``, ``dpT = V dO^T``, their p and ds,
-    then ``dV += pT dO`` and ``dK += dsT Q``, as a macro (its parameters carry the kernel's own names)."""
+    then ``dV += pT dO`` and ``dK += dsT Q``, as a macro (its parameters carry the kernel's own names).
+
+    ``overlap`` (:attr:`AttnBwdKernelSpec.overlap_level`) says which products run while the step computes:
+    1 none (``T.gemm`` waits on its wgmma where it is issued); 2 sT's and dpT's products issued together
+    (``T.wgmma_gemm``, no wait) and p's exp2 run once sT's has landed, under dpT's; 3 also ``dV += pT dO``
+    issued as soon as p is, and ds computed under it once dpT's has landed. The arithmetic is the same
+    expressions in the same order at every level: only the waits move, so the bits are level 1's
+    (tests/test_attention_bwd_kernels.py). FlashAttention-3's backward overlaps the same way.
+
+    A streamed stage (Q, dO) goes back to the producer after the last statement that reads it, which an
+    unwaited wgmma is not: ``touch`` reads it again after the wait that retires its last product, as the
+    forward's pipeline 4 does with its K and V (checked in the emitted CUDA by the tests)."""
     BN, BM = spec.block_kv, spec.block_q
     FULL = T.GemmWarpPolicy.FullRow
-    probs = _probs(spec, BN, BM, transposed=True, with_p=True, base2=base2)
+    level = spec.tile("overlap")
     via_shared = spec.tile("ds_shared") == 2
+    if level == 1:
+        probs = _probs(spec, BN, BM, transposed=True, with_p=True, base2=base2)
 
-    @T.macro
-    def step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, m0, n0, Sq, Sk, W, scale, softcap):
-        T.clear(sT)
-        T.gemm(K_s, Q_s, sT, transpose_B=True, policy=FULL)
-        T.clear(dpT)
-        T.gemm(V_s, G_s, dpT, transpose_B=True, policy=FULL)
-        probs(sT, dpT, pT, dsT, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap)
-        if via_shared:
-            T.copy(pT, pT_s)
-            T.copy(dsT, dsT_s)
-            T.gemm(pT_s, G_s, dv, policy=FULL)
-            T.gemm(dsT_s, Q_s, dk, policy=FULL)
-        else:
+        @T.macro
+        def step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, touch, m0, n0, Sq, Sk, W,
+                 scale, softcap):
+            T.clear(sT)
+            T.gemm(K_s, Q_s, sT, transpose_B=True, policy=FULL)
+            T.clear(dpT)
+            T.gemm(V_s, G_s, dpT, transpose_B=True, policy=FULL)
+            probs(sT, dpT, pT, dsT, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap)
+            if via_shared:
+                T.copy(pT, pT_s)
+                T.copy(dsT, dsT_s)
+                T.gemm(pT_s, G_s, dv, policy=FULL)
+                T.gemm(dsT_s, Q_s, dk, policy=FULL)
+            else:
+                T.gemm(pT, G_s, dv, policy=FULL)
+                T.gemm(dsT, Q_s, dk, policy=FULL)
+
+        return step
+
+    scores = _scores_together(spec, BN, BM, transposed=True, base2=base2)
+    words = BN * BM // spec.threads  # fp32 registers of one score fragment a thread
+    if level == 2:
+        ds = _ds(spec, BN, BM, True, with_p=True, with_ds=True)
+
+        @T.macro
+        def step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, touch, m0, n0, Sq, Sk, W,
+                 scale, softcap):
+            scores(K_s, Q_s, V_s, G_s, sT, dpT, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(dpT, 0, words)
+            ds(sT, dpT, pT, dsT, dl_s, scale)
+            # (dO's and Q's last readers: these two T.gemm wait on their wgmma, so no touch is needed)
             T.gemm(pT, G_s, dv, policy=FULL)
             T.gemm(dsT, Q_s, dk, policy=FULL)
+
+        return step
+
+    p_only = _ds(spec, BN, BM, True, with_p=True, with_ds=False)
+    ds_only = _ds(spec, BN, BM, True, with_p=False, with_ds=True)
+
+    @T.macro
+    def step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, touch, m0, n0, Sq, Sk, W, scale,
+             softcap):
+        scores(K_s, Q_s, V_s, G_s, sT, dpT, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap)
+        p_only(sT, dpT, pT, dsT, dl_s, scale)
+        T.wgmma_gemm(pT, G_s, dv, policy=FULL)
+        T.wait_wgmma(1)  # dpT's product (issued before dV's) has landed
+        T.warpgroup_fence_operand(dpT, 0, words)
+        ds_only(sT, dpT, pT, dsT, dl_s, scale)
+        T.wgmma_gemm(dsT, Q_s, dk, policy=FULL)
+        T.wait_wgmma(0)
+        touch[0] = Q_s[0, 0]
+        touch[1] = G_s[0, 0]
 
     return step
 
 
-def _dq_step(spec: AttnBwdKernelSpec, base2: bool):
-    """One K/V tile of the CUDA dq program (both loads): ``s = Q K^T``, ``dp = dO V^T``, ds, then
-    ``dQ += ds K``, as a macro (its parameters carry the kernel's own names)."""
-    BN, BM = spec.block_kv, spec.block_q
+def _scores_together(spec: AttnBwdKernelSpec, rows: int, cols: int, transposed: bool, base2: bool):
+    """``overlap`` 2 and 3's start of a step (a macro): the two score products issued together (``qk = A B^T``,
+    ``dp = C D^T``), then, once ``qk``'s has landed (``wait_wgmma(1)``: the later one may still run), p's exp2
+    in place (:func:`_exp_p`, which reads no ``dp`` without a softcap). ``dp``'s product is left running: the
+    caller waits on it. The products start from ``clear_accum``, not from fragments cleared first as level 1's
+    do: nvcc moved the clearing of ``dp`` below the issue of ``qk``'s product, and ptxas 13.0 then injected a
+    wait on it (C7517, dq at head_dim 128, seen here), which is the overlap undone."""
     FULL = T.GemmWarpPolicy.FullRow
-    probs = _probs(spec, BM, BN, transposed=False, with_p=False, base2=base2)
-    via_shared = spec.tile("ds_shared") == 2
+    exp_p = _exp_p(spec, rows, cols, transposed, base2)
+    words = rows * cols // spec.threads
 
     @T.macro
-    def step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, m0, n0, Sq, Sk, W, scale, softcap):
+    def scores(A, B, C, D, qk, dp, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap):
+        T.wgmma_gemm(A, B, qk, transpose_B=True, clear_accum=True, policy=FULL)
+        T.wgmma_gemm(C, D, dp, transpose_B=True, clear_accum=True, policy=FULL)
+        T.wait_wgmma(1)
+        # (the registers a wgmma wrote, read only after its wait: nvcc may not hoist the reads)
+        T.warpgroup_fence_operand(qk, 0, words)
+        exp_p(qk, dp, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap)
+
+    return scores
+
+
+def _dq_step(spec: AttnBwdKernelSpec, base2: bool):
+    """One K/V tile of the CUDA dq program (both loads): ``s = Q K^T``, ``dp = dO V^T``, ds, then
+    ``dQ += ds K``, as a macro (its parameters carry the kernel's own names). ``overlap`` 2 issues the two
+    score products together and runs p's exp2 under dp's (:func:`_dkdv_step`); V's stage is then read
+    last by dp's unwaited product, and ``touch`` reads it after the wait."""
+    BN, BM = spec.block_kv, spec.block_q
+    FULL = T.GemmWarpPolicy.FullRow
+    via_shared = spec.tile("ds_shared") == 2
+    if spec.tile("overlap") == 2:
+        scores = _scores_together(spec, BM, BN, transposed=False, base2=base2)
+        ds = _ds(spec, BM, BN, False, with_p=False, with_ds=True)
+        words = BM * BN // spec.threads
+
+        @T.macro
+        def step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, touch, m0, n0, Sq, Sk, W, scale,
+                 softcap):
+            scores(Q_s, K_s, G_s, V_s, s_f, dp, lse_s, dl_s, m0, n0, Sq, Sk, W, scale, softcap)
+            T.wait_wgmma(0)
+            T.warpgroup_fence_operand(dp, 0, words)
+            touch[0] = V_s[0, 0]
+            ds(s_f, dp, None, ds_f, dl_s, scale)
+            T.gemm(ds_f, K_s, dq, policy=FULL)
+
+        return step
+
+    probs = _probs(spec, BM, BN, transposed=False, with_p=False, base2=base2)
+
+    @T.macro
+    def step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, touch, m0, n0, Sq, Sk, W, scale, softcap):
         T.clear(s_f)
         T.gemm(Q_s, K_s, s_f, transpose_B=True, policy=FULL)
         T.clear(dp)
@@ -822,7 +995,8 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
                     m0 = (first + T.truncmod(n - first * G, nq)) * BM
                     load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh,
                            lsb, lsh)
-                    step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, m0, n0, q.len, k.len,
+                    step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, None, m0, n0, q.len,
+                         k.len,
                          W, scale, softcap)
                 for jj, d in T.Parallel(BN, D):
                     if n0 + jj < k.len:
@@ -869,7 +1043,8 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
                         K_s[jj, d] = K[k.row(_last(n0 + jj, k.len), hk, ksb, kss, ksh, U) + d]
                     for jj, d in T.Parallel(BN, D):
                         V_s[jj, d] = V[k.row(_last(n0 + jj, k.len), hk, vsb, vss, vsh, U) + d]
-                    step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, m0, n0, q.len, k.len, W, scale,
+                    step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, None, m0, n0, q.len, k.len, W,
+                         scale,
                          softcap)
                 for r, d in T.Parallel(BM, D):
                     if m0 + r < q.len:
@@ -921,6 +1096,7 @@ def _dkdv_tma(spec: AttnBwdKernelSpec):
             K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, dk, dv, pT_s, dsT_s = _dkdv_tiles(spec)
             dK_s = T.alloc_shared((BN, D), dt)
             dV_s = T.alloc_shared((BN, D), dt)
+            touch = T.alloc_local((2,), dt) if spec.tile("overlap") == 3 else None  # (_dkdv_step)
             n0 = nb * BN
             T.copy(K[b, n0:n0 + BN, hk, :], K_s)
             T.copy(V[b, n0:n0 + BN, hk, :], V_s)
@@ -941,8 +1117,8 @@ def _dkdv_tma(spec: AttnBwdKernelSpec):
                 T.copy(DO[b, m0:m0 + BM, h, :], G_s)
                 T.copy(LSE2[b, h, m0:m0 + BM], lse_s)
                 T.copy(DELTA[b, h, m0:m0 + BM], dl_s)
-                step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, m0, n0, Sq, Sk, W, scale,
-                     softcap)
+                step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, touch, m0, n0, Sq, Sk, W,
+                     scale, softcap)
             T.copy(dk, dK_s)
             T.copy(dv, dV_s)
             T.copy(dK_s, DK[b, n0:n0 + BN, hk, :])
@@ -981,6 +1157,7 @@ def _dq_tma(spec: AttnBwdKernelSpec):
             dq = T.alloc_fragment((BM, D), "float32")
             ds_s = T.alloc_shared((BM, BN), dt) if via_shared else None
             dQ_s = T.alloc_shared((BM, D), dt)
+            touch = T.alloc_local((1,), dt) if spec.tile("overlap") == 2 else None  # (_dq_step)
             m0 = mb * BM
             T.copy(Q[b, m0:m0 + BM, h, :], Q_s)
             T.copy(DO[b, m0:m0 + BM, h, :], G_s)
@@ -993,7 +1170,8 @@ def _dq_tma(spec: AttnBwdKernelSpec):
                 n0 = n * BN
                 T.copy(K[b, n0:n0 + BN, hk, :], K_s)
                 T.copy(V[b, n0:n0 + BN, hk, :], V_s)
-                step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, m0, n0, Sq, Sk, W, scale, softcap)
+                step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, touch, m0, n0, Sq, Sk, W, scale,
+                     softcap)
             T.copy(dq, dQ_s)
             T.copy(dQ_s, DQ[b, m0:m0 + BM, h, :])
 

@@ -195,6 +195,8 @@ def spec(kind: str, case: Case, backend: str = "c", **fields):
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[case.dtype]
     masks = {} if kind == "prep" else dict(causal=case.causal, window=case.window is not None,
                                            softcap=case.softcap is not None)
+    if kind == "prep":  # (it has no tile products: the op's prep takes no overlap)
+        fields = {k: v for k, v in fields.items() if k != "overlap"}
     return get_spec("attention_bwd")(kind=kind, head_dim=case.d, dtype=name, varlen=case.varlen, backend=backend,
                                      **masks, **fields)
 
@@ -302,9 +304,89 @@ def test_spec_rejects_bad_fields_by_name():
                          (dict(kind="dq", head_dim=64, stages=2, backend="cuda", varlen=True), "stages"),
                          (dict(kind="dq", head_dim=64, loads=3), "loads"),
                          # TMA would read the next sequence's rows past a varlen sequence's end
-                         (dict(kind="dkdv", head_dim=64, loads=2, backend="cuda", varlen=True), "loads")]:
+                         (dict(kind="dkdv", head_dim=64, loads=2, backend="cuda", varlen=True), "loads"),
+                         (dict(kind="dq", head_dim=64, overlap=4), "overlap"),
+                         (dict(kind="prep", head_dim=64, overlap=2), "overlap"),
+                         (dict(kind="dq", head_dim=128, overlap=3), "overlap"),
+                         # a product left running needs TMA loads, p and ds in registers and no softcap
+                         (dict(kind="dkdv", head_dim=128, overlap=2, loads=1), "overlap"),
+                         (dict(kind="dkdv", head_dim=128, overlap=3, softcap=True), "overlap"),
+                         (dict(kind="dq", head_dim=256, overlap=2), "overlap"),
+                         (dict(kind="dkdv", head_dim=64, overlap=2, backend="c", dtype="float32"), "overlap")]:
         with pytest.raises(ValueError, match=rf"^{word}: "):
             S(**fields)
+
+
+def test_the_overlap_default_takes_the_highest_level_whose_registers_fit():
+    """dk/dv leaves dV's product running under ds (3) where its live registers fit (head_dim 80-128: 224 fp32
+    words a consumer thread at 128), 2 at head_dim 64 (256 words: ptxas 13.0 serialised that build's wgmma);
+    dq 2; 1 wherever no product can be left running: a softcap, head_dim 256 (p and ds through shared
+    memory), every thread loading (varlen), the C schedule."""
+    S = get_spec("attention_bwd")
+    got = {(k, d): S(kind=k, head_dim=d).tile("overlap") for d in HEAD_DIMS for k in ("dkdv", "dq")}
+    assert got == {("dkdv", 64): 2, ("dq", 64): 2, ("dkdv", 80): 3, ("dq", 80): 2, ("dkdv", 96): 3, ("dq", 96): 2,
+                   ("dkdv", 128): 3, ("dq", 128): 2, ("dkdv", 256): 1, ("dq", 256): 1}
+    assert S(kind="dkdv", head_dim=128).overlap_words == 224 and S(kind="dkdv", head_dim=64).overlap_words == 256
+    for fields in (dict(softcap=True), dict(varlen=True), dict(loads=1), dict(backend="c", dtype="float32")):
+        assert S(kind="dkdv", head_dim=128, **fields).tile("overlap") == 1, fields
+    assert S(kind="prep", head_dim=128).tile("overlap") == 1
+    assert S(kind="dkdv", head_dim=64, overlap=3).tile("overlap") == 3  # asked for: taken
+
+
+def _releases_and_pending(src: str, streamed: set) -> list[tuple[str, set]]:
+    """For each consumer release of a ``streamed`` stage in ``src`` (the CUDA of a TMA gradient program), the
+    shared buffer released and the buffers still read by wgmma groups issued and not yet retired there.
+    A stage's empty barrier is the one the producer waits on before its TMA load into that buffer (the
+    loop variable, ``n`` there and ``n_1`` in the consumers' loop, read as one); a group is the
+    descriptors' buffers between two ``warpgroup_commit_batch``; ``warpgroup_wait<n>`` (``T.gemm``'s) and
+    ``wait_wgmma<n>`` retire the oldest groups until n are left."""
+    import re
+
+    def index(expr):
+        return re.sub(r"\bn_\d+\b", "n", expr)
+
+    empty = {}  # barrier index expression -> buffer
+    for m in re.finditer(r"tl::tma_load\(\w+_desc, mbarrier\[[^\n]*?\(\(bfloat16_t\*\)(\w+)\)", src):
+        if m.group(1) in streamed:
+            wait = list(re.finditer(r"mbarrier\[(.*)\]\.wait\(", src[:m.start()]))[-1]
+            empty[index(wait.group(1))] = m.group(1)
+    assert set(empty.values()) == streamed, empty
+    events = sorted([(m.start(), "buf", m.group(1)) for m in re.finditer(
+        r"initialize_wgmma_descriptor<[^>]*>\(\w+, \(&\(\(\(bfloat16_t\*\)(\w+)\)", src)]
+        + [(m.start(), "commit", None) for m in re.finditer(r"warpgroup_commit_batch\(\)", src)]
+        + [(m.start(), "wait", int(m.group(1))) for m in re.finditer(r"(?:warpgroup_wait|wait_wgmma)<(\d+)>", src)]
+        + [(m.start(), "arrive", index(m.group(1))) for m in re.finditer(r"mbarrier\[(.*)\]\.arrive\(\);", src)])
+    out, group, pending = [], set(), []
+    for _, what, x in events:
+        if what == "buf":
+            group.add(x)
+        elif what == "commit":
+            pending.append(group)
+            group = set()
+        elif what == "wait":
+            del pending[:max(len(pending) - x, 0)]
+        elif x in empty:
+            out.append((empty[x], set().union(*pending)))
+    return out
+
+
+@pytest.mark.parametrize("kind,level", [("dkdv", 3), ("dkdv", 2), ("dq", 2), ("dkdv", 1)])
+def test_overlapped_steps_release_each_stage_after_the_wgmma_that_reads_it(kind, level):
+    """The producer may refill a stage (Q and dO in dk/dv, K and V in dq) only once no wgmma reads it. TileLang's
+    warp specialisation releases a stage after the last statement that reads it, and an unwaited
+    ``T.wgmma_gemm`` is such a statement: the steps' ``touch`` reads after the waits move the releases there.
+    Read in the CUDA emitted for sm_90 (head_dim 128 causal; a few seconds a kernel here): with those reads
+    removed, dk/dv 3 released Q and dO under dK's and dV's products, and dq 2 released V under dp's."""
+    from tileops.compile.build import emit_source
+
+    spec = get_spec("attention_bwd")(kind=kind, head_dim=128, dtype="bfloat16", causal=True, overlap=level)
+    src = emit_source("attention_bwd", spec, "cuda", "sm_90")
+    assert src.count("tl::wait_wgmma<") == {1: 0, 2: 2, 3: 3}[level]  # the levels' own waits
+    streamed = {"dkdv": {"Q_s", "G_s"}, "dq": {"K_s", "V_s"}}[kind]
+    got = _releases_and_pending(src, streamed)
+    assert sorted(b for b, _ in got) == sorted(streamed), got  # each released once a step
+    for buf, reading in got:
+        assert buf not in reading, f"{buf} goes back to the producer while a wgmma still reads it"
 
 
 # Sequences of 37 and 21 rows cross the C schedule's 16-row tiles with a partial last tile.
@@ -471,6 +553,8 @@ MASKS = {
     "softcap": dict(lens_q=[257], lens_k=[257], causal=True, softcap=50.0, scale=4.0),
     "varlen": dict(lens_q=[190, 0, 129, 1], lens_k=[250, 0, 64, 300], causal=True, varlen=True),
 }
+#: the masks test_cuda_overlapped_steps_give_the_waited_steps_values runs: rows that see no key, and a band
+OVERLAP_MASKS = ("sq>sk", "causal+window")
 #: the tile knobs of test_cuda_mha_and_tile_shapes' every-thread run (the knobs its sweep tries)
 TILES = dict(dkdv_block_q=64, dq_block_kv=128, dq_block_q=64, stages=1, loads=1)
 #: and of its TMA run: the dk/dv program's q step at 32 (the TMA default is 64 at head_dim 128)
@@ -512,7 +596,8 @@ def warm_masks():
     rest = [_specs(**f) for f in fields]
     every = [_specs(loads=1, **f) for f in fields if not f.get("varlen")]
     mha = [_specs(causal=True, **f) for f in ({}, TMA_TILES, dict(loads=1), TILES)]
-    _warm([x for group in (*rest, *every, *mha) for x in group])
+    levels = [_specs(overlap=level, **fields[list(MASKS).index(name)]) for name in OVERLAP_MASKS for level in (1, 2)]
+    _warm([x for group in (*rest, *every, *mha, *levels) for x in group])
 
 
 @pytest.mark.cuda
@@ -559,3 +644,18 @@ def test_cuda_deterministic(gen, warm_masks):
     first, second = run_backward(case, CUDA), run_backward(case, CUDA)
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.cuda
+@ATTN_CUDA
+@pytest.mark.parametrize("name", OVERLAP_MASKS)
+def test_cuda_overlapped_steps_give_the_waited_steps_values(gen, warm_masks, name):
+    """``overlap`` moves only the waits on the tile products (the arithmetic is the same expressions in the
+    same order; levels 2 and 3 start the score products from ``clear_accum`` where level 1 adds them to
+    zeros, which can differ only in a zero's sign): levels 2 and the default (dk/dv 3, dq 2 at head_dim 128)
+    give level 1's values exactly, and each passes the float64 bounds."""
+    case = Case(gen, hq=8, hkv=2, d=128, dtype=torch.bfloat16, **MASKS[name])
+    waited = check(case, CUDA, overlap=1)
+    for level in (2, 0):
+        for n, a, b in zip(("dq", "dk", "dv"), waited, check(case, CUDA, overlap=level)):
+            assert torch.equal(a, b), (level, n)
