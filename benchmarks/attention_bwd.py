@@ -50,9 +50,9 @@ HQ, HKV, D = 32, 8, 128
 #: config -> spec fields over the defaults ("default": the H200 defaults of ``kernels/attention_bwd.py``)
 CONFIGS = {
     "default": {},  # dense: the tiles by TMA from a producer warpgroup, two stages (dk/dv q step 64 at D 128)
-    # the products' overlap (kernels/attention_bwd.py, `overlap`; the default takes dk/dv 3, dq 2 at D 80-128)
-    "no overlap": dict(overlap=1),  # each tile product waited on where it is issued
+    # the products' overlap (kernels/attention_bwd.py, `overlap`; the default, 1, waits on each where it is issued)
     "overlap scores": dict(overlap=2),  # the two score products together, p's exp2 under the second
+    "overlap dv": dict(overlap=3),  # dk/dv also issues dV += pT dO before ds (dq takes 2: it has no dV)
     "every thread": dict(loads=1),  # every thread's cp.async, one stage: varlen's programs
     "tma dkdv q32": dict(dkdv_block_q=32),
     "tma dq kv128": dict(dq_block_kv=128),
@@ -92,9 +92,12 @@ def specs(causal: bool, fields: dict) -> dict:
         shared = ("stages", "ds_shared", "loads", "overlap")
         return {k: v for k, v in fields.items() if k.startswith(kind + "_") or k in shared}
 
+    dq = own("dq")
+    if dq.get("overlap") == 3:  # (level 3 adds dV's product, which the dq program has not: its highest is 2)
+        dq["overlap"] = 2
     return {"prep": S(kind="prep", head_dim=D, dtype="bfloat16", **{k: v for k, v in fields.items() if k == "loads"}),
             "dkdv": S(kind="dkdv", head_dim=D, dtype="bfloat16", causal=causal, **own("dkdv")),
-            "dq": S(kind="dq", head_dim=D, dtype="bfloat16", causal=causal, **own("dq"))}
+            "dq": S(kind="dq", head_dim=D, dtype="bfloat16", causal=causal, **dq)}
 
 
 def _strides(prefix: str, t: torch.Tensor, unit: int) -> dict[str, int]:

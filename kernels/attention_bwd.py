@@ -93,8 +93,8 @@ STATIC = {
                     "dense call, 1 for varlen)"),
     "overlap": (0, 3, "which tile products a step leaves running while it computes (TMA programs, sm_90): 1 none, "
                       "each waited on where issued; 2 the two score products issued together, p's exp2 under the "
-                      "second; 3 (dk/dv) also dV += pT dO issued before ds, ds under it; 0: the highest that fits "
-                      "(_OVERLAP_WORDS)"),
+                      "second; 3 (dk/dv) also dV += pT dO issued before ds, ds under it; 0: the default, 1 "
+                      "(_DEFAULT_OVERLAP)"),
 }
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -138,7 +138,12 @@ _DEFAULTS = {64: (128, 64, 256, 128, 64, 256, 1, 1), 80: (128, 32, 256, 128, 64,
 _TMA_DEFAULTS = {"dkdv_block_q": {64: 128, 96: 64, 128: 64}, "dq_block_kv": {64: 128, 128: 128}}
 #: the C schedule's default tiles: small, so that the CPU tests cross tile edges with short sequences
 _C_DEFAULTS = (16, 16, 1, 16, 16, 1, 1, 1)
-#: fp32 registers a consumer thread may hold live in the dk/dv program for ``overlap`` 3 to be its default: the
+#: ``overlap``'s default. Levels 2 and 3 are written and checked without a GPU (the CUDA, ptxas and the SASS for
+#: sm_90a; benchmarks/NOTES.md, the thirty-sixth and thirty-seventh sessions), not yet run on one: until their CUDA
+#: tests pass and they measure faster, the default stays the program every earlier figure was measured on, whose
+#: CUDA level 1 emits byte for byte. :attr:`AttnBwdKernelSpec.overlap_best` is the level that would replace it
+_DEFAULT_OVERLAP = 1
+#: fp32 registers a consumer thread may hold live in the dk/dv program for ``overlap`` 3 to be its best: the
 #: dk and dv accumulators, sT and dpT, and pT and dsT (half words, bf16/fp16) all at once, ds being computed while
 #: dV's product reads pT. 224 admits head_dim 80 to 128 (128: 224 words; 168 registers, no spill, nvcc 13.0
 #: sm_90a); head_dim 64's 128-row q step needs 256, and ptxas 13.0 serialised every wgmma of that build
@@ -264,12 +269,12 @@ class AttnBwdKernelSpec:
     def tile(self, name: str) -> int:
         """A schedule knob's value: the field, or (0) the default for the head dim and backend;
         ``ds_shared``'s default is 2 wherever the tile is split by columns (:attr:`split_by_columns`),
-        ``overlap``'s the highest level that applies and fits (:attr:`overlap_level`)."""
+        ``overlap``'s :data:`_DEFAULT_OVERLAP`."""
         v = getattr(self, name)
         if v:
             return v
         if name == "overlap":
-            return self.overlap_level
+            return _DEFAULT_OVERLAP
         if name == "ds_shared" and self.split_by_columns:
             return 2
         if name == "loads":
@@ -300,12 +305,10 @@ class AttnBwdKernelSpec:
         return (2 * bn * d + 3 * bn * bm) // self.threads
 
     @property
-    def overlap_level(self) -> int:
-        """``overlap``'s value: the field, or (0) the highest level that applies: 1 where no product can be left
-        running (:attr:`overlaps_possible`), dq's 2, dk/dv's 3 where :attr:`overlap_words` fit
-        :data:`_OVERLAP_WORDS`, else 2."""
-        if self.overlap:
-            return self.overlap
+    def overlap_best(self) -> int:
+        """The highest ``overlap`` that applies and fits this program: 1 where no product can be left running
+        (:attr:`overlaps_possible`), dq's 2, dk/dv's 3 where :attr:`overlap_words` fit :data:`_OVERLAP_WORDS`, else
+        2. Not yet the default (:data:`_DEFAULT_OVERLAP`)."""
         if not self.overlaps_possible:
             return 1
         return 3 if self.kind == "dkdv" and self.overlap_words <= _OVERLAP_WORDS else 2
@@ -811,7 +814,7 @@ def _dkdv_step(spec: AttnBwdKernelSpec, base2: bool):
     """One q tile of the CUDA dk/dv program (both loads): ``sT = K Q^T``, ``dpT = V dO^T``, their p and ds,
     then ``dV += pT dO`` and ``dK += dsT Q``, as a macro (its parameters carry the kernel's own names).
 
-    ``overlap`` (:attr:`AttnBwdKernelSpec.overlap_level`) says which products run while the step computes:
+    ``overlap`` (the knob; :data:`_DEFAULT_OVERLAP`) says which products run while the step computes:
     1 none (``T.gemm`` waits on its wgmma where it is issued); 2 sT's and dpT's products issued together
     (``T.wgmma_gemm``, no wait) and p's exp2 run once sT's has landed, under dpT's; 3 also ``dV += pT dO``
     issued as soon as p is, and ds computed under it once dpT's has landed. The arithmetic is the same

@@ -532,8 +532,8 @@ def test_overlap_releases_each_tile_after_the_wgmma_that_reads_it(causal):
 
 #: kernels whose wgmma ptxas must leave asynchronous: the forward's default (pipeline 2) and overlap
 #: (pipeline 4) schedules, masked and not, and the backward's two gradient programs (by TMA, ``loads`` 2,
-#: the dense default, at its overlap levels: dk/dv 3 at head_dim 128, 2 at 64 and asked, dq 2; and every
-#: thread loading, ``loads`` 1, dense and varlen's default)
+#: the dense default, and at the overlap levels that can replace its default: dk/dv 3 and 2, dq 2, and head_dim
+#: 64's dk/dv 2, its best; and every thread loading, ``loads`` 1, dense and varlen's default)
 _PTXAS_CASES = {
     "fwd-p2-causal": ("attention", dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda", causal=True)),
     "fwd-p2-full": ("attention", dict(dtype="bfloat16", head_dim=128, hq=4, hkv=2, backend="cuda")),
@@ -549,10 +549,14 @@ _PTXAS_CASES = {
                                                   backend="cuda", loads=2)),
     "bwd-dq-tma-causal": ("attention_bwd", dict(kind="dq", head_dim=128, dtype="bfloat16", causal=True,
                                                 backend="cuda", loads=2)),
-    "bwd-dkdv-tma-d64": ("attention_bwd", dict(kind="dkdv", head_dim=64, dtype="bfloat16", causal=True,
-                                               backend="cuda", loads=2)),
+    "bwd-dkdv-tma-overlap3": ("attention_bwd", dict(kind="dkdv", head_dim=128, dtype="bfloat16", causal=True,
+                                                    backend="cuda", loads=2, overlap=3)),
     "bwd-dkdv-tma-overlap2": ("attention_bwd", dict(kind="dkdv", head_dim=128, dtype="bfloat16", causal=True,
                                                     backend="cuda", loads=2, overlap=2)),
+    "bwd-dq-tma-overlap2": ("attention_bwd", dict(kind="dq", head_dim=128, dtype="bfloat16", causal=True,
+                                                  backend="cuda", loads=2, overlap=2)),
+    "bwd-dkdv-tma-d64-overlap2": ("attention_bwd", dict(kind="dkdv", head_dim=64, dtype="bfloat16", causal=True,
+                                                        backend="cuda", loads=2, overlap=2)),
     "bwd-dkdv-tma-softcap-d256": ("attention_bwd", dict(kind="dkdv", head_dim=256, dtype="bfloat16", causal=True,
                                                         softcap=True, backend="cuda", loads=2)),
     "bwd-dq-tma-d256": ("attention_bwd", dict(kind="dq", head_dim=256, dtype="bfloat16", causal=True, backend="cuda",
