@@ -261,7 +261,6 @@ class AttnBwdKernelSpec:
                 why = ("the C schedule (no tensor cores)" if self.backend == "c" else
                        "a softcap (its tanh feeds p and ds both)" if self.softcap else
                        "p and ds through shared memory (ds_shared 2)" if self.tile("ds_shared") == 2 else
-                       "p and ds split by columns" if self.split_by_columns else
                        "tiles loaded by every thread (overlap needs loads 2, TMA, and sm_90's wgmma)")
                 raise ValueError(f"overlap: {self.overlap} leaves tile products running, which this {self.kind} "
                                  f"program cannot with {why}: expected 1 or 0 (chosen), got {self.overlap}")
@@ -294,8 +293,7 @@ class AttnBwdKernelSpec:
         dk/dv or dq program with its tiles by TMA (``T.wgmma_gemm``, Hopper's asynchronous wgmma), p and ds
         in registers (``ds_shared`` 1: through shared memory the next product waits on its copy anyway) and
         no softcap (its tanh feeds p and ds both, so p could not go ahead of dp's product)."""
-        return (self.kind != "prep" and self.tma and not self.softcap and not self.split_by_columns
-                and self.tile("ds_shared") == 1)
+        return self.kind != "prep" and self.tma and not self.softcap and self.tile("ds_shared") == 1
 
     @property
     def overlap_words(self) -> int:
@@ -818,8 +816,9 @@ def _dkdv_step(spec: AttnBwdKernelSpec, base2: bool):
     1 none (``T.gemm`` waits on its wgmma where it is issued); 2 sT's and dpT's products issued together
     (``T.wgmma_gemm``, no wait) and p's exp2 run once sT's has landed, under dpT's; 3 also ``dV += pT dO``
     issued as soon as p is, and ds computed under it once dpT's has landed. The arithmetic is the same
-    expressions in the same order at every level: only the waits move, so the bits are level 1's
-    (tests/test_attention_bwd_kernels.py). FlashAttention-3's backward overlaps the same way.
+    expressions in the same order at every level: only the waits move, so the values are level 1's, a zero's
+    sign aside (:func:`_scores_together`; tests/test_attention_bwd_kernels.py). FlashAttention-3's backward
+    overlaps the same way.
 
     A streamed stage (Q, dO) goes back to the producer after the last statement that reads it, which an
     unwaited wgmma is not: ``touch`` reads it again after the wait that retires its last product, as the
@@ -999,8 +998,7 @@ def _dkdv_cuda(spec: AttnBwdKernelSpec):
                     load_q(Q, DO, LSE, DELTA, Q_s, G_s, lse_s, dl_s, CUQ, b, Sq, m0, h, qsb, qss, qsh, dosb, doss, dosh,
                            lsb, lsh)
                     step(K_s, V_s, Q_s, G_s, lse_s, dl_s, sT, dpT, pT, dsT, pT_s, dsT_s, dk, dv, None, m0, n0, q.len,
-                         k.len,
-                         W, scale, softcap)
+                         k.len, W, scale, softcap)
                 for jj, d in T.Parallel(BN, D):
                     if n0 + jj < k.len:
                         DK[k.row(n0 + jj, hk, dksb, dkss, dksh, U) + d] = T.cast(dk[jj, d], dt)
@@ -1047,8 +1045,7 @@ def _dq_cuda(spec: AttnBwdKernelSpec):
                     for jj, d in T.Parallel(BN, D):
                         V_s[jj, d] = V[k.row(_last(n0 + jj, k.len), hk, vsb, vss, vsh, U) + d]
                     step(Q_s, G_s, K_s, V_s, lse_s, dl_s, s_f, dp, ds_f, ds_s, dq, None, m0, n0, q.len, k.len, W,
-                         scale,
-                         softcap)
+                         scale, softcap)
                 for r, d in T.Parallel(BM, D):
                     if m0 + r < q.len:
                         DQ[q.row(m0 + r, h, dqsb, dqss, dqsh, U) + d] = T.cast(dq[r, d], dt)
